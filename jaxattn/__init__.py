@@ -1,0 +1,1 @@
+"""jaxattn: SGLang's LLM-serving attention layer for JAX, on Triton kernels."""

@@ -1,0 +1,212 @@
+"""Building CSR KV-index lists inside jit: `create_kv_indices` and `build_unified_kv_indices`.
+
+Page size is 1: a KV index is a token slot of the pool `[slots, kv_heads, head_dim]`. Index lists
+have a static `capacity`; entries past the real total are slot 0 (SGLang's padding slot), and a
+total larger than `capacity` is truncated, never written past the end.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxattn._checks import INDEX_DTYPES, check_array, check_positive_int
+from jaxattn.launch import launch
+
+_COPY_BLOCK = 512
+
+
+def exclusive_cumsum(lengths: jax.Array) -> jax.Array:
+    """i32[n] -> i32[n + 1]: 0 followed by the running totals (a CSR indptr)."""
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths.astype(jnp.int32), dtype=jnp.int32)])
+
+
+def _check_create_args(req_to_token, req_pool_indices, kv_lens, kv_starts):
+    check_array("req_to_token", req_to_token, ndim=2, dtypes=INDEX_DTYPES, what="[max_reqs, max_context_len]")
+    check_array("req_pool_indices", req_pool_indices, ndim=1, dtypes=INDEX_DTYPES, what="[batch]")
+    batch = req_pool_indices.shape[0]
+    check_array("kv_lens", kv_lens, shape=(batch,), dtypes=INDEX_DTYPES, what="[batch]")
+    if kv_starts is not None:
+        check_array("kv_starts", kv_starts, shape=(batch,), dtypes=INDEX_DTYPES, what="[batch]")
+
+
+@functools.partial(jax.jit, static_argnames=("capacity", "index_dtype", "mode"))
+def create_kv_indices(
+    req_to_token: jax.Array,
+    req_pool_indices: jax.Array,
+    kv_lens: jax.Array,
+    kv_starts: jax.Array | None = None,
+    *,
+    capacity: int,
+    index_dtype=jnp.int32,
+    mode: str | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Lists the KV slots of each sequence, one sequence after the other (SGLang's
+    create_flashinfer_kv_indices_triton).
+
+    Args:
+      req_to_token: i32[max_reqs, max_context_len]. Row r holds the pool slot of every token of request row r.
+      req_pool_indices: i32[batch]. The req_to_token row of each sequence.
+      kv_lens: i32[batch]. How many tokens to list per sequence (0 for padding entries).
+      kv_starts: optional i32[batch]. First token position per sequence (default 0): the start of a
+        sliding window, or the number of encoder tokens stored before the decoder tokens.
+      capacity: static length of `kv_indices`; at least the largest total the batch can have.
+      index_dtype: int32 (default) or int64.
+      mode: launch mode (see `jaxattn.launch.launch_mode`).
+
+    Returns:
+      kv_indptr: i32[batch + 1], exclusive cumsum of `kv_lens`.
+      kv_indices: index_dtype[capacity]. Slots of sequence b at `kv_indptr[b]:kv_indptr[b+1]`; the rest is 0.
+        Rows outside req_to_token and positions outside `[0, max_context_len)` give slot 0.
+    """
+    _check_create_args(req_to_token, req_pool_indices, kv_lens, kv_starts)
+    check_positive_int("capacity", capacity)
+    batch = req_pool_indices.shape[0]
+    max_reqs, max_ctx = req_to_token.shape
+    kv_lens = jnp.maximum(kv_lens.astype(jnp.int32), 0)
+    kv_starts = jnp.zeros((batch,), jnp.int32) if kv_starts is None else kv_starts.astype(jnp.int32)
+    kv_indptr = exclusive_cumsum(kv_lens)
+    if batch == 0:
+        return kv_indptr, jnp.zeros((capacity,), index_dtype)
+    kv_indices = launch(
+        ("kv_indices", "create_kv_indices_kernel"),
+        req_to_token.astype(jnp.int32),
+        req_pool_indices.astype(jnp.int32),
+        kv_lens,
+        kv_starts,
+        kv_indptr,
+        out_shape=jax.ShapeDtypeStruct((capacity,), index_dtype),
+        grid=(batch,),
+        zeroed_outputs=(0,),
+        mode=mode,
+        MAX_REQS=max_reqs,
+        MAX_CTX=max_ctx,
+        CAPACITY=capacity,
+        BLOCK=_COPY_BLOCK,
+    )
+    return kv_indptr, kv_indices
+
+
+def create_kv_indices_reference(req_to_token, req_pool_indices, kv_lens, kv_starts=None, *, capacity, index_dtype=jnp.int32):
+    """Pure-jnp twin of `create_kv_indices` (same arguments and results)."""
+    _check_create_args(req_to_token, req_pool_indices, kv_lens, kv_starts)
+    batch = req_pool_indices.shape[0]
+    max_reqs, max_ctx = req_to_token.shape
+    kv_lens = jnp.maximum(kv_lens.astype(jnp.int32), 0)
+    kv_starts = jnp.zeros((batch,), jnp.int32) if kv_starts is None else kv_starts.astype(jnp.int32)
+    kv_indptr = exclusive_cumsum(kv_lens)
+    out_pos = jnp.arange(capacity, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(kv_indptr, out_pos, side="right") - 1, 0, max(batch - 1, 0))
+    used = out_pos < kv_indptr[-1]
+    if batch == 0:
+        return kv_indptr, jnp.zeros((capacity,), index_dtype)
+    pos = kv_starts[seq] + out_pos - kv_indptr[seq]
+    req = req_pool_indices[seq]
+    ok = used & (req >= 0) & (req < max_reqs) & (pos >= 0) & (pos < max_ctx)
+    slots = req_to_token[jnp.clip(req, 0, max_reqs - 1), jnp.clip(pos, 0, max_ctx - 1)]
+    return kv_indptr, jnp.where(ok, slots, 0).astype(index_dtype)
+
+
+def _check_unified_args(prefix_kv_indptr, prefix_kv_indices, extend_start_loc, extend_seq_lens, extend_kv_indices):
+    check_array("prefix_kv_indptr", prefix_kv_indptr, ndim=1, dtypes=INDEX_DTYPES, what="[batch + 1]")
+    batch = prefix_kv_indptr.shape[0] - 1
+    check_array("prefix_kv_indices", prefix_kv_indices, ndim=1, dtypes=INDEX_DTYPES, what="[prefix_capacity]")
+    check_array("extend_seq_lens", extend_seq_lens, shape=(batch,), dtypes=INDEX_DTYPES, what="[batch]")
+    if extend_start_loc is not None:
+        check_array("extend_start_loc", extend_start_loc, shape=(batch,), dtypes=INDEX_DTYPES, what="[batch]")
+    check_array("extend_kv_indices", extend_kv_indices, ndim=1, dtypes=INDEX_DTYPES, what="[extend_tokens]")
+    return batch
+
+
+@functools.partial(jax.jit, static_argnames=("capacity", "index_dtype", "mode"))
+def build_unified_kv_indices(
+    prefix_kv_indptr: jax.Array,
+    prefix_kv_indices: jax.Array,
+    extend_start_loc: jax.Array | None,
+    extend_seq_lens: jax.Array,
+    extend_kv_indices: jax.Array,
+    *,
+    capacity: int | None = None,
+    index_dtype=jnp.int32,
+    mode: str | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Joins each sequence's cached-prefix slots and new-token slots into one CSR list, the input of
+    the deterministic unified extend kernel (seed 000's build_unified_kv_indices).
+
+    Args:
+      prefix_kv_indptr: i32[batch + 1]. CSR of the cached prefixes.
+      prefix_kv_indices: [prefix_capacity]. Prefix slots.
+      extend_start_loc: optional i32[batch]. Where each sequence's new tokens start in
+        `extend_kv_indices` (default: exclusive cumsum of `extend_seq_lens`).
+      extend_seq_lens: i32[batch]. New tokens per sequence.
+      extend_kv_indices: [extend_tokens]. Slots of the new tokens (out_cache_loc).
+      capacity: static length of the result (default: prefix_capacity + extend_tokens).
+
+    Returns:
+      unified_kv_indptr: i32[batch + 1], exclusive cumsum of prefix_lens + extend_seq_lens.
+      unified_kv_indices: index_dtype[capacity]: per sequence its prefix slots, then its new slots; 0 after the total.
+      prefix_lens: i32[batch].
+    """
+    batch = _check_unified_args(prefix_kv_indptr, prefix_kv_indices, extend_start_loc, extend_seq_lens, extend_kv_indices)
+    if capacity is None:
+        capacity = prefix_kv_indices.shape[0] + extend_kv_indices.shape[0]
+    check_positive_int("capacity", capacity)
+    prefix_kv_indptr = prefix_kv_indptr.astype(jnp.int32)
+    extend_seq_lens = jnp.maximum(extend_seq_lens.astype(jnp.int32), 0)
+    if extend_start_loc is None:
+        extend_start_loc = exclusive_cumsum(extend_seq_lens)[:-1]
+    prefix_lens = prefix_kv_indptr[1:] - prefix_kv_indptr[:-1]
+    unified_kv_indptr = exclusive_cumsum(prefix_lens + extend_seq_lens)
+    if batch == 0:
+        return unified_kv_indptr, jnp.zeros((capacity,), index_dtype), prefix_lens
+    unified_kv_indices = launch(
+        ("kv_indices", "concat_kv_indices_kernel"),
+        prefix_kv_indptr,
+        prefix_kv_indices,
+        extend_start_loc.astype(jnp.int32),
+        extend_seq_lens,
+        extend_kv_indices,
+        unified_kv_indptr,
+        out_shape=jax.ShapeDtypeStruct((capacity,), index_dtype),
+        grid=(batch,),
+        zeroed_outputs=(0,),
+        mode=mode,
+        FIRST_CAPACITY=prefix_kv_indices.shape[0],
+        SECOND_CAPACITY=extend_kv_indices.shape[0],
+        CAPACITY=capacity,
+        BLOCK=_COPY_BLOCK,
+    )
+    return unified_kv_indptr, unified_kv_indices, prefix_lens
+
+
+def build_unified_kv_indices_reference(
+    prefix_kv_indptr, prefix_kv_indices, extend_start_loc, extend_seq_lens, extend_kv_indices, *, capacity=None, index_dtype=jnp.int32
+):
+    """Pure-jnp twin of `build_unified_kv_indices` (same arguments and results)."""
+    batch = _check_unified_args(prefix_kv_indptr, prefix_kv_indices, extend_start_loc, extend_seq_lens, extend_kv_indices)
+    if capacity is None:
+        capacity = prefix_kv_indices.shape[0] + extend_kv_indices.shape[0]
+    prefix_kv_indptr = prefix_kv_indptr.astype(jnp.int32)
+    extend_seq_lens = jnp.maximum(extend_seq_lens.astype(jnp.int32), 0)
+    if extend_start_loc is None:
+        extend_start_loc = exclusive_cumsum(extend_seq_lens)[:-1]
+    prefix_lens = prefix_kv_indptr[1:] - prefix_kv_indptr[:-1]
+    unified_kv_indptr = exclusive_cumsum(prefix_lens + extend_seq_lens)
+    if batch == 0:
+        return unified_kv_indptr, jnp.zeros((capacity,), index_dtype), prefix_lens
+    out_pos = jnp.arange(capacity, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(unified_kv_indptr, out_pos, side="right") - 1, 0, batch - 1)
+    offset = out_pos - unified_kv_indptr[seq]
+    in_prefix = offset < prefix_lens[seq]
+    prefix_src = prefix_kv_indptr[seq] + offset
+    extend_src = extend_start_loc[seq] + offset - prefix_lens[seq]
+
+    def take(values, src):
+        ok = (src >= 0) & (src < values.shape[0])
+        return jnp.where(ok, values[jnp.clip(src, 0, values.shape[0] - 1)], 0)
+
+    values = jnp.where(in_prefix, take(prefix_kv_indices, prefix_src), take(extend_kv_indices, extend_src))
+    used = out_pos < unified_kv_indptr[-1]
+    return unified_kv_indptr, jnp.where(used, values, 0).astype(index_dtype), prefix_lens

@@ -1,0 +1,308 @@
+"""One way to run a Triton kernel on JAX arrays inside `jax.jit`, on GPU or on CPU.
+
+* ``"gpu"``: `jax_triton.triton_call` compiles the kernel and XLA launches it on its stream.
+* ``"interpret"``: the same kernel source runs under Triton's interpreter on the host, fed numpy
+  buffers through `jax.pure_callback`. This is how CPU CI checks the kernels' real indexing and
+  masking. bf16 is upcast to fp32 (the interpreter gets bf16 wrong), and every output that the
+  caller did not ask to be zeroed is filled with NaN (floats) or -1 (ints) first, so rows a kernel
+  forgets to write show up in tests.
+
+`launch_mode()` picks ``"gpu"`` when JAX's default backend is a CUDA GPU and ``"interpret"``
+otherwise; the ``JAXATTN_LAUNCH`` environment variable or the ``mode=`` argument overrides it.
+
+Kernel convention (jax-triton's): all inputs first (arrays, then Python scalars are allowed
+anywhere among them and are compile-time constants), then one pointer per output. Constexprs are
+passed by keyword.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+import sys
+import threading
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MODES = ("gpu", "interpret")
+
+
+def launch_mode(mode: str | None = None) -> str:
+    """Returns the launch mode to use: `mode` if given, else $JAXATTN_LAUNCH, else by platform."""
+    if mode is None:
+        mode = os.environ.get("JAXATTN_LAUNCH") or None
+    if mode is None:
+        return "gpu" if jax.default_backend() in ("gpu", "cuda") else "interpret"
+    if mode not in MODES:
+        raise ValueError(f"launch mode must be one of {MODES} (or None for automatic); got {mode!r}")
+    if mode == "gpu" and jax.default_backend() not in ("gpu", "cuda"):
+        raise RuntimeError(
+            "jaxattn: launch mode 'gpu' needs a CUDA GPU visible to JAX, but JAX's default backend is "
+            f"{jax.default_backend()!r}. Install jax[cuda12] or jax[cuda13] on a GPU machine, or use "
+            "mode='interpret' (Triton's interpreter on the host; slow, for tests)."
+        )
+    return mode
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel modules: compiled and interpreted variants of the same source.
+
+_interpreted_modules: dict[str, Any] = {}
+_interpreted_lock = threading.Lock()
+
+
+def kernel_module(name: str, mode: str):
+    """Returns module `jaxattn.kernels.<name>` (or `name` itself when it is a dotted module path),
+    with its @triton.jit functions interpreted if asked.
+
+    Triton decides at decoration time whether a function is compiled or interpreted, so the
+    interpreted variant is a second import of the same file with the interpreter switched on.
+    JIT helpers it imported from other kernel modules are converted too.
+    """
+    full_name = name if "." in name else f"jaxattn.kernels.{name}"
+    if mode == "gpu":
+        return importlib.import_module(full_name)
+    with _interpreted_lock:
+        if name in _interpreted_modules:
+            return _interpreted_modules[name]
+        import triton
+        from triton.runtime.interpreter import InterpretedFunction
+
+        _patch_interpreter_index()
+        compiled = importlib.import_module(full_name)
+        spec = importlib.util.spec_from_file_location(f"{full_name}__interpreted", compiled.__file__)
+        module = importlib.util.module_from_spec(spec)
+        previous = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1"
+        try:
+            sys.modules[spec.name] = module
+            spec.loader.exec_module(module)
+        finally:
+            if previous is None:
+                os.environ.pop("TRITON_INTERPRET", None)
+            else:
+                os.environ["TRITON_INTERPRET"] = previous
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, triton.runtime.JITFunction):
+                setattr(module, attr, InterpretedFunction(value.fn))
+        _interpreted_modules[name] = module
+        return module
+
+
+_index_patched = False
+
+
+def _patch_interpreter_index():
+    """Lets interpreted scalars (1-element numpy arrays) be used as `range` bounds on numpy >= 2.5.
+
+    Triton 3.6's interpreter implements `tensor.__index__` as `int(array)`, which numpy 2.5 rejects
+    for arrays of rank 1 ("only 0-dimensional arrays can be converted"). Kernels loop over
+    `range(0, length, BLOCK)` with a loaded length, so convert through `.item()` instead.
+    """
+    global _index_patched
+    if _index_patched:
+        return
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+    _index_patched = True
+
+
+# ---------------------------------------------------------------------------------------------
+# Host stand-ins for torch tensors: the interpreter's launcher only needs these methods.
+
+
+class _HostStorage:
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+    def data_ptr(self) -> int:
+        return self.array.ctypes.data
+
+    def cpu(self):
+        return self  # already on the host: the interpreter works on our buffer in place
+
+    def copy_(self, other):
+        if other.data_ptr() != self.data_ptr():
+            np.copyto(self.array, other.array)
+
+
+class _HostTensor:
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+    @property
+    def dtype(self):
+        return self.array.dtype
+
+    def data_ptr(self) -> int:
+        return self.array.ctypes.data
+
+    def untyped_storage(self):
+        return _HostStorage(self.array)
+
+    def storage_offset(self) -> int:
+        return 0
+
+    def size(self):
+        return self.array.shape
+
+    def stride(self):
+        return tuple(s // self.array.itemsize for s in self.array.strides)
+
+    def new_empty(self, *args, **kwargs):
+        return _HostTensor(self.array)
+
+    def set_(self, storage, offset, size, stride):
+        self.array = storage.array
+        return self
+
+    def copy_(self, other):
+        if other.data_ptr() != self.data_ptr():
+            np.copyto(self.array, other.array)
+
+
+def _host_dtype(dtype) -> np.dtype:
+    """The dtype an interpreted kernel sees: bf16 (and other non-numpy floats) become fp32."""
+    dtype = np.dtype(dtype)
+    if dtype == jnp.bfloat16 or (dtype.kind == "V") or dtype.name.startswith("float8"):
+        return np.dtype(np.float32)
+    return dtype
+
+
+def _poison_value(dtype: np.dtype):
+    return np.nan if np.issubdtype(dtype, np.floating) else -1
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def launch(
+    kernel_name: tuple[str, str],
+    *args,
+    out_shape: Sequence[jax.ShapeDtypeStruct] | jax.ShapeDtypeStruct,
+    grid: tuple[int, ...],
+    num_warps: int = 4,
+    num_stages: int = 1,
+    input_output_aliases: dict[int, int] | None = None,
+    zeroed_outputs: Sequence[int] = (),
+    mode: str | None = None,
+    name: str | None = None,
+    **constexprs,
+):
+    """Runs a Triton kernel on JAX arrays; usable inside `jax.jit`.
+
+    Args:
+      kernel_name: ``(module, function)``: a module of `jaxattn.kernels` (e.g. ``("merge_state",
+        "merge_state_kernel")``) or any dotted module path. The kernel is named rather than passed
+        because the interpreter needs its own import of the source.
+      *args: the kernel's inputs in signature order: JAX arrays, or Python ints/floats (compile-time
+        constants; anything that varies per batch must be an array).
+      out_shape: one `jax.ShapeDtypeStruct` per output, or a single one.
+      grid: static launch grid (up to 3 ints).
+      num_warps, num_stages: GPU launch options (ignored by the interpreter).
+      input_output_aliases: ``{input_index: output_index}``: the output starts as that input and is
+        updated in place (donation keeps it in place under jit).
+      zeroed_outputs: indices of outputs that start as zeros (others start uninitialised on GPU and
+        poisoned under the interpreter).
+      mode: ``"gpu"``, ``"interpret"`` or None (automatic, see `launch_mode`).
+      name: a readable name for the launch (shows in profiles).
+      **constexprs: the kernel's `tl.constexpr` parameters.
+
+    Returns:
+      One array per `out_shape` entry (a single array when `out_shape` was a single struct).
+    """
+    mode = launch_mode(mode)
+    single = isinstance(out_shape, jax.ShapeDtypeStruct)
+    out_shapes = [out_shape] if single else list(out_shape)
+    input_output_aliases = dict(input_output_aliases or {})
+    grid = tuple(int(g) for g in grid)
+    if any(g <= 0 for g in grid):
+        # An empty grid launches nothing: outputs keep their initial value.
+        outs = _initial_outputs(args, out_shapes, input_output_aliases, zeroed_outputs)
+        return outs[0] if single else tuple(outs)
+    if mode == "gpu":
+        import jax_triton as jt
+
+        module_name, fn_name = kernel_name
+        kernel = getattr(kernel_module(module_name, "gpu"), fn_name)
+        outs = jt.triton_call(
+            *args,
+            kernel=kernel,
+            out_shape=out_shapes,
+            grid=grid,
+            num_warps=num_warps,
+            num_stages=num_stages,
+            input_output_aliases=input_output_aliases,
+            zeroed_outputs=tuple(zeroed_outputs),
+            name=name or fn_name,
+            **constexprs,
+        )
+    else:
+        outs = _interpret_call(kernel_name, args, out_shapes, grid, input_output_aliases, tuple(zeroed_outputs), constexprs)
+    return outs[0] if single else tuple(outs)
+
+
+def _initial_outputs(args, out_shapes, aliases, zeroed_outputs):
+    outs = []
+    inverse = {o: i for i, o in aliases.items()}
+    for index, shape in enumerate(out_shapes):
+        if index in inverse:
+            outs.append(args[inverse[index]])
+        else:
+            outs.append(jnp.zeros(shape.shape, shape.dtype))
+    return outs
+
+
+def _interpret_call(kernel_name, args, out_shapes, grid, aliases, zeroed_outputs, constexprs):
+    array_positions = [i for i, a in enumerate(args) if isinstance(a, (jax.Array, np.ndarray))]
+    arrays = [args[i] for i in array_positions]
+    callback = functools.partial(
+        _run_interpreted,
+        kernel_name=kernel_name,
+        args=args,
+        array_positions=tuple(array_positions),
+        out_shapes=tuple(out_shapes),
+        grid=grid,
+        aliases=aliases,
+        zeroed_outputs=zeroed_outputs,
+        constexprs=constexprs,
+    )
+    result_shapes = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in out_shapes]
+    return jax.pure_callback(callback, result_shapes, *arrays)
+
+
+def _run_interpreted(*arrays, kernel_name, args, array_positions, out_shapes, grid, aliases, zeroed_outputs, constexprs):
+    module_name, fn_name = kernel_name
+    kernel = getattr(kernel_module(module_name, "interpret"), fn_name)
+    host_args = list(args)
+    host_inputs = {}
+    for position, array in zip(array_positions, arrays):
+        array = np.asarray(array)
+        host = np.ascontiguousarray(array.astype(_host_dtype(array.dtype)))
+        host_inputs[position] = host
+        host_args[position] = _HostTensor(host)
+    inverse = {o: i for i, o in aliases.items()}
+    host_outs = []
+    for index, shape in enumerate(out_shapes):
+        host_dtype = _host_dtype(shape.dtype)
+        if index in inverse:
+            out = np.array(host_inputs[inverse[index]], dtype=host_dtype, copy=True)
+        elif index in zeroed_outputs:
+            out = np.zeros(shape.shape, host_dtype)
+        else:
+            out = np.full(shape.shape, _poison_value(host_dtype), host_dtype)
+        host_outs.append(out)
+    kernel[grid](*host_args, *[_HostTensor(o) for o in host_outs], **constexprs)
+    return [np.asarray(o).astype(s.dtype) for o, s in zip(host_outs, out_shapes)]

@@ -1,0 +1,1 @@
+"""Triton kernel sources of jaxattn (installed as `jaxattn.kernels`). No JAX imports here."""

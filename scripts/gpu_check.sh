@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The GPU check, for one device call on the H200 (see README "GPU check"):
+#   installs the carried wheels and jaxattn, runs the GPU-marked tests, then the benchmark if asked,
+#   and writes logs and a summary under $OUT (default ./out).
+# Usage: bash scripts/gpu_check.sh [pytest -k expression]    (BENCH="decode extend" to also benchmark)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+# jaxattn itself, without the network: kernels/ is mapped to jaxattn/kernels by hand.
+rm -rf /tmp/jaxattn_src && mkdir -p /tmp/jaxattn_src
+cp -r jaxattn /tmp/jaxattn_src/jaxattn && cp -r kernels /tmp/jaxattn_src/jaxattn/kernels
+export PYTHONPATH=/tmp/jaxattn_src:$PWD:$PYTHONPATH
+{
+  echo "date: $(date -u +%FT%TZ)"
+  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo '+dirty')"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import jax, triton, jax_triton; print('jax', jax.__version__, 'triton', triton.__version__, 'jax_triton', jax_triton.__version__, jax.devices())"
+} 2>&1 | tee "$OUT/env.txt"
+k_expr=${1:-}
+python3 -m pytest -q -m gpu ${k_expr:+-k "$k_expr"} -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log"
+status=${PIPESTATUS[0]}
+for op in ${BENCH:-}; do
+  python3 -m jaxattn.bench "$op" --json "$OUT/bench_$op.json" 2>&1 | tee "$OUT/bench_$op.log"
+done
+{
+  echo "gpu tests exit status: $status"
+  tail -1 "$OUT/gpu_tests.log"
+} | tee "$OUT/summary.txt"
+exit $status

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Creates .venv with Python 3.12 and installs jaxattn with its test extras, pinned by constraints.txt.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py=""
+for candidate in "${PYTHON:-}" python3.12 "$(pyenv prefix 3.12.1 2>/dev/null)/bin/python"; do
+  if [ -n "$candidate" ] && command -v "$candidate" >/dev/null 2>&1 \
+     && "$candidate" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then
+    py=$candidate; break
+  fi
+done
+if [ -z "$py" ]; then
+  echo "setup.sh: Python 3.12 not found (jax 0.11 needs >= 3.12). Set PYTHON=/path/to/python3.12." >&2
+  exit 1
+fi
+if [ ! -x .venv/bin/python ]; then
+  "$py" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -c constraints.txt -e ".[test]"
+echo "setup.sh: .venv ready ($(.venv/bin/python --version))"

@@ -210,3 +210,30 @@ def build_unified_kv_indices_reference(
     values = jnp.where(in_prefix, take(prefix_kv_indices, prefix_src), take(extend_kv_indices, extend_src))
     used = out_pos < unified_kv_indptr[-1]
     return unified_kv_indptr, jnp.where(used, values, 0).astype(index_dtype), prefix_lens
+
+
+def kernel_builds():
+    """The GPU builds of the index kernels (see jaxattn.aot); the constexpr sizes do not change the code shape."""
+    from jaxattn.aot import build
+
+    builds = []
+    for index_type in ("i32",):
+        builds.append(
+            build(
+                "kv_indices",
+                "create_kv_indices_kernel",
+                {"REQ_TO_TOKEN": "*i32", "REQ_POOL_INDICES": "*i32", "KV_LENS": "*i32", "KV_STARTS": "*i32", "KV_INDPTR": "*i32", "KV_INDICES": f"*{index_type}"},
+                {"MAX_REQS": 4096, "MAX_CTX": 131072, "CAPACITY": 1 << 22, "BLOCK": _COPY_BLOCK},
+                label=f"indices {index_type}",
+            )
+        )
+        builds.append(
+            build(
+                "kv_indices",
+                "concat_kv_indices_kernel",
+                {"FIRST_INDPTR": "*i32", "FIRST_INDICES": "*i32", "SECOND_STARTS": "*i32", "SECOND_LENS": "*i32", "SECOND_INDICES": "*i32", "OUT_INDPTR": "*i32", "OUT_INDICES": f"*{index_type}"},
+                {"FIRST_CAPACITY": 1 << 22, "SECOND_CAPACITY": 1 << 16, "CAPACITY": 1 << 22, "BLOCK": _COPY_BLOCK},
+                label=f"indices {index_type}",
+            )
+        )
+    return builds

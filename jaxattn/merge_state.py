@@ -63,3 +63,22 @@ def merge_state_reference(o1, lse1, o2, lse2):
     w2 = jnp.where(empty, 0.0, jnp.exp(lse2 - jnp.where(empty, 0.0, lse)))[..., None]
     o = jnp.where(w1 > 0, o1.astype(jnp.float32) * w1, 0.0) + jnp.where(w2 > 0, o2.astype(jnp.float32) * w2, 0.0)
     return o.astype(o1.dtype), lse
+
+
+def kernel_builds():
+    """The GPU builds `merge_state` can launch (see jaxattn.aot)."""
+    from jaxattn.aot import build
+
+    builds = []
+    for dtype in ("fp32", "fp16", "bf16"):
+        for head_dim in (64, 128, 256, 512):
+            builds.append(
+                build(
+                    "merge_state",
+                    "merge_state_kernel",
+                    {"O1": f"*{dtype}", "LSE1": "*fp32", "O2": f"*{dtype}", "LSE2": "*fp32", "O_OUT": f"*{dtype}", "LSE_OUT": "*fp32"},
+                    {"HEADS": 32, "HEAD_DIM": head_dim, "BLOCK_D": head_dim},
+                    label=f"{dtype} head_dim={head_dim}",
+                )
+            )
+    return builds

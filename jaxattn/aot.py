@@ -1,0 +1,135 @@
+"""Ahead-of-time compilation of shipped kernel configurations for a GPU target, without a GPU.
+
+Each op module lists the builds its block-size tables and heuristics can choose (`kernel_builds()`),
+and `compile_build` compiles one for a `GPUTarget` with Triton's bundled ptxas. CI uses it to prove every
+configuration compiles for the H200 (sm_90), fits in shared memory and uses Hopper's wgmma where it
+should; developers use `python -m jaxattn.aot` to see what a tuning change costs before spending GPU time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import re
+import sys
+
+H200_TARGET = ("cuda", 90, 32)
+H200_SHARED_LIMIT_BYTES = 227 * 1024  # opt-in shared memory per block on sm_90
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelBuild:
+    """One kernel x configuration, as a launch would compile it."""
+
+    module: str  # module of jaxattn.kernels, e.g. "merge_state"
+    function: str  # the @triton.jit function
+    signature: tuple[tuple[str, str], ...]  # (parameter, Triton type) for every non-constexpr parameter, e.g. ("Q", "*bf16")
+    constexprs: tuple[tuple[str, object], ...]  # (parameter, value)
+    num_warps: int = 4
+    num_stages: int = 1
+    expects_wgmma: bool = False  # a tl.dot kernel on bf16/fp16 should use Hopper's wgmma
+    label: str = ""  # what configuration this is, for the report
+
+    @property
+    def key(self) -> str:
+        return f"{self.module}.{self.function}[{self.label}]"
+
+
+def build(module, function, signature, constexprs, *, num_warps=4, num_stages=1, expects_wgmma=False, label=""):
+    """Convenience constructor taking dicts."""
+    return KernelBuild(
+        module, function, tuple(signature.items()), tuple(sorted(constexprs.items())), num_warps, num_stages, expects_wgmma, label
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledReport:
+    build: KernelBuild
+    shared_bytes: int
+    registers: int | None
+    spills: int | None
+    has_wgmma: bool
+
+
+@functools.lru_cache(maxsize=None)
+def compile_build(kb: KernelBuild, target: tuple = H200_TARGET) -> CompiledReport:
+    """Compiles `kb` for `target` (backend, arch, warp size) and reports its resources."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(importlib.import_module(f"jaxattn.kernels.{kb.module}"), kb.function)
+    constexprs = dict(kb.constexprs)
+    signature = dict(kb.signature)
+    signature.update({name: "constexpr" for name in constexprs})
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    compiled = triton.compile(source, target=GPUTarget(*target), options={"num_warps": kb.num_warps, "num_stages": kb.num_stages})
+    ptx = compiled.asm.get("ptx", "")
+    registers, spills = _ptxas_resources(ptx, target[1])
+    return CompiledReport(kb, int(compiled.metadata.shared), registers, spills, "wgmma" in ptx)
+
+
+def _ptxas_resources(ptx: str, arch: int) -> tuple[int | None, int | None]:
+    """(registers per thread, spilled bytes) from Triton's bundled ptxas in verbose mode.
+
+    Without a driver Triton leaves its own n_regs/n_spills unset, so assemble the PTX once more with -v.
+    """
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = f"{tmp}/kernel.ptx"
+        with open(src, "w") as f:
+            f.write(ptx)
+        gpu_name = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+        result = subprocess.run(
+            [get_ptxas(arch).path, "-v", f"--gpu-name={gpu_name}", src, "-o", f"{tmp}/kernel.o"], capture_output=True, text=True
+        )
+    log = result.stdout + result.stderr
+    registers = re.search(r"Used (\d+) registers", log)
+    spill_stores = re.search(r"(\d+) bytes spill stores", log)
+    return (int(registers.group(1)) if registers else None, int(spill_stores.group(1)) if spill_stores else None)
+
+
+def shipped_builds() -> list[KernelBuild]:
+    """Every kernel x configuration the shipped op modules can launch on the GPU."""
+    builds = []
+    for module_name in OP_MODULES:
+        module = importlib.import_module(module_name)
+        builds.extend(module.kernel_builds())
+    return builds
+
+
+# Op modules that ship kernels; each defines kernel_builds() -> list[KernelBuild].
+OP_MODULES = [
+    "jaxattn.kv_indices",
+    "jaxattn.merge_state",
+]
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Compile every shipped kernel configuration for the H200 (sm_90) without a GPU.")
+    parser.add_argument("-k", default="", help="only builds whose key contains this text (regular expression)")
+    args = parser.parse_args(argv)
+    rows = []
+    for kb in shipped_builds():
+        if args.k and not re.search(args.k, kb.key):
+            continue
+        report = compile_build(kb)
+        rows.append(report)
+        regs = "?" if report.registers is None else report.registers
+        spills = "?" if report.spills is None else report.spills
+        print(
+            f"{kb.key:90s} warps={kb.num_warps} stages={kb.num_stages} shared={report.shared_bytes:7d} B "
+            f"regs={regs} spills={spills} wgmma={'yes' if report.has_wgmma else 'no'}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

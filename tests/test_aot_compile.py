@@ -1,0 +1,23 @@
+"""Every shipped kernel configuration compiles for the H200 (sm_90) on a CPU-only machine and fits its limits."""
+
+import pytest
+
+from jaxattn.aot import H200_SHARED_LIMIT_BYTES, compile_build, shipped_builds
+
+BUILDS = shipped_builds()
+
+
+def test_every_op_module_ships_builds():
+    modules = {b.module for b in BUILDS}
+    assert {"kv_indices", "merge_state"} <= modules
+
+
+@pytest.mark.parametrize("kb", BUILDS, ids=[b.key for b in BUILDS])
+def test_compiles_for_sm90_within_limits(kb):
+    report = compile_build(kb)
+    assert report.shared_bytes <= H200_SHARED_LIMIT_BYTES, f"{kb.key} needs {report.shared_bytes} B of shared memory"
+    if kb.expects_wgmma:
+        assert report.has_wgmma, f"{kb.key} is built around tl.dot on 16-bit inputs but its PTX has no wgmma"
+    if report.spills is not None:
+        # Spills are allowed but reported; a big spill is a tuning bug worth failing on.
+        assert report.spills <= 1024, f"{kb.key} spills {report.spills} bytes"

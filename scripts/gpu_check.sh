@@ -12,10 +12,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
-# jaxattn itself, without the network: kernels/ is mapped to jaxattn/kernels by hand.
-rm -rf /tmp/jaxattn_src && mkdir -p /tmp/jaxattn_src
-cp -r jaxattn /tmp/jaxattn_src/jaxattn && cp -r kernels /tmp/jaxattn_src/jaxattn/kernels
-export PYTHONPATH=/tmp/jaxattn_src:$PWD:$PYTHONPATH
+# jaxattn itself from the checkout, without the network (jaxattn/__init__.py maps kernels/ to jaxattn.kernels).
+export PYTHONPATH=$PWD:$PYTHONPATH
 {
   echo "date: $(date -u +%FT%TZ)"
   echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo '+dirty')"

@@ -1,0 +1,408 @@
+"""Benchmarks: jaxattn beside its peers and the physical floor, on the shapes of ../shared/anchors.md.
+
+    python -m jaxattn.bench decode [--cases D1,D2] [--json out.json] [--sweep]
+    python -m jaxattn.bench extend [--cases E1] [--json out.json] [--sweep]
+
+Every backend is timed the same way in one process on one GPU: N back-to-back calls on device-resident
+inputs, then one synchronisation; the figure is the median over repeats of (elapsed / N). Inputs are
+random normal (never zeros) and every sequence's KV slots are scattered at random over the pool, as a
+real allocator leaves them. Floors: decode reads every K and V byte once at 4.3 TB/s; extend does
+4 * q_heads * head_dim * new * (prefix + (new + 1) / 2) FLOPs per sequence at 790 TFLOP/s.
+Peers that are not installed (FlashInfer, torch) or not supported for a shape are skipped with a note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable
+
+import numpy as np
+
+COPY_BANDWIDTH_BYTES_PER_S = 4.3e12  # measured device-to-device copy on the H200 (bytes read + written)
+BF16_MATMUL_FLOPS = 790e12  # measured bf16 matmul on the H200
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    op: str  # "decode" | "extend"
+    batch: int
+    prefix: int  # cached tokens per sequence (decode: the context before the new token)
+    new: int  # new tokens per sequence (decode: 1)
+    q_heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    v_head_dim: int | None = None
+
+    @property
+    def dv(self) -> int:
+        return self.v_head_dim or self.head_dim
+
+    @property
+    def v_in_k(self) -> bool:
+        """MLA: one latent KV head whose first Dv dims are V, so the pool is read once."""
+        return self.v_head_dim is not None and self.kv_heads == 1
+
+    def floor_ms(self) -> float:
+        if self.op == "decode":
+            tokens = self.batch * (self.prefix + self.new)
+            per_token = self.kv_heads * (self.head_dim if self.v_in_k else self.head_dim + self.dv)
+            return tokens * per_token * 2 / COPY_BANDWIDTH_BYTES_PER_S * 1e3
+        flops = 4 * self.q_heads * self.head_dim * self.new * (self.prefix + (self.new + 1) / 2) * self.batch
+        return flops / BF16_MATMUL_FLOPS * 1e3
+
+
+CASES = {
+    "D1": Case("D1", "decode", 64, 4095, 1),
+    "D2": Case("D2", "decode", 8, 32767, 1),
+    "D3": Case("D3", "decode", 256, 1023, 1),
+    "MLA": Case("MLA", "decode", 64, 4095, 1, q_heads=16, kv_heads=1, head_dim=576, v_head_dim=512),
+    "E1": Case("E1", "extend", 8, 2048, 2048),
+    "E2": Case("E2", "extend", 4, 0, 4096),
+    "E3": Case("E3", "extend", 32, 4096, 128),
+}
+
+
+def time_calls(fn: Callable[[], object], sync: Callable[[object], None], *, calls: int = 20, repeats: int = 7, warmup: int = 3) -> float:
+    """Median milliseconds per call of `fn`, run `calls` times back to back per repeat."""
+    for _ in range(warmup):
+        sync(fn())
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            result = fn()
+        sync(result)
+        samples.append((time.perf_counter() - start) / calls * 1e3)
+    return statistics.median(samples)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+@dataclasses.dataclass
+class Inputs:
+    case: Case
+    q: object  # jax [T, Hq, D]
+    k_pool: object  # jax [S, Hkv, D]
+    v_pool: object  # jax [S, Hkv, Dv]
+    req_to_token: object  # jax i32[B, max_ctx]
+    req_pool_indices: object  # jax i32[B]
+    prefix_lens: object  # jax i32[B]
+    seq_lens: object  # jax i32[B] (prefix + new)
+    qo_indptr: object  # jax i32[B+1]
+    kv_indptr: object  # jax i32[B+1] over whole sequences
+    kv_indices: object  # jax i32[total]
+    prefix_indptr: object
+    prefix_indices: object
+    new_slots: object  # jax i32[T]: the slots of the new tokens (out_cache_loc)
+    k_new: object
+    v_new: object
+
+
+def make_inputs(case: Case, seed: int = 0) -> Inputs:
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(seed)
+    b, p, n = case.batch, case.prefix, case.new
+    total = b * (p + n)
+    num_slots = total + 1  # slot 0 is the padding slot
+    slots = (rng.permutation(total) + 1).astype(np.int32).reshape(b, p + n)
+    key = jax.random.key(seed)
+    kq, kk, kv = jax.random.split(key, 3)
+    dtype = jnp.bfloat16
+    k_pool = jax.random.normal(kk, (num_slots, case.kv_heads, case.head_dim), dtype)
+    if case.v_in_k:
+        v_pool = k_pool[:, :, : case.dv]  # MLA: V is the first Dv dims of the latent K
+    else:
+        v_pool = jax.random.normal(kv, (num_slots, case.kv_heads, case.dv), dtype)
+    q = jax.random.normal(kq, (b * n, case.q_heads, case.head_dim), dtype)
+    seq_lens = np.full(b, p + n, np.int32)
+    indptr = np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int32)
+    prefix_indptr = np.arange(b + 1, dtype=np.int32) * p
+    new_slots = slots[:, p:].reshape(-1)
+    to = jnp.asarray
+    return Inputs(
+        case=case,
+        q=q,
+        k_pool=k_pool,
+        v_pool=v_pool,
+        req_to_token=to(slots),
+        req_pool_indices=to(np.arange(b, dtype=np.int32)),
+        prefix_lens=to(np.full(b, p, np.int32)),
+        seq_lens=to(seq_lens),
+        qo_indptr=to(np.arange(b + 1, dtype=np.int32) * n),
+        kv_indptr=to(indptr),
+        kv_indices=to(slots.reshape(-1)),
+        prefix_indptr=to(prefix_indptr),
+        prefix_indices=to(slots[:, :p].reshape(-1)),
+        new_slots=to(new_slots),
+        k_new=k_pool[to(new_slots)],
+        v_new=v_pool[to(new_slots)],
+    )
+
+
+def _jax_sync(x):
+    import jax
+
+    jax.block_until_ready(x)
+
+
+def _torch_sync(_):
+    import torch
+
+    torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------
+# Backends: each returns a zero-argument callable running one step, or raises Skip.
+
+
+class Skip(Exception):
+    pass
+
+
+def _decode_jaxattn(inp: Inputs, config=None):
+    import jax
+
+    from jaxattn import decode
+
+    case = inp.case
+    meta = decode.decode_metadata_from_indices(
+        inp.kv_indptr, inp.kv_indices, inp.seq_lens, q_heads=case.q_heads, kv_heads=case.kv_heads
+    )
+    v_pool = None if case.v_in_k else inp.v_pool
+    fn = jax.jit(lambda q, k, v, m: decode.decode_attention(q, k, v, m, config=config))
+    return lambda: fn(inp.q, inp.k_pool, v_pool, meta)
+
+
+def _decode_reference(inp: Inputs):
+    import jax
+
+    from jaxattn.reference import ragged_paged_attention_reference
+
+    case = inp.case
+    if case.batch * case.q_heads * (case.prefix + 1) * 4 > 8e9:
+        raise Skip("reference too large")
+    max_len = case.prefix + case.new
+    fn = jax.jit(
+        lambda q, k, v, qo, kvp, kvi: ragged_paged_attention_reference(q, k, v, qo, kvp, kvi, max_q_len=1, max_kv_len=max_len)
+    )
+    return lambda: fn(inp.q, inp.k_pool, inp.v_pool, inp.qo_indptr, inp.kv_indptr, inp.kv_indices)
+
+
+def _torch_views(inp: Inputs):
+    try:
+        import torch
+    except ImportError:
+        raise Skip("torch not installed")
+    t = torch.from_dlpack
+    return torch, {name: t(getattr(inp, name)) for name in ("q", "k_pool", "v_pool", "kv_indptr", "kv_indices", "qo_indptr")}
+
+
+def _decode_flashinfer(inp: Inputs, tensor_cores: bool):
+    case = inp.case
+    if case.v_head_dim is not None:
+        raise Skip("MLA shapes need FlashInfer's MLA wrapper")
+    try:
+        import flashinfer
+    except ImportError:
+        raise Skip("flashinfer not installed")
+    torch, tv = _torch_views(inp)
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tensor_cores)
+    last_page_len = torch.ones(case.batch, dtype=torch.int32, device="cuda")
+    wrapper.plan(
+        tv["kv_indptr"], tv["kv_indices"], last_page_len, case.q_heads, case.kv_heads, case.head_dim, 1,
+        q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+    )
+    k = tv["k_pool"].unsqueeze(1)  # [slots, page_size 1, Hkv, D]
+    v = tv["v_pool"].unsqueeze(1)
+    q = tv["q"]
+    return lambda: wrapper.run(q, (k, v))
+
+
+def _extend_jaxattn(inp: Inputs, config=None, unified=False):
+    import jax
+
+    from jaxattn import extend
+
+    case = inp.case
+    if unified:
+        meta = extend.extend_metadata_unified_from_indices(
+            inp.qo_indptr, inp.prefix_indptr, inp.prefix_indices, inp.new_slots, max_extend_len=case.new
+        )
+        fn = jax.jit(lambda q, k, v, m: extend.extend_attention_unified(q, k, v, m, config=config))
+        return lambda: fn(inp.q, inp.k_pool, inp.v_pool, meta)
+    meta = extend.extend_metadata_from_indices(inp.qo_indptr, inp.prefix_indptr, inp.prefix_indices, max_extend_len=case.new)
+    fn = jax.jit(lambda q, kn, vn, k, v, m: extend.extend_attention(q, kn, vn, k, v, m, config=config))
+    return lambda: fn(inp.q, inp.k_new, inp.v_new, inp.k_pool, inp.v_pool, meta)
+
+
+def _extend_reference(inp: Inputs):
+    import jax
+
+    from jaxattn.reference import ragged_paged_attention_reference
+
+    case = inp.case
+    fn = jax.jit(
+        lambda q, k, v, qo, kvp, kvi: ragged_paged_attention_reference(
+            q, k, v, qo, kvp, kvi, max_q_len=case.new, max_kv_len=case.prefix + case.new
+        )
+    )
+    return lambda: fn(inp.q, inp.k_pool, inp.v_pool, inp.qo_indptr, inp.kv_indptr, inp.kv_indices)
+
+
+def _extend_flashinfer(inp: Inputs, backend: str):
+    case = inp.case
+    try:
+        import flashinfer
+    except ImportError:
+        raise Skip("flashinfer not installed")
+    torch, tv = _torch_views(inp)
+    workspace = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend)
+    last_page_len = torch.ones(case.batch, dtype=torch.int32, device="cuda")
+    wrapper.plan(
+        tv["qo_indptr"], tv["kv_indptr"], tv["kv_indices"], last_page_len, case.q_heads, case.kv_heads, case.head_dim, 1,
+        causal=True, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+    )
+    k = tv["k_pool"].unsqueeze(1)
+    v = tv["v_pool"].unsqueeze(1)
+    q = tv["q"]
+    return lambda: wrapper.run(q, (k, v))
+
+
+def _extend_cudnn(inp: Inputs):
+    import jax
+
+    case = inp.case
+    if case.prefix != 0:
+        raise Skip("dense only (no cached prefix)")
+    q = inp.q.reshape(case.batch, case.new, case.q_heads, case.head_dim)
+    k = inp.k_new.reshape(case.batch, case.new, case.kv_heads, case.head_dim)
+    v = inp.v_new.reshape(case.batch, case.new, case.kv_heads, case.dv)
+    fn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
+    return lambda: fn(q, k, v)
+
+
+BACKENDS = {
+    "decode": {
+        "jaxattn": (_decode_jaxattn, _jax_sync),
+        "flashinfer": (lambda inp: _decode_flashinfer(inp, False), _torch_sync),
+        "flashinfer-tc": (lambda inp: _decode_flashinfer(inp, True), _torch_sync),
+        "reference": (_decode_reference, _jax_sync),
+    },
+    "extend": {
+        "jaxattn": (_extend_jaxattn, _jax_sync),
+        "jaxattn-unified": (lambda inp: _extend_jaxattn(inp, unified=True), _jax_sync),
+        "flashinfer-fa2": (lambda inp: _extend_flashinfer(inp, "fa2"), _torch_sync),
+        "flashinfer-fa3": (lambda inp: _extend_flashinfer(inp, "fa3"), _torch_sync),
+        "cudnn": (_extend_cudnn, _jax_sync),
+        "reference": (_extend_reference, _jax_sync),
+    },
+}
+
+
+def _device_name() -> str:
+    import jax
+
+    return getattr(jax.devices()[0], "device_kind", str(jax.devices()[0]))
+
+
+def _commit() -> str:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "."], cwd=here).returncode != 0
+        return (sha or "unknown") + ("+dirty" if dirty else "")
+    except OSError:
+        return "unknown"
+
+
+def run(op: str, case_names: list[str], backends: list[str] | None = None, sweep: bool = False, log=print) -> list[dict]:
+    rows = []
+    device, commit, date = _device_name(), _commit(), datetime.date.today().isoformat()
+    for name in case_names:
+        case = CASES[name]
+        if case.op != op:
+            raise SystemExit(f"case {name} is a {case.op} case, not {op}")
+        inp = make_inputs(case)
+        floor = case.floor_ms()
+        chosen = BACKENDS[op] if backends is None else {b: BACKENDS[op][b] for b in backends}
+        variants = list(chosen.items())
+        if sweep:
+            variants += [(f"jaxattn[{label}]", (maker, _jax_sync)) for label, maker in _sweep_variants(op, case)]
+        for backend, (maker, sync) in variants:
+            try:
+                fn = maker(inp)
+                ms = time_calls(fn, sync)
+            except Skip as why:
+                log(f"  {name:4s} {backend:24s} skipped: {why}")
+                continue
+            except Exception as error:  # a peer that fails must not hide the others
+                log(f"  {name:4s} {backend:24s} FAILED: {type(error).__name__}: {str(error)[:300]}")
+                continue
+            row = dict(op=op, case=name, backend=backend, median_ms=round(ms, 4), floor_ms=round(floor, 4),
+                       fraction_of_floor=round(floor / ms, 3), device=device, commit=commit, date=date)
+            rows.append(row)
+            log(f"  {name:4s} {backend:24s} {ms:8.3f} ms  floor {floor:6.3f} ms  {100 * floor / ms:5.1f}% of floor")
+        del inp
+    return rows
+
+
+def _sweep_variants(op: str, case: Case):
+    """(label, maker) for each candidate kernel configuration the op module proposes for this shape."""
+    module = __import__(f"jaxattn.{op}", fromlist=["sweep_configs"])
+    configs = module.sweep_configs(case.q_heads, case.kv_heads, case.head_dim, case.dv)
+    maker = _decode_jaxattn if op == "decode" else _extend_jaxattn
+    return [(str(c), (lambda inp, c=c: maker(inp, config=c))) for c in configs]
+
+
+def markdown_table(rows: list[dict]) -> str:
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    backends = list(dict.fromkeys(r["backend"] for r in rows))
+    lines = ["| backend | " + " | ".join(f"{c} (floor {next(r['floor_ms'] for r in rows if r['case'] == c):.3f} ms)" for c in cases) + " |"]
+    lines.append("|---|" + "---|" * len(cases))
+    for b in backends:
+        cells = []
+        for c in cases:
+            r = next((r for r in rows if r["case"] == c and r["backend"] == b), None)
+            cells.append("-" if r is None else f"{r['median_ms']:.3f} ms ({100 * r['fraction_of_floor']:.0f}%)")
+        lines.append(f"| {b} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("op", choices=["decode", "extend"])
+    parser.add_argument("--cases", default=None, help="comma-separated case names (default: all of the op)")
+    parser.add_argument("--backends", default=None, help="comma-separated backends (default: all)")
+    parser.add_argument("--json", default=None, help="write the rows to this JSON file")
+    parser.add_argument("--sweep", action="store_true", help="also time every candidate kernel configuration")
+    args = parser.parse_args(argv)
+    case_names = args.cases.split(",") if args.cases else [n for n, c in CASES.items() if c.op == args.op]
+    backends = args.backends.split(",") if args.backends else None
+    print(f"jaxattn.bench {args.op}: device {_device_name()}, commit {_commit()}")
+    rows = run(args.op, case_names, backends, sweep=args.sweep, log=lambda s: print(s, flush=True))
+    print()
+    print(markdown_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

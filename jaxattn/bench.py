@@ -173,18 +173,21 @@ class Skip(Exception):
     pass
 
 
-def _decode_jaxattn(inp: Inputs, config=None):
+def _decode_jaxattn(inp: Inputs, config=None, programs_per_sm=None):
     import jax
 
     from jaxattn import decode
 
     case = inp.case
-    meta = decode.decode_metadata_from_indices(
-        inp.kv_indptr, inp.kv_indices, inp.seq_lens, q_heads=case.q_heads, kv_heads=case.kv_heads
+    split_kw = {} if programs_per_sm is None else dict(programs_per_sm=programs_per_sm)
+    meta = decode.decode_metadata_from_indptr(
+        inp.kv_indptr, inp.kv_indices, inp.seq_lens, q_heads=case.q_heads, kv_heads=case.kv_heads, **split_kw
     )
-    v_pool = None if case.v_in_k else inp.v_pool
+    if case.v_in_k:  # MLA: V is the first Dv dims of the latent K; the kernel reads the pool once
+        fn = jax.jit(lambda q, k, m: decode.decode_attention(q, k, None, m, v_head_dim=case.dv, config=config))
+        return lambda: fn(inp.q, inp.k_pool, meta)
     fn = jax.jit(lambda q, k, v, m: decode.decode_attention(q, k, v, m, config=config))
-    return lambda: fn(inp.q, inp.k_pool, v_pool, meta)
+    return lambda: fn(inp.q, inp.k_pool, inp.v_pool, meta)
 
 
 def _decode_reference(inp: Inputs):
@@ -211,7 +214,7 @@ def _torch_views(inp: Inputs):
     return torch, {name: t(getattr(inp, name)) for name in ("q", "k_pool", "v_pool", "kv_indptr", "kv_indices", "qo_indptr")}
 
 
-def _decode_flashinfer(inp: Inputs, tensor_cores: bool):
+def _decode_flashinfer(inp: Inputs, tensor_cores: bool, through_jax: bool = False):
     case = inp.case
     if case.v_head_dim is not None:
         raise Skip("MLA shapes need FlashInfer's MLA wrapper")
@@ -230,7 +233,19 @@ def _decode_flashinfer(inp: Inputs, tensor_cores: bool):
     k = tv["k_pool"].unsqueeze(1)  # [slots, page_size 1, Hkv, D]
     v = tv["v_pool"].unsqueeze(1)
     q = tv["q"]
+    if through_jax:
+        return _bridged(wrapper, inp)
     return lambda: wrapper.run(q, (k, v))
+
+
+def _bridged(wrapper, inp: Inputs):
+    """The same planned wrapper, called from a jitted JAX function through jaxattn's DLPack bridge."""
+    import jax
+
+    from jaxattn.flashinfer_backend import bridged_run
+
+    fn = jax.jit(lambda q, k, v: bridged_run(wrapper, q, k, v, inp.case.dv)[0])
+    return lambda: fn(inp.q, inp.k_pool, inp.v_pool)
 
 
 def _extend_jaxattn(inp: Inputs, config=None, unified=False):
@@ -264,7 +279,7 @@ def _extend_reference(inp: Inputs):
     return lambda: fn(inp.q, inp.k_pool, inp.v_pool, inp.qo_indptr, inp.kv_indptr, inp.kv_indices)
 
 
-def _extend_flashinfer(inp: Inputs, backend: str):
+def _extend_flashinfer(inp: Inputs, backend: str, through_jax: bool = False):
     case = inp.case
     try:
         import flashinfer
@@ -281,6 +296,8 @@ def _extend_flashinfer(inp: Inputs, backend: str):
     k = tv["k_pool"].unsqueeze(1)
     v = tv["v_pool"].unsqueeze(1)
     q = tv["q"]
+    if through_jax:
+        return _bridged(wrapper, inp)
     return lambda: wrapper.run(q, (k, v))
 
 
@@ -302,6 +319,7 @@ BACKENDS = {
         "jaxattn": (_decode_jaxattn, _jax_sync),
         "flashinfer": (lambda inp: _decode_flashinfer(inp, False), _torch_sync),
         "flashinfer-tc": (lambda inp: _decode_flashinfer(inp, True), _torch_sync),
+        "flashinfer-in-jit": (lambda inp: _decode_flashinfer(inp, False, through_jax=True), _jax_sync),
         "reference": (_decode_reference, _jax_sync),
     },
     "extend": {
@@ -309,6 +327,7 @@ BACKENDS = {
         "jaxattn-unified": (lambda inp: _extend_jaxattn(inp, unified=True), _jax_sync),
         "flashinfer-fa2": (lambda inp: _extend_flashinfer(inp, "fa2"), _torch_sync),
         "flashinfer-fa3": (lambda inp: _extend_flashinfer(inp, "fa3"), _torch_sync),
+        "flashinfer-fa3-in-jit": (lambda inp: _extend_flashinfer(inp, "fa3", through_jax=True), _jax_sync),
         "cudnn": (_extend_cudnn, _jax_sync),
         "reference": (_extend_reference, _jax_sync),
     },
@@ -343,7 +362,7 @@ def run(op: str, case_names: list[str], backends: list[str] | None = None, sweep
         chosen = BACKENDS[op] if backends is None else {b: BACKENDS[op][b] for b in backends}
         variants = list(chosen.items())
         if sweep:
-            variants += [(f"jaxattn[{label}]", (maker, _jax_sync)) for label, maker in _sweep_variants(op, case)]
+            variants += [(f"sweep[{label}]", (maker, _jax_sync)) for label, maker in _sweep_variants(op, case)]
         for backend, (maker, sync) in variants:
             try:
                 fn = maker(inp)
@@ -363,11 +382,33 @@ def run(op: str, case_names: list[str], backends: list[str] | None = None, sweep
 
 
 def _sweep_variants(op: str, case: Case):
-    """(label, maker) for each candidate kernel configuration the op module proposes for this shape."""
-    module = __import__(f"jaxattn.{op}", fromlist=["sweep_configs"])
-    configs = module.sweep_configs(case.q_heads, case.kv_heads, case.head_dim, case.dv)
-    maker = _decode_jaxattn if op == "decode" else _extend_jaxattn
-    return [(str(c), (lambda inp, c=c: maker(inp, config=c))) for c in configs]
+    """(label, maker) for candidate kernel configurations of this shape: what a tuning table should pick from."""
+    variants = []
+    if op == "decode":
+        from jaxattn.decode import DecodeConfig
+
+        for block_n in (32, 64, 128):
+            for num_warps in (4, 8):
+                for num_stages in (2, 3, 4):
+                    if case.head_dim > 256 and (block_n > 64 or num_stages > 3):
+                        continue  # MLA tiles: shared memory
+                    config = DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+                    label = f"n{block_n} w{num_warps} s{num_stages}"
+                    variants.append((label, lambda inp, c=config: _decode_jaxattn(inp, config=c)))
+        for programs_per_sm in (4, 16):
+            variants.append((f"default pps{programs_per_sm}", lambda inp, p=programs_per_sm: _decode_jaxattn(inp, programs_per_sm=p)))
+    else:
+        from jaxattn.extend import ExtendConfig
+
+        for block_m, block_n in ((64, 64), (128, 64), (128, 128), (64, 128)):
+            for num_warps in (4, 8):
+                for num_stages in (1, 2, 3):
+                    if case.head_dim > 256 and block_m > 64:
+                        continue
+                    config = ExtendConfig(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+                    label = f"m{block_m} n{block_n} w{num_warps} s{num_stages}"
+                    variants.append((label, lambda inp, c=config: _extend_jaxattn(inp, config=c)))
+    return variants
 
 
 def markdown_table(rows: list[dict]) -> str:

@@ -222,24 +222,7 @@ class FlashInferBackend:
         key = (meta.mode, self.layer_kind(layer))
         if key not in self._wrappers:
             raise ValueError(f"layer {layer.layer_id} was not planned: pass it to FlashInferBackend.plan(batch, req_to_token, layers)")
-        wrapper = self._wrappers[key]
-        torch = self.torch
-        k_scale, v_scale = layer.k_scale, layer.v_scale
-
-        def run(ctx, outputs, q_buf, k_buf, v_buf):
-            out_buf, lse_buf = outputs
-            stream = torch.cuda.ExternalStream(ctx.stream)
-            with torch.cuda.stream(stream):
-                q_t = torch.from_dlpack(q_buf)
-                cache = (torch.from_dlpack(k_buf).unsqueeze(1), torch.from_dlpack(v_buf).unsqueeze(1))
-                wrapper.run(q_t, cache, out=torch.from_dlpack(out_buf), lse=torch.from_dlpack(lse_buf), return_lse=True,
-                            k_scale=k_scale, v_scale=v_scale)
-
-        from jax.experimental.buffer_callback import buffer_callback
-
-        out_shape = (jax.ShapeDtypeStruct((q.shape[0], layer.q_heads, layer.dv), q.dtype),
-                     jax.ShapeDtypeStruct((q.shape[0], layer.q_heads), jnp.float32))
-        o, lse2 = buffer_callback(run, out_shape, has_side_effect=False)(q, k_buffer, v_buffer)
+        o, lse2 = bridged_run(self._wrappers[key], q, k_buffer, v_buffer, layer.dv, k_scale=layer.k_scale, v_scale=layer.v_scale)
         o = jnp.where(meta.token_valid[:, None, None], o, 0).astype(q.dtype)
         lse2 = jnp.where(meta.token_valid[:, None], lse2, -jnp.inf)
         if return_lse:

@@ -70,9 +70,14 @@ def _rms_norm(x):
     return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)).astype(x.dtype)
 
 
-def forward(params, config: ToyConfig, backend, batch: ForwardBatch, req_to_token, kv_cache, token_ids):
-    """One paged step. kv_cache: list of (k_buffer, v_buffer) per layer. Returns (logits [T, vocab], kv_cache)."""
-    meta = backend.init_forward_metadata(batch, req_to_token)
+def forward(params, config: ToyConfig, backend, batch: ForwardBatch, req_to_token, kv_cache, token_ids, meta=None):
+    """One paged step. kv_cache: list of (k_buffer, v_buffer) per layer. Returns (logits [T, vocab], kv_cache).
+
+    `meta` is the backend's metadata when it was made outside the step (FlashInfer's host-side plan);
+    by default the step builds it with `backend.init_forward_metadata`.
+    """
+    if meta is None:
+        meta = backend.init_forward_metadata(batch, req_to_token)
     x = params["embed"][token_ids]
     new_cache = []
     for i, (layer_params, (k_buffer, v_buffer)) in enumerate(zip(params["layers"], kv_cache)):

@@ -307,9 +307,9 @@ SM90_CONFIGS: dict[tuple[int, int, str], DecodeConfig] = {
     (64, 64, "g16"): DecodeConfig(block_n=64, block_h=16, num_warps=4, num_stages=3),
     (128, 128, "g16"): DecodeConfig(block_n=64, block_h=16, num_warps=4, num_stages=3),
     (256, 256, "g16"): DecodeConfig(block_n=32, block_h=16, num_warps=4, num_stages=3),
-    (192, 128, "g16"): DecodeConfig(block_n=64, block_h=16, num_warps=4, num_stages=2),
+    (192, 128, "g16"): DecodeConfig(block_n=32, block_h=16, num_warps=4, num_stages=2),  # block_n 64 spills
     (288, 256, "g16"): DecodeConfig(block_n=32, block_h=16, num_warps=4, num_stages=3),
-    (576, 512, "g16"): DecodeConfig(block_n=32, block_h=16, num_warps=4, num_stages=2),
+    (576, 512, "g16"): DecodeConfig(block_n=32, block_h=16, num_warps=8, num_stages=2),  # 4 warps spill
     # Many q heads per kv head (MLA without TP, big MQA): fewer head blocks, fewer K re-reads.
     (64, 64, "g>16"): DecodeConfig(block_n=64, block_h=32, num_warps=4, num_stages=3),
     (128, 128, "g>16"): DecodeConfig(block_n=64, block_h=32, num_warps=4, num_stages=3),
@@ -601,7 +601,9 @@ def kernel_builds():
                             },
                             num_warps=config.num_warps,
                             num_stages=config.num_stages,
-                            expects_wgmma=False,  # M = BLOCK_H < 64 per warpgroup: mma.sync (see kernel_builds notes)
+                            # M = BLOCK_H (16 or 32) < 64 rows per warpgroup: Triton emits mma.sync, not wgmma
+                            # (checked with `python -m jaxattn.aot -k decode`); decode is bandwidth-bound.
+                            expects_wgmma=False,
                             label=f"{dtype} {qk_dim}/{v_dim} {group_key}{' v_from_k' if v_from_k else ''}",
                         )
                     )

@@ -1,0 +1,241 @@
+"""Split-KV decode attention kernels (page size 1): stage 1 attends each split, stage 2 merges the splits.
+
+Layout (jaxattn's, see jaxattn/reference.py): one query per sequence, the last token of its KV list.
+Sequence b attends to the keys in slots ``KV_INDICES[KV_INDPTR[b]:KV_INDPTR[b+1]]`` (the current token
+included). With a sliding window W >= 0 only the last W + 1 listed keys are visible, so both stages
+work on the "effective" range: the last ``min(kv_len, W + 1)`` listed keys.
+
+Split geometry (shared by both stages through `_split_geometry`): with ``L`` the effective length and
+``n = clamp(NUM_KV_SPLITS[b], 1, MAX_KV_SPLITS)``, every split covers
+``per_split = cdiv(cdiv(L, n), MIN_BLOCK_KV) * MIN_BLOCK_KV`` keys; split s is ``[s * per_split,
+min((s + 1) * per_split, L))`` and is skipped by both stages when empty (its partial buffers are never
+written nor read).
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+# Reductions through tl.reduce with module-level combine functions rather than tl.max/tl.sum: jaxattn.launch
+# converts this module's @jit functions for the interpreter, not triton.language.standard's (tl.max, tl.sum,
+# tl.zeros, tl.cdiv are @jit functions there), so kernels here use only builtins and local helpers.
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _sum_combine(a, b):
+    return a + b
+
+
+@triton.jit
+def _effective_range(KV_INDPTR, seq, SLIDING_WINDOW: tl.constexpr):
+    """(first listed index, effective length) of sequence `seq`'s visible keys."""
+    kv_begin = tl.load(KV_INDPTR + seq).to(tl.int64)
+    kv_len = tl.load(KV_INDPTR + seq + 1).to(tl.int64) - kv_begin
+    kv_len = tl.maximum(kv_len, 0)
+    if SLIDING_WINDOW >= 0:
+        # The query is the last listed key: key j is visible iff (kv_len - 1 - j) <= W.
+        skipped = tl.maximum(kv_len - (SLIDING_WINDOW + 1), 0)
+        kv_begin = kv_begin + skipped
+        kv_len = kv_len - skipped
+    return kv_begin, kv_len
+
+
+@triton.jit
+def _split_geometry(NUM_KV_SPLITS, seq, kv_len, MAX_KV_SPLITS: tl.constexpr, MIN_BLOCK_KV: tl.constexpr):
+    """Keys per split for a sequence of effective length kv_len (see the module docstring)."""
+    num_splits = tl.load(NUM_KV_SPLITS + seq)
+    num_splits = tl.minimum(tl.maximum(num_splits, 1), MAX_KV_SPLITS).to(tl.int64)
+    # (no tl.cdiv: standard-library @jit helpers are not converted for the interpreter by jaxattn.launch)
+    per_split = ((kv_len + num_splits - 1) // num_splits + MIN_BLOCK_KV - 1) // MIN_BLOCK_KV * MIN_BLOCK_KV
+    return num_splits, per_split
+
+
+@triton.jit
+def decode_stage1_kernel(
+    Q,  # [batch, q_heads, qk_head_dim]
+    K_POOL,  # [slots, kv_heads, qk_head_dim]
+    V_POOL,  # [slots, kv_heads, v_head_dim], or K_POOL itself when V is the first v_head_dim dims of K
+    KV_INDPTR,  # i32[batch + 1]
+    KV_INDICES,  # i32/i64[kv_capacity]
+    NUM_KV_SPLITS,  # i32[batch]
+    SEQ_LENS,  # i32[batch]: full sequence length; the query sits at position SEQ_LENS[b] - 1
+    MID_O,  # out: f32[batch, q_heads, MAX_KV_SPLITS, v_head_dim], per-split normalised output
+    MID_LSE,  # out: f32[batch, q_heads, MAX_KV_SPLITS], per-split natural-log LSE
+    SM_SCALE: tl.constexpr,
+    LOGIT_CAP: tl.constexpr,  # > 0: soft cap cap * tanh(s / cap)
+    XAI_TEMPERATURE_LEN: tl.constexpr,  # > 0: Grok's position-dependent temperature
+    XAI_INV_LOG2_LEN: tl.constexpr,  # 1 / log2(XAI_TEMPERATURE_LEN)
+    SLIDING_WINDOW: tl.constexpr,  # >= 0: only the last W + 1 keys are visible
+    Q_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,  # q heads per kv head
+    STRIDE_K_SLOT: tl.constexpr,
+    STRIDE_K_HEAD: tl.constexpr,
+    STRIDE_V_SLOT: tl.constexpr,
+    STRIDE_V_HEAD: tl.constexpr,
+    QK_HEAD_DIM: tl.constexpr,
+    V_HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # the first BLOCK_D dims of q/k (power of 2)
+    BLOCK_DPE: tl.constexpr,  # the remaining dims (MLA rope part), 0 if none (power of 2)
+    BLOCK_DV: tl.constexpr,
+    V_FROM_K: tl.constexpr,  # V is the K tile's first BLOCK_D dims: reuse the loaded K tile
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MAX_KV_SPLITS: tl.constexpr,
+    MIN_BLOCK_KV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tl.static_assert(BLOCK_H >= 16, "tl.dot needs at least 16 rows")
+    tl.static_assert(BLOCK_N >= 16, "tl.dot needs at least 16 columns")
+    tl.static_assert(BLOCK_D + BLOCK_DPE >= QK_HEAD_DIM)
+    tl.static_assert(BLOCK_DV >= V_HEAD_DIM)
+    tl.static_assert((not V_FROM_K) or (BLOCK_DV == BLOCK_D and V_HEAD_DIM == BLOCK_D))
+    HEAD_BLOCKS_PER_KV: tl.constexpr = (GROUP + BLOCK_H - 1) // BLOCK_H
+
+    seq = tl.program_id(0).to(tl.int64)
+    head_block = tl.program_id(1)
+    split = tl.program_id(2).to(tl.int64)
+
+    kv_begin, kv_len = _effective_range(KV_INDPTR, seq, SLIDING_WINDOW)
+    num_splits, per_split = _split_geometry(NUM_KV_SPLITS, seq, kv_len, MAX_KV_SPLITS, MIN_BLOCK_KV)
+    split_start = split * per_split
+    split_end = tl.minimum(split_start + per_split, kv_len)
+    # An empty split runs no loop iteration and stores nothing (stage 2 skips it). No early `if`: the body stays
+    # a plain loop, which Triton's software pipeliner handles.
+    non_empty = split_end > split_start
+    kv_head = head_block // HEAD_BLOCKS_PER_KV
+    group_offs = (head_block % HEAD_BLOCKS_PER_KV) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = group_offs < GROUP
+    heads = kv_head * GROUP + group_offs  # [BLOCK_H]
+
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < QK_HEAD_DIM
+    q_rows = Q + seq * (Q_HEADS * QK_HEAD_DIM) + heads[:, None] * QK_HEAD_DIM
+    q = tl.load(q_rows + offs_d[None, :], mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+    if BLOCK_DPE > 0:
+        offs_dpe = BLOCK_D + tl.arange(0, BLOCK_DPE)
+        mask_dpe = offs_dpe < QK_HEAD_DIM
+        q_pe = tl.load(q_rows + offs_dpe[None, :], mask=mask_h[:, None] & mask_dpe[None, :], other=0.0)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < V_HEAD_DIM
+
+    # Everything the loop needs to turn q.k into a base-2 logit.
+    if XAI_TEMPERATURE_LEN > 0:
+        q_pos = (tl.load(SEQ_LENS + seq) - 1).to(tl.float32)
+        xai = tl.where(q_pos > XAI_TEMPERATURE_LEN, tl.log2(tl.maximum(q_pos, 1.0)) * XAI_INV_LOG2_LEN, 1.0)
+    else:
+        xai = 1.0
+    if LOGIT_CAP > 0:
+        post_scale = xai * LOG2E
+    else:
+        post_scale = xai * (SM_SCALE * LOG2E)  # fold everything into one multiply
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, log2 domain
+    l_i = tl.full([BLOCK_H], 0.0, tl.float32)
+    acc = tl.full([BLOCK_H, BLOCK_DV], 0.0, tl.float32)
+    k_head = K_POOL + kv_head.to(tl.int64) * STRIDE_K_HEAD
+    v_head = V_POOL + kv_head.to(tl.int64) * STRIDE_V_HEAD
+    split_len = tl.maximum(split_end - split_start, 0).to(tl.int32)
+    kv_base = KV_INDICES + kv_begin + split_start
+    for start in range(0, split_len, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < split_len
+        # int64 slots: slot * stride can pass 2**31 on big pools.
+        slots = tl.load(kv_base + offs_n, mask=mask_n, other=0).to(tl.int64)
+        k_rows = k_head + slots[:, None] * STRIDE_K_SLOT
+        k = tl.load(k_rows + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N] f32
+        if BLOCK_DPE > 0:
+            k_pe = tl.load(k_rows + offs_dpe[None, :], mask=mask_n[:, None] & mask_dpe[None, :], other=0.0)
+            qk += tl.dot(q_pe, tl.trans(k_pe.to(q_pe.dtype)), input_precision=DOT_PRECISION)
+        if LOGIT_CAP > 0:
+            # cap * tanh(s / cap), with tanh(x) = 2 * sigmoid(2x) - 1 (saturates cleanly at +-1).
+            qk = qk * SM_SCALE
+            qk = LOGIT_CAP * (2.0 / (1.0 + tl.exp(-2.0 * (qk / LOGIT_CAP))) - 1.0)
+        qk = qk * post_scale
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.reduce(qk, 1, _max_combine))
+        # Guard: a row whose keys are all masked keeps max -inf; use 0 so exp2 gives 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(qk - m_safe[:, None])
+        l_i = l_i * alpha + tl.reduce(p, 1, _sum_combine)
+        if V_FROM_K:
+            v = k
+        else:
+            v = tl.load(
+                v_head + slots[:, None] * STRIDE_V_SLOT + offs_dv[None, :], mask=mask_n[:, None] & mask_dv[None, :], other=0.0
+            )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has_keys = l_i > 0
+    safe_l = tl.where(has_keys, l_i, 1.0)
+    out = acc / safe_l[:, None]
+    lse = tl.where(has_keys, (m_i + tl.log2(safe_l)) * LN2, float("-inf"))
+    row = (seq * Q_HEADS + heads) * MAX_KV_SPLITS + split  # [BLOCK_H]
+    tl.store(MID_O + row[:, None] * V_HEAD_DIM + offs_dv[None, :], out, mask=(mask_h & non_empty)[:, None] & mask_dv[None, :])
+    tl.store(MID_LSE + row, lse, mask=mask_h & non_empty)
+
+
+@triton.jit
+def decode_stage2_kernel(
+    MID_O,  # f32[batch, q_heads, MAX_KV_SPLITS, v_head_dim]
+    MID_LSE,  # f32[batch, q_heads, MAX_KV_SPLITS]
+    KV_INDPTR,  # i32[batch + 1]
+    NUM_KV_SPLITS,  # i32[batch]
+    SINKS,  # f32[q_heads] (ignored unless HAS_SINK)
+    O,  # out: [batch, q_heads, v_head_dim]
+    LSE,  # out: f32[batch, q_heads]
+    SLIDING_WINDOW: tl.constexpr,
+    Q_HEADS: tl.constexpr,
+    V_HEAD_DIM: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    MAX_KV_SPLITS: tl.constexpr,
+    MIN_BLOCK_KV: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    _, kv_len = _effective_range(KV_INDPTR, seq, SLIDING_WINDOW)
+    num_splits, per_split = _split_geometry(NUM_KV_SPLITS, seq, kv_len, MAX_KV_SPLITS, MIN_BLOCK_KV)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < V_HEAD_DIM
+    row = seq * Q_HEADS + head
+
+    m = float("-inf")
+    denom = 0.0
+    acc = tl.full([BLOCK_DV], 0.0, tl.float32)
+    # Sequential over splits: a fixed reduction order, so the result depends only on the split geometry.
+    for split in range(0, num_splits):
+        split_start = split * per_split
+        split_end = tl.minimum(split_start + per_split, kv_len)
+        if split_end > split_start:
+            lse_s = tl.load(MID_LSE + row * MAX_KV_SPLITS + split)
+            o_s = tl.load(MID_O + (row * MAX_KV_SPLITS + split) * V_HEAD_DIM + offs_dv, mask=mask_dv, other=0.0)
+            m_new = tl.maximum(m, lse_s)  # finite: a non-empty split has keys
+            alpha = tl.exp(m - m_new)
+            w = tl.exp(lse_s - m_new)
+            acc = acc * alpha + w * o_s
+            denom = denom * alpha + w
+            m = m_new
+    if HAS_SINK:
+        # The sink adds exp(sink) to the denominator only.
+        sink = tl.load(SINKS + head).to(tl.float32)
+        m_new = tl.maximum(m, sink)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no keys and a -inf sink: stay empty, no NaN
+        alpha = tl.exp(m - m_safe)
+        acc = acc * alpha
+        denom = denom * alpha + tl.exp(sink - m_safe)
+        m = m_safe
+    has_keys = denom > 0
+    safe = tl.where(has_keys, denom, 1.0)
+    out = tl.where(has_keys, acc / safe, 0.0)
+    tl.store(O + row * V_HEAD_DIM + offs_dv, out.to(O.dtype.element_ty), mask=mask_dv)
+    tl.store(LSE + row, tl.where(has_keys, m + tl.log(safe), float("-inf")))

@@ -73,7 +73,7 @@ def kernel_module(name: str, mode: str):
         import triton
         from triton.runtime.interpreter import InterpretedFunction
 
-        _patch_interpreter_index()
+        _patch_interpreter()
         compiled = importlib.import_module(full_name)
         spec = importlib.util.spec_from_file_location(f"{full_name}__interpreted", compiled.__file__)
         module = importlib.util.module_from_spec(spec)
@@ -94,20 +94,24 @@ def kernel_module(name: str, mode: str):
         return module
 
 
-_index_patched = False
+_interpreter_patched = False
 
 
-def _patch_interpreter_index():
-    """Lets interpreted scalars (1-element numpy arrays) be used as `range` bounds on numpy >= 2.5.
+def _patch_interpreter():
+    """Two fixes to Triton 3.6's interpreter, applied once, before the first interpreted launch.
 
-    Triton 3.6's interpreter implements `tensor.__index__` as `int(array)`, which numpy 2.5 rejects
-    for arrays of rank 1 ("only 0-dimensional arrays can be converted"). Kernels loop over
-    `range(0, length, BLOCK)` with a loaded length, so convert through `.item()` instead.
+    * `tensor.__index__` is `int(array)`, which numpy >= 2.5 rejects for the interpreter's rank-1 scalars
+      ("only 0-dimensional arrays can be converted"); kernels use loaded lengths as `range` bounds.
+    * Triton's own helpers (`tl.max`, `tl.sum`, `tl.zeros`, `tl.cdiv`, ...) were decorated when triton was
+      imported without the interpreter, so they are compiled-only JITFunctions whose `__call__` just raises.
+      Calling one (which only ever happens under the interpreter: compiled kernels never run Python calls)
+      now runs it interpreted.
     """
-    global _index_patched
-    if _index_patched:
+    global _interpreter_patched
+    if _interpreter_patched:
         return
     from triton.runtime import interpreter
+    from triton.runtime.jit import JITFunction
 
     original = interpreter._patch_lang_tensor
 
@@ -116,7 +120,17 @@ def _patch_interpreter_index():
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     interpreter._patch_lang_tensor = patched
-    _index_patched = True
+
+    interpreted_helpers = {}
+
+    def call_interpreted(self, *args, **kwargs):
+        helper = interpreted_helpers.get(self.fn)
+        if helper is None:
+            helper = interpreted_helpers[self.fn] = interpreter.InterpretedFunction(self.fn)
+        return helper(*args, **kwargs)
+
+    JITFunction.__call__ = call_interpreted
+    _interpreter_patched = True
 
 
 # ---------------------------------------------------------------------------------------------

@@ -141,8 +141,9 @@ def ragged_paged_attention_reference(
         slots = kv_indices[jnp.clip(kv_start + j, 0, kv_indices.shape[0] - 1)]
         slots = jnp.clip(slots, 0, num_slots - 1)
         qb = q[q_rows].astype(jnp.float32)  # [Q, Hq, D]
-        kb = k_pool[slots].astype(jnp.float32)  # [K, Hkv, D]
-        vb = v_pool[slots].astype(jnp.float32)  # [K, Hkv, Dv]
+        # Rows past the list's end are zeroed: the slots there are arbitrary and may hold NaN (0 * NaN = NaN).
+        kb = jnp.where(k_valid[:, None, None], k_pool[slots].astype(jnp.float32), 0.0)  # [K, Hkv, D]
+        vb = jnp.where(k_valid[:, None, None], v_pool[slots].astype(jnp.float32), 0.0)  # [K, Hkv, Dv]
         qb = qb.reshape(max_q_len, kv_heads, group, qk_dim)
         s = jnp.einsum("qhgd,khd->hgqk", qb, kb, precision=jax.lax.Precision.HIGHEST) * sm_scale
         if logit_cap > 0:

@@ -66,3 +66,12 @@ def test_aliased_output_updates_only_named_rows(rng, mode):
     want = np.asarray(pool).copy()
     want[[7, 2, 5]] += np.asarray(values)
     np.testing.assert_allclose(f(pool, slots, values), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_kernels_can_use_tritons_library_helpers(rng, mode):
+    x = jnp.asarray(rng.standard_normal((5, 13)), jnp.float32)
+    out = launch(("tests.launch_kernels", "row_stats_kernel"), x, out_shape=jax.ShapeDtypeStruct((5, 3), jnp.float32),
+                 grid=(5,), mode=mode, COLS=13, BLOCK=16)
+    want = np.stack([np.max(x, 1), np.sum(x, 1), (np.arange(5) + 13 + 3) // 4], 1)
+    np.testing.assert_allclose(out, want, rtol=1e-5)

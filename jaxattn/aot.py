@@ -29,6 +29,7 @@ class KernelBuild:
     num_warps: int = 4
     num_stages: int = 1
     expects_wgmma: bool = False  # a tl.dot kernel on bf16/fp16 should use Hopper's wgmma
+    expects_pipelining: bool = False  # its main loop's loads should be software-pipelined (cp.async / TMA in the PTX)
     label: str = ""  # what configuration this is, for the report
 
     @property
@@ -36,10 +37,12 @@ class KernelBuild:
         return f"{self.module}.{self.function}[{self.label}]"
 
 
-def build(module, function, signature, constexprs, *, num_warps=4, num_stages=1, expects_wgmma=False, label=""):
+def build(module, function, signature, constexprs, *, num_warps=4, num_stages=1, expects_wgmma=False,
+          expects_pipelining=False, label=""):
     """Convenience constructor taking dicts."""
     return KernelBuild(
-        module, function, tuple(signature.items()), tuple(sorted(constexprs.items())), num_warps, num_stages, expects_wgmma, label
+        module, function, tuple(signature.items()), tuple(sorted(constexprs.items())), num_warps, num_stages, expects_wgmma,
+        expects_pipelining, label,
     )
 
 
@@ -50,6 +53,7 @@ class CompiledReport:
     registers: int | None
     spills: int | None
     has_wgmma: bool
+    has_async_copy: bool  # cp.async or TMA loads: the pipeliner turned loads into asynchronous copies
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,12 +66,16 @@ def compile_build(kb: KernelBuild, target: tuple = H200_TARGET) -> CompiledRepor
     fn = getattr(importlib.import_module(f"jaxattn.kernels.{kb.module}"), kb.function)
     constexprs = dict(kb.constexprs)
     signature = dict(kb.signature)
+    # jax-triton tells Triton that every array argument is 16-byte aligned (XLA's buffers are); without the
+    # same hint here the compiler assumes 2-byte alignment, cannot use cp.async and does not pipeline loads.
+    aligned = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t.startswith("*")}
     signature.update({name: "constexpr" for name in constexprs})
-    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
     compiled = triton.compile(source, target=GPUTarget(*target), options={"num_warps": kb.num_warps, "num_stages": kb.num_stages})
     ptx = compiled.asm.get("ptx", "")
     registers, spills = _ptxas_resources(ptx, target[1])
-    return CompiledReport(kb, int(compiled.metadata.shared), registers, spills, "wgmma" in ptx)
+    has_async = "cp.async" in ptx or "cp.async.bulk" in ptx
+    return CompiledReport(kb, int(compiled.metadata.shared), registers, spills, "wgmma" in ptx, has_async)
 
 
 def _ptxas_resources(ptx: str, arch: int) -> tuple[int | None, int | None]:
@@ -127,7 +135,8 @@ def main(argv=None) -> int:
         spills = "?" if report.spills is None else report.spills
         print(
             f"{kb.key:90s} warps={kb.num_warps} stages={kb.num_stages} shared={report.shared_bytes:7d} B "
-            f"regs={regs} spills={spills} wgmma={'yes' if report.has_wgmma else 'no'}"
+            f"regs={regs} spills={spills} wgmma={'yes' if report.has_wgmma else 'no'} "
+            f"async_copy={'yes' if report.has_async_copy else 'no'}"
         )
     return 0
 

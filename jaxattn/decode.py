@@ -604,6 +604,7 @@ def kernel_builds():
                             # M = BLOCK_H (16 or 32) < 64 rows per warpgroup: Triton emits mma.sync, not wgmma
                             # (checked with `python -m jaxattn.aot -k decode`); decode is bandwidth-bound.
                             expects_wgmma=False,
+                            expects_pipelining=config.num_stages > 1,
                             label=f"{dtype} {qk_dim}/{v_dim} {group_key}{' v_from_k' if v_from_k else ''}",
                         )
                     )

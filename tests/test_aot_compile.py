@@ -18,6 +18,8 @@ def test_compiles_for_sm90_within_limits(kb):
     assert report.shared_bytes <= H200_SHARED_LIMIT_BYTES, f"{kb.key} needs {report.shared_bytes} B of shared memory"
     if kb.expects_wgmma:
         assert report.has_wgmma, f"{kb.key} is built around tl.dot on 16-bit inputs but its PTX has no wgmma"
+    if kb.expects_pipelining:
+        assert report.has_async_copy, f"{kb.key} runs {kb.num_stages} stages but its loads are not pipelined (no cp.async)"
     if report.spills is not None:
         # Spills are allowed but reported; a big spill is a tuning bug worth failing on.
         assert report.spills <= 1024, f"{kb.key} spills {report.spills} bytes"

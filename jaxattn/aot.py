@@ -107,6 +107,7 @@ def shipped_builds() -> list[KernelBuild]:
 OP_MODULES = [
     "jaxattn.kv_indices",
     "jaxattn.merge_state",
+    "jaxattn.extend",
 ]
 
 

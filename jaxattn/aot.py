@@ -116,6 +116,7 @@ OP_MODULES = [
     "jaxattn.kv_indices",
     "jaxattn.merge_state",
     "jaxattn.decode",
+    "jaxattn.extend",
 ]
 
 

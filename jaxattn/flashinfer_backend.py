@@ -128,6 +128,28 @@ def plan_arguments(batch: ForwardBatch, req_to_token, *, sliding_window: int = -
 # ---------------------------------------------------------------------------------------------
 
 
+def bridged_run(wrapper, q, k_buffer, v_buffer, v_head_dim: int, *, k_scale=None, v_scale=None):
+    """Runs a planned FlashInfer wrapper on JAX arrays, inside or outside jit, with no copies.
+
+    `jax.experimental.buffer_callback` hands the callback XLA's device buffers and stream; torch sees them
+    through DLPack and FlashInfer runs on `torch.cuda.ExternalStream(stream)`, so the kernel is ordered with
+    the rest of the XLA program. Returns (o [T, q_heads, v_head_dim], base-2 lse f32[T, q_heads]).
+    """
+    import torch
+    from jax.experimental.buffer_callback import buffer_callback
+
+    def run(ctx, outputs, q_buf, k_buf, v_buf):
+        out_buf, lse_buf = outputs
+        with torch.cuda.stream(torch.cuda.ExternalStream(ctx.stream)):
+            cache = (torch.from_dlpack(k_buf).unsqueeze(1), torch.from_dlpack(v_buf).unsqueeze(1))
+            wrapper.run(torch.from_dlpack(q_buf), cache, out=torch.from_dlpack(out_buf), lse=torch.from_dlpack(lse_buf),
+                        return_lse=True, k_scale=k_scale, v_scale=v_scale)
+
+    out_shape = (jax.ShapeDtypeStruct((q.shape[0], q.shape[1], v_head_dim), q.dtype),
+                 jax.ShapeDtypeStruct((q.shape[0], q.shape[1]), jnp.float32))
+    return buffer_callback(run, out_shape)(q, k_buffer, v_buffer)
+
+
 def token_valid(batch: ForwardBatch) -> np.ndarray:
     """bool[T]: tokens that belong to a real sequence (others are padding and get zero output)."""
     if batch.mode == ForwardMode.DECODE:

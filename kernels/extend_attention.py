@@ -1,0 +1,437 @@
+"""Extend (prefill with a cached prefix) attention kernels: SGLang's two-stage kernel and the deterministic unified one.
+
+Layout: page size 1, pools ``[slots, kv_heads, head_dim]``, queries ``[tokens, q_heads, qk_head_dim]``, all contiguous.
+Positions are counted from the first *listed* key of a sequence ("listed coordinates"): the P listed prefix keys
+sit at 0..P-1, the new tokens at P..P+q_len-1. A windowed prefix list (only the last keys) shifts every position
+by the same amount, so causal and window tests hold; KV_START_POS (the absolute position of the first listed key)
+is added only where absolute positions matter (xai temperature, custom-mask columns).
+
+Score pipeline (SGLang's order), computed in base 2: ``s = q.k * sm_scale``; ``s = cap * tanh(s / cap)``;
+``s *= xai_reg(q_pos)``; mask. log2(e) is folded into the last multiply so the softmax uses exp2.
+
+Both kernels share `_fwd_inner`, the tutorial-06-style carry helper called once on the tiles every row of the
+q-block fully sees (no mask work) and once on the tiles that need masking (diagonal, window, custom mask, the
+ragged end). Tiles always start at multiples of BLOCK_N in listed-key order, so in the unified kernel a token's
+reduction order depends only on absolute key positions, not on where the prefix/new split falls.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+# Only builtins and this module's helpers below: the launch layer's interpreter converts this module's @triton.jit
+# functions, not triton.language's own (tl.max, tl.sum, tl.zeros, tl.sigmoid, tl.cdiv are @jit there).
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0
+
+
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _sum_combine(a, b):
+    return a + b
+
+
+@triton.jit
+def _fwd_inner(
+    acc,  # f32[BLOCK_M, BLOCK_DV]
+    l_i,  # f32[BLOCK_M]: softmax denominator (base-2 exponentials)
+    m_i,  # f32[BLOCK_M]: running max of the base-2 scores
+    q,  # [BLOCK_M, BLOCK_D]
+    qpe,  # [BLOCK_M, BLOCK_DPE] (rope part) or a dummy when BLOCK_DPE == 0
+    row_scale,  # f32[BLOCK_M]: xai temperature per row (1 when off)
+    q_pos,  # i32[BLOCK_M]: query positions, listed coordinates
+    mask_rows,  # i64[BLOCK_M]: flat custom-mask offset of each row's column 0 (listed coordinates)
+    row_valid,  # i1[BLOCK_M]
+    K,
+    V,  # [rows, KV_HEADS, D]: the pool (GATHER) or the contiguous new tokens
+    KV_INDICES,  # slots when GATHER
+    MASK,  # u8 custom mask
+    idx_base,  # i64: first source row (contiguous) or first kv_indices entry (GATHER)
+    k_pos_base,  # position (listed coordinates) of source key 0
+    k_limit,  # number of source keys
+    shift,  # tile start offset: tile t covers source keys t - shift .. t - shift + BLOCK_N - 1 (0 <= shift < BLOCK_N)
+    lo,
+    hi,  # tile range [lo, hi) (source index + shift); lo a multiple of BLOCK_N
+    kv_head,
+    MASKED: tl.constexpr,
+    GATHER: tl.constexpr,
+    APPLY_CAUSAL: tl.constexpr,
+    APPLY_MASK: tl.constexpr,
+    WINDOW: tl.constexpr,
+    QK_SCALE: tl.constexpr,  # sm_scale * log2(e) (no cap) or sm_scale / cap (cap)
+    LOGIT_CAP: tl.constexpr,
+    USE_XAI: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    D_QK: tl.constexpr,
+    D_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DPE: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_d = offs_d < D_QK
+    mask_dv = offs_dv < D_V
+    # Fold the head into scalar base pointers so only [BLOCK_N] row offsets are per-tile (keeps loop-invariant 2-D
+    # offset tensors out of registers).
+    K = K + kv_head * D_QK
+    V = V + kv_head * D_V
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        n = start_n + offs_n - shift
+        if MASKED:
+            k_valid = (n >= 0) & (n < k_limit)
+            if GATHER:
+                rows = tl.load(KV_INDICES + idx_base + n, mask=k_valid, other=0).to(tl.int64)
+            else:
+                rows = idx_base + n
+        else:
+            if GATHER:
+                rows = tl.load(KV_INDICES + idx_base + n).to(tl.int64)
+            else:
+                rows = idx_base + n
+        # K transposed [BLOCK_D, BLOCK_N]; int64 offsets: slot * stride can pass 2**31.
+        k_ptrs = K + (rows * (KV_HEADS * D_QK))[None, :] + offs_d[:, None]
+        if MASKED:
+            k = tl.load(k_ptrs, mask=k_valid[None, :] & mask_d[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=mask_d[:, None], other=0.0)
+        qk = tl.dot(q, k, input_precision=DOT_PRECISION)
+        if BLOCK_DPE > 0:
+            offs_dpe = BLOCK_D + tl.arange(0, BLOCK_DPE)
+            kpe_ptrs = K + (rows * (KV_HEADS * D_QK))[None, :] + offs_dpe[:, None]
+            if MASKED:
+                kpe = tl.load(kpe_ptrs, mask=k_valid[None, :], other=0.0)
+            else:
+                kpe = tl.load(kpe_ptrs)
+            qk = tl.dot(qpe, kpe, qk, input_precision=DOT_PRECISION)
+        if LOGIT_CAP > 0:
+            qk = (LOGIT_CAP * 1.4426950408889634) * _tanh(qk * QK_SCALE)
+        else:
+            qk = qk * QK_SCALE
+        if USE_XAI:
+            qk = qk * row_scale[:, None]
+        if MASKED:
+            k_pos = k_pos_base + n
+            visible = k_valid[None, :]
+            if APPLY_MASK:
+                custom = tl.load(
+                    MASK + mask_rows[:, None] + k_pos[None, :],
+                    mask=row_valid[:, None] & k_valid[None, :],
+                    other=0,
+                )
+                visible = visible & (custom != 0)
+            elif APPLY_CAUSAL:
+                visible = visible & (k_pos[None, :] <= q_pos[:, None])
+            if WINDOW >= 0:
+                visible = visible & (q_pos[:, None] - k_pos[None, :] <= WINDOW)
+            qk = tl.where(visible, qk, float("-inf"))
+            row_max = tl.reduce(qk, 1, _max_combine)
+            # A row with nothing visible yet keeps max -1e20 (not -inf) so exp2(-inf - max) stays 0, never NaN.
+            row_max = tl.where(row_max == float("-inf"), -1e20, row_max)
+        else:
+            row_max = tl.reduce(qk, 1, _max_combine)
+        m_new = tl.maximum(m_i, row_max)
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.reduce(p, 1, _sum_combine)
+        v_ptrs = V + (rows * (KV_HEADS * D_V))[:, None] + offs_dv[None, :]
+        if MASKED:
+            v = tl.load(v_ptrs, mask=k_valid[:, None] & mask_dv[None, :], other=0.0)
+        else:
+            v = tl.load(v_ptrs, mask=mask_dv[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _finish_and_store(acc, l_i, m_i, SINKS, O, head, o_rows, row_valid, Q_HEADS: tl.constexpr, D_V: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SINK: tl.constexpr):
+    if HAS_SINK:
+        # The sink joins the denominator only (natural-log logit, not scaled): fold it in at a common max.
+        sink = tl.load(SINKS + head).to(tl.float32) * 1.4426950408889634
+        m_f = tl.maximum(m_i, sink)
+        alpha = tl.math.exp2(m_i - m_f)
+        l_i = l_i * alpha + tl.math.exp2(sink - m_f)
+        acc = acc * alpha[:, None]
+    # A row with no visible key has l == 0 and acc == 0: output 0, never NaN.
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    offs_dv = tl.arange(0, BLOCK_DV)
+    o_ptrs = O + o_rows[:, None] * (Q_HEADS * D_V) + head * D_V + offs_dv[None, :]
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_valid[:, None] & (offs_dv[None, :] < D_V))
+
+
+@triton.jit
+def _load_q(Q, q_rows, row_valid, head, Q_HEADS: tl.constexpr, D_QK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr):
+    offs_d = tl.arange(0, BLOCK_D)
+    base = Q + q_rows[:, None] * (Q_HEADS * D_QK) + head * D_QK
+    q = tl.load(base + offs_d[None, :], mask=row_valid[:, None] & (offs_d[None, :] < D_QK), other=0.0)
+    if BLOCK_DPE > 0:
+        offs_dpe = BLOCK_D + tl.arange(0, BLOCK_DPE)
+        qpe = tl.load(base + offs_dpe[None, :], mask=row_valid[:, None], other=0.0)
+    else:
+        qpe = q
+    return q, qpe
+
+
+@triton.jit
+def _xai_scale(abs_pos, XAI_LEN: tl.constexpr, XAI_INV_LOG2_LEN: tl.constexpr):
+    # Grok's temperature, SGLang's 2-stage/decode formula: log2(pos) / log2(L) for pos > L, else 1.
+    # (SGLang's unified kernel uses L / (pos + 1) instead; jaxattn uses this one formula in both kernels.)
+    pos = abs_pos.to(tl.float32)
+    return tl.where(pos > XAI_LEN, tl.log2(tl.maximum(pos, 1.0)) * XAI_INV_LOG2_LEN, 1.0)
+
+
+@triton.jit
+def _q_block(qo_start, q_len, BLOCK_M: tl.constexpr):
+    """Maps program axis 2 to this sequence's q-blocks, last (heaviest under causal) first. -1: nothing to do."""
+    num_blocks = (q_len + BLOCK_M - 1) // BLOCK_M
+    pid = tl.program_id(2)
+    return tl.where(pid < num_blocks, num_blocks - 1 - pid, -1)
+
+
+@triton.jit
+def extend_attention_kernel(
+    Q,  # [tokens, Q_HEADS, D_QK]: the new tokens' queries, sequence b at QO_INDPTR[b]:QO_INDPTR[b+1]
+    K_NEW,  # [tokens, KV_HEADS, D_QK]: the new tokens' keys (contiguous, same rows as Q)
+    V_NEW,  # [tokens, KV_HEADS, D_V]
+    K_POOL,  # [slots, KV_HEADS, D_QK]: the cache
+    V_POOL,  # [slots, KV_HEADS, D_V]
+    QO_INDPTR,  # i32[batch + 1]
+    KV_INDPTR,  # i32[batch + 1]: CSR of the listed (cached, possibly windowed) prefix
+    KV_INDICES,  # i32/i64[kv_capacity]: prefix slots
+    KV_START_POS,  # i32[batch]: absolute position of the first listed prefix key (prefix keys dropped by a window)
+    MASK,  # u8[mask_len]: custom mask, per sequence row-major [q_len, KV_START_POS + P + q_len] (dummy if unused)
+    MASK_INDPTR,  # i32/i64[batch + 1] (dummy if unused)
+    SINKS,  # f32[Q_HEADS] (dummy if unused)
+    O,  # out: [tokens, Q_HEADS, D_V]
+    Q_HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    D_QK: tl.constexpr,
+    D_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DPE: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    QK_SCALE: tl.constexpr,  # sm_scale * log2(e), or sm_scale / logit_cap with a cap (the wrapper folds it)
+    LOGIT_CAP: tl.constexpr,
+    XAI_LEN: tl.constexpr,
+    XAI_INV_LOG2_LEN: tl.constexpr,
+    WINDOW: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    USE_MASK: tl.constexpr,
+    SKIP_PREFIX_MASK: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tl.static_assert(Q_HEADS % KV_HEADS == 0)
+    head = tl.program_id(0)
+    seq = tl.program_id(1)
+    kv_head = head // (Q_HEADS // KV_HEADS)
+    qo_start = tl.load(QO_INDPTR + seq)
+    q_len = tl.load(QO_INDPTR + seq + 1) - qo_start
+    block_m = _q_block(qo_start, q_len, BLOCK_M)
+    if block_m < 0:
+        return
+    kv_start = tl.load(KV_INDPTR + seq)
+    prefix_len = tl.load(KV_INDPTR + seq + 1) - kv_start
+    start_pos = tl.load(KV_START_POS + seq)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    i = block_m * BLOCK_M + offs_m  # query index within the sequence's new tokens
+    row_valid = i < q_len
+    q_rows = qo_start.to(tl.int64) + i
+    q_pos = prefix_len + i  # listed coordinates
+    q, qpe = _load_q(Q, q_rows, row_valid, head, Q_HEADS, D_QK, BLOCK_D, BLOCK_DPE)
+    if XAI_LEN > 0:
+        row_scale = _xai_scale(start_pos + q_pos, XAI_LEN, XAI_INV_LOG2_LEN)
+    else:
+        row_scale = tl.full([BLOCK_M], 1.0, tl.float32)
+    if USE_MASK:
+        # Full-width rows: the window-dropped prefix columns come first, then the listed prefix, then the new tokens.
+        mask_start = tl.load(MASK_INDPTR + seq).to(tl.int64)
+        mask_rows = mask_start + i.to(tl.int64) * (start_pos + prefix_len + q_len) + start_pos
+    else:
+        mask_rows = i.to(tl.int64)
+
+    acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    q_first = block_m * BLOCK_M  # smallest new-token index in this block
+    q_last = tl.minimum(q_len, q_first + BLOCK_M) - 1
+
+    # Stage 1: the listed prefix through KV_INDICES. Every prefix key precedes every query (no causal test).
+    PREFIX_MASK: tl.constexpr = USE_MASK and not SKIP_PREFIX_MASK
+    if WINDOW >= 0:
+        lo = tl.maximum(prefix_len + q_first - WINDOW, 0) // BLOCK_N * BLOCK_N
+        mid = lo
+    elif PREFIX_MASK:
+        lo = 0
+        mid = 0
+    else:
+        lo = 0
+        mid = prefix_len // BLOCK_N * BLOCK_N
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, qpe, row_scale, q_pos, mask_rows, row_valid, K_POOL, V_POOL, KV_INDICES, MASK,
+        kv_start.to(tl.int64), 0, prefix_len, 0, lo, mid, kv_head,
+        False, True, False, False, WINDOW, QK_SCALE, LOGIT_CAP, XAI_LEN > 0,
+        KV_HEADS, D_QK, D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, BLOCK_N, DOT_PRECISION,
+    )
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, qpe, row_scale, q_pos, mask_rows, row_valid, K_POOL, V_POOL, KV_INDICES, MASK,
+        kv_start.to(tl.int64), 0, prefix_len, 0, mid, prefix_len, kv_head,
+        True, True, False, PREFIX_MASK, WINDOW, QK_SCALE, LOGIT_CAP, XAI_LEN > 0,
+        KV_HEADS, D_QK, D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, BLOCK_N, DOT_PRECISION,
+    )
+
+    # Stage 2: the new tokens from K_NEW/V_NEW. Causal programs stop at the diagonal; only diagonal tiles are masked.
+    if USE_MASK:
+        lo = 0
+        mid = 0
+        hi = q_len
+    elif IS_CAUSAL:
+        lo = 0
+        mid = q_first // BLOCK_N * BLOCK_N
+        hi = q_last + 1
+    else:
+        lo = 0
+        mid = q_len // BLOCK_N * BLOCK_N
+        hi = q_len
+    if WINDOW >= 0:
+        lo = tl.maximum(q_first - WINDOW, 0) // BLOCK_N * BLOCK_N
+        mid = lo
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, qpe, row_scale, q_pos, mask_rows, row_valid, K_NEW, V_NEW, KV_INDICES, MASK,
+        qo_start.to(tl.int64), prefix_len, q_len, 0, lo, mid, kv_head,
+        False, False, IS_CAUSAL, False, WINDOW, QK_SCALE, LOGIT_CAP, XAI_LEN > 0,
+        KV_HEADS, D_QK, D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, BLOCK_N, DOT_PRECISION,
+    )
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, qpe, row_scale, q_pos, mask_rows, row_valid, K_NEW, V_NEW, KV_INDICES, MASK,
+        qo_start.to(tl.int64), prefix_len, q_len, 0, mid, hi, kv_head,
+        True, False, IS_CAUSAL, USE_MASK, WINDOW, QK_SCALE, LOGIT_CAP, XAI_LEN > 0,
+        KV_HEADS, D_QK, D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, BLOCK_N, DOT_PRECISION,
+    )
+    _finish_and_store(acc, l_i, m_i, SINKS, O, head, q_rows, row_valid, Q_HEADS, D_V, BLOCK_DV, HAS_SINK)
+
+
+@triton.jit
+def extend_attention_unified_kernel(
+    Q,  # [tokens, Q_HEADS, D_QK]
+    K_POOL,  # [slots, KV_HEADS, D_QK]: the cache, the new tokens' K already written
+    V_POOL,  # [slots, KV_HEADS, D_V]
+    QO_INDPTR,  # i32[batch + 1]
+    KV_INDPTR,  # i32[batch + 1]: CSR of the unified list (listed prefix, then new tokens)
+    KV_INDICES,  # i32/i64[kv_capacity]
+    PREFIX_LENS,  # i32[batch]: listed prefix keys per sequence
+    KV_START_POS,  # i32[batch]: absolute position of the first listed key (window start)
+    MASK,  # u8[mask_len]: custom mask, per sequence row-major [q_len, kv_len] over the listed keys (dummy if unused)
+    MASK_INDPTR,  # i32/i64[batch + 1] (dummy if unused)
+    SINKS,  # f32[Q_HEADS] (dummy if unused)
+    O,  # out: [tokens, Q_HEADS, D_V]
+    Q_HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    D_QK: tl.constexpr,
+    D_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DPE: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    QK_SCALE: tl.constexpr,  # sm_scale * log2(e), or sm_scale / logit_cap with a cap (the wrapper folds it)
+    LOGIT_CAP: tl.constexpr,
+    XAI_LEN: tl.constexpr,
+    XAI_INV_LOG2_LEN: tl.constexpr,
+    WINDOW: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    USE_MASK: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tl.static_assert(Q_HEADS % KV_HEADS == 0)
+    head = tl.program_id(0)
+    seq = tl.program_id(1)
+    kv_head = head // (Q_HEADS // KV_HEADS)
+    qo_start = tl.load(QO_INDPTR + seq)
+    q_len = tl.load(QO_INDPTR + seq + 1) - qo_start
+    block_m = _q_block(qo_start, q_len, BLOCK_M)
+    if block_m < 0:
+        return
+    kv_start = tl.load(KV_INDPTR + seq)
+    kv_len = tl.load(KV_INDPTR + seq + 1) - kv_start
+    prefix_len = tl.load(PREFIX_LENS + seq)
+    start_pos = tl.load(KV_START_POS + seq)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    i = block_m * BLOCK_M + offs_m
+    row_valid = i < q_len
+    q_rows = qo_start.to(tl.int64) + i
+    q_pos = prefix_len + i
+    q, qpe = _load_q(Q, q_rows, row_valid, head, Q_HEADS, D_QK, BLOCK_D, BLOCK_DPE)
+    if XAI_LEN > 0:
+        row_scale = _xai_scale(start_pos + q_pos, XAI_LEN, XAI_INV_LOG2_LEN)
+    else:
+        row_scale = tl.full([BLOCK_M], 1.0, tl.float32)
+    if USE_MASK:
+        mask_start = tl.load(MASK_INDPTR + seq).to(tl.int64)
+        mask_rows = mask_start + i.to(tl.int64) * kv_len
+    else:
+        mask_rows = i.to(tl.int64)
+
+    acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    q_pos_first = prefix_len + block_m * BLOCK_M
+    q_pos_last = prefix_len + tl.minimum(q_len, block_m * BLOCK_M + BLOCK_M) - 1
+
+    # One loop in key order, tiles at absolute key positions that are multiples of BLOCK_N, so the split between
+    # prefix and new keys plays no part in the reduction order. Without a window the list starts at position 0
+    # (shift 0); a windowed list starts at start_pos, so tiles are shifted by start_pos % BLOCK_N (and all masked).
+    if WINDOW >= 0:
+        shift = start_pos % BLOCK_N
+        lo = tl.maximum(q_pos_first + shift - WINDOW, 0) // BLOCK_N * BLOCK_N
+        mid = lo
+        if USE_MASK:
+            hi = kv_len + shift
+        elif IS_CAUSAL:
+            hi = tl.minimum(q_pos_last + 1, kv_len) + shift
+        else:
+            hi = kv_len + shift
+    else:
+        shift = 0
+        lo = 0
+        if USE_MASK:
+            mid = 0
+            hi = kv_len
+        elif IS_CAUSAL:
+            mid = (q_pos_first + 1) // BLOCK_N * BLOCK_N  # keys < mid are visible to every row of the block
+            hi = tl.minimum(q_pos_last + 1, kv_len)  # keys past the block's last query are never visited
+        else:
+            mid = kv_len // BLOCK_N * BLOCK_N
+            hi = kv_len
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, qpe, row_scale, q_pos, mask_rows, row_valid, K_POOL, V_POOL, KV_INDICES, MASK,
+        kv_start.to(tl.int64), 0, kv_len, shift, lo, mid, kv_head,
+        False, True, IS_CAUSAL, False, WINDOW, QK_SCALE, LOGIT_CAP, XAI_LEN > 0,
+        KV_HEADS, D_QK, D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, BLOCK_N, DOT_PRECISION,
+    )
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, qpe, row_scale, q_pos, mask_rows, row_valid, K_POOL, V_POOL, KV_INDICES, MASK,
+        kv_start.to(tl.int64), 0, kv_len, shift, mid, hi, kv_head,
+        True, True, IS_CAUSAL, USE_MASK, WINDOW, QK_SCALE, LOGIT_CAP, XAI_LEN > 0,
+        KV_HEADS, D_QK, D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, BLOCK_N, DOT_PRECISION,
+    )
+    _finish_and_store(acc, l_i, m_i, SINKS, O, head, q_rows, row_valid, Q_HEADS, D_V, BLOCK_DV, HAS_SINK)

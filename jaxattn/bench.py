@@ -72,10 +72,15 @@ CASES = {
 }
 
 
-def time_calls(fn: Callable[[], object], sync: Callable[[object], None], *, calls: int = 20, repeats: int = 7, warmup: int = 3) -> float:
-    """Median milliseconds per call of `fn`, run `calls` times back to back per repeat."""
+def time_calls(fn: Callable[[], object], sync: Callable[[object], None], *, target_ms: float = 30.0, repeats: int = 9,
+               warmup: int = 3) -> float:
+    """Median milliseconds per call of `fn`, called back to back about `target_ms` per repeat, then synchronised."""
     for _ in range(warmup):
         sync(fn())
+    start = time.perf_counter()
+    sync(fn())
+    estimate_ms = (time.perf_counter() - start) * 1e3
+    calls = int(min(200, max(5, target_ms / max(estimate_ms, 1e-3))))
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -250,17 +255,19 @@ def _bridged(wrapper, inp: Inputs):
 
 def _extend_jaxattn(inp: Inputs, config=None, unified=False):
     import jax
+    import jax.numpy as jnp
 
     from jaxattn import extend
 
     case = inp.case
+    extend_lens = jnp.full((case.batch,), case.new, jnp.int32)
+    sizes = dict(max_extend_len=case.new, kv_capacity=case.batch * (case.prefix + case.new))
     if unified:
-        meta = extend.extend_metadata_unified_from_indices(
-            inp.qo_indptr, inp.prefix_indptr, inp.prefix_indices, inp.new_slots, max_extend_len=case.new
-        )
+        meta = extend.extend_unified_metadata(inp.req_to_token, inp.req_pool_indices, inp.prefix_lens, extend_lens,
+                                              inp.new_slots, **sizes)
         fn = jax.jit(lambda q, k, v, m: extend.extend_attention_unified(q, k, v, m, config=config))
         return lambda: fn(inp.q, inp.k_pool, inp.v_pool, meta)
-    meta = extend.extend_metadata_from_indices(inp.qo_indptr, inp.prefix_indptr, inp.prefix_indices, max_extend_len=case.new)
+    meta = extend.extend_metadata(inp.req_to_token, inp.req_pool_indices, inp.prefix_lens, extend_lens, **sizes)
     fn = jax.jit(lambda q, kn, vn, k, v, m: extend.extend_attention(q, kn, vn, k, v, m, config=config))
     return lambda: fn(inp.q, inp.k_new, inp.v_new, inp.k_pool, inp.v_pool, meta)
 
@@ -400,14 +407,13 @@ def _sweep_variants(op: str, case: Case):
     else:
         from jaxattn.extend import ExtendConfig
 
-        for block_m, block_n in ((64, 64), (128, 64), (128, 128), (64, 128)):
-            for num_warps in (4, 8):
-                for num_stages in (1, 2, 3):
-                    if case.head_dim > 256 and block_m > 64:
-                        continue
-                    config = ExtendConfig(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
-                    label = f"m{block_m} n{block_n} w{num_warps} s{num_stages}"
-                    variants.append((label, lambda inp, c=config: _extend_jaxattn(inp, config=c)))
+        for block_m, block_n, num_warps in ((64, 64, 4), (128, 64, 8), (128, 128, 8), (64, 128, 4), (128, 32, 8)):
+            for num_stages in (2, 3):
+                if case.head_dim > 256 and block_m > 64:
+                    continue
+                config = ExtendConfig(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+                label = f"m{block_m} n{block_n} w{num_warps} s{num_stages}"
+                variants.append((label, lambda inp, c=config: _extend_jaxattn(inp, config=c)))
     return variants
 
 

@@ -302,14 +302,15 @@ class DecodeConfig:
 
 # Key schema: (qk_head_dim, v_head_dim, group bucket), group bucket = "g16" for q_heads / kv_heads <= 16, else "g>16".
 # Values are starting points for the H200 (bandwidth-bound decode: pipelined gathered loads matter most);
-# the benchmark sweeps them with decode_attention(..., config=...).
+# the benchmark sweeps them with decode_attention(..., config=...). 128/128 and 576/512 (g16) were picked from the
+# sweep of 2026-12-02 on the H200 (benchmarks/results/): the best all-rounder over D1-D3, and the best MLA config.
 SM90_CONFIGS: dict[tuple[int, int, str], DecodeConfig] = {
     (64, 64, "g16"): DecodeConfig(block_n=64, block_h=16, num_warps=4, num_stages=3),
-    (128, 128, "g16"): DecodeConfig(block_n=64, block_h=16, num_warps=4, num_stages=3),
+    (128, 128, "g16"): DecodeConfig(block_n=128, block_h=16, num_warps=4, num_stages=3),
     (256, 256, "g16"): DecodeConfig(block_n=32, block_h=16, num_warps=4, num_stages=3),
     (192, 128, "g16"): DecodeConfig(block_n=32, block_h=16, num_warps=4, num_stages=2),  # block_n 64 spills
     (288, 256, "g16"): DecodeConfig(block_n=32, block_h=16, num_warps=4, num_stages=3),
-    (576, 512, "g16"): DecodeConfig(block_n=32, block_h=16, num_warps=8, num_stages=2),  # 4 warps spill
+    (576, 512, "g16"): DecodeConfig(block_n=32, block_h=16, num_warps=4, num_stages=2),
     # Many q heads per kv head (MLA without TP, big MQA): fewer head blocks, fewer K re-reads.
     (64, 64, "g>16"): DecodeConfig(block_n=64, block_h=32, num_warps=4, num_stages=3),
     (128, 128, "g>16"): DecodeConfig(block_n=64, block_h=32, num_warps=4, num_stages=3),

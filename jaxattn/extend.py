@@ -589,7 +589,7 @@ def _build(kernel, family, dtype, *, label_extra="", causal=True, use_mask=False
     signature.update({"MASK": "*u8", "MASK_INDPTR": "*i32", "SINKS": "*fp32", "O": t})
     return build(
         "extend_attention", kernel, signature, constexprs, num_warps=config.num_warps, num_stages=config.num_stages,
-        expects_wgmma=config.block_m >= 64, label=f"{dtype} {family}{label_extra} {config.block_m}x{config.block_n}",
+        expects_wgmma=config.block_m >= 64, expects_pipelining=config.num_stages > 1, label=f"{dtype} {family}{label_extra} {config.block_m}x{config.block_n}",
     )
 
 

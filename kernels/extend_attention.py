@@ -399,11 +399,13 @@ def extend_attention_unified_kernel(
 
     # One loop in key order, tiles at absolute key positions that are multiples of BLOCK_N, so the split between
     # prefix and new keys plays no part in the reduction order. Without a window the list starts at position 0
-    # (shift 0); a windowed list starts at start_pos, so tiles are shifted by start_pos % BLOCK_N (and all masked).
+    # (shift 0); a windowed list starts at start_pos, so tiles are shifted by start_pos % BLOCK_N.
+    # Every tile takes the masked path: which tiles a q-block sees unmasked depends on where its rows start, i.e. on
+    # the split, and the two code paths need not round alike (the compiler contracts multiply-adds differently),
+    # which broke bitwise invariance on the H200. One path keeps each element's arithmetic identical in any split.
     if WINDOW >= 0:
         shift = start_pos % BLOCK_N
         lo = tl.maximum(q_pos_first + shift - WINDOW, 0) // BLOCK_N * BLOCK_N
-        mid = lo
         if USE_MASK:
             hi = kv_len + shift
         elif IS_CAUSAL:
@@ -413,24 +415,13 @@ def extend_attention_unified_kernel(
     else:
         shift = 0
         lo = 0
-        if USE_MASK:
-            mid = 0
-            hi = kv_len
-        elif IS_CAUSAL:
-            mid = (q_pos_first + 1) // BLOCK_N * BLOCK_N  # keys < mid are visible to every row of the block
+        if IS_CAUSAL and not USE_MASK:
             hi = tl.minimum(q_pos_last + 1, kv_len)  # keys past the block's last query are never visited
         else:
-            mid = kv_len // BLOCK_N * BLOCK_N
             hi = kv_len
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, qpe, row_scale, q_pos, mask_rows, row_valid, K_POOL, V_POOL, KV_INDICES, MASK,
-        kv_start.to(tl.int64), 0, kv_len, shift, lo, mid, kv_head,
-        False, True, IS_CAUSAL, False, WINDOW, QK_SCALE, LOGIT_CAP, XAI_LEN > 0,
-        KV_HEADS, D_QK, D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, BLOCK_N, DOT_PRECISION,
-    )
-    acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, qpe, row_scale, q_pos, mask_rows, row_valid, K_POOL, V_POOL, KV_INDICES, MASK,
-        kv_start.to(tl.int64), 0, kv_len, shift, mid, hi, kv_head,
+        kv_start.to(tl.int64), 0, kv_len, shift, lo, hi, kv_head,
         True, True, IS_CAUSAL, USE_MASK, WINDOW, QK_SCALE, LOGIT_CAP, XAI_LEN > 0,
         KV_HEADS, D_QK, D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, BLOCK_N, DOT_PRECISION,
     )

@@ -228,7 +228,7 @@ def test_split_heuristic_fills_the_h200():
 
 
 def test_config_table():
-    assert get_config(128, 128, 4) == DecodeConfig(block_n=64, block_h=16, num_warps=4, num_stages=3)
+    assert get_config(128, 128, 4) == DecodeConfig(block_n=128, block_h=16, num_warps=4, num_stages=3)
     assert get_config(576, 512, 128).block_h == 32
     assert get_config(64, 64, 1).block_h == 16
     with pytest.warns(UserWarning, match="no tuned config"):

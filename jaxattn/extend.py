@@ -68,13 +68,15 @@ class ExtendConfig:
 
 # Key schema: head-dim family -> config for 16-bit inputs. Families: "64", "128", "256" (plain heads, qk_head_dim rounded
 # up to a power of 2) and "576/512", "288/256", "192/128" (qk_head_dim/v_head_dim with a rope part in a second dot).
-# Chosen on CPU with `python -m jaxattn.aot -k extend` (sm_90 compile: shared memory, registers, spills), NOT timed:
+# "128" was timed on the H200 (sweep of 2026-12-02 in benchmarks/results/): 128x128 tiles with 3 stages were best on
+# E1 and E3 by a wide margin over 128x32/2 stages (2.56 vs 5.24 ms on E1). The others were chosen on CPU with
+# `python -m jaxattn.aot -k extend` (sm_90 compile: shared memory, registers, spills), NOT timed yet:
 # every kernel variant here sits at 200-255 registers/thread, and 128x64 tiles spill 0.5-4 KB (custom-mask variants
 # most), so block_n is 32 for now. num_stages 1-3 give the same shared memory, i.e. Triton does not pipeline these
 # gather loops yet. 576/512 uses block_m 32 (no wgmma; 64-row tiles spill 3-6 KB), like SGLang. Retune on the H200.
 SM90_CONFIGS = {
     "64": ExtendConfig(block_m=128, block_n=32, num_warps=8, num_stages=2),
-    "128": ExtendConfig(block_m=128, block_n=32, num_warps=8, num_stages=2),
+    "128": ExtendConfig(block_m=128, block_n=128, num_warps=8, num_stages=3),
     "256": ExtendConfig(block_m=64, block_n=32, num_warps=8, num_stages=2),
     "192/128": ExtendConfig(block_m=128, block_n=32, num_warps=8, num_stages=2),
     "288/256": ExtendConfig(block_m=64, block_n=32, num_warps=8, num_stages=2),
@@ -94,7 +96,13 @@ def head_dim_family(qk_head_dim: int, v_head_dim: int) -> str:
     return str(max(dim, 64)) if dim <= 256 else "576/512"
 
 
-def default_config(qk_head_dim: int, v_head_dim: int, dtype, max_extend_len: int, arch: str = "sm_90") -> ExtendConfig:
+def with_custom_mask(config: ExtendConfig) -> ExtendConfig:
+    """The custom-mask variant keeps a [BLOCK_M, BLOCK_N] mask tile live too: 128-key tiles overflow shared memory."""
+    return dataclasses.replace(config, block_n=min(config.block_n, 64))
+
+
+def default_config(qk_head_dim: int, v_head_dim: int, dtype, max_extend_len: int, arch: str = "sm_90",
+                   custom_mask: bool = False) -> ExtendConfig:
     """The table's config for this head shape, adapted to the dtype and clamped to the problem.
 
     Unknown families fall back to the largest family's config. fp32 inputs (tests, mostly) take half-size K/V tiles and
@@ -102,6 +110,8 @@ def default_config(qk_head_dim: int, v_head_dim: int, dtype, max_extend_len: int
     """
     table = CONFIG_TABLES.get(arch, SM90_CONFIGS)
     config = table.get(head_dim_family(qk_head_dim, v_head_dim), table["576/512"])
+    if custom_mask:
+        config = with_custom_mask(config)
     if jnp.dtype(dtype) == jnp.float32:
         config = dataclasses.replace(config, block_m=min(config.block_m, 64), block_n=min(config.block_n, 32), num_stages=1)
     block_m = max(16, min(config.block_m, triton.next_power_of_2(max(int(max_extend_len), 1))))
@@ -386,7 +396,7 @@ def extend_attention(
     tokens, q_heads, qk_dim = q.shape
     kv_heads, v_dim = v_pool.shape[1], v_pool.shape[2]
     sm_scale = 1.0 / math.sqrt(qk_dim) if sm_scale is None else float(sm_scale)
-    config = config or default_config(qk_dim, v_dim, q.dtype, meta.max_extend_len)
+    config = config or default_config(qk_dim, v_dim, q.dtype, meta.max_extend_len, custom_mask=custom_mask is not None)
     constexprs = _kernel_constexprs(
         q_heads=q_heads, kv_heads=kv_heads, qk_head_dim=qk_dim, v_head_dim=v_dim, dtype=q.dtype, config=config,
         sm_scale=sm_scale, logit_cap=logit_cap, xai_temperature_len=xai_temperature_len, sliding_window=sliding_window,
@@ -457,7 +467,7 @@ def extend_attention_unified(
     tokens, q_heads, qk_dim = q.shape
     kv_heads, v_dim = v_pool.shape[1], v_pool.shape[2]
     sm_scale = 1.0 / math.sqrt(qk_dim) if sm_scale is None else float(sm_scale)
-    config = config or default_config(qk_dim, v_dim, q.dtype, meta.max_extend_len)
+    config = config or default_config(qk_dim, v_dim, q.dtype, meta.max_extend_len, custom_mask=custom_mask is not None)
     constexprs = _kernel_constexprs(
         q_heads=q_heads, kv_heads=kv_heads, qk_head_dim=qk_dim, v_head_dim=v_dim, dtype=q.dtype, config=config,
         sm_scale=sm_scale, logit_cap=logit_cap, xai_temperature_len=xai_temperature_len, sliding_window=sliding_window,
@@ -573,7 +583,7 @@ def _build(kernel, family, dtype, *, label_extra="", causal=True, use_mask=False
 
     qk_dim, v_dim = _BUILD_HEADS[family]
     q_heads, kv_heads = (16, 1) if qk_dim in (576, 288) else (32, 8)  # MLA absorbed: one latent KV head
-    config = SM90_CONFIGS[family]
+    config = with_custom_mask(SM90_CONFIGS[family]) if use_mask else SM90_CONFIGS[family]
     jdtype = {"bf16": jnp.bfloat16, "fp16": jnp.float16}[dtype]
     two_stage = kernel == "extend_attention_kernel"
     constexprs = _kernel_constexprs(

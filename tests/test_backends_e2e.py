@@ -1,6 +1,7 @@
 """End to end: a tiny multi-layer model served through a backend and the paged KV pool equals dense recomputation."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -12,9 +13,15 @@ from jaxattn.batch import ForwardMode, tree_mask_for_verify
 from jaxattn.kv_pool import allocate_kv_buffers
 from jaxattn.serving import RequestTable, SlotAllocator
 from jaxattn.toy_model import ToyConfig, dense_logits, forward, init_params
+from jaxattn.triton_backend import TritonBackend
 
-BACKENDS = [pytest.param(ReferenceBackend, id="reference")]
 CONFIG = ToyConfig(layers=3, window_layers=(1,), sliding_window=4)
+BACKENDS = [
+    pytest.param(ReferenceBackend, id="reference"),
+    # Interpreted Triton kernels on CPU: the window layer gets its own trimmed lists.
+    pytest.param(functools.partial(TritonBackend, sliding_windows=(CONFIG.sliding_window,)), id="triton"),
+    pytest.param(functools.partial(TritonBackend, deterministic=True, sliding_windows=(CONFIG.sliding_window,)), id="triton-deterministic"),
+]
 NUM_SLOTS, MAX_REQS, MAX_CTX = 96, 6, 32
 BUCKETS = dict(kv_capacity=80, max_seq_len=32)
 
@@ -35,11 +42,24 @@ def make_step(backend, params, count_traces=None, config=CONFIG):
     return jax.jit(step, donate_argnums=0)
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _dense_logits_padded(params, config, token_ids):
+    return dense_logits(params, config, token_ids)
+
+
+def dense_prefix_logits(params, config, tokens):
+    """dense_logits of `tokens`, computed on the sequence padded to MAX_CTX: one compile for every length
+    (dense attention is causal, so the padding after the sequence changes nothing before it)."""
+    padded = np.zeros(MAX_CTX, np.int32)
+    padded[: len(tokens)] = tokens
+    return _dense_logits_padded(params, config, jnp.asarray(padded))[: len(tokens)]
+
+
 def check_against_dense(params, logits, requests, counts, token_rows, atol=2e-4):
     for request, n, rows in zip(requests, counts, token_rows):
         if n == 0:
             continue
-        want = dense_logits(params, CONFIG, jnp.asarray(request.tokens[: request.cached]))[-n:]
+        want = dense_prefix_logits(params, CONFIG, request.tokens[: request.cached])[-n:]
         np.testing.assert_allclose(logits[rows], want, atol=atol, rtol=atol)
 
 
@@ -108,7 +128,7 @@ def test_tree_verification_equals_sequential_decoding_of_each_path(rng, backend_
         while j >= 0:
             path.insert(0, drafts[j])
             j = parents[j]
-        want = dense_logits(params, config, jnp.asarray(prompt + path))[-1]
+        want = dense_prefix_logits(params, config, prompt + path)[-1]
         np.testing.assert_allclose(np.asarray(logits)[i], want, atol=2e-4, rtol=2e-4)
 
 
@@ -132,3 +152,33 @@ def test_donated_pool_is_updated_in_place_and_only_at_the_written_slots(rng, bac
         np.testing.assert_array_equal(np.asarray(k1)[untouched], k0[untouched])
         np.testing.assert_array_equal(np.asarray(v1)[untouched], v0[untouched])
         assert not np.allclose(np.asarray(k1)[written[written != 0]], k0[written[written != 0]])
+
+
+def test_deterministic_triton_is_bitwise_invariant_to_the_prefix_split(rng):
+    # Three requests with the same 14 tokens, prefilled in different chunks (14; 5 + 9; 11 + 3, i.e. a cached
+    # prefix of 5 or 11): the unified kernel makes every token's logits bit-identical, window layer included.
+    # The two-stage kernel gives the same logits within float tolerance.
+    params, _, _ = new_state(rng)
+    tokens = list(rng.integers(0, CONFIG.vocab, 14))
+    chunks = [(14,), (5, 9), (11, 3)]
+    logits = {}
+    for deterministic in (True, False):
+        backend = TritonBackend(deterministic=deterministic, sliding_windows=(CONFIG.sliding_window,))
+        _, cache, table = new_state(np.random.default_rng(0))
+        requests = [table.add(tokens) for _ in chunks]
+        step = make_step(backend, params)
+        rows = [[] for _ in chunks]
+        for s in range(2):
+            counts = [c[s] if s < len(c) else 0 for c in chunks]
+            batch, token_ids = table.schedule(requests, counts, mode=ForwardMode.EXTEND, batch_bucket=4, token_bucket=32,
+                                              max_extend_len=16, **BUCKETS)
+            out, cache = step(cache, batch, jnp.asarray(table.req_to_token), token_ids)
+            starts = np.cumsum([0] + counts)
+            for r, (start, n) in enumerate(zip(starts, counts)):
+                rows[r].append(np.asarray(out)[start : start + n])
+        logits[deterministic] = [np.concatenate(r) for r in rows]
+    for r in (1, 2):
+        np.testing.assert_array_equal(logits[True][r], logits[True][0])
+    np.testing.assert_allclose(logits[False][1], logits[True][0], atol=2e-4, rtol=2e-4)
+    want = dense_prefix_logits(params, CONFIG, tokens)
+    np.testing.assert_allclose(logits[True][0], want, atol=2e-4, rtol=2e-4)

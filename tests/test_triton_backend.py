@@ -24,7 +24,7 @@ WINDOWED = AttentionLayer(1, H, KVH, D, sliding_window=WINDOW)
 UNPREPARED = AttentionLayer(2, H, KVH, D, sliding_window=1)  # no trimmed lists: full lists + the kernels' mask
 FEATURES = AttentionLayer(3, H, KVH, D, logit_cap=5.0, xai_temperature_len=4, sm_scale=0.3)
 CROSS = AttentionLayer(4, H, KVH, D, is_cross_attention=True)
-SELF_LAYERS = (FULL, WINDOWED, UNPREPARED, FEATURES)
+SELF_LAYERS = (WINDOWED, UNPREPARED, FEATURES)  # FEATURES runs on the full lists
 
 
 def make_batch(rng, prefix_lens, extend_lens, *, mode, token_bucket, batch_bucket=4, max_extend_len=None,
@@ -115,8 +115,15 @@ BACKEND_KINDS = [
 ]
 
 
-@pytest.mark.parametrize("kind", BACKEND_KINDS)
-@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND])
+@pytest.mark.parametrize(
+    "kind, mode",
+    [
+        pytest.param(dict(), ForwardMode.EXTEND, id="extend-two-stage"),
+        pytest.param(dict(deterministic=True), ForwardMode.EXTEND, id="extend-deterministic"),
+        # DRAFT_EXTEND: the same causal extend over the accepted tokens (no second visit of the new tokens).
+        pytest.param(dict(), ForwardMode.DRAFT_EXTEND, id="draft-extend-two-stage"),
+    ],
+)
 def test_extend_matches_reference(rng, kind, mode):
     # A plain prefill, a prefix longer than the window, a prefix shorter than it; one padding row; padding tokens.
     batch, req_to_token = make_batch(rng, [0, 9, 2], [5, 3, 2], mode=mode, token_bucket=12)
@@ -204,17 +211,21 @@ def test_compiled_once_serves_varying_lengths_and_batches(rng):
         meta = backend.init_forward_metadata(batch, req_to_token)
         return [backend.forward(q, k, v, kb, vb, layer, meta)[0] for layer in (FULL, WINDOWED)]
 
+    @jax.jit
+    def reference_step(q, k, v, kb, vb, batch, req_to_token):
+        reference = ReferenceBackend()
+        meta = reference.init_forward_metadata(batch, req_to_token)
+        return [reference.forward(q, k, v, kb, vb, layer, meta)[0] for layer in (FULL, WINDOWED)]
+
     step = jax.jit(step)
-    reference = ReferenceBackend()
     for prefixes in ([3, 11, 0], [20, 1], [1, 1, 1, 30]):
         batch, req_to_token = make_batch(rng, prefixes, [1] * len(prefixes), mode=ForwardMode.DECODE, token_bucket=4)
         batch = dataclasses.replace(batch, kv_capacity=64)  # one bucket for every batch
-        q, k, v, kb, vb = random_inputs(rng, 4)
-        got = step(q, k, v, kb, vb, batch, req_to_token)
-        meta = reference.init_forward_metadata(batch, req_to_token)
-        for layer, o in zip((FULL, WINDOWED), got):
-            want = reference.forward(q, k, v, kb, vb, layer, meta)[0]
-            np.testing.assert_allclose(np.asarray(o), np.asarray(want), atol=3e-5, rtol=3e-5)
+        inputs = random_inputs(rng, 4)
+        got = step(*inputs, batch, req_to_token)
+        want = reference_step(*inputs, batch, req_to_token)
+        for o, o_ref in zip(got, want):
+            np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), atol=3e-5, rtol=3e-5)
     assert len(traces) == 1
 
 

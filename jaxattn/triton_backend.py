@@ -39,7 +39,12 @@ generate_draft_decode_kv_indices); `TritonBackend.draft_step_metadata` turns ste
 
 fp8 KV pools are read through `read_scaled`, i.e. each `forward` dequantises the *whole* layer pool to q's dtype
 before the kernel (one read of the pool and one write of a q-dtype copy per layer and step): correct, but it
-costs pool-size traffic; kernels reading fp8 directly are future work.
+costs pool-size traffic; kernels reading fp8 directly are future work. As in SGLang, the two-stage extend reads the
+new tokens' K/V from the step's k/v (not their fp8 copy in the pool), so with fp8 pools it differs from
+ReferenceBackend by the quantisation error of the new tokens; decode and the deterministic path read the pool only.
+
+Limits: TARGET_VERIFY on a window layer windows over the *listed* order (prefix, then the drafts in list order),
+exactly like ReferenceBackend, not over tree depth; SGLang has the same limit.
 """
 
 from __future__ import annotations

@@ -14,9 +14,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxattn._checks import INDEX_DTYPES, check_array
+import math
+import numbers
+
+from jaxattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_array
 
 FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+BUFFER_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 
 
 def is_fp8(dtype) -> bool:
@@ -40,13 +44,21 @@ def write_kv(k_buffer, v_buffer, out_cache_loc, k, v, *, k_scale: float | None =
       k: [tokens, kv_heads, head_dim]. v: [tokens, kv_heads, v_head_dim].
       k_scale, v_scale: for fp8 buffers, the stored value is ``k / k_scale`` (default 1).
     """
-    check_array("k_buffer", k_buffer, ndim=3, what="[slots, kv_heads, head_dim]")
+    check_array("k_buffer", k_buffer, ndim=3, dtypes=BUFFER_DTYPES, what="[slots, kv_heads, head_dim]")
     slots, kv_heads, head_dim = k_buffer.shape
-    check_array("v_buffer", v_buffer, shape=(slots, kv_heads, None), what="[slots, kv_heads, v_head_dim]")
+    check_array("v_buffer", v_buffer, shape=(slots, kv_heads, None), dtypes=BUFFER_DTYPES, what="[slots, kv_heads, v_head_dim]")
     check_array("out_cache_loc", out_cache_loc, ndim=1, dtypes=INDEX_DTYPES, what="[tokens]")
     tokens = out_cache_loc.shape[0]
-    check_array("k", k, shape=(tokens, kv_heads, head_dim), what="[tokens, kv_heads, head_dim]")
-    check_array("v", v, shape=(tokens, kv_heads, v_buffer.shape[2]), what="[tokens, kv_heads, v_head_dim]")
+    check_array("k", k, shape=(tokens, kv_heads, head_dim), dtypes=FLOAT_DTYPES, what="[tokens, kv_heads, head_dim]")
+    check_array("v", v, shape=(tokens, kv_heads, v_buffer.shape[2]), dtypes=FLOAT_DTYPES, what="[tokens, kv_heads, v_head_dim]")
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None:
+            continue
+        if hasattr(scale, "shape"):  # an array scale (e.g. calibrated per layer): checked for shape only
+            if tuple(scale.shape) not in ((), (1,)):
+                raise ValueError(f"{name} must be a scalar; got shape {tuple(scale.shape)}")
+        elif not (isinstance(scale, numbers.Real) and math.isfinite(scale) and scale > 0):
+            raise ValueError(f"{name} must be None or a finite float > 0 (fp8 buffers store value / scale); got {scale!r}")
     if is_fp8(k_buffer.dtype):
         k = k.astype(jnp.float32) / (1.0 if k_scale is None else k_scale)
     if is_fp8(v_buffer.dtype):

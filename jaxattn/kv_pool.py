@@ -80,7 +80,10 @@ def check_write_slots(out_cache_loc, num_slots: int):
     from jax.experimental import checkify
 
     loc = out_cache_loc.astype(jnp.int32)
-    checkify.check(jnp.all((loc >= 0) & (loc < num_slots)), "out_cache_loc has a slot outside [0, {n})", n=num_slots)
+    checkify.check(jnp.all((loc >= 0) & (loc < num_slots)), "out_cache_loc has a slot outside [0, {n})", n=jnp.int32(num_slots))
     ordered = jnp.sort(loc)
     repeated = (ordered[1:] == ordered[:-1]) & (ordered[1:] != 0)
-    checkify.check(~jnp.any(repeated), "out_cache_loc names a slot other than the padding slot 0 twice")
+    if repeated.size == 0:
+        return
+    slot = ordered[1:][jnp.argmax(repeated)]
+    checkify.check(~jnp.any(repeated), "out_cache_loc names slot {s} twice (only the padding slot 0 may repeat)", s=slot)

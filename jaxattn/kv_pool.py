@@ -38,9 +38,12 @@ def write_kv(k_buffer, v_buffer, out_cache_loc, k, v, *, k_scale: float | None =
 
     Args:
       k_buffer: [slots, kv_heads, head_dim]. v_buffer: [slots, kv_heads, v_head_dim].
-      out_cache_loc: i32[tokens], the slot of each token. Slot 0 is the padding slot. Two real tokens must not
-        share a slot: which one wins is then unspecified (`check_write_slots` catches it in checked mode).
-        Slots outside ``[0, slots)`` are dropped, never written elsewhere.
+      out_cache_loc: i32[tokens], the slot of each token. Slot 0 is the padding slot: padding tokens write there,
+        as often as they like. Slots outside ``[0, slots)`` (negative ones included) are dropped, never written
+        elsewhere. Duplicates: when several tokens name one slot, that slot ends up holding, element by element,
+        one of the values written to it (which one is unspecified and may differ between elements and between runs
+        on a GPU); every other slot is exact. Real tokens must therefore not share a slot: checked mode
+        (`check_write_slots`, `jaxattn.checked.validate_write_slots`) rejects repeats of any slot but 0.
       k: [tokens, kv_heads, head_dim]. v: [tokens, kv_heads, v_head_dim].
       k_scale, v_scale: for fp8 buffers, the stored value is ``k / k_scale`` (default 1).
     """
@@ -63,8 +66,10 @@ def write_kv(k_buffer, v_buffer, out_cache_loc, k, v, *, k_scale: float | None =
         k = k.astype(jnp.float32) / (1.0 if k_scale is None else k_scale)
     if is_fp8(v_buffer.dtype):
         v = v.astype(jnp.float32) / (1.0 if v_scale is None else v_scale)
-    k_buffer = k_buffer.at[out_cache_loc].set(k.astype(k_buffer.dtype), mode="drop")
-    v_buffer = v_buffer.at[out_cache_loc].set(v.astype(v_buffer.dtype), mode="drop")
+    # wrap_negative_indices=False: a negative slot is out of range and dropped (NumPy-style wrapping would write
+    # slot -1 into the last slot of the pool).
+    k_buffer = k_buffer.at[out_cache_loc].set(k.astype(k_buffer.dtype), mode="drop", wrap_negative_indices=False)
+    v_buffer = v_buffer.at[out_cache_loc].set(v.astype(v_buffer.dtype), mode="drop", wrap_negative_indices=False)
     return k_buffer, v_buffer
 
 

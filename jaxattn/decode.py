@@ -36,7 +36,15 @@ import jax.numpy as jnp
 import numpy as np
 import triton
 
-from jaxattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_array, check_positive_int
+from jaxattn._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_array,
+    check_head_dims,
+    check_positive_int,
+    check_score_options,
+    check_window,
+)
 from jaxattn.kv_indices import create_kv_indices, exclusive_cumsum
 from jaxattn.launch import launch, launch_mode
 from jaxattn.reference import ragged_paged_attention_reference
@@ -191,8 +199,13 @@ def decode_metadata(
     Returns:
       A `DecodeMetadata`.
     """
-    check_array("seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES, what="[max_batch]")
+    check_array("req_to_token", req_to_token, ndim=2, dtypes=INDEX_DTYPES, what="[max_reqs, max_context_len]")
+    check_array("req_pool_indices", req_pool_indices, ndim=1, dtypes=INDEX_DTYPES, what="[max_batch]")
+    check_array("seq_lens", seq_lens, shape=(req_pool_indices.shape[0],), dtypes=INDEX_DTYPES,
+                what="[max_batch] (one per req_pool_indices entry)")
     _check_heads(q_heads, kv_heads)
+    check_positive_int("kv_capacity", kv_capacity)
+    check_window("sliding_window", sliding_window)
     max_ctx = req_to_token.shape[1]
     if sliding_window >= 0:
         max_ctx = min(max_ctx, sliding_window + 1)
@@ -255,6 +268,9 @@ def decode_metadata_from_indptr(
     if seq_lens is not None:
         check_array("seq_lens", seq_lens, shape=(batch,), dtypes=INDEX_DTYPES, what="[max_batch]")
     _check_heads(q_heads, kv_heads)
+    check_window("sliding_window", sliding_window)
+    if max_context_len is not None:
+        check_positive_int("max_context_len", max_context_len)
     kv_capacity = kv_indices.shape[0]
     max_ctx = kv_capacity if max_context_len is None else int(max_context_len)
     if sliding_window >= 0:
@@ -373,7 +389,7 @@ def _default_v_head_dim(qk_head_dim):
     return {576: 512, 288: 256}.get(qk_head_dim)
 
 
-def _check_decode_args(q, k_pool, v_pool, meta, sinks, v_head_dim, sliding_window):
+def _check_decode_args(q, k_pool, v_pool, meta, sinks, v_head_dim, sliding_window, logit_cap=0.0, xai_temperature_len=-1):
     check_array("q", q, ndim=3, dtypes=FLOAT_DTYPES, what="[batch, q_heads, qk_head_dim]")
     batch, q_heads, qk_dim = q.shape
     check_array("k_pool", k_pool, ndim=3, dtypes=(q.dtype,), what="[slots, kv_heads, qk_head_dim] (q's dtype)")
@@ -393,19 +409,21 @@ def _check_decode_args(q, k_pool, v_pool, meta, sinks, v_head_dim, sliding_windo
         v_head_dim = v_pool.shape[2]
     if q_heads % kv_heads:
         raise ValueError(f"q_heads ({q_heads}, q.shape[1]) must be a multiple of kv_heads ({kv_heads}, k_pool.shape[1])")
+    check_head_dims(qk_dim, v_head_dim, qk_name="qk_head_dim (q.shape[2])",
+                    v_name="v_head_dim" + (" (v_pool.shape[2])" if v_pool is not None else ""))
     if not isinstance(meta, DecodeMetadata):
         raise ValueError(f"meta must be a DecodeMetadata (see decode_metadata); got {type(meta).__name__}")
     if meta.batch != batch:
         raise ValueError(f"meta batch ({meta.batch}, meta.kv_indptr.shape[0] - 1) must equal q.shape[0] ({batch})")
     if sinks is not None:
         check_array("sinks", sinks, shape=(q_heads,), dtypes=FLOAT_DTYPES, what="[q_heads]")
+    check_window("sliding_window", sliding_window)
+    check_score_options(logit_cap, xai_temperature_len)
     if meta.sliding_window >= 0 and sliding_window > meta.sliding_window:
         raise ValueError(
             f"sliding_window ({sliding_window}) must not exceed meta.sliding_window ({meta.sliding_window}): the KV "
             "lists were trimmed to that window"
         )
-    if sliding_window < -1:
-        raise ValueError(f"sliding_window must be -1 (none) or >= 0; got {sliding_window}")
     return batch, q_heads, kv_heads, qk_dim, v_head_dim
 
 
@@ -454,7 +472,9 @@ def decode_attention(
     Returns:
       o: [batch, q_heads, v_head_dim] in q's dtype, and with return_lse f32[batch, q_heads].
     """
-    batch, q_heads, kv_heads, qk_dim, v_dim = _check_decode_args(q, k_pool, v_pool, meta, sinks, v_head_dim, sliding_window)
+    batch, q_heads, kv_heads, qk_dim, v_dim = _check_decode_args(
+        q, k_pool, v_pool, meta, sinks, v_head_dim, sliding_window, logit_cap, xai_temperature_len
+    )
     group = q_heads // kv_heads
     window = _effective_window(meta, sliding_window)
     sm_scale = 1.0 / math.sqrt(qk_dim) if sm_scale is None else float(sm_scale)
@@ -543,7 +563,9 @@ def decode_attention_reference(
 ):
     """`decode_attention` on the pure-jnp reference (same arguments; config and mode are ignored)."""
     del config, mode
-    batch, q_heads, kv_heads, qk_dim, v_dim = _check_decode_args(q, k_pool, v_pool, meta, sinks, v_head_dim, sliding_window)
+    batch, q_heads, kv_heads, qk_dim, v_dim = _check_decode_args(
+        q, k_pool, v_pool, meta, sinks, v_head_dim, sliding_window, logit_cap, xai_temperature_len
+    )
     if v_pool is None:
         v_pool = k_pool[..., :v_dim]
     window = _effective_window(meta, sliding_window)

@@ -28,13 +28,22 @@ import jax
 import jax.numpy as jnp
 import triton
 
-from jaxattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_array, check_positive_int
+from jaxattn._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    MASK_DTYPES,
+    check_array,
+    check_head_dims,
+    check_index_dtype,
+    check_positive_int,
+    check_score_options,
+    check_window,
+)
 from jaxattn.kv_indices import build_unified_kv_indices, build_unified_kv_indices_reference, create_kv_indices, exclusive_cumsum
 from jaxattn.launch import launch
 from jaxattn.reference import check_attention_args, ragged_paged_attention_reference
 
 _LOG2E = 1.4426950408889634
-MASK_DTYPES = (jnp.bool_, jnp.uint8, jnp.int8)
 
 # ---------------------------------------------------------------------------------------------
 # Tuning: one frozen config per launch, one table per GPU architecture.
@@ -192,7 +201,7 @@ class ExtendUnifiedMetadata:
     sliding_window: int = dataclasses.field(default=-1, metadata=dict(static=True))
 
 
-def _check_builder_args(req_to_token, req_pool_indices, prefix_lens, extend_lens, max_extend_len, kv_capacity):
+def _check_builder_args(req_to_token, req_pool_indices, prefix_lens, extend_lens, max_extend_len, kv_capacity, sliding_window=-1, index_dtype=jnp.int32):
     check_array("req_to_token", req_to_token, ndim=2, dtypes=INDEX_DTYPES, what="[max_reqs, max_context_len]")
     check_array("req_pool_indices", req_pool_indices, ndim=1, dtypes=INDEX_DTYPES, what="[batch]")
     batch = req_pool_indices.shape[0]
@@ -200,6 +209,8 @@ def _check_builder_args(req_to_token, req_pool_indices, prefix_lens, extend_lens
     check_array("extend_lens", extend_lens, shape=(batch,), dtypes=INDEX_DTYPES, what="[batch]")
     check_positive_int("max_extend_len", max_extend_len)
     check_positive_int("kv_capacity", kv_capacity)
+    check_window("sliding_window", sliding_window)
+    check_index_dtype("index_dtype", index_dtype)
 
 
 def _listed_prefix(prefix_lens, sliding_window):
@@ -240,7 +251,7 @@ def extend_metadata(
     Returns:
       ExtendMetadata, with `mask_indptr` laid out for full-width custom masks [q_len, prefix_len + q_len].
     """
-    _check_builder_args(req_to_token, req_pool_indices, prefix_lens, extend_lens, max_extend_len, kv_capacity)
+    _check_builder_args(req_to_token, req_pool_indices, prefix_lens, extend_lens, max_extend_len, kv_capacity, sliding_window, index_dtype)
     extend_lens = jnp.maximum(extend_lens.astype(jnp.int32), 0)
     listed, start = _listed_prefix(prefix_lens, sliding_window)
     kv_indptr, kv_indices = create_kv_indices(
@@ -285,7 +296,7 @@ def extend_unified_metadata(
     Returns:
       ExtendUnifiedMetadata, `mask_indptr` laid out for custom masks [q_len, listed_prefix + q_len].
     """
-    _check_builder_args(req_to_token, req_pool_indices, prefix_lens, extend_lens, max_extend_len, kv_capacity)
+    _check_builder_args(req_to_token, req_pool_indices, prefix_lens, extend_lens, max_extend_len, kv_capacity, sliding_window, index_dtype)
     check_array("out_cache_loc", out_cache_loc, ndim=1, dtypes=INDEX_DTYPES, what="[extend_tokens]")
     extend_lens = jnp.maximum(extend_lens.astype(jnp.int32), 0)
     listed, start = _listed_prefix(prefix_lens, sliding_window)
@@ -312,11 +323,16 @@ def extend_unified_metadata(
 # Argument checks (trace time).
 
 
-def _check_common(q, k_pool, v_pool, meta, meta_type, custom_mask, sinks, sliding_window, config):
+def _check_common(q, k_pool, v_pool, meta, meta_type, custom_mask, sinks, sliding_window, config, logit_cap=0.0, xai_temperature_len=-1):
     if not isinstance(meta, meta_type):
         raise ValueError(f"meta must be an {meta_type.__name__} (see {meta_type.__name__.replace('Metadata', '').lower()}_metadata); got {type(meta).__name__}")
     batch, _ = check_attention_args(q, k_pool, v_pool, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, sinks, custom_mask, meta.mask_indptr if custom_mask is not None else None)
+    check_head_dims(q.shape[2], v_pool.shape[2], qk_name="qk_head_dim (q.shape[2])", v_name="v_head_dim (v_pool.shape[2])")
     check_array("meta.kv_start_pos", meta.kv_start_pos, shape=(batch,), dtypes=INDEX_DTYPES, what="[batch]")
+    check_array("meta.kv_indices", meta.kv_indices, shape=(meta.kv_capacity,), what="[meta.kv_capacity]")
+    check_positive_int("meta.max_extend_len", meta.max_extend_len)
+    check_window("sliding_window", sliding_window)
+    check_score_options(logit_cap, xai_temperature_len)
     for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
         if jnp.dtype(pool.dtype) != jnp.dtype(q.dtype):
             raise ValueError(f"{name} must have q's dtype {jnp.dtype(q.dtype).name}; got {jnp.dtype(pool.dtype).name}")
@@ -391,7 +407,7 @@ def extend_attention(
       o: [tokens, q_heads, v_head_dim] in q's dtype; rows past qo_indptr[-1] are 0.
     """
     check_array("q", q, ndim=3, dtypes=FLOAT_DTYPES, what="[tokens, q_heads, qk_head_dim]")
-    batch = _check_common(q, k_pool, v_pool, meta, ExtendMetadata, custom_mask, sinks, sliding_window, config)
+    batch = _check_common(q, k_pool, v_pool, meta, ExtendMetadata, custom_mask, sinks, sliding_window, config, logit_cap, xai_temperature_len)
     _check_new_tokens(q, k_new, v_new, k_pool, v_pool)
     tokens, q_heads, qk_dim = q.shape
     kv_heads, v_dim = v_pool.shape[1], v_pool.shape[2]
@@ -459,7 +475,7 @@ def extend_attention_unified(
       token's row is bit-identical however its sequence is split into prefix and new tokens.
     """
     check_array("q", q, ndim=3, dtypes=FLOAT_DTYPES, what="[tokens, q_heads, qk_head_dim]")
-    batch = _check_common(q, k_pool, v_pool, meta, ExtendUnifiedMetadata, custom_mask, sinks, sliding_window, config)
+    batch = _check_common(q, k_pool, v_pool, meta, ExtendUnifiedMetadata, custom_mask, sinks, sliding_window, config, logit_cap, xai_temperature_len)
     check_array("meta.prefix_lens", meta.prefix_lens, shape=(batch,), dtypes=INDEX_DTYPES, what="[batch]")
     if window_start_pos is not None:
         check_array("window_start_pos", window_start_pos, shape=(batch,), dtypes=INDEX_DTYPES, what="[batch]")
@@ -512,7 +528,7 @@ def extend_attention_reference(
     """
     del config, mode
     check_array("q", q, ndim=3, dtypes=FLOAT_DTYPES, what="[tokens, q_heads, qk_head_dim]")
-    batch = _check_common(q, k_pool, v_pool, meta, ExtendMetadata, custom_mask, sinks, sliding_window, None)
+    batch = _check_common(q, k_pool, v_pool, meta, ExtendMetadata, custom_mask, sinks, sliding_window, None, logit_cap, xai_temperature_len)
     _check_new_tokens(q, k_new, v_new, k_pool, v_pool)
     tokens, slots = q.shape[0], k_pool.shape[0]
     k_all = jnp.concatenate([k_pool, k_new])
@@ -561,7 +577,9 @@ def extend_attention_unified_reference(
     """Pure-jnp twin of `extend_attention_unified` (`config`, `mode` ignored)."""
     del config, mode
     check_array("q", q, ndim=3, dtypes=FLOAT_DTYPES, what="[tokens, q_heads, qk_head_dim]")
-    _check_common(q, k_pool, v_pool, meta, ExtendUnifiedMetadata, custom_mask, sinks, sliding_window, None)
+    _check_common(q, k_pool, v_pool, meta, ExtendUnifiedMetadata, custom_mask, sinks, sliding_window, None, logit_cap, xai_temperature_len)
+    if window_start_pos is not None:
+        check_array("window_start_pos", window_start_pos, shape=(meta.qo_indptr.shape[0] - 1,), dtypes=INDEX_DTYPES, what="[batch]")
     start_pos = meta.kv_start_pos if window_start_pos is None else window_start_pos
     return ragged_paged_attention_reference(
         q, k_pool, v_pool, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, causal=causal,

@@ -12,7 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxattn._checks import INDEX_DTYPES, check_array, check_positive_int
+from jaxattn._checks import INDEX_DTYPES, check_array, check_index_dtype, check_positive_int
 from jaxattn.launch import launch
 
 _COPY_BLOCK = 512
@@ -63,6 +63,7 @@ def create_kv_indices(
     """
     _check_create_args(req_to_token, req_pool_indices, kv_lens, kv_starts)
     check_positive_int("capacity", capacity)
+    check_index_dtype("index_dtype", index_dtype)
     batch = req_pool_indices.shape[0]
     max_reqs, max_ctx = req_to_token.shape
     kv_lens = jnp.maximum(kv_lens.astype(jnp.int32), 0)
@@ -153,6 +154,7 @@ def build_unified_kv_indices(
     if capacity is None:
         capacity = prefix_kv_indices.shape[0] + extend_kv_indices.shape[0]
     check_positive_int("capacity", capacity)
+    check_index_dtype("index_dtype", index_dtype)
     prefix_kv_indptr = prefix_kv_indptr.astype(jnp.int32)
     extend_seq_lens = jnp.maximum(extend_seq_lens.astype(jnp.int32), 0)
     if extend_start_loc is None:

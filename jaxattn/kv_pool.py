@@ -14,9 +14,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxattn._checks import INDEX_DTYPES, check_array
+import math
+import numbers
+
+from jaxattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_array
 
 FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+BUFFER_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 
 
 def is_fp8(dtype) -> bool:
@@ -34,25 +38,38 @@ def write_kv(k_buffer, v_buffer, out_cache_loc, k, v, *, k_scale: float | None =
 
     Args:
       k_buffer: [slots, kv_heads, head_dim]. v_buffer: [slots, kv_heads, v_head_dim].
-      out_cache_loc: i32[tokens], the slot of each token. Slot 0 is the padding slot. Two real tokens must not
-        share a slot: which one wins is then unspecified (`check_write_slots` catches it in checked mode).
-        Slots outside ``[0, slots)`` are dropped, never written elsewhere.
+      out_cache_loc: i32[tokens], the slot of each token. Slot 0 is the padding slot: padding tokens write there,
+        as often as they like. Slots outside ``[0, slots)`` (negative ones included) are dropped, never written
+        elsewhere. Duplicates: when several tokens name one slot, that slot ends up holding, element by element,
+        one of the values written to it (which one is unspecified and may differ between elements and between runs
+        on a GPU); every other slot is exact. Real tokens must therefore not share a slot: checked mode
+        (`check_write_slots`, `jaxattn.checked.validate_write_slots`) rejects repeats of any slot but 0.
       k: [tokens, kv_heads, head_dim]. v: [tokens, kv_heads, v_head_dim].
       k_scale, v_scale: for fp8 buffers, the stored value is ``k / k_scale`` (default 1).
     """
-    check_array("k_buffer", k_buffer, ndim=3, what="[slots, kv_heads, head_dim]")
+    check_array("k_buffer", k_buffer, ndim=3, dtypes=BUFFER_DTYPES, what="[slots, kv_heads, head_dim]")
     slots, kv_heads, head_dim = k_buffer.shape
-    check_array("v_buffer", v_buffer, shape=(slots, kv_heads, None), what="[slots, kv_heads, v_head_dim]")
+    check_array("v_buffer", v_buffer, shape=(slots, kv_heads, None), dtypes=BUFFER_DTYPES, what="[slots, kv_heads, v_head_dim]")
     check_array("out_cache_loc", out_cache_loc, ndim=1, dtypes=INDEX_DTYPES, what="[tokens]")
     tokens = out_cache_loc.shape[0]
-    check_array("k", k, shape=(tokens, kv_heads, head_dim), what="[tokens, kv_heads, head_dim]")
-    check_array("v", v, shape=(tokens, kv_heads, v_buffer.shape[2]), what="[tokens, kv_heads, v_head_dim]")
+    check_array("k", k, shape=(tokens, kv_heads, head_dim), dtypes=FLOAT_DTYPES, what="[tokens, kv_heads, head_dim]")
+    check_array("v", v, shape=(tokens, kv_heads, v_buffer.shape[2]), dtypes=FLOAT_DTYPES, what="[tokens, kv_heads, v_head_dim]")
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None:
+            continue
+        if hasattr(scale, "shape"):  # an array scale (e.g. calibrated per layer): checked for shape only
+            if tuple(scale.shape) not in ((), (1,)):
+                raise ValueError(f"{name} must be a scalar; got shape {tuple(scale.shape)}")
+        elif not (isinstance(scale, numbers.Real) and math.isfinite(scale) and scale > 0):
+            raise ValueError(f"{name} must be None or a finite float > 0 (fp8 buffers store value / scale); got {scale!r}")
     if is_fp8(k_buffer.dtype):
         k = k.astype(jnp.float32) / (1.0 if k_scale is None else k_scale)
     if is_fp8(v_buffer.dtype):
         v = v.astype(jnp.float32) / (1.0 if v_scale is None else v_scale)
-    k_buffer = k_buffer.at[out_cache_loc].set(k.astype(k_buffer.dtype), mode="drop")
-    v_buffer = v_buffer.at[out_cache_loc].set(v.astype(v_buffer.dtype), mode="drop")
+    # wrap_negative_indices=False: a negative slot is out of range and dropped (NumPy-style wrapping would write
+    # slot -1 into the last slot of the pool).
+    k_buffer = k_buffer.at[out_cache_loc].set(k.astype(k_buffer.dtype), mode="drop", wrap_negative_indices=False)
+    v_buffer = v_buffer.at[out_cache_loc].set(v.astype(v_buffer.dtype), mode="drop", wrap_negative_indices=False)
     return k_buffer, v_buffer
 
 
@@ -68,7 +85,10 @@ def check_write_slots(out_cache_loc, num_slots: int):
     from jax.experimental import checkify
 
     loc = out_cache_loc.astype(jnp.int32)
-    checkify.check(jnp.all((loc >= 0) & (loc < num_slots)), "out_cache_loc has a slot outside [0, {n})", n=num_slots)
+    checkify.check(jnp.all((loc >= 0) & (loc < num_slots)), "out_cache_loc has a slot outside [0, {n})", n=jnp.int32(num_slots))
     ordered = jnp.sort(loc)
     repeated = (ordered[1:] == ordered[:-1]) & (ordered[1:] != 0)
-    checkify.check(~jnp.any(repeated), "out_cache_loc names a slot other than the padding slot 0 twice")
+    if repeated.size == 0:
+        return
+    slot = ordered[1:][jnp.argmax(repeated)]
+    checkify.check(~jnp.any(repeated), "out_cache_loc names slot {s} twice (only the padding slot 0 may repeat)", s=slot)

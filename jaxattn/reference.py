@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_array
+from jaxattn._checks import FLOAT_DTYPES, INDEX_DTYPES, MASK_DTYPES, check_array
 
 
 def xai_temperature_scale(positions: jax.Array, xai_temperature_len: int) -> jax.Array:
@@ -73,7 +73,7 @@ def check_attention_args(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, si
     if sinks is not None:
         check_array("sinks", sinks, shape=(q_heads,), dtypes=FLOAT_DTYPES, what="[q_heads]")
     if custom_mask is not None:
-        check_array("custom_mask", custom_mask, ndim=1, what="[mask_len] (flat, per sequence row-major [q_len, kv_len])")
+        check_array("custom_mask", custom_mask, ndim=1, dtypes=MASK_DTYPES, what="[mask_len] (flat, per sequence row-major [q_len, kv_len])")
         if mask_indptr is None:
             raise ValueError("mask_indptr (i64/i32[batch + 1]) is required with custom_mask")
         check_array("mask_indptr", mask_indptr, shape=(batch + 1,), dtypes=INDEX_DTYPES, what="[batch + 1]")

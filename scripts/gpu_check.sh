@@ -2,7 +2,8 @@
 # The GPU check, for one device call on the H200 (see README "GPU check"):
 #   installs the carried wheels and jaxattn, runs the GPU-marked tests, then the benchmark if asked,
 #   and writes logs and a summary under $OUT (default ./out).
-# Usage: bash scripts/gpu_check.sh [pytest -k expression]    (BENCH="decode extend" to also benchmark)
+# Usage: bash scripts/gpu_check.sh [pytest -k expression]    (BENCH="decode extend" to also benchmark,
+#        STRESS=1000 to also run scripts/stress.py with that many batches per op)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -28,6 +29,11 @@ status=${PIPESTATUS[0]}
 for op in ${BENCH:-}; do
   python3 -m jaxattn.bench "$op" --json "$OUT/bench_$op.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_$op.log"
 done
+# The reliability stress run (issue 8): STRESS=1000 runs that many random batches per op against the reference.
+if [ -n "${STRESS:-}" ]; then
+  python3 scripts/stress.py --batches "$STRESS" --json "$OUT/stress.json" 2>&1 | tee "$OUT/stress.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
 # Keep FlashInfer's build cache for the next run when it is small enough to bring back.
 if [ -d ~/.cache/flashinfer ]; then
   tar czf "$OUT/flashinfer.tgz" -C ~/.cache flashinfer 2>/dev/null

@@ -1,0 +1,326 @@
+"""Checked mode: run-time validation of a batch's index arrays, with `jax.experimental.checkify`.
+
+The ops check shapes and dtypes while tracing; they cannot see values. A wrong *value* (a slot past the pool, a
+request row past the table, a negative length, an extend longer than its bucket) makes a kernel read or write the
+wrong memory, or silently drops work. The validators here check those values on device and report through
+checkify; they cost a few small reductions per step (the largest reads the req_to_token entries the batch uses),
+so use them in tests, debug runs and canaries rather than in every production step.
+
+What is checked (each message names the argument and the first offending entry):
+
+* `validate_decode_inputs` / `validate_extend_inputs` (SGLang's request tables, before the metadata builders):
+  lengths non-negative; the req_pool_indices of every non-empty sequence inside req_to_token's rows; the req_to_token
+  entries the batch lists inside [0, num_slots); prefix + extend (or seq_len) within max_context_len (req_to_token's
+  width); extend_lens <= the max_extend_len bucket; totals within kv_capacity / the query rows; out_cache_loc in
+  range and free of repeats other than the padding slot 0 (`jaxattn.kv_pool.check_write_slots`).
+* `validate_decode_metadata` / `validate_extend_metadata` (the metadata pytrees, also for callers that build CSR
+  lists themselves): indptrs start at 0, never decrease and end within the index capacity; the listed kv_indices
+  inside [0, num_slots); per-sequence query counts within max_extend_len; seq_lens / prefix_lens consistent.
+  They *return the metadata with out-of-range slots replaced by the padding slot 0*: checkify reports after the
+  step, so the step that finds the error still runs, and with the returned metadata it reads only inside the pool.
+  (Pool writes are already safe: `write_kv` drops out-of-range slots.)
+* `validate_write_slots`: out_cache_loc for `write_kv`.
+
+Use, either way:
+
+    # 1. Wrap the step: jit(checkify(step)) that raises a ValueError (checkify.JaxRuntimeError) on a bad batch.
+    def step(cache, req_to_token, req_pool_indices, seq_lens, out_cache_loc, q, k, v):
+        validate_decode_inputs(req_to_token, req_pool_indices, seq_lens, num_slots=cache[0].shape[0],
+                               out_cache_loc=out_cache_loc, kv_capacity=4096)
+        meta = decode_metadata(req_to_token, req_pool_indices, seq_lens, kv_capacity=4096, q_heads=32, kv_heads=8)
+        meta = validate_decode_metadata(meta, num_slots=cache[0].shape[0])
+        ...
+    step = checked(step, donate_argnums=0)
+
+    # 2. Or inside a function you checkify yourself.
+    err, out = jax.jit(checkify.checkify(step))(...)
+    err.throw()
+
+Outside checkify (a plain jit), the `checkify.check` calls raise at trace time: "Cannot abstractly evaluate a
+checkify.check which was not functionalized". Call the validators only in checked functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import checkify
+
+from jaxattn._checks import INDEX_DTYPES, check_array, check_positive_int, check_window
+from jaxattn.kv_pool import check_write_slots
+
+__all__ = [
+    "checked",
+    "validate_decode_inputs",
+    "validate_extend_inputs",
+    "validate_decode_metadata",
+    "validate_extend_metadata",
+    "validate_write_slots",
+]
+
+_PREFIX = "jaxattn checked mode: "
+
+
+def checked(fn, *, errors=checkify.user_checks, jit: bool = True, **jit_kwargs):
+    """`fn` checkified (and jitted with `jit_kwargs`, e.g. donate_argnums/static_argnames); a failed check raises.
+
+    The returned function has `fn`'s signature and results. A failed `checkify.check` inside `fn` (the validators of
+    this module, or your own) raises `checkify.JaxRuntimeError`, a ValueError, with the check's message, after the
+    step ran. `errors` picks checkify's error sets (default: user checks only; add `checkify.index_checks` or
+    `checkify.nan_checks` to also catch out-of-bounds jnp indexing or NaN outputs, at a further cost).
+    """
+    checked_fn = checkify.checkify(fn, errors=errors)
+    if jit:
+        checked_fn = jax.jit(checked_fn, **jit_kwargs)
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        err, out = checked_fn(*args, **kwargs)
+        err.throw()
+        return out
+
+    run.checkified = checked_fn  # returns (error, out) without raising
+    return run
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks
+
+
+def _first(bad):
+    """Index of the first true entry of a flat bool array (0 when none)."""
+    if bad.size == 0:
+        return jnp.int32(0)
+    return jnp.argmax(bad.reshape(-1)).astype(jnp.int32)
+
+
+def _check_all(ok, message, **values):
+    checkify.check(jnp.all(ok), _PREFIX + message, **values)
+
+
+def _non_negative(name, lengths):
+    if lengths.size == 0:
+        return
+    lengths = lengths.astype(jnp.int32)
+    bad = lengths < 0
+    i = _first(bad)
+    _check_all(~bad, f"{name}[{{i}}] = {{v}} is negative (lengths must be >= 0)", i=i, v=lengths[i])
+
+
+def _at_most(name, values, bound, what):
+    if values.size == 0:
+        return
+    values = values.astype(jnp.int32)
+    bad = values > bound
+    i = _first(bad)
+    _check_all(~bad, f"{name}[{{i}}] = {{v}} exceeds {what} ({{bound}})", i=i, v=values[i], bound=jnp.int32(bound))
+
+
+def _slots_in_range(name, slots, num_slots, valid=None):
+    """Entries of `slots` (where `valid`) inside [0, num_slots)."""
+    bad = (slots < 0) | (slots >= num_slots)
+    if valid is not None:
+        bad &= valid
+    if bad.size == 0:
+        return bad
+    flat = bad.reshape(-1)
+    i = _first(flat)
+    _check_all(~flat, f"{name} entry {{i}} (flat) = {{v}} is outside the pool [0, {num_slots})", i=i, v=slots.reshape(-1)[i])
+    return bad
+
+
+def _indptr(name, indptr, capacity, capacity_name="the index capacity"):
+    """indptr[0] == 0, non-decreasing, indptr[-1] <= capacity (None: no bound); returns the lengths (clamped >= 0)."""
+    indptr = indptr.astype(jnp.int32)
+    checkify.check(indptr[0] == 0, _PREFIX + f"{name}[0] = {{v}} must be 0", v=indptr[0])
+    steps = indptr[1:] - indptr[:-1]
+    if steps.size:
+        bad = steps < 0
+        i = _first(bad)
+        _check_all(~bad, f"{name} decreases at {{i}}: {name}[{{i}}] = {{a}} > {name}[{{j}}] = {{b}} (a negative length)",
+                   i=i, j=i + 1, a=indptr[i], b=indptr[i + 1])
+    if capacity is not None:
+        checkify.check(indptr[-1] <= capacity, _PREFIX + f"{name}[-1] = {{v}} exceeds {capacity_name} ({capacity})", v=indptr[-1])
+    return jnp.maximum(steps, 0)
+
+
+def _rows_in_range(req_pool_indices, max_reqs, active):
+    if active.size == 0:
+        return
+    rows = req_pool_indices.astype(jnp.int32)
+    bad = active & ((rows < 0) | (rows >= max_reqs))
+    i = _first(bad)
+    _check_all(~bad, f"req_pool_indices[{{i}}] = {{v}} is outside req_to_token's rows [0, {max_reqs}) (a non-empty sequence)",
+               i=i, v=rows[i])
+
+
+def _listed_table_entries(req_to_token, req_pool_indices, begin, end, num_slots):
+    """req_to_token[row_b, begin_b:end_b] inside [0, num_slots) for every sequence (rows already checked)."""
+    max_reqs, max_ctx = req_to_token.shape
+    if req_pool_indices.size == 0:
+        return
+    rows = jnp.clip(req_pool_indices.astype(jnp.int32), 0, max_reqs - 1)
+    table = req_to_token[rows]  # [batch, max_ctx]: only the rows the batch uses
+    pos = jnp.arange(max_ctx, dtype=jnp.int32)[None, :]
+    listed = (pos >= begin[:, None]) & (pos < end[:, None])
+    bad = listed & ((table < 0) | (table >= num_slots))
+    flat = bad.reshape(-1)
+    k = _first(flat)
+    b, p = k // max_ctx, k % max_ctx
+    _check_all(~flat, f"req_to_token[req_pool_indices[{{b}}], {{p}}] = {{v}} is outside the pool [0, {num_slots}) (a listed key)",
+               b=b, p=p, v=table.reshape(-1)[k])
+
+
+# ---------------------------------------------------------------------------------------------
+# Request tables (before the metadata builders)
+
+
+def validate_write_slots(out_cache_loc, num_slots: int):
+    """out_cache_loc inside [0, num_slots) and no slot other than the padding slot 0 named twice."""
+    check_array("out_cache_loc", out_cache_loc, ndim=1, dtypes=INDEX_DTYPES, what="[tokens]")
+    check_positive_int("num_slots", num_slots)
+    loc = out_cache_loc.astype(jnp.int32)
+    bad = (loc < 0) | (loc >= num_slots)
+    i = _first(bad)
+    _check_all(~bad, f"out_cache_loc[{{i}}] = {{v}} is outside the pool [0, {num_slots})", i=i, v=loc[i])
+    check_write_slots(out_cache_loc, num_slots)
+
+
+def validate_decode_inputs(req_to_token, req_pool_indices, seq_lens, *, num_slots: int, kv_capacity: int | None = None,
+                           out_cache_loc=None, sliding_window: int = -1):
+    """Run-time checks of a decode batch's request tables (the arguments of `decode_metadata`).
+
+    seq_lens >= 0 and <= max_context_len; req_pool_indices of non-empty sequences inside req_to_token; the listed
+    entries (the last min(seq_len, W + 1) with a window W) inside [0, num_slots); the listed total <= kv_capacity;
+    out_cache_loc (the current tokens' slots) valid for `write_kv`.
+    """
+    check_array("req_to_token", req_to_token, ndim=2, dtypes=INDEX_DTYPES, what="[max_reqs, max_context_len]")
+    check_array("req_pool_indices", req_pool_indices, ndim=1, dtypes=INDEX_DTYPES, what="[max_batch]")
+    check_array("seq_lens", seq_lens, shape=req_pool_indices.shape, dtypes=INDEX_DTYPES, what="[max_batch]")
+    check_positive_int("num_slots", num_slots)
+    check_window("sliding_window", sliding_window)
+    max_reqs, max_ctx = req_to_token.shape
+    seq_lens = seq_lens.astype(jnp.int32)
+    _non_negative("seq_lens", seq_lens)
+    _at_most("seq_lens", seq_lens, max_ctx, "max_context_len, req_to_token.shape[1]")
+    active = seq_lens > 0
+    _rows_in_range(req_pool_indices, max_reqs, active)
+    lens = jnp.clip(seq_lens, 0, max_ctx)
+    listed = jnp.minimum(lens, sliding_window + 1) if sliding_window >= 0 else lens
+    _listed_table_entries(req_to_token, req_pool_indices, lens - listed, lens, num_slots)
+    if kv_capacity is not None:
+        total = jnp.sum(listed)
+        checkify.check(total <= kv_capacity, _PREFIX + f"the batch lists {{t}} keys, more than kv_capacity ({kv_capacity})", t=total)
+    if out_cache_loc is not None:
+        validate_write_slots(out_cache_loc, num_slots)
+
+
+def validate_extend_inputs(req_to_token, req_pool_indices, prefix_lens, extend_lens, *, num_slots: int, max_extend_len: int,
+                           kv_capacity: int | None = None, unified: bool = False, out_cache_loc=None,
+                           num_tokens: int | None = None, sliding_window: int = -1):
+    """Run-time checks of an extend batch's request tables (the arguments of `extend_metadata` /
+    `extend_unified_metadata`).
+
+    prefix_lens, extend_lens >= 0; extend_lens <= max_extend_len (longer rows would not be computed); prefix + extend
+    <= max_context_len; req_pool_indices of non-empty sequences inside req_to_token; the listed prefix entries and the
+    new tokens' entries of req_to_token inside [0, num_slots); the listed total (prefix, plus the new tokens when
+    `unified`) <= kv_capacity; the total of extend_lens <= num_tokens (q's rows) and <= len(out_cache_loc); out_cache_loc
+    valid for `write_kv`.
+    """
+    check_array("req_to_token", req_to_token, ndim=2, dtypes=INDEX_DTYPES, what="[max_reqs, max_context_len]")
+    check_array("req_pool_indices", req_pool_indices, ndim=1, dtypes=INDEX_DTYPES, what="[batch]")
+    batch = req_pool_indices.shape[0]
+    check_array("prefix_lens", prefix_lens, shape=(batch,), dtypes=INDEX_DTYPES, what="[batch]")
+    check_array("extend_lens", extend_lens, shape=(batch,), dtypes=INDEX_DTYPES, what="[batch]")
+    check_positive_int("num_slots", num_slots)
+    check_positive_int("max_extend_len", max_extend_len)
+    check_window("sliding_window", sliding_window)
+    max_reqs, max_ctx = req_to_token.shape
+    prefix_lens = prefix_lens.astype(jnp.int32)
+    extend_lens = extend_lens.astype(jnp.int32)
+    _non_negative("prefix_lens", prefix_lens)
+    _non_negative("extend_lens", extend_lens)
+    _at_most("extend_lens", extend_lens, max_extend_len, "the max_extend_len bucket")
+    seq_lens = prefix_lens + extend_lens
+    bad = seq_lens > max_ctx
+    i = _first(bad)
+    _check_all(~bad, f"prefix_lens[{{i}}] + extend_lens[{{i}}] = {{v}} exceeds max_context_len ({max_ctx}, req_to_token.shape[1])",
+               i=i, v=seq_lens[i])
+    _rows_in_range(req_pool_indices, max_reqs, seq_lens > 0)
+    prefix = jnp.clip(prefix_lens, 0, max_ctx)
+    listed = jnp.minimum(prefix, sliding_window) if sliding_window >= 0 else prefix
+    new = jnp.maximum(extend_lens, 0)
+    _listed_table_entries(req_to_token, req_pool_indices, prefix - listed, jnp.clip(prefix + new, 0, max_ctx), num_slots)
+    tokens = jnp.sum(new)
+    if kv_capacity is not None:
+        total = jnp.sum(listed) + (tokens if unified else 0)
+        checkify.check(total <= kv_capacity, _PREFIX + f"the batch lists {{t}} keys, more than kv_capacity ({kv_capacity})", t=total)
+    if num_tokens is not None:
+        checkify.check(tokens <= num_tokens, _PREFIX + f"extend_lens add up to {{t}} tokens, more than q's rows ({num_tokens})", t=tokens)
+    if out_cache_loc is not None:
+        validate_write_slots(out_cache_loc, num_slots)
+        n = out_cache_loc.shape[0]
+        checkify.check(tokens <= n, _PREFIX + f"extend_lens add up to {{t}} tokens, more than out_cache_loc holds ({n})", t=tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# Metadata (after the builders, or for CSR lists built by the caller)
+
+
+def _sanitized_indices(kv_indices, used, num_slots):
+    bad = _slots_in_range("kv_indices", kv_indices, num_slots, used)
+    return jnp.where(bad, jnp.zeros((), kv_indices.dtype), kv_indices)
+
+
+def validate_decode_metadata(meta, *, num_slots: int):
+    """Checks a `DecodeMetadata` against a pool of `num_slots` slots; returns it with out-of-range slots set to 0.
+
+    kv_indptr starts at 0, never decreases, ends within kv_capacity; the listed kv_indices inside [0, num_slots);
+    seq_lens >= the list lengths (positions stay >= 0).
+    """
+    from jaxattn.decode import DecodeMetadata
+
+    if not isinstance(meta, DecodeMetadata):
+        raise ValueError(f"meta must be a DecodeMetadata; got {type(meta).__name__}")
+    check_positive_int("num_slots", num_slots)
+    lens = _indptr("kv_indptr", meta.kv_indptr, meta.kv_capacity, "kv_capacity")
+    seq_lens = meta.seq_lens.astype(jnp.int32)
+    bad = seq_lens < lens
+    if bad.size:
+        i = _first(bad)
+        _check_all(~bad, "seq_lens[{i}] = {v} is shorter than its KV list ({n} keys)", i=i, v=seq_lens[i], n=lens[i])
+    used = jnp.arange(meta.kv_capacity) < meta.kv_indptr[-1]
+    return dataclasses.replace(meta, kv_indices=_sanitized_indices(meta.kv_indices, used, num_slots))
+
+
+def validate_extend_metadata(meta, *, num_slots: int, num_tokens: int | None = None):
+    """Checks an `ExtendMetadata` / `ExtendUnifiedMetadata`; returns it with out-of-range slots set to 0.
+
+    qo_indptr and kv_indptr (and mask_indptr) start at 0 and never decrease; qo_indptr ends within num_tokens (q's
+    rows) when given, and each sequence's query count is <= max_extend_len; kv_indptr ends within kv_capacity; the
+    listed kv_indices inside [0, num_slots); kv_start_pos >= 0; for the unified layout, prefix_lens in [0, list length]
+    and list length - prefix_len == query count.
+    """
+    from jaxattn.extend import ExtendMetadata, ExtendUnifiedMetadata
+
+    if not isinstance(meta, (ExtendMetadata, ExtendUnifiedMetadata)):
+        raise ValueError(f"meta must be an ExtendMetadata or ExtendUnifiedMetadata; got {type(meta).__name__}")
+    check_positive_int("num_slots", num_slots)
+    q_lens = _indptr("qo_indptr", meta.qo_indptr, num_tokens, "q's rows (num_tokens)")
+    _at_most("query counts (qo_indptr[b + 1] - qo_indptr[b])", q_lens, meta.max_extend_len, "max_extend_len")
+    kv_lens = _indptr("kv_indptr", meta.kv_indptr, meta.kv_capacity, "kv_capacity")
+    _non_negative("kv_start_pos", meta.kv_start_pos)
+    if meta.mask_indptr is not None:
+        _indptr("mask_indptr", meta.mask_indptr, None)
+    if isinstance(meta, ExtendUnifiedMetadata):
+        prefix = meta.prefix_lens.astype(jnp.int32)
+        bad = (prefix < 0) | (kv_lens - prefix != q_lens)
+        if bad.size:
+            i = _first(bad)
+            _check_all(~bad, "prefix_lens[{i}] = {p} does not fit its list: {n} keys listed for {q} queries", i=i, p=prefix[i],
+                   n=kv_lens[i], q=q_lens[i])
+    used = jnp.arange(meta.kv_capacity) < meta.kv_indptr[-1]
+    return dataclasses.replace(meta, kv_indices=_sanitized_indices(meta.kv_indices, used, num_slots))

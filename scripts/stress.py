@@ -1,0 +1,385 @@
+#!/usr/bin/env python3
+"""Stress run: many random ragged batches through decode and extend (both kernels) against the reference.
+
+Each batch goes the serving path: request tables (req_to_token rows at random, slots scattered over the pool) ->
+the metadata builders -> `write_kv` of the new tokens -> the kernels, and the same batch through the jnp reference.
+A batch is a mismatch when any output is non-finite, a row with no keys is not exactly 0, or an element differs from
+the reference by more than atol + rtol * |ref| (the test suite's dtype tolerances).
+
+Feature mixes come from a fixed list of profiles (head shapes, dtype, window, soft cap, sinks, xai temperature,
+custom mask, non-causal) so compilation is paid once per profile; lengths, slots, batch fill and data change every
+batch (zero-length sequences included).
+
+    python scripts/stress.py --batches 1000 --json benchmarks/results/stress_h200.json        # on the H200
+    python scripts/stress.py --batches 5 --mode interpret --shapes tiny --json /tmp/s.json    # CPU smoke run
+
+Prints one summary line (and the worst batch), writes the figures as JSON, exits 1 on any mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxattn.decode import decode_attention, decode_attention_reference, decode_metadata  # noqa: E402
+from jaxattn.extend import (  # noqa: E402
+    extend_attention,
+    extend_attention_reference,
+    extend_attention_unified,
+    extend_attention_unified_reference,
+    extend_metadata,
+    extend_unified_metadata,
+)
+from jaxattn.kv_pool import write_kv  # noqa: E402
+
+TOLERANCES = {"float32": (2e-5, 2e-5), "float16": (2e-3, 2e-3), "bfloat16": (1.6e-2, 1.6e-2)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    name: str
+    q_heads: int
+    kv_heads: int
+    qk_dim: int
+    v_dim: int
+    dtype: str
+    window: int = -1
+    logit_cap: float = 0.0
+    sinks: bool = False
+    xai: int = -1
+    mask: bool = False  # extend only: a random custom mask (fully masked rows included)
+    causal: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    dec_batch: int
+    dec_max_len: int
+    ext_batch: int
+    ext_max_prefix: int
+    ext_bucket: int  # max_extend_len
+
+
+SHAPES = {
+    # H200: decode up to 16 x 4096 keys, extend up to 8 x (2048 prefix + 512 new).
+    "h200": Shapes(dec_batch=16, dec_max_len=4096, ext_batch=8, ext_max_prefix=2048, ext_bucket=512),
+    # CPU interpreter smoke run.
+    "tiny": Shapes(dec_batch=3, dec_max_len=40, ext_batch=3, ext_max_prefix=24, ext_bucket=8),
+}
+
+
+def profiles(shapes: str) -> list[Profile]:
+    if shapes == "tiny":
+        return [
+            Profile("tiny-gqa2", 4, 2, 32, 32, "float32", sinks=True),
+            Profile("tiny-window", 2, 1, 16, 16, "bfloat16", window=5, logit_cap=5.0),
+            Profile("tiny-mask", 3, 3, 32, 16, "float16", mask=True, xai=8),
+        ]
+    return [
+        Profile("llama-gqa4-bf16", 32, 8, 128, 128, "bfloat16"),
+        Profile("llama-gqa4-fp16", 32, 8, 128, 128, "float16"),
+        Profile("gemma-cap-window", 16, 8, 256, 256, "bfloat16", window=1023, logit_cap=50.0),
+        Profile("gpt-oss-sinks-window", 64, 8, 64, 64, "bfloat16", window=127, sinks=True),
+        Profile("grok-xai-cap", 48, 8, 128, 128, "bfloat16", logit_cap=30.0, xai=1024),
+        Profile("mla-absorbed", 16, 1, 576, 512, "bfloat16"),
+        Profile("deepseek-mha-192", 16, 16, 192, 128, "bfloat16", window=0),
+        Profile("mqa-group32-fp16", 32, 1, 128, 128, "float16", sinks=True),
+        Profile("tree-mask", 32, 8, 128, 128, "bfloat16", mask=True),
+        Profile("noncausal", 8, 8, 64, 64, "float16", causal=False, logit_cap=20.0),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def random_lengths(rng, n, top):
+    """0 with p = 0.15, 1..32 with p = 0.3, else uniform up to `top`."""
+    u = rng.random(n)
+    small = rng.integers(1, min(32, top) + 1, n)
+    big = rng.integers(1, top + 1, n)
+    return np.where(u < 0.15, 0, np.where(u < 0.45, small, big)).astype(np.int32)
+
+
+def compare(o, ref, dtype, empty_rows=None):
+    """(ok, worst |o - ref| / (atol + rtol |ref|), reason)."""
+    atol, rtol = TOLERANCES[dtype]
+    o, ref = np.asarray(o, np.float32), np.asarray(ref, np.float32)
+    if not np.isfinite(o).all():
+        return False, float("inf"), "non-finite output"
+    if not np.isfinite(ref).all():
+        return False, float("inf"), "non-finite reference"
+    if empty_rows is not None and empty_rows.any() and np.any(o[empty_rows] != 0):
+        return False, float("inf"), "a row with no keys is not 0"
+    ratio = float(np.max(np.abs(o - ref) / (atol + rtol * np.abs(ref)), initial=0.0))
+    return ratio <= 1.0, ratio, "" if ratio <= 1.0 else "beyond tolerance"
+
+
+class Tally:
+    def __init__(self):
+        self.batches = 0
+        self.mismatches = 0
+        self.worst = 0.0
+        self.worst_case = None
+        self.failures = []
+        self.tokens = 0
+
+    def add(self, ok, ratio, reason, case):
+        self.batches += 1
+        if ratio > self.worst:
+            self.worst, self.worst_case = ratio, case
+        if not ok:
+            self.mismatches += 1
+            if len(self.failures) < 20:
+                self.failures.append(dict(case, reason=reason, ratio=ratio))
+
+    def summary(self):
+        return dict(batches=self.batches, mismatches=self.mismatches, worst_error_over_tolerance=self.worst,
+                    worst_case=self.worst_case, failures=self.failures, tokens=self.tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode
+
+
+class DecodeRunner:
+    def __init__(self, profile: Profile, shapes: Shapes, mode: str, seed: int):
+        self.p, self.s, self.mode = profile, shapes, mode
+        self.dtype = jnp.dtype(profile.dtype)
+        self.slots = shapes.dec_batch * shapes.dec_max_len + 64
+        self.capacity = shapes.dec_batch * shapes.dec_max_len
+        key = jax.random.PRNGKey(seed)
+        k1, k2, self.key = jax.random.split(key, 3)
+        # Slot 0 (padding) and the reserved top slots hold NaN: a stray read shows up.
+        poison = (jnp.arange(self.slots) == 0) | (jnp.arange(self.slots) >= self.slots - 8)
+        self.k_pool = jnp.where(poison[:, None, None], jnp.nan,
+                                jax.random.normal(k1, (self.slots, profile.kv_heads, profile.qk_dim))).astype(self.dtype)
+        self.v_pool = jnp.where(poison[:, None, None], jnp.nan,
+                                jax.random.normal(k2, (self.slots, profile.kv_heads, profile.v_dim))).astype(self.dtype)
+        p = profile
+        self.attn = functools.partial(decode_attention, sliding_window=p.window, logit_cap=p.logit_cap, xai_temperature_len=p.xai, mode=mode)
+        self.ref = jax.jit(functools.partial(decode_attention_reference, sliding_window=p.window, logit_cap=p.logit_cap, xai_temperature_len=p.xai))
+        self.meta = jax.jit(functools.partial(decode_metadata, kv_capacity=self.capacity, q_heads=p.q_heads, kv_heads=p.kv_heads,
+                                              sliding_window=p.window, mode=mode))
+
+    def run(self, rng, index):
+        p, s = self.p, self.s
+        lens = random_lengths(rng, s.dec_batch, s.dec_max_len)
+        lens[rng.random(s.dec_batch) < 0.1] = 0
+        total = int(lens.sum())
+        slots = rng.permutation(np.arange(1, self.slots - 8))[:total].astype(np.int32)
+        max_reqs = s.dec_batch + 3
+        table = np.zeros((max_reqs, s.dec_max_len), np.int32)
+        rows = rng.permutation(max_reqs)[: s.dec_batch].astype(np.int32)
+        offset = 0
+        for b in range(s.dec_batch):
+            table[rows[b], : lens[b]] = slots[offset : offset + lens[b]]
+            offset += lens[b]
+        self.key, kq, kk, kv, ks = jax.random.split(self.key, 5)
+        q = jax.random.normal(kq, (s.dec_batch, p.q_heads, p.qk_dim)).astype(self.dtype)
+        # The current token's K/V: written at its slot (the last of each list) first, as a serving step does.
+        cur = np.where(lens > 0, table[rows, np.maximum(lens - 1, 0)], 0).astype(np.int32)
+        k_cur = jax.random.normal(kk, (s.dec_batch, p.kv_heads, p.qk_dim)).astype(self.dtype)
+        v_cur = jax.random.normal(kv, (s.dec_batch, p.kv_heads, p.v_dim)).astype(self.dtype)
+        self.k_pool, self.v_pool = write_kv(self.k_pool, self.v_pool, jnp.asarray(cur), k_cur, v_cur)
+        self.k_pool = self.k_pool.at[0].set(jnp.nan)  # padding rows wrote slot 0: poison it again
+        self.v_pool = self.v_pool.at[0].set(jnp.nan)
+        sinks = jax.random.normal(ks, (p.q_heads,)) * 2 if p.sinks else None
+        meta = self.meta(jnp.asarray(table), jnp.asarray(rows), jnp.asarray(lens))
+        o = self.attn(q, self.k_pool, self.v_pool, meta, sinks=sinks)
+        ref = self.ref(q, self.k_pool, self.v_pool, meta, sinks=sinks)
+        ok, ratio, reason = compare(o, ref, p.dtype, empty_rows=lens == 0)
+        return ok, ratio, reason, dict(op="decode", profile=p.name, batch=index, lens=lens.tolist()), int(total)
+
+
+# ---------------------------------------------------------------------------------------------
+# Extend
+
+
+class ExtendRunner:
+    def __init__(self, profile: Profile, shapes: Shapes, mode: str, seed: int):
+        self.p, self.s, self.mode = profile, shapes, mode
+        self.dtype = jnp.dtype(profile.dtype)
+        self.ctx = shapes.ext_max_prefix + shapes.ext_bucket
+        self.slots = shapes.ext_batch * self.ctx + 64
+        self.capacity = shapes.ext_batch * self.ctx
+        self.tokens = shapes.ext_batch * shapes.ext_bucket
+        self.mask_len = shapes.ext_batch * shapes.ext_bucket * self.ctx
+        key = jax.random.PRNGKey(seed)
+        k1, k2, self.key = jax.random.split(key, 3)
+        self.k_pool = jax.random.normal(k1, (self.slots, profile.kv_heads, profile.qk_dim)).astype(self.dtype).at[0].set(jnp.nan)
+        self.v_pool = jax.random.normal(k2, (self.slots, profile.kv_heads, profile.v_dim)).astype(self.dtype).at[0].set(jnp.nan)
+        p = profile
+        kw = dict(causal=p.causal, sliding_window=p.window, logit_cap=p.logit_cap, xai_temperature_len=p.xai)
+        self.two = functools.partial(extend_attention, mode=mode, skip_prefix_custom_mask=False, **kw)
+        self.uni = functools.partial(extend_attention_unified, mode=mode, **kw)
+        self.two_ref = jax.jit(functools.partial(extend_attention_reference, skip_prefix_custom_mask=False, **kw))
+        self.uni_ref = jax.jit(functools.partial(extend_attention_unified_reference, **kw))
+        common = dict(max_extend_len=shapes.ext_bucket, kv_capacity=self.capacity, sliding_window=p.window, mode=mode)
+        self.meta = jax.jit(functools.partial(extend_metadata, **common))
+        self.meta_u = jax.jit(functools.partial(extend_unified_metadata, **common))
+        self.write = jax.jit(write_kv, donate_argnums=(0, 1))
+
+    def run(self, rng, index):
+        p, s = self.p, self.s
+        prefix = random_lengths(rng, s.ext_batch, s.ext_max_prefix)
+        extend = random_lengths(rng, s.ext_batch, s.ext_bucket)
+        seq = prefix + extend
+        tokens = int(extend.sum())
+        slots = rng.permutation(np.arange(1, self.slots))[: int(seq.sum())].astype(np.int32)
+        max_reqs = s.ext_batch + 3
+        table = np.zeros((max_reqs, self.ctx), np.int32)
+        rows = rng.permutation(max_reqs)[: s.ext_batch].astype(np.int32)
+        loc, offset = [], 0
+        for b in range(s.ext_batch):
+            table[rows[b], : seq[b]] = slots[offset : offset + seq[b]]
+            loc.append(slots[offset + prefix[b] : offset + seq[b]])
+            offset += seq[b]
+        loc = np.pad(np.concatenate(loc), (0, self.tokens - tokens)).astype(np.int32)  # padding tokens: slot 0
+        self.key, kq, kk, kv, ks = jax.random.split(self.key, 5)
+        q = jax.random.normal(kq, (self.tokens, p.q_heads, p.qk_dim)).astype(self.dtype)
+        k_new = jax.random.normal(kk, (self.tokens, p.kv_heads, p.qk_dim)).astype(self.dtype)
+        v_new = jax.random.normal(kv, (self.tokens, p.kv_heads, p.v_dim)).astype(self.dtype)
+        sinks = jax.random.normal(ks, (p.q_heads,)) * 2 if p.sinks else None
+        args = (jnp.asarray(table), jnp.asarray(rows), jnp.asarray(prefix), jnp.asarray(extend))
+        meta = self.meta(*args)
+        meta_u = self.meta_u(*args, jnp.asarray(loc))
+        # Two-stage: the prefix from the pool, the new tokens contiguous (their pool slots are not read).
+        mask = mask_u = None
+        listed = np.minimum(prefix, p.window) if p.window >= 0 else prefix
+        if p.mask:
+            full, cut = [], []
+            for b in range(s.ext_batch):
+                n, width = int(extend[b]), int(seq[b])
+                m = rng.random((n, width)) < 0.5
+                m[rng.random(n) < 0.1] = False  # fully masked rows
+                full.append(m.reshape(-1))
+                cut.append(m[:, int(prefix[b] - listed[b]) :].reshape(-1))
+            mask = jnp.asarray(np.pad(np.concatenate(full), (0, self.mask_len - sum(map(len, full)))))
+            mask_u = jnp.asarray(np.pad(np.concatenate(cut), (0, self.mask_len - sum(map(len, cut)))))
+        o_two = self.two(q, k_new, v_new, self.k_pool, self.v_pool, meta, custom_mask=mask, sinks=sinks)
+        r_two = self.two_ref(q, k_new, v_new, jnp.nan_to_num(self.k_pool), jnp.nan_to_num(self.v_pool), meta, custom_mask=mask, sinks=sinks)
+        # Unified: write the new tokens into the pool first (slot 0 takes the padding tokens), then read all from it.
+        self.k_pool, self.v_pool = self.write(self.k_pool, self.v_pool, jnp.asarray(loc), k_new, v_new)
+        o_uni = self.uni(q, self.k_pool, self.v_pool, meta_u, custom_mask=mask_u, sinks=sinks)
+        r_uni = self.uni_ref(q, self.k_pool, self.v_pool, meta_u, custom_mask=mask_u, sinks=sinks)
+        padding = np.arange(self.tokens) >= tokens
+        results = []
+        for name, o, r in (("extend", o_two, r_two), ("extend_unified", o_uni, r_uni)):
+            ok, ratio, reason = compare(o, r, p.dtype, empty_rows=padding)
+            results.append((ok, ratio, reason, dict(op=name, profile=p.name, batch=index, prefix=prefix.tolist(), extend=extend.tolist())))
+        return results, tokens
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def environment(mode):
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip()
+        except Exception:  # noqa: BLE001
+            return "unknown"
+
+    import importlib.metadata
+
+    import triton
+
+    def version(dist):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    return dict(
+        date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        commit=git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else ""),
+        device=str(jax.devices()[0].device_kind) if jax.devices() else "none",
+        backend=jax.default_backend(),
+        mode=mode,
+        jax=jax.__version__,
+        triton=triton.__version__,
+        jax_triton=version("jax-triton"),
+        python=platform.python_version(),
+    )
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", type=int, default=1000, help="random batches per op (decode, extend)")
+    parser.add_argument("--ops", nargs="+", default=["decode", "extend"], choices=["decode", "extend"])
+    parser.add_argument("--mode", choices=["gpu", "interpret"], default=None, help="launch mode (default: by platform)")
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default=None, help="size bucket (default: h200 on GPU, tiny otherwise)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="write the figures here")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore", message=".*no tuned config.*")
+    mode = args.mode or ("gpu" if jax.default_backend() in ("gpu", "cuda") else "interpret")
+    shapes_name = args.shapes or ("h200" if mode == "gpu" else "tiny")
+    shapes = SHAPES[shapes_name]
+    profs = profiles(shapes_name)
+    rng = np.random.default_rng(args.seed)
+    tallies = {}
+    start = time.time()
+    timings = {}
+    for op in args.ops:
+        runners = {}
+        op_start = time.time()
+        for i in range(args.batches):
+            profile = profs[i % len(profs)]
+            if profile.name not in runners:
+                cls = DecodeRunner if op == "decode" else ExtendRunner
+                runners[profile.name] = cls(profile, shapes, mode, seed=args.seed * 1000 + len(runners))
+            runner = runners[profile.name]
+            if op == "decode":
+                ok, ratio, reason, case, tokens = runner.run(rng, i)
+                results = [(ok, ratio, reason, case)]
+            else:
+                results, tokens = runner.run(rng, i)
+            for ok, ratio, reason, case in results:
+                tally = tallies.setdefault(case["op"], Tally())
+                tally.add(ok, ratio, reason, case)
+                tally.tokens += tokens
+                if not ok:
+                    print(f"MISMATCH {case['op']} {case['profile']} batch {i}: {reason} (error/tolerance {ratio:.3g})", flush=True)
+            if (i + 1) % 100 == 0:
+                print(f"  {op}: {i + 1}/{args.batches} batches, {time.time() - op_start:.0f} s", flush=True)
+        timings[op] = time.time() - op_start
+    wall = time.time() - start
+    mismatches = sum(t.mismatches for t in tallies.values())
+    parts = ", ".join(f"{op} {t.batches} batches {t.mismatches} mismatches (worst error/tol {t.worst:.3f})" for op, t in tallies.items())
+    print(f"stress [{mode}, {shapes_name}, seed {args.seed}]: {parts}; total mismatches {mismatches}; {wall:.0f} s")
+    for op, t in tallies.items():
+        if t.worst_case is not None:
+            print(f"  worst {op}: {json.dumps(t.worst_case)[:300]}")
+    record = dict(
+        environment=environment(mode),
+        settings=dict(batches_per_op=args.batches, ops=args.ops, seed=args.seed, shapes=dataclasses.asdict(shapes), shapes_name=shapes_name,
+                      profiles=[dataclasses.asdict(p) for p in profs], tolerances=TOLERANCES),
+        results={op: t.summary() for op, t in tallies.items()},
+        total_mismatches=mismatches,
+        seconds=dict(total=wall, **timings),
+    )
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
+        print(f"wrote {args.json}")
+    return 1 if mismatches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

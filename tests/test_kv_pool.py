@@ -1,0 +1,135 @@
+"""KV pool writes lose nothing: only the named slots change, donation keeps the buffers in place, the padding slot is
+harmless, duplicates and out-of-range slots have a defined result, fp8 storage round-trips with its scales."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import checkify
+
+from jaxattn.checked import checked, validate_write_slots
+from jaxattn.decode import decode_attention, decode_attention_reference, decode_metadata_from_indptr
+from jaxattn.kv_pool import allocate_kv_buffers, check_write_slots, read_scaled, write_kv
+
+SLOTS, HEADS, DIM, V_DIM = 40, 2, 32, 16
+
+
+def pools(rng, dtype=jnp.float32):
+    """Host copies (np.array, not views: a numpy view of a CPU jax array pins it and blocks donation)."""
+    k = rng.standard_normal((SLOTS, HEADS, DIM)).astype(np.float32)
+    v = rng.standard_normal((SLOTS, HEADS, V_DIM)).astype(np.float32)
+    return k, v
+
+
+def new_tokens(rng, n):
+    return (rng.standard_normal((n, HEADS, DIM)).astype(np.float32), rng.standard_normal((n, HEADS, V_DIM)).astype(np.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_only_named_slots_change(rng, dtype):
+    k, v = pools(rng)
+    loc = rng.permutation(np.arange(1, SLOTS))[:11].astype(np.int32)
+    k_new, v_new = new_tokens(rng, 11)
+    k_out, v_out = jax.jit(write_kv)(jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(loc), jnp.asarray(k_new), jnp.asarray(v_new))
+    want_k, want_v = np.asarray(jnp.asarray(k, dtype)).copy(), np.asarray(jnp.asarray(v, dtype)).copy()
+    want_k[loc] = np.asarray(jnp.asarray(k_new, dtype))
+    want_v[loc] = np.asarray(jnp.asarray(v_new, dtype))
+    assert k_out.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(k_out), want_k)  # bit-exact, every slot
+    np.testing.assert_array_equal(np.asarray(v_out), want_v)
+
+
+def test_donation_writes_in_place(rng):
+    k, v = pools(rng)
+    k_buf, v_buf = jnp.asarray(np.array(k)), jnp.asarray(np.array(v))
+    pointers = (k_buf.unsafe_buffer_pointer(), v_buf.unsafe_buffer_pointer())
+    step = jax.jit(write_kv, donate_argnums=(0, 1))
+    loc = jnp.asarray([5, 0, 17], jnp.int32)
+    k_new, v_new = new_tokens(rng, 3)
+    k_out, v_out = step(k_buf, v_buf, loc, jnp.asarray(k_new), jnp.asarray(v_new))
+    assert k_buf.is_deleted() and v_buf.is_deleted()  # donated
+    assert (k_out.unsafe_buffer_pointer(), v_out.unsafe_buffer_pointer()) == pointers  # the same memory
+    k[[5, 0, 17]] = k_new
+    np.testing.assert_array_equal(np.asarray(k_out), k)
+    # And again on the returned buffers: a serving loop keeps one pool allocation.
+    k2, v2 = step(k_out, v_out, loc, jnp.asarray(k_new) * 2, jnp.asarray(v_new))
+    assert k2.unsafe_buffer_pointer() == pointers[0]
+
+
+def test_padding_slot_is_harmless(rng):
+    """Padding tokens write slot 0 (any number of times); no sequence lists slot 0, so attention is unchanged."""
+    k, v = pools(rng)
+    kv_lens = [7, 12]
+    slots = rng.permutation(np.arange(1, SLOTS))[:19].astype(np.int32)
+    meta = decode_metadata_from_indptr(jnp.asarray([0, 7, 19], jnp.int32), jnp.asarray(slots), q_heads=2, kv_heads=HEADS)
+    q = jnp.asarray(rng.standard_normal((2, 2, DIM)), jnp.float32)
+    before = decode_attention(q, jnp.asarray(k), jnp.asarray(v), meta, mode="interpret")
+    loc = jnp.asarray([0, 0, 0, 0], jnp.int32)  # a batch of padding tokens, with huge values
+    k_new, v_new = new_tokens(rng, 4)
+    k_out, v_out = write_kv(jnp.asarray(k), jnp.asarray(v), loc, jnp.asarray(k_new) * 1e4, jnp.asarray(v_new) * 1e4)
+    np.testing.assert_array_equal(np.asarray(k_out)[1:], k[1:])
+    np.testing.assert_array_equal(np.asarray(v_out)[1:], v[1:])
+    after = decode_attention(q, k_out, v_out, meta, mode="interpret")
+    np.testing.assert_array_equal(np.asarray(after), np.asarray(before))
+    np.testing.assert_allclose(after, decode_attention_reference(q, k_out, v_out, meta), atol=2e-5, rtol=2e-5)
+    assert sum(kv_lens) == 19
+    # Checked mode accepts repeated padding slots.
+    checked(lambda l: validate_write_slots(l, SLOTS))(loc)
+
+
+def test_duplicate_slots_have_a_defined_result_and_checked_mode_rejects_them(rng):
+    """Defined behaviour (see write_kv): the repeated slot holds, element by element, one of the values written to it;
+    every other slot is exact. Checked mode rejects repeats of real slots."""
+    k, v = pools(rng)
+    loc = np.asarray([3, 9, 3, 21, 3], np.int32)
+    k_new, v_new = new_tokens(rng, 5)
+    k_out, v_out = jax.jit(write_kv)(jnp.asarray(k), jnp.asarray(v), jnp.asarray(loc), jnp.asarray(k_new), jnp.asarray(v_new))
+    k_out, v_out = np.asarray(k_out), np.asarray(v_out)
+    others = np.setdiff1d(np.arange(SLOTS), [3, 9, 21])
+    np.testing.assert_array_equal(k_out[others], k[others])
+    np.testing.assert_array_equal(k_out[[9, 21]], k_new[[1, 3]])
+    writes = [0, 2, 4]
+    assert np.all(np.any(k_out[3][None] == k_new[writes], axis=0)), "an element of slot 3 is none of the values written"
+    assert np.all(np.any(v_out[3][None] == v_new[writes], axis=0))
+    with pytest.raises(checkify.JaxRuntimeError, match="out_cache_loc names slot 3 twice"):
+        checked(lambda l: validate_write_slots(l, SLOTS))(jnp.asarray(loc))
+    err, _ = checkify.checkify(lambda l: check_write_slots(l, SLOTS))(jnp.asarray(loc))
+    assert "slot 3 twice" in err.get()
+
+
+@pytest.mark.parametrize("bad", [[-1], [SLOTS], [SLOTS + 7, -SLOTS], [2**31 - 1, -(2**31)]], ids=["minus1", "num_slots", "past-and-minus-num", "int32-extremes"])
+def test_out_of_range_slots_are_dropped(rng, bad):
+    """Never written anywhere: not wrapped around (slot -1 is not the last slot), not clamped to an edge slot."""
+    k, v = pools(rng)
+    loc = np.asarray([4] + bad + [11], np.int32)
+    k_new, v_new = new_tokens(rng, len(loc))
+    k_out, v_out = jax.jit(write_kv)(jnp.asarray(k), jnp.asarray(v), jnp.asarray(loc), jnp.asarray(k_new), jnp.asarray(v_new))
+    want_k, want_v = k.copy(), v.copy()
+    want_k[[4, 11]] = k_new[[0, -1]]
+    want_v[[4, 11]] = v_new[[0, -1]]
+    np.testing.assert_array_equal(np.asarray(k_out), want_k)
+    np.testing.assert_array_equal(np.asarray(v_out), want_v)
+    with pytest.raises(checkify.JaxRuntimeError, match=r"out_cache_loc\[1\] = .* is outside the pool"):
+        checked(lambda l: validate_write_slots(l, SLOTS))(jnp.asarray(loc))
+
+
+@pytest.mark.parametrize("fp8", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_fp8_round_trip_with_scales(rng, fp8):
+    k_buf, v_buf = allocate_kv_buffers(SLOTS, HEADS, DIM, V_DIM, dtype=fp8)
+    k_scale, v_scale = 0.05, 2.0  # values of magnitude ~1 stored as ~20 and ~0.5
+    loc = jnp.asarray([1, 7, 30], jnp.int32)
+    k_new, v_new = new_tokens(rng, 3)
+    k_buf, v_buf = jax.jit(write_kv, static_argnames=("k_scale", "v_scale"))(
+        k_buf, v_buf, loc, jnp.asarray(k_new, jnp.bfloat16), jnp.asarray(v_new, jnp.bfloat16), k_scale=k_scale, v_scale=v_scale)
+    assert k_buf.dtype == fp8 and v_buf.dtype == fp8
+    np.testing.assert_array_equal(np.asarray(k_buf[1] * 1.0, np.float32), np.asarray((jnp.asarray(k_new[0], jnp.bfloat16).astype(jnp.float32) / k_scale).astype(fp8), np.float32))
+    k_back = np.asarray(read_scaled(k_buf, k_scale, jnp.float32))
+    v_back = np.asarray(read_scaled(v_buf, v_scale, jnp.float32))
+    # fp8 keeps 3 (e4m3) or 2 (e5m2) mantissa bits: relative error <= 2^-4 / 2^-3, plus bf16's rounding of the input.
+    rel = 2.0**-4 if fp8 == jnp.float8_e4m3fn else 2.0**-3
+    for back, new, scale in ((k_back, k_new, k_scale), (v_back, v_new, v_scale)):
+        np.testing.assert_allclose(back[np.asarray(loc)], new, rtol=rel + 2**-8, atol=scale * 2.0**-9)
+        untouched = np.setdiff1d(np.arange(SLOTS), np.asarray(loc))
+        np.testing.assert_array_equal(back[untouched], 0.0)
+    # Non-fp8 buffers ignore the scales on both sides.
+    assert read_scaled(jnp.ones(3), 5.0, jnp.float32) is not None and float(read_scaled(jnp.ones(3), 5.0, jnp.float32)[0]) == 1.0

@@ -1,7 +1,9 @@
 """Benchmarks: jaxattn beside its peers and the physical floor, on the shapes of ../shared/anchors.md.
 
-    python -m jaxattn.bench decode [--cases D1,D2] [--json out.json] [--sweep]
-    python -m jaxattn.bench extend [--cases E1] [--json out.json] [--sweep]
+    python -m jaxattn.bench decode [--cases D1,D2] [--json out.json] [--plot out.png] [--sweep]
+    python -m jaxattn.bench extend [--cases E1] [--json out.json] [--plot out.png] [--sweep]
+    python -m jaxattn.bench plot results/decode.json results/extend.json -o plot.png
+
 
 Every backend is timed the same way in one process on one GPU: N back-to-back calls on device-resident
 inputs, then one synchronisation; the figure is the median over repeats of (elapsed / N). Inputs are
@@ -9,6 +11,9 @@ random normal (never zeros) and every sequence's KV slots are scattered at rando
 real allocator leaves them. Floors: decode reads every K and V byte once at 4.3 TB/s; extend does
 4 * q_heads * head_dim * new * (prefix + (new + 1) / 2) FLOPs per sequence at 790 TFLOP/s.
 Peers that are not installed (FlashInfer, torch) or not supported for a shape are skipped with a note.
+Each run prints a markdown table; `--json` keeps the rows (with device, date and commit: git's, or
+$JAXATTN_COMMIT where the checkout has no .git) and `--plot` draws fraction-of-floor bars (matplotlib, the
+`jaxattn[bench]` extra).
 """
 
 from __future__ import annotations
@@ -348,43 +353,72 @@ def _device_name() -> str:
 
 
 def _commit() -> str:
+    """Short git hash of the checkout (+dirty), else $JAXATTN_COMMIT (a copy without .git), else "unknown"."""
+    here = os.path.dirname(os.path.abspath(__file__))
     try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "."], cwd=here).returncode != 0
-        return (sha or "unknown") + ("+dirty" if dirty else "")
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True)
+        if head.returncode == 0 and head.stdout.strip():
+            dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "."], cwd=here, capture_output=True).returncode != 0
+            return head.stdout.strip() + ("+dirty" if dirty else "")
     except OSError:
-        return "unknown"
+        pass
+    return os.environ.get("JAXATTN_COMMIT") or "unknown"
 
 
-def run(op: str, case_names: list[str], backends: list[str] | None = None, sweep: bool = False, log=print) -> list[dict]:
+def _progress(total: int, desc: str):
+    """A tqdm bar over the sweep's work items, or None when tqdm is missing."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, unit="item", leave=False, dynamic_ncols=True)
+
+
+def run(op: str, cases: list, backends: list[str] | None = None, sweep: bool = False, log=print,
+        progress: bool = True) -> list[dict]:
+    """Times every (case, backend or config) work item; returns one row per timed item.
+
+    `cases` are names from CASES or `Case` objects. A failing or skipped item is logged, never fatal.
+    """
     rows = []
     device, commit, date = _device_name(), _commit(), datetime.date.today().isoformat()
-    for name in case_names:
-        case = CASES[name]
+    cases = [CASES[c] if isinstance(c, str) else c for c in cases]
+    work = []  # (case, backend label, maker, sync)
+    for case in cases:
         if case.op != op:
-            raise SystemExit(f"case {name} is a {case.op} case, not {op}")
-        inp = make_inputs(case)
-        floor = case.floor_ms()
+            raise SystemExit(f"case {case.name} is a {case.op} case, not {op}")
         chosen = BACKENDS[op] if backends is None else {b: BACKENDS[op][b] for b in backends}
-        variants = list(chosen.items())
+        work += [(case, backend, maker, sync) for backend, (maker, sync) in chosen.items()]
         if sweep:
-            variants += [(f"sweep[{label}]", (maker, _jax_sync)) for label, maker in _sweep_variants(op, case)]
-        for backend, (maker, sync) in variants:
-            try:
-                fn = maker(inp)
-                ms = time_calls(fn, sync)
-            except Skip as why:
-                log(f"  {name:4s} {backend:24s} skipped: {why}")
-                continue
-            except Exception as error:  # a peer that fails must not hide the others
-                log(f"  {name:4s} {backend:24s} FAILED: {type(error).__name__}: {str(error)[:300]}")
-                continue
-            row = dict(op=op, case=name, backend=backend, median_ms=round(ms, 4), floor_ms=round(floor, 4),
-                       fraction_of_floor=round(floor / ms, 3), device=device, commit=commit, date=date)
-            rows.append(row)
-            log(f"  {name:4s} {backend:24s} {ms:8.3f} ms  floor {floor:6.3f} ms  {100 * floor / ms:5.1f}% of floor")
-        del inp
+            work += [(case, f"sweep[{label}]", maker, _jax_sync) for label, maker in _sweep_variants(op, case)]
+    bar = _progress(len(work), f"bench {op}") if progress else None
+    say = log if bar is None else (lambda line: bar.write(line))
+    inp = None
+    for case, backend, maker, sync in work:
+        if bar is not None:
+            bar.set_postfix_str(f"{case.name} {backend}", refresh=False)
+        if inp is None or inp.case != case:
+            inp = None  # free the previous case's arrays first
+            inp = make_inputs(case)
+        floor = case.floor_ms()
+        try:
+            fn = maker(inp)
+            ms = time_calls(fn, sync)
+        except Skip as why:
+            say(f"  {case.name:4s} {backend:24s} skipped: {why}")
+            continue
+        except Exception as error:  # a peer that fails must not hide the others
+            say(f"  {case.name:4s} {backend:24s} FAILED: {type(error).__name__}: {str(error)[:300]}")
+            continue
+        finally:
+            if bar is not None:
+                bar.update(1)
+        row = dict(op=op, case=case.name, backend=backend, median_ms=round(ms, 4), floor_ms=round(floor, 4),
+                   fraction_of_floor=round(floor / ms, 3), device=device, commit=commit, date=date)
+        rows.append(row)
+        say(f"  {case.name:4s} {backend:24s} {ms:8.3f} ms  floor {floor:6.3f} ms  {100 * floor / ms:5.1f}% of floor")
+    if bar is not None:
+        bar.close()
     return rows
 
 
@@ -431,23 +465,164 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------------------------
+# Plot: fraction of the floor per case and backend (matplotlib, imported only here).
+
+LABELS = {
+    "jaxattn": "jaxattn",
+    "jaxattn-unified": "jaxattn unified (deterministic)",
+    "flashinfer": "FlashInfer",
+    "flashinfer-tc": "FlashInfer, tensor cores",
+    "flashinfer-in-jit": "FlashInfer from jit (bridge)",
+    "flashinfer-fa2": "FlashInfer fa2",
+    "flashinfer-fa3": "FlashInfer fa3",
+    "flashinfer-fa3-in-jit": "FlashInfer fa3 from jit (bridge)",
+    "cudnn": "cuDNN (dense only)",
+    "reference": "reference (jnp)",
+}
+FLOOR_NOTES = {
+    "decode": f"decode: % of the memory floor (K and V read once at {COPY_BANDWIDTH_BYTES_PER_S / 1e12:.1f} TB/s)",
+    "extend": f"extend: % of the matmul floor (bf16 at {BF16_MATMUL_FLOPS / 1e12:.0f} TFLOP/s)",
+}
+
+
+def _require_matplotlib():
+    try:
+        import matplotlib
+    except ImportError as error:
+        raise SystemExit(
+            "jaxattn.bench: plotting needs matplotlib: pip install 'jaxattn[bench]' (or pip install matplotlib). "
+            f"Import failed with: {error}"
+        ) from error
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _case_label(name: str) -> str:
+    case = CASES.get(name)
+    if case is None:
+        return name
+    if case.op == "decode":
+        shape = f"{case.batch} x {case.prefix + case.new}"
+    else:
+        shape = f"{case.batch} x ({case.prefix}+{case.new})"
+    if case.v_head_dim is not None:
+        shape += f"\n{case.q_heads}/{case.kv_heads} heads, {case.head_dim}/{case.dv}"
+    return f"{name}\n{shape}"
+
+
+def _summary(rows: list[dict], key: str) -> str:
+    values = list(dict.fromkeys(str(r.get(key, "?")) for r in rows))
+    return ", ".join(values) if values else "?"
+
+
+def plot_rows(rows: list[dict], path: str, title: str | None = None, include_sweeps: bool = False) -> str:
+    """Writes a PNG of grouped bars (one group per case, one bar per backend) of % of the floor; returns `path`.
+
+    One panel per op in `rows`; the dashed line is the floor (100%). Sweep rows ("sweep[...]") are left out
+    unless `include_sweeps`.
+    """
+    plt = _require_matplotlib()
+    if not include_sweeps:
+        rows = [r for r in rows if not r["backend"].startswith("sweep[")]
+    if not rows:
+        raise ValueError("no rows to plot")
+    ops = [op for op in ("decode", "extend") if any(r["op"] == op for r in rows)]
+    ops += sorted({r["op"] for r in rows} - set(ops))
+    backends = list(dict.fromkeys(r["backend"] for r in rows))
+    palette = plt.get_cmap("tab10").colors
+    colour = {b: palette[i % len(palette)] for i, b in enumerate(backends)}
+    widths = [max(2, len({r["case"] for r in rows if r["op"] == op})) for op in ops]
+    top = max(110.0, 100 * max(r["fraction_of_floor"] for r in rows) + 15)
+    fig, axes = plt.subplots(1, len(ops), figsize=(2.2 * sum(widths) + 1.5, 6.0), squeeze=False,
+                             gridspec_kw=dict(width_ratios=widths))
+    for ax, op in zip(axes[0], ops):
+        op_rows = [r for r in rows if r["op"] == op]
+        cases = list(dict.fromkeys(r["case"] for r in op_rows))
+        op_backends = [b for b in backends if any(r["backend"] == b for r in op_rows)]
+        op_backends.sort(key=lambda b: b == "reference")  # the slow oracle last
+        bar_width = 0.84 / len(op_backends)
+        labelled = set()
+        for i, case in enumerate(cases):
+            present = [(b, r) for b in op_backends for r in op_rows if r["case"] == case and r["backend"] == b]
+            for j, (backend, row) in enumerate(present):  # centred on the case: no gaps for skipped backends
+                x = i + bar_width * (j - (len(present) - 1) / 2)
+                y = 100 * row["fraction_of_floor"]
+                label = LABELS.get(backend, backend) if backend not in labelled else "_nolegend_"
+                labelled.add(backend)
+                ax.bar([x], [y], bar_width, color=colour[backend], label=label,
+                       edgecolor="black" if backend == "jaxattn" else "none", linewidth=1.0)
+                ax.annotate(f"{y:.0f}", (x, y), xytext=(0, 2), textcoords="offset points", ha="center", va="bottom",
+                            fontsize=7)
+        handles, labels = ax.get_legend_handles_labels()
+        order = sorted(range(len(labels)), key=lambda k: [LABELS.get(b, b) for b in op_backends].index(labels[k]))
+        ax.axhline(100, color="black", linestyle="--", linewidth=1)
+        ax.text(len(cases) - 0.5, 101, "floor", ha="right", va="bottom", fontsize=8)
+        ax.set_xticks(range(len(cases)), [_case_label(c) for c in cases], fontsize=8)
+        ax.set_xlim(-0.5, len(cases) - 0.5)
+        ax.set_ylim(0, top)
+        ax.set_title(FLOOR_NOTES.get(op, op), fontsize=9)
+        ax.set_ylabel("% of floor (higher is better)")
+        ax.grid(axis="y", alpha=0.3)
+        ax.set_axisbelow(True)
+        ax.legend([handles[k] for k in order], [labels[k] for k in order], fontsize=7, loc="upper center",
+                  bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
+    if title is None:
+        title = (f"jaxattn benchmarks on {_summary(rows, 'device')}, {_summary(rows, 'date')}, "
+                 f"commit {_summary(rows, 'commit')}")
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
+def load_rows(paths: list[str]) -> list[dict]:
+    rows = []
+    for path in paths:
+        with open(path) as f:
+            rows += json.load(f)
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("op", choices=["decode", "extend"])
-    parser.add_argument("--cases", default=None, help="comma-separated case names (default: all of the op)")
-    parser.add_argument("--backends", default=None, help="comma-separated backends (default: all)")
-    parser.add_argument("--json", default=None, help="write the rows to this JSON file")
-    parser.add_argument("--sweep", action="store_true", help="also time every candidate kernel configuration")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for op in ("decode", "extend"):
+        p = sub.add_parser(op, help=f"time the {op} cases")
+        p.add_argument("--cases", default=None, help="comma-separated case names (default: all of the op)")
+        p.add_argument("--backends", default=None, help="comma-separated backends (default: all)")
+        p.add_argument("--json", default=None, help="write the rows to this JSON file")
+        p.add_argument("--plot", default=None, help="write a PNG of %% of floor per case and backend (needs matplotlib)")
+        p.add_argument("--sweep", action="store_true", help="also time every candidate kernel configuration")
+        p.add_argument("--no-progress", action="store_true", help="no progress bar; one line per item instead")
+    p = sub.add_parser("plot", help="plot saved JSON records")
+    p.add_argument("records", nargs="+", help="JSON files written by --json")
+    p.add_argument("-o", "--output", required=True, help="the PNG to write")
+    p.add_argument("--title", default=None)
+    p.add_argument("--sweeps", action="store_true", help="include sweep[...] rows")
     args = parser.parse_args(argv)
-    case_names = args.cases.split(",") if args.cases else [n for n, c in CASES.items() if c.op == args.op]
+    if args.command == "plot":
+        rows = load_rows(args.records)
+        print(markdown_table(rows))
+        print(f"wrote {plot_rows(rows, args.output, title=args.title, include_sweeps=args.sweeps)}")
+        return 0
+    if args.plot:
+        _require_matplotlib()  # fail before the sweep, not after it
+    case_names = args.cases.split(",") if args.cases else [n for n, c in CASES.items() if c.op == args.command]
     backends = args.backends.split(",") if args.backends else None
-    print(f"jaxattn.bench {args.op}: device {_device_name()}, commit {_commit()}")
-    rows = run(args.op, case_names, backends, sweep=args.sweep, log=lambda s: print(s, flush=True))
+    print(f"jaxattn.bench {args.command}: device {_device_name()}, commit {_commit()}")
+    rows = run(args.command, case_names, backends, sweep=args.sweep, log=lambda s: print(s, flush=True),
+               progress=not args.no_progress)
     print()
     print(markdown_table(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    if args.plot and rows:
+        print(f"wrote {plot_rows(rows, args.plot)}")
     return 0
 
 

@@ -1,0 +1,79 @@
+"""The benchmark machinery on tiny cases (CPU: the kernels run in Triton's interpreter, each timed once)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxattn import bench
+
+TINY = [
+    bench.Case("TD", "decode", batch=2, prefix=40, new=1, q_heads=4, kv_heads=2, head_dim=128),
+    bench.Case("TE", "extend", batch=2, prefix=24, new=16, q_heads=4, kv_heads=2, head_dim=128),
+]
+
+
+@pytest.fixture
+def one_call(monkeypatch):
+    """time_calls stand-in: one call, synchronised, a fixed 1 ms; the outputs are kept for checking."""
+    outputs = []
+
+    def timed_once(fn, sync, **_):
+        out = fn()
+        sync(out)
+        outputs.append(np.asarray(out, np.float32))
+        return 1.0
+
+    monkeypatch.setattr(bench, "time_calls", timed_once)
+    return outputs
+
+
+def test_run_table_json_and_plot(one_call, tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXATTN_COMMIT", "abc1234")
+    rows = []
+    for case in TINY:
+        peer = "flashinfer" if case.op == "decode" else "cudnn"
+        rows += bench.run(case.op, [case], backends=["jaxattn", peer, "reference"], log=lambda _: None, progress=case.op == "extend")
+        # the kernel path through the interpreter agrees with the jnp reference
+        got, want = one_call[-2:]
+        assert got.shape == (case.batch * case.new, case.q_heads, case.dv)
+        np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
+    # FlashInfer is not installed here and cuDNN takes no cached prefix: both are skipped, never fatal.
+    assert [(r["case"], r["backend"]) for r in rows] == [("TD", "jaxattn"), ("TD", "reference"), ("TE", "jaxattn"), ("TE", "reference")]
+    for row in rows:
+        case = next(c for c in TINY if c.name == row["case"])
+        assert row["median_ms"] == 1.0 and row["fraction_of_floor"] == round(case.floor_ms(), 3)
+        assert set(row) == {"op", "case", "backend", "median_ms", "floor_ms", "fraction_of_floor", "device", "commit", "date"}
+    table = bench.markdown_table(rows)
+    assert table.splitlines()[0].startswith("| backend | TD (floor") and "| jaxattn | 1.000 ms" in table
+
+    pytest.importorskip("matplotlib")
+    record = tmp_path / "rows.json"
+    record.write_text(json.dumps(rows))
+    png = tmp_path / "plot.png"
+    assert bench.main(["plot", str(record), "-o", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_floors():
+    # decode: K and V bytes once; extend: the causal FLOPs (the anchors' numbers)
+    assert bench.CASES["D1"].floor_ms() == pytest.approx(64 * 4096 * 8 * 256 * 2 / 4.3e12 * 1e3)
+    assert bench.CASES["MLA"].floor_ms() == pytest.approx(64 * 4096 * 576 * 2 / 4.3e12 * 1e3)
+    assert bench.CASES["E2"].floor_ms() == pytest.approx(4 * 32 * 128 * 4096 * (4096 + 1) / 2 * 4 / 790e12 * 1e3)
+
+
+def test_commit_falls_back_to_the_environment(monkeypatch):
+    def no_git(*args, **kwargs):
+        raise OSError("git: not found")
+
+    monkeypatch.setattr(bench.subprocess, "run", no_git)
+    monkeypatch.setenv("JAXATTN_COMMIT", "feed123")
+    assert bench._commit() == "feed123"
+    monkeypatch.delenv("JAXATTN_COMMIT")
+    assert bench._commit() == "unknown"
+
+
+def test_plot_needs_rows(tmp_path):
+    pytest.importorskip("matplotlib")
+    with pytest.raises(ValueError, match="no rows"):
+        bench.plot_rows([], str(tmp_path / "x.png"))

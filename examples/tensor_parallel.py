@@ -36,29 +36,6 @@ def force_host_devices(n: int) -> None:
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
 
 
-def serialize_interpreter() -> None:
-    """Lets one Triton-interpreter launch run at a time.
-
-    Under shard_map each CPU device runs its kernels' host callbacks on its own thread, and Triton's interpreter
-    patches `triton.language` for the length of a launch: two concurrent launches undo each other's patches
-    ("Did you forget to add @triton.jit?"), and the failed device then never reaches the psum's rendezvous.
-    """
-    import threading
-
-    from jaxattn import launch
-
-    if getattr(launch._run_interpreted, "serialized", False):
-        return
-    run, lock = launch._run_interpreted, threading.Lock()
-
-    def serialized(*args, **kwargs):
-        with lock:
-            return run(*args, **kwargs)
-
-    serialized.serialized = True
-    launch._run_interpreted = serialized
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.devices:
@@ -75,8 +52,6 @@ def main(argv=None) -> int:
     from jaxattn.kv_pool import write_kv
     from jaxattn.launch import launch_mode
 
-    if launch_mode() == "interpret":
-        serialize_interpreter()
     devices = jax.devices()
     n = args.devices or len(devices)
     if n > len(devices):

@@ -54,6 +54,9 @@ def launch_mode(mode: str | None = None) -> str:
 
 _interpreted_modules: dict[str, Any] = {}
 _interpreted_lock = threading.Lock()
+# Triton's interpreter patches triton.language for the length of a launch, so two launches at once (host
+# callbacks of several CPU devices under shard_map run on their own threads) undo each other's patches.
+_interpreter_launch_lock = threading.Lock()
 
 
 def kernel_module(name: str, mode: str):
@@ -340,5 +343,6 @@ def _run_interpreted(*arrays, kernel_name, args, array_positions, out_shapes, gr
         else:
             out = np.full(shape.shape, _poison_value(host_dtype), host_dtype)
         host_outs.append(out)
-    kernel[grid](*host_args, *[_HostTensor(o) for o in host_outs], **constexprs)
+    with _interpreter_launch_lock:
+        kernel[grid](*host_args, *[_HostTensor(o) for o in host_outs], **constexprs)
     return [np.asarray(o).astype(s.dtype) for o, s in zip(host_outs, out_shapes)]

@@ -19,7 +19,8 @@ fi
 export PYTHONPATH=$PWD:$PYTHONPATH
 {
   echo "date: $(date -u +%FT%TZ)"
-  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo '+dirty')"
+  # The device machine gets the working tree without .git: pass JAXATTN_COMMIT=<hash> in the device command.
+  echo "commit: ${JAXATTN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import jax, triton, jax_triton; print('jax', jax.__version__, 'triton', triton.__version__, 'jax_triton', jax_triton.__version__, jax.devices())"
 } 2>&1 | tee "$OUT/env.txt"

@@ -19,9 +19,8 @@ LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
 
-# Reductions through tl.reduce with module-level combine functions rather than tl.max/tl.sum: jaxattn.launch
-# converts this module's @jit functions for the interpreter, not triton.language.standard's (tl.max, tl.sum,
-# tl.zeros, tl.cdiv are @jit functions there), so kernels here use only builtins and local helpers.
+# Reductions through tl.reduce with these combine functions (tl.max / tl.sum would do the same on the GPU);
+# jaxattn.launch recognises them by name and runs them as one numpy reduction under the interpreter.
 @triton.jit
 def _max_combine(a, b):
     return tl.maximum(a, b)

@@ -51,7 +51,7 @@ def make_backend(name: str):
     if name == "triton":
         from jaxattn.triton_backend import TritonBackend
 
-        return TritonBackend()
+        return TritonBackend(sliding_windows=(CONFIG.sliding_window,))  # trimmed lists for the window layers
     if name == "flashinfer":
         from jaxattn.flashinfer_backend import FlashInferBackend
 

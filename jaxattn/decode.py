@@ -206,26 +206,18 @@ def decode_metadata(
     _check_heads(q_heads, kv_heads)
     check_positive_int("kv_capacity", kv_capacity)
     check_window("sliding_window", sliding_window)
-    max_ctx = req_to_token.shape[1]
-    if sliding_window >= 0:
-        max_ctx = min(max_ctx, sliding_window + 1)
-    if max_kv_splits is None:
-        max_kv_splits = default_max_kv_splits(
-            seq_lens.shape[0], q_heads, kv_heads, max_ctx, deterministic=deterministic, split_tile_size=split_tile_size,
-            num_sms=num_sms, programs_per_sm=programs_per_sm, min_split_len=min_split_len,
-        )
-    _check_split_args(max_kv_splits, deterministic, split_tile_size, max_ctx)
     seq_lens = jnp.maximum(seq_lens.astype(jnp.int32), 0)
     listed = _window_lengths(seq_lens, sliding_window)
     kv_indptr, kv_indices = create_kv_indices(
         req_to_token, req_pool_indices, listed, seq_lens - listed, capacity=kv_capacity, mode=mode
     )
-    splits = num_kv_splits_heuristic(
-        listed, max_kv_splits=max_kv_splits, q_heads=q_heads, kv_heads=kv_heads, deterministic=deterministic,
-        split_tile_size=split_tile_size, num_sms=num_sms, programs_per_sm=programs_per_sm, min_split_len=min_split_len,
+    # The lists hold at most min(max_context_len, W + 1) keys each; the split bound and heuristic are shared.
+    max_listed = req_to_token.shape[1] if sliding_window < 0 else min(req_to_token.shape[1], sliding_window + 1)
+    return decode_metadata_from_indptr(
+        kv_indptr, kv_indices, seq_lens, q_heads=q_heads, kv_heads=kv_heads, max_kv_splits=max_kv_splits,
+        deterministic=deterministic, split_tile_size=split_tile_size, sliding_window=sliding_window,
+        max_context_len=max_listed, num_sms=num_sms, programs_per_sm=programs_per_sm, min_split_len=min_split_len,
     )
-    return DecodeMetadata(kv_indptr, kv_indices, splits, seq_lens, max_kv_splits, kv_capacity, sliding_window,
-                          deterministic, max_ctx)
 
 
 @functools.partial(

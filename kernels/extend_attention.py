@@ -82,6 +82,10 @@ def _fwd_inner(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
+    # Head-dim masks only where the block is wider than the head (e.g. 96 in a 128 block): a provably all-true mask
+    # still costs predicate registers and selects per loaded element.
+    PAD_D: tl.constexpr = BLOCK_D > D_QK
+    PAD_DV: tl.constexpr = BLOCK_DV > D_V
     mask_d = offs_d < D_QK
     mask_dv = offs_dv < D_V
     # Fold the head into scalar base pointers so only [BLOCK_N] row offsets are per-tile (keeps loop-invariant 2-D
@@ -105,9 +109,14 @@ def _fwd_inner(
         # K transposed [BLOCK_D, BLOCK_N]; int64 offsets: slot * stride can pass 2**31.
         k_ptrs = K + (rows * (KV_HEADS * D_QK))[None, :] + offs_d[:, None]
         if MASKED:
-            k = tl.load(k_ptrs, mask=k_valid[None, :] & mask_d[:, None], other=0.0)
-        else:
+            if PAD_D:
+                k = tl.load(k_ptrs, mask=k_valid[None, :] & mask_d[:, None], other=0.0)
+            else:
+                k = tl.load(k_ptrs, mask=k_valid[None, :], other=0.0)
+        elif PAD_D:
             k = tl.load(k_ptrs, mask=mask_d[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
         qk = tl.dot(q, k, input_precision=DOT_PRECISION)
         if BLOCK_DPE > 0:
             offs_dpe = BLOCK_D + tl.arange(0, BLOCK_DPE)
@@ -119,10 +128,10 @@ def _fwd_inner(
             qk = tl.dot(qpe, kpe, qk, input_precision=DOT_PRECISION)
         if LOGIT_CAP > 0:
             qk = (LOGIT_CAP * 1.4426950408889634) * _tanh(qk * QK_SCALE)
-        else:
-            qk = qk * QK_SCALE
-        if USE_XAI:
-            qk = qk * row_scale[:, None]
+            if USE_XAI:
+                qk = qk * row_scale[:, None]
+        # Without a cap the scale (and xai factor) is applied late: the row max is scaled once per row and the
+        # exponent becomes one FMA per score, qk * scale - m, instead of a multiply and a subtract.
         if MASKED:
             k_pos = k_pos_base + n
             visible = k_valid[None, :]
@@ -138,20 +147,35 @@ def _fwd_inner(
             if WINDOW >= 0:
                 visible = visible & (q_pos[:, None] - k_pos[None, :] <= WINDOW)
             qk = tl.where(visible, qk, float("-inf"))
-            row_max = tl.reduce(qk, 1, _max_combine)
+        row_max = tl.reduce(qk, 1, _max_combine)
+        if LOGIT_CAP == 0:
+            # Scales are positive, so max(qk) * scale == max(qk * scale) (rounding is monotonic).
+            if USE_XAI:
+                row_max = row_max * (row_scale * QK_SCALE)
+            else:
+                row_max = row_max * QK_SCALE
+        if MASKED:
             # A row with nothing visible yet keeps max -1e20 (not -inf) so exp2(-inf - max) stays 0, never NaN.
             row_max = tl.where(row_max == float("-inf"), -1e20, row_max)
-        else:
-            row_max = tl.reduce(qk, 1, _max_combine)
         m_new = tl.maximum(m_i, row_max)
         alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(qk - m_new[:, None])
+        if LOGIT_CAP > 0:
+            p = tl.math.exp2(qk - m_new[:, None])
+        elif USE_XAI:
+            p = tl.math.exp2(qk * (row_scale * QK_SCALE)[:, None] - m_new[:, None])
+        else:
+            p = tl.math.exp2(qk * QK_SCALE - m_new[:, None])
         l_i = l_i * alpha + tl.reduce(p, 1, _sum_combine)
         v_ptrs = V + (rows * (KV_HEADS * D_V))[:, None] + offs_dv[None, :]
         if MASKED:
-            v = tl.load(v_ptrs, mask=k_valid[:, None] & mask_dv[None, :], other=0.0)
-        else:
+            if PAD_DV:
+                v = tl.load(v_ptrs, mask=k_valid[:, None] & mask_dv[None, :], other=0.0)
+            else:
+                v = tl.load(v_ptrs, mask=k_valid[:, None], other=0.0)
+        elif PAD_DV:
             v = tl.load(v_ptrs, mask=mask_dv[None, :], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i

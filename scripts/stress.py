@@ -306,7 +306,9 @@ def environment(mode):
 
     return dict(
         date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        commit=git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else ""),
+        # The GPU machine gets the tree without .git: gpu_check.sh passes JAXATTN_COMMIT.
+        commit=os.environ.get("JAXATTN_COMMIT")
+        or git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else ""),
         device=str(jax.devices()[0].device_kind) if jax.devices() else "none",
         backend=jax.default_backend(),
         mode=mode,

@@ -65,6 +65,12 @@ def rope(x, positions):
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
 
 
+def _matmul(a, b):
+    # Full fp32 precision: on a GPU the default lets XLA use TF32, whose rounding depends on the matmul's shape, so the
+    # same token would get logits differing by ~1e-3 between batch compositions and the tests could not compare them.
+    return jnp.matmul(a, b, precision="highest")
+
+
 def _rms_norm(x):
     x32 = x.astype(jnp.float32)
     return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)).astype(x.dtype)
@@ -83,13 +89,13 @@ def forward(params, config: ToyConfig, backend, batch: ForwardBatch, req_to_toke
     for i, (layer_params, (k_buffer, v_buffer)) in enumerate(zip(params["layers"], kv_cache)):
         layer = config.attention_layer(i)
         h = _rms_norm(x)
-        q = rope((h @ layer_params["wq"]).reshape(-1, config.q_heads, config.head_dim), batch.positions)
-        k = rope((h @ layer_params["wk"]).reshape(-1, config.kv_heads, config.head_dim), batch.positions)
-        v = (h @ layer_params["wv"]).reshape(-1, config.kv_heads, config.head_dim)
+        q = rope(_matmul(h, layer_params["wq"]).reshape(-1, config.q_heads, config.head_dim), batch.positions)
+        k = rope(_matmul(h, layer_params["wk"]).reshape(-1, config.kv_heads, config.head_dim), batch.positions)
+        v = _matmul(h, layer_params["wv"]).reshape(-1, config.kv_heads, config.head_dim)
         o, k_buffer, v_buffer = backend.forward(q, k, v, k_buffer, v_buffer, layer, meta)
-        x = x + o.reshape(o.shape[0], -1) @ layer_params["wo"]
+        x = x + _matmul(o.reshape(o.shape[0], -1), layer_params["wo"])
         new_cache.append((k_buffer, v_buffer))
-    return _rms_norm(x) @ params["unembed"], new_cache
+    return _matmul(_rms_norm(x), params["unembed"]), new_cache
 
 
 def dense_logits(params, config: ToyConfig, token_ids):
@@ -101,9 +107,9 @@ def dense_logits(params, config: ToyConfig, token_ids):
     for i, layer_params in enumerate(params["layers"]):
         layer = config.attention_layer(i)
         h = _rms_norm(x)
-        q = rope((h @ layer_params["wq"]).reshape(n, config.q_heads, config.head_dim), positions)
-        k = rope((h @ layer_params["wk"]).reshape(n, config.kv_heads, config.head_dim), positions)
-        v = (h @ layer_params["wv"]).reshape(n, config.kv_heads, config.head_dim)
+        q = rope(_matmul(h, layer_params["wq"]).reshape(n, config.q_heads, config.head_dim), positions)
+        k = rope(_matmul(h, layer_params["wk"]).reshape(n, config.kv_heads, config.head_dim), positions)
+        v = _matmul(h, layer_params["wv"]).reshape(n, config.kv_heads, config.head_dim)
         k = jnp.repeat(k, group, axis=1).astype(jnp.float32)
         v = jnp.repeat(v, group, axis=1).astype(jnp.float32)
         s = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k, precision="highest") * layer.scale
@@ -114,5 +120,5 @@ def dense_logits(params, config: ToyConfig, token_ids):
             visible &= positions[:, None] - positions[None, :] <= layer.sliding_window
         s = jnp.where(visible[None], s, -jnp.inf)
         o = jnp.einsum("hqk,khd->qhd", jax.nn.softmax(s, axis=-1), v, precision="highest").astype(x.dtype)
-        x = x + o.reshape(n, -1) @ layer_params["wo"]
-    return _rms_norm(x) @ params["unembed"]
+        x = x + _matmul(o.reshape(n, -1), layer_params["wo"])
+    return _matmul(_rms_norm(x), params["unembed"])

@@ -105,8 +105,10 @@ def run_both(backend, batch, req_to_token, inputs, sinks):
 def assert_matches_reference(got, want, batch, atol=3e-5):
     for layer, (o, kb, vb), (o_ref, kb_ref, vb_ref) in zip(batch_layers(batch), got, want):
         np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), atol=atol, rtol=atol, err_msg=f"layer {layer}")
-        np.testing.assert_array_equal(np.asarray(kb), np.asarray(kb_ref))
-        np.testing.assert_array_equal(np.asarray(vb), np.asarray(vb_ref))
+        # Slot 0 is the padding slot: several padding tokens write it in one scatter, so its contents are unspecified
+        # (on a GPU the winning write differs between runs; see kv_pool.write_kv). Every other slot must match exactly.
+        np.testing.assert_array_equal(np.asarray(kb)[1:], np.asarray(kb_ref)[1:])
+        np.testing.assert_array_equal(np.asarray(vb)[1:], np.asarray(vb_ref)[1:])
 
 
 BACKEND_KINDS = [

@@ -372,7 +372,10 @@ def _device_name() -> str:
 
 
 def _commit() -> str:
-    """Short git hash of the checkout (+dirty), else $JAXATTN_COMMIT (a copy without .git), else "unknown"."""
+    """$JAXATTN_COMMIT when set (the GPU machine's copy of the tree), else the checkout's short hash (+dirty)."""
+    if os.environ.get("JAXATTN_COMMIT"):
+        # Checked first: on the GPU machine a git lookup can find some other repository's HEAD.
+        return os.environ["JAXATTN_COMMIT"]
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True)
@@ -381,7 +384,7 @@ def _commit() -> str:
             return head.stdout.strip() + ("+dirty" if dirty else "")
     except OSError:
         pass
-    return os.environ.get("JAXATTN_COMMIT") or "unknown"
+    return "unknown"
 
 
 def _progress(total: int, desc: str):

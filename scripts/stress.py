@@ -339,6 +339,25 @@ def main(argv=None):
     tallies = {}
     start = time.time()
     timings = {}
+
+    def record(complete):
+        mismatches = sum(t.mismatches for t in tallies.values())
+        return dict(
+            environment=environment(mode),
+            settings=dict(batches_per_op=args.batches, ops=args.ops, seed=args.seed, shapes=dataclasses.asdict(shapes),
+                          shapes_name=shapes_name, profiles=[dataclasses.asdict(p) for p in profs], tolerances=TOLERANCES),
+            complete=complete,  # False: a checkpoint of a run still going (or killed); results cover the batches done
+            results={op: t.summary() for op, t in tallies.items()},
+            total_mismatches=mismatches,
+            seconds=dict(total=time.time() - start, **timings),
+        )
+
+    def save(complete):
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump(record(complete), f, indent=1)
+
     for op in args.ops:
         runners = {}
         op_start = time.time()
@@ -361,6 +380,7 @@ def main(argv=None):
                     print(f"MISMATCH {case['op']} {case['profile']} batch {i}: {reason} (error/tolerance {ratio:.3g})", flush=True)
             if (i + 1) % 100 == 0:
                 print(f"  {op}: {i + 1}/{args.batches} batches, {time.time() - op_start:.0f} s", flush=True)
+                save(complete=False)  # a run cut short by a time limit still leaves its figures
         timings[op] = time.time() - op_start
     wall = time.time() - start
     mismatches = sum(t.mismatches for t in tallies.values())
@@ -369,18 +389,8 @@ def main(argv=None):
     for op, t in tallies.items():
         if t.worst_case is not None:
             print(f"  worst {op}: {json.dumps(t.worst_case)[:300]}")
-    record = dict(
-        environment=environment(mode),
-        settings=dict(batches_per_op=args.batches, ops=args.ops, seed=args.seed, shapes=dataclasses.asdict(shapes), shapes_name=shapes_name,
-                      profiles=[dataclasses.asdict(p) for p in profs], tolerances=TOLERANCES),
-        results={op: t.summary() for op, t in tallies.items()},
-        total_mismatches=mismatches,
-        seconds=dict(total=wall, **timings),
-    )
+    save(complete=True)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=1)
         print(f"wrote {args.json}")
     return 1 if mismatches else 0
 

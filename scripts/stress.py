@@ -46,7 +46,9 @@ from jaxattn.extend import (  # noqa: E402
 )
 from jaxattn.kv_pool import write_kv  # noqa: E402
 
-TOLERANCES = {"float32": (2e-5, 2e-5), "float16": (2e-3, 2e-3), "bfloat16": (1.6e-2, 1.6e-2)}
+from jaxattn.testing import tolerance  # noqa: E402  (the test suite's table)
+
+TOLERANCES = {name: tuple(tolerance(name).values()) for name in ("float32", "float16", "bfloat16")}  # for the record
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +129,8 @@ def _compare_on_device(o, ref, empty_rows, *, atol, rtol):
 
 def compare(o, ref, dtype, empty_rows=None):
     """(ok, worst |o - ref| / (atol + rtol |ref|), reason)."""
-    atol, rtol = TOLERANCES[dtype]
+    tol = tolerance(dtype)
+    atol, rtol = tol["atol"], tol["rtol"]
     if empty_rows is None:
         empty_rows = np.zeros(o.shape[0], bool)
     o_finite, ref_finite, empty_zero, ratio = jax.device_get(

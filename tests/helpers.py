@@ -7,6 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+# Output tolerances against the float32 reference, by input dtype (one table for tests, stress run and users).
+# Under the interpreter bf16/fp16 inputs are compared after the same rounding, so these hold on both paths.
+from jaxattn.testing import TOLERANCES, tolerance  # noqa: F401
+
 jax.config.update("jax_enable_x64", False)
 
 HAS_GPU = jax.default_backend() in ("gpu", "cuda")
@@ -16,20 +20,6 @@ MODES = [
     pytest.param("interpret", id="interpret"),
     pytest.param("gpu", id="gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")]),
 ]
-
-# Output tolerances against the float32 reference, by input dtype (atol, rtol).
-# Under the interpreter bf16/fp16 inputs are compared after the same rounding, so these hold on both paths.
-TOLERANCES = {
-    jnp.dtype(jnp.float32): (2e-5, 2e-5),
-    jnp.dtype(jnp.float16): (2e-3, 2e-3),
-    jnp.dtype(jnp.bfloat16): (1.6e-2, 1.6e-2),
-}
-
-
-def tolerance(dtype):
-    atol, rtol = TOLERANCES[jnp.dtype(dtype)]
-    return dict(atol=atol, rtol=rtol)
-
 
 def random_pool_batch(rng, kv_lens, *, num_slots=None, reserve_slot0=True):
     """Scatters the tokens of every sequence over random distinct pool slots, as a real allocator does.

@@ -214,3 +214,16 @@ def test_valid_setup_traces():
     fp8 = write_kv(K_POOL.astype(jnp.float8_e4m3fn), V_POOL, i32(1, 2), K_NEW[:2], V_NEW[:2], k_scale=np.float32(0.5))
     assert fp8[0].dtype == jnp.float8_e4m3fn
     jax.eval_shape(lambda: merge_state(jnp.zeros((2, 3, 8)), jnp.zeros((2, 3)), jnp.zeros((2, 3, 8)), jnp.zeros((2, 3))))
+
+
+def test_testing_tolerance_serves_chex_and_rejects_unknown_dtypes():
+    import chex
+
+    from jaxattn import testing
+
+    ref = jnp.linspace(-1.0, 1.0, 7, dtype=jnp.float32)
+    chex.assert_trees_all_close(ref.astype(jnp.bfloat16).astype(jnp.float32), ref, **testing.tolerance(jnp.bfloat16))
+    with pytest.raises(AssertionError):
+        chex.assert_trees_all_close(ref + 1e-3, ref, **testing.tolerance(jnp.float32))
+    with pytest.raises(ValueError, match="no tolerance for dtype int32"):
+        testing.tolerance(jnp.int32)

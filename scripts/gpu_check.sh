@@ -3,7 +3,9 @@
 #   installs the carried wheels and jaxattn, runs the GPU-marked tests, then the benchmark if asked,
 #   and writes logs and a summary under $OUT (default ./out).
 # Usage: bash scripts/gpu_check.sh [pytest -k expression]    (BENCH="decode extend" to also benchmark,
-#        STRESS=1000 to also run scripts/stress.py with that many batches per op)
+#        STRESS=1000 to also run scripts/stress.py with that many batches per op, ALL=1 to run the whole suite
+#        except interpreter-only cases instead of `-m gpu`: backends, end-to-end, checked mode and properties then
+#        run on the compiled kernels too; with pytest-xdist among the carried wheels the tests run in 8 processes)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -25,7 +27,14 @@ export PYTHONPATH=$PWD:$PYTHONPATH
   python3 -c "import jax, triton, jax_triton; print('jax', jax.__version__, 'triton', triton.__version__, 'jax_triton', jax_triton.__version__, jax.devices())"
 } 2>&1 | tee "$OUT/env.txt"
 k_expr=${1:-}
-python3 -m pytest -q -m gpu ${k_expr:+-k "$k_expr"} -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log"
+parallel=""
+python3 -c "import xdist" 2>/dev/null && parallel="-n 8"
+if [ -n "${ALL:-}" ]; then
+  selection=(-k "not interpret and not aot${k_expr:+ and ($k_expr)}")
+else
+  selection=(-m gpu ${k_expr:+-k "$k_expr"})
+fi
+python3 -m pytest -q $parallel "${selection[@]}" --durations=15 -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log"
 status=${PIPESTATUS[0]}
 for op in ${BENCH:-}; do
   python3 -m jaxattn.bench "$op" --json "$OUT/bench_$op.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_$op.log"

@@ -8,8 +8,9 @@ Three layers:
   * `decode_metadata` / `decode_metadata_from_indptr` (jit-friendly, no host sync) build a `DecodeMetadata`
     pytree once per batch: the CSR KV lists and the number of KV splits of every sequence.
   * `decode_attention(q, k_pool, v_pool, meta, ...)` runs stage 1 (one program per sequence x kv-head
-    block x split, `tl.dot` over BLOCK_H q heads of one kv head) and stage 2 (merge the splits with their
-    LSEs, add the sink).
+    block x split, `tl.dot` over BLOCK_H q heads of one kv head; for MHA the vector kernel, one q head per
+    program with multiply-and-sum instead of a 16-row dot) and stage 2 (merge the splits with their LSEs, add
+    the sink).
   * `decode_attention_reference(q, k_pool, v_pool, meta, ...)`: the same call on the pure-jnp reference.
 
 MLA: pass ``v_pool=None`` (and ``v_head_dim``, default 512 for qk_head_dim 576 and 256 for 288) when V is
@@ -298,7 +299,9 @@ class DecodeConfig:
     """Stage-1 launch configuration."""
 
     block_n: int = 32  # keys per loop iteration (power of 2, >= 16)
-    block_h: int = 16  # q heads of one kv head per program (power of 2, >= 16: tl.dot's minimum M)
+    # q heads of one kv head per program: a power of 2 >= 16 (tl.dot's minimum M) for the grouped kernel, or 1 for
+    # the vector kernel (one q head per program, no tl.dot; the MHA default).
+    block_h: int = 16
     num_warps: int = 4
     num_stages: int = 2
 
@@ -307,8 +310,11 @@ class DecodeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0 or value & (value - 1):
                 raise ValueError(f"DecodeConfig.{name} must be a positive power of 2; got {value!r}")
-        if self.block_n < 16 or self.block_h < 16:
-            raise ValueError(f"DecodeConfig.block_n and block_h must be >= 16 (tl.dot); got {self.block_n}, {self.block_h}")
+        if self.block_n < 16 or self.block_h not in (1,) and self.block_h < 16:
+            raise ValueError(
+                f"DecodeConfig.block_n must be >= 16 and block_h 1 (vector kernel) or >= 16 (tl.dot); got {self.block_n}, "
+                f"{self.block_h}"
+            )
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"DecodeConfig.num_stages must be a positive int; got {self.num_stages!r}")
 
@@ -347,14 +353,32 @@ def heuristic_config(qk_head_dim: int, v_head_dim: int, group: int) -> DecodeCon
     return DecodeConfig(block_n=block_n, block_h=block_h, num_warps=num_warps, num_stages=num_stages)
 
 
+def vector_config(qk_head_dim: int, v_head_dim: int) -> DecodeConfig:
+    """MHA (one q head per kv head): the vector kernel. Chosen on CPU (sm_90 compile), not timed on the H200.
+
+    One stage: Triton's pipeliner stages only loads that feed a dot, so the vector kernel's loads stay plain global
+    loads whatever num_stages says; it hides latency with occupancy instead (56-100 registers for head dims <= 256,
+    i.e. many 4-warp programs per SM).
+    """
+    width = triton.next_power_of_2(qk_head_dim) + triton.next_power_of_2(v_head_dim)
+    return DecodeConfig(block_n=64 if width <= 256 else 32, block_h=1, num_warps=4, num_stages=1)
+
+
 def clamp_config(config: DecodeConfig, group: int) -> DecodeConfig:
-    """Fits a config to the problem: no more head rows than the group needs (but >= 16)."""
+    """Fits a config to the problem: no more head rows than the group needs (but >= 16; 1 = vector kernel stays)."""
+    if config.block_h == 1:
+        return config
     block_h = max(16, min(config.block_h, triton.next_power_of_2(group)))
     return dataclasses.replace(config, block_h=block_h)
 
 
 def get_config(qk_head_dim: int, v_head_dim: int, group: int, arch: str = "sm90") -> DecodeConfig:
-    """The tuned config for these head dims and group size, or the heuristic one (warning once) on a miss."""
+    """The tuned config for these head dims and group size, or the heuristic one (warning once) on a miss.
+
+    MHA (group 1) takes the vector kernel: the grouped one would pad each program's single head to 16 dot rows.
+    """
+    if group == 1:
+        return vector_config(qk_head_dim, v_head_dim)
     key = (qk_head_dim, v_head_dim, "g16" if group <= 16 else "g>16")
     config = CONFIG_TABLES.get(arch, {}).get(key)
     if config is None:
@@ -486,26 +510,8 @@ def decode_attention(
         v_from_k = False
         v_arg, stride_v_slot, stride_v_head = v_pool, kv_heads * v_dim, v_dim
     max_splits = meta.max_kv_splits
-    head_blocks = kv_heads * -(-group // config.block_h)
     precision = "ieee" if (mode == "interpret" or q.dtype == jnp.float32) else "tf32"
-    mid_o, mid_lse = launch(
-        ("decode_attention", "decode_stage1_kernel"),
-        q,
-        k_pool,
-        v_arg,
-        meta.kv_indptr.astype(jnp.int32),
-        meta.kv_indices,
-        meta.num_kv_splits.astype(jnp.int32),
-        meta.seq_lens.astype(jnp.int32),
-        out_shape=(
-            jax.ShapeDtypeStruct((batch, q_heads, max_splits, v_dim), jnp.float32),
-            jax.ShapeDtypeStruct((batch, q_heads, max_splits), jnp.float32),
-        ),
-        grid=(batch, head_blocks, max_splits),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        mode=mode,
-        name=f"decode_stage1_BLOCK_H={config.block_h}_BLOCK_N={config.block_n}",
+    shared = dict(
         SM_SCALE=sm_scale,
         LOGIT_CAP=float(logit_cap),
         XAI_TEMPERATURE_LEN=int(xai_temperature_len),
@@ -522,12 +528,34 @@ def decode_attention(
         BLOCK_D=block_d,
         BLOCK_DPE=block_dpe,
         BLOCK_DV=block_dv,
-        V_FROM_K=v_from_k,
-        BLOCK_H=config.block_h,
         BLOCK_N=config.block_n,
         MAX_KV_SPLITS=max_splits,
         MIN_BLOCK_KV=MIN_BLOCK_KV,
-        DOT_PRECISION=precision,
+    )
+    if config.block_h == 1:  # the vector kernel: one q head per program
+        kernel, head_programs = "decode_stage1_vector_kernel", q_heads
+    else:
+        kernel, head_programs = "decode_stage1_kernel", kv_heads * -(-group // config.block_h)
+        shared.update(V_FROM_K=v_from_k, BLOCK_H=config.block_h, DOT_PRECISION=precision)
+    mid_o, mid_lse = launch(
+        ("decode_attention", kernel),
+        q,
+        k_pool,
+        v_arg,
+        meta.kv_indptr.astype(jnp.int32),
+        meta.kv_indices,
+        meta.num_kv_splits.astype(jnp.int32),
+        meta.seq_lens.astype(jnp.int32),
+        out_shape=(
+            jax.ShapeDtypeStruct((batch, q_heads, max_splits, v_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, q_heads, max_splits), jnp.float32),
+        ),
+        grid=(batch, head_programs, max_splits),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        mode=mode,
+        name=f"decode_stage1_BLOCK_H={config.block_h}_BLOCK_N={config.block_n}",
+        **shared,
     )
     sink_arg = jnp.zeros((q_heads,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
     o, lse = launch(
@@ -628,6 +656,27 @@ def kernel_builds():
                             label=f"{dtype} {qk_dim}/{v_dim} {group_key}{' v_from_k' if v_from_k else ''}",
                         )
                     )
+            # MHA: the vector kernel (get_config's choice for group 1).
+            config = vector_config(qk_dim, v_dim)
+            builds.append(
+                build(
+                    "decode_attention",
+                    "decode_stage1_vector_kernel",
+                    {"Q": f"*{dtype}", "K_POOL": f"*{dtype}", "V_POOL": f"*{dtype}", **index, "MID_O": "*fp32", "MID_LSE": "*fp32"},
+                    {
+                        "SM_SCALE": 1.0 / math.sqrt(qk_dim), "LOGIT_CAP": 30.0, "XAI_TEMPERATURE_LEN": -1, "XAI_INV_LOG2_LEN": 1.0,
+                        "SLIDING_WINDOW": -1, "Q_HEADS": 16, "GROUP": 1, "STRIDE_K_SLOT": 16 * qk_dim, "STRIDE_K_HEAD": qk_dim,
+                        "STRIDE_V_SLOT": 16 * v_dim, "STRIDE_V_HEAD": v_dim, "QK_HEAD_DIM": qk_dim, "V_HEAD_DIM": v_dim,
+                        "BLOCK_D": block_d, "BLOCK_DPE": block_dpe, "BLOCK_DV": triton.next_power_of_2(v_dim),
+                        "BLOCK_N": config.block_n, "MAX_KV_SPLITS": 64, "MIN_BLOCK_KV": MIN_BLOCK_KV,
+                    },
+                    num_warps=config.num_warps,
+                    num_stages=config.num_stages,
+                    expects_wgmma=False,  # no tl.dot
+                    expects_pipelining=False,  # see vector_config
+                    label=f"{dtype} {qk_dim}/{v_dim} mha vector",
+                )
+            )
         for v_dim in sorted({v for _, v in SUPPORTED_HEAD_DIMS}):
             builds.append(
                 build(

@@ -184,6 +184,113 @@ def decode_stage1_kernel(
 
 
 @triton.jit
+def decode_stage1_vector_kernel(
+    Q,  # [batch, q_heads, qk_head_dim]
+    K_POOL,  # [slots, kv_heads, qk_head_dim]
+    V_POOL,  # [slots, kv_heads, v_head_dim], or K_POOL itself when V is the first v_head_dim dims of K
+    KV_INDPTR,  # i32[batch + 1]
+    KV_INDICES,  # i32/i64[kv_capacity]
+    NUM_KV_SPLITS,  # i32[batch]
+    SEQ_LENS,  # i32[batch]
+    MID_O,  # out: f32[batch, q_heads, MAX_KV_SPLITS, v_head_dim]
+    MID_LSE,  # out: f32[batch, q_heads, MAX_KV_SPLITS]
+    SM_SCALE: tl.constexpr,
+    LOGIT_CAP: tl.constexpr,
+    XAI_TEMPERATURE_LEN: tl.constexpr,
+    XAI_INV_LOG2_LEN: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,
+    Q_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    STRIDE_K_SLOT: tl.constexpr,
+    STRIDE_K_HEAD: tl.constexpr,
+    STRIDE_V_SLOT: tl.constexpr,
+    STRIDE_V_HEAD: tl.constexpr,
+    QK_HEAD_DIM: tl.constexpr,
+    V_HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DPE: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MAX_KV_SPLITS: tl.constexpr,
+    MIN_BLOCK_KV: tl.constexpr,
+):
+    """Stage 1 for one q head per program (MHA, GROUP == 1): q.k and p.v as multiply-and-sum, no tl.dot.
+
+    A dot needs 16 rows, so the grouped kernel would pad one head to 16; here each program streams its head's
+    keys with vector math (SGLang's MHA decode kernel). Same split geometry and outputs as `decode_stage1_kernel`.
+    """
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    split = tl.program_id(2).to(tl.int64)
+    kv_begin, kv_len = _effective_range(KV_INDPTR, seq, SLIDING_WINDOW)
+    num_splits, per_split = _split_geometry(NUM_KV_SPLITS, seq, kv_len, MAX_KV_SPLITS, MIN_BLOCK_KV)
+    split_start = split * per_split
+    split_end = tl.minimum(split_start + per_split, kv_len)
+    non_empty = split_end > split_start
+    kv_head = head // GROUP
+
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < QK_HEAD_DIM
+    q_row = Q + (seq * Q_HEADS + head) * QK_HEAD_DIM
+    q = tl.load(q_row + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    if BLOCK_DPE > 0:
+        offs_dpe = BLOCK_D + tl.arange(0, BLOCK_DPE)
+        mask_dpe = offs_dpe < QK_HEAD_DIM
+        q_pe = tl.load(q_row + offs_dpe, mask=mask_dpe, other=0.0).to(tl.float32)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < V_HEAD_DIM
+
+    if XAI_TEMPERATURE_LEN > 0:
+        q_pos = (tl.load(SEQ_LENS + seq) - 1).to(tl.float32)
+        xai = tl.where(q_pos > XAI_TEMPERATURE_LEN, tl.log2(tl.maximum(q_pos, 1.0)) * XAI_INV_LOG2_LEN, 1.0)
+    else:
+        xai = 1.0
+    if LOGIT_CAP > 0:
+        post_scale = xai * LOG2E
+    else:
+        post_scale = xai * (SM_SCALE * LOG2E)
+
+    m_i = float("-inf")  # running max, log2 domain
+    l_i = 0.0
+    acc = tl.full([BLOCK_DV], 0.0, tl.float32)
+    k_head = K_POOL + kv_head.to(tl.int64) * STRIDE_K_HEAD
+    v_head = V_POOL + kv_head.to(tl.int64) * STRIDE_V_HEAD
+    split_len = tl.maximum(split_end - split_start, 0).to(tl.int32)
+    kv_base = KV_INDICES + kv_begin + split_start
+    for start in range(0, split_len, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < split_len
+        slots = tl.load(kv_base + offs_n, mask=mask_n, other=0).to(tl.int64)  # int64: slot * stride can pass 2**31
+        k_rows = k_head + slots[:, None] * STRIDE_K_SLOT
+        k = tl.load(k_rows + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        qk = tl.reduce(q[None, :] * k.to(tl.float32), 1, _sum_combine)  # [BLOCK_N]
+        if BLOCK_DPE > 0:
+            k_pe = tl.load(k_rows + offs_dpe[None, :], mask=mask_n[:, None] & mask_dpe[None, :], other=0.0)
+            qk += tl.reduce(q_pe[None, :] * k_pe.to(tl.float32), 1, _sum_combine)
+        if LOGIT_CAP > 0:
+            qk = qk * SM_SCALE
+            qk = LOGIT_CAP * (2.0 / (1.0 + tl.exp(-2.0 * (qk / LOGIT_CAP))) - 1.0)
+        qk = qk * post_scale
+        qk = tl.where(mask_n, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.reduce(qk, 0, _max_combine))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: exp2 gives 0, not NaN
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(qk - m_safe)
+        l_i = l_i * alpha + tl.reduce(p, 0, _sum_combine)
+        v = tl.load(v_head + slots[:, None] * STRIDE_V_SLOT + offs_dv[None, :], mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
+        acc = acc * alpha + tl.reduce(p[:, None] * v.to(tl.float32), 0, _sum_combine)
+        m_i = m_new
+
+    has_keys = l_i > 0
+    safe_l = tl.where(has_keys, l_i, 1.0)
+    out = acc / safe_l
+    lse = tl.where(has_keys, (m_i + tl.log2(safe_l)) * LN2, float("-inf"))
+    row = (seq * Q_HEADS + head) * MAX_KV_SPLITS + split
+    tl.store(MID_O + row * V_HEAD_DIM + offs_dv, out, mask=mask_dv & non_empty)
+    tl.store(MID_LSE + row, lse, mask=non_empty)
+
+
+@triton.jit
 def decode_stage2_kernel(
     MID_O,  # f32[batch, q_heads, MAX_KV_SPLITS, v_head_dim]
     MID_LSE,  # f32[batch, q_heads, MAX_KV_SPLITS]

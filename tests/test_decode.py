@@ -14,12 +14,14 @@ import pytest
 from jaxattn.decode import (
     DecodeConfig,
     DecodeMetadata,
+    clamp_config,
     decode_attention,
     decode_attention_reference,
     decode_metadata,
     decode_metadata_from_indptr,
     get_config,
     num_kv_splits_heuristic,
+    vector_config,
 )
 from jaxattn.reference import ragged_paged_attention_reference
 from tests.helpers import MODES, random_normal, random_pool_batch, tolerance
@@ -62,7 +64,10 @@ def assert_close(o, lse, ref_o, ref_lse, dtype):
 
 # (q_heads, kv_heads, qk_dim, v_dim, dtype, v_from_k): GQA ratios 1/4/8 and >16, every head-dim family, every dtype.
 CASES = [
-    (2, 2, 64, 64, jnp.float32, False),
+    (2, 2, 64, 64, jnp.float32, False),  # MHA (group 1): the vector kernel, from here to the 192/128 case
+    (4, 4, 128, 128, jnp.bfloat16, False),
+    (2, 2, 256, 256, jnp.float16, False),
+    (2, 2, 192, 128, jnp.bfloat16, False),  # rope part in a second multiply-and-sum
     (4, 1, 128, 128, jnp.bfloat16, False),
     (8, 1, 64, 64, jnp.float16, False),
     (2, 1, 256, 256, jnp.float32, False),
@@ -100,7 +105,12 @@ def test_matches_reference(rng, mode, case):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(
-    "config", [DecodeConfig(block_n=16, block_h=16, num_warps=4, num_stages=1), DecodeConfig(block_n=128, block_h=32, num_warps=8, num_stages=3)]
+    "config",
+    [
+        DecodeConfig(block_n=16, block_h=16, num_warps=4, num_stages=1),
+        DecodeConfig(block_n=128, block_h=32, num_warps=8, num_stages=3),
+        DecodeConfig(block_n=32, block_h=1, num_warps=4, num_stages=2),  # the vector kernel on GQA (one q head each)
+    ],
 )
 def test_configs_and_many_splits(rng, mode, config):
     # 13 non-empty splits (> SGLang's 8) of 32 keys; lengths that are not multiples of any block size.
@@ -126,7 +136,8 @@ def test_configs_and_many_splits(rng, mode, config):
     ],
     ids=["cap+sinks", "window+xai", "window0+all"],
 )
-def test_features_against_ragged_reference(rng, mode, features):
+@pytest.mark.parametrize("config", [None, DecodeConfig(block_n=32, block_h=1)], ids=["grouped", "vector"])
+def test_features_against_ragged_reference(rng, mode, features, config):
     """Built from request tables (windowed lists, absolute positions), checked against the ragged reference over
     the full untrimmed lists, which knows nothing about decode metadata."""
     q_heads, kv_heads, dim, dtype = 4, 2, 64, jnp.float32
@@ -140,7 +151,7 @@ def test_features_against_ragged_reference(rng, mode, features):
         table, rows, seq_lens, kv_capacity=300, q_heads=q_heads, kv_heads=kv_heads, sliding_window=window,
         max_kv_splits=3, programs_per_sm=10**6, min_split_len=32, mode=mode,
     )
-    o, lse = decode_attention(q, k_pool, v_pool, meta, sinks=sinks, return_lse=True, mode=mode, **kw)
+    o, lse = decode_attention(q, k_pool, v_pool, meta, sinks=sinks, return_lse=True, mode=mode, config=config, **kw)
     ref_o, ref_lse = ragged_paged_attention_reference(
         q, k_pool, v_pool, jnp.arange(5, dtype=jnp.int32), kv_indptr, kv_indices, causal=True, sliding_window=window,
         sinks=sinks, return_lse=True, **kw,
@@ -230,7 +241,10 @@ def test_split_heuristic_fills_the_h200():
 def test_config_table():
     assert get_config(128, 128, 4) == DecodeConfig(block_n=128, block_h=16, num_warps=4, num_stages=3)
     assert get_config(576, 512, 128).block_h == 32
-    assert get_config(64, 64, 1).block_h == 16
+    assert get_config(64, 64, 1) == vector_config(64, 64) and vector_config(64, 64).block_h == 1  # MHA: vector kernel
+    assert clamp_config(vector_config(64, 64), 4).block_h == 1
+    with pytest.raises(ValueError, match="block_h 1 .* or >= 16"):
+        DecodeConfig(block_h=8)
     with pytest.warns(UserWarning, match="no tuned config"):
         assert get_config(80, 80, 2).block_n == 64
     with pytest.raises(ValueError, match="block_n"):

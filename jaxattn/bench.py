@@ -71,6 +71,8 @@ CASES = {
     "D2": Case("D2", "decode", 8, 32767, 1),
     "D3": Case("D3", "decode", 256, 1023, 1),
     "MLA": Case("MLA", "decode", 64, 4095, 1, q_heads=16, kv_heads=1, head_dim=576, v_head_dim=512),
+    # MHA (32 q heads, 32 kv heads): the vector kernel's shape, same bytes as D1 (floor 0.250 ms).
+    "MHA": Case("MHA", "decode", 16, 4095, 1, q_heads=32, kv_heads=32),
     "E1": Case("E1", "extend", 8, 2048, 2048),
     "E2": Case("E2", "extend", 4, 0, 4096),
     "E3": Case("E3", "extend", 32, 4096, 128),
@@ -458,6 +460,11 @@ def _sweep_variants(op: str, case: Case):
                     config = DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
                     label = f"n{block_n} w{num_warps} s{num_stages}"
                     variants.append((label, lambda inp, c=config: _decode_jaxattn(inp, config=c)))
+        if case.q_heads == case.kv_heads:  # MHA: the vector kernel's tiles beside the grouped kernel's above
+            for block_n in (32, 64, 128):
+                for num_warps in (2, 4, 8):
+                    config = DecodeConfig(block_n=block_n, block_h=1, num_warps=num_warps, num_stages=1)
+                    variants.append((f"vector n{block_n} w{num_warps}", lambda inp, c=config: _decode_jaxattn(inp, config=c)))
         for programs_per_sm in (4, 16):
             variants.append((f"default pps{programs_per_sm}", lambda inp, p=programs_per_sm: _decode_jaxattn(inp, programs_per_sm=p)))
     else:

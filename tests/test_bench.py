@@ -59,6 +59,7 @@ def test_floors():
     # decode: K and V bytes once; extend: the causal FLOPs (the anchors' numbers)
     assert bench.CASES["D1"].floor_ms() == pytest.approx(64 * 4096 * 8 * 256 * 2 / 4.3e12 * 1e3)
     assert bench.CASES["MLA"].floor_ms() == pytest.approx(64 * 4096 * 576 * 2 / 4.3e12 * 1e3)
+    assert bench.CASES["MHA"].floor_ms() == pytest.approx(16 * 4096 * 32 * 256 * 2 / 4.3e12 * 1e3)
     assert bench.CASES["E2"].floor_ms() == pytest.approx(4 * 32 * 128 * 4096 * (4096 + 1) / 2 * 4 / 790e12 * 1e3)
 
 

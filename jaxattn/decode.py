@@ -310,7 +310,7 @@ class DecodeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0 or value & (value - 1):
                 raise ValueError(f"DecodeConfig.{name} must be a positive power of 2; got {value!r}")
-        if self.block_n < 16 or self.block_h not in (1,) and self.block_h < 16:
+        if self.block_n < 16 or (self.block_h != 1 and self.block_h < 16):
             raise ValueError(
                 f"DecodeConfig.block_n must be >= 16 and block_h 1 (vector kernel) or >= 16 (tl.dot); got {self.block_n}, "
                 f"{self.block_h}"

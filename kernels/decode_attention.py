@@ -56,6 +56,40 @@ def _split_geometry(NUM_KV_SPLITS, seq, kv_len, MAX_KV_SPLITS: tl.constexpr, MIN
 
 
 @triton.jit
+def _split_range(KV_INDPTR, NUM_KV_SPLITS, seq, split, SLIDING_WINDOW: tl.constexpr, MAX_KV_SPLITS: tl.constexpr,
+                 MIN_BLOCK_KV: tl.constexpr):
+    """(first kv_indices entry, number of keys, non-empty) of split `split` of sequence `seq` (stage 1)."""
+    kv_begin, kv_len = _effective_range(KV_INDPTR, seq, SLIDING_WINDOW)
+    num_splits, per_split = _split_geometry(NUM_KV_SPLITS, seq, kv_len, MAX_KV_SPLITS, MIN_BLOCK_KV)
+    split_start = split * per_split
+    split_end = tl.minimum(split_start + per_split, kv_len)
+    split_len = tl.maximum(split_end - split_start, 0).to(tl.int32)
+    return kv_begin + split_start, split_len, split_end > split_start
+
+
+@triton.jit
+def _logit_scale(SEQ_LENS, seq, SM_SCALE: tl.constexpr, LOGIT_CAP: tl.constexpr, XAI_TEMPERATURE_LEN: tl.constexpr,
+                 XAI_INV_LOG2_LEN: tl.constexpr):
+    """The factor that turns a (soft-capped) q.k into a base-2 logit: xai temperature, log2(e) and, without a cap, the
+    softmax scale folded into one multiply."""
+    if XAI_TEMPERATURE_LEN > 0:
+        q_pos = (tl.load(SEQ_LENS + seq) - 1).to(tl.float32)
+        xai = tl.where(q_pos > XAI_TEMPERATURE_LEN, tl.log2(tl.maximum(q_pos, 1.0)) * XAI_INV_LOG2_LEN, 1.0)
+    else:
+        xai = 1.0
+    if LOGIT_CAP > 0:
+        return xai * LOG2E
+    return xai * (SM_SCALE * LOG2E)
+
+
+@triton.jit
+def _soft_cap(qk, SM_SCALE: tl.constexpr, LOGIT_CAP: tl.constexpr):
+    # cap * tanh(s / cap), with tanh(x) = 2 * sigmoid(2x) - 1 (saturates cleanly at +-1).
+    qk = qk * SM_SCALE
+    return LOGIT_CAP * (2.0 / (1.0 + tl.exp(-2.0 * (qk / LOGIT_CAP))) - 1.0)
+
+
+@triton.jit
 def decode_stage1_kernel(
     Q,  # [batch, q_heads, qk_head_dim]
     K_POOL,  # [slots, kv_heads, qk_head_dim]
@@ -100,13 +134,11 @@ def decode_stage1_kernel(
     head_block = tl.program_id(1)
     split = tl.program_id(2).to(tl.int64)
 
-    kv_begin, kv_len = _effective_range(KV_INDPTR, seq, SLIDING_WINDOW)
-    num_splits, per_split = _split_geometry(NUM_KV_SPLITS, seq, kv_len, MAX_KV_SPLITS, MIN_BLOCK_KV)
-    split_start = split * per_split
-    split_end = tl.minimum(split_start + per_split, kv_len)
     # An empty split runs no loop iteration and stores nothing (stage 2 skips it). No early `if`: the body stays
     # a plain loop, which Triton's software pipeliner handles.
-    non_empty = split_end > split_start
+    kv_first, split_len, non_empty = _split_range(
+        KV_INDPTR, NUM_KV_SPLITS, seq, split, SLIDING_WINDOW, MAX_KV_SPLITS, MIN_BLOCK_KV
+    )
     kv_head = head_block // HEAD_BLOCKS_PER_KV
     group_offs = (head_block % HEAD_BLOCKS_PER_KV) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = group_offs < GROUP
@@ -123,24 +155,14 @@ def decode_stage1_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < V_HEAD_DIM
 
-    # Everything the loop needs to turn q.k into a base-2 logit.
-    if XAI_TEMPERATURE_LEN > 0:
-        q_pos = (tl.load(SEQ_LENS + seq) - 1).to(tl.float32)
-        xai = tl.where(q_pos > XAI_TEMPERATURE_LEN, tl.log2(tl.maximum(q_pos, 1.0)) * XAI_INV_LOG2_LEN, 1.0)
-    else:
-        xai = 1.0
-    if LOGIT_CAP > 0:
-        post_scale = xai * LOG2E
-    else:
-        post_scale = xai * (SM_SCALE * LOG2E)  # fold everything into one multiply
+    post_scale = _logit_scale(SEQ_LENS, seq, SM_SCALE, LOGIT_CAP, XAI_TEMPERATURE_LEN, XAI_INV_LOG2_LEN)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, log2 domain
     l_i = tl.full([BLOCK_H], 0.0, tl.float32)
     acc = tl.full([BLOCK_H, BLOCK_DV], 0.0, tl.float32)
     k_head = K_POOL + kv_head.to(tl.int64) * STRIDE_K_HEAD
     v_head = V_POOL + kv_head.to(tl.int64) * STRIDE_V_HEAD
-    split_len = tl.maximum(split_end - split_start, 0).to(tl.int32)
-    kv_base = KV_INDICES + kv_begin + split_start
+    kv_base = KV_INDICES + kv_first
     for start in range(0, split_len, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < split_len
@@ -153,9 +175,7 @@ def decode_stage1_kernel(
             k_pe = tl.load(k_rows + offs_dpe[None, :], mask=mask_n[:, None] & mask_dpe[None, :], other=0.0)
             qk += tl.dot(q_pe, tl.trans(k_pe.to(q_pe.dtype)), input_precision=DOT_PRECISION)
         if LOGIT_CAP > 0:
-            # cap * tanh(s / cap), with tanh(x) = 2 * sigmoid(2x) - 1 (saturates cleanly at +-1).
-            qk = qk * SM_SCALE
-            qk = LOGIT_CAP * (2.0 / (1.0 + tl.exp(-2.0 * (qk / LOGIT_CAP))) - 1.0)
+            qk = _soft_cap(qk, SM_SCALE, LOGIT_CAP)
         qk = qk * post_scale
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
 
@@ -222,11 +242,9 @@ def decode_stage1_vector_kernel(
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     split = tl.program_id(2).to(tl.int64)
-    kv_begin, kv_len = _effective_range(KV_INDPTR, seq, SLIDING_WINDOW)
-    num_splits, per_split = _split_geometry(NUM_KV_SPLITS, seq, kv_len, MAX_KV_SPLITS, MIN_BLOCK_KV)
-    split_start = split * per_split
-    split_end = tl.minimum(split_start + per_split, kv_len)
-    non_empty = split_end > split_start
+    kv_first, split_len, non_empty = _split_range(
+        KV_INDPTR, NUM_KV_SPLITS, seq, split, SLIDING_WINDOW, MAX_KV_SPLITS, MIN_BLOCK_KV
+    )
     kv_head = head // GROUP
 
     offs_d = tl.arange(0, BLOCK_D)
@@ -240,23 +258,14 @@ def decode_stage1_vector_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < V_HEAD_DIM
 
-    if XAI_TEMPERATURE_LEN > 0:
-        q_pos = (tl.load(SEQ_LENS + seq) - 1).to(tl.float32)
-        xai = tl.where(q_pos > XAI_TEMPERATURE_LEN, tl.log2(tl.maximum(q_pos, 1.0)) * XAI_INV_LOG2_LEN, 1.0)
-    else:
-        xai = 1.0
-    if LOGIT_CAP > 0:
-        post_scale = xai * LOG2E
-    else:
-        post_scale = xai * (SM_SCALE * LOG2E)
+    post_scale = _logit_scale(SEQ_LENS, seq, SM_SCALE, LOGIT_CAP, XAI_TEMPERATURE_LEN, XAI_INV_LOG2_LEN)
 
     m_i = float("-inf")  # running max, log2 domain
     l_i = 0.0
     acc = tl.full([BLOCK_DV], 0.0, tl.float32)
     k_head = K_POOL + kv_head.to(tl.int64) * STRIDE_K_HEAD
     v_head = V_POOL + kv_head.to(tl.int64) * STRIDE_V_HEAD
-    split_len = tl.maximum(split_end - split_start, 0).to(tl.int32)
-    kv_base = KV_INDICES + kv_begin + split_start
+    kv_base = KV_INDICES + kv_first
     for start in range(0, split_len, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < split_len
@@ -268,8 +277,7 @@ def decode_stage1_vector_kernel(
             k_pe = tl.load(k_rows + offs_dpe[None, :], mask=mask_n[:, None] & mask_dpe[None, :], other=0.0)
             qk += tl.reduce(q_pe[None, :] * k_pe.to(tl.float32), 1, _sum_combine)
         if LOGIT_CAP > 0:
-            qk = qk * SM_SCALE
-            qk = LOGIT_CAP * (2.0 / (1.0 + tl.exp(-2.0 * (qk / LOGIT_CAP))) - 1.0)
+            qk = _soft_cap(qk, SM_SCALE, LOGIT_CAP)
         qk = qk * post_scale
         qk = tl.where(mask_n, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(qk, 0, _max_combine))

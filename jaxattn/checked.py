@@ -50,6 +50,7 @@ import jax.numpy as jnp
 from jax.experimental import checkify
 
 from jaxattn._checks import INDEX_DTYPES, check_array, check_positive_int, check_window
+from jaxattn.extend import check_request_tables, listed_prefix
 from jaxattn.kv_pool import check_write_slots
 
 __all__ = [
@@ -230,11 +231,7 @@ def validate_extend_inputs(req_to_token, req_pool_indices, prefix_lens, extend_l
     `unified`) <= kv_capacity; the total of extend_lens <= num_tokens (q's rows) and <= len(out_cache_loc); out_cache_loc
     valid for `write_kv`.
     """
-    check_array("req_to_token", req_to_token, ndim=2, dtypes=INDEX_DTYPES, what="[max_reqs, max_context_len]")
-    check_array("req_pool_indices", req_pool_indices, ndim=1, dtypes=INDEX_DTYPES, what="[batch]")
-    batch = req_pool_indices.shape[0]
-    check_array("prefix_lens", prefix_lens, shape=(batch,), dtypes=INDEX_DTYPES, what="[batch]")
-    check_array("extend_lens", extend_lens, shape=(batch,), dtypes=INDEX_DTYPES, what="[batch]")
+    check_request_tables(req_to_token, req_pool_indices, prefix_lens, extend_lens)
     check_positive_int("num_slots", num_slots)
     check_positive_int("max_extend_len", max_extend_len)
     check_window("sliding_window", sliding_window)
@@ -251,7 +248,7 @@ def validate_extend_inputs(req_to_token, req_pool_indices, prefix_lens, extend_l
                i=i, v=seq_lens[i])
     _rows_in_range(req_pool_indices, max_reqs, seq_lens > 0)
     prefix = jnp.clip(prefix_lens, 0, max_ctx)
-    listed = jnp.minimum(prefix, sliding_window) if sliding_window >= 0 else prefix
+    listed, _ = listed_prefix(prefix, sliding_window)
     new = jnp.maximum(extend_lens, 0)
     _listed_table_entries(req_to_token, req_pool_indices, prefix - listed, jnp.clip(prefix + new, 0, max_ctx), num_slots)
     tokens = jnp.sum(new)

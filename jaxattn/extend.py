@@ -201,19 +201,26 @@ class ExtendUnifiedMetadata:
     sliding_window: int = dataclasses.field(default=-1, metadata=dict(static=True))
 
 
-def _check_builder_args(req_to_token, req_pool_indices, prefix_lens, extend_lens, max_extend_len, kv_capacity, sliding_window=-1, index_dtype=jnp.int32):
+def check_request_tables(req_to_token, req_pool_indices, prefix_lens, extend_lens) -> int:
+    """Trace-time shape/dtype checks of an extend batch's request tables (the builders and `jaxattn.checked`); the batch."""
     check_array("req_to_token", req_to_token, ndim=2, dtypes=INDEX_DTYPES, what="[max_reqs, max_context_len]")
     check_array("req_pool_indices", req_pool_indices, ndim=1, dtypes=INDEX_DTYPES, what="[batch]")
     batch = req_pool_indices.shape[0]
     check_array("prefix_lens", prefix_lens, shape=(batch,), dtypes=INDEX_DTYPES, what="[batch]")
     check_array("extend_lens", extend_lens, shape=(batch,), dtypes=INDEX_DTYPES, what="[batch]")
+    return batch
+
+
+def _check_builder_args(req_to_token, req_pool_indices, prefix_lens, extend_lens, max_extend_len, kv_capacity, sliding_window=-1, index_dtype=jnp.int32):
+    check_request_tables(req_to_token, req_pool_indices, prefix_lens, extend_lens)
     check_positive_int("max_extend_len", max_extend_len)
     check_positive_int("kv_capacity", kv_capacity)
     check_window("sliding_window", sliding_window)
     check_index_dtype("index_dtype", index_dtype)
 
 
-def _listed_prefix(prefix_lens, sliding_window):
+def listed_prefix(prefix_lens, sliding_window):
+    """(listed, dropped) prefix keys per sequence: a window-W layer lists only the last W (all its queries can see)."""
     prefix_lens = jnp.maximum(prefix_lens.astype(jnp.int32), 0)
     if sliding_window >= 0:
         # Query 0 (position prefix_len) sees keys from prefix_len - W on: the last W prefix keys.
@@ -253,7 +260,7 @@ def extend_metadata(
     """
     _check_builder_args(req_to_token, req_pool_indices, prefix_lens, extend_lens, max_extend_len, kv_capacity, sliding_window, index_dtype)
     extend_lens = jnp.maximum(extend_lens.astype(jnp.int32), 0)
-    listed, start = _listed_prefix(prefix_lens, sliding_window)
+    listed, start = listed_prefix(prefix_lens, sliding_window)
     kv_indptr, kv_indices = create_kv_indices(
         req_to_token, req_pool_indices, listed, start, capacity=kv_capacity, index_dtype=index_dtype, mode=mode
     )
@@ -299,7 +306,7 @@ def extend_unified_metadata(
     _check_builder_args(req_to_token, req_pool_indices, prefix_lens, extend_lens, max_extend_len, kv_capacity, sliding_window, index_dtype)
     check_array("out_cache_loc", out_cache_loc, ndim=1, dtypes=INDEX_DTYPES, what="[extend_tokens]")
     extend_lens = jnp.maximum(extend_lens.astype(jnp.int32), 0)
-    listed, start = _listed_prefix(prefix_lens, sliding_window)
+    listed, start = listed_prefix(prefix_lens, sliding_window)
     prefix_indptr, prefix_indices = create_kv_indices(
         req_to_token, req_pool_indices, listed, start, capacity=kv_capacity, index_dtype=index_dtype, mode=mode
     )

@@ -319,13 +319,17 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig.num_stages must be a positive int; got {self.num_stages!r}")
 
 
-# Key schema: (qk_head_dim, v_head_dim, group bucket), group bucket = "g16" for q_heads / kv_heads <= 16, else "g>16".
+# Key schema: (qk_head_dim, v_head_dim, group bucket), group bucket = "g1" for MHA (falls back to "g16" when missing),
+# "g16" for q_heads / kv_heads <= 16, else "g>16".
 # Values are starting points for the H200 (bandwidth-bound decode: pipelined gathered loads matter most);
 # the benchmark sweeps them with decode_attention(..., config=...). 128/128 and 576/512 (g16) were picked from the
 # sweep of 2026-12-02 on the H200 (benchmarks/results/): the best all-rounder over D1-D3, and the best MLA config.
 SM90_CONFIGS: dict[tuple[int, int, str], DecodeConfig] = {
     (64, 64, "g16"): DecodeConfig(block_n=64, block_h=16, num_warps=4, num_stages=3),
     (128, 128, "g16"): DecodeConfig(block_n=128, block_h=16, num_warps=4, num_stages=3),
+    # MHA: from the H200 sweep of the "MHA" case (2026-12-02, 7dd44a3): 96% of the floor, where the vector kernel's
+    # best tile (n64 w2) reached 93.5% and 128-key tiles 94%.
+    (128, 128, "g1"): DecodeConfig(block_n=32, block_h=16, num_warps=4, num_stages=3),
     (256, 256, "g16"): DecodeConfig(block_n=32, block_h=16, num_warps=4, num_stages=3),
     (192, 128, "g16"): DecodeConfig(block_n=32, block_h=16, num_warps=4, num_stages=2),  # block_n 64 spills
     (288, 256, "g16"): DecodeConfig(block_n=32, block_h=16, num_warps=4, num_stages=3),
@@ -354,14 +358,15 @@ def heuristic_config(qk_head_dim: int, v_head_dim: int, group: int) -> DecodeCon
 
 
 def vector_config(qk_head_dim: int, v_head_dim: int) -> DecodeConfig:
-    """MHA (one q head per kv head): the vector kernel. Chosen on CPU (sm_90 compile), not timed on the H200.
+    """The vector kernel's tile (opt-in with DecodeConfig(block_h=1)): one q head per program, no tl.dot.
 
-    One stage: Triton's pipeliner stages only loads that feed a dot, so the vector kernel's loads stay plain global
-    loads whatever num_stages says; it hides latency with occupancy instead (56-100 registers for head dims <= 256,
-    i.e. many 4-warp programs per SM).
+    On the H200 it loses to the grouped kernel at MHA (93.5% of the floor at its best tile, 2 warps, against 96%;
+    benchmarks/results/2026-12-02_h200_decode_mha_sweep.log): Triton's pipeliner stages only loads that feed a dot,
+    so its loads are plain global loads that only occupancy hides, while the grouped kernel's are cp.async pipelined
+    and its 16-row padding costs tensor-core time a bandwidth-bound kernel has to spare.
     """
     width = triton.next_power_of_2(qk_head_dim) + triton.next_power_of_2(v_head_dim)
-    return DecodeConfig(block_n=64 if width <= 256 else 32, block_h=1, num_warps=4, num_stages=1)
+    return DecodeConfig(block_n=64 if width <= 256 else 32, block_h=1, num_warps=2, num_stages=1)
 
 
 def clamp_config(config: DecodeConfig, group: int) -> DecodeConfig:
@@ -375,13 +380,17 @@ def clamp_config(config: DecodeConfig, group: int) -> DecodeConfig:
 def get_config(qk_head_dim: int, v_head_dim: int, group: int, arch: str = "sm90") -> DecodeConfig:
     """The tuned config for these head dims and group size, or the heuristic one (warning once) on a miss.
 
-    MHA (group 1) takes the vector kernel: the grouped one would pad each program's single head to 16 dot rows.
+    MHA (group 1) uses its own entry where the table has one, else the "g16" entry: the grouped kernel pads the single
+    head to 16 dot rows, which costs less than the vector kernel's unpipelined loads (see vector_config).
     """
-    if group == 1:
-        return vector_config(qk_head_dim, v_head_dim)
-    key = (qk_head_dim, v_head_dim, "g16" if group <= 16 else "g>16")
-    config = CONFIG_TABLES.get(arch, {}).get(key)
+    bucket = "g1" if group == 1 else "g16" if group <= 16 else "g>16"
+    table = CONFIG_TABLES.get(arch, {})
+    config = table.get((qk_head_dim, v_head_dim, bucket))
+    if config is None and bucket == "g1":
+        bucket = "g16"
+        config = table.get((qk_head_dim, v_head_dim, bucket))
     if config is None:
+        key = (qk_head_dim, v_head_dim, bucket)
         if (arch, key) not in _warned_misses:
             _warned_misses.add((arch, key))
             warnings.warn(f"jaxattn.decode: no tuned config for {arch} {key}; using a heuristic one", stacklevel=3)
@@ -626,9 +635,11 @@ def kernel_builds():
         for qk_dim, v_dim in SUPPORTED_HEAD_DIMS:
             block_d, block_dpe = head_dim_split(qk_dim)
             v_variants = [False] + ([True] if v_dim == block_d and block_dpe > 0 else [])
-            for group_key in ("g16", "g>16"):
+            for group_key in ("g1", "g16", "g>16"):
+                if (qk_dim, v_dim, group_key) not in SM90_CONFIGS:
+                    continue  # g1 falls back to g16's build
                 config = SM90_CONFIGS[(qk_dim, v_dim, group_key)]
-                group = 8 if group_key == "g16" else 64
+                group = {"g1": 1, "g16": 8, "g>16": 64}[group_key]
                 config = clamp_config(config, group)
                 for v_from_k in v_variants:
                     builds.append(
@@ -656,7 +667,7 @@ def kernel_builds():
                             label=f"{dtype} {qk_dim}/{v_dim} {group_key}{' v_from_k' if v_from_k else ''}",
                         )
                     )
-            # MHA: the vector kernel (get_config's choice for group 1).
+            # The vector kernel (opt-in: DecodeConfig(block_h=1)).
             config = vector_config(qk_dim, v_dim)
             builds.append(
                 build(

@@ -64,9 +64,9 @@ def assert_close(o, lse, ref_o, ref_lse, dtype):
 
 # (q_heads, kv_heads, qk_dim, v_dim, dtype, v_from_k): GQA ratios 1/4/8 and >16, every head-dim family, every dtype.
 CASES = [
-    (2, 2, 64, 64, jnp.float32, False),  # MHA (group 1): the vector kernel, from here to the 192/128 case
+    (2, 2, 64, 64, jnp.float32, False),  # MHA (group 1): the grouped kernel (the default) on these two,
     (4, 4, 128, 128, jnp.bfloat16, False),
-    (2, 2, 256, 256, jnp.float16, False),
+    (2, 2, 256, 256, jnp.float16, False),  # the opt-in vector kernel on these two (VECTOR_CASES)
     (2, 2, 192, 128, jnp.bfloat16, False),  # rope part in a second multiply-and-sum
     (4, 1, 128, 128, jnp.bfloat16, False),
     (8, 1, 64, 64, jnp.float16, False),
@@ -78,6 +78,7 @@ CASES = [
     (2, 1, 192, 128, jnp.float16, True),
     (20, 1, 64, 64, jnp.float32, False),  # group 20 > 16: two head blocks, the second partly masked
 ]
+VECTOR_CASES = {CASES[2], CASES[3]}
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -94,7 +95,8 @@ def test_matches_reference(rng, mode, case):
     assert np.asarray(meta.num_kv_splits).tolist() == [1, 1, 1, 4, 4]
     meta = dataclasses.replace(meta, num_kv_splits=jnp.asarray([1, 2, 1, 4, 3], jnp.int32))
     kwargs = dict(return_lse=True, v_head_dim=v_dim if v_from_k else None)
-    o, lse = decode_attention(q, k_pool, v_pool, meta, mode=mode, **kwargs)
+    config = DecodeConfig(block_n=32, block_h=1) if case in VECTOR_CASES else None
+    o, lse = decode_attention(q, k_pool, v_pool, meta, mode=mode, config=config, **kwargs)
     assert o.shape == (5, q_heads, v_dim) and o.dtype == dtype and lse.dtype == jnp.float32
     ref_o, ref_lse = decode_attention_reference(q, k_pool, v_pool, meta, **kwargs)
     assert_close(o, lse, ref_o, ref_lse, dtype)
@@ -241,7 +243,10 @@ def test_split_heuristic_fills_the_h200():
 def test_config_table():
     assert get_config(128, 128, 4) == DecodeConfig(block_n=128, block_h=16, num_warps=4, num_stages=3)
     assert get_config(576, 512, 128).block_h == 32
-    assert get_config(64, 64, 1) == vector_config(64, 64) and vector_config(64, 64).block_h == 1  # MHA: vector kernel
+    # MHA: the grouped kernel, with its own entry where tuned, else the g16 one clamped to 16 rows.
+    assert get_config(128, 128, 1) == DecodeConfig(block_n=32, block_h=16, num_warps=4, num_stages=3)
+    assert get_config(64, 64, 1) == get_config(64, 64, 4)
+    assert vector_config(64, 64).block_h == 1
     assert clamp_config(vector_config(64, 64), 4).block_h == 1
     with pytest.raises(ValueError, match="block_h 1 .* or >= 16"):
         DecodeConfig(block_h=8)

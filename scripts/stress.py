@@ -12,6 +12,11 @@ batch (zero-length sequences included).
 
     python scripts/stress.py --batches 1000 --json benchmarks/results/stress_h200.json        # on the H200
     python scripts/stress.py --batches 5 --mode interpret --shapes tiny --json /tmp/s.json    # CPU smoke run
+    python scripts/stress.py --batches 1000 --workers 5 --json s.json     # profiles split over 5 processes
+
+Batch i of an op draws its lengths, slots and masks from its own generator (seed, op, i), so any batch can be
+rerun alone and the result does not depend on how the run was split into worker processes. With --workers N the
+profiles are dealt out over N processes (each compiles only its own profiles); the parent merges their records.
 
 Prints one summary line (and the worst batch), writes the figures as JSON, exits 1 on any mismatch.
 """
@@ -166,6 +171,15 @@ class Tally:
     def summary(self):
         return dict(batches=self.batches, mismatches=self.mismatches, worst_error_over_tolerance=self.worst,
                     worst_case=self.worst_case, failures=self.failures, tokens=self.tokens)
+
+    def merge(self, summary):
+        """Adds a worker's `summary()`."""
+        self.batches += summary["batches"]
+        self.mismatches += summary["mismatches"]
+        self.tokens += summary["tokens"]
+        if summary["worst_error_over_tolerance"] > self.worst:
+            self.worst, self.worst_case = summary["worst_error_over_tolerance"], summary["worst_case"]
+        self.failures = (self.failures + summary["failures"])[:20]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,7 +350,42 @@ def environment(mode):
     )
 
 
+OP_IDS = {"decode": 0, "extend": 1}
+
+
+def batch_rng(seed: int, op: str, index: int) -> np.random.Generator:
+    """The generator of batch `index` of `op`: independent of the other batches and of the worker split."""
+    return np.random.default_rng([seed, OP_IDS[op], index])
+
+
+def shard_of(index: int, n_profiles: int, workers: int) -> int:
+    """The worker that runs batch `index`: profiles are dealt out, so each worker compiles only its own."""
+    return (index % n_profiles) % workers
+
+
+def run_workers(argv, workers: int, json_path: str | None):
+    """Runs this script in `workers` processes (one shard each) and returns their records.
+
+    The shards' records sit next to `json_path` (`<json_path>.shard<w>`, checkpointed every 100 batches), so a run
+    killed by a time limit still leaves what each worker did."""
+    import tempfile
+
+    base = json_path or os.path.join(tempfile.mkdtemp(prefix="stress_"), "stress.json")
+    paths = [f"{base}.shard{w}" for w in range(workers)]
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv, "--shard", f"{w}/{workers}", "--json", path])
+             for w, path in enumerate(paths)]
+    codes = [p.wait() for p in procs]
+    records = []
+    for w, path in enumerate(paths):
+        if not os.path.exists(path):
+            raise SystemExit(f"stress worker {w} wrote no record (exit status {codes[w]})")
+        with open(path) as f:
+            records.append(json.load(f))
+    return records
+
+
 def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, default=1000, help="random batches per op (decode, extend)")
     parser.add_argument("--ops", nargs="+", default=["decode", "extend"], choices=["decode", "extend"])
@@ -344,13 +393,17 @@ def main(argv=None):
     parser.add_argument("--shapes", choices=sorted(SHAPES), default=None, help="size bucket (default: h200 on GPU, tiny otherwise)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the figures here")
+    parser.add_argument("--workers", type=int, default=1, help="processes to split the profiles over")
+    parser.add_argument("--shard", default=None, help=argparse.SUPPRESS)  # "w/N": set by --workers for its children
     args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error(f"--workers must be >= 1, got {args.workers}")
     warnings.filterwarnings("ignore", message=".*no tuned config.*")
     mode = args.mode or ("gpu" if jax.default_backend() in ("gpu", "cuda") else "interpret")
     shapes_name = args.shapes or ("h200" if mode == "gpu" else "tiny")
     shapes = SHAPES[shapes_name]
     profs = profiles(shapes_name)
-    rng = np.random.default_rng(args.seed)
+    shard, workers = (0, 1) if args.shard is None else tuple(int(x) for x in args.shard.split("/"))
     tallies = {}
     start = time.time()
     timings = {}
@@ -360,7 +413,8 @@ def main(argv=None):
         return dict(
             environment=environment(mode),
             settings=dict(batches_per_op=args.batches, ops=args.ops, seed=args.seed, shapes=dataclasses.asdict(shapes),
-                          shapes_name=shapes_name, profiles=[dataclasses.asdict(p) for p in profs], tolerances=TOLERANCES),
+                          shapes_name=shapes_name, profiles=[dataclasses.asdict(p) for p in profs], tolerances=TOLERANCES,
+                          workers=args.workers, shard=args.shard),
             complete=complete,  # False: a checkpoint of a run still going (or killed); results cover the batches done
             results={op: t.summary() for op, t in tallies.items()},
             total_mismatches=mismatches,
@@ -373,15 +427,39 @@ def main(argv=None):
             with open(args.json, "w") as f:
                 json.dump(record(complete), f, indent=1)
 
+    if args.workers > 1 and args.shard is None:
+        child_argv = []
+        skip = False
+        for a in argv:  # the children get every option but --workers/--json, which the parent owns
+            if skip:
+                skip = False
+                continue
+            if a in ("--workers", "--json"):
+                skip = True
+                continue
+            if a.startswith(("--workers=", "--json=")):
+                continue
+            child_argv.append(a)
+        records = run_workers(child_argv, args.workers, args.json)
+        complete = all(r["complete"] for r in records)
+        for r in records:
+            for op, summary in r["results"].items():
+                tallies.setdefault(op, Tally()).merge(summary)
+        timings["workers"] = [r["seconds"] for r in records]
+        return finish(tallies, mode, shapes_name, args, start, save, complete)
+
     for op in args.ops:
         runners = {}
         op_start = time.time()
-        for i in range(args.batches):
-            profile = profs[i % len(profs)]
+        mine = [i for i in range(args.batches) if shard_of(i, len(profs), workers) == shard]
+        for done, i in enumerate(mine, 1):
+            profile_index = i % len(profs)
+            profile = profs[profile_index]
             if profile.name not in runners:
                 cls = DecodeRunner if op == "decode" else ExtendRunner
-                runners[profile.name] = cls(profile, shapes, mode, seed=args.seed * 1000 + len(runners))
+                runners[profile.name] = cls(profile, shapes, mode, seed=args.seed * 1000 + profile_index)
             runner = runners[profile.name]
+            rng = batch_rng(args.seed, op, i)
             if op == "decode":
                 ok, ratio, reason, case, tokens = runner.run(rng, i)
                 results = [(ok, ratio, reason, case)]
@@ -393,21 +471,28 @@ def main(argv=None):
                 tally.tokens += tokens
                 if not ok:
                     print(f"MISMATCH {case['op']} {case['profile']} batch {i}: {reason} (error/tolerance {ratio:.3g})", flush=True)
-            if (i + 1) % 100 == 0:
-                print(f"  {op}: {i + 1}/{args.batches} batches, {time.time() - op_start:.0f} s", flush=True)
+            if done % 100 == 0 or done == len(mine):
+                label = f"[shard {shard}/{workers}] " if args.shard else ""
+                print(f"  {label}{op}: {done}/{len(mine)} batches, {time.time() - op_start:.0f} s", flush=True)
                 save(complete=False)  # a run cut short by a time limit still leaves its figures
         timings[op] = time.time() - op_start
+    return finish(tallies, mode, shapes_name, args, start, save, True)
+
+
+def finish(tallies, mode, shapes_name, args, start, save, complete):
     wall = time.time() - start
     mismatches = sum(t.mismatches for t in tallies.values())
     parts = ", ".join(f"{op} {t.batches} batches {t.mismatches} mismatches (worst error/tol {t.worst:.3f})" for op, t in tallies.items())
-    print(f"stress [{mode}, {shapes_name}, seed {args.seed}]: {parts}; total mismatches {mismatches}; {wall:.0f} s")
+    label = f" shard {args.shard}" if args.shard else (f" {args.workers} workers" if args.workers > 1 else "")
+    print(f"stress [{mode}, {shapes_name}, seed {args.seed}{label}]: {parts}; total mismatches {mismatches}; {wall:.0f} s"
+          + ("" if complete else " (INCOMPLETE: a worker stopped early)"))
     for op, t in tallies.items():
         if t.worst_case is not None:
             print(f"  worst {op}: {json.dumps(t.worst_case)[:300]}")
-    save(complete=True)
+    save(complete=complete)
     if args.json:
         print(f"wrote {args.json}")
-    return 1 if mismatches else 0
+    return 1 if mismatches or not complete else 0
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""scripts/stress.py runs end to end (tiny shapes, interpreter) and writes its JSON record. Slow: ~1 min of compiles."""
+"""scripts/stress.py runs end to end (tiny shapes, interpreter, profiles split over worker processes) and writes its JSON
+record. Slow: ~1 min of compiles."""
 
 import importlib.util
 import json
@@ -16,8 +17,26 @@ def test_stress_script_smoke(tmp_path):
     sys.modules[spec.name] = stress  # dataclasses look their module up in sys.modules
     spec.loader.exec_module(stress)
     out = tmp_path / "stress.json"
-    assert stress.main(["--batches", "3", "--mode", "interpret", "--shapes", "tiny", "--json", str(out)]) == 0
+    # 4 batches over 2 workers: each compiles only its profiles (tiny-gqa2 and tiny-mask / tiny-window).
+    assert stress.main(["--batches", "4", "--mode", "interpret", "--shapes", "tiny", "--workers", "2", "--json", str(out)]) == 0
     record = json.loads(out.read_text())
     assert record["total_mismatches"] == 0
     assert record["complete"] is True  # checkpoints written during the run say False
-    assert {op: r["batches"] for op, r in record["results"].items()} == {"decode": 3, "extend": 3, "extend_unified": 3}
+    assert {op: r["batches"] for op, r in record["results"].items()} == {"decode": 4, "extend": 4, "extend_unified": 4}
+    shards = [json.loads((tmp_path / f"stress.json.shard{w}").read_text()) for w in range(2)]
+    # The parent's figures are the sum of its workers'; profiles are dealt out (profile index mod 2).
+    assert [s["results"]["decode"]["batches"] for s in shards] == [3, 1]
+    assert max(s["results"]["extend"]["worst_error_over_tolerance"] for s in shards) == record["results"]["extend"]["worst_error_over_tolerance"]
+
+
+def test_batches_are_independent_of_the_split():
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "stress.py")
+    spec = importlib.util.spec_from_file_location("stress_script_rng", path)
+    stress = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = stress
+    spec.loader.exec_module(stress)
+    draws = [stress.batch_rng(0, "extend", i).integers(0, 1 << 30, 4).tolist() for i in range(3)]
+    assert draws[1] == stress.batch_rng(0, "extend", 1).integers(0, 1 << 30, 4).tolist()  # same batch, same data
+    assert draws[0] != draws[1] != draws[2]
+    assert stress.batch_rng(0, "decode", 1).integers(0, 1 << 30, 4).tolist() != draws[1]
+    assert sorted({stress.shard_of(i, 10, 4) for i in range(10)}) == [0, 1, 2, 3]

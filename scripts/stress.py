@@ -14,8 +14,9 @@ batch (zero-length sequences included).
     python scripts/stress.py --batches 5 --mode interpret --shapes tiny --json /tmp/s.json    # CPU smoke run
     python scripts/stress.py --batches 1000 --workers 5 --json s.json     # profiles split over 5 processes
 
-Batch i of an op draws its lengths, slots and masks from its own generator (seed, op, i), so any batch can be
-rerun alone and the result does not depend on how the run was split into worker processes. With --workers N the
+Batch i of an op draws its lengths, slots and masks from its own generator (seed, op, i); the data (q, K/V) come
+from its profile's runner, whose state depends only on that profile's earlier batches. A profile always runs whole
+in one process, so the results do not depend on how the run was split into worker processes. With --workers N the
 profiles are dealt out over N processes (each compiles only its own profiles); the parent merges their records.
 
 Prints one summary line (and the worst batch), writes the figures as JSON, exits 1 on any mismatch.

@@ -386,7 +386,6 @@ def run_workers(argv, workers: int, json_path: str | None):
 
 
 def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, default=1000, help="random batches per op (decode, extend)")
     parser.add_argument("--ops", nargs="+", default=["decode", "extend"], choices=["decode", "extend"])
@@ -429,18 +428,8 @@ def main(argv=None):
                 json.dump(record(complete), f, indent=1)
 
     if args.workers > 1 and args.shard is None:
-        child_argv = []
-        skip = False
-        for a in argv:  # the children get every option but --workers/--json, which the parent owns
-            if skip:
-                skip = False
-                continue
-            if a in ("--workers", "--json"):
-                skip = True
-                continue
-            if a.startswith(("--workers=", "--json=")):
-                continue
-            child_argv.append(a)
+        # The children get the parent's resolved settings; --shard and --json are added per child.
+        child_argv = ["--batches", str(args.batches), "--ops", *args.ops, "--mode", mode, "--shapes", shapes_name, "--seed", str(args.seed)]
         records = run_workers(child_argv, args.workers, args.json)
         complete = all(r["complete"] for r in records)
         for r in records:

@@ -9,13 +9,18 @@ import sys
 import pytest
 
 
-@pytest.mark.slow
-def test_stress_script_smoke(tmp_path):
+def load_stress_script():
     path = os.path.join(os.path.dirname(__file__), "..", "scripts", "stress.py")
     spec = importlib.util.spec_from_file_location("stress_script", path)
     stress = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = stress  # dataclasses look their module up in sys.modules
     spec.loader.exec_module(stress)
+    return stress
+
+
+@pytest.mark.slow
+def test_stress_script_smoke(tmp_path):
+    stress = load_stress_script()
     out = tmp_path / "stress.json"
     # 4 batches over 2 workers: each compiles only its profiles (tiny-gqa2 and tiny-mask / tiny-window).
     assert stress.main(["--batches", "4", "--mode", "interpret", "--shapes", "tiny", "--workers", "2", "--json", str(out)]) == 0
@@ -29,12 +34,8 @@ def test_stress_script_smoke(tmp_path):
     assert max(s["results"]["extend"]["worst_error_over_tolerance"] for s in shards) == record["results"]["extend"]["worst_error_over_tolerance"]
 
 
-def test_batches_are_independent_of_the_split():
-    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "stress.py")
-    spec = importlib.util.spec_from_file_location("stress_script_rng", path)
-    stress = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = stress
-    spec.loader.exec_module(stress)
+def test_each_batch_has_its_own_generator_and_shards_cover_the_profiles():
+    stress = load_stress_script()
     draws = [stress.batch_rng(0, "extend", i).integers(0, 1 << 30, 4).tolist() for i in range(3)]
     assert draws[1] == stress.batch_rng(0, "extend", 1).integers(0, 1 << 30, 4).tolist()  # same batch, same data
     assert draws[0] != draws[1] != draws[2]

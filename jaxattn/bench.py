@@ -47,6 +47,7 @@ class Case:
     kv_heads: int = 8
     head_dim: int = 128
     v_head_dim: int | None = None
+    default: bool = True  # part of the op's default run (the tuning cases below are run by name)
 
     @property
     def dv(self) -> int:
@@ -62,7 +63,8 @@ class Case:
             tokens = self.batch * (self.prefix + self.new)
             per_token = self.kv_heads * (self.head_dim if self.v_in_k else self.head_dim + self.dv)
             return tokens * per_token * 2 / COPY_BANDWIDTH_BYTES_PER_S * 1e3
-        flops = 4 * self.q_heads * self.head_dim * self.new * (self.prefix + (self.new + 1) / 2) * self.batch
+        # QK^T and PV: 2 * (Dqk + Dv) FLOPs per visible (query, key) pair and head.
+        flops = 2 * self.q_heads * (self.head_dim + self.dv) * self.new * (self.prefix + (self.new + 1) / 2) * self.batch
         return flops / BF16_MATMUL_FLOPS * 1e3
 
 
@@ -76,6 +78,15 @@ CASES = {
     "E1": Case("E1", "extend", 8, 2048, 2048),
     "E2": Case("E2", "extend", 4, 0, 4096),
     "E3": Case("E3", "extend", 32, 4096, 128),
+    # Tuning cases: one per head-dim family of jaxattn.extend.SM90_CONFIGS other than "128" (E1-E3), E1's lengths
+    # unless noted. Run by name (`--cases T64,...`); not in the default extend run.
+    "T64": Case("T64", "extend", 8, 2048, 2048, q_heads=32, kv_heads=8, head_dim=64, default=False),
+    "T256": Case("T256", "extend", 8, 2048, 2048, q_heads=16, kv_heads=8, head_dim=256, default=False),  # Gemma-2-like
+    # DeepSeek-V3 MHA prefill (not absorbed), 16 heads of a tensor-parallel shard.
+    "T192": Case("T192", "extend", 8, 2048, 2048, q_heads=16, kv_heads=16, head_dim=192, v_head_dim=128, default=False),
+    # Absorbed MLA over the latent cache (one KV head, V = first 512 dims of K): short extends (chunked prefill tail,
+    # speculative verify) over long prefixes.
+    "T576": Case("T576", "extend", 16, 4096, 256, q_heads=16, kv_heads=1, head_dim=576, v_head_dim=512, default=False),
 }
 
 
@@ -323,7 +334,7 @@ def _extend_flashinfer(inp: Inputs, backend: str, through_jax: bool = False):
     last_page_len = torch.ones(case.batch, dtype=torch.int32, device="cuda")
     wrapper.plan(
         tv["qo_indptr"], tv["kv_indptr"], tv["kv_indices"], last_page_len, case.q_heads, case.kv_heads, case.head_dim, 1,
-        causal=True, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+        head_dim_vo=case.dv, causal=True, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
     )
     k = tv["k_pool"].unsqueeze(1)
     v = tv["v_pool"].unsqueeze(1)
@@ -641,7 +652,7 @@ def main(argv=None) -> int:
         return 0
     if args.plot:
         _require_matplotlib()  # fail before the sweep, not after it
-    case_names = args.cases.split(",") if args.cases else [n for n, c in CASES.items() if c.op == args.command]
+    case_names = args.cases.split(",") if args.cases else [n for n, c in CASES.items() if c.op == args.command and c.default]
     backends = args.backends.split(",") if args.backends else None
     print(f"jaxattn.bench {args.command}: device {_device_name()}, commit {_commit()}")
     rows = run(args.command, case_names, backends, sweep=args.sweep, log=lambda s: print(s, flush=True),

@@ -61,6 +61,19 @@ def test_floors():
     assert bench.CASES["MLA"].floor_ms() == pytest.approx(64 * 4096 * 576 * 2 / 4.3e12 * 1e3)
     assert bench.CASES["MHA"].floor_ms() == pytest.approx(16 * 4096 * 32 * 256 * 2 / 4.3e12 * 1e3)
     assert bench.CASES["E2"].floor_ms() == pytest.approx(4 * 32 * 128 * 4096 * (4096 + 1) / 2 * 4 / 790e12 * 1e3)
+    # Dqk != Dv: QK^T costs 2 * Dqk and PV 2 * Dv FLOPs per visible pair and head
+    t192 = bench.CASES["T192"]
+    pairs = t192.new * (t192.prefix + (t192.new + 1) / 2) * t192.batch
+    assert t192.floor_ms() == pytest.approx(2 * 16 * (192 + 128) * pairs / 790e12 * 1e3)
+
+
+def test_tuning_cases_run_only_by_name(monkeypatch):
+    ran = []
+    monkeypatch.setattr(bench, "run", lambda op, cases, *a, **k: ran.append(cases) or [])
+    monkeypatch.setattr(bench, "_commit", lambda: "abc1234")
+    assert bench.main(["extend", "--no-progress"]) == 0
+    assert bench.main(["extend", "--cases", "T64,T576", "--no-progress"]) == 0
+    assert ran == [["E1", "E2", "E3"], ["T64", "T576"]]
 
 
 def test_commit_falls_back_to_the_environment(monkeypatch):

@@ -87,6 +87,7 @@ CASES = {
     # Absorbed MLA over the latent cache (one KV head, V = first 512 dims of K): short extends (chunked prefill tail,
     # speculative verify) over long prefixes.
     "T576": Case("T576", "extend", 16, 4096, 256, q_heads=16, kv_heads=1, head_dim=576, v_head_dim=512, default=False),
+    "T288": Case("T288", "extend", 16, 4096, 256, q_heads=16, kv_heads=1, head_dim=288, v_head_dim=256, default=False),
 }
 
 

@@ -3,7 +3,8 @@
 Every candidate is checked against the jnp reference (max |err| within the bf16 tolerance) before it is timed, in two
 interleaved rounds. Candidates come from `python -m jaxattn.aot`-style sm_90 compiles on CPU: configs that fit in
 shared memory without large spills. The two-stage kernel is swept; the unified kernel is timed with the current and
-the best config. Usage: python benchmarks/experiments/extend_tuning.py [T64 T256 ...]; writes $OUT/extend_tuning.json.
+the best config. Usage: python benchmarks/experiments/extend_tuning.py [--round2] [T64 T256 ...]; writes
+$OUT/extend_tuning.json.
 """
 import json, os, statistics, sys, time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -11,7 +12,8 @@ import numpy as np
 from jaxattn import bench, extend, testing
 from jaxattn.extend import ExtendConfig as C
 
-CANDIDATES = {  # family -> (block_m, block_n, num_warps, num_stages)
+# Round 1 (2026-12-03, results/2026-12-03_h200_extend_tuning_round1.json): around the table's guesses.
+ROUND1 = {  # family -> (block_m, block_n, num_warps, num_stages)
     "64": [(64, 32, 4, 2), (64, 64, 4, 3), (64, 64, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3), (128, 32, 8, 2),
            (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3)],
     "256": [(64, 32, 8, 2), (64, 32, 8, 3), (64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3)],
@@ -19,10 +21,22 @@ CANDIDATES = {  # family -> (block_m, block_n, num_warps, num_stages)
                 (64, 128, 8, 2), (64, 32, 4, 3)],
     "576/512": [(32, 32, 8, 2), (16, 32, 4, 2), (32, 64, 8, 2), (32, 16, 4, 2), (64, 32, 8, 2)],
 }
-FAMILY = {"T64": "64", "T256": "256", "T192": "192/128", "T576": "576/512"}
+# Round 2: around round 1's winners (64, 192/128: 128x64 w8 s3; 256: 64x32 w4 s2; 576/512: 64x32 w8 s2), and 288/256.
+ROUND2 = {
+    "64": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 8, 3), (64, 64, 4, 4), (128, 64, 4, 3)],
+    "256": [(64, 32, 4, 2), (64, 32, 4, 3), (64, 64, 4, 2), (64, 16, 4, 2), (32, 64, 4, 2), (64, 32, 4, 4)],
+    "192/128": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 8, 4), (64, 64, 4, 3), (64, 32, 4, 2)],
+    "576/512": [(64, 32, 8, 2), (64, 16, 8, 2), (64, 16, 8, 3), (128, 16, 8, 2), (64, 32, 8, 1)],
+    "288/256": [(64, 32, 8, 2), (64, 32, 4, 2), (64, 32, 4, 3), (32, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (64, 16, 4, 2)],
+}
+FAMILY = {"T64": "64", "T256": "256", "T192": "192/128", "T576": "576/512", "T288": "288/256"}
+args = sys.argv[1:]
+CANDIDATES = ROUND1
+if args[:1] == ["--round2"]:
+    CANDIDATES, args = ROUND2, args[1:]
 out_dir = os.environ.get("OUT", "/tmp")
 rows = []
-for name in sys.argv[1:] or list(FAMILY):
+for name in args or [n for n in FAMILY if FAMILY[n] in CANDIDATES]:
     case, family = bench.CASES[name], FAMILY[name]
     inp = bench.make_inputs(case)
     ref = np.asarray(bench._extend_reference(inp)(), np.float32)

@@ -30,7 +30,7 @@ def record(label, fn, ref=None):
         print(f"E2 {label}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
 
 
-for dtype in (jnp.float16, jnp.bfloat16):
+for dtype in (jnp.float16,):  # bf16: its scratch is declared fp16 (dtype mismatch)
     q = jax.random.normal(kq, (b, n, hq, d), dtype)
     k = jax.random.normal(kk, (b, n, hkv, d), dtype)
     v = jax.random.normal(kv, (b, n, hkv, d), dtype)
@@ -45,6 +45,7 @@ for dtype in (jnp.float16, jnp.bfloat16):
         break
     for block_q, block_kv, steps in ((64, 128, 2), (64, 64, 3), (64, 128, 3)):
         config = mgpu.TuningConfig(block_q=block_q, block_kv=block_kv, max_concurrent_steps=steps, causal=True)
-        fn = jax.jit(lambda q, k, v, c=config: mgpu.attention(q, k, v, c))
+        # The kernel applies no softmax scale (its own test omits it too): scale q by 1/sqrt(d) first, in the jit.
+        fn = jax.jit(lambda q, k, v, c=config: mgpu.attention((q * d**-0.5).astype(q.dtype), k, v, c))
         record(f"pallas mosaic-gpu fa3 {name} q{block_q} kv{block_kv} s{steps}", lambda fn=fn: fn(q, k, v), ref)
 json.dump(rows, open(os.path.join(out_dir, "mgpu_dense.json"), "w"), indent=1)

@@ -329,6 +329,8 @@ def _extend_flashinfer(inp: Inputs, backend: str, through_jax: bool = False):
         import flashinfer
     except ImportError:
         raise Skip("flashinfer not installed")
+    if case.v_in_k:
+        raise Skip("MLA latent cache: FlashInfer's paged prefill takes separate K and V heads (its MLA wrapper is not wired here)")
     torch, tv = _torch_views(inp)
     workspace = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
     wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend)

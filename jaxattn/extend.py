@@ -77,19 +77,22 @@ class ExtendConfig:
 
 # Key schema: head-dim family -> config for 16-bit inputs. Families: "64", "128", "256" (plain heads, qk_head_dim rounded
 # up to a power of 2) and "576/512", "288/256", "192/128" (qk_head_dim/v_head_dim with a rope part in a second dot).
-# "128" was timed on the H200 (sweep of 2026-12-02 in benchmarks/results/): 128x128 tiles with 3 stages were best on
-# E1 and E3 by a wide margin over 128x32/2 stages (2.56 vs 5.24 ms on E1). The others were chosen on CPU with
-# `python -m jaxattn.aot -k extend` (sm_90 compile: shared memory, registers, spills), NOT timed yet:
-# every kernel variant here sits at 200-255 registers/thread, and 128x64 tiles spill 0.5-4 KB (custom-mask variants
-# most), so block_n is 32 for now. num_stages 1-3 give the same shared memory, i.e. Triton does not pipeline these
-# gather loops yet. 576/512 uses block_m 32 (no wgmma; 64-row tiles spill 3-6 KB), like SGLang. Retune on the H200.
+# Every entry was timed on the H200, two-stage kernel, bf16, each candidate checked against the reference first:
+# "128" on E1/E3 (sweep of 2026-12-02): 128x128 tiles with 3 stages, 2.56 ms on E1 against 5.24 ms for 128x32/2.
+# The others on the tuning cases T64/T256/T192/T576/T288 of jaxattn.bench (benchmarks/experiments/extend_tuning.py,
+# results/2026-12-03_h200_extend_tuning_round{1,2}.json), against the earlier CPU-chosen guesses (ms, guess -> now):
+# 64: 1.91 -> 1.27; 192/128: 2.67 -> 1.87; 256: 7.02 -> 2.82; 288/256: 2.35 -> 1.10; 576/512: 8.67 -> 4.06.
+# What the sweep showed: 64-row q-blocks want 4 warps (one warpgroup; with 8 the row softmax is split across two
+# warpgroups and runs 1.5-2.5x slower), except 576/512, whose 64x32 tiles need 8 warps to hold the 512-wide
+# accumulator (it spills a little and still beats 32-row tiles without wgmma by 2.1x); 128-row blocks want 8.
+# A third/fourth stage only helps where shared memory is left over (64-dim heads, 192/128).
 SM90_CONFIGS = {
-    "64": ExtendConfig(block_m=128, block_n=32, num_warps=8, num_stages=2),
+    "64": ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
     "128": ExtendConfig(block_m=128, block_n=128, num_warps=8, num_stages=3),
-    "256": ExtendConfig(block_m=64, block_n=32, num_warps=8, num_stages=2),
-    "192/128": ExtendConfig(block_m=128, block_n=32, num_warps=8, num_stages=2),
-    "288/256": ExtendConfig(block_m=64, block_n=32, num_warps=8, num_stages=2),
-    "576/512": ExtendConfig(block_m=32, block_n=32, num_warps=8, num_stages=2),
+    "256": ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2),
+    "192/128": ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
+    "288/256": ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2),
+    "576/512": ExtendConfig(block_m=64, block_n=32, num_warps=8, num_stages=2),
 }
 CONFIG_TABLES = {"sm_90": SM90_CONFIGS}
 

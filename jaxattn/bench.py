@@ -9,7 +9,7 @@ Every backend is timed the same way in one process on one GPU: N back-to-back ca
 inputs, then one synchronisation; the figure is the median over repeats of (elapsed / N). Inputs are
 random normal (never zeros) and every sequence's KV slots are scattered at random over the pool, as a
 real allocator leaves them. Floors: decode reads every K and V byte once at 4.3 TB/s; extend does
-4 * q_heads * head_dim * new * (prefix + (new + 1) / 2) FLOPs per sequence at 790 TFLOP/s.
+2 * q_heads * (qk_head_dim + v_head_dim) * new * (prefix + (new + 1) / 2) FLOPs per sequence at 790 TFLOP/s.
 Peers that are not installed (FlashInfer, torch) or not supported for a shape are skipped with a note.
 Each run prints a markdown table; `--json` keeps the rows (with device, date and commit: git's, or
 $JAXATTN_COMMIT where the checkout has no .git) and `--plot` draws fraction-of-floor bars (matplotlib, the

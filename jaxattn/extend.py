@@ -56,13 +56,16 @@ class ExtendConfig:
     block_m: query rows per program (the q-block). block_n: keys per inner-loop tile. Both powers of 2, >= 16.
     In the unified kernel block_n also fixes the reduction order: outputs are bit-identical across prefix/new splits
     only for the same block_n. num_warps, num_stages: Triton launch options (num_stages > 1 software-pipelines the
-    K/V loads of the inner loop).
+    K/V loads of the inner loop). head_pack: q heads of one KV head that share a program (a power of 2): its block_m
+    rows are head_pack heads x block_m / head_pack tokens, so each K/V tile loaded serves head_pack heads. Launches
+    use gcd(head_pack, q_heads / kv_heads) (1 for MHA).
     """
 
     block_m: int = 128
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 2
+    head_pack: int = 1
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -73,6 +76,20 @@ class ExtendConfig:
             raise ValueError(f"ExtendConfig.num_warps must be 1, 2, 4, 8 or 16; got {self.num_warps!r}")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"ExtendConfig.num_stages must be a positive int; got {self.num_stages!r}")
+        if not isinstance(self.head_pack, int) or self.head_pack < 1 or self.head_pack & (self.head_pack - 1):
+            raise ValueError(f"ExtendConfig.head_pack must be a power of 2 >= 1; got {self.head_pack!r}")
+        if self.head_pack > self.block_m:
+            raise ValueError(f"ExtendConfig.head_pack ({self.head_pack}) must not exceed block_m ({self.block_m})")
+
+
+def _packed(config: ExtendConfig, q_heads: int, kv_heads: int) -> ExtendConfig:
+    """The config a launch uses: head_pack cut to the largest power of 2 dividing the group size."""
+    return dataclasses.replace(config, head_pack=math.gcd(config.head_pack, q_heads // kv_heads))
+
+
+def _grid(config: ExtendConfig, q_heads: int, batch: int, max_extend_len: int) -> tuple[int, int, int]:
+    """(head groups, sequences, q-blocks of block_m / head_pack tokens)."""
+    return (q_heads // config.head_pack, batch, triton.cdiv(max_extend_len, config.block_m // config.head_pack))
 
 
 # Key schema: head-dim family -> config for 16-bit inputs. Families: "64", "128", "256" (plain heads, qk_head_dim rounded
@@ -149,6 +166,7 @@ def _kernel_constexprs(*, q_heads, kv_heads, qk_head_dim, v_head_dim, dtype, con
         BLOCK_DPE=block_dpe,
         BLOCK_DV=block_dv,
         BLOCK_M=config.block_m,
+        HEAD_PACK=config.head_pack,
         BLOCK_N=config.block_n,
         QK_SCALE=float(qk_scale),
         LOGIT_CAP=logit_cap if logit_cap > 0 else 0.0,
@@ -422,7 +440,7 @@ def extend_attention(
     tokens, q_heads, qk_dim = q.shape
     kv_heads, v_dim = v_pool.shape[1], v_pool.shape[2]
     sm_scale = 1.0 / math.sqrt(qk_dim) if sm_scale is None else float(sm_scale)
-    config = config or default_config(qk_dim, v_dim, q.dtype, meta.max_extend_len, custom_mask=custom_mask is not None)
+    config = _packed(config or default_config(qk_dim, v_dim, q.dtype, meta.max_extend_len, custom_mask=custom_mask is not None), q_heads, kv_heads)
     constexprs = _kernel_constexprs(
         q_heads=q_heads, kv_heads=kv_heads, qk_head_dim=qk_dim, v_head_dim=v_dim, dtype=q.dtype, config=config,
         sm_scale=sm_scale, logit_cap=logit_cap, xai_temperature_len=xai_temperature_len, sliding_window=sliding_window,
@@ -441,12 +459,12 @@ def extend_attention(
         _dummy(jnp.int32) if custom_mask is None else meta.mask_indptr,
         _dummy(jnp.float32) if sinks is None else sinks.astype(jnp.float32),
         out_shape=jax.ShapeDtypeStruct((tokens, q_heads, v_dim), q.dtype),
-        grid=(q_heads, batch, triton.cdiv(meta.max_extend_len, config.block_m)),
+        grid=_grid(config, q_heads, batch, meta.max_extend_len),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         zeroed_outputs=(0,),  # padding rows past qo_indptr[-1] read as 0
         mode=mode,
-        name=f"extend_attention_{config.block_m}x{config.block_n}",
+        name=f"extend_attention_{config.block_m}x{config.block_n}_p{config.head_pack}",
         **constexprs,
     )
 
@@ -493,7 +511,7 @@ def extend_attention_unified(
     tokens, q_heads, qk_dim = q.shape
     kv_heads, v_dim = v_pool.shape[1], v_pool.shape[2]
     sm_scale = 1.0 / math.sqrt(qk_dim) if sm_scale is None else float(sm_scale)
-    config = config or default_config(qk_dim, v_dim, q.dtype, meta.max_extend_len, custom_mask=custom_mask is not None)
+    config = _packed(config or default_config(qk_dim, v_dim, q.dtype, meta.max_extend_len, custom_mask=custom_mask is not None), q_heads, kv_heads)
     constexprs = _kernel_constexprs(
         q_heads=q_heads, kv_heads=kv_heads, qk_head_dim=qk_dim, v_head_dim=v_dim, dtype=q.dtype, config=config,
         sm_scale=sm_scale, logit_cap=logit_cap, xai_temperature_len=xai_temperature_len, sliding_window=sliding_window,
@@ -513,12 +531,12 @@ def extend_attention_unified(
         _dummy(jnp.int32) if custom_mask is None else meta.mask_indptr,
         _dummy(jnp.float32) if sinks is None else sinks.astype(jnp.float32),
         out_shape=jax.ShapeDtypeStruct((tokens, q_heads, v_dim), q.dtype),
-        grid=(q_heads, batch, triton.cdiv(meta.max_extend_len, config.block_m)),
+        grid=_grid(config, q_heads, batch, meta.max_extend_len),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         zeroed_outputs=(0,),
         mode=mode,
-        name=f"extend_attention_unified_{config.block_m}x{config.block_n}",
+        name=f"extend_attention_unified_{config.block_m}x{config.block_n}_p{config.head_pack}",
         **constexprs,
     )
 
@@ -612,6 +630,7 @@ def _build(kernel, family, dtype, *, label_extra="", causal=True, use_mask=False
     qk_dim, v_dim = _BUILD_HEADS[family]
     q_heads, kv_heads = (16, 1) if qk_dim in (576, 288) else (32, 8)  # MLA absorbed: one latent KV head
     config = with_custom_mask(SM90_CONFIGS[family]) if use_mask else SM90_CONFIGS[family]
+    config = _packed(config, q_heads, kv_heads)
     jdtype = {"bf16": jnp.bfloat16, "fp16": jnp.float16}[dtype]
     two_stage = kernel == "extend_attention_kernel"
     constexprs = _kernel_constexprs(

@@ -183,6 +183,7 @@ def _fwd_inner(
 
 @triton.jit
 def _finish_and_store(acc, l_i, m_i, SINKS, O, head, o_rows, row_valid, Q_HEADS: tl.constexpr, D_V: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SINK: tl.constexpr):
+    # head: this block's q head, or one per row [BLOCK_M] when heads are packed (HEAD_PACK > 1).
     if HAS_SINK:
         # The sink joins the denominator only (natural-log logit, not scaled): fold it in at a common max.
         sink = tl.load(SINKS + head).to(tl.float32) * 1.4426950408889634
@@ -193,14 +194,15 @@ def _finish_and_store(acc, l_i, m_i, SINKS, O, head, o_rows, row_valid, Q_HEADS:
     # A row with no visible key has l == 0 and acc == 0: output 0, never NaN.
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     offs_dv = tl.arange(0, BLOCK_DV)
-    o_ptrs = O + o_rows[:, None] * (Q_HEADS * D_V) + head * D_V + offs_dv[None, :]
+    o_offsets = o_rows * (Q_HEADS * D_V) + head * D_V  # [BLOCK_M]
+    o_ptrs = O + o_offsets[:, None] + offs_dv[None, :]
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_valid[:, None] & (offs_dv[None, :] < D_V))
 
 
 @triton.jit
 def _load_q(Q, q_rows, row_valid, head, Q_HEADS: tl.constexpr, D_QK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
-    base = Q + q_rows[:, None] * (Q_HEADS * D_QK) + head * D_QK
+    base = Q + (q_rows * (Q_HEADS * D_QK) + head * D_QK)[:, None]  # head: scalar, or [BLOCK_M] when packed
     q = tl.load(base + offs_d[None, :], mask=row_valid[:, None] & (offs_d[None, :] < D_QK), other=0.0)
     if BLOCK_DPE > 0:
         offs_dpe = BLOCK_D + tl.arange(0, BLOCK_DPE)
@@ -219,11 +221,32 @@ def _xai_scale(abs_pos, XAI_LEN: tl.constexpr, XAI_INV_LOG2_LEN: tl.constexpr):
 
 
 @triton.jit
-def _q_block(qo_start, q_len, BLOCK_M: tl.constexpr):
-    """Maps program axis 2 to this sequence's q-blocks, last (heaviest under causal) first. -1: nothing to do."""
-    num_blocks = (q_len + BLOCK_M - 1) // BLOCK_M
+def _q_block(qo_start, q_len, ROWS: tl.constexpr):
+    """Maps program axis 2 to this sequence's q-blocks of ROWS tokens, last (heaviest under causal) first. -1: none."""
+    num_blocks = (q_len + ROWS - 1) // ROWS
     pid = tl.program_id(2)
     return tl.where(pid < num_blocks, num_blocks - 1 - pid, -1)
+
+
+@triton.jit
+def _block_rows(block_m, Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_PACK: tl.constexpr):
+    """(q head, token index within the sequence's new tokens, kv head) of each of the block's BLOCK_M rows.
+
+    HEAD_PACK q heads of one KV head share a block: rows h * ROWS .. h * ROWS + ROWS - 1 hold head
+    program_id(0) * HEAD_PACK + h for the block's ROWS = BLOCK_M // HEAD_PACK tokens, so every K/V tile loaded
+    serves HEAD_PACK heads. HEAD_PACK == 1 keeps a scalar head (the unpacked kernel's code).
+    """
+    ROWS: tl.constexpr = BLOCK_M // HEAD_PACK
+    first_head = tl.program_id(0) * HEAD_PACK
+    kv_head = first_head // (Q_HEADS // KV_HEADS)
+    offs_m = tl.arange(0, BLOCK_M)
+    if HEAD_PACK == 1:
+        head = first_head
+        i = block_m * ROWS + offs_m
+    else:
+        head = first_head + offs_m // ROWS
+        i = block_m * ROWS + offs_m % ROWS
+    return head, i, kv_head
 
 
 @triton.jit
@@ -260,23 +283,23 @@ def extend_attention_kernel(
     SKIP_PREFIX_MASK: tl.constexpr,
     HAS_SINK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HEAD_PACK: tl.constexpr,  # q heads per block (rows = HEAD_PACK heads x BLOCK_M // HEAD_PACK tokens)
 ):
     tl.static_assert(Q_HEADS % KV_HEADS == 0)
-    head = tl.program_id(0)
+    tl.static_assert((Q_HEADS // KV_HEADS) % HEAD_PACK == 0)
+    ROWS: tl.constexpr = BLOCK_M // HEAD_PACK  # tokens per block
     seq = tl.program_id(1)
-    kv_head = head // (Q_HEADS // KV_HEADS)
     qo_start = tl.load(QO_INDPTR + seq)
     q_len = tl.load(QO_INDPTR + seq + 1) - qo_start
-    block_m = _q_block(qo_start, q_len, BLOCK_M)
+    block_m = _q_block(qo_start, q_len, ROWS)
     if block_m < 0:
         return
+    head, i, kv_head = _block_rows(block_m, Q_HEADS, KV_HEADS, BLOCK_M, HEAD_PACK)
     kv_start = tl.load(KV_INDPTR + seq)
     prefix_len = tl.load(KV_INDPTR + seq + 1) - kv_start
     start_pos = tl.load(KV_START_POS + seq)
 
-    offs_m = tl.arange(0, BLOCK_M)
-    i = block_m * BLOCK_M + offs_m  # query index within the sequence's new tokens
-    row_valid = i < q_len
+    row_valid = i < q_len  # i: query index within the sequence's new tokens
     q_rows = qo_start.to(tl.int64) + i
     q_pos = prefix_len + i  # listed coordinates
     q, qpe = _load_q(Q, q_rows, row_valid, head, Q_HEADS, D_QK, BLOCK_D, BLOCK_DPE)
@@ -294,8 +317,8 @@ def extend_attention_kernel(
     acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    q_first = block_m * BLOCK_M  # smallest new-token index in this block
-    q_last = tl.minimum(q_len, q_first + BLOCK_M) - 1
+    q_first = block_m * ROWS  # smallest new-token index in this block
+    q_last = tl.minimum(q_len, q_first + ROWS) - 1
 
     # Stage 1: the listed prefix through KV_INDICES. Every prefix key precedes every query (no causal test).
     PREFIX_MASK: tl.constexpr = USE_MASK and not SKIP_PREFIX_MASK
@@ -384,23 +407,23 @@ def extend_attention_unified_kernel(
     USE_MASK: tl.constexpr,
     HAS_SINK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HEAD_PACK: tl.constexpr,  # q heads per block (rows = HEAD_PACK heads x BLOCK_M // HEAD_PACK tokens)
 ):
     tl.static_assert(Q_HEADS % KV_HEADS == 0)
-    head = tl.program_id(0)
+    tl.static_assert((Q_HEADS // KV_HEADS) % HEAD_PACK == 0)
+    ROWS: tl.constexpr = BLOCK_M // HEAD_PACK  # tokens per block
     seq = tl.program_id(1)
-    kv_head = head // (Q_HEADS // KV_HEADS)
     qo_start = tl.load(QO_INDPTR + seq)
     q_len = tl.load(QO_INDPTR + seq + 1) - qo_start
-    block_m = _q_block(qo_start, q_len, BLOCK_M)
+    block_m = _q_block(qo_start, q_len, ROWS)
     if block_m < 0:
         return
+    head, i, kv_head = _block_rows(block_m, Q_HEADS, KV_HEADS, BLOCK_M, HEAD_PACK)
     kv_start = tl.load(KV_INDPTR + seq)
     kv_len = tl.load(KV_INDPTR + seq + 1) - kv_start
     prefix_len = tl.load(PREFIX_LENS + seq)
     start_pos = tl.load(KV_START_POS + seq)
 
-    offs_m = tl.arange(0, BLOCK_M)
-    i = block_m * BLOCK_M + offs_m
     row_valid = i < q_len
     q_rows = qo_start.to(tl.int64) + i
     q_pos = prefix_len + i
@@ -418,8 +441,8 @@ def extend_attention_unified_kernel(
     acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    q_pos_first = prefix_len + block_m * BLOCK_M
-    q_pos_last = prefix_len + tl.minimum(q_len, block_m * BLOCK_M + BLOCK_M) - 1
+    q_pos_first = prefix_len + block_m * ROWS
+    q_pos_last = prefix_len + tl.minimum(q_len, block_m * ROWS + ROWS) - 1
 
     # One loop in key order, tiles at absolute key positions that are multiples of BLOCK_N, so the split between
     # prefix and new keys plays no part in the reduction order. Without a window the list starts at position 0

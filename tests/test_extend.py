@@ -196,6 +196,44 @@ def test_features(rng, mode, feature):
         np.testing.assert_allclose(np.float32(o_full), np.float32(o), atol=2e-5, rtol=2e-5)
 
 
+PACKED_FEATURES = {
+    "causal": {},
+    "window-sinks-softcap-xai": dict(window=9, sinks="random", logit_cap=3.0, xai_temperature_len=12),
+    "mask-prefix": dict(mask=True, skip_prefix_custom_mask=False),
+    "noncausal": dict(causal=False),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("feature", list(PACKED_FEATURES))
+def test_head_pack(rng, mode, feature):
+    # GQA 4:1 with 2 and 4 q heads per program: a packed block's rows span heads, so per-row heads (Q, O, sinks),
+    # per-row positions (causal, window, xai, mask) and the block's token range all change with head_pack.
+    spec = dict(PACKED_FEATURES[feature])
+    window = spec.pop("window", -1)
+    use_mask = spec.pop("mask", False)
+    hq, hkv = 8, 2
+    prefix_lens, extend_lens = [19, 0, 7], [13, 22, 0]
+    batch = make_batch(rng, prefix_lens, extend_lens, hq=hq, hkv=hkv, dqk=32, dtype=jnp.float32, window=window, scale=0.7)
+    kw = dict(spec)
+    if window >= 0:
+        kw["sliding_window"] = window
+    if kw.get("sinks") == "random":
+        kw["sinks"] = random_normal(rng, (hq,), jnp.float32)
+    kw_unified = {k: v for k, v in kw.items() if k != "skip_prefix_custom_mask"}
+    if use_mask:
+        full = [_tree_mask(rng, e, p + e, p) for p, e in zip(prefix_lens, extend_lens)]
+        kw["custom_mask"] = jnp.asarray(np.concatenate(full))
+        listed = np.asarray(batch.meta_unified.prefix_lens)
+        rows = [_tree_mask(rng, e, l + e, l) for l, e in zip(listed, extend_lens)]
+        kw_unified["custom_mask"] = jnp.asarray(np.concatenate(rows).astype(np.uint8))
+    want, want_unified = ref_two_stage(batch, **kw), ref_unified(batch, **kw_unified)
+    for head_pack in (2, 4):
+        config = ExtendConfig(block_m=32, block_n=16, num_warps=4, num_stages=1, head_pack=head_pack)  # 16 or 8 tokens
+        assert_output(run_two_stage(batch, mode, config=config, **kw), want, batch, jnp.float32)
+        assert_output(run_unified(batch, mode, config=config, **kw_unified), want_unified, batch, jnp.float32)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_against_dense_causal_attention(rng, mode):
     # One sequence: prefix 23 cached + 29 new; the new rows equal plain causal attention over all 52 tokens.
@@ -304,6 +342,10 @@ def test_configs():
     assert default_config(128, 128, jnp.float32, 4096).num_stages == 1
     with pytest.raises(ValueError, match="block_n must be a power of 2"):
         ExtendConfig(block_m=64, block_n=48)
+    with pytest.raises(ValueError, match="head_pack must be a power of 2"):
+        ExtendConfig(head_pack=3)
+    with pytest.raises(ValueError, match="must not exceed block_m"):
+        ExtendConfig(block_m=16, head_pack=32)
     builds = kernel_builds()
     families = {b.label.split()[1] for b in builds}
     assert families == {"64", "128", "256", "576/512", "288/256", "192/128"}

@@ -182,7 +182,7 @@ def _fwd_inner(
 
 
 @triton.jit
-def _finish_and_store(acc, l_i, m_i, SINKS, O, head, o_rows, row_valid, Q_HEADS: tl.constexpr, D_V: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SINK: tl.constexpr):
+def _finish_and_store(acc, l_i, m_i, SINKS, O, head, o_rows, row_valid, Q_HEADS: tl.constexpr, D_V: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SINK: tl.constexpr, HEAD_PACK: tl.constexpr):
     # head: this block's q head, or one per row [BLOCK_M] when heads are packed (HEAD_PACK > 1).
     if HAS_SINK:
         # The sink joins the denominator only (natural-log logit, not scaled): fold it in at a common max.
@@ -194,15 +194,21 @@ def _finish_and_store(acc, l_i, m_i, SINKS, O, head, o_rows, row_valid, Q_HEADS:
     # A row with no visible key has l == 0 and acc == 0: output 0, never NaN.
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     offs_dv = tl.arange(0, BLOCK_DV)
-    o_offsets = o_rows * (Q_HEADS * D_V) + head * D_V  # [BLOCK_M]
-    o_ptrs = O + o_offsets[:, None] + offs_dv[None, :]
+    if HEAD_PACK == 1:
+        # The unpacked form keeps the scalar head out of the per-row vector (fewer live 64-bit registers).
+        o_ptrs = O + o_rows[:, None] * (Q_HEADS * D_V) + head * D_V + offs_dv[None, :]
+    else:
+        o_ptrs = O + (o_rows * (Q_HEADS * D_V) + head * D_V)[:, None] + offs_dv[None, :]
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_valid[:, None] & (offs_dv[None, :] < D_V))
 
 
 @triton.jit
-def _load_q(Q, q_rows, row_valid, head, Q_HEADS: tl.constexpr, D_QK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr):
+def _load_q(Q, q_rows, row_valid, head, Q_HEADS: tl.constexpr, D_QK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, HEAD_PACK: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
-    base = Q + (q_rows * (Q_HEADS * D_QK) + head * D_QK)[:, None]  # head: scalar, or [BLOCK_M] when packed
+    if HEAD_PACK == 1:
+        base = Q + q_rows[:, None] * (Q_HEADS * D_QK) + head * D_QK
+    else:
+        base = Q + (q_rows * (Q_HEADS * D_QK) + head * D_QK)[:, None]  # one head per row
     q = tl.load(base + offs_d[None, :], mask=row_valid[:, None] & (offs_d[None, :] < D_QK), other=0.0)
     if BLOCK_DPE > 0:
         offs_dpe = BLOCK_D + tl.arange(0, BLOCK_DPE)
@@ -302,7 +308,7 @@ def extend_attention_kernel(
     row_valid = i < q_len  # i: query index within the sequence's new tokens
     q_rows = qo_start.to(tl.int64) + i
     q_pos = prefix_len + i  # listed coordinates
-    q, qpe = _load_q(Q, q_rows, row_valid, head, Q_HEADS, D_QK, BLOCK_D, BLOCK_DPE)
+    q, qpe = _load_q(Q, q_rows, row_valid, head, Q_HEADS, D_QK, BLOCK_D, BLOCK_DPE, HEAD_PACK)
     if XAI_LEN > 0:
         row_scale = _xai_scale(start_pos + q_pos, XAI_LEN, XAI_INV_LOG2_LEN)
     else:
@@ -372,7 +378,7 @@ def extend_attention_kernel(
         True, False, IS_CAUSAL, USE_MASK, WINDOW, QK_SCALE, LOGIT_CAP, XAI_LEN > 0,
         KV_HEADS, D_QK, D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, BLOCK_N, DOT_PRECISION,
     )
-    _finish_and_store(acc, l_i, m_i, SINKS, O, head, q_rows, row_valid, Q_HEADS, D_V, BLOCK_DV, HAS_SINK)
+    _finish_and_store(acc, l_i, m_i, SINKS, O, head, q_rows, row_valid, Q_HEADS, D_V, BLOCK_DV, HAS_SINK, HEAD_PACK)
 
 
 @triton.jit
@@ -427,7 +433,7 @@ def extend_attention_unified_kernel(
     row_valid = i < q_len
     q_rows = qo_start.to(tl.int64) + i
     q_pos = prefix_len + i
-    q, qpe = _load_q(Q, q_rows, row_valid, head, Q_HEADS, D_QK, BLOCK_D, BLOCK_DPE)
+    q, qpe = _load_q(Q, q_rows, row_valid, head, Q_HEADS, D_QK, BLOCK_D, BLOCK_DPE, HEAD_PACK)
     if XAI_LEN > 0:
         row_scale = _xai_scale(start_pos + q_pos, XAI_LEN, XAI_INV_LOG2_LEN)
     else:
@@ -472,4 +478,4 @@ def extend_attention_unified_kernel(
         True, True, IS_CAUSAL, USE_MASK, WINDOW, QK_SCALE, LOGIT_CAP, XAI_LEN > 0,
         KV_HEADS, D_QK, D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, BLOCK_N, DOT_PRECISION,
     )
-    _finish_and_store(acc, l_i, m_i, SINKS, O, head, q_rows, row_valid, Q_HEADS, D_V, BLOCK_DV, HAS_SINK)
+    _finish_and_store(acc, l_i, m_i, SINKS, O, head, q_rows, row_valid, Q_HEADS, D_V, BLOCK_DV, HAS_SINK, HEAD_PACK)

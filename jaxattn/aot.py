@@ -30,6 +30,7 @@ class KernelBuild:
     num_stages: int = 1
     expects_wgmma: bool = False  # a tl.dot kernel on bf16/fp16 should use Hopper's wgmma
     expects_pipelining: bool = False  # its main loop's loads should be software-pipelined (cp.async / TMA in the PTX)
+    max_registers: int | None = None  # registers per thread its timing relied on (occupancy), if any
     label: str = ""  # what configuration this is, for the report
 
     @property
@@ -38,11 +39,11 @@ class KernelBuild:
 
 
 def build(module, function, signature, constexprs, *, num_warps=4, num_stages=1, expects_wgmma=False,
-          expects_pipelining=False, label=""):
+          expects_pipelining=False, max_registers=None, label=""):
     """Convenience constructor taking dicts."""
     return KernelBuild(
         module, function, tuple(signature.items()), tuple(sorted(constexprs.items())), num_warps, num_stages, expects_wgmma,
-        expects_pipelining, label,
+        expects_pipelining, max_registers, label,
     )
 
 

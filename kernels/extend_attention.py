@@ -9,6 +9,9 @@ is added only where absolute positions matter (xai temperature, custom-mask colu
 Score pipeline (SGLang's order), computed in base 2: ``s = q.k * sm_scale``; ``s = cap * tanh(s / cap)``;
 ``s *= xai_reg(q_pos)``; mask. log2(e) is folded into the last multiply so the softmax uses exp2.
 
+Grid: (q-head groups, sequences, q-blocks). A program computes BLOCK_M rows: one q head's BLOCK_M tokens, or with
+HEAD_PACK > 1 the same BLOCK_M / HEAD_PACK tokens of HEAD_PACK q heads that share a KV head (`_block_rows`).
+
 Both kernels share `_fwd_inner`, the tutorial-06-style carry helper called once on the tiles every row of the
 q-block fully sees (no mask work) and once on the tiles that need masking (diagonal, window, custom mask, the
 ragged end). Tiles always start at multiples of BLOCK_N in listed-key order, so in the unified kernel a token's

@@ -164,27 +164,33 @@ def _tree_mask(rng, q_len, width, prefix_full, dense_prefix=False):
     return m.reshape(-1)
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("feature", list(FEATURES))
-def test_features(rng, mode, feature):
-    spec = dict(FEATURES[feature])
+def feature_batch(rng, spec, *, hq, hkv, prefix_lens, extend_lens):
+    """A ragged f32 batch and the (two-stage, unified) keyword arguments for a FEATURES-style spec."""
+    spec = dict(spec)
     window = spec.pop("window", -1)
     use_mask = spec.pop("mask", False)
-    prefix_lens, extend_lens = [26, 0, 9], [21, 6, 0]
-    batch = make_batch(rng, prefix_lens, extend_lens, hq=4, hkv=2, dqk=32, dtype=jnp.float32, window=window, scale=0.7)
-    kw = dict(spec, config=SMALL)
+    batch = make_batch(rng, prefix_lens, extend_lens, hq=hq, hkv=hkv, dqk=32, dtype=jnp.float32, window=window, scale=0.7)
+    kw = dict(spec)
     if window >= 0:
         kw["sliding_window"] = window
     if kw.get("sinks") == "random":
-        kw["sinks"] = random_normal(rng, (4,), jnp.float32)
+        kw["sinks"] = random_normal(rng, (hq,), jnp.float32)
     kw_unified = {k: v for k, v in kw.items() if k != "skip_prefix_custom_mask"}
     if use_mask:
         # Two-stage: full-width rows [q_len, prefix_len + q_len]; unified: rows over the listed keys.
         full = [_tree_mask(rng, e, p + e, p) for p, e in zip(prefix_lens, extend_lens)]
         kw["custom_mask"] = jnp.asarray(np.concatenate(full))
         listed = np.asarray(batch.meta_unified.prefix_lens)
-        rows = [_tree_mask(rng, e, l + e, l, dense_prefix=False) for l, e in zip(listed, extend_lens)]
+        rows = [_tree_mask(rng, e, l + e, l) for l, e in zip(listed, extend_lens)]
         kw_unified["custom_mask"] = jnp.asarray(np.concatenate(rows).astype(np.uint8))
+    return batch, kw, kw_unified
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_features(rng, mode, feature):
+    batch, kw, kw_unified = feature_batch(rng, FEATURES[feature], hq=4, hkv=2, prefix_lens=[26, 0, 9], extend_lens=[21, 6, 0])
+    kw, kw_unified = dict(kw, config=SMALL), dict(kw_unified, config=SMALL)
     o = run_two_stage(batch, mode, **kw)
     assert_output(o, ref_two_stage(batch, **kw), batch, jnp.float32)
     o = run_unified(batch, mode, **kw_unified)
@@ -196,11 +202,11 @@ def test_features(rng, mode, feature):
         np.testing.assert_allclose(np.float32(o_full), np.float32(o), atol=2e-5, rtol=2e-5)
 
 
-PACKED_FEATURES = {
-    "causal": {},
-    "window-sinks-softcap-xai": dict(window=9, sinks="random", logit_cap=3.0, xai_temperature_len=12),
-    "mask-prefix": dict(mask=True, skip_prefix_custom_mask=False),
-    "noncausal": dict(causal=False),
+PACKED_FEATURES = {  # feature -> (spec, head_pack): 4 heads x 8 tokens or 2 heads x 16 tokens per 32-row block
+    "causal": ({}, 4),
+    "window-sinks-softcap-xai": (dict(window=9, sinks="random", logit_cap=3.0, xai_temperature_len=12), 2),
+    "mask-prefix": (dict(mask=True, skip_prefix_custom_mask=False), 4),
+    "noncausal": (dict(causal=False), 2),
 }
 
 
@@ -209,29 +215,12 @@ PACKED_FEATURES = {
 def test_head_pack(rng, mode, feature):
     # GQA 4:1 with 2 and 4 q heads per program: a packed block's rows span heads, so per-row heads (Q, O, sinks),
     # per-row positions (causal, window, xai, mask) and the block's token range all change with head_pack.
-    spec = dict(PACKED_FEATURES[feature])
-    window = spec.pop("window", -1)
-    use_mask = spec.pop("mask", False)
-    hq, hkv = 8, 2
-    prefix_lens, extend_lens = [19, 0, 7], [13, 22, 0]
-    batch = make_batch(rng, prefix_lens, extend_lens, hq=hq, hkv=hkv, dqk=32, dtype=jnp.float32, window=window, scale=0.7)
-    kw = dict(spec)
-    if window >= 0:
-        kw["sliding_window"] = window
-    if kw.get("sinks") == "random":
-        kw["sinks"] = random_normal(rng, (hq,), jnp.float32)
-    kw_unified = {k: v for k, v in kw.items() if k != "skip_prefix_custom_mask"}
-    if use_mask:
-        full = [_tree_mask(rng, e, p + e, p) for p, e in zip(prefix_lens, extend_lens)]
-        kw["custom_mask"] = jnp.asarray(np.concatenate(full))
-        listed = np.asarray(batch.meta_unified.prefix_lens)
-        rows = [_tree_mask(rng, e, l + e, l) for l, e in zip(listed, extend_lens)]
-        kw_unified["custom_mask"] = jnp.asarray(np.concatenate(rows).astype(np.uint8))
+    spec, head_pack = PACKED_FEATURES[feature]
+    batch, kw, kw_unified = feature_batch(rng, spec, hq=8, hkv=2, prefix_lens=[19, 0, 7], extend_lens=[13, 22, 0])
     want, want_unified = ref_two_stage(batch, **kw), ref_unified(batch, **kw_unified)
-    for head_pack in (2, 4):
-        config = ExtendConfig(block_m=32, block_n=16, num_warps=4, num_stages=1, head_pack=head_pack)  # 16 or 8 tokens
-        assert_output(run_two_stage(batch, mode, config=config, **kw), want, batch, jnp.float32)
-        assert_output(run_unified(batch, mode, config=config, **kw_unified), want_unified, batch, jnp.float32)
+    config = ExtendConfig(block_m=32, block_n=16, num_warps=4, num_stages=1, head_pack=head_pack)
+    assert_output(run_two_stage(batch, mode, config=config, **kw), want, batch, jnp.float32)
+    assert_output(run_unified(batch, mode, config=config, **kw_unified), want_unified, batch, jnp.float32)
 
 
 @pytest.mark.parametrize("mode", MODES)

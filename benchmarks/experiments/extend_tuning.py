@@ -72,7 +72,8 @@ for name in args or [n for n in FAMILY if FAMILY[n] in CANDIDATES]:
                          fraction=round(case.floor_ms() / ms, 3), rounds=[round(x, 4) for x in samples[key]]))
         print(f"{name} {label:28s} {ms:8.3f} ms  {100 * case.floor_ms() / ms:5.1f}% of floor", flush=True)
     # The unified kernel with the current and the best two-stage config.
-    for cfg in {tuple(vars(current).values()), best[2] if best else None} - {None}:
+    current_cfg = (current.block_m, current.block_n, current.num_warps, current.num_stages)  # the candidates' 4-tuple form
+    for cfg in {current_cfg, best[2] if best else None} - {None}:
         try:
             fn = bench._extend_jaxattn(inp, config=C(*cfg), unified=True)
             worst = float(np.max(np.abs(np.asarray(fn(), np.float32) - ref) / limit))

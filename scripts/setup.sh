@@ -18,4 +18,11 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -c constraints.txt -e ".[test]"
+# Mosaic GPU kernels lower (not run) on a CPU given jax's CUDA plugin module: tests/test_extend_mgpu.py lowers the
+# Hopper extend kernel for sm_90 with it, in a subprocess. Kept out of site-packages, so this environment never tries
+# to start a CUDA backend; the test skips when it is missing.
+if [ ! -d .venv/mosaic_gpu_lowering/jax_cuda12_plugin ]; then
+  .venv/bin/python -m pip install -q --no-deps -c constraints.txt --target .venv/mosaic_gpu_lowering jax-cuda12-plugin \
+    || echo "setup.sh: jax-cuda12-plugin not installed: the Mosaic GPU lowering test will skip" >&2
+fi
 echo "setup.sh: .venv ready ($(.venv/bin/python --version))"

@@ -1,0 +1,195 @@
+"""Causal extend attention on Hopper through a Pallas Mosaic GPU kernel (`kernels/extend_attention_mgpu.py`).
+
+`extend_attention_mgpu` takes the same inputs as `jaxattn.extend.extend_attention` for its plain case (causal, no
+custom mask, window, soft cap, sinks or xai temperature) and returns the same output. It exists for speed: the
+FlashAttention-3 schedule (TMA, a producer warpgroup, two consumer warpgroups with wgmma from registers) that the
+Triton kernels cannot express on this stack. The cached prefix is first gathered from the pool into one contiguous
+ragged buffer (an XLA gather: one pass over the prefix K/V), because Hopper's TMA cannot gather single rows.
+
+It needs an sm_90 GPU and jax's CUDA plugin (Mosaic GPU); there is no CPU path (Pallas' GPU interpreter does not run
+a wgmma whose left operand is in registers). The reference is `jaxattn.extend.extend_attention_reference`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxattn._checks import check_array
+from jaxattn.extend import ExtendMetadata, _check_common, _check_new_tokens
+from jaxattn.launch import launch, launch_mode
+
+MGPU_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuExtendConfig:
+    """Tiles of `extend_attention_mgpu`: block_q rows per consumer warpgroup (a CTA takes 2 x block_q), block_kv keys
+    per tile, stages K/V tiles in flight (shared memory: (2 * 2 * block_q + 2 * stages * block_kv) * head_dim * 2 B).
+    """
+
+    block_q: int = 64
+    block_kv: int = 128
+    stages: int = 2
+
+    def __post_init__(self):
+        if self.block_q != 64:
+            raise ValueError(f"MgpuExtendConfig.block_q must be 64 (one wgmma M tile per warpgroup); got {self.block_q!r}")
+        if not isinstance(self.block_kv, int) or self.block_kv % 64 or not 64 <= self.block_kv <= 256:
+            raise ValueError(f"MgpuExtendConfig.block_kv must be 64, 128, 192 or 256; got {self.block_kv!r}")
+        if not isinstance(self.stages, int) or self.stages < 2:
+            raise ValueError(f"MgpuExtendConfig.stages must be an int >= 2; got {self.stages!r}")
+
+
+def _cuda_runtime_version() -> int | None:
+    try:
+        from jax._src.lib import cuda_versions  # private: the version JAX's CUDA plugin was loaded with
+    except ImportError:
+        return None
+    return None if cuda_versions is None else cuda_versions.cuda_runtime_get_version()
+
+
+def mgpu_unsupported(q, k_pool, v_pool, *, causal=True, custom_mask=None, sliding_window=-1, logit_cap=0.0, sinks=None,
+                     xai_temperature_len=-1, mode=None) -> str | None:
+    """Why `extend_attention_mgpu` cannot take this `extend_attention` call, or None when it can (trace time)."""
+    if jnp.dtype(q.dtype) not in map(jnp.dtype, MGPU_DTYPES):
+        return f"dtype {jnp.dtype(q.dtype).name} (bf16/f16 only)"
+    if q.shape[2] != v_pool.shape[2] or q.shape[2] not in (64, 128):
+        return f"head dims {q.shape[2]}/{v_pool.shape[2]} (equal, 64 or 128 only)"
+    if not causal or custom_mask is not None or sliding_window >= 0 or logit_cap > 0 or sinks is not None or xai_temperature_len > 0:
+        return "a feature other than plain causal attention (mask, window, soft cap, sinks or xai temperature)"
+    if mode not in (None, "gpu") or launch_mode(mode) != "gpu":
+        return "no GPU (or an interpreted launch mode)"
+    device = jax.devices()[0]
+    if getattr(device, "compute_capability", None) != "9.0":
+        return f"device {getattr(device, 'device_kind', device)} is not sm_90 (the kernel uses Hopper's wgmma and TMA)"
+    version = _cuda_runtime_version()
+    if version is not None and 12080 <= version < 12091:
+        # JAX's own FlashAttention-3 Mosaic GPU kernel refuses causal masks for these versions (a ptxas miscompile).
+        return f"CUDA runtime {version} (12.8.0-12.9.0 miscompile causal masks in Mosaic GPU kernels)"
+    return None
+
+
+def _check_mgpu_args(q, k_new, v_new, k_pool, v_pool, meta, config):
+    check_array("q", q, ndim=3, dtypes=MGPU_DTYPES, what="[tokens, q_heads, head_dim] bf16/f16")
+    _check_common(q, k_pool, v_pool, meta, ExtendMetadata, None, None, -1, None)
+    _check_new_tokens(q, k_new, v_new, k_pool, v_pool)
+    head_dim, v_dim = q.shape[2], v_pool.shape[2]
+    if head_dim != v_dim or head_dim not in (64, 128):
+        raise ValueError(
+            f"extend_attention_mgpu takes equal q/k and v head dims of 64 or 128; got qk_head_dim {head_dim}, "
+            f"v_head_dim {v_dim} (use jaxattn.extend.extend_attention)")
+    if not isinstance(config, MgpuExtendConfig):
+        raise ValueError(f"config must be an MgpuExtendConfig or None; got {type(config).__name__}")
+
+
+def aligned_prefix_layout(meta: ExtendMetadata, min_rows: int):
+    """Where `gather_prefix` puts each sequence's listed prefix: sequence b at rows indptr[b]:indptr[b] + listed[b],
+    indptr[b] a multiple of 8 (the kernel's TMA into 8-row tiles needs provably 8-aligned row offsets).
+
+    Returns (indptr i32[batch + 1], source i32[rows]: index into meta.kv_indices of each row, or -1 for padding), rows
+    = kv_capacity + 7 * batch rounded up to 8 (and at least min_rows): a static bound on the padded total.
+    """
+    kv_indptr = meta.kv_indptr.astype(jnp.int32)
+    batch = kv_indptr.shape[0] - 1
+    listed = kv_indptr[1:] - kv_indptr[:-1]
+    indptr = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum((listed + 7) // 8 * 8, dtype=jnp.int32)])
+    rows = max(-(-(meta.kv_capacity + 7 * batch) // 8) * 8, min_rows)
+    row = jnp.arange(rows, dtype=jnp.int32)
+    # compare_all: one fused pass over rows x batch (the default binary search is a loop of small kernels).
+    seq = jnp.clip(jnp.searchsorted(indptr, row, side="right", method="compare_all").astype(jnp.int32) - 1, 0, batch - 1)
+    pos = row - indptr[seq]
+    source = jnp.where(pos < listed[seq], kv_indptr[seq] + pos, -1)
+    return indptr, source
+
+
+_GATHER_ROWS = 16  # rows per program of the gather kernel
+
+
+def gather_prefix(k_pool, v_pool, kv_indices, source, needed_rows, *, mode=None):
+    """(k, v) [len(source), kv_heads, dim]: pool[kv_indices[source]], zeros where source is -1; rows past
+    needed_rows are not written (the Triton kernel `kernels/gather_prefix.py`, one pass over the listed prefix).
+
+    Out-of-range slots are clamped into the pool (it is only read). The zero rows keep a tile that runs past a
+    prefix finite: masked scores meet those V rows, and 0 * NaN would be NaN.
+    """
+    rows = source.shape[0]
+    slots, kv_heads, qk_dim = k_pool.shape
+    v_dim = v_pool.shape[2]
+    block_e = min(1024, 1 << (max(qk_dim, v_dim) * kv_heads - 1).bit_length())
+    k, v = launch(
+        ("gather_prefix", "gather_prefix_kernel"),
+        source, kv_indices, jnp.reshape(needed_rows, (1,)).astype(jnp.int32),
+        k_pool.reshape(slots, kv_heads * qk_dim), v_pool.reshape(slots, kv_heads * v_dim),
+        out_shape=(jax.ShapeDtypeStruct((rows, kv_heads * qk_dim), k_pool.dtype),
+                   jax.ShapeDtypeStruct((rows, kv_heads * v_dim), v_pool.dtype)),
+        grid=(-(-rows // _GATHER_ROWS),),
+        num_warps=4,
+        mode=mode,
+        NUM_SLOTS=slots, ROW_K=kv_heads * qk_dim, ROW_V=kv_heads * v_dim, BLOCK_ROWS=_GATHER_ROWS, BLOCK_E=block_e,
+    )
+    return k.reshape(rows, kv_heads, qk_dim), v.reshape(rows, kv_heads, v_dim)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "config", "mode"))
+def extend_attention_mgpu(
+    q: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    meta: ExtendMetadata,
+    *,
+    sm_scale: float | None = None,
+    config: MgpuExtendConfig | None = None,
+    mode: str | None = None,
+) -> jax.Array:
+    """Causal extend attention (prefix from the pool, new tokens contiguous) with the Hopper Mosaic GPU kernel.
+
+    Args:
+      q: [tokens, q_heads, head_dim] bf16/f16, head_dim 64 or 128; sequence b's new tokens at meta.qo_indptr[b]:[b+1].
+      k_new, v_new: [tokens, kv_heads, head_dim]: the new tokens' K/V (q's dtype). q_heads % kv_heads == 0 (GQA).
+      k_pool, v_pool: [slots, kv_heads, head_dim]: the cache; meta.kv_indices lists each sequence's prefix slots.
+      meta: `ExtendMetadata` from `jaxattn.extend.extend_metadata` (no sliding window).
+      sm_scale: default 1 / sqrt(head_dim). config: `MgpuExtendConfig` (default 64 x 128 tiles, 2 stages).
+      mode: launch mode of the prefix gather (a Triton kernel; see `jaxattn.launch`). The attention kernel itself
+        always runs on the GPU.
+
+    Returns:
+      o: [tokens, q_heads, head_dim] in q's dtype, as `extend_attention(..., causal=True)`; rows past
+      qo_indptr[-1], and rows of a sequence past meta.max_extend_len, are 0.
+    """
+    config = config or MgpuExtendConfig()
+    _check_mgpu_args(q, k_new, v_new, k_pool, v_pool, meta, config)
+    from jaxattn.kernels.extend_attention_mgpu import extend_attention_mgpu_kernel
+    tokens, q_heads, head_dim = q.shape
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    out_ref = jax.new_ref(jnp.zeros((tokens, q_heads, head_dim), q.dtype))
+    if tokens == 0 or meta.qo_indptr.shape[0] == 1:
+        return out_ref[...]
+    qo_indptr = meta.qo_indptr.astype(jnp.int32)
+    # Mosaic's TMA into 8-row tiles wants arrays of whole 8-row tiles, and a box no taller than its array: pad
+    # (a copy) when tokens is not a multiple of 8 or is below block_kv.
+    rows = max(-(-tokens // 8) * 8, config.block_kv)
+    if rows > tokens:
+        pad = ((0, rows - tokens), (0, 0), (0, 0))
+        q, k_new, v_new = (jnp.pad(x, pad) for x in (q, k_new, v_new))
+        out_ref = jax.new_ref(jnp.zeros((rows, q_heads, head_dim), q.dtype))
+    # V rows past the batch's last token (padding tokens) can be read by the last sequence's diagonal tile; zero
+    # them so that whatever the caller left there cannot turn 0 * V into NaN.
+    v_new = jnp.where((jnp.arange(rows) < qo_indptr[-1])[:, None, None], v_new, jnp.zeros((), v_new.dtype))
+    prefix_start, source = aligned_prefix_layout(meta, config.block_kv)
+    # The kernel reads at most one K tile past the last sequence's prefix.
+    needed = jnp.minimum(prefix_start[-1] + config.block_kv, source.shape[0])
+    k_prefix, v_prefix = gather_prefix(k_pool, v_pool, meta.kv_indices, source, needed, mode=mode)
+    extend_attention_mgpu_kernel(
+        q, k_new, v_new, k_prefix, v_prefix,
+        qo_indptr, prefix_start, meta.kv_indptr.astype(jnp.int32), out_ref,
+        max_extend_len=meta.max_extend_len, sm_scale=sm_scale,
+        block_q=config.block_q, block_kv=config.block_kv, stages=config.stages,
+    )
+    return out_ref[...][:tokens]

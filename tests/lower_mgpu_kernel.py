@@ -1,0 +1,56 @@
+"""Lowers (does not run) `extend_attention_mgpu` for CUDA on a CPU machine; run by tests/test_extend_mgpu.py.
+
+Needs jax's CUDA plugin module on sys.path (scripts/setup.sh puts it in .venv/mosaic_gpu_lowering). Lowering runs
+Pallas' Mosaic GPU lowering and Mosaic's layout inference, which reject what the kernel cannot express (e.g. a TMA
+into 8-row tiles at a row offset not provably a multiple of 8); ptxas and the run itself happen only on a GPU.
+Prints one line per shape: "ok <label>" or "FAIL <label>: <error>".
+"""
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from jaxattn import extend_mgpu
+from jaxattn.extend import extend_metadata
+from jaxattn.extend_mgpu import MgpuExtendConfig, extend_attention_mgpu
+
+
+def _gather_prefix_stand_in(k_pool, v_pool, kv_indices, source, needed_rows, mode=None):
+    # The Triton gather runs through the interpreter's host callback here, which does not lower for CUDA: a jnp
+    # gather of the same shapes stands in (this script checks the Mosaic GPU kernel).
+    slots = jnp.take(kv_indices, jnp.maximum(source, 0))
+    return jnp.take(k_pool, slots, axis=0), jnp.take(v_pool, slots, axis=0)
+
+
+extend_mgpu.gather_prefix = _gather_prefix_stand_in
+
+SHAPES = [  # label, tokens, q heads, kv heads, head dim, dtype, config
+    ("gqa-128-bf16", 300, 8, 2, 128, jnp.bfloat16, MgpuExtendConfig()),
+    ("mha-128-f16-kv64s3", 512, 4, 4, 128, jnp.float16, MgpuExtendConfig(block_kv=64, stages=3)),
+    ("gqa-64-bf16", 40, 4, 1, 64, jnp.bfloat16, MgpuExtendConfig()),
+]
+
+
+def lower(tokens, hq, hkv, d, dtype, config, batch=3, slots=1000, capacity=500):
+    S = jax.ShapeDtypeStruct
+    idx = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
+    meta = jax.eval_shape(lambda: extend_metadata(idx(4, 600), idx(batch), idx(batch), idx(batch), max_extend_len=256, kv_capacity=capacity))
+    args = (S((tokens, hq, d), dtype), S((tokens, hkv, d), dtype), S((tokens, hkv, d), dtype), S((slots, hkv, d), dtype),
+            S((slots, hkv, d), dtype), meta)
+    exported = jax.export.export(jax.jit(lambda *a: extend_attention_mgpu(*a, config=config)), platforms=["cuda"])(*args)
+    if "mosaic_gpu" not in exported.mlir_module():
+        raise AssertionError("no Mosaic GPU custom call in the lowered module")
+
+
+if __name__ == "__main__":
+    warnings.simplefilter("ignore")
+    failed = 0
+    for label, *shape in SHAPES:
+        try:
+            lower(*shape)
+            print(f"ok {label}", flush=True)
+        except Exception as error:  # report every shape, then fail
+            failed += 1
+            print(f"FAIL {label}: {type(error).__name__}: {str(error)[:2000]}", flush=True)
+    sys.exit(1 if failed else 0)

@@ -1,0 +1,160 @@
+"""The Mosaic GPU extend kernel (Hopper): against the reference and the Triton kernel; its input checks and layout."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxattn.extend import extend_attention
+from jaxattn.extend_mgpu import MgpuExtendConfig, aligned_prefix_layout, extend_attention_mgpu, gather_prefix
+from tests.helpers import HAS_GPU, MODES, tolerance
+from tests.test_extend import PAD_TOKENS, assert_output, make_batch, ref_two_stage
+
+
+def _is_hopper():
+    return HAS_GPU and getattr(jax.devices()[0], "compute_capability", "") == "9.0"
+
+
+needs_hopper = pytest.mark.skipif(not _is_hopper(), reason="needs an sm_90 GPU (Mosaic GPU, wgmma)")
+
+# Ragged batches that reach every path: sequences starting off the 8-row grid (lead rows), partial and whole q tiles,
+# one and several 128-row CTAs, prefixes shorter than, equal to and longer than a K tile, empty prefixes and extends,
+# token counts that are not a multiple of 8 (the padded copy).
+SHAPES = [
+    # dtype, q heads, kv heads, head dim, prefix lens, extend lens, config
+    (jnp.bfloat16, 8, 2, 128, [0, 37, 128, 300], [130, 5, 64, 257], None),
+    (jnp.float16, 4, 4, 128, [513, 0, 9], [1, 200, 71], MgpuExtendConfig(block_kv=64, stages=3)),
+    (jnp.bfloat16, 4, 1, 64, [64, 0, 1000, 3], [0, 63, 129, 8], None),
+    (jnp.bfloat16, 2, 2, 64, [0], [3], None),  # fewer tokens than a tile
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{jnp.dtype(s[0]).name}-{s[1]}x{s[2]}-{s[3]}-{len(s[4])}seq")
+@pytest.mark.gpu
+@needs_hopper
+def test_matches_reference(rng, shape):
+    dtype, hq, hkv, d, prefix_lens, extend_lens, config = shape
+    batch = make_batch(rng, prefix_lens, extend_lens, hq=hq, hkv=hkv, dqk=d, dtype=dtype, max_extend_len=max(extend_lens) + 9)
+    o = extend_attention_mgpu(batch.q, batch.k_new, batch.v_new, batch.k_pool, batch.v_pool, batch.meta, config=config)
+    assert o.shape == batch.q.shape and o.dtype == dtype
+    assert_output(o, ref_two_stage(batch), batch, dtype)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_nan_outside_the_batch_does_not_leak(rng):
+    # Unowned pool slots are NaN already (make_batch); padding tokens' K/V too here: a tile that runs past the last
+    # sequence reads them, masked, and 0 * NaN must not reach a valid row.
+    batch = make_batch(rng, [5, 70], [33, 19], hq=4, hkv=2, dqk=128, dtype=jnp.bfloat16)
+    k_new = batch.k_new.at[batch.tokens :].set(jnp.nan)
+    v_new = batch.v_new.at[batch.tokens :].set(jnp.nan)
+    o = extend_attention_mgpu(batch.q, k_new, v_new, batch.k_pool, batch.v_pool, batch.meta)
+    assert_output(o, ref_two_stage(batch), batch, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_matches_triton_kernel_on_a_larger_batch(rng):
+    # 1-2k tokens per sequence, GQA 4:1: several CTAs per sequence, long prefix loops, the schedule barrier's steady state.
+    batch = make_batch(rng, [1500, 0, 700, 2048], [1024, 2000, 777, 300], hq=8, hkv=2, dqk=128, dtype=jnp.bfloat16, scale=0.5)
+    o = extend_attention_mgpu(batch.q, batch.k_new, batch.v_new, batch.k_pool, batch.v_pool, batch.meta)
+    o_triton = extend_attention(batch.q, batch.k_new, batch.v_new, batch.k_pool, batch.v_pool, batch.meta)
+    assert_output(o, o_triton, batch, jnp.bfloat16)
+    assert_output(o, ref_two_stage(batch), batch, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_rows_past_max_extend_len_are_zero(rng):
+    # A sequence longer than the static bucket: its first max_extend_len rows are computed, the rest stay 0
+    # (as in the Triton kernels), and no neighbouring sequence is disturbed.
+    batch = make_batch(rng, [11, 3], [200, 40], hq=4, hkv=2, dqk=128, dtype=jnp.bfloat16, max_extend_len=200)
+    short = dataclasses.replace(batch.meta, max_extend_len=130)
+    o = np.float32(extend_attention_mgpu(batch.q, batch.k_new, batch.v_new, batch.k_pool, batch.v_pool, short))
+    ref = np.float32(ref_two_stage(batch))
+    np.testing.assert_allclose(o[:130], ref[:130], **tolerance(jnp.bfloat16))
+    np.testing.assert_array_equal(o[130:200], 0.0)
+    np.testing.assert_allclose(o[200:240], ref[200:240], **tolerance(jnp.bfloat16))
+    np.testing.assert_array_equal(o[240:], 0.0)
+
+
+def test_aligned_prefix_layout(rng):
+    batch = make_batch(rng, [5, 0, 16, 9], [3, 4, 1, 2], dqk=64, dtype=jnp.bfloat16)
+    indptr, source = aligned_prefix_layout(batch.meta, 128)
+    indptr, source = np.asarray(indptr), np.asarray(source)
+    np.testing.assert_array_equal(indptr, [0, 8, 8, 24, 40])  # each prefix starts on a multiple of 8
+    kv_indptr = np.asarray(batch.meta.kv_indptr)
+    assert source.shape[0] >= 128 and source.shape[0] % 8 == 0
+    for b, listed in enumerate(np.diff(kv_indptr)):
+        np.testing.assert_array_equal(source[indptr[b] : indptr[b] + listed], np.arange(kv_indptr[b], kv_indptr[b + 1]))
+        np.testing.assert_array_equal(source[indptr[b] + listed : indptr[b + 1]], -1)
+    np.testing.assert_array_equal(source[indptr[-1] :], -1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gather_prefix(rng, mode):
+    # Rows in aligned layout order, zeros for gaps, nothing written past `needed` (the interpreter poisons with NaN).
+    batch = make_batch(rng, [5, 0, 16, 9], [3, 4, 1, 2], hq=2, hkv=2, dqk=64, dv=32, dtype=jnp.bfloat16)
+    k_pool, v_pool = jnp.nan_to_num(batch.k_pool), jnp.nan_to_num(batch.v_pool)
+    indptr, source = aligned_prefix_layout(batch.meta, 64)
+    needed = int(indptr[-1]) + 16
+    k, v = gather_prefix(k_pool, v_pool, batch.meta.kv_indices, source, needed, mode=mode)
+    assert k.shape == (source.shape[0], 2, 64) and v.shape == (source.shape[0], 2, 32) and k.dtype == jnp.bfloat16
+    src = np.asarray(source)[:needed]
+    slots = np.asarray(batch.meta.kv_indices)[np.maximum(src, 0)]
+    for out, pool in ((k, k_pool), (v, v_pool)):
+        want = np.where((src >= 0)[:, None, None], np.float32(pool)[slots], 0.0)
+        np.testing.assert_array_equal(np.float32(out)[:needed], want)
+
+
+def test_extend_attention_picks_the_kernel(rng):
+    batch = make_batch(rng, [4, 9], [8, 5], hq=2, hkv=1, dqk=64, dtype=jnp.bfloat16)
+    args = (batch.q, batch.k_new, batch.v_new, batch.k_pool, batch.v_pool, batch.meta)
+    with pytest.raises(ValueError, match="impl must be"):
+        extend_attention(*args, impl="cuda")
+    if _is_hopper():
+        mgpu = extend_attention_mgpu(*args)
+        np.testing.assert_array_equal(np.float32(extend_attention(*args)), np.float32(mgpu))  # the default
+        with pytest.raises(ValueError, match="impl='mgpu'.*soft cap"):
+            extend_attention(*args, logit_cap=30.0, impl="mgpu")
+    else:
+        with pytest.raises(ValueError, match="impl='mgpu'.*no GPU"):
+            extend_attention(*args, impl="mgpu")
+    # Features the Mosaic GPU kernel lacks (and impl="triton") take the Triton kernel wherever this runs.
+    assert_output(extend_attention(*args, impl="triton"), ref_two_stage(batch), batch, jnp.bfloat16)
+    assert_output(extend_attention(*args, logit_cap=5.0), ref_two_stage(batch, logit_cap=5.0), batch, jnp.bfloat16)
+
+
+def test_rejects_what_the_kernel_cannot_take(rng):
+    batch = make_batch(rng, [4], [8], hq=2, hkv=1, dqk=64, dtype=jnp.bfloat16)
+    args = (batch.k_new, batch.v_new, batch.k_pool, batch.v_pool, batch.meta)
+    with pytest.raises(ValueError, match="q must have dtype"):
+        extend_attention_mgpu(batch.q.astype(jnp.float32), *(a.astype(jnp.float32) for a in args[:4]), batch.meta)
+    odd = make_batch(rng, [4], [8], hq=2, hkv=1, dqk=96, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="head dims of 64 or 128"):
+        extend_attention_mgpu(odd.q, odd.k_new, odd.v_new, odd.k_pool, odd.v_pool, odd.meta)
+    with pytest.raises(ValueError, match="k_new"):
+        extend_attention_mgpu(batch.q, batch.k_new[:, :, :32], *args[1:])
+    with pytest.raises(ValueError, match="block_kv"):
+        MgpuExtendConfig(block_kv=96)
+    with pytest.raises(ValueError, match="stages"):
+        MgpuExtendConfig(stages=1)
+
+
+LOWERING_PLUGIN = os.path.join(os.path.dirname(__file__), "..", ".venv", "mosaic_gpu_lowering")
+
+
+@pytest.mark.skipif(not os.path.isdir(os.path.join(LOWERING_PLUGIN, "jax_cuda12_plugin")),
+                    reason="jax's CUDA plugin module is not in .venv/mosaic_gpu_lowering (scripts/setup.sh puts it there)")
+def test_lowers_for_cuda_on_cpu():
+    # CI has no GPU and Pallas' GPU interpreter cannot run this kernel: lowering it for CUDA is what CI can check.
+    repo = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(LOWERING_PLUGIN), repo]), JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, "-m", "tests.lower_mgpu_kernel"], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert run.stdout.count("ok ") == 3, run.stdout

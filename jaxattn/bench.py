@@ -290,7 +290,7 @@ class PerCall:
         return self.fn()
 
 
-def _extend_jaxattn(inp: Inputs, config=None, unified=False):
+def _extend_jaxattn(inp: Inputs, config=None, unified=False, impl="triton"):
     import jax
     import jax.numpy as jnp
 
@@ -305,7 +305,24 @@ def _extend_jaxattn(inp: Inputs, config=None, unified=False):
         fn = jax.jit(lambda q, k, v, m: extend.extend_attention_unified(q, k, v, m, config=config))
         return lambda: fn(inp.q, inp.k_pool, inp.v_pool, meta)
     meta = extend.extend_metadata(inp.req_to_token, inp.req_pool_indices, inp.prefix_lens, extend_lens, **sizes)
-    fn = jax.jit(lambda q, kn, vn, k, v, m: extend.extend_attention(q, kn, vn, k, v, m, config=config))
+    fn = jax.jit(lambda q, kn, vn, k, v, m: extend.extend_attention(q, kn, vn, k, v, m, config=config, impl=impl))
+    return lambda: fn(inp.q, inp.k_new, inp.v_new, inp.k_pool, inp.v_pool, meta)
+
+
+def _extend_mgpu(inp: Inputs, config=None):
+    import jax
+    import jax.numpy as jnp
+
+    from jaxattn import extend
+    from jaxattn.extend_mgpu import extend_attention_mgpu
+
+    case = inp.case
+    if case.head_dim not in (64, 128) or case.dv != case.head_dim:
+        raise Skip("the Mosaic GPU kernel takes equal q/k and v head dims of 64 or 128")
+    extend_lens = jnp.full((case.batch,), case.new, jnp.int32)
+    meta = extend.extend_metadata(inp.req_to_token, inp.req_pool_indices, inp.prefix_lens, extend_lens,
+                                  max_extend_len=case.new, kv_capacity=case.batch * (case.prefix + case.new))
+    fn = jax.jit(lambda q, kn, vn, k, v, m: extend_attention_mgpu(q, kn, vn, k, v, m, config=config))
     return lambda: fn(inp.q, inp.k_new, inp.v_new, inp.k_pool, inp.v_pool, meta)
 
 
@@ -370,7 +387,8 @@ BACKENDS = {
         "reference": (_decode_reference, _jax_sync),
     },
     "extend": {
-        "jaxattn": (_extend_jaxattn, _jax_sync),
+        "jaxattn": (lambda inp: _extend_jaxattn(inp, impl=None), _jax_sync),  # what extend_attention picks
+        "jaxattn-triton": (_extend_jaxattn, _jax_sync),
         "jaxattn-unified": (lambda inp: _extend_jaxattn(inp, unified=True), _jax_sync),
         "flashinfer-fa2": (lambda inp: _extend_flashinfer(inp, "fa2"), _torch_sync),
         "flashinfer-fa3": (lambda inp: _extend_flashinfer(inp, "fa3"), _torch_sync),
@@ -514,6 +532,7 @@ def markdown_table(rows: list[dict]) -> str:
 LABELS = {
     "jaxattn": "jaxattn",
     "jaxattn-unified": "jaxattn unified (deterministic)",
+    "jaxattn-triton": "jaxattn two-stage (Triton)",
     "flashinfer": "FlashInfer",
     "flashinfer-tc": "FlashInfer, tensor cores",
     "flashinfer-in-jit": "FlashInfer from jit (bridge)",

@@ -110,7 +110,7 @@ def aligned_prefix_layout(meta: ExtendMetadata, min_rows: int):
 _GATHER_ROWS = 16  # rows per program of the gather kernel
 
 
-def gather_prefix(k_pool, v_pool, kv_indices, source, needed_rows, *, mode=None):
+def gather_prefix(k_pool, v_pool, kv_indices, source, needed_rows, *, mode=None, block_rows=_GATHER_ROWS, num_warps=4):
     """(k, v) [len(source), kv_heads, dim]: pool[kv_indices[source]], zeros where source is -1; rows past
     needed_rows are not written (the Triton kernel `kernels/gather_prefix.py`, one pass over the listed prefix).
 
@@ -127,10 +127,10 @@ def gather_prefix(k_pool, v_pool, kv_indices, source, needed_rows, *, mode=None)
         k_pool.reshape(slots, kv_heads * qk_dim), v_pool.reshape(slots, kv_heads * v_dim),
         out_shape=(jax.ShapeDtypeStruct((rows, kv_heads * qk_dim), k_pool.dtype),
                    jax.ShapeDtypeStruct((rows, kv_heads * v_dim), v_pool.dtype)),
-        grid=(-(-rows // _GATHER_ROWS),),
-        num_warps=4,
+        grid=(-(-rows // block_rows),),
+        num_warps=num_warps,
         mode=mode,
-        NUM_SLOTS=slots, ROW_K=kv_heads * qk_dim, ROW_V=kv_heads * v_dim, BLOCK_ROWS=_GATHER_ROWS, BLOCK_E=block_e,
+        ROWS=rows, NUM_SLOTS=slots, ROW_K=kv_heads * qk_dim, ROW_V=kv_heads * v_dim, BLOCK_ROWS=block_rows, BLOCK_E=block_e,
     )
     return k.reshape(rows, kv_heads, qk_dim), v.reshape(rows, kv_heads, v_dim)
 

@@ -19,6 +19,7 @@ def gather_prefix_kernel(
     V_POOL,  # [slots, ROW_V]
     K_OUT,  # [rows, ROW_K]
     V_OUT,  # [rows, ROW_V]
+    ROWS: tl.constexpr,  # output rows (the grid's last program may run past them)
     NUM_SLOTS: tl.constexpr,
     ROW_K: tl.constexpr,
     ROW_V: tl.constexpr,
@@ -28,7 +29,8 @@ def gather_prefix_kernel(
     row0 = tl.program_id(0) * BLOCK_ROWS
     if row0 < tl.load(NEEDED):
         rows = row0 + tl.arange(0, BLOCK_ROWS)
-        source = tl.load(SOURCE + rows)
+        in_out = rows < ROWS
+        source = tl.load(SOURCE + rows, mask=in_out, other=-1)
         listed = source >= 0
         slot = tl.load(KV_INDICES + tl.maximum(source, 0), mask=listed, other=0).to(tl.int64)
         slot = tl.minimum(tl.maximum(slot, 0), NUM_SLOTS - 1)  # out-of-range slots read a valid row, never past the pool
@@ -37,9 +39,9 @@ def gather_prefix_kernel(
             cols = start + tl.arange(0, BLOCK_E)
             in_row = cols < ROW_K
             x = tl.load(K_POOL + slot[:, None] * ROW_K + cols[None, :], mask=listed[:, None] & in_row[None, :], other=0.0)
-            tl.store(K_OUT + out_rows[:, None] * ROW_K + cols[None, :], x, mask=in_row[None, :])
+            tl.store(K_OUT + out_rows[:, None] * ROW_K + cols[None, :], x, mask=in_out[:, None] & in_row[None, :])
         for start in tl.static_range(0, ROW_V, BLOCK_E):
             cols = start + tl.arange(0, BLOCK_E)
             in_row = cols < ROW_V
             x = tl.load(V_POOL + slot[:, None] * ROW_V + cols[None, :], mask=listed[:, None] & in_row[None, :], other=0.0)
-            tl.store(V_OUT + out_rows[:, None] * ROW_V + cols[None, :], x, mask=in_row[None, :])
+            tl.store(V_OUT + out_rows[:, None] * ROW_V + cols[None, :], x, mask=in_out[:, None] & in_row[None, :])

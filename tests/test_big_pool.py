@@ -105,7 +105,8 @@ def test_extend_big_pool(rng, size):
     meta = extend_metadata(*args, max_extend_len=16 * 2, kv_capacity=cap, mode=mode)
     meta_u = extend_unified_metadata(*args, jnp.asarray(loc), max_extend_len=32, kv_capacity=cap, mode=mode)
     assert int(np.asarray(meta.kv_indices).max()) >= n_slots - 100_000  # the kernels are handed top slots
-    o_two = extend_attention(q, k_new, v_new, k_pool, v_pool, meta, mode=mode)
+    o_two = extend_attention(q, k_new, v_new, k_pool, v_pool, meta, mode=mode)  # on an H200: the Mosaic GPU kernel
+    o_triton = extend_attention(q, k_new, v_new, k_pool, v_pool, meta, mode=mode, impl="triton")
     o_uni = extend_attention_unified(q, k_pool, v_pool, meta_u, mode=mode)
 
     k_small, v_small, remap = compact(slots, k_rows, v_rows)
@@ -115,6 +116,6 @@ def test_extend_big_pool(rng, size):
     ref_meta_u = extend_unified_metadata(*small_args, jnp.asarray(remap(loc)), max_extend_len=32, kv_capacity=cap)
     ref_two = extend_attention_reference(q, k_new, v_new, k_small, v_small, ref_meta)
     ref_uni = extend_attention_unified_reference(q, k_small, v_small, ref_meta_u)
-    for o, ref in ((o_two, ref_two), (o_uni, ref_uni)):
+    for o, ref in ((o_two, ref_two), (o_triton, ref_two), (o_uni, ref_uni)):
         assert np.isfinite(np.asarray(o, np.float32)).all()
         np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(ref, np.float32), **tolerance(dtype))

@@ -90,7 +90,8 @@ def _clean(x):
 
 
 def run_two_stage(batch, mode, **kw):
-    return extend_attention(batch.q, batch.k_new, batch.v_new, batch.k_pool, batch.v_pool, batch.meta, mode=mode, **kw)
+    # The Triton kernel under test, also where extend_attention would pick the Mosaic GPU one (tests/test_extend_mgpu.py).
+    return extend_attention(batch.q, batch.k_new, batch.v_new, batch.k_pool, batch.v_pool, batch.meta, mode=mode, impl="triton", **kw)
 
 
 def ref_two_stage(batch, **kw):

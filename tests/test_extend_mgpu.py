@@ -110,6 +110,14 @@ def test_gather_prefix(rng, mode):
     for out, pool in ((k, k_pool), (v, v_pool)):
         want = np.where((src >= 0)[:, None, None], np.float32(pool)[slots], 0.0)
         np.testing.assert_array_equal(np.float32(out)[:needed], want)
+    # Every row, with a last program that runs past them (rows is not a multiple of 64): nothing read or written
+    # out of bounds.
+    rows = source.shape[0]
+    assert rows % 64
+    k_all, _ = gather_prefix(k_pool, v_pool, batch.meta.kv_indices, source, rows, mode=mode, block_rows=64)
+    src = np.asarray(source)
+    want = np.where((src >= 0)[:, None, None], np.float32(k_pool)[np.asarray(batch.meta.kv_indices)[np.maximum(src, 0)]], 0.0)
+    np.testing.assert_array_equal(np.float32(k_all), want)
 
 
 def test_extend_attention_picks_the_kernel(rng):

@@ -9,6 +9,9 @@ Two contracts, as in SGLang (see `kernels/extend_attention.py` for the kernels):
   visited in one loop in absolute key order with tiles at multiples of BLOCK_N, so a token's output does not depend
   on where the prefix/new split falls (radix-cache hits, chunked prefill).
 
+On sm_90, `extend_attention`'s plain causal calls go to the Pallas Mosaic GPU kernel of `jaxattn.extend_mgpu` (same
+contract and output, FlashAttention-3's schedule); `impl=` picks explicitly.
+
 Semantics are `jaxattn.reference`'s (queries are the last q_len tokens; scale -> softcap -> xai temperature -> mask;
 a custom mask replaces causal; a window W keeps W + 1 keys; sinks join the denominator only; rows with no visible key
 give 0). xai temperature uses SGLang's log2 formula (2-stage and decode kernels) in *both* kernels; SGLang's unified

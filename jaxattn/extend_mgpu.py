@@ -4,7 +4,8 @@
 custom mask, window, soft cap, sinks or xai temperature) and returns the same output. It exists for speed: the
 FlashAttention-3 schedule (TMA, a producer warpgroup, two consumer warpgroups with wgmma from registers) that the
 Triton kernels cannot express on this stack. The cached prefix is first gathered from the pool into one contiguous
-ragged buffer (an XLA gather: one pass over the prefix K/V), because Hopper's TMA cannot gather single rows.
+buffer (`kernels/gather_prefix.py`, a Triton kernel: one pass over the prefix K/V), because Hopper's TMA cannot gather
+single rows.
 
 It needs an sm_90 GPU and jax's CUDA plugin (Mosaic GPU); there is no CPU path (Pallas' GPU interpreter does not run
 a wgmma whose left operand is in registers). The reference is `jaxattn.extend.extend_attention_reference`.
@@ -24,17 +25,23 @@ from jaxattn.extend import ExtendMetadata, _check_common, _check_new_tokens
 from jaxattn.launch import launch, launch_mode
 
 MGPU_DTYPES = (jnp.bfloat16, jnp.float16)
+SM90_SHARED_MEMORY_BYTES = 227 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
 class MgpuExtendConfig:
     """Tiles of `extend_attention_mgpu`: block_q rows per consumer warpgroup (a CTA takes 2 x block_q), block_kv keys
-    per tile, stages K/V tiles in flight (shared memory: (2 * 2 * block_q + 2 * stages * block_kv) * head_dim * 2 B).
+    per tile, stages K/V tiles in flight. Measured on the H200 (E1-E3): 64 x 128 with 2 stages beats 64 x 64 with 3-4
+    stages by 9-27% (results/2026-12-03_h200_mgpu_extend_first.log).
     """
 
     block_q: int = 64
     block_kv: int = 128
     stages: int = 2
+
+    def shared_memory_bytes(self, head_dim: int) -> int:
+        """Q/O tiles of both consumer warpgroups, their partial-tile store buffers, and the K/V ring (16-bit)."""
+        return (4 * self.block_q + 2 * self.stages * self.block_kv) * head_dim * 2
 
     def __post_init__(self):
         if self.block_q != 64:
@@ -85,6 +92,10 @@ def _check_mgpu_args(q, k_new, v_new, k_pool, v_pool, meta, config):
             f"v_head_dim {v_dim} (use jaxattn.extend.extend_attention)")
     if not isinstance(config, MgpuExtendConfig):
         raise ValueError(f"config must be an MgpuExtendConfig or None; got {type(config).__name__}")
+    if config.shared_memory_bytes(head_dim) > SM90_SHARED_MEMORY_BYTES:
+        raise ValueError(
+            f"config {config} needs {config.shared_memory_bytes(head_dim)} B of shared memory at head dim {head_dim}; "
+            f"sm_90 has {SM90_SHARED_MEMORY_BYTES} (fewer stages or a smaller block_kv)")
 
 
 def aligned_prefix_layout(meta: ExtendMetadata, min_rows: int):
@@ -168,9 +179,8 @@ def extend_attention_mgpu(
     from jaxattn.kernels.extend_attention_mgpu import extend_attention_mgpu_kernel
     tokens, q_heads, head_dim = q.shape
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
-    out_ref = jax.new_ref(jnp.zeros((tokens, q_heads, head_dim), q.dtype))
     if tokens == 0 or meta.qo_indptr.shape[0] == 1:
-        return out_ref[...]
+        return jnp.zeros((tokens, q_heads, head_dim), q.dtype)
     qo_indptr = meta.qo_indptr.astype(jnp.int32)
     # Mosaic's TMA into 8-row tiles wants arrays of whole 8-row tiles, and a box no taller than its array: pad
     # (a copy) when tokens is not a multiple of 8 or is below block_kv.
@@ -178,7 +188,8 @@ def extend_attention_mgpu(
     if rows > tokens:
         pad = ((0, rows - tokens), (0, 0), (0, 0))
         q, k_new, v_new = (jnp.pad(x, pad) for x in (q, k_new, v_new))
-        out_ref = jax.new_ref(jnp.zeros((rows, q_heads, head_dim), q.dtype))
+    # Zeros that the kernel overwrites in place (aliased): rows it does not compute stay 0.
+    out_ref = jax.new_ref(jnp.zeros((rows, q_heads, head_dim), q.dtype))
     # V rows past the batch's last token (padding tokens) can be read by the last sequence's diagonal tile; zero
     # them so that whatever the caller left there cannot turn 0 * V into NaN.
     v_new = jnp.where((jnp.arange(rows) < qo_indptr[-1])[:, None, None], v_new, jnp.zeros((), v_new.dtype))

@@ -152,6 +152,8 @@ def test_rejects_what_the_kernel_cannot_take(rng):
         MgpuExtendConfig(block_kv=96)
     with pytest.raises(ValueError, match="stages"):
         MgpuExtendConfig(stages=1)
+    with pytest.raises(ValueError, match="shared memory"):
+        extend_attention_mgpu(batch.q, *args, config=MgpuExtendConfig(block_kv=256, stages=4))
 
 
 LOWERING_PLUGIN = os.path.join(os.path.dirname(__file__), "..", ".venv", "mosaic_gpu_lowering")

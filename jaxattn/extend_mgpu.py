@@ -146,6 +146,23 @@ def gather_prefix(k_pool, v_pool, kv_indices, source, needed_rows, *, mode=None,
     return k.reshape(rows, kv_heads, qk_dim), v.reshape(rows, kv_heads, v_dim)
 
 
+def kernel_builds():
+    """The Triton builds this path launches (the prefix gather; see jaxattn.aot): 8 KV heads x 128 and 1 x 64 per slot."""
+    from jaxattn.aot import build
+
+    builds = []
+    for dtype in ("bf16", "fp16"):
+        for row in (1024, 64):
+            t = f"*{dtype}"
+            builds.append(build(
+                "gather_prefix", "gather_prefix_kernel",
+                {"SOURCE": "*i32", "KV_INDICES": "*i32", "NEEDED": "*i32", "K_POOL": t, "V_POOL": t, "K_OUT": t, "V_OUT": t},
+                {"ROWS": 135392, "NUM_SLOTS": 2_200_000, "ROW_K": row, "ROW_V": row, "BLOCK_ROWS": _GATHER_ROWS, "BLOCK_E": min(1024, row)},
+                num_warps=4, label=f"{dtype} row {row}",
+            ))
+    return builds
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "config", "mode"))
 def extend_attention_mgpu(
     q: jax.Array,

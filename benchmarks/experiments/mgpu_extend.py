@@ -2,7 +2,8 @@
 
 On E1-E3 (and T64 for 64-dim heads): every variant is checked against the jnp reference (worst |err| / bf16
 tolerance) before timing, then timed in interleaved rounds. Also times the XLA-side work of the Mosaic GPU path
-alone (the Triton prefix gather into the 8-aligned buffer, V padding rows zeroed, output zeros), to size its overhead.
+alone (the Triton prefix gather into the 8-aligned buffer, V padding rows zeroed, output zeros); small ops timed alone
+measure the host's dispatch more than the GPU, so that row is an upper bound: mgpu_overhead.py measures it GPU-bound.
 Writes $OUT/mgpu_extend.json. Usage: python benchmarks/experiments/mgpu_extend.py [E1 E2 E3 T64]
 """
 import json, os, statistics, sys, time

@@ -5,7 +5,9 @@ custom mask, window, soft cap, sinks or xai temperature) and returns the same ou
 FlashAttention-3 schedule (TMA, a producer warpgroup, two consumer warpgroups with wgmma from registers) that the
 Triton kernels cannot express on this stack. The cached prefix is first gathered from the pool into one contiguous
 buffer (`kernels/gather_prefix.py`, a Triton kernel: one pass over the prefix K/V), because Hopper's TMA cannot gather
-single rows.
+single rows. That buffer is scratch sized by the static `meta.kv_capacity`: 2 x (kv_capacity + 7 x batch) x kv_heads
+x head_dim x 2 B per call (within one jitted forward XLA reuses it across layers); e.g. 4.2 GB at a capacity of 1M
+tokens with 8 KV heads of 128.
 
 It needs an sm_90 GPU and jax's CUDA plugin (Mosaic GPU); there is no CPU path (Pallas' GPU interpreter does not run
 a wgmma whose left operand is in registers). The reference is `jaxattn.extend.extend_attention_reference`.

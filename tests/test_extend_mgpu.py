@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxattn.extend import extend_attention
-from jaxattn.extend_mgpu import MgpuExtendConfig, aligned_prefix_layout, extend_attention_mgpu, gather_prefix
+from jaxattn.extend_mgpu import MgpuExtendConfig, aligned_prefix_layout, extend_attention_mgpu, gather_prefix, mgpu_unsupported
 from tests.helpers import HAS_GPU, MODES, tolerance
 from tests.test_extend import PAD_TOKENS, assert_output, make_batch, ref_two_stage
 
@@ -136,6 +136,20 @@ def test_extend_attention_picks_the_kernel(rng):
     # Features the Mosaic GPU kernel lacks (and impl="triton") take the Triton kernel wherever this runs.
     assert_output(extend_attention(*args, impl="triton"), ref_two_stage(batch), batch, jnp.bfloat16)
     assert_output(extend_attention(*args, logit_cap=5.0), ref_two_stage(batch, logit_cap=5.0), batch, jnp.bfloat16)
+
+
+def test_says_why_it_cannot_take_a_call():
+    S = jax.ShapeDtypeStruct
+    q, pool = S((8, 4, 128), jnp.bfloat16), S((32, 2, 128), jnp.bfloat16)
+    assert "dtype float32" in mgpu_unsupported(S((8, 4, 128), jnp.float32), pool, pool)
+    assert "head dims 128/64" in mgpu_unsupported(q, pool, S((32, 2, 64), jnp.bfloat16))
+    assert "head dims 96/96" in mgpu_unsupported(S((8, 4, 96), jnp.bfloat16), S((32, 2, 96), jnp.bfloat16), S((32, 2, 96), jnp.bfloat16))
+    for feature in (dict(causal=False), dict(custom_mask=jnp.ones(4, bool)), dict(sliding_window=0), dict(logit_cap=1.0),
+                    dict(sinks=jnp.zeros(4)), dict(xai_temperature_len=16)):
+        assert "plain causal" in mgpu_unsupported(q, pool, pool, **feature), feature
+    assert "interpreted" in mgpu_unsupported(q, pool, pool, mode="interpret")
+    if not _is_hopper():
+        assert mgpu_unsupported(q, pool, pool) is not None
 
 
 def test_rejects_what_the_kernel_cannot_take(rng):

@@ -290,8 +290,8 @@ class PerCall:
         return self.fn()
 
 
-def _extend_jaxattn(inp: Inputs, config=None, unified=False, impl="triton"):
-    import jax
+def extend_meta(inp: Inputs, unified: bool = False):
+    """The case's `ExtendMetadata` (or `ExtendUnifiedMetadata`): every sequence extends by case.new over case.prefix."""
     import jax.numpy as jnp
 
     from jaxattn import extend
@@ -300,28 +300,33 @@ def _extend_jaxattn(inp: Inputs, config=None, unified=False, impl="triton"):
     extend_lens = jnp.full((case.batch,), case.new, jnp.int32)
     sizes = dict(max_extend_len=case.new, kv_capacity=case.batch * (case.prefix + case.new))
     if unified:
-        meta = extend.extend_unified_metadata(inp.req_to_token, inp.req_pool_indices, inp.prefix_lens, extend_lens,
+        return extend.extend_unified_metadata(inp.req_to_token, inp.req_pool_indices, inp.prefix_lens, extend_lens,
                                               inp.new_slots, **sizes)
+    return extend.extend_metadata(inp.req_to_token, inp.req_pool_indices, inp.prefix_lens, extend_lens, **sizes)
+
+
+def _extend_jaxattn(inp: Inputs, config=None, unified=False, impl="triton"):
+    import jax
+
+    from jaxattn import extend
+
+    meta = extend_meta(inp, unified)
+    if unified:
         fn = jax.jit(lambda q, k, v, m: extend.extend_attention_unified(q, k, v, m, config=config))
         return lambda: fn(inp.q, inp.k_pool, inp.v_pool, meta)
-    meta = extend.extend_metadata(inp.req_to_token, inp.req_pool_indices, inp.prefix_lens, extend_lens, **sizes)
     fn = jax.jit(lambda q, kn, vn, k, v, m: extend.extend_attention(q, kn, vn, k, v, m, config=config, impl=impl))
     return lambda: fn(inp.q, inp.k_new, inp.v_new, inp.k_pool, inp.v_pool, meta)
 
 
 def _extend_mgpu(inp: Inputs, config=None):
     import jax
-    import jax.numpy as jnp
 
-    from jaxattn import extend
     from jaxattn.extend_mgpu import extend_attention_mgpu
 
     case = inp.case
     if case.head_dim not in (64, 128) or case.dv != case.head_dim:
         raise Skip("the Mosaic GPU kernel takes equal q/k and v head dims of 64 or 128")
-    extend_lens = jnp.full((case.batch,), case.new, jnp.int32)
-    meta = extend.extend_metadata(inp.req_to_token, inp.req_pool_indices, inp.prefix_lens, extend_lens,
-                                  max_extend_len=case.new, kv_capacity=case.batch * (case.prefix + case.new))
+    meta = extend_meta(inp)
     fn = jax.jit(lambda q, kn, vn, k, v, m: extend_attention_mgpu(q, kn, vn, k, v, m, config=config))
     return lambda: fn(inp.q, inp.k_new, inp.v_new, inp.k_pool, inp.v_pool, meta)
 

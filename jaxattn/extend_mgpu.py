@@ -27,6 +27,7 @@ from jaxattn.extend import ExtendMetadata, _check_common, _check_new_tokens
 from jaxattn.launch import launch, launch_mode
 
 MGPU_DTYPES = (jnp.bfloat16, jnp.float16)
+MGPU_HEAD_DIMS = (64, 128)  # equal q/k and v head dims: both consumer warpgroups' accumulators fit in registers
 SM90_SHARED_MEMORY_BYTES = 227 * 1024
 
 
@@ -62,12 +63,16 @@ def _cuda_runtime_version() -> int | None:
     return None if cuda_versions is None else cuda_versions.cuda_runtime_get_version()
 
 
+def _head_dims_supported(qk_head_dim: int, v_head_dim: int) -> bool:
+    return qk_head_dim == v_head_dim and qk_head_dim in MGPU_HEAD_DIMS
+
+
 def mgpu_unsupported(q, k_pool, v_pool, *, causal=True, custom_mask=None, sliding_window=-1, logit_cap=0.0, sinks=None,
                      xai_temperature_len=-1, mode=None) -> str | None:
     """Why `extend_attention_mgpu` cannot take this `extend_attention` call, or None when it can (trace time)."""
     if jnp.dtype(q.dtype) not in map(jnp.dtype, MGPU_DTYPES):
         return f"dtype {jnp.dtype(q.dtype).name} (bf16/f16 only)"
-    if q.shape[2] != v_pool.shape[2] or q.shape[2] not in (64, 128):
+    if not _head_dims_supported(q.shape[2], v_pool.shape[2]):
         return f"head dims {q.shape[2]}/{v_pool.shape[2]} (equal, 64 or 128 only)"
     if not causal or custom_mask is not None or sliding_window >= 0 or logit_cap > 0 or sinks is not None or xai_temperature_len > 0:
         return "a feature other than plain causal attention (mask, window, soft cap, sinks or xai temperature)"
@@ -88,7 +93,7 @@ def _check_mgpu_args(q, k_new, v_new, k_pool, v_pool, meta, config):
     _check_common(q, k_pool, v_pool, meta, ExtendMetadata, None, None, -1, None)
     _check_new_tokens(q, k_new, v_new, k_pool, v_pool)
     head_dim, v_dim = q.shape[2], v_pool.shape[2]
-    if head_dim != v_dim or head_dim not in (64, 128):
+    if not _head_dims_supported(head_dim, v_dim):
         raise ValueError(
             f"extend_attention_mgpu takes equal q/k and v head dims of 64 or 128; got qk_head_dim {head_dim}, "
             f"v_head_dim {v_dim} (use jaxattn.extend.extend_attention)")

@@ -103,21 +103,22 @@ def test_gather_prefix(rng, mode):
     k_pool, v_pool = jnp.nan_to_num(batch.k_pool), jnp.nan_to_num(batch.v_pool)
     indptr, source = aligned_prefix_layout(batch.meta, 64)
     needed = int(indptr[-1]) + 16
+    src = np.asarray(source)
+
+    def expected(pool, rows):  # pool[kv_indices[source]] for the first `rows` rows, 0 where source is -1
+        slots = np.asarray(batch.meta.kv_indices)[np.maximum(src[:rows], 0)]
+        return np.where((src[:rows] >= 0)[:, None, None], np.float32(pool)[slots], 0.0)
+
     k, v = gather_prefix(k_pool, v_pool, batch.meta.kv_indices, source, needed, mode=mode)
     assert k.shape == (source.shape[0], 2, 64) and v.shape == (source.shape[0], 2, 32) and k.dtype == jnp.bfloat16
-    src = np.asarray(source)[:needed]
-    slots = np.asarray(batch.meta.kv_indices)[np.maximum(src, 0)]
     for out, pool in ((k, k_pool), (v, v_pool)):
-        want = np.where((src >= 0)[:, None, None], np.float32(pool)[slots], 0.0)
-        np.testing.assert_array_equal(np.float32(out)[:needed], want)
+        np.testing.assert_array_equal(np.float32(out)[:needed], expected(pool, needed))
     # Every row, with a last program that runs past them (rows is not a multiple of 64): nothing read or written
     # out of bounds.
     rows = source.shape[0]
     assert rows % 64
     k_all, _ = gather_prefix(k_pool, v_pool, batch.meta.kv_indices, source, rows, mode=mode, block_rows=64)
-    src = np.asarray(source)
-    want = np.where((src >= 0)[:, None, None], np.float32(k_pool)[np.asarray(batch.meta.kv_indices)[np.maximum(src, 0)]], 0.0)
-    np.testing.assert_array_equal(np.float32(k_all), want)
+    np.testing.assert_array_equal(np.float32(k_all), expected(k_pool, rows))
 
 
 def test_extend_attention_picks_the_kernel(rng):

@@ -10,7 +10,7 @@ import json, os, statistics, sys, time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import jax, jax.numpy as jnp
 import numpy as np
-from jaxattn import bench, extend, testing
+from jaxattn import bench, testing
 from jaxattn.extend_mgpu import MgpuExtendConfig, aligned_prefix_layout, gather_prefix
 
 out_dir = os.environ.get("OUT", "/tmp")
@@ -20,10 +20,8 @@ variants = [tuple(int(x) for x in v.replace("x", " ").replace("s", " ").split())
 rows = []
 
 
-def overhead_fn(inp, case):
-    extend_lens = jnp.full((case.batch,), case.new, jnp.int32)
-    meta = extend.extend_metadata(inp.req_to_token, inp.req_pool_indices, inp.prefix_lens, extend_lens,
-                                  max_extend_len=case.new, kv_capacity=case.batch * (case.prefix + case.new))
+def overhead_fn(inp):
+    meta = bench.extend_meta(inp)
 
     @jax.jit
     def xla_side(k_pool, v_pool, v_new, q, meta):
@@ -61,7 +59,7 @@ for name in sys.argv[1:] or ["E1", "E2", "E3"]:
         except Exception as e:
             print(f"{name} {label}: FAILED {type(e).__name__}: {str(e)[:1500]}", flush=True)
             rows.append(dict(case=name, variant=label, error=f"{type(e).__name__}: {str(e)[:300]}"))
-    fns["xla side of mgpu (gather, zeros)"] = (overhead_fn(inp, case), None)
+    fns["xla side of mgpu (gather, zeros)"] = (overhead_fn(inp), None)
     samples = {k: [] for k in fns}
     for _ in range(rounds):
         for label, (fn, _) in fns.items():

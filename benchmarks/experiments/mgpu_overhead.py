@@ -10,7 +10,7 @@ import json, os, sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import jax, jax.numpy as jnp
 import numpy as np
-from jaxattn import bench, extend
+from jaxattn import bench
 from jaxattn.extend_mgpu import MgpuExtendConfig, aligned_prefix_layout, extend_attention_mgpu, gather_prefix
 from jaxattn.kernels.extend_attention_mgpu import extend_attention_mgpu_kernel
 
@@ -20,8 +20,7 @@ rows = []
 for name in sys.argv[1:] or ["E3", "E1", "E2"]:
     case = bench.CASES[name]
     inp = bench.make_inputs(case)
-    meta = extend.extend_metadata(inp.req_to_token, inp.req_pool_indices, inp.prefix_lens, jnp.full((case.batch,), case.new, jnp.int32),
-                                  max_extend_len=case.new, kv_capacity=case.batch * (case.prefix + case.new))
+    meta = bench.extend_meta(inp)
     start, source = jax.jit(lambda m: aligned_prefix_layout(m, config.block_kv))(meta)
     needed = jnp.minimum(start[-1] + config.block_kv, source.shape[0])
     k_pre, v_pre = jax.jit(gather_prefix)(inp.k_pool, inp.v_pool, meta.kv_indices, source, needed)

@@ -8,8 +8,8 @@ Megatron-style: wq/wk/wv are split by columns (whole heads per device), wo by ro
 head_dim]); the batch metadata (KV index lists, splits, qo_indptr) is the same for every head, so it is built
 once and replicated. Inside shard_map the kernels see only the local heads: jaxattn's ops need no change.
 
-Two steps run: a prefill over a cached prefix (`extend_attention`, SGLang's two-stage kernel) and then a decode
-step (`decode_attention`). Each is checked against the same layer run unsharded on one device.
+Two steps run: a prefill over a cached prefix (`extend_attention`: SGLang's two-stage kernel here, on host devices;
+on an H200 its plain causal calls take the Mosaic GPU kernel) and then a decode step (`decode_attention`). Each is checked against the same layer run unsharded on one device.
 """
 
 from __future__ import annotations

@@ -118,7 +118,6 @@ OP_MODULES = [
     "jaxattn.merge_state",
     "jaxattn.decode",
     "jaxattn.extend",
-    "jaxattn.extend_mgpu",  # its Triton prefix gather (the Mosaic GPU kernel is lowered by tests/test_extend_mgpu.py)
 ]
 
 

@@ -2,12 +2,10 @@
 
 `extend_attention_mgpu` takes the same inputs as `jaxattn.extend.extend_attention` for its plain case (causal, no
 custom mask, window, soft cap, sinks or xai temperature) and returns the same output. It exists for speed: the
-FlashAttention-3 schedule (TMA, a producer warpgroup, two consumer warpgroups with wgmma from registers) that the
-Triton kernels cannot express on this stack. The cached prefix is first gathered from the pool into one contiguous
-buffer (`kernels/gather_prefix.py`, a Triton kernel: one pass over the prefix K/V), because Hopper's TMA cannot gather
-single rows. That buffer is scratch sized by the static `meta.kv_capacity`: 2 x (kv_capacity + 7 x batch) x kv_heads
-x head_dim x 2 B per call (within one jitted forward XLA reuses it across layers); e.g. 4.2 GB at a capacity of 1M
-tokens with 8 KV heads of 128.
+FlashAttention-3 schedule (a producer warpgroup, two consumer warpgroups with wgmma from registers) that the Triton
+kernels cannot express on this stack. The producer reads the cached prefix straight from the pool, row by row
+through kv_indices (`cp.async`: Hopper's TMA cannot gather single rows), so the call needs no scratch beyond its
+output and, when tokens is not a multiple of 8, a padded copy of q.
 
 It needs an sm_90 GPU and jax's CUDA plugin (Mosaic GPU); there is no CPU path (Pallas' GPU interpreter does not run
 a wgmma whose left operand is in registers). The reference is `jaxattn.extend.extend_attention_reference`.
@@ -24,7 +22,7 @@ import jax.numpy as jnp
 
 from jaxattn._checks import check_array
 from jaxattn.extend import ExtendMetadata, _check_common, _check_new_tokens
-from jaxattn.launch import launch, launch_mode
+from jaxattn.launch import launch_mode
 
 MGPU_DTYPES = (jnp.bfloat16, jnp.float16)
 MGPU_HEAD_DIMS = (64, 128)  # equal q/k and v head dims: both consumer warpgroups' accumulators fit in registers
@@ -43,14 +41,16 @@ class MgpuExtendConfig:
     stages: int = 2
 
     def shared_memory_bytes(self, head_dim: int) -> int:
-        """Q/O tiles of both consumer warpgroups, their partial-tile store buffers, and the K/V ring (16-bit)."""
-        return (4 * self.block_q + 2 * self.stages * self.block_kv) * head_dim * 2
+        """Q/O tiles of both consumer warpgroups, their partial-tile store buffers, the K/V ring (16-bit), and the
+        ring's mbarriers (each buffer rounded up to Pallas' 1 KiB alignment)."""
+        return (4 * self.block_q + 2 * self.stages * self.block_kv) * head_dim * 2 + 1024
 
     def __post_init__(self):
         if self.block_q != 64:
             raise ValueError(f"MgpuExtendConfig.block_q must be 64 (one wgmma M tile per warpgroup); got {self.block_q!r}")
-        if not isinstance(self.block_kv, int) or self.block_kv % 64 or not 64 <= self.block_kv <= 256:
-            raise ValueError(f"MgpuExtendConfig.block_kv must be 64, 128, 192 or 256; got {self.block_kv!r}")
+        if self.block_kv not in (64, 128):
+            # The producer hands each of its 128 threads one row's slot: block_kv <= 128 rows, in whole 16-row groups.
+            raise ValueError(f"MgpuExtendConfig.block_kv must be 64 or 128; got {self.block_kv!r}")
         if not isinstance(self.stages, int) or self.stages < 2:
             raise ValueError(f"MgpuExtendConfig.stages must be an int >= 2; got {self.stages!r}")
 
@@ -105,72 +105,7 @@ def _check_mgpu_args(q, k_new, v_new, k_pool, v_pool, meta, config):
             f"sm_90 has {SM90_SHARED_MEMORY_BYTES} (fewer stages or a smaller block_kv)")
 
 
-def aligned_prefix_layout(meta: ExtendMetadata, min_rows: int):
-    """Where `gather_prefix` puts each sequence's listed prefix: sequence b at rows indptr[b]:indptr[b] + listed[b],
-    indptr[b] a multiple of 8 (the kernel's TMA into 8-row tiles needs provably 8-aligned row offsets).
-
-    Returns (indptr i32[batch + 1], source i32[rows]: index into meta.kv_indices of each row, or -1 for padding), rows
-    = kv_capacity + 7 * batch rounded up to 8 (and at least min_rows): a static bound on the padded total.
-    """
-    kv_indptr = meta.kv_indptr.astype(jnp.int32)
-    batch = kv_indptr.shape[0] - 1
-    listed = kv_indptr[1:] - kv_indptr[:-1]
-    indptr = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum((listed + 7) // 8 * 8, dtype=jnp.int32)])
-    rows = max(-(-(meta.kv_capacity + 7 * batch) // 8) * 8, min_rows)
-    row = jnp.arange(rows, dtype=jnp.int32)
-    # compare_all: one fused pass over rows x batch (the default binary search is a loop of small kernels).
-    seq = jnp.clip(jnp.searchsorted(indptr, row, side="right", method="compare_all").astype(jnp.int32) - 1, 0, batch - 1)
-    pos = row - indptr[seq]
-    source = jnp.where(pos < listed[seq], kv_indptr[seq] + pos, -1)
-    return indptr, source
-
-
-_GATHER_ROWS = 16  # rows per program of the gather kernel
-
-
-def gather_prefix(k_pool, v_pool, kv_indices, source, needed_rows, *, mode=None, block_rows=_GATHER_ROWS, num_warps=4):
-    """(k, v) [len(source), kv_heads, dim]: pool[kv_indices[source]], zeros where source is -1; rows past
-    needed_rows are not written (the Triton kernel `kernels/gather_prefix.py`, one pass over the listed prefix).
-
-    Out-of-range slots are clamped into the pool (it is only read). The zero rows keep a tile that runs past a
-    prefix finite: masked scores meet those V rows, and 0 * NaN would be NaN.
-    """
-    rows = source.shape[0]
-    slots, kv_heads, qk_dim = k_pool.shape
-    v_dim = v_pool.shape[2]
-    block_e = min(1024, 1 << (max(qk_dim, v_dim) * kv_heads - 1).bit_length())
-    k, v = launch(
-        ("gather_prefix", "gather_prefix_kernel"),
-        source, kv_indices, jnp.reshape(needed_rows, (1,)).astype(jnp.int32),
-        k_pool.reshape(slots, kv_heads * qk_dim), v_pool.reshape(slots, kv_heads * v_dim),
-        out_shape=(jax.ShapeDtypeStruct((rows, kv_heads * qk_dim), k_pool.dtype),
-                   jax.ShapeDtypeStruct((rows, kv_heads * v_dim), v_pool.dtype)),
-        grid=(-(-rows // block_rows),),
-        num_warps=num_warps,
-        mode=mode,
-        ROWS=rows, NUM_SLOTS=slots, ROW_K=kv_heads * qk_dim, ROW_V=kv_heads * v_dim, BLOCK_ROWS=block_rows, BLOCK_E=block_e,
-    )
-    return k.reshape(rows, kv_heads, qk_dim), v.reshape(rows, kv_heads, v_dim)
-
-
-def kernel_builds():
-    """The Triton builds this path launches (the prefix gather; see jaxattn.aot): 8 KV heads x 128 and 1 x 64 per slot."""
-    from jaxattn.aot import build
-
-    builds = []
-    for dtype in ("bf16", "fp16"):
-        for row in (1024, 64):
-            t = f"*{dtype}"
-            builds.append(build(
-                "gather_prefix", "gather_prefix_kernel",
-                {"SOURCE": "*i32", "KV_INDICES": "*i32", "NEEDED": "*i32", "K_POOL": t, "V_POOL": t, "K_OUT": t, "V_OUT": t},
-                {"ROWS": 135392, "NUM_SLOTS": 2_200_000, "ROW_K": row, "ROW_V": row, "BLOCK_ROWS": _GATHER_ROWS, "BLOCK_E": min(1024, row)},
-                num_warps=4, label=f"{dtype} row {row}",
-            ))
-    return builds
-
-
-@functools.partial(jax.jit, static_argnames=("sm_scale", "config", "mode"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "config"))
 def extend_attention_mgpu(
     q: jax.Array,
     k_new: jax.Array,
@@ -181,7 +116,6 @@ def extend_attention_mgpu(
     *,
     sm_scale: float | None = None,
     config: MgpuExtendConfig | None = None,
-    mode: str | None = None,
 ) -> jax.Array:
     """Causal extend attention (prefix from the pool, new tokens contiguous) with the Hopper Mosaic GPU kernel.
 
@@ -191,8 +125,8 @@ def extend_attention_mgpu(
       k_pool, v_pool: [slots, kv_heads, head_dim]: the cache; meta.kv_indices lists each sequence's prefix slots.
       meta: `ExtendMetadata` from `jaxattn.extend.extend_metadata` (no sliding window).
       sm_scale: default 1 / sqrt(head_dim). config: `MgpuExtendConfig` (default 64 x 128 tiles, 2 stages).
-      mode: launch mode of the prefix gather (a Triton kernel; see `jaxattn.launch`). The attention kernel itself
-        always runs on the GPU.
+      Slots past the pool (or negative) are clamped into it: a bad index reads a wrong row, never outside the pool
+      (`jaxattn.checked` reports them).
 
     Returns:
       o: [tokens, q_heads, head_dim] in q's dtype, as `extend_attention(..., causal=True)`; rows past
@@ -205,25 +139,19 @@ def extend_attention_mgpu(
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
     if tokens == 0 or meta.qo_indptr.shape[0] == 1:
         return jnp.zeros((tokens, q_heads, head_dim), q.dtype)
-    qo_indptr = meta.qo_indptr.astype(jnp.int32)
-    # Mosaic's TMA into 8-row tiles wants arrays of whole 8-row tiles, and a box no taller than its array: pad
-    # (a copy) when tokens is not a multiple of 8 or is below block_kv.
-    rows = max(-(-tokens // 8) * 8, config.block_kv)
+    # Q and O move by TMA in 8-row tiles, which wants an array of whole 8-row tiles no shorter than a block_q box:
+    # pad q (a copy) when tokens is not a multiple of 8 or is below block_q. K/V rows are copied row by row.
+    rows = max(-(-tokens // 8) * 8, config.block_q)
     if rows > tokens:
-        pad = ((0, rows - tokens), (0, 0), (0, 0))
-        q, k_new, v_new = (jnp.pad(x, pad) for x in (q, k_new, v_new))
+        q = jnp.pad(q, ((0, rows - tokens), (0, 0), (0, 0)))
     # Zeros that the kernel overwrites in place (aliased): rows it does not compute stay 0.
     out_ref = jax.new_ref(jnp.zeros((rows, q_heads, head_dim), q.dtype))
-    # V rows past the batch's last token (padding tokens) can be read by the last sequence's diagonal tile; zero
-    # them so that whatever the caller left there cannot turn 0 * V into NaN.
-    v_new = jnp.where((jnp.arange(rows) < qo_indptr[-1])[:, None, None], v_new, jnp.zeros((), v_new.dtype))
-    prefix_start, source = aligned_prefix_layout(meta, config.block_kv)
-    # The kernel reads at most one K tile past the last sequence's prefix.
-    needed = jnp.minimum(prefix_start[-1] + config.block_kv, source.shape[0])
-    k_prefix, v_prefix = gather_prefix(k_pool, v_pool, meta.kv_indices, source, needed, mode=mode)
+    kv_indices = meta.kv_indices
+    if kv_indices.shape[0] == 0:  # a kernel operand needs an address; no row of it is listed
+        kv_indices = jnp.zeros((1,), kv_indices.dtype)
     extend_attention_mgpu_kernel(
-        q, k_new, v_new, k_prefix, v_prefix,
-        qo_indptr, prefix_start, meta.kv_indptr.astype(jnp.int32), out_ref,
+        q, k_new, v_new, k_pool, v_pool, kv_indices,
+        meta.qo_indptr.astype(jnp.int32), meta.kv_indptr.astype(jnp.int32), out_ref,
         max_extend_len=meta.max_extend_len, sm_scale=sm_scale,
         block_q=config.block_q, block_kv=config.block_kv, stages=config.stages,
     )

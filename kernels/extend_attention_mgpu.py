@@ -1,34 +1,48 @@
-"""Causal extend attention for Hopper as a Pallas Mosaic GPU kernel: warp-specialised, TMA-fed, wgmma in registers.
+"""Causal extend attention for Hopper as a Pallas Mosaic GPU kernel: warp-specialised, paged K/V by cp.async, wgmma.
 
-The FlashAttention-3 schedule (the structure of JAX's `pallas/ops/gpu/attention_mgpu.py`), made ragged for serving:
-one CTA = 2 * block_q new tokens of one sequence x one q head, three warpgroups:
+The FlashAttention-3 schedule (the structure of JAX's `pallas/ops/gpu/attention_mgpu.py`), made ragged and paged
+for serving: one CTA = 2 * block_q new tokens of one sequence x one q head, three warpgroups:
 
-* warpgroup 2 (producer, 40 registers) streams the sequence's K/V tiles into a `stages`-deep ring of shared memory
-  with TMA: first the cached prefix (from `k_prefix`/`v_prefix`: the prefix gathered into one contiguous buffer by
-  `kernels/gather_prefix.py`, each sequence from an 8-aligned row), then the new tokens (from `k_new`/`v_new`, rows
-  qo_indptr[b]:...), up to the CTA's last query row (causal);
+* warpgroup 2 (producer, 40 registers) streams the sequence's K/V tiles into a `stages`-deep ring of shared memory:
+  first the cached prefix, row by row from the pool through kv_indices, then the new tokens (k_new/v_new rows
+  qo_indptr[b]:...), up to the CTA's last query row (causal). Hopper's TMA cannot gather single rows, so each of the
+  128 producer threads issues 16-byte `cp.async` copies straight into the 128-byte-swizzled layout wgmma reads
+  (8 threads per 128-byte row segment: coalesced), and a `cp.async.mbarrier.arrive.noinc` per thread completes the
+  tile's barrier when its copies land. The slot numbers of the next tile are loaded while the current one is issued.
 * warpgroups 0 and 1 (consumers, 232 registers) each own block_q query rows: S = Q K^T and O += P V with wgmma (P
   stays in registers), online softmax in base 2 with the scale folded into the exponent's FMA. A shared "schedule"
   barrier alternates their matrix work, so one warpgroup's softmax runs while the other's wgmma does.
 
-Tiles that cross the end of the prefix or the causal diagonal are masked; the others run unmasked. A tile may hold
-rows of the next sequence (or rows past the array, which TMA fills with zeros): their scores are masked, and their V
-rows meet p = 0. The last, partial q tile of a sequence is stored through a ladder of power-of-2 TMA stores, so no
-row of another sequence is overwritten. Shapes: see `extend_attention_mgpu_kernel`.
+Tiles that cross the end of the prefix or the causal diagonal are masked; the others run unmasked. New-key tiles
+start on the 8-row grid the Q tiles use (Mosaic's TMA for Q/O needs provably 8-aligned rows): a tile may hold rows of
+the previous or next sequence; their scores are masked and rows past the batch's tokens are copied as zeros, so V
+rows that meet p = 0 are finite. The last, partial q tile of a sequence is stored through a ladder of power-of-2 TMA
+stores, so no row of another sequence is overwritten. Shapes: see `extend_attention_mgpu_kernel`.
 """
 
 from __future__ import annotations
 
 import functools
 
+import numpy as np
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, llvm, nvvm, vector
 
 LOG2E = 1.4426950408889634
 COMPUTE_WARPGROUPS = 2
+WARPGROUP = 128
+SWIZZLE_BYTES = 128  # one swizzle atom row: 8 x 16-byte chunks; a tile of 8 rows is 1024 bytes
+_SCALAR = plgpu.Layout.WG_SPLAT(())
+_ROW_SOURCES = plgpu.Layout.WG_STRIDED((WARPGROUP,), vec_size=1)  # one i32 per producer thread
+_SWIZZLED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(SWIZZLE_BYTES))  # the K/V/Q tiles wgmma reads
 
 
 def _cdiv(x, d: int):
@@ -40,27 +54,180 @@ def _align8(x):
     return lax.div(x, jnp.int32(8)) * 8
 
 
-def extend_attention_mgpu_kernel(q, k_new, v_new, k_prefix, v_prefix, qo_indptr, prefix_start, kv_indptr, out_ref, *,
+# --- Low-level pieces (Mosaic GPU MLIR through plgpu.inline_mgpu): Pallas has no gather copy on Hopper. ---
+
+def _i32(v):
+    return arith.constant(ir.IntegerType.get_signless(32), v)
+
+
+def _i64(v):
+    return arith.constant(ir.IntegerType.get_signless(64), v)
+
+
+def _scalar(x):
+    """A scalar argument of an inline_mgpu function as an ir.Value (Warpgroup semantics pass it as one already)."""
+    return x.registers.item() if isinstance(x, mgpu.FragmentedArray) else x
+
+
+def _lane_ids():
+    """(warp in the warpgroup, lane) of this thread, i32."""
+    t = arith.remui(mgpu_utils.thread_idx(), _i32(WARPGROUP))
+    return arith.divui(t, _i32(32)), arith.remui(t, _i32(32))
+
+
+def _global_address(memref_value):
+    """The global-space address of a GMEM memref's first element, as an i64."""
+    pointer = llvm.addrspacecast(llvm.PointerType.get(1), mgpu_utils.memref_ptr(memref_value))
+    return llvm.ptrtoint(ir.IntegerType.get_signless(64), pointer)
+
+
+def _barrier_ptr(bars, index):
+    """Pointer to mbarrier `index` of `bars` (an i32 shared-memory buffer, 8 bytes per barrier)."""
+    i64 = ir.IntegerType.get_signless(64)
+    return mgpu_utils.getelementptr(mgpu_utils.memref_ptr(bars), [index], i64)
+
+
+def init_barriers(bars, count: int):
+    """One thread initialises every mbarrier of `bars` to expect `count` arrivals; then the whole CTA syncs."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+    def run(ctx, bars):
+        del ctx
+        n = ir.MemRefType(bars.type).shape[0] // 2
+        first = mgpu_utils.single_thread_predicate(mgpu_utils.ThreadSubset.BLOCK)
+        for i in range(n):
+            nvvm.mbarrier_init(_barrier_ptr(bars, _i32(i)), _i32(count), predicate=first)
+        nvvm.fence_mbarrier_init()
+        mgpu_utils.inline_ptx("bar.sync 0;", has_side_effects=True, convergent=True)  # every warpgroup passes here
+
+    run(bars)
+
+
+def wait_barrier(bars, index, parity):
+    """Blocks until phase `parity` (0/1) of mbarrier `index` of `bars` has completed."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SCALAR, _SCALAR))
+    def run(ctx, bars, index, parity):
+        del ctx
+        nvvm.mbarrier_try_wait_parity(_barrier_ptr(bars, _scalar(index)), _scalar(parity), _i32(10_000_000))
+
+    run(bars, index, parity)
+
+
+def row_sources(kv_indices, from_pool, first, count, *, block_kv: int, pool_rows: int):
+    """The source row of each K/V tile row a producer thread will hand out (see `issue_rows`), as an i32[128]
+    (thread t holds tile row (t // 32) * rows_per_warp + t % rows_per_warp): kv_indices[first + r] clamped into the
+    pool when from_pool, else first + r; -1 for rows r >= count (copied as zeros).
+    """
+    rows_per_warp = block_kv // 4
+    capacity = kv_indices.shape[0]
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SCALAR, _SCALAR, _SCALAR),
+                       return_type=plgpu.ShapeDtypeStruct((WARPGROUP,), jnp.int32, layout=_ROW_SOURCES))
+    def run(ctx, indices, from_pool, first, count):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        from_pool, first, count = _scalar(from_pool), _scalar(first), _scalar(count)
+        warp, lane = _lane_ids()
+        row = arith.addi(arith.muli(warp, _i32(rows_per_warp)), arith.remui(lane, _i32(rows_per_warp)))
+        position = arith.addi(first, row)
+        listed = arith.cmpi(arith.CmpIPredicate.slt, row, count)
+        # Always a valid address: the load happens for new-token tiles too (its value is then unused).
+        safe = arith.maxsi(arith.minsi(position, _i32(capacity - 1)), _i32(0))
+        index_type = ir.MemRefType(indices.type).element_type
+        pointer = llvm.inttoptr(llvm.PointerType.get(1), _global_address(indices))
+        slot = llvm.load(index_type, mgpu_utils.getelementptr(pointer, [safe], index_type))
+        if ir.IntegerType(index_type).width == 64:  # clamp before narrowing: an out-of-range slot reads a pool row
+            slot = arith.trunci(i32, arith.maxsi(arith.minsi(slot, _i64(pool_rows - 1)), _i64(0)))
+        else:
+            slot = arith.maxsi(arith.minsi(slot, _i32(pool_rows - 1)), _i32(0))
+        source = arith.select(from_pool, slot, position)
+        source = arith.select(listed, source, _i32(-1))
+        return mgpu.FragmentedArray(
+            _registers=np.array([vector.broadcast(ir.VectorType.get((1,), i32), source)], dtype=object),
+            _layout=_ROW_SOURCES.to_mgpu(), _is_signed=True)
+
+    return run(kv_indices, from_pool, first, count)
+
+
+def issue_rows(new_ref, pool_ref, smem, bars, sources, from_pool, slot, barrier, kv_head, *, block_kv: int, head_dim: int):
+    """Starts the cp.async copies of one K or V tile into ring slot `slot` of `smem` ([stages, block_kv, head_dim],
+    (8, 64)-tiled, 128-byte swizzled): tile row r <- row sources[r] (as `row_sources` lays them out) of pool_ref
+    when from_pool, else of new_ref, head kv_head; zeros where the source is -1. Then each thread's
+    `cp.async.mbarrier.arrive.noinc` on mbarrier `barrier` (which expects 128 arrivals) fires when its copies land.
+
+    Thread (warp w, lane l) copies the 16-byte chunk l % 8 of each 128-byte segment of rows w * rows_per_warp +
+    4p + l // 8: 8 threads per contiguous segment, so each warp instruction reads 4 whole 128-byte lines.
+    """
+    rows_per_warp = block_kv // 4
+    segments = head_dim * 2 // SWIZZLE_BYTES  # (8, 64) column tiles per row (16-bit elements)
+    kv_heads = new_ref.shape[1]
+    row_bytes = kv_heads * head_dim * 2
+    slot_bytes = block_kv * head_dim * 2
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(_SWIZZLED), plgpu.RefType(), _ROW_SOURCES)
+                       + (_SCALAR,) * 4)
+    def run(ctx, new, pool, smem, bars, sources, from_pool, slot, barrier, kv_head):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        i64 = ir.IntegerType.get_signless(64)
+        from_pool, slot, barrier, kv_head = (_scalar(x) for x in (from_pool, slot, barrier, kv_head))
+        my_source = vector.extract(sources.registers.flat[0], [], [0])
+        warp, lane = _lane_ids()
+        chunk = arith.remui(lane, _i32(8))
+        lane_row = arith.divui(lane, _i32(8))
+        base = arith.select(from_pool, _global_address(pool), _global_address(new))
+        head_offset = arith.extui(i64, arith.addi(arith.muli(kv_head, _i32(head_dim * 2)), arith.muli(chunk, _i32(16))))
+        base = arith.addi(base, head_offset)
+        smem_base = mgpu_utils.getelementptr(
+            mgpu_utils.memref_ptr(smem), [arith.muli(slot, _i32(slot_bytes))], ir.IntegerType.get_signless(8))
+        full = _i32(0xFFFFFFFF)
+        for p in range(rows_per_warp // 4):
+            holder = arith.addi(_i32(4 * p), lane_row)  # the lane that loaded this row's source
+            source = nvvm.shfl_sync(full, my_source, holder, _i32(0x1F), nvvm.ShflKind.idx)
+            valid = arith.cmpi(arith.CmpIPredicate.sge, source, _i32(0))
+            source = arith.extui(i64, arith.maxsi(source, _i32(0)))
+            gmem = arith.addi(base, arith.muli(source, _i64(row_bytes)))
+            row = arith.addi(arith.muli(warp, _i32(rows_per_warp)), holder)
+            row_in_tile = arith.remui(row, _i32(8))
+            swizzled = arith.muli(arith.xori(chunk, row_in_tile), _i32(16))
+            in_atom = arith.addi(arith.muli(row_in_tile, _i32(SWIZZLE_BYTES)), swizzled)
+            size = arith.select(valid, _i32(16), _i32(0))  # 0: the copy writes 16 zero bytes
+            for s in range(segments):
+                tile = arith.addi(arith.muli(arith.divui(row, _i32(8)), _i32(segments)), _i32(s))
+                dst = mgpu_utils.getelementptr(smem_base, [arith.addi(arith.muli(tile, _i32(1024)), in_atom)],
+                                               ir.IntegerType.get_signless(8))
+                src = llvm.inttoptr(llvm.PointerType.get(1), arith.addi(gmem, _i64(s * SWIZZLE_BYTES)))
+                nvvm.cp_async_shared_global(dst, src, 16, nvvm.LoadCacheModifierKind.CG, cp_size=size)
+        nvvm.cp_async_mbarrier_arrive(_barrier_ptr(bars, barrier), noinc=True)
+
+    run(new_ref, pool_ref, smem, bars, sources, from_pool, slot, barrier, kv_head)
+
+
+def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo_indptr, kv_indptr, out_ref, *,
                                  max_extend_len, sm_scale, block_q, block_kv, stages):
     """Runs the kernel; writes `out_ref` in place (rows it does not own are left as they were).
 
-    q: [tokens, q_heads, head_dim]; k_new/v_new: [tokens, kv_heads, head_dim] (same rows as q);
-    k_prefix/v_prefix: [prefix_rows, kv_heads, head_dim]: sequence b's cached keys at rows prefix_start[b]: (a
-      multiple of 8) + its prefix length kv_indptr[b+1] - kv_indptr[b], zeros after it up to the next sequence;
-    qo_indptr, prefix_start, kv_indptr: i32[batch + 1]; out_ref: a Ref of [tokens, q_heads, head_dim] in q's dtype.
-    head_dim a multiple of 64 (<= 128: the accumulators of both consumer warpgroups live in registers).
+    q: [q_rows, q_heads, head_dim] (q_rows a multiple of 8, >= block_kv: Q/O move by TMA in 8-row tiles);
+    k_new/v_new: [tokens, kv_heads, head_dim] (token i's K/V; tokens <= q_rows);
+    k_pool/v_pool: [slots, kv_heads, head_dim]; kv_indices: i32/i64[capacity]: sequence b's prefix slots at
+      kv_indptr[b]:kv_indptr[b+1]; qo_indptr, kv_indptr: i32[batch + 1]; out_ref: a Ref of q's shape and dtype.
+    head_dim 64 or 128 (the accumulators of both consumer warpgroups live in registers); block_kv 64 or 128.
     """
-    tokens, q_heads, head_dim = q.shape
-    kv_heads = k_new.shape[1]
+    q_rows, q_heads, head_dim = q.shape
+    tokens, kv_heads = k_new.shape[:2]
+    pool_rows = k_pool.shape[0]
     batch = qo_indptr.shape[0] - 1
     group = q_heads // kv_heads
     dtype = q.dtype
     cta_rows = COMPUTE_WARPGROUPS * block_q
     q_tiles = -(-(max_extend_len + 7) // cta_rows)  # + 7: tiles start up to 7 rows before a sequence
     scale_log2 = float(sm_scale) * LOG2E
+    copy = dict(block_kv=block_kv, head_dim=head_dim)
 
-    def body(qo_indptr_ref, prefix_start_ref, kv_indptr_ref, q_ref, k_new_ref, v_new_ref, k_pre_ref, v_pre_ref, out_gmem, scoped):
-        (qo_smem2, o_rows_smem2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free), schedule = scoped
+    def body(qo_indptr_ref, kv_indptr_ref, kv_indices_ref, q_ref, k_new_ref, v_new_ref, k_pool_ref, v_pool_ref,
+             out_gmem, scoped):
+        (qo_smem2, o_rows_smem2, k_smem, v_smem, kv_bars), q_ready, (k_free, v_free), schedule = scoped
         head = lax.axis_index("heads")
         seq = lax.axis_index("seq")
         # Reversed: the q tiles with the most causal work start first, the short ones fill the tail.
@@ -74,8 +241,9 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_prefix, v_prefix, qo_indptr,
         # the first tile belong to the previous sequence and are masked (as keys) and not stored (as queries).
         base = _align8(q_start)
         lead = q_start - base
-        pre_start = _align8(prefix_start_ref[seq])  # a multiple of 8 already: this form lets Mosaic see it
-        prefix_len = kv_indptr_ref[seq + 1] - kv_indptr_ref[seq]
+        kv_start = kv_indptr_ref[seq]
+        prefix_len = kv_indptr_ref[seq + 1] - kv_start
+        token_end = jnp.minimum(qo_indptr_ref[batch], tokens)  # rows of k_new/v_new past it are copied as zeros
         cta_row = base + tile * cta_rows  # first (absolute) query row of this CTA
         pre_steps = _cdiv(prefix_len, block_kv)
         # K/V tiles the CTA needs: the whole prefix, then new keys up to its last valid row.
@@ -85,8 +253,15 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_prefix, v_prefix, qo_indptr,
             plgpu.barrier_arrive(schedule)
             plgpu.barrier_wait(schedule)
 
+        def wait_ready(which, step):
+            # Tile `step` sits in slot step % stages; its barrier completes once per use of the slot.
+            wait_barrier(kv_bars, which * stages + lax.rem(step, jnp.int32(stages)),
+                         lax.rem(lax.div(step, jnp.int32(stages)), jnp.int32(2)))
+
         @pl.when((cta_row < q_end) & (q_start < q_end))
         def _cta():
+            init_barriers(kv_bars, WARPGROUP)  # K then V barrier of each slot: one arrival per producer thread
+
             @pl.when(wg < COMPUTE_WARPGROUPS)
             def _consumer():
                 plgpu.set_max_registers(232, action="increase")
@@ -108,7 +283,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_prefix, v_prefix, qo_indptr,
                 l_i = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
                 acc = plgpu.layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-                plgpu.barrier_wait(k_ready.at[0])
+                wait_ready(0, jnp.int32(0))
                 pl.when(wg == 1)(schedule_sync)
 
                 def kv_step(step, carry, mask_kind=None):
@@ -140,7 +315,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_prefix, v_prefix, qo_indptr,
                     p16 = p.astype(dtype)
                     acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
                     plgpu.barrier_arrive(schedule)  # softmax done
-                    plgpu.barrier_wait(v_ready.at[slot])
+                    wait_ready(1, step)
                     plgpu.barrier_wait(schedule)  # the other warpgroup's matrix work is issued
 
                     def pv(acc_ref):
@@ -149,7 +324,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_prefix, v_prefix, qo_indptr,
 
                         @pl.when(next_step < wg_steps)
                         def _():
-                            plgpu.barrier_wait(k_ready.at[lax.rem(next_step, jnp.int32(stages))])
+                            wait_ready(0, next_step)
 
                     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                     plgpu.barrier_arrive(v_free.at[slot])
@@ -211,45 +386,51 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_prefix, v_prefix, qo_indptr,
                 plgpu.set_max_registers(40, action="decrease")
                 kv_head = lax.div(head, jnp.int32(group))
 
-                def load(step, slot, new_ref, pre_ref, smem, ready):
-                    @pl.when(step < pre_steps)
-                    def _():
-                        rows = pl.ds(pre_start + step * block_kv, block_kv)
-                        plgpu.copy_gmem_to_smem(pre_ref.at[rows, kv_head], smem.at[slot], ready.at[slot])
+                def sources_of(step):
+                    # Prefix tiles: slots kv_indices[kv_start + step * block_kv + r]; new-key tiles: rows from base.
+                    from_pool = step < pre_steps
+                    new_first = base + (step - pre_steps) * block_kv
+                    first = jnp.where(from_pool, kv_start + step * block_kv, new_first)
+                    count = jnp.where(from_pool, prefix_len - step * block_kv, token_end - new_first)
+                    return row_sources(kv_indices_ref, from_pool, first, count, block_kv=block_kv, pool_rows=pool_rows)
 
-                    @pl.when(step >= pre_steps)
-                    def _():
-                        rows = pl.ds(base + (step - pre_steps) * block_kv, block_kv)
-                        plgpu.copy_gmem_to_smem(new_ref.at[rows, kv_head], smem.at[slot], ready.at[slot])
-
-                for i in range(stages):
-                    @pl.when(i < cta_steps)
-                    def _(i=i):
-                        load(jnp.int32(i), i, k_new_ref, k_pre_ref, k_smem, k_ready)
-                        load(jnp.int32(i), i, v_new_ref, v_pre_ref, v_smem, v_ready)
-
-                @pl.loop(stages, jnp.maximum(cta_steps, stages))
-                def _(step):
+                def issue(step, sources):
                     slot = lax.rem(step, jnp.int32(stages))
-                    plgpu.barrier_wait(k_free.at[slot])
-                    load(step, slot, k_new_ref, k_pre_ref, k_smem, k_ready)
-                    plgpu.barrier_wait(v_free.at[slot])
-                    load(step, slot, v_new_ref, v_pre_ref, v_smem, v_ready)
+                    from_pool = step < pre_steps
 
-    def entry(qo_indptr_ref, prefix_start_ref, kv_indptr_ref, q_ref, k_new_ref, v_new_ref, k_pre_ref, v_pre_ref, out_gmem):
-        swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+                    @pl.when(step >= stages)
+                    def _():
+                        plgpu.barrier_wait(k_free.at[slot])
+
+                    issue_rows(k_new_ref, k_pool_ref, k_smem, kv_bars, sources, from_pool, slot, slot, kv_head, **copy)
+
+                    @pl.when(step >= stages)
+                    def _():
+                        plgpu.barrier_wait(v_free.at[slot])
+
+                    issue_rows(v_new_ref, v_pool_ref, v_smem, kv_bars, sources, from_pool, slot, stages + slot, kv_head,
+                               **copy)
+
+                def step_body(step, sources):
+                    next_sources = sources_of(step + 1)  # its loads overlap this tile's waits and copies
+                    issue(step, sources)
+                    return next_sources
+
+                lax.fori_loop(0, cta_steps, step_body, sources_of(jnp.int32(0)))
+
+    def entry(qo_indptr_ref, kv_indptr_ref, kv_indices_ref, q_ref, k_new_ref, v_new_ref, k_pool_ref, v_pool_ref, out_gmem):
         smem = (
-            plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), dtype, transforms=swizzled),  # Q, then O
+            plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), dtype, transforms=_SWIZZLED),  # Q, then O
             plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), dtype),  # O of a partial tile (row-sliceable)
-            plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=swizzled),
-            plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=swizzled),
+            plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=_SWIZZLED),
+            plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=_SWIZZLED),
+            plgpu.SMEM((2 * stages * 2,), jnp.int32),  # mbarriers (8 bytes each): K ready, V ready per slot
         )
         pl.run_scoped(
-            lambda *scoped: body(qo_indptr_ref, prefix_start_ref, kv_indptr_ref, q_ref, k_new_ref, v_new_ref, k_pre_ref, v_pre_ref,
-                                 out_gmem, scoped),
+            lambda *scoped: body(qo_indptr_ref, kv_indptr_ref, kv_indices_ref, q_ref, k_new_ref, v_new_ref, k_pool_ref,
+                                 v_pool_ref, out_gmem, scoped),
             smem,
-            (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
-             plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS)),
+            plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS),
             (plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages),) * 2,
             plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),
             collective_axes="wg",
@@ -263,4 +444,4 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_prefix, v_prefix, qo_indptr,
         num_threads=COMPUTE_WARPGROUPS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(qo_indptr, prefix_start, kv_indptr, q, k_new, v_new, k_prefix, v_prefix, out_ref)
+    )(qo_indptr, kv_indptr, kv_indices, q, k_new, v_new, k_pool, v_pool, out_ref)

@@ -11,23 +11,14 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from jaxattn import extend_mgpu
 from jaxattn.extend import extend_metadata
 from jaxattn.extend_mgpu import MgpuExtendConfig, extend_attention_mgpu
 
 
-def _gather_prefix_stand_in(k_pool, v_pool, kv_indices, source, needed_rows, mode=None):
-    # The Triton gather runs through the interpreter's host callback here, which does not lower for CUDA: a jnp
-    # gather of the same shapes stands in (this script checks the Mosaic GPU kernel).
-    slots = jnp.take(kv_indices, jnp.maximum(source, 0))
-    return jnp.take(k_pool, slots, axis=0), jnp.take(v_pool, slots, axis=0)
-
-
-extend_mgpu.gather_prefix = _gather_prefix_stand_in
-
 SHAPES = [  # label, tokens, q heads, kv heads, head dim, dtype, config
     ("gqa-128-bf16", 300, 8, 2, 128, jnp.bfloat16, MgpuExtendConfig()),
     ("mha-128-f16-kv64s3", 512, 4, 4, 128, jnp.float16, MgpuExtendConfig(block_kv=64, stages=3)),
+    ("gqa-128-bf16-short", 5, 4, 2, 128, jnp.bfloat16, MgpuExtendConfig()),
     ("gqa-64-bf16", 40, 4, 1, 64, jnp.bfloat16, MgpuExtendConfig()),
 ]
 

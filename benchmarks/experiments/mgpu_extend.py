@@ -1,9 +1,8 @@
 """Experiment (H200): the Mosaic GPU extend kernel (jaxattn.extend_mgpu) beside the Triton two-stage kernel.
 
 On E1-E3 (and T64 for 64-dim heads): every variant is checked against the jnp reference (worst |err| / bf16
-tolerance) before timing, then timed in interleaved rounds. Also times the XLA-side work of the Mosaic GPU path
-alone (the Triton prefix gather into the 8-aligned buffer, V padding rows zeroed, output zeros); small ops timed alone
-measure the host's dispatch more than the GPU, so that row is an upper bound: mgpu_overhead.py measures it GPU-bound.
+tolerance) before timing, then timed in interleaved rounds. (Until 726e5bf the kernel read a gathered copy of the
+prefix and this script also timed that copy's XLA side; `results/2026-12-03_h200_mgpu_overhead.log` measured it.)
 Writes $OUT/mgpu_extend.json. Usage: python benchmarks/experiments/mgpu_extend.py [E1 E2 E3 T64]
 """
 import json, os, statistics, sys, time
@@ -11,26 +10,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import jax, jax.numpy as jnp
 import numpy as np
 from jaxattn import bench, testing
-from jaxattn.extend_mgpu import MgpuExtendConfig, aligned_prefix_layout, gather_prefix
+from jaxattn.extend_mgpu import MgpuExtendConfig
 
 out_dir = os.environ.get("OUT", "/tmp")
 rounds = int(os.environ.get("ROUNDS", "2"))
 # (block_q, block_kv, stages); VARIANTS="64x128s2,64x64s4" picks others.
 variants = [tuple(int(x) for x in v.replace("x", " ").replace("s", " ").split()) for v in os.environ.get("VARIANTS", "64x128s2").split(",")]
 rows = []
-
-
-def overhead_fn(inp):
-    meta = bench.extend_meta(inp)
-
-    @jax.jit
-    def xla_side(k_pool, v_pool, v_new, q, meta):
-        start, source = aligned_prefix_layout(meta, 128)
-        v_clean = jnp.where((jnp.arange(v_new.shape[0]) < meta.qo_indptr[-1])[:, None, None], v_new, 0)
-        k, v = gather_prefix(k_pool, v_pool, meta.kv_indices, source, jnp.minimum(start[-1] + 128, source.shape[0]))
-        return k, v, v_clean, jnp.zeros_like(q)
-
-    return lambda: xla_side(inp.k_pool, inp.v_pool, inp.v_new, inp.q, meta)
 
 
 for name in sys.argv[1:] or ["E1", "E2", "E3"]:
@@ -59,7 +45,6 @@ for name in sys.argv[1:] or ["E1", "E2", "E3"]:
         except Exception as e:
             print(f"{name} {label}: FAILED {type(e).__name__}: {str(e)[:1500]}", flush=True)
             rows.append(dict(case=name, variant=label, error=f"{type(e).__name__}: {str(e)[:300]}"))
-    fns["xla side of mgpu (gather, zeros)"] = (overhead_fn(inp), None)
     samples = {k: [] for k in fns}
     for _ in range(rounds):
         for label, (fn, _) in fns.items():

@@ -154,5 +154,7 @@ def extend_attention_mgpu(
         meta.qo_indptr.astype(jnp.int32), meta.kv_indptr.astype(jnp.int32), out_ref,
         max_extend_len=meta.max_extend_len, sm_scale=sm_scale,
         block_q=config.block_q, block_kv=config.block_kv, stages=config.stages,
+        # Whole new-key tiles by TMA where Mosaic allows it (an array of whole 8-row tiles, no shorter than a box).
+        tma_new_tiles=tokens % 8 == 0 and tokens >= config.block_kv,
     )
     return out_ref[...][:tokens]

@@ -205,7 +205,7 @@ def issue_rows(new_ref, pool_ref, smem, bars, sources, from_pool, slot, barrier,
 
 
 def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo_indptr, kv_indptr, out_ref, *,
-                                 max_extend_len, sm_scale, block_q, block_kv, stages):
+                                 max_extend_len, sm_scale, block_q, block_kv, stages, tma_new_tiles):
     """Runs the kernel; writes `out_ref` in place (rows it does not own are left as they were).
 
     q: [q_rows, q_heads, head_dim] (q_rows a multiple of 8, >= block_kv: Q/O move by TMA in 8-row tiles);
@@ -213,6 +213,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
     k_pool/v_pool: [slots, kv_heads, head_dim]; kv_indices: i32/i64[capacity]: sequence b's prefix slots at
       kv_indptr[b]:kv_indptr[b+1]; qo_indptr, kv_indptr: i32[batch + 1]; out_ref: a Ref of q's shape and dtype.
     head_dim 64 or 128 (the accumulators of both consumer warpgroups live in registers); block_kv 64 or 128.
+    tma_new_tiles: load new-key tiles that lie wholly before the batch's last token by TMA (needs tokens a multiple
+      of 8 and >= block_kv: Mosaic's TMA moves whole 8-row tiles, no taller than the array); the others by cp.async.
     """
     q_rows, q_heads, head_dim = q.shape
     tokens, kv_heads = k_new.shape[:2]
@@ -227,7 +229,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
 
     def body(qo_indptr_ref, kv_indptr_ref, kv_indices_ref, q_ref, k_new_ref, v_new_ref, k_pool_ref, v_pool_ref,
              out_gmem, scoped):
-        (qo_smem2, o_rows_smem2, k_smem, v_smem, kv_bars), q_ready, (k_free, v_free), schedule = scoped
+        (qo_smem2, o_rows_smem2, k_smem, v_smem, kv_bars), (k_ready, v_ready, q_ready), (k_free, v_free), schedule = scoped
         head = lax.axis_index("heads")
         seq = lax.axis_index("seq")
         # Reversed: the q tiles with the most causal work start first, the short ones fill the tail.
@@ -253,10 +255,31 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
             plgpu.barrier_arrive(schedule)
             plgpu.barrier_wait(schedule)
 
-        def wait_ready(which, step):
-            # Tile `step` sits in slot step % stages; its barrier completes once per use of the slot.
-            wait_barrier(kv_bars, which * stages + lax.rem(step, jnp.int32(stages)),
-                         lax.rem(lax.div(step, jnp.int32(stages)), jnp.int32(2)))
+        # New-key tiles wholly before token_end come by TMA (their rows are provably 8-aligned: base is): new tiles
+        # [0, tma_tiles). The prefix tiles and the new tiles from tma_tiles on (they reach past token_end: rows
+        # zero-filled) come by cp.async. Steps [pre_steps, tail_step) are the TMA ones.
+        tma_tiles = jnp.maximum(lax.div(token_end - base, jnp.int32(block_kv)), 0) if tma_new_tiles else 0
+        tail_step = pre_steps + tma_tiles
+
+        def by_tma(step):
+            return (step >= pre_steps) & (step < tail_step)
+
+        def cp_async_uses(step, slot):
+            # cp.async steps before `step` that used `slot` (each completes the slot's mbarrier once).
+            def count(end):  # steps m in [0, end) with m % stages == slot
+                return lax.div(jnp.maximum(end - slot, 0) + (stages - 1), jnp.int32(stages))
+            return count(jnp.minimum(step, pre_steps)) + count(jnp.maximum(step, tail_step)) - count(tail_step)
+
+        def wait_ready(which, step, ready):
+            # Tile `step` sits in slot step % stages. A TMA tile completes Pallas' barrier `ready` of the slot (Pallas
+            # tracks its phase); a cp.async tile completes the slot's own mbarrier in kv_bars (phase: its use count).
+            slot = lax.rem(step, jnp.int32(stages))
+            cp_async = lambda: wait_barrier(kv_bars, which * stages + slot, lax.rem(cp_async_uses(step, slot), 2))
+            if not tma_new_tiles:
+                return cp_async()
+            tma = by_tma(step)
+            pl.when(tma)(lambda: plgpu.barrier_wait(ready.at[slot]))
+            pl.when(jnp.logical_not(tma))(cp_async)
 
         @pl.when((cta_row < q_end) & (q_start < q_end))
         def _cta():
@@ -283,7 +306,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                 l_i = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
                 acc = plgpu.layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-                wait_ready(0, jnp.int32(0))
+                wait_ready(0, jnp.int32(0), k_ready)
                 pl.when(wg == 1)(schedule_sync)
 
                 def kv_step(step, carry, mask_kind=None):
@@ -315,7 +338,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     p16 = p.astype(dtype)
                     acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
                     plgpu.barrier_arrive(schedule)  # softmax done
-                    wait_ready(1, step)
+                    wait_ready(1, step, v_ready)
                     plgpu.barrier_wait(schedule)  # the other warpgroup's matrix work is issued
 
                     def pv(acc_ref):
@@ -324,7 +347,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
 
                         @pl.when(next_step < wg_steps)
                         def _():
-                            wait_ready(0, next_step)
+                            wait_ready(0, next_step, k_ready)
 
                     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                     plgpu.barrier_arrive(v_free.at[slot])
@@ -397,19 +420,25 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                 def issue(step, sources):
                     slot = lax.rem(step, jnp.int32(stages))
                     from_pool = step < pre_steps
+                    tma = by_tma(step)
+                    rows = pl.ds(base + (step - pre_steps) * block_kv, block_kv)
 
-                    @pl.when(step >= stages)
-                    def _():
-                        plgpu.barrier_wait(k_free.at[slot])
+                    def load(which, new_ref, pool_ref, smem, free, ready):
+                        @pl.when(step >= stages)
+                        def _():
+                            plgpu.barrier_wait(free.at[slot])
 
-                    issue_rows(k_new_ref, k_pool_ref, k_smem, kv_bars, sources, from_pool, slot, slot, kv_head, **copy)
+                        def cp_async():
+                            issue_rows(new_ref, pool_ref, smem, kv_bars, sources, from_pool, slot, which * stages + slot,
+                                       kv_head, **copy)
 
-                    @pl.when(step >= stages)
-                    def _():
-                        plgpu.barrier_wait(v_free.at[slot])
+                        if not tma_new_tiles:
+                            return cp_async()
+                        pl.when(tma)(lambda: plgpu.copy_gmem_to_smem(new_ref.at[rows, kv_head], smem.at[slot], ready.at[slot]))
+                        pl.when(jnp.logical_not(tma))(cp_async)
 
-                    issue_rows(v_new_ref, v_pool_ref, v_smem, kv_bars, sources, from_pool, slot, stages + slot, kv_head,
-                               **copy)
+                    load(0, k_new_ref, k_pool_ref, k_smem, k_free, k_ready)
+                    load(1, v_new_ref, v_pool_ref, v_smem, v_free, v_ready)
 
                 def step_body(step, sources):
                     next_sources = sources_of(step + 1)  # its loads overlap this tile's waits and copies
@@ -430,7 +459,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
             lambda *scoped: body(qo_indptr_ref, kv_indptr_ref, kv_indices_ref, q_ref, k_new_ref, v_new_ref, k_pool_ref,
                                  v_pool_ref, out_gmem, scoped),
             smem,
-            plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS),
+            (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+             plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS)),
             (plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages),) * 2,
             plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),
             collective_axes="wg",

@@ -16,10 +16,10 @@ from jaxattn.extend_mgpu import MgpuExtendConfig, extend_attention_mgpu
 
 
 SHAPES = [  # label, tokens, q heads, kv heads, head dim, dtype, config
-    ("gqa-128-bf16", 300, 8, 2, 128, jnp.bfloat16, MgpuExtendConfig()),
+    ("gqa-128-bf16", 300, 8, 2, 128, jnp.bfloat16, MgpuExtendConfig()),  # every K/V tile by cp.async
     ("mha-128-f16-kv64s3", 512, 4, 4, 128, jnp.float16, MgpuExtendConfig(block_kv=64, stages=3)),
     ("gqa-128-bf16-short", 5, 4, 2, 128, jnp.bfloat16, MgpuExtendConfig()),
-    ("gqa-64-bf16", 40, 4, 1, 64, jnp.bfloat16, MgpuExtendConfig()),
+    ("gqa-64-bf16", 256, 4, 1, 64, jnp.bfloat16, MgpuExtendConfig()),  # tokens % 8 == 0: new tiles by TMA
 ]
 
 

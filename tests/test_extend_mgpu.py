@@ -37,12 +37,19 @@ SHAPES = [
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{jnp.dtype(s[0]).name}-{s[1]}x{s[2]}-{s[3]}-{len(s[4])}seq")
 @pytest.mark.gpu
 @needs_hopper
-def test_matches_reference(rng, shape):
+@pytest.mark.parametrize("whole_tiles", [False, True], ids=["tokens-odd", "tokens-x8"])
+def test_matches_reference(rng, shape, whole_tiles):
+    # tokens-odd: every K/V tile by cp.async. tokens-x8 (padded with NaN tokens to a multiple of 8): new-key tiles
+    # wholly inside the batch by TMA, the tail tile by cp.async with its padding rows zero-filled.
     dtype, hq, hkv, d, prefix_lens, extend_lens, config = shape
     batch = make_batch(rng, prefix_lens, extend_lens, hq=hq, hkv=hkv, dqk=d, dtype=dtype, max_extend_len=max(extend_lens) + 9)
-    o = extend_attention_mgpu(batch.q, batch.k_new, batch.v_new, batch.k_pool, batch.v_pool, batch.meta, config=config)
-    assert o.shape == batch.q.shape and o.dtype == dtype
-    assert_output(o, ref_two_stage(batch), batch, dtype)
+    q, k_new, v_new = batch.q, batch.k_new, batch.v_new
+    if whole_tiles:
+        pad = ((0, -q.shape[0] % 8), (0, 0), (0, 0))
+        q, k_new, v_new = (jnp.pad(x, pad, constant_values=jnp.nan) for x in (q, k_new, v_new))
+    o = extend_attention_mgpu(q, k_new, v_new, batch.k_pool, batch.v_pool, batch.meta, config=config)
+    assert o.shape == q.shape and o.dtype == dtype
+    assert_output(o, ref_two_stage(batch), batch, dtype)  # rows past batch.tokens (padding) must be 0
 
 
 @pytest.mark.gpu

@@ -5,10 +5,12 @@ for serving: one CTA = 2 * block_q new tokens of one sequence x one q head, thre
 
 * warpgroup 2 (producer, 40 registers) streams the sequence's K/V tiles into a `stages`-deep ring of shared memory:
   first the cached prefix, row by row from the pool through kv_indices, then the new tokens (k_new/v_new rows
-  qo_indptr[b]:...), up to the CTA's last query row (causal). Hopper's TMA cannot gather single rows, so each of the
-  128 producer threads issues 16-byte `cp.async` copies straight into the 128-byte-swizzled layout wgmma reads
-  (8 threads per 128-byte row segment: coalesced), and a `cp.async.mbarrier.arrive.noinc` per thread completes the
-  tile's barrier when its copies land. The slot numbers of the next tile are loaded while the current one is issued.
+  qo_indptr[b]:...), up to the CTA's last query row (causal). Hopper's TMA cannot gather single rows, so for prefix
+  tiles each of the 128 producer threads issues 16-byte `cp.async` copies straight into the 128-byte-swizzled layout
+  wgmma reads (8 threads per 128-byte row segment: coalesced), and a `cp.async.mbarrier.arrive.noinc` per thread
+  completes the tile's mbarrier when its copies land; the slots of the next tile are loaded while the current one is
+  issued. New-token tiles are contiguous: TMA loads them when the arrays allow (`tma_new_tiles`), cp.async otherwise
+  and for a tile that reaches past the batch's last token (its rows past it are zero-filled).
 * warpgroups 0 and 1 (consumers, 232 registers) each own block_q query rows: S = Q K^T and O += P V with wgmma (P
   stays in registers), online softmax in base 2 with the scale folded into the exponent's FMA. A shared "schedule"
   barrier alternates their matrix work, so one warpgroup's softmax runs while the other's wgmma does.
@@ -208,7 +210,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                                  max_extend_len, sm_scale, block_q, block_kv, stages, tma_new_tiles):
     """Runs the kernel; writes `out_ref` in place (rows it does not own are left as they were).
 
-    q: [q_rows, q_heads, head_dim] (q_rows a multiple of 8, >= block_kv: Q/O move by TMA in 8-row tiles);
+    q: [q_rows, q_heads, head_dim] (q_rows a multiple of 8, >= block_q: Q/O move by TMA in 8-row tiles);
     k_new/v_new: [tokens, kv_heads, head_dim] (token i's K/V; tokens <= q_rows);
     k_pool/v_pool: [slots, kv_heads, head_dim]; kv_indices: i32/i64[capacity]: sequence b's prefix slots at
       kv_indptr[b]:kv_indptr[b+1]; qo_indptr, kv_indptr: i32[batch + 1]; out_ref: a Ref of q's shape and dtype.

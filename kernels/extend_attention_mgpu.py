@@ -206,6 +206,18 @@ def issue_rows(new_ref, pool_ref, smem, bars, sources, from_pool, slot, barrier,
     run(new_ref, pool_ref, smem, bars, sources, from_pool, slot, barrier, kv_head)
 
 
+def cp_async_uses(step, slot, *, pre_steps, tail_step, stages: int):
+    """How many cp.async tiles before `step` used ring slot `slot` (= step % stages). Each completes the slot's
+    mbarrier once, so this count's parity is the phase tile `step` waits for. The cp.async steps are [0, pre_steps)
+    (the prefix) and [tail_step, ...) (new-key tiles past the TMA ones); the steps between come by TMA. Any number of
+    tail tiles is counted right: bad metadata must not leave a wait on a phase that never comes (a hang).
+    """
+    def count(end):  # steps m in [0, end) with m % stages == slot
+        return lax.div(jnp.maximum(end - slot, 0) + (stages - 1), jnp.int32(stages))
+
+    return count(jnp.minimum(step, pre_steps)) + count(jnp.maximum(step, tail_step)) - count(tail_step)
+
+
 def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo_indptr, kv_indptr, out_ref, *,
                                  max_extend_len, sm_scale, block_q, block_kv, stages, tma_new_tiles):
     """Runs the kernel; writes `out_ref` in place (rows it does not own are left as they were).
@@ -266,17 +278,12 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
         def by_tma(step):
             return (step >= pre_steps) & (step < tail_step)
 
-        def cp_async_uses(step, slot):
-            # cp.async steps before `step` that used `slot` (each completes the slot's mbarrier once).
-            def count(end):  # steps m in [0, end) with m % stages == slot
-                return lax.div(jnp.maximum(end - slot, 0) + (stages - 1), jnp.int32(stages))
-            return count(jnp.minimum(step, pre_steps)) + count(jnp.maximum(step, tail_step)) - count(tail_step)
-
         def wait_ready(which, step, ready):
             # Tile `step` sits in slot step % stages. A TMA tile completes Pallas' barrier `ready` of the slot (Pallas
             # tracks its phase); a cp.async tile completes the slot's own mbarrier in kv_bars (phase: its use count).
             slot = lax.rem(step, jnp.int32(stages))
-            cp_async = lambda: wait_barrier(kv_bars, which * stages + slot, lax.rem(cp_async_uses(step, slot), 2))
+            uses = cp_async_uses(step, slot, pre_steps=pre_steps, tail_step=tail_step, stages=stages)
+            cp_async = lambda: wait_barrier(kv_bars, which * stages + slot, lax.rem(uses, 2))
             if not tma_new_tiles:
                 return cp_async()
             tma = by_tma(step)

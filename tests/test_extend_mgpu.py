@@ -106,6 +106,22 @@ def test_rows_past_max_extend_len_are_zero(rng):
     np.testing.assert_array_equal(o[240:], 0.0)
 
 
+def test_cp_async_phase_counts():
+    # The kernel's own phase arithmetic (runs on CPU): against counting the cp.async steps one by one, for prefix
+    # lengths, TMA ranges (empty included) and any number of tail tiles.
+    from jaxattn.kernels.extend_attention_mgpu import cp_async_uses
+
+    for stages in (2, 3, 4):
+        for pre_steps in range(6):
+            for tma_tiles in range(4):
+                tail_step = pre_steps + tma_tiles
+                steps = [m for m in range(14) if m < pre_steps or m >= tail_step]  # the cp.async ones
+                got = cp_async_uses(jnp.asarray(steps, jnp.int32), jnp.asarray(steps, jnp.int32) % stages,
+                                    pre_steps=jnp.int32(pre_steps), tail_step=jnp.int32(tail_step), stages=stages)
+                want = [sum(1 for m in steps if m < step and m % stages == step % stages) for step in steps]
+                np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"{stages=} {pre_steps=} {tma_tiles=}")
+
+
 def test_extend_attention_picks_the_kernel(rng):
     batch = make_batch(rng, [4, 9], [8, 5], hq=2, hkv=1, dqk=64, dtype=jnp.bfloat16)
     args = (batch.q, batch.k_new, batch.v_new, batch.k_pool, batch.v_pool, batch.meta)

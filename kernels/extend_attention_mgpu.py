@@ -197,7 +197,7 @@ def issue_rows(new_ref, pool_ref, smem, bars, sources, from_pool, slot, barrier,
             size = arith.select(valid, _i32(16), _i32(0))  # 0: the copy writes 16 zero bytes
             for s in range(segments):
                 tile = arith.addi(arith.muli(arith.divui(row, _i32(8)), _i32(segments)), _i32(s))
-                dst = mgpu_utils.getelementptr(smem_base, [arith.addi(arith.muli(tile, _i32(1024)), in_atom)],
+                dst = mgpu_utils.getelementptr(smem_base, [arith.addi(arith.muli(tile, _i32(8 * SWIZZLE_BYTES)), in_atom)],
                                                ir.IntegerType.get_signless(8))
                 src = llvm.inttoptr(llvm.PointerType.get(1), arith.addi(gmem, _i64(s * SWIZZLE_BYTES)))
                 nvvm.cp_async_shared_global(dst, src, 16, nvvm.LoadCacheModifierKind.CG, cp_size=size)

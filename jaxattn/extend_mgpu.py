@@ -140,7 +140,8 @@ def extend_attention_mgpu(
     if tokens == 0 or meta.qo_indptr.shape[0] == 1:
         return jnp.zeros((tokens, q_heads, head_dim), q.dtype)
     # Q and O move by TMA in 8-row tiles, which wants an array of whole 8-row tiles no shorter than a block_q box:
-    # pad q (a copy) when tokens is not a multiple of 8 or is below block_q. K/V rows are copied row by row.
+    # pad q (a copy) when tokens is not a multiple of 8 or is below block_q. k_new/v_new need no copy: their whole
+    # tiles come by TMA only when tokens allows it (below), the others row by row.
     rows = max(-(-tokens // 8) * 8, config.block_q)
     if rows > tokens:
         q = jnp.pad(q, ((0, rows - tokens), (0, 0), (0, 0)))

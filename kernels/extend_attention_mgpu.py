@@ -28,7 +28,6 @@ import functools
 
 import numpy as np
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 import jax.experimental.pallas as pl
@@ -171,7 +170,6 @@ def issue_rows(new_ref, pool_ref, smem, bars, sources, from_pool, slot, barrier,
                        + (_SCALAR,) * 4)
     def run(ctx, new, pool, smem, bars, sources, from_pool, slot, barrier, kv_head):
         del ctx
-        i32 = ir.IntegerType.get_signless(32)
         i64 = ir.IntegerType.get_signless(64)
         from_pool, slot, barrier, kv_head = (_scalar(x) for x in (from_pool, slot, barrier, kv_head))
         my_source = vector.extract(sources.registers.flat[0], [], [0])

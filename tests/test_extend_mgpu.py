@@ -12,8 +12,8 @@ import pytest
 
 from jaxattn.extend import extend_attention
 from jaxattn.extend_mgpu import MgpuExtendConfig, extend_attention_mgpu, mgpu_unsupported
-from tests.helpers import HAS_GPU, MODES, tolerance
-from tests.test_extend import PAD_TOKENS, assert_output, make_batch, ref_two_stage
+from tests.helpers import HAS_GPU, tolerance
+from tests.test_extend import assert_output, make_batch, ref_two_stage
 
 
 def _is_hopper():

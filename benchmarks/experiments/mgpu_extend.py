@@ -7,7 +7,6 @@ Writes $OUT/mgpu_extend.json. Usage: python benchmarks/experiments/mgpu_extend.p
 """
 import json, os, statistics, sys, time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-import jax, jax.numpy as jnp
 import numpy as np
 from jaxattn import bench, testing
 from jaxattn.extend_mgpu import MgpuExtendConfig

@@ -26,7 +26,7 @@ from jaxattn.backends import ReferenceBackend
 from jaxattn.batch import ForwardMode
 from jaxattn.kv_pool import allocate_kv_buffers
 from jaxattn.serving import RequestTable, SlotAllocator
-from jaxattn.toy_model import ToyConfig, dense_logits, forward, init_params
+from toy_model import ToyConfig, dense_logits, forward, init_params
 
 CONFIG = ToyConfig(vocab=256, hidden=128, layers=4, q_heads=8, kv_heads=2, head_dim=32, window_layers=(1, 3), sliding_window=24)
 NUM_SLOTS, MAX_REQS, MAX_CTX = 4096, 16, 256

@@ -1,6 +1,6 @@
 """Ahead-of-time compilation of shipped kernel configurations for a GPU target, without a GPU.
 
-Each op module lists the builds its block-size tables and heuristics can choose (`kernel_builds()`),
+Each module that launches Triton kernels lists the builds its block-size tables and heuristics can choose (`kernel_builds()`),
 and `compile_build` compiles one for a `GPUTarget` with Triton's bundled ptxas. CI uses it to prove every
 configuration compiles for the H200 (sm_90), fits in shared memory and uses Hopper's wgmma where it
 should; developers use `python -m jaxattn.aot` to see what a tuning change costs before spending GPU time.
@@ -14,8 +14,10 @@ import importlib
 import re
 import sys
 
-H200_TARGET = ("cuda", 90, 32)
-H200_SHARED_LIMIT_BYTES = 227 * 1024  # opt-in shared memory per block on sm_90
+from jaxattn.hardware import SM90
+
+H200_TARGET = SM90.aot_target
+H200_SHARED_LIMIT_BYTES = SM90.shared_memory_bytes  # opt-in shared memory per block on sm_90
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +118,8 @@ def shipped_builds() -> list[KernelBuild]:
 OP_MODULES = [
     "jaxattn.kv_indices",
     "jaxattn.merge_state",
-    "jaxattn.decode",
-    "jaxattn.extend",
+    "jaxattn.impl.triton_decode",
+    "jaxattn.impl.triton_extend",
 ]
 
 

@@ -49,9 +49,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
-from jaxattn._checks import INDEX_DTYPES, check_array, check_positive_int, check_window
-from jaxattn.extend import check_request_tables, listed_prefix
-from jaxattn.kv_pool import check_write_slots
+from jaxattn.checks import INDEX_DTYPES, check_array, check_positive_int, check_request_tables, check_window
+from jaxattn.metadata import DecodeMetadata, ExtendMetadata, ExtendUnifiedMetadata, listed_prefix
+from jaxattn.serving.kv_pool import check_write_slots
 
 __all__ = [
     "checked",
@@ -278,8 +278,6 @@ def validate_decode_metadata(meta, *, num_slots: int):
     kv_indptr starts at 0, never decreases, ends within kv_capacity; the listed kv_indices inside [0, num_slots);
     seq_lens >= the list lengths (positions stay >= 0).
     """
-    from jaxattn.decode import DecodeMetadata
-
     if not isinstance(meta, DecodeMetadata):
         raise ValueError(f"meta must be a DecodeMetadata; got {type(meta).__name__}")
     check_positive_int("num_slots", num_slots)
@@ -301,8 +299,6 @@ def validate_extend_metadata(meta, *, num_slots: int, num_tokens: int | None = N
     listed kv_indices inside [0, num_slots); kv_start_pos >= 0; for the unified layout, prefix_lens in [0, list length]
     and list length - prefix_len == query count.
     """
-    from jaxattn.extend import ExtendMetadata, ExtendUnifiedMetadata
-
     if not isinstance(meta, (ExtendMetadata, ExtendUnifiedMetadata)):
         raise ValueError(f"meta must be an ExtendMetadata or ExtendUnifiedMetadata; got {type(meta).__name__}")
     check_positive_int("num_slots", num_slots)

@@ -12,7 +12,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxattn._checks import INDEX_DTYPES, check_array, check_index_dtype, check_positive_int
+from jaxattn.checks import launch_mode_argument, INDEX_DTYPES, check_array, check_index_dtype, check_positive_int
+from jaxattn.aot import build
 from jaxattn.launch import launch
 
 _COPY_BLOCK = 512
@@ -32,7 +33,7 @@ def _check_create_args(req_to_token, req_pool_indices, kv_lens, kv_starts):
         check_array("kv_starts", kv_starts, shape=(batch,), dtypes=INDEX_DTYPES, what="[batch]")
 
 
-@functools.partial(jax.jit, static_argnames=("capacity", "index_dtype", "mode"))
+@functools.partial(jax.jit, static_argnames=("capacity", "index_dtype", "launch_mode", "mode"))
 def create_kv_indices(
     req_to_token: jax.Array,
     req_pool_indices: jax.Array,
@@ -41,6 +42,7 @@ def create_kv_indices(
     *,
     capacity: int,
     index_dtype=jnp.int32,
+    launch_mode: str | None = None,
     mode: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Lists the KV slots of each sequence, one sequence after the other (SGLang's
@@ -54,7 +56,7 @@ def create_kv_indices(
         sliding window, or the number of encoder tokens stored before the decoder tokens.
       capacity: static length of `kv_indices`; at least the largest total the batch can have.
       index_dtype: int32 (default) or int64.
-      mode: launch mode (see `jaxattn.launch.launch_mode`).
+      launch_mode: "gpu", "interpret" or None (automatic, see `jaxattn.launch.launch_mode`); `mode` is its old name.
 
     Returns:
       kv_indptr: i32[batch + 1], exclusive cumsum of `kv_lens`.
@@ -81,7 +83,7 @@ def create_kv_indices(
         out_shape=jax.ShapeDtypeStruct((capacity,), index_dtype),
         grid=(batch,),
         zeroed_outputs=(0,),
-        mode=mode,
+        mode=launch_mode_argument(launch_mode, mode),
         MAX_REQS=max_reqs,
         MAX_CTX=max_ctx,
         CAPACITY=capacity,
@@ -121,7 +123,7 @@ def _check_unified_args(prefix_kv_indptr, prefix_kv_indices, extend_start_loc, e
     return batch
 
 
-@functools.partial(jax.jit, static_argnames=("capacity", "index_dtype", "mode"))
+@functools.partial(jax.jit, static_argnames=("capacity", "index_dtype", "launch_mode", "mode"))
 def build_unified_kv_indices(
     prefix_kv_indptr: jax.Array,
     prefix_kv_indices: jax.Array,
@@ -131,6 +133,7 @@ def build_unified_kv_indices(
     *,
     capacity: int | None = None,
     index_dtype=jnp.int32,
+    launch_mode: str | None = None,
     mode: str | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Joins each sequence's cached-prefix slots and new-token slots into one CSR list, the input of
@@ -174,7 +177,7 @@ def build_unified_kv_indices(
         out_shape=jax.ShapeDtypeStruct((capacity,), index_dtype),
         grid=(batch,),
         zeroed_outputs=(0,),
-        mode=mode,
+        mode=launch_mode_argument(launch_mode, mode),
         FIRST_CAPACITY=prefix_kv_indices.shape[0],
         SECOND_CAPACITY=extend_kv_indices.shape[0],
         CAPACITY=capacity,
@@ -216,8 +219,6 @@ def build_unified_kv_indices_reference(
 
 def kernel_builds():
     """The GPU builds of the index kernels (see jaxattn.aot); the constexpr sizes do not change the code shape."""
-    from jaxattn.aot import build
-
     builds = []
     for index_type in ("i32",):
         builds.append(

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import triton
 
-from jaxattn._checks import FLOAT_DTYPES, check_array
+from jaxattn.checks import launch_mode_argument, FLOAT_DTYPES, check_array
+from jaxattn.aot import build
 from jaxattn.launch import launch
 
 
@@ -20,8 +21,8 @@ def _check_merge_args(o1, lse1, o2, lse2):
     check_array("lse2", lse2, shape=(tokens, heads), dtypes=FLOAT_DTYPES, what="[tokens, heads]")
 
 
-@functools.partial(jax.jit, static_argnames=("mode",))
-def merge_state(o1: jax.Array, lse1: jax.Array, o2: jax.Array, lse2: jax.Array, *, mode: str | None = None):
+@functools.partial(jax.jit, static_argnames=("launch_mode", "mode"))
+def merge_state(o1: jax.Array, lse1: jax.Array, o2: jax.Array, lse2: jax.Array, *, launch_mode: str | None = None, mode: str | None = None):
     """Merges attention outputs over two disjoint key sets into the output over their union.
 
     LSE is the natural log of the softmax denominator (jaxattn's convention; FlashInfer's is base 2).
@@ -45,7 +46,7 @@ def merge_state(o1: jax.Array, lse1: jax.Array, o2: jax.Array, lse2: jax.Array, 
         lse2.astype(jnp.float32),
         out_shape=(jax.ShapeDtypeStruct(o1.shape, o1.dtype), jax.ShapeDtypeStruct((tokens, heads), jnp.float32)),
         grid=(tokens, heads),
-        mode=mode,
+        mode=launch_mode_argument(launch_mode, mode),
         HEADS=heads,
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
@@ -67,8 +68,6 @@ def merge_state_reference(o1, lse1, o2, lse2):
 
 def kernel_builds():
     """The GPU builds `merge_state` can launch (see jaxattn.aot)."""
-    from jaxattn.aot import build
-
     builds = []
     for dtype in ("fp32", "fp16", "bf16"):
         for head_dim in (64, 128, 256, 512):

@@ -8,7 +8,7 @@ Layout (page size 1, SGLang's):
     position order, including the new tokens (their K/V already written to the pool).
 
 Positions: the queries of a sequence are its last ``q_len`` tokens, so with ``prefix_len = kv_len - q_len``
-query i sits at position ``prefix_len + i`` and key j at position j (both shifted by ``kv_start_positions[b]``
+query i sits at position ``prefix_len + i`` and key j at position j (both shifted by ``kv_start_pos[b]``
 when the listed keys start later, e.g. a sliding-window list that dropped old keys).
 
 Score pipeline (SGLang's order): ``s = (q . k) * sm_scale``; ``s = logit_cap * tanh(s / logit_cap)`` if
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn._checks import FLOAT_DTYPES, INDEX_DTYPES, MASK_DTYPES, check_array
+from jaxattn.checks import check_attention_args
 
 
 def xai_temperature_scale(positions: jax.Array, xai_temperature_len: int) -> jax.Array:
@@ -56,30 +56,6 @@ def _static_max_len(indptr, given, name):
     return max(int(lengths.max(initial=0)), 1)
 
 
-def check_attention_args(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, sinks=None, custom_mask=None, mask_indptr=None):
-    """Trace-time checks shared by the reference and the kernels' wrappers. Returns (batch, group_size)."""
-    check_array("q", q, ndim=3, dtypes=FLOAT_DTYPES, what="[tokens, q_heads, qk_head_dim]")
-    tokens, q_heads, qk_dim = q.shape
-    check_array("k_pool", k_pool, ndim=3, what="[slots, kv_heads, qk_head_dim]")
-    slots, kv_heads, _ = k_pool.shape
-    check_array("k_pool", k_pool, shape=(None, None, qk_dim), what="[slots, kv_heads, qk_head_dim] (qk_head_dim of q)")
-    check_array("v_pool", v_pool, shape=(slots, kv_heads, None), what="[slots, kv_heads, v_head_dim]")
-    if q_heads % kv_heads:
-        raise ValueError(f"q_heads ({q_heads}, q.shape[1]) must be a multiple of kv_heads ({kv_heads}, k_pool.shape[1])")
-    check_array("qo_indptr", qo_indptr, ndim=1, dtypes=INDEX_DTYPES, what="[batch + 1]")
-    batch = qo_indptr.shape[0] - 1
-    check_array("kv_indptr", kv_indptr, shape=(batch + 1,), dtypes=INDEX_DTYPES, what="[batch + 1]")
-    check_array("kv_indices", kv_indices, ndim=1, dtypes=INDEX_DTYPES, what="[kv_capacity]")
-    if sinks is not None:
-        check_array("sinks", sinks, shape=(q_heads,), dtypes=FLOAT_DTYPES, what="[q_heads]")
-    if custom_mask is not None:
-        check_array("custom_mask", custom_mask, ndim=1, dtypes=MASK_DTYPES, what="[mask_len] (flat, per sequence row-major [q_len, kv_len])")
-        if mask_indptr is None:
-            raise ValueError("mask_indptr (i64/i32[batch + 1]) is required with custom_mask")
-        check_array("mask_indptr", mask_indptr, shape=(batch + 1,), dtypes=INDEX_DTYPES, what="[batch + 1]")
-    return batch, q_heads // kv_heads
-
-
 def ragged_paged_attention_reference(
     q: jax.Array,
     k_pool: jax.Array,
@@ -96,10 +72,11 @@ def ragged_paged_attention_reference(
     sinks: jax.Array | None = None,
     xai_temperature_len: int = -1,
     sm_scale: float | None = None,
-    kv_start_positions: jax.Array | None = None,
+    kv_start_pos: jax.Array | None = None,
     max_q_len: int | None = None,
     max_kv_len: int | None = None,
     return_lse: bool = False,
+    kv_start_positions: jax.Array | None = None,
 ):
     """Attention of every query over its sequence's listed keys (see the module docstring for semantics).
 
@@ -111,7 +88,8 @@ def ragged_paged_attention_reference(
       causal, custom_mask (bool/uint8 flat), mask_indptr (i32/i64[batch + 1]), sliding_window, logit_cap,
         sinks (f32[q_heads]), xai_temperature_len: see the module docstring.
       sm_scale: default 1 / sqrt(qk_head_dim).
-      kv_start_positions: optional i32[batch], the position of each sequence's first listed key (default 0).
+      kv_start_pos: optional i32[batch], the position of each sequence's first listed key (default 0);
+        `kv_start_positions` is its old name.
       max_q_len, max_kv_len: static bounds on per-sequence lengths; required under jit, inferred otherwise.
       return_lse: also return the natural-log LSE.
 
@@ -127,7 +105,11 @@ def ragged_paged_attention_reference(
     sm_scale = 1.0 / math.sqrt(qk_dim) if sm_scale is None else float(sm_scale)
     qo_indptr = qo_indptr.astype(jnp.int32)
     kv_indptr = kv_indptr.astype(jnp.int32)
-    starts = jnp.zeros((batch,), jnp.int32) if kv_start_positions is None else kv_start_positions.astype(jnp.int32)
+    if kv_start_positions is not None:
+        if kv_start_pos is not None:
+            raise ValueError("give kv_start_pos only (kv_start_positions is its old name)")
+        kv_start_pos = kv_start_positions
+    starts = jnp.zeros((batch,), jnp.int32) if kv_start_pos is None else kv_start_pos.astype(jnp.int32)
     num_slots = k_pool.shape[0]
 
     def one_sequence(b):

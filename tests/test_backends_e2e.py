@@ -12,7 +12,7 @@ from jaxattn.backends import ReferenceBackend
 from jaxattn.batch import ForwardMode, tree_mask_for_verify
 from jaxattn.kv_pool import allocate_kv_buffers
 from jaxattn.serving import RequestTable, SlotAllocator
-from jaxattn.toy_model import ToyConfig, dense_logits, forward, init_params
+from examples.toy_model import ToyConfig, dense_logits, forward, init_params
 from jaxattn.triton_backend import TritonBackend
 
 CONFIG = ToyConfig(layers=3, window_layers=(1,), sliding_window=4)

@@ -18,8 +18,8 @@ from jaxattn.extend import (
     extend_metadata,
     extend_unified_metadata,
     head_dim_family,
-    kernel_builds,
 )
+from jaxattn.impl.triton_extend import kernel_builds
 from jaxattn.reference import dense_causal_attention
 from tests.helpers import MODES, random_normal, tolerance
 

@@ -9,7 +9,7 @@ import pytest
 
 from jaxattn.backends import AttentionLayer, ReferenceBackend
 from jaxattn.batch import ForwardBatch, ForwardMode
-from jaxattn.flashinfer_backend import pack_mask_little_endian, plan_arguments, should_use_tensor_cores
+from jaxattn.flashinfer_backend import plan_arguments, should_use_tensor_cores
 from tests.helpers import HAS_GPU
 
 
@@ -24,13 +24,6 @@ def make_batch(rng, mode, seq_lens, extend_lens, tokens, max_ctx=64, custom_mask
         encoder_lens=None if encoder_lens is None else jnp.asarray(encoder_lens, jnp.int32),
     )
     return batch, req_to_token
-
-
-def test_pack_mask_is_little_endian_per_request():
-    mask = np.array([1, 0, 0, 0, 0, 0, 0, 0, 1, 1] + [0, 1, 0], bool)  # request 0: 10 bits, request 1: 3 bits
-    packed, indptr = pack_mask_little_endian(mask, np.array([0, 10, 13]))
-    np.testing.assert_array_equal(packed, [0b00000001, 0b00000011, 0b00000010])
-    np.testing.assert_array_equal(indptr, [0, 2, 3])
 
 
 def test_decode_plan_lists_the_same_keys_as_the_reference_metadata(rng):

@@ -185,8 +185,8 @@ CASES = [
     ("reference/qo_indptr", lambda: ragged_paged_attention_reference(Q_EXT, K_POOL, V_POOL, KV_INDPTR.astype(jnp.float32), KV_INDPTR, KV_INDICES), r"qo_indptr must have dtype"),
     ("reference/custom_mask", lambda: ragged_paged_attention_reference(Q_EXT, K_POOL, V_POOL, KV_INDPTR, KV_INDPTR, KV_INDICES, custom_mask=jnp.ones(4), mask_indptr=KV_INDPTR), r"custom_mask must have dtype"),
     # write_kv
-    ("write_kv/k_buffer-dtype", lambda: write_kv(K_POOL.astype(I32), V_POOL, i32(1, 2), K_NEW[:2], V_NEW[:2]), r"k_buffer must have dtype"),
-    ("write_kv/v_buffer-shape", lambda: write_kv(K_POOL, V_POOL[:4], i32(1, 2), K_NEW[:2], V_NEW[:2]), r"v_buffer must have shape"),
+    ("write_kv/k_pool-dtype", lambda: write_kv(K_POOL.astype(I32), V_POOL, i32(1, 2), K_NEW[:2], V_NEW[:2]), r"k_pool must have dtype"),
+    ("write_kv/v_pool-shape", lambda: write_kv(K_POOL, V_POOL[:4], i32(1, 2), K_NEW[:2], V_NEW[:2]), r"v_pool must have shape"),
     ("write_kv/out_cache_loc-dtype", lambda: write_kv(K_POOL, V_POOL, jnp.asarray([1.0, 2.0]), K_NEW[:2], V_NEW[:2]), r"out_cache_loc must have dtype int32/int64"),
     ("write_kv/out_cache_loc-rank", lambda: write_kv(K_POOL, V_POOL, i32(1, 2)[None], K_NEW[:2], V_NEW[:2]), r"out_cache_loc must have rank 1"),
     ("write_kv/k-shape", lambda: write_kv(K_POOL, V_POOL, i32(1, 2), K_NEW[:3], V_NEW[:2]), r"k must have shape \(2, 2, 32\)"),

@@ -12,8 +12,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxattn.backends import AttentionLayer
-from jaxattn.batch import ForwardBatch
+from jaxattn.backends.layer import AttentionLayer
+from jaxattn.serving.batch import ForwardBatch
 
 
 @dataclasses.dataclass(frozen=True)

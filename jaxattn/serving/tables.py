@@ -11,7 +11,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn.batch import ForwardBatch, ForwardMode
+from jaxattn.serving.batch import ForwardBatch, ForwardMode
 
 
 class SlotAllocator:

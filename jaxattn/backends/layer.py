@@ -1,0 +1,57 @@
+"""What a backend needs to know of one attention layer, and the helpers every backend shares.
+
+    backend = ReferenceBackend()                       # or TritonBackend(), FlashInferBackend()
+    meta = backend.init_forward_metadata(batch, req_to_token)      # inside jit, no host sync
+    o, k_pool, v_pool = backend.forward(q, k, v, k_pool, v_pool, layer, meta, sinks=...)
+
+Per-layer facts that SGLang keeps on RadixAttention (heads, scale, soft cap, window, cross attention, fp8 scales)
+are an `AttentionLayer`: static and hashable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionLayer:
+    """Static description of one attention layer (SGLang's RadixAttention attributes)."""
+
+    layer_id: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int | None = None  # default head_dim
+    sm_scale: float | None = None  # default 1 / sqrt(head_dim)
+    logit_cap: float = 0.0
+    sliding_window: int = -1  # W >= 0: each query sees itself and the W previous tokens
+    is_cross_attention: bool = False  # attends the encoder's tokens (non-causal)
+    xai_temperature_len: int = -1
+    k_scale: float | None = None  # fp8 KV storage scales
+    v_scale: float | None = None
+
+    def __post_init__(self):
+        if self.q_heads % self.kv_heads:
+            raise ValueError(f"q_heads ({self.q_heads}) must be a multiple of kv_heads ({self.kv_heads})")
+
+    @property
+    def dv(self) -> int:
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim) if self.sm_scale is None else self.sm_scale
+
+
+def split_heads(x, heads, dim, name):
+    if x.ndim == 2:
+        if x.shape[1] != heads * dim:
+            raise ValueError(f"{name} must be [tokens, {heads}*{dim}] or [tokens, {heads}, {dim}]; got {x.shape}")
+        return x.reshape(x.shape[0], heads, dim)
+    if x.ndim != 3 or x.shape[1:] != (heads, dim):
+        raise ValueError(f"{name} must be [tokens, {heads}, {dim}]; got {x.shape}")
+    return x
+
+
+

@@ -1,0 +1,99 @@
+"""ReferenceBackend: the pure-jnp backend, the CPU default and the oracle the kernel backends are tested against."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxattn.backends.layer import AttentionLayer, split_heads
+from jaxattn.kv_indices import create_kv_indices_reference
+from jaxattn.reference import ragged_paged_attention_reference
+from jaxattn.serving.batch import ForwardBatch, ForwardMode
+from jaxattn.serving.kv_pool import read_scaled, write_kv
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ReferenceMetadata:
+    qo_indptr: jax.Array  # i32[B + 1]
+    kv_indptr: jax.Array  # i32[B + 1]: every key of each sequence (prefix + new)
+    kv_indices: jax.Array  # i32[kv_capacity]
+    out_cache_loc: jax.Array  # i32[T]
+    mask_indptr: jax.Array | None  # i32[B + 1] (TARGET_VERIFY)
+    custom_mask: jax.Array | None  # bool[mask_capacity] (TARGET_VERIFY)
+    cross_kv_indptr: jax.Array | None  # i32[B + 1]: the encoder's keys (cross attention)
+    cross_kv_indices: jax.Array | None
+    mode: ForwardMode = dataclasses.field(metadata=dict(static=True))
+    max_q_len: int = dataclasses.field(metadata=dict(static=True))
+    max_kv_len: int = dataclasses.field(metadata=dict(static=True))
+
+
+class ReferenceBackend:
+    """Pure-jnp backend: the CPU default and the oracle the kernel backends are tested against."""
+
+    name = "reference"
+
+    def init_forward_metadata(self, batch: ForwardBatch, req_to_token: jax.Array) -> ReferenceMetadata:
+        encoder = batch.encoder_lens
+        self_start = None if encoder is None else encoder
+        kv_indptr, kv_indices = create_kv_indices_reference(
+            req_to_token, batch.req_pool_indices, batch.seq_lens, self_start, capacity=batch.kv_capacity
+        )
+        cross_indptr = cross_indices = None
+        if encoder is not None:
+            cross_indptr, cross_indices = create_kv_indices_reference(
+                req_to_token, batch.req_pool_indices, encoder, capacity=batch.kv_capacity
+            )
+        verify = batch.mode == ForwardMode.TARGET_VERIFY
+        max_q = 1 if batch.mode == ForwardMode.DECODE else batch.max_extend_len
+        return ReferenceMetadata(
+            qo_indptr=batch.qo_indptr,
+            kv_indptr=kv_indptr,
+            kv_indices=kv_indices,
+            out_cache_loc=batch.out_cache_loc,
+            mask_indptr=batch.mask_indptr if verify else None,
+            custom_mask=batch.custom_mask if verify else None,
+            cross_kv_indptr=cross_indptr,
+            cross_kv_indices=cross_indices,
+            mode=batch.mode,
+            max_q_len=max_q,
+            max_kv_len=batch.max_seq_len,
+        )
+
+    def forward(self, q, k, v, k_pool, v_pool, layer: AttentionLayer, meta: ReferenceMetadata, *, sinks=None, save_kv=True):
+        """Writes k/v (unless save_kv=False or k is None) and attends.
+
+        Args:
+          q: [T, q_heads, head_dim] or [T, q_heads * head_dim]. k, v: [T, kv_heads, head_dim / v_head_dim] (or flat).
+          k_pool, v_pool: this layer's pool. sinks: optional f32[q_heads].
+
+        Returns:
+          (o [T, q_heads, v_head_dim], k_pool, v_pool).
+        """
+        q = split_heads(q, layer.q_heads, layer.head_dim, "q")
+        if meta.mode == ForwardMode.IDLE:
+            return jnp.zeros((q.shape[0], layer.q_heads, layer.dv), q.dtype), k_pool, v_pool
+        if save_kv and k is not None:
+            k = split_heads(k, layer.kv_heads, layer.head_dim, "k")
+            v = split_heads(v, layer.kv_heads, layer.dv, "v")
+            k_pool, v_pool = write_kv(k_pool, v_pool, meta.out_cache_loc, k, v, k_scale=layer.k_scale, v_scale=layer.v_scale)
+        k_read = read_scaled(k_pool, layer.k_scale, q.dtype)  # fp8 pools dequantised; others as they are
+        v_read = read_scaled(v_pool, layer.v_scale, q.dtype)
+        if layer.is_cross_attention:
+            if meta.cross_kv_indptr is None:
+                raise ValueError(f"layer {layer.layer_id} is cross attention but the batch has no encoder_lens")
+            o = ragged_paged_attention_reference(
+                q, k_read, v_read, meta.qo_indptr, meta.cross_kv_indptr, meta.cross_kv_indices, causal=False,
+                logit_cap=layer.logit_cap, sinks=sinks, sm_scale=layer.scale,
+                max_q_len=meta.max_q_len, max_kv_len=meta.max_kv_len,
+            )
+            return o, k_pool, v_pool
+        o = ragged_paged_attention_reference(
+            q, k_read, v_read, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
+            custom_mask=meta.custom_mask, mask_indptr=meta.mask_indptr, sliding_window=layer.sliding_window,
+            logit_cap=layer.logit_cap, sinks=sinks, xai_temperature_len=layer.xai_temperature_len, sm_scale=layer.scale,
+            max_q_len=meta.max_q_len, max_kv_len=meta.max_kv_len,
+        )
+        return o, k_pool, v_pool

@@ -1,0 +1,118 @@
+"""What an op hands its implementations: one call, its arguments checked and normalised (trace time).
+
+An implementation reads a call and either declines it with a reason or runs it (see `jaxattn.registry`). Array
+fields are traced values; the rest is static.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCall:
+    """`decode_attention`'s arguments. v_pool None: V is the first v_head_dim dims of K (MLA)."""
+
+    q: jax.Array  # [batch, q_heads, qk_head_dim]
+    k_pool: jax.Array  # [slots, kv_heads, qk_head_dim]
+    v_pool: jax.Array | None  # [slots, kv_heads, v_head_dim]
+    meta: Any  # DecodeMetadata
+    sinks: jax.Array | None  # f32[q_heads]
+    sm_scale: float
+    logit_cap: float
+    xai_temperature_len: int
+    sliding_window: int  # the effective window (the call's, else the metadata's)
+    v_head_dim: int
+    return_lse: bool
+    config: Any  # an implementation's config or None
+    launch_mode: str  # "gpu" | "interpret"
+
+    @property
+    def batch(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def q_heads(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k_pool.shape[1]
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.q.shape[2]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtendCall:
+    """An extend call in one of two forms.
+
+    form "two_stage" (`extend_attention`): the prefix through `meta.kv_indices` (an ExtendMetadata), the new tokens'
+    K/V in k_new/v_new (q's rows). form "unified" (`extend_attention_unified`): every key through the pool
+    (`meta` an ExtendUnifiedMetadata, k_new/v_new None), tiles at fixed key offsets (deterministic).
+    """
+
+    form: str  # "two_stage" | "unified"
+    q: jax.Array  # [tokens, q_heads, qk_head_dim]
+    k_new: jax.Array | None  # [tokens, kv_heads, qk_head_dim] (two_stage)
+    v_new: jax.Array | None  # [tokens, kv_heads, v_head_dim] (two_stage)
+    k_pool: jax.Array  # [slots, kv_heads, qk_head_dim]
+    v_pool: jax.Array  # [slots, kv_heads, v_head_dim]
+    meta: Any  # ExtendMetadata | ExtendUnifiedMetadata
+    kv_start_pos: jax.Array  # i32[batch]: absolute position of each sequence's first listed key
+    causal: bool
+    custom_mask: jax.Array | None
+    skip_prefix_custom_mask: bool
+    sliding_window: int
+    logit_cap: float
+    sinks: jax.Array | None
+    xai_temperature_len: int
+    sm_scale: float
+    config: Any
+    launch_mode: str
+
+    @property
+    def tokens(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def q_heads(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.v_pool.shape[1]
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.v_pool.shape[2]
+
+    @property
+    def batch(self) -> int:
+        return self.meta.qo_indptr.shape[0] - 1
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        """The score features this call uses beyond plain causal attention (names as the decline reasons use)."""
+        used = []
+        if not self.causal:
+            used.append("non-causal")
+        if self.custom_mask is not None:
+            used.append("custom mask")
+        if self.sliding_window >= 0:
+            used.append("sliding window")
+        if self.logit_cap > 0:
+            used.append("soft cap")
+        if self.sinks is not None:
+            used.append("sinks")
+        if self.xai_temperature_len > 0:
+            used.append("xai temperature")
+        return tuple(used)

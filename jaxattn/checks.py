@@ -1,0 +1,269 @@
+"""Every trace-time argument check of jaxattn, in one place: each raises ValueError naming the argument and what
+was expected (shape, dtype, range).
+
+The ops call one entry per call (`check_decode_args`, `check_extend_args`, `check_unified_extend_args`,
+`check_attention_args`) before picking an implementation; implementations do not check again. Run-time checks of
+*values* (slots inside the pool, monotone indptrs) are `jaxattn.checked`'s.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+FLOAT_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
+INDEX_DTYPES = (jnp.int32, jnp.int64)
+
+
+def dtype_names(dtypes) -> str:
+    return "/".join(np.dtype(d).name for d in dtypes)
+
+
+def check_array(
+    name: str,
+    x,
+    *,
+    ndim: int | None = None,
+    shape: Sequence[int | None] | None = None,
+    dtypes: Sequence | None = None,
+    what: str = "",
+) -> None:
+    """Checks rank, shape (None matches any size) and dtype of argument `name`.
+
+    `what` describes the expected layout in the message, e.g. "[tokens, q_heads, head_dim]".
+    """
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise ValueError(f"{name} must be an array{(' ' + what) if what else ''}; got {type(x).__name__}")
+    layout = f" {what}" if what else ""
+    if ndim is None and shape is not None:
+        ndim = len(shape)
+    if ndim is not None and x.ndim != ndim:
+        raise ValueError(f"{name} must have rank {ndim}{layout}; got shape {tuple(x.shape)}")
+    if shape is not None:
+        for axis, (got, want) in enumerate(zip(x.shape, shape)):
+            if want is not None and got != want:
+                expected = tuple("*" if s is None else s for s in shape)
+                raise ValueError(f"{name} must have shape {expected}{layout}; got {tuple(x.shape)} (axis {axis})")
+    if dtypes is not None and not any(jnp.dtype(x.dtype) == jnp.dtype(d) for d in dtypes):
+        raise ValueError(f"{name} must have dtype {dtype_names(dtypes)}; got {jnp.dtype(x.dtype).name}")
+
+
+def check_positive_int(name: str, value) -> None:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive Python int (a static size); got {value!r}")
+
+
+MASK_DTYPES = (jnp.bool_, jnp.uint8, jnp.int8)
+
+# Head dims the kernels support: tl.dot needs 16 along every dimension on the GPU, and the largest tiles the sm_90
+# tables cover are MLA's 576 (q/k: 512 latent + 64 rope) and 512 (v).
+MIN_HEAD_DIM = 16
+MAX_QK_HEAD_DIM = 576
+MAX_V_HEAD_DIM = 512
+
+
+def check_head_dims(qk_head_dim: int, v_head_dim: int, *, qk_name: str, v_name: str) -> None:
+    """Raises unless MIN_HEAD_DIM <= qk_head_dim <= MAX_QK_HEAD_DIM and MIN_HEAD_DIM <= v_head_dim <= MAX_V_HEAD_DIM."""
+    for name, value, top in ((qk_name, qk_head_dim, MAX_QK_HEAD_DIM), (v_name, v_head_dim, MAX_V_HEAD_DIM)):
+        if not MIN_HEAD_DIM <= value <= top:
+            raise ValueError(f"{name} (a head dim) must be in [{MIN_HEAD_DIM}, {top}] (the kernels' supported range); got {value}")
+
+
+def check_index_dtype(name: str, dtype) -> None:
+    """`dtype` (a requested output dtype) must be int32 or int64."""
+    try:
+        ok = any(jnp.dtype(dtype) == jnp.dtype(d) for d in INDEX_DTYPES)
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} must be {dtype_names(INDEX_DTYPES)}; got {dtype!r}")
+
+
+def check_window(name: str, value) -> None:
+    """A sliding window: -1 (none) or a static int >= 0."""
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < -1:
+        raise ValueError(f"{name} must be -1 (no window) or a static int >= 0; got {value!r}")
+
+
+def check_score_options(logit_cap, xai_temperature_len) -> None:
+    """logit_cap >= 0 (0: off); xai_temperature_len <= 0 (off) or >= 2 (log2(len) is the divisor)."""
+    if not isinstance(logit_cap, (int, float, np.integer, np.floating)) or not logit_cap >= 0 or not np.isfinite(logit_cap):
+        raise ValueError(f"logit_cap must be a finite float >= 0 (0: no soft cap); got {logit_cap!r}")
+    if not isinstance(xai_temperature_len, (int, np.integer)) or xai_temperature_len == 1:
+        raise ValueError(f"xai_temperature_len must be an int, <= 0 (off) or >= 2 (scores scale by log2(pos) / log2(len)); got {xai_temperature_len!r}")
+
+
+def check_heads(q_heads, kv_heads) -> None:
+    """Static head counts: positive ints, q_heads a multiple of kv_heads."""
+    check_positive_int("q_heads", q_heads)
+    check_positive_int("kv_heads", kv_heads)
+    if q_heads % kv_heads:
+        raise ValueError(f"q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads})")
+
+
+def _a(name: str) -> str:
+    return ("an " if name[0] in "AEIOM" else "a ") + name
+
+
+def check_meta(meta, meta_type, builder: str) -> None:
+    """`meta` must be an instance of `meta_type` (built by `builder`)."""
+    if not isinstance(meta, meta_type):
+        raise ValueError(f"meta must be {_a(meta_type.__name__)} (see {builder}); got {type(meta).__name__}")
+
+
+def check_config(config, config_types) -> None:
+    """`config` is None or an instance of one of `config_types` (the implementations' config classes)."""
+    if config is not None and not isinstance(config, tuple(config_types)):
+        names = " or ".join(_a(t.__name__) for t in config_types)
+        raise ValueError(f"config must be {names} or None; got {type(config).__name__}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The ops' argument checks (one call per op call, before an implementation is chosen).
+
+
+def check_attention_args(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, sinks=None, custom_mask=None, mask_indptr=None):
+    """The ragged paged layout shared by the reference and every op. Returns (batch, group_size)."""
+    check_array("q", q, ndim=3, dtypes=FLOAT_DTYPES, what="[tokens, q_heads, qk_head_dim]")
+    tokens, q_heads, qk_dim = q.shape
+    check_array("k_pool", k_pool, ndim=3, what="[slots, kv_heads, qk_head_dim]")
+    slots, kv_heads, _ = k_pool.shape
+    check_array("k_pool", k_pool, shape=(None, None, qk_dim), what="[slots, kv_heads, qk_head_dim] (qk_head_dim of q)")
+    check_array("v_pool", v_pool, shape=(slots, kv_heads, None), what="[slots, kv_heads, v_head_dim]")
+    if q_heads % kv_heads:
+        raise ValueError(f"q_heads ({q_heads}, q.shape[1]) must be a multiple of kv_heads ({kv_heads}, k_pool.shape[1])")
+    check_array("qo_indptr", qo_indptr, ndim=1, dtypes=INDEX_DTYPES, what="[batch + 1]")
+    batch = qo_indptr.shape[0] - 1
+    check_array("kv_indptr", kv_indptr, shape=(batch + 1,), dtypes=INDEX_DTYPES, what="[batch + 1]")
+    check_array("kv_indices", kv_indices, ndim=1, dtypes=INDEX_DTYPES, what="[kv_capacity]")
+    if sinks is not None:
+        check_array("sinks", sinks, shape=(q_heads,), dtypes=FLOAT_DTYPES, what="[q_heads]")
+    if custom_mask is not None:
+        check_array("custom_mask", custom_mask, ndim=1, dtypes=MASK_DTYPES, what="[mask_len] (flat, per sequence row-major [q_len, kv_len])")
+        if mask_indptr is None:
+            raise ValueError("mask_indptr (i64/i32[batch + 1]) is required with custom_mask")
+        check_array("mask_indptr", mask_indptr, shape=(batch + 1,), dtypes=INDEX_DTYPES, what="[batch + 1]")
+    return batch, q_heads // kv_heads
+
+
+# MLA latent caches: V is the first v_head_dim dims of K (DeepSeek's 576 = 512 latent + 64 rope; 288 = 256 + 32).
+MLA_V_HEAD_DIMS = {576: 512, 288: 256}
+
+
+def check_decode_args(q, k_pool, v_pool, meta, *, meta_type, sinks, v_head_dim, sliding_window, logit_cap=0.0,
+                      xai_temperature_len=-1):
+    """`decode_attention`'s arguments. Returns (batch, q_heads, kv_heads, qk_head_dim, v_head_dim)."""
+    check_array("q", q, ndim=3, dtypes=FLOAT_DTYPES, what="[batch, q_heads, qk_head_dim]")
+    batch, q_heads, qk_dim = q.shape
+    check_array("k_pool", k_pool, ndim=3, dtypes=(q.dtype,), what="[slots, kv_heads, qk_head_dim] (q's dtype)")
+    slots, kv_heads, _ = k_pool.shape
+    check_array("k_pool", k_pool, shape=(None, None, qk_dim), what="[slots, kv_heads, qk_head_dim] (qk_head_dim of q)")
+    if v_pool is None:
+        v_head_dim = MLA_V_HEAD_DIMS.get(qk_dim) if v_head_dim is None else v_head_dim
+        if v_head_dim is None or not 0 < v_head_dim <= qk_dim:
+            raise ValueError(
+                f"v_head_dim must be given (0 < v_head_dim <= qk_head_dim = {qk_dim}) when v_pool is None "
+                f"(V = the first v_head_dim dims of K); got {v_head_dim!r}"
+            )
+    else:
+        check_array("v_pool", v_pool, shape=(slots, kv_heads, None), dtypes=(q.dtype,), what="[slots, kv_heads, v_head_dim]")
+        if v_head_dim is not None and v_head_dim != v_pool.shape[2]:
+            raise ValueError(f"v_head_dim ({v_head_dim}) must match v_pool.shape[2] ({v_pool.shape[2]}) or be None")
+        v_head_dim = v_pool.shape[2]
+    if q_heads % kv_heads:
+        raise ValueError(f"q_heads ({q_heads}, q.shape[1]) must be a multiple of kv_heads ({kv_heads}, k_pool.shape[1])")
+    check_head_dims(qk_dim, v_head_dim, qk_name="qk_head_dim (q.shape[2])",
+                    v_name="v_head_dim" + (" (v_pool.shape[2])" if v_pool is not None else ""))
+    check_meta(meta, meta_type, "decode_metadata")
+    if meta.batch != batch:
+        raise ValueError(f"meta batch ({meta.batch}, meta.kv_indptr.shape[0] - 1) must equal q.shape[0] ({batch})")
+    if sinks is not None:
+        check_array("sinks", sinks, shape=(q_heads,), dtypes=FLOAT_DTYPES, what="[q_heads]")
+    check_window("sliding_window", sliding_window)
+    check_score_options(logit_cap, xai_temperature_len)
+    if meta.sliding_window >= 0 and sliding_window > meta.sliding_window:
+        raise ValueError(
+            f"sliding_window ({sliding_window}) must not exceed meta.sliding_window ({meta.sliding_window}): the KV "
+            "lists were trimmed to that window"
+        )
+    return batch, q_heads, kv_heads, qk_dim, v_head_dim
+
+
+def check_extend_args(q, k_pool, v_pool, meta, *, meta_type, builder, custom_mask, sinks, sliding_window, config=None,
+                      config_types=(), logit_cap=0.0, xai_temperature_len=-1):
+    """The arguments both extend forms share (`extend_attention`, `extend_attention_unified`). Returns the batch."""
+    check_array("q", q, ndim=3, dtypes=FLOAT_DTYPES, what="[tokens, q_heads, qk_head_dim]")
+    check_meta(meta, meta_type, builder)
+    batch, _ = check_attention_args(q, k_pool, v_pool, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, sinks, custom_mask,
+                                    meta.mask_indptr if custom_mask is not None else None)
+    check_head_dims(q.shape[2], v_pool.shape[2], qk_name="qk_head_dim (q.shape[2])", v_name="v_head_dim (v_pool.shape[2])")
+    check_array("meta.kv_start_pos", meta.kv_start_pos, shape=(batch,), dtypes=INDEX_DTYPES, what="[batch]")
+    check_array("meta.kv_indices", meta.kv_indices, shape=(meta.kv_capacity,), what="[meta.kv_capacity]")
+    check_positive_int("meta.max_extend_len", meta.max_extend_len)
+    check_window("sliding_window", sliding_window)
+    check_score_options(logit_cap, xai_temperature_len)
+    for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
+        if jnp.dtype(pool.dtype) != jnp.dtype(q.dtype):
+            raise ValueError(f"{name} must have q's dtype {jnp.dtype(q.dtype).name}; got {jnp.dtype(pool.dtype).name}")
+    if custom_mask is not None:
+        check_array("custom_mask", custom_mask, ndim=1, dtypes=MASK_DTYPES, what="[mask_len]")
+    if meta.sliding_window >= 0 and not (0 <= sliding_window <= meta.sliding_window):
+        raise ValueError(
+            f"sliding_window ({sliding_window}) must be in [0, {meta.sliding_window}]: meta's prefix lists were cut for a "
+            f"window of {meta.sliding_window}, so they lack keys a wider (or no) window would see"
+        )
+    check_config(config, config_types)
+    return batch
+
+
+def check_new_tokens(q, k_new, v_new, k_pool, v_pool) -> None:
+    """The two-stage form's contiguous new-token K/V: the rows of q, the pool's heads and dims, q's dtype."""
+    tokens, _, qk_dim = q.shape
+    kv_heads, v_dim = v_pool.shape[1], v_pool.shape[2]
+    check_array("k_new", k_new, shape=(tokens, kv_heads, qk_dim), dtypes=(q.dtype,), what="[tokens, kv_heads, qk_head_dim]")
+    check_array("v_new", v_new, shape=(tokens, kv_heads, v_dim), dtypes=(q.dtype,), what="[tokens, kv_heads, v_head_dim]")
+
+
+# ---------------------------------------------------------------------------------------------
+# Metadata builders' arguments.
+
+
+def check_request_tables(req_to_token, req_pool_indices, prefix_lens, extend_lens) -> int:
+    """An extend batch's request tables (the builders and `jaxattn.checked`). Returns the batch."""
+    check_array("req_to_token", req_to_token, ndim=2, dtypes=INDEX_DTYPES, what="[max_reqs, max_context_len]")
+    check_array("req_pool_indices", req_pool_indices, ndim=1, dtypes=INDEX_DTYPES, what="[batch]")
+    batch = req_pool_indices.shape[0]
+    check_array("prefix_lens", prefix_lens, shape=(batch,), dtypes=INDEX_DTYPES, what="[batch]")
+    check_array("extend_lens", extend_lens, shape=(batch,), dtypes=INDEX_DTYPES, what="[batch]")
+    return batch
+
+
+def check_extend_builder_args(req_to_token, req_pool_indices, prefix_lens, extend_lens, max_extend_len, kv_capacity,
+                              sliding_window=-1, index_dtype=jnp.int32) -> None:
+    check_request_tables(req_to_token, req_pool_indices, prefix_lens, extend_lens)
+    check_positive_int("max_extend_len", max_extend_len)
+    check_positive_int("kv_capacity", kv_capacity)
+    check_window("sliding_window", sliding_window)
+    check_index_dtype("index_dtype", index_dtype)
+
+
+def check_split_args(max_kv_splits, deterministic, split_tile_size, max_context_len) -> None:
+    """Decode's static split bound: in deterministic mode max_kv_splits * split_tile_size covers the longest list."""
+    check_positive_int("max_kv_splits", max_kv_splits)
+    check_positive_int("split_tile_size", split_tile_size)
+    if deterministic and max_kv_splits * split_tile_size < max_context_len:
+        raise ValueError(
+            f"max_kv_splits ({max_kv_splits}) x split_tile_size ({split_tile_size}) must cover the longest context "
+            f"({max_context_len}) in deterministic mode: use max_kv_splits >= {-(-max_context_len // split_tile_size)}"
+        )
+
+
+def launch_mode_argument(launch_mode, mode):
+    """The ops' launch mode keyword: `launch_mode` ("gpu", "interpret" or None), or its old name `mode`."""
+    if mode is not None:
+        if launch_mode is not None and launch_mode != mode:
+            raise ValueError(f"launch_mode ({launch_mode!r}) and its old name mode ({mode!r}) disagree: give launch_mode only")
+        return mode
+    return launch_mode

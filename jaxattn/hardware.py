@@ -1,0 +1,62 @@
+"""The GPUs jaxattn knows: each family's limits, defined once, and which family this process runs on.
+
+A family is named by its CUDA compute capability, "sm_90" for the H100/H200 (Hopper). Tuning tables
+(`jaxattn.tuning`), the Mosaic GPU kernel's resource check, the decode split heuristic and the ahead-of-time
+compile check (`jaxattn.aot`) all read their limits from `FAMILIES`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuFamily:
+    """Limits of one GPU family (per thread block / per device)."""
+
+    name: str  # "sm_90"
+    compute_capability: str  # as JAX reports it: "9.0"
+    shared_memory_bytes: int  # opt-in shared memory per thread block
+    sm_count: int  # multiprocessors of the reference part (H200 SXM), used when no device can be asked
+    aot_target: tuple  # Triton's GPUTarget(backend, arch, warp size) for ahead-of-time builds
+
+
+SM90 = GpuFamily(name="sm_90", compute_capability="9.0", shared_memory_bytes=227 * 1024, sm_count=132,
+                 aot_target=("cuda", 90, 32))
+FAMILIES = {SM90.name: SM90}
+# The family whose tables serve where no GPU is visible (the CPU interpreter) and as the fallback elsewhere.
+REFERENCE_FAMILY = SM90
+
+
+@functools.cache
+def _first_gpu():
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:  # no GPU backend in this process
+        return None
+    return gpus[0] if gpus else None
+
+
+def gpu_family_name() -> str | None:
+    """"sm_XY" of the first visible CUDA GPU (e.g. "sm_90"), or None when JAX sees no GPU."""
+    device = _first_gpu()
+    capability = getattr(device, "compute_capability", None) if device is not None else None
+    if capability is None:
+        return None
+    major, _, minor = str(capability).partition(".")
+    return f"sm_{major}{minor or '0'}"
+
+
+def is_sm90() -> bool:
+    """Whether the visible GPU is a Hopper part (wgmma, TMA): the Mosaic GPU kernels' requirement."""
+    return gpu_family_name() == SM90.name
+
+
+def sm_count() -> int:
+    """Multiprocessors of the visible GPU, or of the reference part when none is visible."""
+    device = _first_gpu()
+    count = getattr(device, "core_count", None) if device is not None else None
+    return int(count) if count else REFERENCE_FAMILY.sm_count

@@ -1,0 +1,197 @@
+"""Decode on SGLang's split-KV Triton kernels (`kernels/decode_attention.py`): stage 1 attends each split, stage 2
+merges the splits with their LSEs and adds the sink.
+
+Stage 1 has two kernels: the grouped one (`tl.dot` over BLOCK_H q heads of one kv head; every group size, MHA
+included, where it pads the head to 16 dot rows) and the vector one (one q head per program, multiply-and-sum; opt-in
+with `DecodeConfig(block_h=1)`). Takes every decode call.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import triton
+
+from jaxattn import tuning
+from jaxattn.aot import build
+from jaxattn.calls import DecodeCall
+from jaxattn.launch import launch
+from jaxattn.metadata import MIN_BLOCK_KV, rope_split
+from jaxattn.registry import Implementation
+from jaxattn.tuning import DecodeConfig
+
+# Head shapes the sm_90 table covers (the AOT builds compile each).
+SUPPORTED_HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128), (288, 256), (576, 512))
+
+
+def declines(call: DecodeCall) -> str | None:
+    if call.config is not None and not isinstance(call.config, DecodeConfig):
+        return f"config is a {type(call.config).__name__}, not a DecodeConfig"
+    return None
+
+
+def stage1_constexprs(*, q_heads, kv_heads, qk_head_dim, v_head_dim, config, sm_scale, logit_cap, xai_temperature_len,
+                      sliding_window, max_kv_splits, v_in_k, v_from_k, dot_precision):
+    """Stage 1's constexprs (shared by `run` and `kernel_builds`, so the AOT check compiles what runs).
+
+    v_in_k: V's buffer is the K pool (its first v_head_dim dims); v_from_k: the kernel also reuses the loaded K tile.
+    """
+    block_d, block_dpe = rope_split(qk_head_dim)
+    group = q_heads // kv_heads
+    v_width = qk_head_dim if v_in_k else v_head_dim  # the row width of V's buffer
+    constexprs = dict(
+        SM_SCALE=float(sm_scale),
+        LOGIT_CAP=float(logit_cap),
+        XAI_TEMPERATURE_LEN=int(xai_temperature_len),
+        XAI_INV_LOG2_LEN=(1.0 / math.log2(xai_temperature_len)) if xai_temperature_len > 1 else 1.0,
+        SLIDING_WINDOW=int(sliding_window),
+        Q_HEADS=q_heads,
+        GROUP=group,
+        STRIDE_K_SLOT=kv_heads * qk_head_dim,
+        STRIDE_K_HEAD=qk_head_dim,
+        STRIDE_V_SLOT=kv_heads * v_width,
+        STRIDE_V_HEAD=v_width,
+        QK_HEAD_DIM=qk_head_dim,
+        V_HEAD_DIM=v_head_dim,
+        BLOCK_D=block_d,
+        BLOCK_DPE=block_dpe,
+        BLOCK_DV=triton.next_power_of_2(v_head_dim),
+        BLOCK_N=config.block_n,
+        MAX_KV_SPLITS=max_kv_splits,
+        MIN_BLOCK_KV=MIN_BLOCK_KV,
+    )
+    if config.block_h != 1:  # the grouped kernel's extra constexprs (the vector kernel has none)
+        constexprs.update(V_FROM_K=v_from_k, BLOCK_H=config.block_h, DOT_PRECISION=dot_precision)
+    return constexprs
+
+
+def stage2_constexprs(*, q_heads, v_head_dim, sliding_window, has_sink, max_kv_splits):
+    return dict(SLIDING_WINDOW=int(sliding_window), Q_HEADS=q_heads, V_HEAD_DIM=v_head_dim,
+                BLOCK_DV=triton.next_power_of_2(v_head_dim), HAS_SINK=bool(has_sink), MAX_KV_SPLITS=max_kv_splits,
+                MIN_BLOCK_KV=MIN_BLOCK_KV)
+
+
+def stage1_kernel(config: DecodeConfig) -> str:
+    return "decode_stage1_vector_kernel" if config.block_h == 1 else "decode_stage1_kernel"
+
+
+def reads_v_from_k(qk_head_dim: int, v_head_dim: int) -> bool:
+    """MLA with V inside K: the kernel reuses the K tile it loaded (V = the first BLOCK_D dims, the non-rope part)."""
+    block_d, block_dpe = rope_split(qk_head_dim)
+    return v_head_dim == block_d and block_dpe > 0
+
+
+def run(call: DecodeCall):
+    q, k_pool, v_pool, meta = call.q, call.k_pool, call.v_pool, call.meta
+    batch, q_heads, kv_heads, qk_dim, v_dim = call.batch, call.q_heads, call.kv_heads, call.qk_head_dim, call.v_head_dim
+    group = q_heads // kv_heads
+    mode = call.launch_mode
+    config = tuning.decode_config(qk_dim, v_dim, group) if call.config is None else tuning.clamp_decode_config(call.config, group)
+    v_in_k = v_pool is None
+    max_splits = meta.max_kv_splits
+    constexprs = stage1_constexprs(
+        q_heads=q_heads, kv_heads=kv_heads, qk_head_dim=qk_dim, v_head_dim=v_dim, config=config, sm_scale=call.sm_scale,
+        logit_cap=call.logit_cap, xai_temperature_len=call.xai_temperature_len, sliding_window=call.sliding_window,
+        max_kv_splits=max_splits, v_in_k=v_in_k, v_from_k=v_in_k and reads_v_from_k(qk_dim, v_dim),
+        dot_precision="ieee" if (mode == "interpret" or q.dtype == jnp.float32) else "tf32",
+    )
+    head_programs = q_heads if config.block_h == 1 else kv_heads * -(-group // config.block_h)
+    mid_o, mid_lse = launch(
+        ("decode_attention", stage1_kernel(config)),
+        q,
+        k_pool,
+        k_pool if v_pool is None else v_pool,
+        meta.kv_indptr.astype(jnp.int32),
+        meta.kv_indices,
+        meta.num_kv_splits.astype(jnp.int32),
+        meta.seq_lens.astype(jnp.int32),
+        out_shape=(
+            jax.ShapeDtypeStruct((batch, q_heads, max_splits, v_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, q_heads, max_splits), jnp.float32),
+        ),
+        grid=(batch, head_programs, max_splits),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        mode=mode,
+        name=f"decode_stage1_BLOCK_H={config.block_h}_BLOCK_N={config.block_n}",
+        **constexprs,
+    )
+    sink_arg = jnp.zeros((q_heads,), jnp.float32) if call.sinks is None else call.sinks.astype(jnp.float32)
+    o, lse = launch(
+        ("decode_attention", "decode_stage2_kernel"),
+        mid_o,
+        mid_lse,
+        meta.kv_indptr.astype(jnp.int32),
+        meta.num_kv_splits.astype(jnp.int32),
+        sink_arg,
+        out_shape=(jax.ShapeDtypeStruct((batch, q_heads, v_dim), q.dtype), jax.ShapeDtypeStruct((batch, q_heads), jnp.float32)),
+        grid=(batch, q_heads),
+        num_warps=4,
+        num_stages=2,
+        mode=mode,
+        name="decode_stage2",
+        **stage2_constexprs(q_heads=q_heads, v_head_dim=v_dim, sliding_window=call.sliding_window,
+                            has_sink=call.sinks is not None, max_kv_splits=max_splits),
+    )
+    return (o, lse) if call.return_lse else o
+
+
+IMPLEMENTATION = Implementation("triton", declines, run)
+
+
+# ---------------------------------------------------------------------------------------------
+# AOT builds (see jaxattn.aot)
+
+# The group size each table bucket is built at (8 KV heads), and the bound on splits the builds use.
+_BUILD_GROUPS = {"g1": 1, "g16": 8, "g>16": 64}
+_BUILD_MAX_SPLITS = 64
+
+
+def kernel_builds():
+    """Every stage-1/stage-2 build the sm_90 table (and clamping) can choose, per dtype and head-dim family."""
+    builds = []
+    index = {"KV_INDPTR": "*i32", "KV_INDICES": "*i32", "NUM_KV_SPLITS": "*i32", "SEQ_LENS": "*i32"}
+    for dtype in ("bf16", "fp16"):
+        stage1_signature = {"Q": f"*{dtype}", "K_POOL": f"*{dtype}", "V_POOL": f"*{dtype}", **index,
+                            "MID_O": "*fp32", "MID_LSE": "*fp32"}
+        for qk_dim, v_dim in SUPPORTED_HEAD_DIMS:
+            common = dict(qk_head_dim=qk_dim, v_head_dim=v_dim, sm_scale=1.0 / math.sqrt(qk_dim), logit_cap=30.0,
+                          xai_temperature_len=-1, sliding_window=-1, max_kv_splits=_BUILD_MAX_SPLITS, dot_precision="tf32")
+            v_variants = [False] + ([True] if reads_v_from_k(qk_dim, v_dim) else [])
+            for group_key, group in _BUILD_GROUPS.items():
+                if (qk_dim, v_dim, group_key) not in tuning.sm90.DECODE:
+                    continue  # g1 falls back to g16's build
+                config = tuning.clamp_decode_config(tuning.sm90.DECODE[(qk_dim, v_dim, group_key)], group)
+                for v_from_k in v_variants:
+                    constexprs = stage1_constexprs(q_heads=8 * group, kv_heads=8, config=config, v_in_k=v_from_k,
+                                                   v_from_k=v_from_k, **common)
+                    builds.append(build(
+                        "decode_attention", stage1_kernel(config), stage1_signature, constexprs,
+                        num_warps=config.num_warps, num_stages=config.num_stages,
+                        # M = BLOCK_H (16 or 32) < 64 rows per warpgroup: Triton emits mma.sync, not wgmma
+                        # (checked with `python -m jaxattn.aot -k decode`); decode is bandwidth-bound.
+                        expects_wgmma=False, expects_pipelining=config.num_stages > 1,
+                        label=f"{dtype} {qk_dim}/{v_dim} {group_key}{' v_from_k' if v_from_k else ''}",
+                    ))
+            # The vector kernel (opt-in: DecodeConfig(block_h=1)).
+            config = tuning.vector_config(qk_dim, v_dim)
+            constexprs = stage1_constexprs(q_heads=16, kv_heads=16, config=config, v_in_k=False, v_from_k=False, **common)
+            builds.append(build(
+                "decode_attention", stage1_kernel(config), stage1_signature, constexprs,
+                num_warps=config.num_warps, num_stages=config.num_stages,
+                expects_wgmma=False,  # no tl.dot
+                expects_pipelining=False,  # see tuning.vector_config
+                label=f"{dtype} {qk_dim}/{v_dim} mha vector",
+            ))
+        for v_dim in sorted({v for _, v in SUPPORTED_HEAD_DIMS}):
+            builds.append(build(
+                "decode_attention", "decode_stage2_kernel",
+                {"MID_O": "*fp32", "MID_LSE": "*fp32", "KV_INDPTR": "*i32", "NUM_KV_SPLITS": "*i32", "SINKS": "*fp32",
+                 "O": f"*{dtype}", "LSE": "*fp32"},
+                stage2_constexprs(q_heads=32, v_head_dim=v_dim, sliding_window=-1, has_sink=True,
+                                  max_kv_splits=_BUILD_MAX_SPLITS),
+                num_warps=4, num_stages=2, label=f"{dtype} v_dim={v_dim}",
+            ))
+    return builds

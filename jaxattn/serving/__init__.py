@@ -1,0 +1,16 @@
+"""The serving side around the attention ops: the step's `ForwardBatch`, the per-layer KV pool and its writes, and the
+host-side bookkeeping (`SlotAllocator`, `RequestTable`) that hands the jitted step padded batches.
+
+  * `jaxattn.serving.batch`: `ForwardMode`, `ForwardBatch` (a pytree with static buckets), `tree_mask_for_verify`.
+  * `jaxattn.serving.kv_pool`: `allocate_kv_pool`, `write_kv`, `read_scaled`, fp8 storage.
+  * `jaxattn.serving.tables`: `SlotAllocator`, `Request`, `RequestTable` (numpy, outside jit).
+"""
+
+from jaxattn.serving.batch import ForwardBatch, ForwardMode, tree_mask_for_verify
+from jaxattn.serving.kv_pool import allocate_kv_buffers, allocate_kv_pool, read_scaled, write_kv
+from jaxattn.serving.tables import Request, RequestTable, SlotAllocator
+
+__all__ = [
+    "ForwardBatch", "ForwardMode", "tree_mask_for_verify", "allocate_kv_pool", "allocate_kv_buffers", "read_scaled",
+    "write_kv", "Request", "RequestTable", "SlotAllocator",
+]

@@ -1,0 +1,124 @@
+"""The forward batch: what one model step tells the attention layer, as a pytree with static buckets.
+
+SGLang's ForwardBatch is a mutable object with CPU copies of lengths; here it is a frozen pytree whose
+array shapes are fixed by padded buckets (max batch B, token count T), so one compiled step serves every
+batch that fits the buckets: no host sync, no retrace.
+
+Token layout: the new tokens of sequence b are rows ``qo_indptr[b]:qo_indptr[b+1]`` of q/k/v (extend,
+verify), with padding tokens after the last real one. In DECODE mode token b always belongs to sequence b.
+Padding sequences have ``seq_lens == 0`` and their tokens write to slot 0 (the padding slot) and produce
+zeros.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import jax
+import jax.numpy as jnp
+
+from jaxattn.checks import INDEX_DTYPES, check_array
+from jaxattn.kv_indices import exclusive_cumsum
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill with a cached prefix (also plain prefill: prefix 0)
+    DECODE = "decode"  # one new token per sequence
+    TARGET_VERIFY = "target_verify"  # speculative: draft tokens of a tree verified under a custom mask
+    DRAFT_EXTEND = "draft_extend"  # speculative: the draft model extends over the accepted tokens (causal)
+    IDLE = "idle"  # no tokens (a data-parallel rank with nothing to do)
+
+    @property
+    def is_extend_like(self) -> bool:
+        return self in (ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ForwardBatch:
+    """One step's batch. Array fields are traced; `mode` and the buckets are static (part of the jit key)."""
+
+    req_pool_indices: jax.Array  # i32[B]: each sequence's row of req_to_token
+    seq_lens: jax.Array  # i32[B]: tokens of each sequence including this step's new ones (0 = padding row)
+    extend_lens: jax.Array  # i32[B]: new tokens of each sequence this step (decode: 1, padding: 0)
+    out_cache_loc: jax.Array  # i32[T]: KV-pool slot each new token is written to (padding tokens: 0)
+    positions: jax.Array  # i32[T]: position of each new token in its sequence
+    encoder_lens: jax.Array | None = None  # i32[B]: encoder tokens stored before the decoder's (cross attention)
+    custom_mask: jax.Array | None = None  # bool[mask_capacity]: TARGET_VERIFY tree mask, per sequence [D, seq_len]
+    mode: ForwardMode = dataclasses.field(default=ForwardMode.EXTEND, metadata=dict(static=True))
+    max_extend_len: int = dataclasses.field(default=1, metadata=dict(static=True))  # bucket: max new tokens per sequence
+    kv_capacity: int = dataclasses.field(default=1, metadata=dict(static=True))  # bucket: max total listed keys
+    max_seq_len: int = dataclasses.field(default=1, metadata=dict(static=True))  # bucket: max keys of one sequence
+
+    def __post_init__(self):
+        if not isinstance(self.mode, ForwardMode):
+            raise ValueError(f"mode must be a ForwardMode; got {self.mode!r}")
+        for name in ("max_extend_len", "kv_capacity", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int (a static bucket); got {value!r}")
+        if isinstance(self.seq_lens, jax.Array) or hasattr(self.seq_lens, "shape"):
+            check_array("req_pool_indices", self.req_pool_indices, ndim=1, dtypes=INDEX_DTYPES, what="[batch]")
+            batch = self.req_pool_indices.shape[0]
+            for name in ("seq_lens", "extend_lens"):
+                check_array(name, getattr(self, name), shape=(batch,), dtypes=INDEX_DTYPES, what="[batch]")
+            check_array("out_cache_loc", self.out_cache_loc, ndim=1, dtypes=INDEX_DTYPES, what="[tokens]")
+            check_array("positions", self.positions, shape=self.out_cache_loc.shape, dtypes=INDEX_DTYPES, what="[tokens]")
+            if self.encoder_lens is not None:
+                check_array("encoder_lens", self.encoder_lens, shape=(batch,), dtypes=INDEX_DTYPES, what="[batch]")
+            if self.mode == ForwardMode.DECODE and self.out_cache_loc.shape[0] != batch:
+                raise ValueError(
+                    f"in DECODE mode token b is sequence b: out_cache_loc must have shape ({batch},); got {self.out_cache_loc.shape}"
+                )
+            if self.mode == ForwardMode.TARGET_VERIFY and self.custom_mask is None:
+                raise ValueError("TARGET_VERIFY needs custom_mask (the tree mask, per sequence row-major [draft, seq_len])")
+
+    @property
+    def batch_size(self) -> int:
+        return self.req_pool_indices.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.out_cache_loc.shape[0]
+
+    @property
+    def prefix_lens(self) -> jax.Array:
+        """i32[B]: tokens already in the cache before this step."""
+        return jnp.maximum(self.seq_lens - self.extend_lens, 0)
+
+    @property
+    def qo_indptr(self) -> jax.Array:
+        """i32[B + 1]: where each sequence's new tokens sit among the step's tokens."""
+        if self.mode == ForwardMode.DECODE:
+            return jnp.arange(self.batch_size + 1, dtype=jnp.int32)
+        return exclusive_cumsum(self.extend_lens)
+
+    @property
+    def mask_indptr(self) -> jax.Array:
+        """i32[B + 1]: start of each sequence's [extend_len, seq_len] block of custom_mask."""
+        return exclusive_cumsum(self.extend_lens * self.seq_lens)
+
+
+def tree_mask_for_verify(parents, prefix_len: int):
+    """Builds the TARGET_VERIFY mask rows of one sequence from a draft tree (host helper, numpy).
+
+    Args:
+      parents: length-D list; parents[i] is the index of draft token i's parent, or -1 for a root that
+        follows the verified prefix directly. Tokens are in topological order (parent before child).
+      prefix_len: tokens of the sequence before the drafts.
+
+    Returns:
+      bool[D, prefix_len + D]: row i sees the whole prefix, itself and its ancestors.
+    """
+    import numpy as np
+
+    draft = len(parents)
+    mask = np.zeros((draft, prefix_len + draft), bool)
+    mask[:, :prefix_len] = True
+    for i in range(draft):
+        j = i
+        while j >= 0:
+            mask[i, prefix_len + j] = True
+            j = parents[j]
+    return mask

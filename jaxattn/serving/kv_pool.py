@@ -1,0 +1,97 @@
+"""The per-layer KV pool and writes into it.
+
+A layer's cache is two arrays, ``k_pool [slots, kv_heads, head_dim]`` and ``v_pool [slots, kv_heads,
+v_head_dim]``. Slot 0 is reserved: padding tokens write there and no sequence lists it, so whatever lands
+in it is harmless. Writes are functional (`.at[slots].set`) and happen in place when the step function
+donates the buffers (``jax.jit(step, donate_argnames=...)``).
+
+fp8 storage: buffers of dtype float8_e4m3fn / float8_e5m2 hold ``value / scale``; readers multiply back by
+the same per-layer scale (SGLang's k_scale / v_scale).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+
+from jaxattn.checks import FLOAT_DTYPES, INDEX_DTYPES, check_array
+
+FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+BUFFER_DTYPES = FLOAT_DTYPES + FP8_DTYPES
+
+
+def is_fp8(dtype) -> bool:
+    return any(jnp.dtype(dtype) == jnp.dtype(d) for d in FP8_DTYPES)
+
+
+def allocate_kv_pool(num_slots: int, kv_heads: int, head_dim: int, v_head_dim: int | None = None, dtype=jnp.bfloat16):
+    """Zeroed (k_pool, v_pool) for one layer; `num_slots` includes the padding slot 0."""
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
+    return jnp.zeros((num_slots, kv_heads, head_dim), dtype), jnp.zeros((num_slots, kv_heads, v_head_dim), dtype)
+
+
+def write_kv(k_pool, v_pool, out_cache_loc, k, v, *, k_scale: float | None = None, v_scale: float | None = None):
+    """Stores new tokens' K and V at their slots; returns the updated (k_pool, v_pool).
+
+    Args:
+      k_pool: [slots, kv_heads, head_dim]. v_pool: [slots, kv_heads, v_head_dim].
+      out_cache_loc: i32[tokens], the slot of each token. Slot 0 is the padding slot: padding tokens write there,
+        as often as they like. Slots outside ``[0, slots)`` (negative ones included) are dropped, never written
+        elsewhere. Duplicates: when several tokens name one slot, that slot ends up holding, element by element,
+        one of the values written to it (which one is unspecified and may differ between elements and between runs
+        on a GPU); every other slot is exact. Real tokens must therefore not share a slot: checked mode
+        (`check_write_slots`, `jaxattn.checked.validate_write_slots`) rejects repeats of any slot but 0.
+      k: [tokens, kv_heads, head_dim]. v: [tokens, kv_heads, v_head_dim].
+      k_scale, v_scale: for fp8 buffers, the stored value is ``k / k_scale`` (default 1).
+    """
+    check_array("k_pool", k_pool, ndim=3, dtypes=BUFFER_DTYPES, what="[slots, kv_heads, head_dim]")
+    slots, kv_heads, head_dim = k_pool.shape
+    check_array("v_pool", v_pool, shape=(slots, kv_heads, None), dtypes=BUFFER_DTYPES, what="[slots, kv_heads, v_head_dim]")
+    check_array("out_cache_loc", out_cache_loc, ndim=1, dtypes=INDEX_DTYPES, what="[tokens]")
+    tokens = out_cache_loc.shape[0]
+    check_array("k", k, shape=(tokens, kv_heads, head_dim), dtypes=FLOAT_DTYPES, what="[tokens, kv_heads, head_dim]")
+    check_array("v", v, shape=(tokens, kv_heads, v_pool.shape[2]), dtypes=FLOAT_DTYPES, what="[tokens, kv_heads, v_head_dim]")
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None:
+            continue
+        if hasattr(scale, "shape"):  # an array scale (e.g. calibrated per layer): checked for shape only
+            if tuple(scale.shape) not in ((), (1,)):
+                raise ValueError(f"{name} must be a scalar; got shape {tuple(scale.shape)}")
+        elif not (isinstance(scale, numbers.Real) and math.isfinite(scale) and scale > 0):
+            raise ValueError(f"{name} must be None or a finite float > 0 (fp8 buffers store value / scale); got {scale!r}")
+    if is_fp8(k_pool.dtype):
+        k = k.astype(jnp.float32) / (1.0 if k_scale is None else k_scale)
+    if is_fp8(v_pool.dtype):
+        v = v.astype(jnp.float32) / (1.0 if v_scale is None else v_scale)
+    # wrap_negative_indices=False: a negative slot is out of range and dropped (NumPy-style wrapping would write
+    # slot -1 into the last slot of the pool).
+    k_pool = k_pool.at[out_cache_loc].set(k.astype(k_pool.dtype), mode="drop", wrap_negative_indices=False)
+    v_pool = v_pool.at[out_cache_loc].set(v.astype(v_pool.dtype), mode="drop", wrap_negative_indices=False)
+    return k_pool, v_pool
+
+
+def read_scaled(buffer, scale: float | None, dtype):
+    """The pool as `dtype` values: fp8 buffers are multiplied back by their scale."""
+    if is_fp8(buffer.dtype):
+        return (buffer.astype(jnp.float32) * (1.0 if scale is None else scale)).astype(dtype)
+    return buffer
+
+
+def check_write_slots(out_cache_loc, num_slots: int):
+    """Run-time check (checkify) that real slots are in range and distinct; slot 0 may repeat."""
+    from jax.experimental import checkify
+
+    loc = out_cache_loc.astype(jnp.int32)
+    checkify.check(jnp.all((loc >= 0) & (loc < num_slots)), "out_cache_loc has a slot outside [0, {n})", n=jnp.int32(num_slots))
+    ordered = jnp.sort(loc)
+    repeated = (ordered[1:] == ordered[:-1]) & (ordered[1:] != 0)
+    if repeated.size == 0:
+        return
+    slot = ordered[1:][jnp.argmax(repeated)]
+    checkify.check(~jnp.any(repeated), "out_cache_loc names slot {s} twice (only the padding slot 0 may repeat)", s=slot)
+
+
+allocate_kv_buffers = allocate_kv_pool  # its earlier name

@@ -1,0 +1,163 @@
+"""Tuning: the kernels' launch configurations, one table per GPU family, and the lookups that pick from them.
+
+    from jaxattn import tuning
+    tuning.decode_config(128, 128, group=4)            # DecodeConfig for this device
+    tuning.extend_config(128, 128, jnp.bfloat16, 4096)  # ExtendConfig, clamped to the problem
+
+Each lookup detects the device's family (`jaxattn.hardware`), normalises the key as the family's table documents
+(`jaxattn.tuning.sm90`), warns once when the device or the key has no entry (then falls back to the reference
+family's table or a heuristic) and clamps the result to the problem. No GPU visible (the CPU interpreter): the
+reference family's table, silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+
+import jax.numpy as jnp
+import triton
+
+from jaxattn import hardware
+from jaxattn.metadata import rope_split
+from jaxattn.tuning import sm90
+from jaxattn.tuning.configs import DecodeConfig, ExtendConfig, MgpuExtendConfig
+
+__all__ = [
+    "DecodeConfig", "ExtendConfig", "MgpuExtendConfig", "TABLES", "table", "decode_config", "clamp_decode_config",
+    "heuristic_decode_config", "vector_config", "head_dim_family", "extend_config", "with_custom_mask", "pack_heads",
+    "mgpu_extend_config",
+]
+
+# GPU family -> op -> table (see each family module for its keys).
+TABLES = {hardware.SM90.name: sm90.TABLES}
+
+_warned: set = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
+def table(op: str, family: str | None = None) -> dict:
+    """The `op` table ("decode", "extend", "extend_mgpu") of `family` (default: the visible GPU's family)."""
+    if family is None:
+        family = hardware.gpu_family_name() or hardware.REFERENCE_FAMILY.name
+    tables = TABLES.get(family)
+    if tables is None:
+        _warn_once(f"jaxattn.tuning: no tuned tables for GPU family {family}; using {hardware.REFERENCE_FAMILY.name}'s")
+        tables = TABLES[hardware.REFERENCE_FAMILY.name]
+    return tables[op]
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode (Triton split-KV kernels)
+
+
+def heuristic_decode_config(qk_head_dim: int, v_head_dim: int, group: int) -> DecodeConfig:
+    """Fallback for head dims without a table entry: smaller key tiles as the head grows."""
+    width = triton.next_power_of_2(qk_head_dim) + triton.next_power_of_2(v_head_dim)
+    block_n = 64 if width <= 256 else 32
+    num_stages = 3 if width <= 512 else 2
+    block_h = 16 if group <= 16 else 32
+    num_warps = 4 if block_h == 16 or width <= 256 else 8
+    return DecodeConfig(block_n=block_n, block_h=block_h, num_warps=num_warps, num_stages=num_stages)
+
+
+def vector_config(qk_head_dim: int, v_head_dim: int) -> DecodeConfig:
+    """The vector kernel's tile (opt-in with DecodeConfig(block_h=1)): one q head per program, no tl.dot.
+
+    On the H200 it loses to the grouped kernel at MHA (93.5% of the floor at its best tile, 2 warps, against 96%;
+    benchmarks/results/2026-12-02_h200_decode_mha_sweep.log): Triton's pipeliner stages only loads that feed a dot,
+    so its loads are plain global loads that only occupancy hides, while the grouped kernel's are cp.async pipelined
+    and its 16-row padding costs tensor-core time a bandwidth-bound kernel has to spare.
+    """
+    width = triton.next_power_of_2(qk_head_dim) + triton.next_power_of_2(v_head_dim)
+    return DecodeConfig(block_n=64 if width <= 256 else 32, block_h=1, num_warps=2, num_stages=1)
+
+
+def clamp_decode_config(config: DecodeConfig, group: int) -> DecodeConfig:
+    """Fits a config to the problem: no more head rows than the group needs (but >= 16; 1 = vector kernel stays)."""
+    if config.block_h == 1:
+        return config
+    block_h = max(16, min(config.block_h, triton.next_power_of_2(group)))
+    return dataclasses.replace(config, block_h=block_h)
+
+
+def decode_config(qk_head_dim: int, v_head_dim: int, group: int, family: str | None = None) -> DecodeConfig:
+    """The tuned decode config for these head dims and group size, or the heuristic one (warning once) on a miss.
+
+    MHA (group 1) uses its own entry where the table has one, else the "g16" entry: the grouped kernel pads the single
+    head to 16 dot rows, which costs less than the vector kernel's unpipelined loads (see vector_config).
+    """
+    bucket = "g1" if group == 1 else "g16" if group <= 16 else "g>16"
+    entries = table("decode", family)
+    config = entries.get((qk_head_dim, v_head_dim, bucket))
+    if config is None and bucket == "g1":
+        bucket = "g16"
+        config = entries.get((qk_head_dim, v_head_dim, bucket))
+    if config is None:
+        _warn_once(f"jaxattn.tuning: no tuned config for decode {(qk_head_dim, v_head_dim, bucket)}; using a heuristic one")
+        config = heuristic_decode_config(qk_head_dim, v_head_dim, group)
+    return clamp_decode_config(config, group)
+
+
+# ---------------------------------------------------------------------------------------------
+# Extend (Triton two-stage and unified kernels)
+
+
+def head_dim_family(qk_head_dim: int, v_head_dim: int) -> str:
+    """The extend table key of a head shape (see `jaxattn.tuning.sm90`)."""
+    main, rope = rope_split(qk_head_dim)
+    if rope and f"{qk_head_dim}/{main}" in sm90.EXTEND:
+        return f"{qk_head_dim}/{main}"
+    dim = max(triton.next_power_of_2(qk_head_dim), triton.next_power_of_2(v_head_dim))
+    return str(max(dim, 64)) if dim <= 256 else "576/512"
+
+
+def with_custom_mask(config: ExtendConfig) -> ExtendConfig:
+    """The custom-mask variant keeps a [BLOCK_M, BLOCK_N] mask tile live too: 128-key tiles overflow shared memory."""
+    return dataclasses.replace(config, block_n=min(config.block_n, 64))
+
+
+def extend_config(qk_head_dim: int, v_head_dim: int, dtype, max_extend_len: int, *, custom_mask: bool = False,
+                  family: str | None = None) -> ExtendConfig:
+    """The table's config for this head shape, adapted to the dtype and clamped to the problem.
+
+    A key the table lacks falls back to its largest family (warning once). fp32 inputs (tests, mostly) take half-size
+    K/V tiles and no pipelining so shared memory still fits. block_m is clamped to max_extend_len (rounded up to a
+    power of 2, >= 16).
+    """
+    entries = table("extend", family)
+    key = head_dim_family(qk_head_dim, v_head_dim)
+    config = entries.get(key)
+    if config is None:
+        _warn_once(f"jaxattn.tuning: no tuned config for extend family {key}; using 576/512's")
+        config = entries["576/512"]
+    if custom_mask:
+        config = with_custom_mask(config)
+    if jnp.dtype(dtype) == jnp.float32:
+        config = dataclasses.replace(config, block_m=min(config.block_m, 64), block_n=min(config.block_n, 32), num_stages=1)
+    block_m = max(16, min(config.block_m, triton.next_power_of_2(max(int(max_extend_len), 1))))
+    return dataclasses.replace(config, block_m=block_m)
+
+
+def pack_heads(config: ExtendConfig, q_heads: int, kv_heads: int) -> ExtendConfig:
+    """The config a launch uses: head_pack cut to the largest power of 2 dividing the group size."""
+    return dataclasses.replace(config, head_pack=math.gcd(config.head_pack, q_heads // kv_heads))
+
+
+# ---------------------------------------------------------------------------------------------
+# Extend (Mosaic GPU kernel)
+
+
+def mgpu_extend_config(head_dim: int, family: str | None = None) -> MgpuExtendConfig:
+    """The Mosaic GPU extend kernel's tiles for this head dim (the default config on a miss, warning once)."""
+    config = table("extend_mgpu", family).get(head_dim)
+    if config is None:
+        _warn_once(f"jaxattn.tuning: no tuned config for the Mosaic GPU extend kernel at head dim {head_dim}; using the default")
+        config = MgpuExtendConfig()
+    return config

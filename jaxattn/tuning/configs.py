@@ -1,0 +1,91 @@
+"""The launch configurations of jaxattn's kernels: one frozen dataclass per kernel family.
+
+`DecodeConfig` (Triton split-KV decode), `ExtendConfig` (both Triton extend kernels) and `MgpuExtendConfig` (the
+Hopper Mosaic GPU extend kernel). Passing one as `config=` to an op also picks the implementation it configures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Stage-1 launch configuration of the Triton decode kernels."""
+
+    block_n: int = 32  # keys per loop iteration (power of 2, >= 16)
+    # q heads of one kv head per program: a power of 2 >= 16 (tl.dot's minimum M) for the grouped kernel, or 1 for
+    # the vector kernel (one q head per program, no tl.dot).
+    block_h: int = 16
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_n", "block_h", "num_warps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0 or value & (value - 1):
+                raise ValueError(f"DecodeConfig.{name} must be a positive power of 2; got {value!r}")
+        if self.block_n < 16 or (self.block_h != 1 and self.block_h < 16):
+            raise ValueError(
+                f"DecodeConfig.block_n must be >= 16 and block_h 1 (vector kernel) or >= 16 (tl.dot); got {self.block_n}, "
+                f"{self.block_h}"
+            )
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"DecodeConfig.num_stages must be a positive int; got {self.num_stages!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtendConfig:
+    """Tile sizes and launch options of one Triton extend launch (the two-stage and unified kernels share them).
+
+    block_m: query rows per program (the q-block). block_n: keys per inner-loop tile. Both powers of 2, >= 16.
+    In the unified kernel block_n also fixes the reduction order: outputs are bit-identical across prefix/new splits
+    only for the same block_n. num_warps, num_stages: Triton launch options (num_stages > 1 software-pipelines the
+    K/V loads of the inner loop). head_pack: q heads of one KV head that share a program (a power of 2): its block_m
+    rows are head_pack heads x block_m / head_pack tokens, so each K/V tile loaded serves head_pack heads. Launches
+    use gcd(head_pack, q_heads / kv_heads) (1 for MHA).
+    """
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+    head_pack: int = 1
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 16 or value & (value - 1):
+                raise ValueError(f"ExtendConfig.{name} must be a power of 2 >= 16; got {value!r}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"ExtendConfig.num_warps must be 1, 2, 4, 8 or 16; got {self.num_warps!r}")
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"ExtendConfig.num_stages must be a positive int; got {self.num_stages!r}")
+        if not isinstance(self.head_pack, int) or self.head_pack < 1 or self.head_pack & (self.head_pack - 1):
+            raise ValueError(f"ExtendConfig.head_pack must be a power of 2 >= 1; got {self.head_pack!r}")
+        if self.head_pack > self.block_m:
+            raise ValueError(f"ExtendConfig.head_pack ({self.head_pack}) must not exceed block_m ({self.block_m})")
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuExtendConfig:
+    """Tiles of the Mosaic GPU extend kernel: block_q rows per consumer warpgroup (a CTA takes 2 x block_q), block_kv
+    keys per tile, stages K/V tiles in flight."""
+
+    block_q: int = 64
+    block_kv: int = 128
+    stages: int = 2
+
+    def shared_memory_bytes(self, head_dim: int) -> int:
+        """Q/O tiles of both consumer warpgroups, their partial-tile store buffers, the K/V ring (16-bit), and the
+        ring's mbarriers (each buffer rounded up to Pallas' 1 KiB alignment)."""
+        return (4 * self.block_q + 2 * self.stages * self.block_kv) * head_dim * 2 + 1024
+
+    def __post_init__(self):
+        if self.block_q != 64:
+            raise ValueError(f"MgpuExtendConfig.block_q must be 64 (one wgmma M tile per warpgroup); got {self.block_q!r}")
+        if self.block_kv not in (64, 128):
+            # The producer hands each of its 128 threads one row's slot: block_kv <= 128 rows, in whole 16-row groups.
+            raise ValueError(f"MgpuExtendConfig.block_kv must be 64 or 128; got {self.block_kv!r}")
+        if not isinstance(self.stages, int) or self.stages < 2:
+            raise ValueError(f"MgpuExtendConfig.stages must be an int >= 2; got {self.stages!r}")

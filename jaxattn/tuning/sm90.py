@@ -1,0 +1,62 @@
+"""Tuned tables for sm_90 (H100/H200), every entry timed on the H200 (records in benchmarks/results/).
+
+Keys (normalised by `jaxattn.tuning`'s lookups):
+  * DECODE: (qk_head_dim, v_head_dim, group bucket); the bucket is "g1" for MHA (falls back to "g16" when missing),
+    "g16" for q_heads / kv_heads <= 16, else "g>16".
+  * EXTEND: the head-dim family: "64", "128", "256" (plain heads, the larger head dim rounded up to a power of 2, at
+    least 64) and "576/512", "288/256", "192/128" (qk/v head dims with a rope part in a second dot). Configs are for
+    16-bit inputs; fp32 and custom masks adapt them (`jaxattn.tuning.extend_config`).
+  * EXTEND_MGPU: head_dim (64 or 128).
+"""
+
+from __future__ import annotations
+
+from jaxattn.tuning.configs import DecodeConfig, ExtendConfig, MgpuExtendConfig
+
+# Bandwidth-bound decode: pipelined gathered loads matter most. 128/128 and 576/512 (g16) were picked from the sweep
+# of 2026-12-02 on the H200: the best all-rounder over D1-D3, and the best MLA config.
+DECODE: dict[tuple[int, int, str], DecodeConfig] = {
+    (64, 64, "g16"): DecodeConfig(block_n=64, block_h=16, num_warps=4, num_stages=3),
+    (128, 128, "g16"): DecodeConfig(block_n=128, block_h=16, num_warps=4, num_stages=3),
+    # MHA: from the H200 sweep of the "MHA" case (2026-12-02, 7dd44a3): 96% of the floor, where the vector kernel's
+    # best tile (n64 w2) reached 93.5% and 128-key tiles 94%.
+    (128, 128, "g1"): DecodeConfig(block_n=32, block_h=16, num_warps=4, num_stages=3),
+    (256, 256, "g16"): DecodeConfig(block_n=32, block_h=16, num_warps=4, num_stages=3),
+    (192, 128, "g16"): DecodeConfig(block_n=32, block_h=16, num_warps=4, num_stages=2),  # block_n 64 spills
+    (288, 256, "g16"): DecodeConfig(block_n=32, block_h=16, num_warps=4, num_stages=3),
+    (576, 512, "g16"): DecodeConfig(block_n=32, block_h=16, num_warps=4, num_stages=2),
+    # Many q heads per kv head (MLA without TP, big MQA): fewer head blocks, fewer K re-reads.
+    (64, 64, "g>16"): DecodeConfig(block_n=64, block_h=32, num_warps=4, num_stages=3),
+    (128, 128, "g>16"): DecodeConfig(block_n=64, block_h=32, num_warps=4, num_stages=3),
+    (256, 256, "g>16"): DecodeConfig(block_n=32, block_h=32, num_warps=8, num_stages=3),
+    (192, 128, "g>16"): DecodeConfig(block_n=64, block_h=32, num_warps=8, num_stages=2),
+    (288, 256, "g>16"): DecodeConfig(block_n=32, block_h=32, num_warps=8, num_stages=3),
+    (576, 512, "g>16"): DecodeConfig(block_n=32, block_h=32, num_warps=8, num_stages=2),
+}
+
+# Two-stage kernel, bf16, each candidate checked against the reference first. "128" on E1/E3 (sweep of 2026-12-02):
+# 128x128 tiles with 3 stages, 2.56 ms on E1 against 5.24 ms for 128x32/2. The others on the tuning cases
+# T64/T256/T192/T576/T288 of jaxattn.bench (benchmarks/experiments/extend_tuning.py,
+# results/2026-12-03_h200_extend_tuning_round{1,2}.json), against the earlier CPU-chosen guesses (ms, guess -> now):
+# 64: 1.91 -> 1.27; 192/128: 2.67 -> 1.87; 256: 7.02 -> 2.82; 288/256: 2.35 -> 1.10; 576/512: 8.67 -> 4.06.
+# What the sweep showed: 64-row q-blocks want 4 warps (one warpgroup; with 8 the row softmax is split across two
+# warpgroups and runs 1.5-2.5x slower), except 576/512, whose 64x32 tiles need 8 warps to hold the 512-wide
+# accumulator (it spills a little and still beats 32-row tiles without wgmma by 2.1x); 128-row blocks want 8.
+# A third/fourth stage only helps where shared memory is left over (64-dim heads, 192/128).
+EXTEND: dict[str, ExtendConfig] = {
+    "64": ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
+    "128": ExtendConfig(block_m=128, block_n=128, num_warps=8, num_stages=3),
+    "256": ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2),
+    "192/128": ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
+    "288/256": ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2),
+    "576/512": ExtendConfig(block_m=64, block_n=32, num_warps=8, num_stages=2),
+}
+
+# Measured on the H200 (E1-E3): 64 x 128 with 2 stages beats 64 x 64 with 3-4 stages by 9-27%
+# (results/2026-12-03_h200_mgpu_extend_first.log).
+EXTEND_MGPU: dict[int, MgpuExtendConfig] = {
+    64: MgpuExtendConfig(block_q=64, block_kv=128, stages=2),
+    128: MgpuExtendConfig(block_q=64, block_kv=128, stages=2),
+}
+
+TABLES = {"decode": DECODE, "extend": EXTEND, "extend_mgpu": EXTEND_MGPU}

@@ -101,7 +101,7 @@ _interpreter_patched = False
 
 
 def _patch_interpreter():
-    """Two fixes and a speed-up to Triton 3.6's interpreter, applied once, before the first interpreted launch.
+    """Three fixes and a speed-up to Triton 3.6's interpreter, applied once, before the first interpreted launch.
 
     * `tensor.__index__` is `int(array)`, which numpy >= 2.5 rejects for the interpreter's rank-1 scalars
       ("only 0-dimensional arrays can be converted"); kernels use loaded lengths as `range` bounds.
@@ -109,6 +109,8 @@ def _patch_interpreter():
       imported without the interpreter, so they are compiled-only JITFunctions whose `__call__` just raises.
       Calling one (which only ever happens under the interpreter: compiled kernels never run Python calls)
       now runs it interpreted.
+    * `tl.dot` on float32 tiles is computed in float64 and rounded once, so a row's result does not depend on its
+      place in the tile (the host BLAS's float32 kernels sum edge rows in another order).
     * Speed: the kernels' `tl.reduce(x, axis, _max_combine / _sum_combine)` run as one numpy reduction
       instead of the interpreter's element-by-element loop (same results up to float summation order).
     """
@@ -152,6 +154,20 @@ def _patch_interpreter():
         return self.to_tensor(np.asarray(value, dtype=data.dtype), input[0].dtype)
 
     interpreter.ReduceOps.apply_impl = fast_reduce
+
+    # tl.dot runs np.matmul, i.e. the host BLAS, whose float32 kernels sum a row's products in an order that depends on
+    # where the row sits in the tile (edge rows take other micro-kernels; seen with OpenBLAS's SkylakeX kernels). The
+    # unified kernel's promise that a token's bits do not depend on the prefix/new split moves rows within tiles, so
+    # the interpreter multiplies float32 tiles in float64 and rounds once: a row's result no longer depends on its place.
+    original_dot = interpreter.InterpreterBuilder.create_dot
+
+    def placement_independent_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.data.dtype == np.float32 and b.data.dtype == np.float32 and d.data.dtype == np.float32:
+            product = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64)).astype(np.float32)
+            return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
+        return original_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    interpreter.InterpreterBuilder.create_dot = placement_independent_dot
     _interpreter_patched = True
 
 

@@ -1,9 +1,10 @@
-"""Benchmarks: jaxattn beside its peers and the physical floor, on the shapes of ../shared/anchors.md.
+"""Benchmarks: jaxattn beside its peers and the physical floor, on the shapes of benchmarks/ANCHORS.md.
 
     python -m jaxattn.bench decode|extend [--cases D1,D2] [--json out.json] [--plot out.png] [--sweep]
     python -m jaxattn.bench plot results/decode.json results/extend.json -o plot.png
 
-One job per module:
+benchmarks/ANCHORS.md holds the shapes, how the floors are computed and the peers' figures the project compares
+against; benchmarks/RESULTS.md the runs. One job per module:
     cases   Case, CASES (the anchor shapes and the tuning cases), the floor constants, Case.floor_ms
     inputs  Inputs, make_inputs: device-resident random inputs with scattered KV slots
     timing  time_calls (N back-to-back calls, one sync, median of repeats), PerCall, jax_sync, torch_sync

@@ -1,4 +1,4 @@
-"""Benchmarks: jaxattn beside its peers and the physical floor, on the shapes of ../shared/anchors.md.
+"""Benchmarks: jaxattn beside its peers and the physical floor, on the shapes of benchmarks/ANCHORS.md.
 
     python -m jaxattn.bench decode [--cases D1,D2] [--json out.json] [--plot out.png] [--sweep]
     python -m jaxattn.bench extend [--cases E1] [--json out.json] [--plot out.png] [--sweep]
@@ -10,6 +10,7 @@ inputs, then one synchronisation; the figure is the median over repeats of (elap
 random normal (never zeros) and every sequence's KV slots are scattered at random over the pool, as a
 real allocator leaves them. Floors: decode reads every K and V byte once at 4.3 TB/s; extend does
 2 * q_heads * (qk_head_dim + v_head_dim) * new * (prefix + (new + 1) / 2) FLOPs per sequence at 790 TFLOP/s.
+(benchmarks/ANCHORS.md: the shapes, the floors and the peers' figures.)
 Peers that are not installed (FlashInfer, torch) or not supported for a shape are skipped with a note.
 Each run prints a markdown table; `--json` keeps the rows (with device, date and commit: git's, or
 $JAXATTN_COMMIT where the checkout has no .git) and `--plot` draws fraction-of-floor bars (matplotlib, the

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from jaxattn import bench
+from jaxattn.bench import cli, report
 
 TINY = [
     bench.Case("TD", "decode", batch=2, prefix=40, new=1, q_heads=4, kv_heads=2, head_dim=128),
@@ -24,7 +25,7 @@ def one_call(monkeypatch):
         outputs.append(np.asarray(out, np.float32))
         return 1.0
 
-    monkeypatch.setattr(bench, "time_calls", timed_once)
+    monkeypatch.setattr(cli, "time_calls", timed_once)  # where run looks it up
     return outputs
 
 
@@ -69,8 +70,8 @@ def test_floors():
 
 def test_tuning_cases_run_only_by_name(monkeypatch):
     ran = []
-    monkeypatch.setattr(bench, "run", lambda op, cases, *a, **k: ran.append(cases) or [])
-    monkeypatch.setattr(bench, "_commit", lambda: "abc1234")
+    monkeypatch.setattr(cli, "run", lambda op, cases, *a, **k: ran.append(cases) or [])
+    monkeypatch.setattr(cli, "commit", lambda: "abc1234")
     assert bench.main(["extend", "--no-progress"]) == 0
     assert bench.main(["extend", "--cases", "T64,T576", "--no-progress"]) == 0
     assert ran == [["E1", "E2", "E3"], ["T64", "T576"]]
@@ -80,11 +81,11 @@ def test_commit_falls_back_to_the_environment(monkeypatch):
     def no_git(*args, **kwargs):
         raise OSError("git: not found")
 
-    monkeypatch.setattr(bench.subprocess, "run", no_git)
+    monkeypatch.setattr(report.subprocess, "run", no_git)
     monkeypatch.setenv("JAXATTN_COMMIT", "feed123")
-    assert bench._commit() == "feed123"
+    assert bench.commit() == "feed123"
     monkeypatch.delenv("JAXATTN_COMMIT")
-    assert bench._commit() == "unknown"
+    assert bench.commit() == "unknown"
 
 
 def test_plot_needs_rows(tmp_path):

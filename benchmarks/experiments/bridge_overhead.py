@@ -16,7 +16,7 @@ from jaxattn import bench
 
 case = bench.CASES[sys.argv[1] if len(sys.argv) > 1 else "D1"]
 inp = bench.make_inputs(case)
-torch_, tv = bench._torch_views(inp)
+torch_, tv = bench.torch_views(inp)
 ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
 w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=False)
 w.plan(tv["kv_indptr"], tv["kv_indices"], torch.ones(case.batch, dtype=torch.int32, device="cuda"), case.q_heads, case.kv_heads,
@@ -63,8 +63,8 @@ def layered(cb, layers, side_effect):
     return jax.jit(f)
 
 variants = {
-    "torch run(out=, lse=)": (lambda: w.run(q, (k, v), out=torch.empty_like(q), lse=torch.empty(q.shape[:2], device="cuda"), return_lse=True), bench._torch_sync, 1),
-    "jit 1 call, dlpack": (lambda f=layered(make_callback("dlpack"), 1, False): f(inp.q, inp.k_pool, inp.v_pool), bench._jax_sync, 1),
+    "torch run(out=, lse=)": (lambda: w.run(q, (k, v), out=torch.empty_like(q), lse=torch.empty(q.shape[:2], device="cuda"), return_lse=True), bench.torch_sync, 1),
+    "jit 1 call, dlpack": (lambda f=layered(make_callback("dlpack"), 1, False): f(inp.q, inp.k_pool, inp.v_pool), bench.jax_sync, 1),
 }
 ref = w.run(q, (k, v)).float().cpu().numpy()
 for label in CONVERTERS:
@@ -75,7 +75,7 @@ for label in CONVERTERS:
         print(f"{label}: FAILED {type(error).__name__}: {str(error)[-300:]}")
         continue
     print(f"8 calls per step, {label}: last call max|diff| vs torch {float(np.max(np.abs(got - ref)))}")
-    variants[f"jit 8 calls (side effect), {label}"] = (lambda f=f: f(inp.q, inp.k_pool, inp.v_pool), bench._jax_sync, 8)
+    variants[f"jit 8 calls (side effect), {label}"] = (lambda f=f: f(inp.q, inp.k_pool, inp.v_pool), bench.jax_sync, 8)
 samples = {k_: [] for k_ in variants}
 for rnd in range(2):
     for name, (fn, sync, per) in variants.items():

@@ -36,7 +36,7 @@ for cname in sys.argv[1:] or ["D1", "D2", "D3"]:
     samples = {k: [] for k in fns}
     for rnd in range(5):
         for k, fn in fns.items():
-            samples[k].append(bench.time_calls(fn, bench._jax_sync, repeats=5))
+            samples[k].append(bench.time_calls(fn, bench.jax_sync, repeats=5))
     for k, s in samples.items():
         ms = statistics.median(s)
         rows.append(dict(case=cname, variant=k, median_ms=ms, fraction=case.floor_ms() / ms))

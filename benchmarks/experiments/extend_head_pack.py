@@ -17,7 +17,7 @@ for name in sys.argv[1:] or ["E1", "E2", "E3", "T64"]:
     case = bench.CASES[name]
     base = extend.SM90_CONFIGS[extend.head_dim_family(case.head_dim, case.dv)]
     inp = bench.make_inputs(case)
-    ref = np.asarray(bench._extend_reference(inp)(), np.float32)
+    ref = np.asarray(bench.extend_reference(inp)(), np.float32)
     tol = testing.tolerance(inp.q.dtype)
     limit = tol["atol"] + tol["rtol"] * np.abs(ref)
     fns = {}
@@ -27,7 +27,7 @@ for name in sys.argv[1:] or ["E1", "E2", "E3", "T64"]:
             label = f"{'unified' if unified else 'two-stage'} pack{pack}"
             try:
                 t0 = time.time()
-                fn = bench._extend_jaxattn(inp, config=config, unified=unified)
+                fn = bench.extend_jaxattn(inp, config=config, unified=unified)
                 worst = float(np.max(np.abs(np.asarray(fn(), np.float32) - ref) / limit))
                 print(f"{name} {label}: compiled+ran in {time.time() - t0:.1f}s, worst |err|/tol {worst:.3f}", flush=True)
                 if not worst <= 1.0:
@@ -39,7 +39,7 @@ for name in sys.argv[1:] or ["E1", "E2", "E3", "T64"]:
     samples = {k: [] for k in fns}
     for _ in range(2):
         for label, (fn, _) in fns.items():
-            samples[label].append(bench.time_calls(fn, bench._jax_sync, repeats=5))
+            samples[label].append(bench.time_calls(fn, bench.jax_sync, repeats=5))
     for label, s in samples.items():
         ms = statistics.median(s)
         rows.append(dict(case=name, variant=label, config=[base.block_m, base.block_n, base.num_warps, base.num_stages], median_ms=round(ms, 4),

@@ -39,7 +39,7 @@ rows = []
 for name in args or [n for n in FAMILY if FAMILY[n] in CANDIDATES]:
     case, family = bench.CASES[name], FAMILY[name]
     inp = bench.make_inputs(case)
-    ref = np.asarray(bench._extend_reference(inp)(), np.float32)
+    ref = np.asarray(bench.extend_reference(inp)(), np.float32)
     tol = testing.tolerance(inp.q.dtype)
     limit = tol["atol"] + tol["rtol"] * np.abs(ref)
     current = extend.SM90_CONFIGS[family]
@@ -49,7 +49,7 @@ for name in args or [n for n in FAMILY if FAMILY[n] in CANDIDATES]:
         label = f"m{cfg[0]} n{cfg[1]} w{cfg[2]} s{cfg[3]}" + (" (current)" if config == current else "")
         try:
             t0 = time.time()
-            fn = bench._extend_jaxattn(inp, config=config)
+            fn = bench.extend_jaxattn(inp, config=config)
             out = np.asarray(fn(), np.float32)
             worst = float(np.max(np.abs(out - ref) / limit))
             print(f"{name} {label}: compiled+ran in {time.time() - t0:.1f}s, worst |err|/tol {worst:.3f}", flush=True)
@@ -63,7 +63,7 @@ for name in args or [n for n in FAMILY if FAMILY[n] in CANDIDATES]:
     samples = {k: [] for k in fns}
     for _ in range(2):  # interleaved rounds: clock drift hits every config alike
         for key, fn in fns.items():
-            samples[key].append(bench.time_calls(fn, bench._jax_sync, repeats=5))
+            samples[key].append(bench.time_calls(fn, bench.jax_sync, repeats=5))
     timed = {key: statistics.median(s) for key, s in samples.items()}
     best = min(timed, key=timed.get) if timed else None
     for key, ms in sorted(timed.items(), key=lambda kv: kv[1]):
@@ -75,9 +75,9 @@ for name in args or [n for n in FAMILY if FAMILY[n] in CANDIDATES]:
     current_cfg = (current.block_m, current.block_n, current.num_warps, current.num_stages)  # the candidates' 4-tuple form
     for cfg in {current_cfg, best[2] if best else None} - {None}:
         try:
-            fn = bench._extend_jaxattn(inp, config=C(*cfg), unified=True)
+            fn = bench.extend_jaxattn(inp, config=C(*cfg), unified=True)
             worst = float(np.max(np.abs(np.asarray(fn(), np.float32) - ref) / limit))
-            ms = bench.time_calls(fn, bench._jax_sync, repeats=5)
+            ms = bench.time_calls(fn, bench.jax_sync, repeats=5)
             rows.append(dict(case=name, family=family, config=cfg, kernel="unified", median_ms=round(ms, 4), floor_ms=round(case.floor_ms(), 4),
                              fraction=round(case.floor_ms() / ms, 3), worst=worst))
             print(f"{name} unified m{cfg[0]} n{cfg[1]} w{cfg[2]} s{cfg[3]} {ms:8.3f} ms  {100 * case.floor_ms() / ms:5.1f}% of floor, worst |err|/tol {worst:.3f}", flush=True)

@@ -50,7 +50,7 @@ cases = sys.argv[1:] or ["E1", "E2", "E3"]
 for cname in cases:
     case = bench.CASES[cname]
     inp = bench.make_inputs(case)
-    ref = np.asarray(bench._extend_reference(inp)(), np.float32)
+    ref = np.asarray(bench.extend_reference(inp)(), np.float32)
     fns = {}
     for label, module, config, unified in variants:
         try:
@@ -64,7 +64,7 @@ for cname in cases:
     samples = {k: [] for k in fns}
     for rnd in range(3):  # interleaved rounds so clock drift hits every variant alike
         for label, fn in fns.items():
-            samples[label].append(bench.time_calls(fn, bench._jax_sync, repeats=5))
+            samples[label].append(bench.time_calls(fn, bench.jax_sync, repeats=5))
     for label, s in samples.items():
         ms = statistics.median(s)
         row = dict(case=cname, variant=label, median_ms=ms, floor_ms=case.floor_ms(), fraction=case.floor_ms() / ms)

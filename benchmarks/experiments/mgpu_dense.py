@@ -22,7 +22,7 @@ def record(label, fn, ref=None):
     try:
         out = jax.block_until_ready(fn())
         err = None if ref is None else float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)))
-        ms = bench.time_calls(fn, bench._jax_sync)
+        ms = bench.time_calls(fn, bench.jax_sync)
         rows.append(dict(case="E2", backend=label, median_ms=round(ms, 4), floor_ms=round(case.floor_ms(), 4),
                          fraction_of_floor=round(case.floor_ms() / ms, 3), max_abs_err=err))
         print(f"E2 {label:40s} {ms:8.3f} ms  {100 * case.floor_ms() / ms:5.1f}% of floor  max|err| {err}", flush=True)

@@ -21,12 +21,12 @@ rows = []
 for name in sys.argv[1:] or ["E1", "E2", "E3"]:
     case = bench.CASES[name]
     inp = bench.make_inputs(case)
-    ref = np.asarray(bench._extend_reference(inp)(), np.float32)
+    ref = np.asarray(bench.extend_reference(inp)(), np.float32)
     tol = testing.tolerance(inp.q.dtype)
     limit = tol["atol"] + tol["rtol"] * np.abs(ref)
-    makers = {"triton two-stage": lambda: bench._extend_jaxattn(inp)}
+    makers = {"triton two-stage": lambda: bench.extend_jaxattn(inp)}
     for bq, bkv, st in variants:
-        makers[f"mgpu {bq}x{bkv} s{st}"] = lambda c=MgpuExtendConfig(bq, bkv, st): bench._extend_mgpu(inp, config=c)
+        makers[f"mgpu {bq}x{bkv} s{st}"] = lambda c=MgpuExtendConfig(bq, bkv, st): bench.extend_mgpu(inp, config=c)
     fns = {}
     for label, make in makers.items():
         try:
@@ -47,7 +47,7 @@ for name in sys.argv[1:] or ["E1", "E2", "E3"]:
     samples = {k: [] for k in fns}
     for _ in range(rounds):
         for label, (fn, _) in fns.items():
-            samples[label].append(bench.time_calls(fn, bench._jax_sync, repeats=5))
+            samples[label].append(bench.time_calls(fn, bench.jax_sync, repeats=5))
     for label, s in samples.items():
         ms = statistics.median(s)
         rows.append(dict(case=name, variant=label, median_ms=round(ms, 4), floor_ms=round(case.floor_ms(), 4),

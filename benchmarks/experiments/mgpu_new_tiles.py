@@ -41,7 +41,7 @@ for name in sys.argv[1:] or ["E1", "E2", "E3"]:
     samples = {k: [] for k in fns}
     for _ in range(rounds):
         for label, fn in fns.items():
-            samples[label].append(bench.time_calls(fn, bench._jax_sync, repeats=5))
+            samples[label].append(bench.time_calls(fn, bench.jax_sync, repeats=5))
     for label, s in samples.items():
         ms = statistics.median(s)
         rows.append(dict(case=name, variant=label, median_ms=round(ms, 4), fraction=round(case.floor_ms() / ms, 3),

@@ -1,0 +1,63 @@
+"""The benchmark shapes (the anchor shapes of benchmarks/ANCHORS.md plus the tuning cases) and their physical floors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+COPY_BANDWIDTH_BYTES_PER_S = 4.3e12  # measured device-to-device copy on the H200 (bytes read + written)
+BF16_MATMUL_FLOPS = 790e12  # measured bf16 matmul on the H200
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    op: str  # "decode" | "extend"
+    batch: int
+    prefix: int  # cached tokens per sequence (decode: the context before the new token)
+    new: int  # new tokens per sequence (decode: 1)
+    q_heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    v_head_dim: int | None = None
+    default: bool = True  # part of the op's default run (the tuning cases below are run by name)
+
+    @property
+    def dv(self) -> int:
+        return self.v_head_dim or self.head_dim
+
+    @property
+    def v_in_k(self) -> bool:
+        """MLA: one latent KV head whose first Dv dims are V, so the pool is read once."""
+        return self.v_head_dim is not None and self.kv_heads == 1
+
+    def floor_ms(self) -> float:
+        if self.op == "decode":
+            tokens = self.batch * (self.prefix + self.new)
+            per_token = self.kv_heads * (self.head_dim if self.v_in_k else self.head_dim + self.dv)
+            return tokens * per_token * 2 / COPY_BANDWIDTH_BYTES_PER_S * 1e3
+        # QK^T and PV: 2 * (Dqk + Dv) FLOPs per visible (query, key) pair and head.
+        flops = 2 * self.q_heads * (self.head_dim + self.dv) * self.new * (self.prefix + (self.new + 1) / 2) * self.batch
+        return flops / BF16_MATMUL_FLOPS * 1e3
+
+
+CASES = {
+    "D1": Case("D1", "decode", 64, 4095, 1),
+    "D2": Case("D2", "decode", 8, 32767, 1),
+    "D3": Case("D3", "decode", 256, 1023, 1),
+    "MLA": Case("MLA", "decode", 64, 4095, 1, q_heads=16, kv_heads=1, head_dim=576, v_head_dim=512),
+    # MHA (32 q heads, 32 kv heads): the vector kernel's shape, same bytes as D1 (floor 0.250 ms).
+    "MHA": Case("MHA", "decode", 16, 4095, 1, q_heads=32, kv_heads=32),
+    "E1": Case("E1", "extend", 8, 2048, 2048),
+    "E2": Case("E2", "extend", 4, 0, 4096),
+    "E3": Case("E3", "extend", 32, 4096, 128),
+    # Tuning cases: one per head-dim family of jaxattn.extend.SM90_CONFIGS other than "128" (E1-E3), E1's lengths
+    # unless noted. Run by name (`--cases T64,...`); not in the default extend run.
+    "T64": Case("T64", "extend", 8, 2048, 2048, q_heads=32, kv_heads=8, head_dim=64, default=False),
+    "T256": Case("T256", "extend", 8, 2048, 2048, q_heads=16, kv_heads=8, head_dim=256, default=False),  # Gemma-2-like
+    # DeepSeek-V3 MHA prefill (not absorbed), 16 heads of a tensor-parallel shard.
+    "T192": Case("T192", "extend", 8, 2048, 2048, q_heads=16, kv_heads=16, head_dim=192, v_head_dim=128, default=False),
+    # Absorbed MLA over the latent cache (one KV head, V = first 512 dims of K): short extends (chunked prefill tail,
+    # speculative verify) over long prefixes.
+    "T576": Case("T576", "extend", 16, 4096, 256, q_heads=16, kv_heads=1, head_dim=576, v_head_dim=512, default=False),
+    "T288": Case("T288", "extend", 16, 4096, 256, q_heads=16, kv_heads=1, head_dim=288, v_head_dim=256, default=False),
+}

@@ -1,0 +1,131 @@
+"""Benchmarks: jaxattn beside its peers and the physical floor, on the shapes of benchmarks/ANCHORS.md.
+
+    python -m jaxattn.bench decode [--cases D1,D2] [--json out.json] [--plot out.png] [--sweep]
+    python -m jaxattn.bench extend [--cases E1] [--json out.json] [--plot out.png] [--sweep]
+    python -m jaxattn.bench plot results/decode.json results/extend.json -o plot.png
+
+
+Every backend is timed the same way in one process on one GPU: N back-to-back calls on device-resident
+inputs, then one synchronisation; the figure is the median over repeats of (elapsed / N). Inputs are
+random normal (never zeros) and every sequence's KV slots are scattered at random over the pool, as a
+real allocator leaves them. Floors: decode reads every K and V byte once at 4.3 TB/s; extend does
+2 * q_heads * (qk_head_dim + v_head_dim) * new * (prefix + (new + 1) / 2) FLOPs per sequence at 790 TFLOP/s.
+(benchmarks/ANCHORS.md: the shapes, the floors and the peers' figures.)
+Peers that are not installed (FlashInfer, torch) or not supported for a shape are skipped with a note.
+Each run prints a markdown table; `--json` keeps the rows (with device, date and commit: git's, or
+$JAXATTN_COMMIT where the checkout has no .git) and `--plot` draws fraction-of-floor bars (matplotlib, the
+`jaxattn[bench]` extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .cases import CASES
+from .inputs import make_inputs
+from .peers import BACKENDS, Skip
+from .report import commit, device_name, load_rows, markdown_table, plot_rows, require_matplotlib, today
+from .sweeps import sweep_variants
+from .timing import jax_sync, time_calls
+
+
+def _progress(total: int, desc: str):
+    """A tqdm bar over the sweep's work items, or None when tqdm is missing."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, unit="item", leave=False, dynamic_ncols=True)
+
+
+def run(op: str, cases: list, backends: list[str] | None = None, sweep: bool = False, log=print,
+        progress: bool = True) -> list[dict]:
+    """Times every (case, backend or config) work item; returns one row per timed item.
+
+    `cases` are names from CASES or `Case` objects. A failing or skipped item is logged, never fatal.
+    """
+    rows = []
+    device, revision, date = device_name(), commit(), today()
+    cases = [CASES[c] if isinstance(c, str) else c for c in cases]
+    work = []  # (case, backend label, maker, sync)
+    for case in cases:
+        if case.op != op:
+            raise SystemExit(f"case {case.name} is a {case.op} case, not {op}")
+        chosen = BACKENDS[op] if backends is None else {b: BACKENDS[op][b] for b in backends}
+        work += [(case, backend, maker, sync) for backend, (maker, sync) in chosen.items()]
+        if sweep:
+            work += [(case, f"sweep[{label}]", maker, jax_sync) for label, maker in sweep_variants(op, case)]
+    bar = _progress(len(work), f"bench {op}") if progress else None
+    say = log if bar is None else (lambda line: bar.write(line))
+    inp = None
+    for case, backend, maker, sync in work:
+        if bar is not None:
+            bar.set_postfix_str(f"{case.name} {backend}", refresh=False)
+        if inp is None or inp.case != case:
+            inp = None  # free the previous case's arrays first
+            inp = make_inputs(case)
+        floor = case.floor_ms()
+        try:
+            fn = maker(inp)
+            ms = time_calls(fn, sync)
+        except Skip as why:
+            say(f"  {case.name:4s} {backend:24s} skipped: {why}")
+            continue
+        except Exception as error:  # a peer that fails must not hide the others
+            say(f"  {case.name:4s} {backend:24s} FAILED: {type(error).__name__}: {str(error)[:300]}")
+            continue
+        finally:
+            if bar is not None:
+                bar.update(1)
+        row = dict(op=op, case=case.name, backend=backend, median_ms=round(ms, 4), floor_ms=round(floor, 4),
+                   fraction_of_floor=round(floor / ms, 3), device=device, commit=revision, date=date)
+        rows.append(row)
+        say(f"  {case.name:4s} {backend:24s} {ms:8.3f} ms  floor {floor:6.3f} ms  {100 * floor / ms:5.1f}% of floor")
+    if bar is not None:
+        bar.close()
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jaxattn.bench", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for op in ("decode", "extend"):
+        p = sub.add_parser(op, help=f"time the {op} cases")
+        p.add_argument("--cases", default=None, help="comma-separated case names (default: all of the op)")
+        p.add_argument("--backends", default=None, help="comma-separated backends (default: all)")
+        p.add_argument("--json", default=None, help="write the rows to this JSON file")
+        p.add_argument("--plot", default=None, help="write a PNG of %% of floor per case and backend (needs matplotlib)")
+        p.add_argument("--sweep", action="store_true", help="also time every candidate kernel configuration")
+        p.add_argument("--no-progress", action="store_true", help="no progress bar; one line per item instead")
+    p = sub.add_parser("plot", help="plot saved JSON records")
+    p.add_argument("records", nargs="+", help="JSON files written by --json")
+    p.add_argument("-o", "--output", required=True, help="the PNG to write")
+    p.add_argument("--title", default=None)
+    p.add_argument("--sweeps", action="store_true", help="include sweep[...] rows")
+    args = parser.parse_args(argv)
+    if args.command == "plot":
+        rows = load_rows(args.records)
+        print(markdown_table(rows))
+        print(f"wrote {plot_rows(rows, args.output, title=args.title, include_sweeps=args.sweeps)}")
+        return 0
+    if args.plot:
+        require_matplotlib()  # fail before the sweep, not after it
+    case_names = args.cases.split(",") if args.cases else [n for n, c in CASES.items() if c.op == args.command and c.default]
+    backends = args.backends.split(",") if args.backends else None
+    print(f"jaxattn.bench {args.command}: device {device_name()}, commit {commit()}")
+    rows = run(args.command, case_names, backends, sweep=args.sweep, log=lambda s: print(s, flush=True),
+               progress=not args.no_progress)
+    print()
+    print(markdown_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.plot and rows:
+        print(f"wrote {plot_rows(rows, args.plot)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""The backends: each adapter takes an `Inputs` and returns a zero-argument callable running one step, or raises Skip.
+
+jaxattn's decode, extend (two-stage Triton, unified, Mosaic GPU), FlashInfer's decode and paged prefill called from torch
+and from jit through jaxattn's DLPack bridge, cuDNN (dense only) and the jnp reference. BACKENDS names them per op with
+their synchronisation; its keys are the `backend` of the result rows.
+"""
+
+from __future__ import annotations
+
+from .inputs import Inputs
+from .timing import PerCall, jax_sync, torch_sync
+
+
+class Skip(Exception):
+    pass
+
+
+def decode_jaxattn(inp: Inputs, config=None, programs_per_sm=None):
+    import jax
+
+    from jaxattn import decode
+
+    case = inp.case
+    split_kw = {} if programs_per_sm is None else dict(programs_per_sm=programs_per_sm)
+    meta = decode.decode_metadata_from_indptr(
+        inp.kv_indptr, inp.kv_indices, inp.seq_lens, q_heads=case.q_heads, kv_heads=case.kv_heads, **split_kw
+    )
+    if case.v_in_k:  # MLA: V is the first Dv dims of the latent K; the kernel reads the pool once
+        fn = jax.jit(lambda q, k, m: decode.decode_attention(q, k, None, m, v_head_dim=case.dv, config=config))
+        return lambda: fn(inp.q, inp.k_pool, meta)
+    fn = jax.jit(lambda q, k, v, m: decode.decode_attention(q, k, v, m, config=config))
+    return lambda: fn(inp.q, inp.k_pool, inp.v_pool, meta)
+
+
+def decode_reference(inp: Inputs):
+    import jax
+
+    from jaxattn.reference import ragged_paged_attention_reference
+
+    case = inp.case
+    if case.batch * case.q_heads * (case.prefix + 1) * 4 > 8e9:
+        raise Skip("reference too large")
+    max_len = case.prefix + case.new
+    fn = jax.jit(
+        lambda q, k, v, qo, kvp, kvi: ragged_paged_attention_reference(q, k, v, qo, kvp, kvi, max_q_len=1, max_kv_len=max_len)
+    )
+    return lambda: fn(inp.q, inp.k_pool, inp.v_pool, inp.qo_indptr, inp.kv_indptr, inp.kv_indices)
+
+
+def torch_views(inp: Inputs):
+    try:
+        import torch
+    except ImportError:
+        raise Skip("torch not installed")
+    t = torch.from_dlpack
+    return torch, {name: t(getattr(inp, name)) for name in ("q", "k_pool", "v_pool", "kv_indptr", "kv_indices", "qo_indptr")}
+
+
+def decode_flashinfer(inp: Inputs, tensor_cores: bool, through_jax: bool = False, layers: int = 1):
+    case = inp.case
+    if case.v_head_dim is not None:
+        raise Skip("MLA shapes need FlashInfer's MLA wrapper")
+    try:
+        import flashinfer
+    except ImportError:
+        raise Skip("flashinfer not installed")
+    torch, tv = torch_views(inp)
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tensor_cores)
+    last_page_len = torch.ones(case.batch, dtype=torch.int32, device="cuda")
+    wrapper.plan(
+        tv["kv_indptr"], tv["kv_indices"], last_page_len, case.q_heads, case.kv_heads, case.head_dim, 1,
+        q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+    )
+    k = tv["k_pool"].unsqueeze(1)  # [slots, page_size 1, Hkv, D]
+    v = tv["v_pool"].unsqueeze(1)
+    q = tv["q"]
+    if through_jax:
+        return bridged(wrapper, inp, layers)
+    return lambda: wrapper.run(q, (k, v))
+
+
+def bridged(wrapper, inp: Inputs, layers: int = 1):
+    """The same planned wrapper, called from a jitted JAX function through jaxattn's DLPack bridge.
+
+    layers > 1: one jitted step makes that many calls, like a model's attention layers (time_calls divides by it),
+    so the per-call dispatch of the jitted function is shared as in a real forward step.
+    """
+    import jax
+
+    from jaxattn.flashinfer_backend import bridged_run
+
+    def step(q, k, v):
+        return [bridged_run(wrapper, q, k, v, inp.case.dv, has_side_effect=layers > 1)[0] for _ in range(layers)]
+
+    fn = jax.jit(step)
+    return PerCall(lambda: fn(inp.q, inp.k_pool, inp.v_pool), layers)
+
+
+def extend_meta(inp: Inputs, unified: bool = False):
+    """The case's `ExtendMetadata` (or `ExtendUnifiedMetadata`): every sequence extends by case.new over case.prefix."""
+    import jax.numpy as jnp
+
+    from jaxattn import extend
+
+    case = inp.case
+    extend_lens = jnp.full((case.batch,), case.new, jnp.int32)
+    sizes = dict(max_extend_len=case.new, kv_capacity=case.batch * (case.prefix + case.new))
+    if unified:
+        return extend.extend_unified_metadata(inp.req_to_token, inp.req_pool_indices, inp.prefix_lens, extend_lens,
+                                              inp.new_slots, **sizes)
+    return extend.extend_metadata(inp.req_to_token, inp.req_pool_indices, inp.prefix_lens, extend_lens, **sizes)
+
+
+def extend_jaxattn(inp: Inputs, config=None, unified=False, impl="triton"):
+    import jax
+
+    from jaxattn import extend
+
+    meta = extend_meta(inp, unified)
+    if unified:
+        fn = jax.jit(lambda q, k, v, m: extend.extend_attention_unified(q, k, v, m, config=config))
+        return lambda: fn(inp.q, inp.k_pool, inp.v_pool, meta)
+    fn = jax.jit(lambda q, kn, vn, k, v, m: extend.extend_attention(q, kn, vn, k, v, m, config=config, impl=impl))
+    return lambda: fn(inp.q, inp.k_new, inp.v_new, inp.k_pool, inp.v_pool, meta)
+
+
+def extend_mgpu(inp: Inputs, config=None):
+    import jax
+
+    from jaxattn.extend_mgpu import extend_attention_mgpu
+
+    case = inp.case
+    if case.head_dim not in (64, 128) or case.dv != case.head_dim:
+        raise Skip("the Mosaic GPU kernel takes equal q/k and v head dims of 64 or 128")
+    meta = extend_meta(inp)
+    fn = jax.jit(lambda q, kn, vn, k, v, m: extend_attention_mgpu(q, kn, vn, k, v, m, config=config))
+    return lambda: fn(inp.q, inp.k_new, inp.v_new, inp.k_pool, inp.v_pool, meta)
+
+
+def extend_reference(inp: Inputs):
+    import jax
+
+    from jaxattn.reference import ragged_paged_attention_reference
+
+    case = inp.case
+    fn = jax.jit(
+        lambda q, k, v, qo, kvp, kvi: ragged_paged_attention_reference(
+            q, k, v, qo, kvp, kvi, max_q_len=case.new, max_kv_len=case.prefix + case.new
+        )
+    )
+    return lambda: fn(inp.q, inp.k_pool, inp.v_pool, inp.qo_indptr, inp.kv_indptr, inp.kv_indices)
+
+
+def extend_flashinfer(inp: Inputs, backend: str, through_jax: bool = False):
+    case = inp.case
+    try:
+        import flashinfer
+    except ImportError:
+        raise Skip("flashinfer not installed")
+    if case.v_in_k:
+        raise Skip("MLA latent cache: FlashInfer's paged prefill takes separate K and V heads (its MLA wrapper is not wired here)")
+    torch, tv = torch_views(inp)
+    workspace = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend)
+    last_page_len = torch.ones(case.batch, dtype=torch.int32, device="cuda")
+    wrapper.plan(
+        tv["qo_indptr"], tv["kv_indptr"], tv["kv_indices"], last_page_len, case.q_heads, case.kv_heads, case.head_dim, 1,
+        head_dim_vo=case.dv, causal=True, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+    )
+    k = tv["k_pool"].unsqueeze(1)
+    v = tv["v_pool"].unsqueeze(1)
+    q = tv["q"]
+    if through_jax:
+        return bridged(wrapper, inp)
+    return lambda: wrapper.run(q, (k, v))
+
+
+def extend_cudnn(inp: Inputs):
+    import jax
+
+    case = inp.case
+    if case.prefix != 0:
+        raise Skip("dense only (no cached prefix)")
+    q = inp.q.reshape(case.batch, case.new, case.q_heads, case.head_dim)
+    k = inp.k_new.reshape(case.batch, case.new, case.kv_heads, case.head_dim)
+    v = inp.v_new.reshape(case.batch, case.new, case.kv_heads, case.dv)
+    fn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
+    return lambda: fn(q, k, v)
+
+
+BACKENDS = {
+    "decode": {
+        "jaxattn": (decode_jaxattn, jax_sync),
+        "flashinfer": (lambda inp: decode_flashinfer(inp, False), torch_sync),
+        "flashinfer-tc": (lambda inp: decode_flashinfer(inp, True), torch_sync),
+        "flashinfer-in-jit": (lambda inp: decode_flashinfer(inp, False, through_jax=True), jax_sync),
+        "flashinfer-in-jit-8-layers": (lambda inp: decode_flashinfer(inp, False, through_jax=True, layers=8), jax_sync),
+        "reference": (decode_reference, jax_sync),
+    },
+    "extend": {
+        "jaxattn": (lambda inp: extend_jaxattn(inp, impl=None), jax_sync),  # what extend_attention picks
+        "jaxattn-triton": (extend_jaxattn, jax_sync),
+        "jaxattn-unified": (lambda inp: extend_jaxattn(inp, unified=True), jax_sync),
+        "flashinfer-fa2": (lambda inp: extend_flashinfer(inp, "fa2"), torch_sync),
+        "flashinfer-fa3": (lambda inp: extend_flashinfer(inp, "fa3"), torch_sync),
+        "flashinfer-fa3-in-jit": (lambda inp: extend_flashinfer(inp, "fa3", through_jax=True), jax_sync),
+        "cudnn": (extend_cudnn, jax_sync),
+        "reference": (extend_reference, jax_sync),
+    },
+}

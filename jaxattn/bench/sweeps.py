@@ -1,0 +1,40 @@
+"""Candidate kernel configurations per shape (`--sweep`): what a tuning table should pick from."""
+
+from __future__ import annotations
+
+from .cases import Case
+from .peers import decode_jaxattn, extend_jaxattn
+
+
+def sweep_variants(op: str, case: Case):
+    """(label, maker) for candidate kernel configurations of this shape: what a tuning table should pick from."""
+    variants = []
+    if op == "decode":
+        from jaxattn.decode import DecodeConfig
+
+        for block_n in (32, 64, 128):
+            for num_warps in (4, 8):
+                for num_stages in (2, 3, 4):
+                    if case.head_dim > 256 and (block_n > 64 or num_stages > 3):
+                        continue  # MLA tiles: shared memory
+                    config = DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+                    label = f"n{block_n} w{num_warps} s{num_stages}"
+                    variants.append((label, lambda inp, c=config: decode_jaxattn(inp, config=c)))
+        if case.q_heads == case.kv_heads:  # MHA: the vector kernel's tiles beside the grouped kernel's above
+            for block_n in (32, 64, 128):
+                for num_warps in (2, 4, 8):
+                    config = DecodeConfig(block_n=block_n, block_h=1, num_warps=num_warps, num_stages=1)
+                    variants.append((f"vector n{block_n} w{num_warps}", lambda inp, c=config: decode_jaxattn(inp, config=c)))
+        for programs_per_sm in (4, 16):
+            variants.append((f"default pps{programs_per_sm}", lambda inp, p=programs_per_sm: decode_jaxattn(inp, programs_per_sm=p)))
+    else:
+        from jaxattn.extend import ExtendConfig
+
+        for block_m, block_n, num_warps in ((64, 64, 4), (128, 64, 8), (128, 128, 8), (64, 128, 4), (128, 32, 8)):
+            for num_stages in (2, 3):
+                if case.head_dim > 256 and block_m > 64:
+                    continue
+                config = ExtendConfig(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+                label = f"m{block_m} n{block_n} w{num_warps} s{num_stages}"
+                variants.append((label, lambda inp, c=config: extend_jaxattn(inp, config=c)))
+    return variants

@@ -18,11 +18,11 @@ class Skip(Exception):
 def decode_jaxattn(inp: Inputs, config=None, programs_per_sm=None):
     import jax
 
-    from jaxattn import decode
+    from jaxattn import decode, metadata
 
     case = inp.case
     split_kw = {} if programs_per_sm is None else dict(programs_per_sm=programs_per_sm)
-    meta = decode.decode_metadata_from_indptr(
+    meta = metadata.decode_metadata_from_indptr(
         inp.kv_indptr, inp.kv_indices, inp.seq_lens, q_heads=case.q_heads, kv_heads=case.kv_heads, **split_kw
     )
     if case.v_in_k:  # MLA: V is the first Dv dims of the latent K; the kernel reads the pool once
@@ -88,7 +88,7 @@ def bridged(wrapper, inp: Inputs, layers: int = 1):
     """
     import jax
 
-    from jaxattn.flashinfer_backend import bridged_run
+    from jaxattn.backends.flashinfer import bridged_run
 
     def step(q, k, v):
         return [bridged_run(wrapper, q, k, v, inp.case.dv, has_side_effect=layers > 1)[0] for _ in range(layers)]
@@ -101,15 +101,15 @@ def extend_meta(inp: Inputs, unified: bool = False):
     """The case's `ExtendMetadata` (or `ExtendUnifiedMetadata`): every sequence extends by case.new over case.prefix."""
     import jax.numpy as jnp
 
-    from jaxattn import extend
+    from jaxattn import metadata
 
     case = inp.case
     extend_lens = jnp.full((case.batch,), case.new, jnp.int32)
     sizes = dict(max_extend_len=case.new, kv_capacity=case.batch * (case.prefix + case.new))
     if unified:
-        return extend.extend_unified_metadata(inp.req_to_token, inp.req_pool_indices, inp.prefix_lens, extend_lens,
-                                              inp.new_slots, **sizes)
-    return extend.extend_metadata(inp.req_to_token, inp.req_pool_indices, inp.prefix_lens, extend_lens, **sizes)
+        return metadata.extend_unified_metadata(inp.req_to_token, inp.req_pool_indices, inp.prefix_lens, extend_lens,
+                                                inp.new_slots, **sizes)
+    return metadata.extend_metadata(inp.req_to_token, inp.req_pool_indices, inp.prefix_lens, extend_lens, **sizes)
 
 
 def extend_jaxattn(inp: Inputs, config=None, unified=False, impl="triton"):
@@ -128,7 +128,7 @@ def extend_jaxattn(inp: Inputs, config=None, unified=False, impl="triton"):
 def extend_mgpu(inp: Inputs, config=None):
     import jax
 
-    from jaxattn.extend_mgpu import extend_attention_mgpu
+    from jaxattn.impl.mgpu_extend import extend_attention_mgpu
 
     case = inp.case
     if case.head_dim not in (64, 128) or case.dv != case.head_dim:

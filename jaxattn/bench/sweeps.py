@@ -10,7 +10,7 @@ def sweep_variants(op: str, case: Case):
     """(label, maker) for candidate kernel configurations of this shape: what a tuning table should pick from."""
     variants = []
     if op == "decode":
-        from jaxattn.decode import DecodeConfig
+        from jaxattn.tuning import DecodeConfig
 
         for block_n in (32, 64, 128):
             for num_warps in (4, 8):
@@ -28,7 +28,7 @@ def sweep_variants(op: str, case: Case):
         for programs_per_sm in (4, 16):
             variants.append((f"default pps{programs_per_sm}", lambda inp, p=programs_per_sm: decode_jaxattn(inp, programs_per_sm=p)))
     else:
-        from jaxattn.extend import ExtendConfig
+        from jaxattn.tuning import ExtendConfig
 
         for block_m, block_n, num_warps in ((64, 64, 4), (128, 64, 8), (128, 128, 8), (64, 128, 4), (128, 32, 8)):
             for num_stages in (2, 3):

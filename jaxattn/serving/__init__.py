@@ -3,14 +3,15 @@ host-side bookkeeping (`SlotAllocator`, `RequestTable`) that hands the jitted st
 
   * `jaxattn.serving.batch`: `ForwardMode`, `ForwardBatch` (a pytree with static buckets), `tree_mask_for_verify`.
   * `jaxattn.serving.kv_pool`: `allocate_kv_pool`, `write_kv`, `read_scaled`, fp8 storage.
-  * `jaxattn.serving.tables`: `SlotAllocator`, `Request`, `RequestTable` (numpy, outside jit).
+  * `jaxattn.serving.tables`: `SlotAllocator`, `Request`, `RequestTable` (numpy, outside jit; every call transactional,
+    rejected calls raise `ServingError`).
 """
 
 from jaxattn.serving.batch import ForwardBatch, ForwardMode, tree_mask_for_verify
 from jaxattn.serving.kv_pool import allocate_kv_buffers, allocate_kv_pool, read_scaled, write_kv
-from jaxattn.serving.tables import Request, RequestTable, SlotAllocator
+from jaxattn.serving.tables import KVPoolExhausted, Request, RequestTable, RequestTableFull, ServingError, SlotAllocator
 
 __all__ = [
     "ForwardBatch", "ForwardMode", "tree_mask_for_verify", "allocate_kv_pool", "allocate_kv_buffers", "read_scaled",
-    "write_kv", "Request", "RequestTable", "SlotAllocator",
+    "write_kv", "Request", "RequestTable", "SlotAllocator", "ServingError", "KVPoolExhausted", "RequestTableFull",
 ]

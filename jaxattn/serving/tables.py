@@ -2,70 +2,246 @@
 
 This is the scheduler's side (numpy, outside jit). It hands the step a `ForwardBatch` padded to static
 buckets, so the jitted step compiles once per bucket.
+
+Every call is transactional: it checks all of its arguments first and only then changes anything, so a call
+that raises leaves the allocator and the table exactly as they were. Rejected calls raise `ServingError` (a
+`ValueError`) whose message names the argument and what was expected; running out of KV slots raises
+`KVPoolExhausted` (also a `RuntimeError`, what it used to raise), running out of req_to_token rows
+`RequestTableFull` (also an `IndexError`, what it used to raise).
+
+Ownership: every pool slot 1..num_slots-1 is either free in the `SlotAllocator` or held by exactly one
+holder: the caller (a plain `alloc`) or one `RequestTable`. Slot 0 is the padding slot and is never handed
+out. Inside a table, each slot a live request lists has a reference count: a request created with
+`shared_prefix_from` shares its owner's first `shared_len` slots (one more reference each), and a slot goes
+back to the pool exactly once, when the last request listing it finishes. Requests can finish in any order.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import operator
 
 import jax.numpy as jnp
 import numpy as np
 
 from jaxattn.serving.batch import ForwardBatch, ForwardMode
 
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+class ServingError(ValueError):
+    """A serving-layer call was rejected; nothing was changed."""
+
+
+class KVPoolExhausted(ServingError, RuntimeError):
+    """Not enough free KV-pool slots (also a RuntimeError, what `SlotAllocator.alloc` raised before)."""
+
+
+class RequestTableFull(ServingError, IndexError):
+    """No free req_to_token row (also an IndexError, what `RequestTable.add` raised before)."""
+
+
+def _int(where: str, value, *, low: int = 0, high: int | None = None) -> int:
+    """`value` as a Python int in [low, high]; ServingError naming `where` otherwise (bools are not ints here)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise ServingError(f"{where} must be an int; got {value!r}")
+    try:
+        result = operator.index(value)
+    except TypeError:
+        raise ServingError(f"{where} must be an int; got {value!r}") from None
+    if result < low or (high is not None and result > high):
+        expected = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ServingError(f"{where} must be {expected}; got {result}")
+    return result
+
+
+def _token_list(where: str, tokens) -> list[int]:
+    """Token ids as Python ints in [0, 2**31): the step feeds them to the model as int32."""
+    try:
+        items = list(tokens)
+    except TypeError:
+        raise ServingError(f"{where} must be a sequence of token ids; got {tokens!r}") from None
+    return [_int(f"{where}[{i}]", t, high=_INT32_MAX) for i, t in enumerate(items)]
+
 
 class SlotAllocator:
-    """Hands out KV-pool slots 1..num_slots-1 (slot 0 is the padding slot), in shuffled order like a used pool."""
+    """Hands out KV-pool slots 1..num_slots-1 (slot 0 is the padding slot), in shuffled order like a used pool.
+
+    `alloc(n)` gives the caller n slots; `free(slots)` takes back slots the caller got from `alloc`. Freeing a
+    slot twice, slot 0, a slot outside the pool, a slot never allocated or a slot a `RequestTable` holds
+    (release those with `RequestTable.finish`) raises `ServingError` and frees nothing.
+    """
 
     def __init__(self, num_slots: int, seed: int = 0):
-        self.num_slots = num_slots
-        self._free = list(np.random.default_rng(seed).permutation(np.arange(1, num_slots)))
+        self.num_slots = _int("SlotAllocator(num_slots)", num_slots, low=1)
+        self._free = [int(s) for s in np.random.default_rng(seed).permutation(np.arange(1, self.num_slots))]
+        self._holder: dict[int, object] = {}  # allocated slot -> its holder (None: the caller; else a RequestTable)
 
     def alloc(self, n: int) -> np.ndarray:
-        if n > len(self._free):
-            raise RuntimeError(f"KV pool exhausted: asked for {n} slots, {len(self._free)} free")
-        out, self._free = self._free[:n], self._free[n:]
-        return np.asarray(out, np.int32)
+        """i32[n]: n free slots, now held by the caller. KVPoolExhausted when fewer than n are free."""
+        return self._take(n, None, "alloc(n)")
 
     def free(self, slots) -> None:
-        self._free.extend(int(s) for s in slots)
+        """Returns slots the caller got from `alloc` to the pool (all of them, or none when one is rejected)."""
+        self._release(slots, None, "free(slots)")
 
     @property
     def available(self) -> int:
         return len(self._free)
 
+    def _take(self, n, holder, where: str) -> np.ndarray:
+        n = _int(where, n)
+        if n > len(self._free):
+            raise KVPoolExhausted(f"KV pool exhausted: {where} asked for {n} slots, {len(self._free)} free")
+        out, self._free = self._free[:n], self._free[n:]
+        for s in out:
+            self._holder[s] = holder
+        return np.asarray(out, np.int32)
 
-@dataclasses.dataclass
+    def _untake(self, slots) -> None:
+        """Undoes the last `_take` exactly (the slots back at the front of the free list, in order)."""
+        slots = [int(s) for s in slots]
+        for s in slots:
+            del self._holder[s]
+        self._free = slots + self._free
+
+    def _release(self, slots, holder, where: str) -> None:
+        if isinstance(slots, (int, np.integer)) or (isinstance(slots, np.ndarray) and slots.ndim != 1):
+            raise ServingError(f"{where} must be a 1-d sequence of slots; got {slots!r}")
+        try:
+            items = list(slots)
+        except TypeError:
+            raise ServingError(f"{where} must be a sequence of slots; got {slots!r}") from None
+        checked, seen = [], set()
+        for i, s in enumerate(items):
+            s = _int(f"{where}[{i}]", s, low=0)
+            if s == 0:
+                raise ServingError(f"{where}[{i}]: slot 0 is the padding slot; it is never allocated, so it cannot be freed")
+            if s >= self.num_slots:
+                raise ServingError(f"{where}[{i}]: slot {s} is outside the pool (slots 1..{self.num_slots - 1})")
+            if s in seen:
+                raise ServingError(f"{where}[{i}]: slot {s} is listed twice")
+            if s not in self._holder:
+                raise ServingError(f"{where}[{i}]: slot {s} is not allocated (already free, or never handed out)")
+            if self._holder[s] is not holder:
+                owner = "a RequestTable (release it with RequestTable.finish)" if holder is None else "another holder"
+                raise ServingError(f"{where}[{i}]: slot {s} is held by {owner}")
+            seen.add(s)
+            checked.append(s)
+        for s in checked:
+            del self._holder[s]
+        self._free.extend(checked)
+
+
 class Request:
-    row: int  # req_to_token row
-    tokens: list[int]  # every token so far (prompt + generated)
-    cached: int = 0  # tokens whose KV is in the pool
+    """One sequence of a `RequestTable`: its req_to_token `row`, its `tokens` (prompt + generated; the caller
+    appends generated tokens) and `cached`, how many of them have KV in the pool. `row` and `cached` are
+    read-only: the table advances `cached` when it schedules the request."""
+
+    __slots__ = ("_row", "tokens", "_cached")
+
+    def __init__(self, row: int, tokens, cached: int = 0):
+        self._row = int(row)
+        self.tokens = list(tokens)
+        self._cached = int(cached)
+
+    @property
+    def row(self) -> int:
+        return self._row
+
+    @property
+    def cached(self) -> int:
+        return self._cached
+
+    def __repr__(self) -> str:
+        return f"Request(row={self._row}, tokens=<{len(self.tokens)} tokens>, cached={self._cached})"
 
 
 class RequestTable:
-    """req_to_token [max_reqs, max_context] on the host, plus the requests living in it."""
+    """req_to_token [max_reqs, max_context] on the host, plus the requests living in it.
+
+    The table holds the slots its live requests list, with a reference count per slot (see the module
+    docstring): sharing a prefix adds a reference, finishing a request drops its references, and a slot whose
+    count reaches 0 goes back to the allocator.
+    """
 
     def __init__(self, max_reqs: int, max_context: int, allocator: SlotAllocator):
-        self.req_to_token = np.zeros((max_reqs, max_context), np.int32)
+        max_reqs = _int("RequestTable(max_reqs)", max_reqs, low=1)
+        self.max_context = _int("RequestTable(max_context)", max_context, low=1)
+        if not isinstance(allocator, SlotAllocator):
+            raise ServingError(f"RequestTable(allocator) must be a SlotAllocator; got {allocator!r}")
+        self.req_to_token = np.zeros((max_reqs, self.max_context), np.int32)
         self.allocator = allocator
         self.free_rows = list(range(max_reqs))
         self.requests: dict[int, Request] = {}
+        self._refs: dict[int, int] = {}  # slot -> how many live requests list it
+
+    def is_live(self, request) -> bool:
+        """Whether `request` is a request of this table that has not finished."""
+        return isinstance(request, Request) and self.requests.get(request.row) is request
+
+    def slot_refs(self, slot: int) -> int:
+        """How many live requests of this table list `slot` (0: the table does not hold it)."""
+        return self._refs.get(int(slot), 0)
+
+    def _check_live(self, where: str, request) -> Request:
+        if not isinstance(request, Request):
+            raise ServingError(f"{where} must be a Request of this table; got {request!r}")
+        if not self.is_live(request):
+            raise ServingError(f"{where}: {request!r} is not a live request of this table (already finished, or from another table)")
+        return request
 
     def add(self, tokens, shared_prefix_from: Request | None = None, shared_len: int = 0) -> Request:
-        """A new request; optionally reusing the first `shared_len` cached slots of another (prefix cache hit)."""
+        """A new request; optionally sharing the first `shared_len` cached slots of a live request of this table
+        (a prefix-cache hit: the new request starts with `cached == shared_len`, and its first `shared_len`
+        tokens must equal the owner's). The shared slots stay allocated until every request listing them has
+        finished, whichever finishes first. RequestTableFull when no row is free."""
+        tokens = _token_list("add(tokens)", tokens)
+        if len(tokens) > self.max_context:
+            raise ServingError(f"add(tokens): {len(tokens)} tokens exceed max_context {self.max_context}")
+        shared_len = _int("add(shared_len)", shared_len)
+        if shared_prefix_from is None:
+            if shared_len:
+                raise ServingError(f"add(shared_len={shared_len}) needs shared_prefix_from (the request whose slots are shared)")
+        else:
+            owner = self._check_live("add(shared_prefix_from)", shared_prefix_from)
+            if shared_len > owner.cached:
+                raise ServingError(
+                    f"add(shared_len): can only share tokens that are already cached: shared_len {shared_len} > "
+                    f"shared_prefix_from.cached {owner.cached}"
+                )
+            if tokens[:shared_len] != _token_list("add(shared_prefix_from.tokens)", owner.tokens[:shared_len]):
+                raise ServingError(f"add(tokens): the first shared_len={shared_len} tokens differ from shared_prefix_from's tokens")
+        if not self.free_rows:
+            raise RequestTableFull(f"add: all {self.req_to_token.shape[0]} req_to_token rows (max_reqs) are in use; finish a request first")
         row = self.free_rows.pop(0)
-        request = Request(row, list(tokens))
-        if shared_prefix_from is not None and shared_len:
-            if shared_len > shared_prefix_from.cached:
-                raise ValueError("can only share tokens that are already cached")
-            self.req_to_token[row, :shared_len] = self.req_to_token[shared_prefix_from.row, :shared_len]
-            request.cached = shared_len
+        request = Request(row, tokens)
+        if shared_len:
+            shared = self.req_to_token[shared_prefix_from.row, :shared_len]
+            self.req_to_token[row, :shared_len] = shared
+            for s in shared.tolist():
+                self._refs[s] += 1
+            request._cached = shared_len
         self.requests[row] = request
         return request
 
     def finish(self, request: Request, keep_prefix: int = 0) -> None:
-        """Releases the request's row and its slots (all but the first `keep_prefix`, still shared)."""
-        self.allocator.free(self.req_to_token[request.row, keep_prefix : request.cached])
+        """Releases the request's row and its references to its slots; slots no other live request lists go
+        back to the pool (each exactly once).
+
+        `keep_prefix` is accepted for compatibility and changes nothing: callers passed the length of a prefix
+        shared with another request so that finishing would not free it; the reference counts now keep shared
+        slots allocated exactly as long as a live request lists them. It must be an int in [0, cached].
+        """
+        request = self._check_live("finish(request)", request)
+        _int("finish(keep_prefix)", keep_prefix, high=request.cached)
+        slots = self.req_to_token[request.row, : request.cached].tolist()
+        released = [s for s in slots if self._refs[s] == 1]
+        self.allocator._release(released, self, "finish: the request's slots")  # checks before it changes anything
+        for s in slots:
+            self._refs[s] -= 1
+            if not self._refs[s]:
+                del self._refs[s]
+        self.req_to_token[request.row] = 0
         del self.requests[request.row]
         self.free_rows.append(request.row)
 
@@ -74,44 +250,110 @@ class RequestTable:
         """Allocates slots for each request's next `new_counts` tokens and builds the padded step inputs.
 
         Returns (ForwardBatch, token_ids i32[token_bucket]); the requests' `cached` counts advance.
+
+        `mode` is EXTEND, DRAFT_EXTEND, DECODE (exactly one new token per request; token_bucket == batch_bucket)
+        or IDLE (no new tokens). For TARGET_VERIFY, schedule in EXTEND mode and replace `mode` and
+        `custom_mask` of the batch. Checked before anything is allocated: one count per request, each an int
+        >= 0 and <= max_extend_len; every request live in this table and listed once; cached + count within
+        max_context, within the request's tokens and within max_seq_len; len(requests) <= batch_bucket; the
+        total new tokens <= token_bucket; the total keys (sum of seq_lens) <= kv_capacity; enough free slots
+        for the whole batch (KVPoolExhausted otherwise).
         """
+        if not isinstance(mode, ForwardMode):
+            raise ServingError(f"schedule(mode) must be a ForwardMode; got {mode!r}")
+        if mode == ForwardMode.TARGET_VERIFY:
+            raise ServingError("schedule(mode=TARGET_VERIFY): schedule in EXTEND mode, then replace mode and custom_mask of the batch")
+        batch_bucket = _int("schedule(batch_bucket)", batch_bucket, low=1)
+        token_bucket = _int("schedule(token_bucket)", token_bucket, low=1)
+        max_extend_len = _int("schedule(max_extend_len)", max_extend_len, low=1)
+        kv_capacity = _int("schedule(kv_capacity)", kv_capacity, low=1)
+        max_seq_len = _int("schedule(max_seq_len)", max_seq_len, low=1)
+        if mode == ForwardMode.DECODE and token_bucket != batch_bucket:
+            raise ServingError(f"schedule: in DECODE mode token b is sequence b, so token_bucket ({token_bucket}) must equal batch_bucket ({batch_bucket})")
+        try:
+            requests, new_counts = list(requests), list(new_counts)
+        except TypeError:
+            raise ServingError("schedule(requests, new_counts) must be sequences") from None
+        if len(new_counts) != len(requests):
+            raise ServingError(f"schedule(new_counts) has {len(new_counts)} counts for {len(requests)} requests; give one count per request")
         if len(requests) > batch_bucket:
-            raise ValueError(f"{len(requests)} requests exceed the batch bucket {batch_bucket}")
+            raise ServingError(f"schedule(requests): {len(requests)} requests exceed the batch bucket {batch_bucket}")
+        counts, seen, token_rows = [], set(), []
+        for b, (request, n) in enumerate(zip(requests, new_counts)):
+            request = self._check_live(f"schedule(requests[{b}])", request)
+            if id(request) in seen:
+                raise ServingError(f"schedule(requests[{b}]): request row {request.row} is listed twice")
+            seen.add(id(request))
+            n = _int(f"schedule(new_counts[{b}])", n)
+            if mode == ForwardMode.DECODE and n != 1:
+                raise ServingError(f"schedule(new_counts[{b}]) = {n}: DECODE steps take exactly one new token per request")
+            if mode == ForwardMode.IDLE and n != 0:
+                raise ServingError(f"schedule(new_counts[{b}]) = {n}: IDLE steps take no new tokens")
+            if n > max_extend_len:
+                raise ServingError(f"schedule(new_counts[{b}]): request row {request.row}: {n} new tokens exceed max_extend_len {max_extend_len}")
+            end = request.cached + n
+            if end > self.max_context:
+                raise ServingError(
+                    f"schedule(new_counts[{b}]): request row {request.row} has {request.cached} cached tokens; {n} more exceed max_context {self.max_context}"
+                )
+            if end > len(request.tokens):
+                raise ServingError(
+                    f"schedule(new_counts[{b}]): request row {request.row} has {len(request.tokens)} tokens, {request.cached} cached; "
+                    f"{n} more need tokens up to position {end - 1} (append them to request.tokens first)"
+                )
+            if end > max_seq_len:
+                raise ServingError(f"schedule(new_counts[{b}]): request row {request.row}: seq_len {end} exceeds max_seq_len {max_seq_len}")
+            token_rows.append(_token_list(f"schedule(requests[{b}].tokens[{request.cached}:{end}])", request.tokens[request.cached : end]))
+            counts.append(n)
+        total = sum(counts)
+        if total > token_bucket:
+            raise ServingError(f"schedule(new_counts): {total} new tokens exceed the token bucket {token_bucket}")
+        keys = sum(r.cached + n for r, n in zip(requests, counts))
+        if keys > kv_capacity:
+            raise ServingError(f"schedule: the batch lists {keys} keys (sum of seq_lens), more than kv_capacity {kv_capacity}")
+        if total > self.allocator.available:
+            raise KVPoolExhausted(f"KV pool exhausted: schedule needs {total} slots for the batch, {self.allocator.available} free")
+
+        # Everything checked: build the step inputs, then commit.
+        slots = self.allocator._take(total, self, "schedule")
         req_pool_indices = np.zeros(batch_bucket, np.int32)
         seq_lens = np.zeros(batch_bucket, np.int32)
         extend_lens = np.zeros(batch_bucket, np.int32)
         out_cache_loc = np.zeros(token_bucket, np.int32)
         positions = np.zeros(token_bucket, np.int32)
         token_ids = np.zeros(token_bucket, np.int32)
-        cursor = 0
-        for b, (request, n) in enumerate(zip(requests, new_counts)):
-            if n > max_extend_len:
-                raise ValueError(f"request {request.row}: {n} new tokens exceed max_extend_len {max_extend_len}")
-            slots = self.allocator.alloc(n)
+        cursor, per_request = 0, []
+        for b, (request, n, ids) in enumerate(zip(requests, counts, token_rows)):
+            own = slots[cursor : cursor + n]
             start = request.cached
-            self.req_to_token[request.row, start : start + n] = slots
             token_pos = b if mode == ForwardMode.DECODE else cursor
-            if mode == ForwardMode.DECODE and n != 1:
-                raise ValueError("DECODE steps take exactly one new token per request")
-            out_cache_loc[token_pos : token_pos + n] = slots
+            out_cache_loc[token_pos : token_pos + n] = own
             positions[token_pos : token_pos + n] = np.arange(start, start + n)
-            token_ids[token_pos : token_pos + n] = request.tokens[start : start + n]
-            cursor += n
+            token_ids[token_pos : token_pos + n] = ids
             req_pool_indices[b] = request.row
             seq_lens[b] = start + n
             extend_lens[b] = n
-            request.cached = start + n
-        if cursor > token_bucket:
-            raise ValueError(f"{cursor} new tokens exceed the token bucket {token_bucket}")
-        batch = ForwardBatch(
-            req_pool_indices=jnp.asarray(req_pool_indices),
-            seq_lens=jnp.asarray(seq_lens),
-            extend_lens=jnp.asarray(extend_lens),
-            out_cache_loc=jnp.asarray(out_cache_loc),
-            positions=jnp.asarray(positions),
-            mode=mode,
-            max_extend_len=max_extend_len,
-            kv_capacity=kv_capacity,
-            max_seq_len=max_seq_len,
-        )
-        return batch, jnp.asarray(token_ids)
+            per_request.append(own)
+            cursor += n
+        try:
+            batch = ForwardBatch(
+                req_pool_indices=jnp.asarray(req_pool_indices),
+                seq_lens=jnp.asarray(seq_lens),
+                extend_lens=jnp.asarray(extend_lens),
+                out_cache_loc=jnp.asarray(out_cache_loc),
+                positions=jnp.asarray(positions),
+                mode=mode,
+                max_extend_len=max_extend_len,
+                kv_capacity=kv_capacity,
+                max_seq_len=max_seq_len,
+            )
+            token_ids = jnp.asarray(token_ids)
+        except BaseException:
+            self.allocator._untake(slots)
+            raise
+        for request, n, own in zip(requests, counts, per_request):
+            self.req_to_token[request.row, request.cached : request.cached + n] = own
+            for s in own.tolist():
+                self._refs[s] = 1
+            request._cached += n
+        return batch, token_ids

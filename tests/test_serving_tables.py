@@ -1,0 +1,587 @@
+"""The host-side serving layer (jaxattn.serving) under careless and hostile callers.
+
+Every rejected call must raise a ServingError (a ValueError) naming the problem and leave the allocator and the
+table exactly as they were; no slot is ever held twice (except a prefix shared between requests), slot 0 is never
+handed out, and a shared prefix stays allocated while any live request lists it.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from jaxattn.serving.batch import ForwardMode
+from jaxattn.serving import KVPoolExhausted, Request, RequestTable, RequestTableFull, ServingError, SlotAllocator
+
+EXTEND = dict(mode=ForwardMode.EXTEND, batch_bucket=4, token_bucket=16, max_extend_len=8, kv_capacity=64, max_seq_len=16)
+DECODE = dict(EXTEND, mode=ForwardMode.DECODE, token_bucket=4, max_extend_len=1)
+
+
+def snapshot(table: RequestTable):
+    """Everything a call could change: the allocator's free list (in order) and holders, the table's rows,
+    requests, counts and reference counts."""
+    alloc = table.allocator
+    return (
+        list(alloc._free),
+        {s: id(h) for s, h in alloc._holder.items()},
+        table.req_to_token.tobytes(),
+        list(table.free_rows),
+        {row: (id(r), r.row, r.cached, list(r.tokens)) for row, r in table.requests.items()},
+        dict(table._refs),
+    )
+
+
+def rejected(table, call, match, error=ServingError):
+    """`call()` raises `error` matching `match` and changes nothing."""
+    before = snapshot(table)
+    with pytest.raises(error, match=match):
+        call()
+    assert snapshot(table) == before
+
+
+def table_with(num_slots=32, max_reqs=4, max_context=8, seed=0):
+    return RequestTable(max_reqs, max_context, SlotAllocator(num_slots, seed=seed))
+
+
+def prefill(table, tokens, **kwargs):
+    request = table.add(tokens, **kwargs)
+    n = len(tokens) - request.cached
+    table.schedule([request], [n], **EXTEND)
+    return request
+
+
+def held_by_requests(table):
+    return {s for r in table.requests.values() for s in table.req_to_token[r.row, : r.cached].tolist()}
+
+
+# ---- SlotAllocator ----------------------------------------------------------------------------------------
+
+
+def test_alloc_never_hands_out_slot_0_and_each_slot_once():
+    alloc = SlotAllocator(16, seed=3)
+    got = alloc.alloc(15).tolist()
+    assert sorted(got) == list(range(1, 16))
+    assert alloc.available == 0
+    assert alloc.alloc(0).shape == (0,)
+
+
+@pytest.mark.parametrize("n", [-1, 1.5, "2", None, True])
+def test_alloc_rejects_n_that_is_not_an_int_at_least_0(n):
+    table = table_with()
+    rejected(table, lambda: table.allocator.alloc(n), r"alloc\(n\) must be")
+
+
+def test_alloc_past_the_pool_is_pool_exhaustion_a_value_and_runtime_error():
+    table = table_with(num_slots=8)
+    rejected(table, lambda: table.allocator.alloc(8), r"KV pool exhausted: alloc\(n\) asked for 8 slots, 7 free", KVPoolExhausted)
+    assert issubclass(KVPoolExhausted, ValueError) and issubclass(KVPoolExhausted, RuntimeError)
+
+
+def test_free_rejects_double_free():
+    table = table_with()
+    slots = table.allocator.alloc(3)
+    table.allocator.free(slots[:1])
+    rejected(table, lambda: table.allocator.free(slots[:1]), r"free\(slots\)\[0\]: slot \d+ is not allocated")
+
+
+def test_free_rejects_slot_0():
+    table = table_with()
+    table.allocator.alloc(2)
+    rejected(table, lambda: table.allocator.free([0]), "slot 0 is the padding slot")
+
+
+@pytest.mark.parametrize("slot", [32, 1000, -1])
+def test_free_rejects_slots_outside_the_pool(slot):
+    table = table_with(num_slots=32)
+    table.allocator.alloc(2)
+    rejected(table, lambda: table.allocator.free([slot]), r"outside the pool|must be >= 0")
+
+
+def test_free_rejects_a_slot_never_allocated_and_frees_nothing_of_the_call():
+    table = table_with()
+    mine = table.allocator.alloc(2).tolist()
+    never = next(s for s in range(1, 32) if s not in mine)
+    rejected(table, lambda: table.allocator.free(mine + [never]), rf"free\(slots\)\[2\]: slot {never} is not allocated")
+
+
+def test_free_rejects_a_slot_listed_twice():
+    table = table_with()
+    mine = table.allocator.alloc(2).tolist()
+    rejected(table, lambda: table.allocator.free([mine[0], mine[1], mine[0]]), "listed twice")
+
+
+@pytest.mark.parametrize("slots", [5, np.zeros((2, 2), np.int32), [1.0], [True], None])
+def test_free_rejects_what_is_not_a_list_of_slots(slots):
+    table = table_with()
+    table.allocator.alloc(4)
+    rejected(table, lambda: table.allocator.free(slots), r"free\(slots\)")
+
+
+def test_free_rejects_a_slot_a_request_table_holds():
+    table = table_with()
+    request = prefill(table, [1, 2, 3])
+    slot = int(table.req_to_token[request.row, 0])
+    rejected(table, lambda: table.allocator.free([slot]), "held by a RequestTable")
+
+
+# ---- RequestTable.add ------------------------------------------------------------------------------------
+
+
+def test_add_past_max_reqs_is_a_clear_error():
+    table = table_with(max_reqs=2)
+    table.add([1])
+    table.add([2])
+    rejected(table, lambda: table.add([3]), r"all 2 req_to_token rows \(max_reqs\) are in use", RequestTableFull)
+    assert issubclass(RequestTableFull, ValueError) and issubclass(RequestTableFull, IndexError)
+
+
+def test_add_rejects_a_prompt_past_max_context_and_bad_tokens():
+    table = table_with(max_context=8)
+    rejected(table, lambda: table.add(list(range(9))), "9 tokens exceed max_context 8")
+    rejected(table, lambda: table.add([1, -2]), r"add\(tokens\)\[1\] must be in")
+    rejected(table, lambda: table.add([1, 2.5]), r"add\(tokens\)\[1\] must be an int")
+    rejected(table, lambda: table.add(7), r"add\(tokens\) must be a sequence")
+
+
+def test_add_shared_prefix_is_checked():
+    table = table_with(max_context=8)
+    owner = prefill(table, [1, 2, 3, 4])
+    other = table_with()
+    foreign = prefill(other, [1, 2, 3, 4])
+    rejected(table, lambda: table.add([1, 2, 3, 4, 5, 6], shared_prefix_from=owner, shared_len=5), r"shared_len 5 > shared_prefix_from.cached 4")
+    rejected(table, lambda: table.add([1, 2, 3], shared_prefix_from=owner, shared_len=-1), r"add\(shared_len\) must be >= 0")
+    rejected(table, lambda: table.add([1, 2, 3], shared_len=2), "needs shared_prefix_from")
+    rejected(table, lambda: table.add([1, 9, 3], shared_prefix_from=owner, shared_len=3), "differ from shared_prefix_from's tokens")
+    rejected(table, lambda: table.add([1, 2], shared_prefix_from=owner, shared_len=3), "differ from shared_prefix_from's tokens")
+    rejected(table, lambda: table.add([1, 2, 3], shared_prefix_from=foreign, shared_len=3), "not a live request of this table")
+    rejected(table, lambda: table.add([1, 2, 3], shared_prefix_from="owner", shared_len=3), "must be a Request")
+    table.finish(owner)
+    rejected(table, lambda: table.add([1, 2, 3], shared_prefix_from=owner, shared_len=3), "not a live request of this table")
+
+
+def test_request_row_and_cached_are_read_only():
+    table = table_with()
+    request = prefill(table, [1, 2, 3])
+    with pytest.raises(AttributeError):
+        request.cached = 0
+    with pytest.raises(AttributeError):
+        request.row = 3
+
+
+# ---- RequestTable.finish ---------------------------------------------------------------------------------
+
+
+def test_finish_twice_or_a_foreign_request_raises():
+    table = table_with(max_reqs=1)
+    request = prefill(table, [1, 2, 3])
+    table.finish(request)
+    rejected(table, lambda: table.finish(request), r"finish\(request\).*not a live request of this table")
+    other = table_with()
+    foreign = prefill(other, [4, 5])
+    rejected(table, lambda: table.finish(foreign), "not a live request of this table")
+    rejected(table, lambda: table.finish(Request(0, [1])), "not a live request of this table")
+    rejected(table, lambda: table.finish(None), "must be a Request")
+    # Same row reused by a new request: the stale handle still is not it.
+    fresh = table.add([9])
+    assert fresh.row == request.row
+    rejected(table, lambda: table.finish(request), "not a live request of this table")
+
+
+def test_finish_returns_every_slot_and_the_row():
+    table = table_with(num_slots=16)
+    request = prefill(table, [1, 2, 3, 4, 5])
+    assert table.allocator.available == 10
+    table.finish(request)
+    assert table.allocator.available == 15 and not table._refs and not table.req_to_token.any()
+    assert sorted(table.free_rows) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("keep_prefix", [-1, 6, 1.0])
+def test_finish_keep_prefix_is_checked(keep_prefix):
+    table = table_with()
+    request = prefill(table, [1, 2, 3, 4, 5])
+    rejected(table, lambda: table.finish(request, keep_prefix=keep_prefix), r"finish\(keep_prefix\)")
+
+
+@pytest.mark.parametrize("owner_first", [True, False])
+@pytest.mark.parametrize("keep_prefix", [0, 3])
+def test_a_shared_prefix_stays_allocated_while_any_user_lives_and_is_freed_once(owner_first, keep_prefix):
+    table = table_with(num_slots=24, max_context=8)
+    owner = prefill(table, [1, 2, 3, 4])
+    user = prefill(table, [1, 2, 3, 7, 8], shared_prefix_from=owner, shared_len=3)
+    shared = table.req_to_token[owner.row, :3].tolist()
+    assert table.req_to_token[user.row, :3].tolist() == shared
+    assert [table.slot_refs(s) for s in shared] == [2, 2, 2]
+    first, second = (owner, user) if owner_first else (user, owner)
+    table.finish(first, keep_prefix=keep_prefix if first is user else 0)
+    free = set(table.allocator._free)
+    assert not free & set(shared)  # the other request still reads them
+    assert held_by_requests(table) >= set(shared)
+    # New work cannot get the shared slots while they are in use.
+    fresh = prefill(table, [5, 6, 7, 8, 9, 10, 11, 12])
+    assert not set(table.req_to_token[fresh.row, :8].tolist()) & set(shared)
+    table.finish(second, keep_prefix=keep_prefix if second is user else 0)
+    table.finish(fresh)
+    assert sorted(table.allocator._free) == list(range(1, 24))  # each slot exactly once
+    assert not table._refs
+
+
+# ---- RequestTable.schedule -------------------------------------------------------------------------------
+
+
+def test_schedule_builds_the_padded_batch_and_advances_cached():
+    table = table_with(num_slots=32, max_context=8)
+    a, b = table.add([5, 6, 7]), table.add([8, 9])
+    batch, token_ids = table.schedule([a, b], [3, 1], **EXTEND)
+    assert (a.cached, b.cached) == (3, 1)
+    np.testing.assert_array_equal(np.asarray(token_ids)[:4], [5, 6, 7, 8])
+    np.testing.assert_array_equal(np.asarray(batch.positions)[:4], [0, 1, 2, 0])
+    np.testing.assert_array_equal(np.asarray(batch.seq_lens), [3, 1, 0, 0])
+    loc = np.asarray(batch.out_cache_loc)
+    assert (loc[4:] == 0).all() and (loc[:4] != 0).all()
+    np.testing.assert_array_equal(loc[:3], table.req_to_token[a.row, :3])
+    a.tokens.append(11)
+    batch, token_ids = table.schedule([b, a], [1, 1], **DECODE)
+    assert (a.cached, b.cached) == (4, 2)
+    np.testing.assert_array_equal(np.asarray(token_ids), [9, 11, 0, 0])
+    np.testing.assert_array_equal(np.asarray(batch.positions), [1, 3, 0, 0])
+
+
+def _two_requests(table):
+    a = prefill(table, [1, 2, 3])
+    b = table.add([4, 5, 6, 7, 8])
+    return a, b
+
+
+@pytest.mark.parametrize(
+    "counts, buckets, match",
+    [
+        ([1, 5], dict(token_bucket=4), "6 new tokens exceed the token bucket 4"),
+        ([1, 5], dict(batch_bucket=1), "2 requests exceed the batch bucket 1"),
+        ([1, 5], dict(max_extend_len=4), "5 new tokens exceed max_extend_len 4"),
+        ([1, 5], dict(max_seq_len=4), "seq_len 5 exceeds max_seq_len 4"),
+        ([1, 5], dict(kv_capacity=8), "lists 9 keys .* more than kv_capacity 8"),
+        ([1], {}, r"1 counts for 2 requests"),
+        ([1, 2, 3], {}, r"3 counts for 2 requests"),
+        ([1, -1], {}, r"new_counts\[1\]\) must be >= 0"),
+        ([1, 2.0], {}, r"new_counts\[1\]\) must be an int"),
+        ([2, 1], {}, r"request row \d has 4 tokens, 3 cached; 2 more need tokens up to position 4"),
+        ([1, 1], dict(mode=ForwardMode.TARGET_VERIFY), "schedule in EXTEND mode"),
+        ([1, 1], dict(mode="extend"), r"schedule\(mode\) must be a ForwardMode"),
+        ([1, 1], dict(batch_bucket=0), r"schedule\(batch_bucket\) must be >= 1"),
+        ([1, 1], dict(mode=ForwardMode.IDLE), "IDLE steps take no new tokens"),
+    ],
+)
+def test_schedule_failures_change_nothing(counts, buckets, match):
+    table = table_with(num_slots=32, max_context=8)
+    a, b = _two_requests(table)
+    a.tokens.append(9)
+    rejected(table, lambda: table.schedule([a, b], counts, **dict(EXTEND, **buckets)), match)
+
+
+def test_schedule_a_prompt_past_max_context_changes_nothing():
+    table = table_with(num_slots=32, max_context=8)
+    request = prefill(table, list(range(8)))
+    request.tokens.append(8)  # the caller appends past the context
+    rejected(table, lambda: table.schedule([request], [1], **EXTEND), "8 cached tokens; 1 more exceed max_context 8")
+    rejected(table, lambda: table.schedule([request], [1], **DECODE), "8 cached tokens; 1 more exceed max_context 8")
+    # A pending add + oversize extend in one batch: the valid request is not advanced either.
+    other = table.add([1, 2, 3])
+    rejected(table, lambda: table.schedule([other, request], [3, 1], **EXTEND), "exceed max_context 8")
+    assert other.cached == 0
+
+
+def test_schedule_decode_takes_exactly_one_token_and_a_matching_bucket():
+    table = table_with()
+    a, b = _two_requests(table)
+    a.tokens.append(9)
+    rejected(table, lambda: table.schedule([a, b], [1, 2], **DECODE), "exactly one new token")
+    rejected(table, lambda: table.schedule([a, b], [1, 0], **DECODE), "exactly one new token")
+    rejected(table, lambda: table.schedule([a, b], [1, 1], **dict(DECODE, token_bucket=8)), "token_bucket .* must equal batch_bucket")
+
+
+def test_schedule_rejects_finished_foreign_and_repeated_requests():
+    table = table_with()
+    a, b = _two_requests(table)
+    rejected(table, lambda: table.schedule([b, b], [1, 1], **EXTEND), "listed twice")
+    other = table_with()
+    foreign = other.add([1, 2])
+    rejected(table, lambda: table.schedule([b, foreign], [1, 1], **EXTEND), r"requests\[1\].*not a live request")
+    table.finish(a)
+    rejected(table, lambda: table.schedule([b, a], [1, 0], **EXTEND), r"requests\[1\].*not a live request")
+
+
+def test_schedule_past_the_pool_raises_before_allocating():
+    table = table_with(num_slots=8, max_context=8)
+    a = prefill(table, [1, 2, 3, 4])
+    b = table.add([1, 2, 3, 4])
+    rejected(table, lambda: table.schedule([b], [4], **EXTEND), "KV pool exhausted: schedule needs 4 slots for the batch, 3 free", KVPoolExhausted)
+    table.schedule([b], [3], **EXTEND)
+    assert table.allocator.available == 0 and a.cached == 4
+
+
+def test_serve_loop_pattern_with_keep_prefix_returns_everything_but_the_system_prompt():
+    # examples/serve.py: an owner of the system prompt that never finishes; users share it and finish with
+    # keep_prefix=len(system_prompt).
+    table = table_with(num_slots=64, max_reqs=5, max_context=16)
+    system = [7, 7, 7, 7]
+    owner = prefill(table, system)
+    owner_slots = set(table.req_to_token[owner.row, :4].tolist())
+    for round_ in range(6):
+        users = [table.add(system + [round_, i], shared_prefix_from=owner, shared_len=4) for i in range(3)]
+        table.schedule(users, [2, 2, 2], **EXTEND)
+        for u in users:
+            u.tokens.append(1)
+        table.schedule(users, [1, 1, 1], **DECODE)
+        for u in users:
+            table.finish(u, keep_prefix=len(system))
+        assert set(range(1, 64)) - set(table.allocator._free) == owner_slots
+    table.finish(owner)
+    assert sorted(table.allocator._free) == list(range(1, 64))
+
+
+# ---- The stateful test -----------------------------------------------------------------------------------
+
+NUM_SLOTS, MAX_REQS, MAX_CTX = 20, 4, 8
+TOKENS = st.integers(0, 50)
+ONE_IN_8 = st.sampled_from([False] * 7 + [True])  # False first: Hypothesis favours the first element
+ACTIONS = ["extend", "append_tokens", "decode", "finish"] * 3 + ["add", "add", "add_shared", "add_shared", "alloc_directly", "free_directly"]
+
+
+class ServingMachine(RuleBasedStateMachine):
+    """Random add / shared add / extend / decode / finish / alloc / free, valid and invalid, against a model.
+
+    The model: `owned[request]` is the list of slots (by position) the request lists, `mine` the slots the
+    caller got from `alloc`, `free` the rest. It decides independently whether each call must succeed; a
+    call that must fail has to raise a ServingError and change nothing.
+    """
+
+    @initialize(seed=st.integers(0, 2**16), prompts=st.lists(st.lists(TOKENS, min_size=1, max_size=MAX_CTX), min_size=1, max_size=3))
+    def setup(self, seed, prompts):
+        self.table = RequestTable(MAX_REQS, MAX_CTX, SlotAllocator(NUM_SLOTS, seed=seed))
+        self.alloc = self.table.allocator
+        self.owned: dict[int, tuple[Request, list[int]]] = {}  # id(request) -> (request, slots)
+        self.finished: list[Request] = []
+        self.mine: set[int] = set()
+        self.free = set(range(1, NUM_SLOTS))
+        self.foreign = RequestTable(2, MAX_CTX, SlotAllocator(8)).add([1, 2])
+        # Start with live requests, half of each prompt prefilled, so every rule has something to work on.
+        requests = [self.table.add(p) for p in prompts]
+        for request in requests:
+            self.owned[id(request)] = (request, [])
+        self.check_schedule(requests, [len(p) // 2 for p in prompts], False, dict(EXTEND, max_seq_len=MAX_CTX))
+
+    # -- helpers --
+    def live(self):
+        return [r for r, _ in self.owned.values()]
+
+    def slots_of(self, request):
+        return self.owned[id(request)][1]
+
+    def expect(self, ok, call, error=ServingError):
+        """Runs `call`; must succeed when `ok`, else raise `error` and change nothing. Returns its result or None."""
+        if ok:
+            return call()
+        before = snapshot(self.table)
+        with pytest.raises(error) as info:
+            call()
+        assert str(info.value)  # a message, not a bare exception
+        assert snapshot(self.table) == before
+        return None
+
+    def pick_request(self, data):
+        pool = self.live() * 3 + self.finished[-2:] + [self.foreign]
+        return data.draw(st.sampled_from(pool))
+
+    # -- the rule --
+    # One rule picks the call, so every run mixes all of them (with one rule per call, Hypothesis' swarm testing
+    # runs many examples with most calls switched off).
+    @rule(action=st.sampled_from(ACTIONS), data=st.data())
+    def call(self, action, data):
+        if action == "extend" or action == "decode":
+            self.schedule(data, decode=action == "decode")
+        else:
+            getattr(self, action)(data)
+
+    # -- the calls --
+    def add(self, data):
+        n = data.draw(st.sampled_from(list(range(1, MAX_CTX + 1)) * 2 + [0, MAX_CTX + 1]))  # mostly a prompt that fits
+        tokens = data.draw(st.lists(TOKENS, min_size=n, max_size=n))
+        ok = n <= MAX_CTX and len(self.owned) < MAX_REQS
+        error = RequestTableFull if n <= MAX_CTX else ServingError
+        request = self.expect(ok, lambda: self.table.add(tokens), error)
+        if ok:
+            assert request.cached == 0 and request.tokens == tokens
+            self.owned[id(request)] = (request, [])
+
+    def add_shared(self, data):
+        if not self.owned:
+            return
+        owner = self.pick_request(data)
+        live = id(owner) in self.owned
+        cached = len(self.slots_of(owner)) if live else owner.cached
+        shared_len = data.draw(st.sampled_from(list(range(cached + 1)) * 3 + [-1, cached + 1]))
+        tail = data.draw(st.lists(TOKENS, max_size=3))
+        prefix = list(owner.tokens[: max(shared_len, 0)])
+        if prefix and data.draw(ONE_IN_8):
+            prefix[0] += 1  # not the owner's tokens: a wrong prefix-cache hit
+        tokens = prefix + tail
+        ok = (live and 0 <= shared_len <= cached and prefix == list(owner.tokens[:shared_len]) and len(tokens) <= MAX_CTX)
+        full = ok and len(self.owned) >= MAX_REQS
+        request = self.expect(ok and not full, lambda: self.table.add(tokens, shared_prefix_from=owner, shared_len=shared_len),
+                              RequestTableFull if full else ServingError)
+        if request is not None:
+            assert request.cached == shared_len
+            self.owned[id(request)] = (request, list(self.slots_of(owner)[:shared_len]))
+
+    def append_tokens(self, data):
+        if not self.owned:
+            return
+        request = data.draw(st.sampled_from(self.live()))
+        request.tokens.extend(data.draw(st.lists(TOKENS, min_size=1, max_size=4)))
+
+    def schedule(self, data, decode):
+        if not self.owned:
+            return
+        ready = [r for r in self.live() if len(r.tokens) > r.cached] or self.live()  # mostly requests with tokens to schedule
+        requests = data.draw(st.lists(st.sampled_from(ready if not data.draw(ONE_IN_8) else self.live()), min_size=1, max_size=4, unique_by=id))
+        if data.draw(ONE_IN_8):  # a finished, foreign or repeated request
+            requests.append(data.draw(st.sampled_from(self.finished[-1:] + [self.foreign] + requests)))
+        counts = []
+        for r in requests:
+            room = max(len(r.tokens) - r.cached, 0)
+            if data.draw(ONE_IN_8):
+                counts.append(data.draw(st.sampled_from([-1, 0, 1, 2, room + 1, 9])))  # anything
+            elif decode:
+                counts.append(1)
+            else:
+                counts.append(data.draw(st.sampled_from(range(min(room, 6) + 1))))  # within the request's tokens
+        if data.draw(ONE_IN_8):
+            counts = counts[:-1] if counts else [1]  # one count too few or too many
+        def bucket(roomy, tight):  # mostly roomy; now and then too small for the batch
+            return tight if data.draw(ONE_IN_8) else roomy
+
+        batch_bucket = bucket(4, 2)
+        token_bucket = batch_bucket if decode and not data.draw(ONE_IN_8) else bucket(16, 6)
+        max_extend_len = 1 if decode else bucket(8, 3)
+        kv_capacity = bucket(64, max(1, sum(r.cached for r in requests)))  # tight: no room for new keys
+        max_seq_len = bucket(MAX_CTX, 5)
+        mode = ForwardMode.DECODE if decode else ForwardMode.EXTEND
+        kwargs = dict(mode=mode, batch_bucket=batch_bucket, token_bucket=token_bucket, max_extend_len=max_extend_len,
+                      kv_capacity=kv_capacity, max_seq_len=max_seq_len)
+        self.check_schedule(requests, counts, decode, kwargs)
+
+    def check_schedule(self, requests, counts, decode, kwargs):
+        """table.schedule, which must succeed exactly when the model says so; the model takes the new slots."""
+        batch_bucket, token_bucket, max_extend_len = kwargs["batch_bucket"], kwargs["token_bucket"], kwargs["max_extend_len"]
+        kv_capacity, max_seq_len = kwargs["kv_capacity"], kwargs["max_seq_len"]
+        # The model's verdict, from its own counts.
+        ok = len(counts) == len(requests) and len(requests) <= batch_bucket and (not decode or token_bucket == batch_bucket)
+        ok = ok and all(id(r) in self.owned for r in requests) and len({id(r) for r in requests}) == len(requests)
+        ends = []
+        if ok:
+            for r, n in zip(requests, counts):
+                cached = len(self.slots_of(r))
+                ok = ok and n >= 0 and (n == 1 or not decode) and n <= max_extend_len
+                ok = ok and cached + n <= min(MAX_CTX, len(r.tokens), max_seq_len)
+                ends.append(cached + n)
+        ok = ok and sum(counts) <= token_bucket and sum(ends) <= kv_capacity
+        exhausted = ok and sum(counts) > len(self.free)
+        result = self.expect(ok and not exhausted, lambda: self.table.schedule(requests, counts, **kwargs),
+                             KVPoolExhausted if exhausted else ServingError)
+        if result is None:
+            return
+        batch, token_ids = result
+        token_ids, loc, positions = np.asarray(token_ids), np.asarray(batch.out_cache_loc), np.asarray(batch.positions)
+        cursor = 0
+        for b, (r, n) in enumerate(zip(requests, counts)):
+            old = self.slots_of(r)
+            start = b if decode else cursor
+            new = loc[start : start + n].tolist()
+            assert set(new) <= self.free and len(set(new)) == n and 0 not in new  # fresh slots, each once
+            assert token_ids[start : start + n].tolist() == r.tokens[len(old) : len(old) + n]
+            assert positions[start : start + n].tolist() == list(range(len(old), len(old) + n))
+            self.free -= set(new)
+            old.extend(new)
+            assert r.cached == len(old)
+            cursor += n
+        assert (loc[cursor if not decode else len(requests) :] == 0).all()  # padding tokens write to slot 0
+
+    def finish(self, data):
+        if not self.owned:
+            return
+        request = self.pick_request(data)
+        live = id(request) in self.owned
+        cached = len(self.slots_of(request)) if live else 0
+        keep_prefix = data.draw(st.sampled_from([0] * 4 + list(range(cached + 1)) + [-1, cached + 1]))
+        ok = live and 0 <= keep_prefix <= cached
+        self.expect(ok, lambda: self.table.finish(request, keep_prefix=keep_prefix))
+        if ok:
+            _, slots = self.owned.pop(id(request))
+            still = {s for _, other in self.owned.values() for s in other}
+            self.free |= set(slots) - still
+            self.finished.append(request)
+
+    def alloc_directly(self, data):
+        n = data.draw(st.sampled_from([0, 1, 1, 2, 2, 3, -1, len(self.free) + 1]))
+        ok = 0 <= n <= len(self.free)
+        got = self.expect(ok, lambda: self.alloc.alloc(n), ServingError if n < 0 else KVPoolExhausted)
+        if got is not None:
+            got = got.tolist()
+            assert len(got) == n and set(got) <= self.free and len(set(got)) == n
+            self.free -= set(got)
+            self.mine |= set(got)
+
+    def free_directly(self, data):
+        held = [s for _, slots in self.owned.values() for s in slots]
+        candidates = sorted(self.mine) * 3 + [0, NUM_SLOTS, -1] + sorted(self.free)[:2] + held[:2]
+        slots = data.draw(st.lists(st.sampled_from(candidates), max_size=4))
+        ok = len(set(slots)) == len(slots) and set(slots) <= self.mine
+        self.expect(ok, lambda: self.alloc.free(slots))
+        if ok:
+            self.mine -= set(slots)
+            self.free |= set(slots)
+
+    # -- invariants --
+    @invariant()
+    def ownership_is_exact(self):
+        if not hasattr(self, "table"):
+            return
+        free_list = self.alloc._free
+        assert len(free_list) == len(set(free_list)) == self.alloc.available
+        assert set(free_list) == self.free
+        assert 0 not in free_list and 0 not in self.alloc._holder
+        owned = {s for _, slots in self.owned.values() for s in slots}
+        assert not (self.free & owned) and not (self.free & self.mine) and not (self.mine & owned)
+        assert self.free | owned | self.mine == set(range(1, NUM_SLOTS))
+        assert {s for s, h in self.alloc._holder.items() if h is None} == self.mine
+        assert {s for s, h in self.alloc._holder.items() if h is self.table} == owned
+        # The table lists exactly the model's slots; rows past `cached` and free rows are 0.
+        assert {id(r) for r in self.table.requests.values()} == set(self.owned)
+        for request, slots in self.owned.values():
+            assert request.cached == len(slots)
+            row = self.table.req_to_token[request.row]
+            assert row[: len(slots)].tolist() == slots and not row[len(slots) :].any()
+        for row in self.table.free_rows:
+            assert not self.table.req_to_token[row].any()
+        assert len(self.table.free_rows) + len(self.owned) == MAX_REQS
+        # A slot two requests list is a shared prefix: same position, and everything before it shared too.
+        lists = [slots for _, slots in self.owned.values()]
+        for i, a in enumerate(lists):
+            for b in lists[i + 1 :]:
+                common = 0
+                while common < min(len(a), len(b)) and a[common] == b[common]:
+                    common += 1
+                assert set(a) & set(b) == set(a[:common])
+        # Reference counts are the number of live requests listing each slot.
+        counts = {}
+        for slots in lists:
+            for s in slots:
+                counts[s] = counts.get(s, 0) + 1
+        assert self.table._refs == counts
+
+
+ServingMachine.TestCase.settings = settings(max_examples=50, stateful_step_count=30, deadline=None, derandomize=True,
+                                            suppress_health_check=list(HealthCheck), print_blob=True)
+test_serving_state_machine = ServingMachine.TestCase

@@ -221,7 +221,7 @@ def validate_decode_inputs(req_to_token, req_pool_indices, seq_lens, *, num_slot
 
 def validate_extend_inputs(req_to_token, req_pool_indices, prefix_lens, extend_lens, *, num_slots: int, max_extend_len: int,
                            kv_capacity: int | None = None, unified: bool = False, out_cache_loc=None,
-                           num_tokens: int | None = None, sliding_window: int = -1):
+                           num_tokens: int | None = None, sliding_window: int = -1, custom_mask: bool = False):
     """Run-time checks of an extend batch's request tables (the arguments of `extend_metadata` /
     `extend_unified_metadata`).
 
@@ -229,7 +229,7 @@ def validate_extend_inputs(req_to_token, req_pool_indices, prefix_lens, extend_l
     <= max_context_len; req_pool_indices of non-empty sequences inside req_to_token; the listed prefix entries and the
     new tokens' entries of req_to_token inside [0, num_slots); the listed total (prefix, plus the new tokens when
     `unified`) <= kv_capacity; the total of extend_lens <= num_tokens (q's rows) and <= len(out_cache_loc); out_cache_loc
-    valid for `write_kv`.
+    valid for `write_kv`; with `custom_mask` (a verify step) and without x64, the mask's total size fits int32 offsets.
     """
     check_request_tables(req_to_token, req_pool_indices, prefix_lens, extend_lens)
     check_positive_int("num_slots", num_slots)
@@ -255,6 +255,11 @@ def validate_extend_inputs(req_to_token, req_pool_indices, prefix_lens, extend_l
     if kv_capacity is not None:
         total = jnp.sum(listed) + (tokens if unified else 0)
         checkify.check(total <= kv_capacity, _PREFIX + f"the batch lists {{t}} keys, more than kv_capacity ({kv_capacity})", t=total)
+    if custom_mask and not jax.config.jax_enable_x64:
+        # The mask rows' offsets (`jaxattn.metadata.custom_mask_indptr`) are int32 without x64: their total must fit.
+        cells = jnp.sum(new.astype(jnp.float32) * (prefix + new).astype(jnp.float32))
+        checkify.check(cells < 2.0**31, _PREFIX + "the custom mask's rows add up to {c} entries, past int32 offsets (2**31): "
+                       "enable jax_enable_x64 for int64 offsets, or split the batch", c=cells)
     if num_tokens is not None:
         checkify.check(tokens <= num_tokens, _PREFIX + f"extend_lens add up to {{t}} tokens, more than q's rows ({num_tokens})", t=tokens)
     if out_cache_loc is not None:

@@ -87,6 +87,16 @@ def check_window(name: str, value) -> None:
         raise ValueError(f"{name} must be -1 (no window) or a static int >= 0; got {value!r}")
 
 
+def check_sm_scale(sm_scale) -> None:
+    """None (1 / sqrt(qk_head_dim)) or a finite float > 0: a zero, negative or NaN scale would turn the masked scores'
+    -inf into NaN or +inf, which no mask removes."""
+    if sm_scale is None:
+        return
+    if (not isinstance(sm_scale, (int, float, np.integer, np.floating)) or isinstance(sm_scale, bool)
+            or not np.isfinite(sm_scale) or not sm_scale > 0):
+        raise ValueError(f"sm_scale must be None (1 / sqrt(qk_head_dim)) or a finite float > 0; got {sm_scale!r}")
+
+
 def check_score_options(logit_cap, xai_temperature_len) -> None:
     """logit_cap >= 0 (0: off); xai_temperature_len <= 0 (off) or >= 2 (log2(len) is the divisor)."""
     if not isinstance(logit_cap, (int, float, np.integer, np.floating)) or not logit_cap >= 0 or not np.isfinite(logit_cap):
@@ -124,8 +134,10 @@ def check_config(config, config_types) -> None:
 # The ops' argument checks (one call per op call, before an implementation is chosen).
 
 
-def check_attention_args(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, sinks=None, custom_mask=None, mask_indptr=None):
+def check_attention_args(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, sinks=None, custom_mask=None, mask_indptr=None,
+                         sm_scale=None):
     """The ragged paged layout shared by the reference and every op. Returns (batch, group_size)."""
+    check_sm_scale(sm_scale)
     check_array("q", q, ndim=3, dtypes=FLOAT_DTYPES, what="[tokens, q_heads, qk_head_dim]")
     tokens, q_heads, qk_dim = q.shape
     check_array("k_pool", k_pool, ndim=3, what="[slots, kv_heads, qk_head_dim]")
@@ -153,8 +165,9 @@ MLA_V_HEAD_DIMS = {576: 512, 288: 256}
 
 
 def check_decode_args(q, k_pool, v_pool, meta, *, meta_type, sinks, v_head_dim, sliding_window, logit_cap=0.0,
-                      xai_temperature_len=-1):
+                      xai_temperature_len=-1, sm_scale=None):
     """`decode_attention`'s arguments. Returns (batch, q_heads, kv_heads, qk_head_dim, v_head_dim)."""
+    check_sm_scale(sm_scale)
     check_array("q", q, ndim=3, dtypes=FLOAT_DTYPES, what="[batch, q_heads, qk_head_dim]")
     batch, q_heads, qk_dim = q.shape
     check_array("k_pool", k_pool, ndim=3, dtypes=(q.dtype,), what="[slots, kv_heads, qk_head_dim] (q's dtype)")
@@ -192,12 +205,12 @@ def check_decode_args(q, k_pool, v_pool, meta, *, meta_type, sinks, v_head_dim, 
 
 
 def check_extend_args(q, k_pool, v_pool, meta, *, meta_type, builder, custom_mask, sinks, sliding_window, config=None,
-                      config_types=(), logit_cap=0.0, xai_temperature_len=-1):
+                      config_types=(), logit_cap=0.0, xai_temperature_len=-1, sm_scale=None):
     """The arguments both extend forms share (`extend_attention`, `extend_attention_unified`). Returns the batch."""
     check_array("q", q, ndim=3, dtypes=FLOAT_DTYPES, what="[tokens, q_heads, qk_head_dim]")
     check_meta(meta, meta_type, builder)
     batch, _ = check_attention_args(q, k_pool, v_pool, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, sinks, custom_mask,
-                                    meta.mask_indptr if custom_mask is not None else None)
+                                    meta.mask_indptr if custom_mask is not None else None, sm_scale=sm_scale)
     check_head_dims(q.shape[2], v_pool.shape[2], qk_name="qk_head_dim (q.shape[2])", v_name="v_head_dim (v_pool.shape[2])")
     check_array("meta.kv_start_pos", meta.kv_start_pos, shape=(batch,), dtypes=INDEX_DTYPES, what="[batch]")
     check_array("meta.kv_indices", meta.kv_indices, shape=(meta.kv_capacity,), what="[meta.kv_capacity]")

@@ -108,7 +108,7 @@ def decode_attention(
     """
     batch, q_heads, kv_heads, qk_dim, v_dim = check_decode_args(
         q, k_pool, v_pool, meta, meta_type=DecodeMetadata, sinks=sinks, v_head_dim=v_head_dim,
-        sliding_window=sliding_window, logit_cap=logit_cap, xai_temperature_len=xai_temperature_len,
+        sliding_window=sliding_window, logit_cap=logit_cap, xai_temperature_len=xai_temperature_len, sm_scale=sm_scale,
     )
     call = DecodeCall(
         q=q, k_pool=k_pool, v_pool=v_pool, meta=meta, sinks=sinks,
@@ -128,7 +128,7 @@ def decode_attention_reference(
     del config, launch_mode, impl, mode
     batch, q_heads, kv_heads, qk_dim, v_dim = check_decode_args(
         q, k_pool, v_pool, meta, meta_type=DecodeMetadata, sinks=sinks, v_head_dim=v_head_dim,
-        sliding_window=sliding_window, logit_cap=logit_cap, xai_temperature_len=xai_temperature_len,
+        sliding_window=sliding_window, logit_cap=logit_cap, xai_temperature_len=xai_temperature_len, sm_scale=sm_scale,
     )
     if v_pool is None:
         v_pool = k_pool[..., :v_dim]

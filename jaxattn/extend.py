@@ -135,7 +135,7 @@ def extend_attention(
     """
     check_extend_args(q, k_pool, v_pool, meta, meta_type=ExtendMetadata, builder="extend_metadata", custom_mask=custom_mask,
                       sinks=sinks, sliding_window=sliding_window, config=config, config_types=CONFIG_TYPES,
-                      logit_cap=logit_cap, xai_temperature_len=xai_temperature_len)
+                      logit_cap=logit_cap, xai_temperature_len=xai_temperature_len, sm_scale=sm_scale)
     check_new_tokens(q, k_new, v_new, k_pool, v_pool)
     call = _call("two_stage", q, k_new, v_new, k_pool, v_pool, meta, meta.kv_start_pos, causal=causal,
                  custom_mask=custom_mask, skip_prefix_custom_mask=skip_prefix_custom_mask, sliding_window=sliding_window,
@@ -182,7 +182,7 @@ def extend_attention_unified(
       token's row is bit-identical however its sequence is split into prefix and new tokens.
     """
     kv_start_pos = _unified_start_pos(q, k_pool, v_pool, meta, custom_mask, sinks, sliding_window, config, logit_cap,
-                                      xai_temperature_len, kv_start_pos, window_start_pos)
+                                      xai_temperature_len, kv_start_pos, window_start_pos, sm_scale)
     call = _call("unified", q, None, None, k_pool, v_pool, meta, kv_start_pos, causal=causal, custom_mask=custom_mask,
                  skip_prefix_custom_mask=False, sliding_window=sliding_window, logit_cap=logit_cap, sinks=sinks,
                  xai_temperature_len=xai_temperature_len, sm_scale=sm_scale, config=config,
@@ -191,11 +191,12 @@ def extend_attention_unified(
 
 
 def _unified_start_pos(q, k_pool, v_pool, meta, custom_mask, sinks, sliding_window, config, logit_cap,
-                       xai_temperature_len, kv_start_pos, window_start_pos):
+                       xai_temperature_len, kv_start_pos, window_start_pos, sm_scale=None):
     """Checks the unified form's arguments; returns the start positions it uses."""
     batch = check_extend_args(q, k_pool, v_pool, meta, meta_type=ExtendUnifiedMetadata, builder="extend_unified_metadata",
                               custom_mask=custom_mask, sinks=sinks, sliding_window=sliding_window, config=config,
-                              config_types=CONFIG_TYPES, logit_cap=logit_cap, xai_temperature_len=xai_temperature_len)
+                              config_types=CONFIG_TYPES, logit_cap=logit_cap, xai_temperature_len=xai_temperature_len,
+                              sm_scale=sm_scale)
     check_array("meta.prefix_lens", meta.prefix_lens, shape=(batch,), dtypes=INDEX_DTYPES, what="[batch]")
     name = "kv_start_pos"
     if window_start_pos is not None:

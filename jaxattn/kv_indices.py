@@ -19,9 +19,9 @@ from jaxattn.launch import launch
 _COPY_BLOCK = 512
 
 
-def exclusive_cumsum(lengths: jax.Array) -> jax.Array:
-    """i32[n] -> i32[n + 1]: 0 followed by the running totals (a CSR indptr)."""
-    return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths.astype(jnp.int32), dtype=jnp.int32)])
+def exclusive_cumsum(lengths: jax.Array, dtype=jnp.int32) -> jax.Array:
+    """[n] -> dtype[n + 1]: 0 followed by the running totals (a CSR indptr)."""
+    return jnp.concatenate([jnp.zeros((1,), dtype), jnp.cumsum(lengths.astype(dtype), dtype=dtype)])
 
 
 def _check_create_args(req_to_token, req_pool_indices, kv_lens, kv_starts):

@@ -83,17 +83,27 @@ def listed_columns_mask(custom_mask, mask_indptr, listed, start_pos, q_lens, ski
     start_pos = start_pos.astype(jnp.int32)
     batch = listed.shape[0]
     width = listed + q_lens
-    out_indptr = exclusive_cumsum(q_lens * width)
-    e = jnp.arange(custom_mask.shape[0], dtype=jnp.int32)
+    out_indptr = custom_mask_indptr(q_lens, width)
+    e = jnp.arange(custom_mask.shape[0], dtype=out_indptr.dtype)
     b = jnp.clip(jnp.searchsorted(out_indptr, e, side="right") - 1, 0, batch - 1)
     r = e - out_indptr[b]
-    w = jnp.maximum(width[b], 1)
+    w = jnp.maximum(width[b], 1).astype(out_indptr.dtype)
     i, j = r // w, r % w
-    src = mask_indptr[b].astype(jnp.int32) + i * (start_pos[b] + width[b]) + start_pos[b] + j
+    src = mask_indptr[b].astype(out_indptr.dtype) + i * (start_pos[b] + width[b]) + start_pos[b] + j
     values = custom_mask[jnp.clip(src, 0, custom_mask.shape[0] - 1)].astype(bool)
     if skip_prefix:
         values = values | (j < listed[b])
     return jnp.where(e < out_indptr[-1], values, False), out_indptr
+
+
+def custom_mask_indptr(q_lens, kv_lens):
+    """[batch + 1] offsets of each sequence's custom-mask rows [q_len, kv_len] (row-major, sequence after sequence).
+
+    q_len x kv_len products pass 2**31 in big verify batches: int64 when jax_enable_x64 is on; else int32, whose
+    range `jaxattn.checked.validate_extend_inputs` checks (JAX makes no int64 arrays without x64).
+    """
+    dtype = jnp.int64 if jax.config.jax_enable_x64 else jnp.int32
+    return exclusive_cumsum(q_lens.astype(dtype) * kv_lens.astype(dtype), dtype)
 
 
 def rope_split(qk_head_dim: int) -> tuple[int, int]:
@@ -359,7 +369,7 @@ class ExtendMetadata:
     kv_indptr: jax.Array  # i32[batch + 1]: CSR of the listed prefix
     kv_indices: jax.Array  # i32/i64[kv_capacity]: pool slots of the listed prefix keys, in position order
     kv_start_pos: jax.Array  # i32[batch]: absolute position of the first listed prefix key (SGLang's window_kv_offsets)
-    mask_indptr: jax.Array | None  # i32[batch + 1]: start of each sequence's custom mask rows [q_len, prefix_len + q_len]
+    mask_indptr: jax.Array | None  # i32/i64[batch + 1] (`custom_mask_indptr`): each sequence's mask rows [q_len, prefix_len + q_len]
     max_extend_len: int = dataclasses.field(metadata=dict(static=True))  # static bound on q_len; fixes the grid
     kv_capacity: int = dataclasses.field(metadata=dict(static=True))  # static length of kv_indices
     sliding_window: int = dataclasses.field(default=-1, metadata=dict(static=True))  # window the list was cut for; -1 full
@@ -375,7 +385,7 @@ class ExtendUnifiedMetadata:
     kv_indices: jax.Array  # i32/i64[kv_capacity]: pool slots; the new tokens' K/V must already be in the pool
     prefix_lens: jax.Array  # i32[batch]: listed prefix keys per sequence
     kv_start_pos: jax.Array  # i32[batch]: absolute position of each sequence's first listed key
-    mask_indptr: jax.Array | None  # i32[batch + 1]: start of each sequence's custom mask rows [q_len, listed kv_len]
+    mask_indptr: jax.Array | None  # i32/i64[batch + 1] (`custom_mask_indptr`): each sequence's mask rows [q_len, listed kv_len]
     max_extend_len: int = dataclasses.field(metadata=dict(static=True))
     kv_capacity: int = dataclasses.field(metadata=dict(static=True))
     sliding_window: int = dataclasses.field(default=-1, metadata=dict(static=True))
@@ -426,7 +436,7 @@ def extend_metadata(
         kv_indptr=kv_indptr,
         kv_indices=kv_indices,
         kv_start_pos=start,
-        mask_indptr=exclusive_cumsum(extend_lens * (full + extend_lens)),
+        mask_indptr=custom_mask_indptr(extend_lens, full + extend_lens),
         max_extend_len=max_extend_len,
         kv_capacity=kv_capacity,
         sliding_window=int(sliding_window) if sliding_window >= 0 else -1,
@@ -481,7 +491,7 @@ def extend_unified_metadata(
         kv_indices=kv_indices,
         prefix_lens=listed,
         kv_start_pos=start,
-        mask_indptr=exclusive_cumsum(extend_lens * (listed + extend_lens)),
+        mask_indptr=custom_mask_indptr(extend_lens, listed + extend_lens),
         max_extend_len=max_extend_len,
         kv_capacity=kv_capacity,
         sliding_window=int(sliding_window) if sliding_window >= 0 else -1,

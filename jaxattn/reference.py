@@ -97,7 +97,8 @@ def ragged_paged_attention_reference(
       o: [tokens, q_heads, v_head_dim] in q's dtype (rows past qo_indptr[-1] are 0), and with return_lse
       f32[tokens, q_heads].
     """
-    batch, group = check_attention_args(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, sinks, custom_mask, mask_indptr)
+    batch, group = check_attention_args(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, sinks, custom_mask, mask_indptr,
+                                        sm_scale=sm_scale)
     tokens, q_heads, qk_dim = q.shape
     kv_heads, v_dim = v_pool.shape[1], v_pool.shape[2]
     max_q_len = _static_max_len(qo_indptr, max_q_len, "max_q_len")
@@ -136,7 +137,8 @@ def ragged_paged_attention_reference(
             s = s * xai_temperature_scale(q_pos, xai_temperature_len)[:, None]
         visible = q_valid[:, None] & k_valid[None, :]
         if custom_mask is not None:
-            flat = mask_indptr[b].astype(jnp.int32) + i[:, None] * kv_len + j[None, :]
+            offsets = mask_indptr.astype(jnp.int64 if jax.config.jax_enable_x64 else jnp.int32)
+            flat = offsets[b] + (i[:, None] * kv_len + j[None, :]).astype(offsets.dtype)
             flat = jnp.clip(flat, 0, custom_mask.shape[0] - 1)
             visible &= custom_mask[flat].astype(bool)
         elif causal:
@@ -154,9 +156,12 @@ def ragged_paged_attention_reference(
         if sinks is not None:
             denominator = denominator + jnp.exp(sink - row_max)
         o = jnp.einsum("hgqk,khd->qhgd", p, vb, precision=jax.lax.Precision.HIGHEST)
-        safe = jnp.where(denominator > 0, denominator, 1.0)
+        # Only an empty row (denominator exactly 0) gives 0 / -inf; a NaN denominator (NaN in q, a visible key, the
+        # scale or a sink) stays NaN in the output, never a silent finite value.
+        empty = denominator == 0
+        safe = jnp.where(empty, 1.0, denominator)
         o = o / jnp.transpose(safe, (2, 0, 1, 3))
-        lse = jnp.where(denominator > 0, jnp.log(safe) + row_max, -jnp.inf)[..., 0]  # [Hkv, G, Q]
+        lse = jnp.where(empty, -jnp.inf, jnp.log(safe) + row_max)[..., 0]  # [Hkv, G, Q]
         return o.reshape(max_q_len, q_heads, v_dim), jnp.transpose(lse, (2, 0, 1)).reshape(max_q_len, q_heads)
 
     if batch == 0:

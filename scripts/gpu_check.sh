@@ -3,7 +3,8 @@
 #   installs the carried wheels and jaxattn, runs the GPU-marked tests, then the benchmark if asked,
 #   and writes logs and a summary under $OUT (default ./out).
 # Usage: bash scripts/gpu_check.sh [pytest -k expression]    (BENCH="decode extend" to also benchmark,
-#        STRESS=1000 to also run scripts/stress.py with that many batches per op (over STRESS_WORKERS processes), ALL=1 to run the whole suite
+#        STRESS=1000 to also run scripts/stress.py with that many batches per op (over STRESS_WORKERS processes),
+#        SANITIZE=1 to run the hostile-input tests on compiled kernels under compute-sanitizer's memcheck, ALL=1 to run the whole suite
 #        except interpreter-only cases instead of `-m gpu`: backends, end-to-end, checked mode and properties then
 #        run on the compiled kernels too; with pytest-xdist among the carried wheels the tests run in 8 processes)
 set -uo pipefail
@@ -42,6 +43,12 @@ done
 # The reliability stress run (issue 8): STRESS=1000 runs that many random batches per op against the reference.
 if [ -n "${STRESS:-}" ]; then
   python3 scripts/stress.py --batches "$STRESS" --workers "${STRESS_WORKERS:-1}" --json "$OUT/stress.json" 2>&1 | tee "$OUT/stress.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+# Out-of-range metadata of every class on the compiled kernels, under compute-sanitizer (issue 21): 0 errors expected.
+if [ -n "${SANITIZE:-}" ]; then
+  compute-sanitizer --tool memcheck --error-exitcode 1 --print-limit 20 \
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_hostile_inputs.py 2>&1 | tee "$OUT/sanitizer.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 # Keep FlashInfer's build cache for the next run when it is small enough to bring back.

@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from jaxattn.checks import check_head_dims, check_heads, check_positive_int, check_score_options, check_sm_scale, check_window
+
 
 @dataclasses.dataclass(frozen=True)
 class AttentionLayer:
@@ -32,8 +34,18 @@ class AttentionLayer:
     v_scale: float | None = None
 
     def __post_init__(self):
-        if self.q_heads % self.kv_heads:
-            raise ValueError(f"q_heads ({self.q_heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        check_heads(self.q_heads, self.kv_heads)
+        check_positive_int("head_dim", self.head_dim)
+        if self.v_head_dim is not None:
+            check_positive_int("v_head_dim", self.v_head_dim)
+        check_head_dims(self.head_dim, self.dv, qk_name="head_dim", v_name="v_head_dim")
+        check_sm_scale(self.sm_scale)
+        check_window("sliding_window", self.sliding_window)
+        check_score_options(self.logit_cap, self.xai_temperature_len)
+        for name in ("k_scale", "v_scale"):
+            scale = getattr(self, name)
+            if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+                raise ValueError(f"{name} must be None or a finite float > 0 (fp8 pools store value / scale); got {scale!r}")
 
     @property
     def dv(self) -> int:

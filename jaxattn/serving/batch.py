@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from jaxattn.checks import INDEX_DTYPES, check_array
 from jaxattn.kv_indices import exclusive_cumsum
+from jaxattn.metadata import custom_mask_indptr
 
 
 class ForwardMode(enum.Enum):
@@ -96,8 +97,8 @@ class ForwardBatch:
 
     @property
     def mask_indptr(self) -> jax.Array:
-        """i32[B + 1]: start of each sequence's [extend_len, seq_len] block of custom_mask."""
-        return exclusive_cumsum(self.extend_lens * self.seq_lens)
+        """i32/i64[B + 1] (`jaxattn.metadata.custom_mask_indptr`): start of each sequence's [extend_len, seq_len] block."""
+        return custom_mask_indptr(self.extend_lens, self.seq_lens)
 
 
 def tree_mask_for_verify(parents, prefix_len: int):

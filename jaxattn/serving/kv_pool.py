@@ -16,6 +16,7 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxattn.checks import FLOAT_DTYPES, INDEX_DTYPES, check_array
 
@@ -45,7 +46,9 @@ def write_kv(k_pool, v_pool, out_cache_loc, k, v, *, k_scale: float | None = Non
         on a GPU); every other slot is exact. Real tokens must therefore not share a slot: checked mode
         (`check_write_slots`, `jaxattn.checked.validate_write_slots`) rejects repeats of any slot but 0.
       k: [tokens, kv_heads, head_dim]. v: [tokens, kv_heads, v_head_dim].
-      k_scale, v_scale: for fp8 buffers, the stored value is ``k / k_scale`` (default 1).
+      k_scale, v_scale: for fp8 buffers, the stored value is ``k / k_scale`` (default 1), saturated to the format's
+        largest finite value (e4m3fn: 448, e5m2: 57344; +-inf saturate too), so no finite input is stored as inf or
+        NaN; NaN stays NaN.
     """
     check_array("k_pool", k_pool, ndim=3, dtypes=BUFFER_DTYPES, what="[slots, kv_heads, head_dim]")
     slots, kv_heads, head_dim = k_pool.shape
@@ -62,15 +65,26 @@ def write_kv(k_pool, v_pool, out_cache_loc, k, v, *, k_scale: float | None = Non
                 raise ValueError(f"{name} must be a scalar; got shape {tuple(scale.shape)}")
         elif not (isinstance(scale, numbers.Real) and math.isfinite(scale) and scale > 0):
             raise ValueError(f"{name} must be None or a finite float > 0 (fp8 buffers store value / scale); got {scale!r}")
-    if is_fp8(k_pool.dtype):
-        k = k.astype(jnp.float32) / (1.0 if k_scale is None else k_scale)
-    if is_fp8(v_pool.dtype):
-        v = v.astype(jnp.float32) / (1.0 if v_scale is None else v_scale)
+    if isinstance(out_cache_loc, np.ndarray):
+        # A host array is narrowed to int32 on its way to the device (64-bit ints need jax_enable_x64): an
+        # out-of-range slot becomes -1 first (dropped), so 2**32 + 3 cannot wrap onto slot 3.
+        in_pool = (out_cache_loc >= 0) & (out_cache_loc < slots)
+        out_cache_loc = np.where(in_pool, out_cache_loc, -1).astype(np.int32)
+    k = _quantised(k, k_pool.dtype, k_scale)
+    v = _quantised(v, v_pool.dtype, v_scale)
     # wrap_negative_indices=False: a negative slot is out of range and dropped (NumPy-style wrapping would write
     # slot -1 into the last slot of the pool).
     k_pool = k_pool.at[out_cache_loc].set(k.astype(k_pool.dtype), mode="drop", wrap_negative_indices=False)
     v_pool = v_pool.at[out_cache_loc].set(v.astype(v_pool.dtype), mode="drop", wrap_negative_indices=False)
     return k_pool, v_pool
+
+
+def _quantised(x, dtype, scale):
+    """x as stored in a pool of `dtype`: fp8 pools hold x / scale, saturated to the format's finite range."""
+    if not is_fp8(dtype):
+        return x
+    largest = float(jnp.finfo(dtype).max)
+    return jnp.clip(x.astype(jnp.float32) / (1.0 if scale is None else scale), -largest, largest)
 
 
 def read_scaled(buffer, scale: float | None, dtype):

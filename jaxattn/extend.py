@@ -14,7 +14,7 @@ rest, `impl=` forces one):
 
   ================  ==========  ==================================================================================
   "mgpu"            two-stage   Pallas Mosaic GPU kernel, FlashAttention-3's schedule (`jaxattn.impl.mgpu_extend`):
-                                sm_90, bf16/f16, head dim 64/128, plain causal.
+                                sm_90, bf16/f16, head dim 64/128, causal, with window, soft cap and sinks.
   "triton"          two-stage   SGLang's two-stage Triton kernel, every feature (`jaxattn.impl.triton_extend`).
   "triton-unified"  unified     SGLang's deterministic unified Triton kernel, every feature.
   ================  ==========  ==================================================================================
@@ -106,9 +106,9 @@ def extend_attention(
 ) -> jax.Array:
     """Two-stage extend attention (SGLang's extend_attention_fwd): cached prefix from the pool, new tokens contiguous.
 
-    Runs the first of `IMPLEMENTATIONS` that takes the call: on an H200/H100 (sm_90), plain causal calls (bf16/f16,
-    head dim 64 or 128, no mask, window, cap, sinks or xai temperature) run the Mosaic GPU kernel (FlashAttention-3's
-    schedule, 1.5x faster at E1); everything else runs SGLang's two-stage Triton kernel.
+    Runs the first of `IMPLEMENTATIONS` that takes the call: on an H200/H100 (sm_90), causal calls (bf16/f16, head
+    dim 64 or 128, no custom mask or xai temperature; a sliding window, soft cap and sinks are taken) run the Mosaic
+    GPU kernel (FlashAttention-3's schedule, 1.5x faster at E1); everything else runs SGLang's two-stage Triton kernel.
 
     Args:
       q: [tokens, q_heads, qk_head_dim] f32/f16/bf16: the new tokens' queries, sequence b at meta.qo_indptr[b]:[b+1].

@@ -20,6 +20,12 @@ start on the 8-row grid the Q tiles use (Mosaic's TMA for Q/O needs provably 8-a
 the previous or next sequence; their scores are masked and rows past the batch's tokens are copied as zeros, so V
 rows that meet p = 0 are finite. The last, partial q tile of a sequence is stored through a ladder of power-of-2 TMA
 stores, so no row of another sequence is overwritten. Shapes: see `extend_attention_mgpu_kernel`.
+
+Features, each a static flag that adds code only when on: a sliding window (the CTA's K/V steps start at the tile
+its first query row's window reaches, `window_first_step`; producer and consumers count ring uses and cp.async
+phases from that step; tiles reaching below a warpgroup's window are masked per row), a soft cap (tanh.approx.f32
+before the mask, cap * log2(e) folded into the exponent's FMA) and attention sinks (folded into the denominator at
+the end).
 """
 
 from __future__ import annotations
@@ -204,20 +210,78 @@ def issue_rows(new_ref, pool_ref, smem, bars, sources, from_pool, slot, barrier,
     run(new_ref, pool_ref, smem, bars, sources, from_pool, slot, barrier, kv_head)
 
 
-def cp_async_uses(step, slot, *, pre_steps, tail_step, stages: int):
+def cp_async_uses(step, slot, *, pre_steps, tail_step, stages: int, first_step=None):
     """How many cp.async tiles before `step` used ring slot `slot` (= step % stages). Each completes the slot's
     mbarrier once, so this count's parity is the phase tile `step` waits for. The cp.async steps are [0, pre_steps)
     (the prefix) and [tail_step, ...) (new-key tiles past the TMA ones); the steps between come by TMA. Any number of
     tail tiles is counted right: bad metadata must not leave a wait on a phase that never comes (a hang).
+    first_step (a sliding window): the CTA's first loaded step; tiles before it were never loaded, so they are not
+    counted (the mbarriers start at phase 0 on the CTA's first tile).
     """
     def count(end):  # steps m in [0, end) with m % stages == slot
         return lax.div(jnp.maximum(end - slot, 0) + (stages - 1), jnp.int32(stages))
 
-    return count(jnp.minimum(step, pre_steps)) + count(jnp.maximum(step, tail_step)) - count(tail_step)
+    def before(end):  # cp.async steps m in [0, end) with m % stages == slot
+        return count(jnp.minimum(end, pre_steps)) + count(jnp.maximum(end, tail_step)) - count(tail_step)
+
+    uses = before(step)
+    if first_step is not None:
+        uses = uses - before(first_step)
+    return uses
+
+
+def window_first_step(first_row, prefix_len, lead, pre_steps, *, window: int, block_kv: int):
+    """The first K/V step a query sees under a sliding window W: the step holding the key at position first_row - W.
+
+    Positions here count from the sequence's first new token (listed coordinates minus prefix_len): query / new key
+    i at i, listed prefix key j at j - prefix_len; a query at t sees keys at positions in [t - W, t]. first_row
+    (>= 0) is the smallest query of the range; the steps are the kernel's: prefix tiles [0, pre_steps) of block_kv
+    listed keys, then new-key tiles from base = q_start - lead. Keys before the step returned are outside the
+    window of every query >= first_row: no row of the range needs those tiles (they are neither loaded nor consumed).
+    """
+    lowest = first_row - window
+    in_prefix = lax.div(jnp.maximum(lowest + prefix_len, 0), jnp.int32(block_kv))
+    in_new = pre_steps + lax.div(jnp.maximum(lowest + lead, 0), jnp.int32(block_kv))
+    return jnp.where(lowest < 0, in_prefix, in_new)
+
+
+def window_full_step(last_row, prefix_len, lead, pre_steps, *, window: int, block_kv: int):
+    """The first step from which no tile holds a key below the window of the query at last_row (position
+    last_row - W, coordinates as `window_first_step`): tiles from here on need no window mask for any query of a
+    range ending at last_row. Conservative for the first new-key tile when lead > 0 (its lead keys belong to the
+    previous sequence and are masked anyway).
+    """
+    lowest = last_row - window
+    in_prefix = _cdiv(jnp.maximum(lowest + prefix_len, 0), block_kv)
+    in_new = pre_steps + _cdiv(jnp.maximum(lowest + lead, 0), block_kv)
+    return jnp.where(in_prefix < pre_steps, in_prefix, in_new)
+
+
+def cta_window_first_step(cta_row, q_start, prefix_len, lead, pre_steps, cta_steps, *, window: int, block_kv: int):
+    """The CTA's first step under a window: the one its first valid query row needs first. The producer loads the
+    steps [this, cta_steps); both consumer warpgroups consume (or release) every one of them, in order."""
+    first_row = jnp.maximum(cta_row, q_start) - q_start
+    first = window_first_step(first_row, prefix_len, lead, pre_steps, window=window, block_kv=block_kv)
+    return jnp.minimum(first, cta_steps)
+
+
+def warpgroup_window_steps(wg_row, q_start, q_end, prefix_len, lead, pre_steps, first_step, wg_steps, *,
+                           window: int, block_q: int, block_kv: int):
+    """(wg_first, win_full) of a consumer warpgroup whose query rows start at wg_row, under a window:
+    first_step <= wg_first <= win_full <= wg_steps. It releases the CTA's steps [first_step, wg_first) unused (its
+    rows see none of their keys), computes [wg_first, wg_steps), with the window mask on [wg_first, win_full)."""
+    t0 = wg_row - q_start  # the warpgroup's row 0, from the sequence's first new token (< 0: previous sequence)
+    t_last = jnp.minimum(wg_row + block_q, q_end) - 1 - q_start  # its last valid row
+    wg_first = jnp.clip(window_first_step(jnp.maximum(t0, 0), prefix_len, lead, pre_steps, window=window,
+                                          block_kv=block_kv), first_step, wg_steps)
+    win_full = jnp.clip(window_full_step(t_last, prefix_len, lead, pre_steps, window=window, block_kv=block_kv),
+                        wg_first, wg_steps)
+    return wg_first, win_full
 
 
 def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo_indptr, kv_indptr, out_ref, *,
-                                 max_extend_len, sm_scale, block_q, block_kv, stages, tma_new_tiles):
+                                 max_extend_len, sm_scale, block_q, block_kv, stages, tma_new_tiles,
+                                 sliding_window=-1, logit_cap=0.0, sinks=None):
     """Runs the kernel; writes `out_ref` in place (rows it does not own are left as they were).
 
     q: [q_rows, q_heads, head_dim] (q_rows a multiple of 8, >= block_q: Q/O move by TMA in 8-row tiles);
@@ -227,6 +291,17 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
     head_dim 64 or 128 (the accumulators of both consumer warpgroups live in registers); block_kv 64 or 128.
     tma_new_tiles: load new-key tiles that lie wholly before the batch's last token by TMA (needs tokens a multiple
       of 8 and >= block_kv: Mosaic's TMA moves whole 8-row tiles, no taller than the array); the others by cp.async.
+
+    Optional features (static; each adds code only when on, the plain causal kernel is unchanged without them):
+    sliding_window W >= 0: a query at t sees keys at t - W..t (listed coordinates: a prefix list cut for the window
+      shifts query and key positions alike). The CTA loads and consumes only steps from `window_first_step` of its
+      first query; a warpgroup whose own range starts later releases the tiles before it (a head flush that waits
+      each tile's barriers, so every mbarrier phase is still waited in order); tiles that reach below a
+      warpgroup's window (`window_full_step` of its last valid row) are masked per row.
+    logit_cap > 0: s = cap * tanh(s * sm_scale / cap) (tanh.approx.f32 under approx_math) before the mask; the
+      multiply by cap * log2(e) is folded into the exponent's FMA as sm_scale * log2(e) is without a cap.
+    sinks: f32[q_heads], natural-log logits joining each row's denominator only (folded in at the end, in base 2
+      at the common max).
     """
     q_rows, q_heads, head_dim = q.shape
     tokens, kv_heads = k_new.shape[:2]
@@ -236,11 +311,15 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
     dtype = q.dtype
     cta_rows = COMPUTE_WARPGROUPS * block_q
     q_tiles = -(-(max_extend_len + 7) // cta_rows)  # + 7: tiles start up to 7 rows before a sequence
-    scale_log2 = float(sm_scale) * LOG2E
+    window = int(sliding_window) if sliding_window is not None and sliding_window >= 0 else None
+    logit_cap = float(logit_cap) if logit_cap and logit_cap > 0 else None
+    # The exponent's scale: scores (or with a soft cap their tanh, in [-1, 1]) times this are log2 units.
+    scale_log2 = float(sm_scale) * LOG2E if logit_cap is None else logit_cap * LOG2E
+    has_sinks = sinks is not None
     copy = dict(block_kv=block_kv, head_dim=head_dim)
 
     def body(qo_indptr_ref, kv_indptr_ref, kv_indices_ref, q_ref, k_new_ref, v_new_ref, k_pool_ref, v_pool_ref,
-             out_gmem, scoped):
+             sinks_ref, out_gmem, scoped):
         (qo_smem2, o_rows_smem2, k_smem, v_smem, kv_bars), (k_ready, v_ready, q_ready), (k_free, v_free), schedule = scoped
         head = lax.axis_index("heads")
         seq = lax.axis_index("seq")
@@ -262,6 +341,13 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
         pre_steps = _cdiv(prefix_len, block_kv)
         # K/V tiles the CTA needs: the whole prefix, then new keys up to its last valid row.
         cta_steps = pre_steps + _cdiv(jnp.minimum(cta_row + cta_rows, q_end) - base, block_kv)
+        # The CTA's first step: 0, or under a window the one its first query row needs first. Producer and both
+        # consumers start their bookkeeping (ring slots' first uses, cp.async phases) from this one value.
+        if window is None:
+            first_step = 0
+        else:
+            first_step = cta_window_first_step(cta_row, q_start, prefix_len, lead, pre_steps, cta_steps,
+                                               window=window, block_kv=block_kv)
 
         def schedule_sync():
             plgpu.barrier_arrive(schedule)
@@ -280,7 +366,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
             # Tile `step` sits in slot step % stages. A TMA tile completes Pallas' barrier `ready` of the slot (Pallas
             # tracks its phase); a cp.async tile completes the slot's own mbarrier in kv_bars (phase: its use count).
             slot = lax.rem(step, jnp.int32(stages))
-            uses = cp_async_uses(step, slot, pre_steps=pre_steps, tail_step=tail_step, stages=stages)
+            uses = cp_async_uses(step, slot, pre_steps=pre_steps, tail_step=tail_step, stages=stages,
+                                 first_step=None if window is None else first_step)
             cp_async = lambda: wait_barrier(kv_bars, which * stages + slot, lax.rem(uses, 2))
             if not tma_new_tiles:
                 return cp_async()
@@ -309,12 +396,25 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                 plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(wg_row, block_q), head], qo_smem, q_ready.at[wg])
                 plgpu.barrier_wait(q_ready.at[wg])
 
-                m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+                # Under a window a valid row's first tiles may hold none of its keys (they straddle another row's
+                # window edge): a finite start keeps exp2(m_i - m_new) at 1 there, never exp2(-inf + inf) = NaN.
+                m_init = -jnp.inf if window is None else -1e30
+                m_i = plgpu.layout_cast(jnp.full((block_q,), m_init, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
                 l_i = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
                 acc = plgpu.layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-                wait_ready(0, jnp.int32(0), k_ready)
-                pl.when(wg == 1)(schedule_sync)
+                if window is None:
+                    wait_ready(0, jnp.int32(0), k_ready)
+                    pl.when(wg == 1)(schedule_sync)
+                else:
+                    # This warpgroup's query rows are t0.. (from the sequence's first new token; rows t < 0 belong
+                    # to the previous sequence). Its steps: [wg_first, wg_steps), masked for the window up to
+                    # win_full; the CTA's steps from first_step before wg_first are released unused (head flush).
+                    t0 = wg_row - q_start
+                    wg_first, win_full = warpgroup_window_steps(
+                        wg_row, q_start, q_end, prefix_len, lead, pre_steps, first_step, wg_steps, window=window,
+                        block_q=block_q, block_kv=block_kv)
+                    pl.when(wg == 1)(schedule_sync)
 
                 def kv_step(step, carry, mask_kind=None):
                     acc, m_i, l_i = carry
@@ -327,16 +427,32 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
 
                     s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
                     plgpu.barrier_arrive(k_free.at[slot])
+                    if logit_cap is not None:  # tanh(s * sm_scale / cap); the cap's multiply joins the exponent's FMA
+                        s = jnp.tanh(s * (float(sm_scale) / logit_cap))
                     if mask_kind is not None:
                         cols = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA)
                         if mask_kind == "prefix":  # the prefix's last tile: keys past the prefix are padding
                             visible = step * block_kv + cols < prefix_len
+                        elif mask_kind == "window":
+                            # Any tile (prefix or new) reaching below the window: key at position k (see
+                            # window_first_step) is visible to row t iff max(t - W, lo) <= k <= min(t, hi), lo/hi
+                            # the tile's in-sequence keys: prefix keys up to -1 (not its padding), new keys from 0
+                            # (not the lead rows of the previous sequence); causal for new keys.
+                            rows = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA)
+                            from_pool = step < pre_steps
+                            key = jnp.where(from_pool, step * block_kv - prefix_len,
+                                            (step - pre_steps) * block_kv - lead) + cols
+                            t = t0 + rows
+                            lo = jnp.where(from_pool, -prefix_len, 0)
+                            hi = jnp.where(from_pool, -1, jnp.int32(2**30))
+                            visible = (key >= jnp.maximum(t - window, lo)) & (key <= jnp.minimum(t, hi))
                         else:  # "causal": key k (from base) is visible to row r iff lead <= k <= wg_rel + r
                             rows = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA)
                             key = (step - pre_steps) * block_kv + cols
                             visible = (key >= lead) & (key <= wg_rel + rows)
                         s = jnp.where(visible, s, -jnp.inf)
-                    # Base-2 online softmax; m_i is kept in log2 units so p = exp2(s * c - m) is one FMA + exp2.
+                    # Base-2 online softmax; m_i is kept in log2 units so p = exp2(s * c - m) is one FMA + exp2
+                    # (c = sm_scale * log2(e), or with a soft cap cap * log2(e): s is then the tanh).
                     m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
                     alpha = jnp.exp2(m_i - m_new)
                     p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -368,17 +484,43 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     schedule_sync()
                     schedule_sync()
 
+                def head_flush_step(step, _):
+                    # Under a window: tiles the producer loaded for the CTA's first rows that this warpgroup's rows
+                    # do not see. Waiting their barriers keeps every phase waited in order (Pallas counts the TMA
+                    # barriers' phases per thread; a cp.async phase two uses ahead would be ambiguous).
+                    slot = lax.rem(step, jnp.int32(stages))
+                    wait_ready(0, step, k_ready)
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    schedule_sync()
+                    wait_ready(1, step, v_ready)
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    schedule_sync()
+
                 masked = functools.partial(kv_step, mask_kind="causal")
                 carry = (acc, m_i, l_i)
-                carry = lax.fori_loop(0, full_pre, kv_step, carry)
-                carry = lax.fori_loop(full_pre, pre_steps, functools.partial(kv_step, mask_kind="prefix"), carry)
-                carry = lax.fori_loop(pre_steps, pre_steps + first_full, masked, carry)
-                carry = lax.fori_loop(pre_steps + first_full, pre_steps + end_full, kv_step, carry)
-                carry = lax.fori_loop(pre_steps + end_full, wg_steps, masked, carry)
+                if window is None:
+                    bound = lambda x: x  # noqa: E731
+                else:
+                    lax.fori_loop(first_step, wg_first, head_flush_step, None)
+                    pl.when(wg_first < wg_steps)(lambda: wait_ready(0, wg_first, k_ready))
+                    carry = lax.fori_loop(wg_first, win_full, functools.partial(kv_step, mask_kind="window"), carry)
+                    bound = lambda x: jnp.maximum(x, win_full)  # noqa: E731  the steps below are done
+                carry = lax.fori_loop(bound(0), bound(full_pre), kv_step, carry)
+                carry = lax.fori_loop(bound(full_pre), bound(pre_steps), functools.partial(kv_step, mask_kind="prefix"), carry)
+                carry = lax.fori_loop(bound(pre_steps), bound(pre_steps + first_full), masked, carry)
+                carry = lax.fori_loop(bound(pre_steps + first_full), bound(pre_steps + end_full), kv_step, carry)
+                carry = lax.fori_loop(bound(pre_steps + end_full), wg_steps, masked, carry)
                 lax.fori_loop(wg_steps, cta_steps, flush_step, None)
                 pl.when(wg == 0)(schedule_sync)
                 acc, m_i, l_i = carry
 
+                if has_sinks:
+                    # The sink joins the denominator only (natural-log logit, not scaled): in base 2 at the common max.
+                    sink = sinks_ref[head] * LOG2E
+                    m_f = jnp.maximum(m_i, sink)
+                    alpha = jnp.exp2(m_i - m_f)
+                    l_i = l_i * alpha + jnp.exp2(sink - m_f)
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 out = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
                 # This warpgroup's rows of the sequence: [lo, hi) of its block_q.
                 lo = jnp.clip(q_start - wg_row, 0, block_q)
@@ -431,7 +573,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     rows = pl.ds(base + (step - pre_steps) * block_kv, block_kv)
 
                     def load(which, new_ref, pool_ref, smem, free, ready):
-                        @pl.when(step >= stages)
+                        @pl.when(step >= first_step + stages)  # the CTA's first `stages` tiles fill empty slots
                         def _():
                             plgpu.barrier_wait(free.at[slot])
 
@@ -452,9 +594,10 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     issue(step, sources)
                     return next_sources
 
-                lax.fori_loop(0, cta_steps, step_body, sources_of(jnp.int32(0)))
+                lax.fori_loop(first_step, cta_steps, step_body, sources_of(jnp.int32(first_step)))
 
-    def entry(qo_indptr_ref, kv_indptr_ref, kv_indices_ref, q_ref, k_new_ref, v_new_ref, k_pool_ref, v_pool_ref, out_gmem):
+    def entry(qo_indptr_ref, kv_indptr_ref, kv_indices_ref, q_ref, k_new_ref, v_new_ref, k_pool_ref, v_pool_ref, *rest):
+        sinks_ref, out_gmem = rest if has_sinks else (None,) + rest
         smem = (
             plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), dtype, transforms=_SWIZZLED),  # Q, then O
             plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), dtype),  # O of a partial tile (row-sliceable)
@@ -464,7 +607,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
         )
         pl.run_scoped(
             lambda *scoped: body(qo_indptr_ref, kv_indptr_ref, kv_indices_ref, q_ref, k_new_ref, v_new_ref, k_pool_ref,
-                                 v_pool_ref, out_gmem, scoped),
+                                 v_pool_ref, sinks_ref, out_gmem, scoped),
             smem,
             (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
              plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS)),
@@ -481,4 +624,4 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
         num_threads=COMPUTE_WARPGROUPS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(qo_indptr, kv_indptr, kv_indices, q, k_new, v_new, k_pool, v_pool, out_ref)
+    )(qo_indptr, kv_indptr, kv_indices, q, k_new, v_new, k_pool, v_pool, *([sinks] if has_sinks else []), out_ref)

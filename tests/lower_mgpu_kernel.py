@@ -15,21 +15,34 @@ from jaxattn.extend import extend_metadata
 from jaxattn.extend_mgpu import MgpuExtendConfig, extend_attention_mgpu
 
 
-SHAPES = [  # label, tokens, q heads, kv heads, head dim, dtype, config
-    ("gqa-128-bf16", 300, 8, 2, 128, jnp.bfloat16, MgpuExtendConfig()),  # every K/V tile by cp.async
-    ("mha-128-f16-kv64s3", 512, 4, 4, 128, jnp.float16, MgpuExtendConfig(block_kv=64, stages=3)),
-    ("gqa-128-bf16-short", 5, 4, 2, 128, jnp.bfloat16, MgpuExtendConfig()),
-    ("gqa-64-bf16", 256, 4, 1, 64, jnp.bfloat16, MgpuExtendConfig()),  # tokens % 8 == 0: new tiles by TMA
+SHAPES = [  # label, tokens, q heads, kv heads, head dim, dtype, config, features
+    ("gqa-128-bf16", 300, 8, 2, 128, jnp.bfloat16, MgpuExtendConfig(), {}),  # every K/V tile by cp.async
+    ("mha-128-f16-kv64s3", 512, 4, 4, 128, jnp.float16, MgpuExtendConfig(block_kv=64, stages=3), {}),
+    ("gqa-128-bf16-short", 5, 4, 2, 128, jnp.bfloat16, MgpuExtendConfig(), {}),
+    ("gqa-64-bf16", 256, 4, 1, 64, jnp.bfloat16, MgpuExtendConfig(), {}),  # tokens % 8 == 0: new tiles by TMA
+    # Features: window (on a full and a window-cut prefix list), soft cap, sinks, all three; TMA and cp.async tiles.
+    ("window-128-bf16", 300, 8, 2, 128, jnp.bfloat16, MgpuExtendConfig(), dict(sliding_window=100)),
+    ("window-cut-64-bf16-tma", 256, 4, 1, 64, jnp.bfloat16, MgpuExtendConfig(), dict(sliding_window=0, cut=True)),
+    ("softcap-128-f16-kv64s3", 512, 4, 4, 128, jnp.float16, MgpuExtendConfig(block_kv=64, stages=3), dict(logit_cap=30.0)),
+    ("sinks-128-bf16", 300, 8, 2, 128, jnp.bfloat16, MgpuExtendConfig(), dict(sinks=True)),
+    ("all-128-bf16-tma", 512, 8, 2, 128, jnp.bfloat16, MgpuExtendConfig(), dict(sliding_window=1024, cut=True, logit_cap=50.0, sinks=True)),
+    ("all-64-f16-kv64s4", 300, 4, 2, 64, jnp.float16, MgpuExtendConfig(block_kv=64, stages=4), dict(sliding_window=37, logit_cap=5.0, sinks=True)),
 ]
 
 
-def lower(tokens, hq, hkv, d, dtype, config, batch=3, slots=1000, capacity=500):
+def lower(tokens, hq, hkv, d, dtype, config, features=None, batch=3, slots=1000, capacity=500):
     S = jax.ShapeDtypeStruct
     idx = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
-    meta = jax.eval_shape(lambda: extend_metadata(idx(4, 600), idx(batch), idx(batch), idx(batch), max_extend_len=256, kv_capacity=capacity))
+    features = dict(features or {})
+    window = features.pop("sliding_window", -1)
+    cut = window if features.pop("cut", False) else -1  # prefix lists cut for the window, or full ones
+    sinks = S((hq,), jnp.float32) if features.pop("sinks", False) else None
+    meta = jax.eval_shape(lambda: extend_metadata(idx(4, 600), idx(batch), idx(batch), idx(batch), max_extend_len=256,
+                                                  kv_capacity=capacity, sliding_window=cut))
     args = (S((tokens, hq, d), dtype), S((tokens, hkv, d), dtype), S((tokens, hkv, d), dtype), S((slots, hkv, d), dtype),
-            S((slots, hkv, d), dtype), meta)
-    exported = jax.export.export(jax.jit(lambda *a: extend_attention_mgpu(*a, config=config)), platforms=["cuda"])(*args)
+            S((slots, hkv, d), dtype), meta, sinks)
+    call = lambda *a: extend_attention_mgpu(*a[:-1], sinks=a[-1], sliding_window=window, config=config, **features)  # noqa: E731
+    exported = jax.export.export(jax.jit(call), platforms=["cuda"])(*args)
     if "mosaic_gpu" not in exported.mlir_module():
         raise AssertionError("no Mosaic GPU custom call in the lowered module")
 

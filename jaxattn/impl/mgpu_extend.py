@@ -1,11 +1,12 @@
 """Causal extend attention on Hopper through a Pallas Mosaic GPU kernel (`kernels/extend_attention_mgpu.py`).
 
-`extend_attention_mgpu` takes the same inputs as `jaxattn.extend.extend_attention` for its plain case (causal, no
-custom mask, window, soft cap, sinks or xai temperature) and returns the same output. It exists for speed: the
-FlashAttention-3 schedule (a producer warpgroup, two consumer warpgroups with wgmma from registers) that the Triton
-kernels cannot express on this stack. The producer reads the cached prefix straight from the pool, row by row
-through kv_indices (`cp.async`: Hopper's TMA cannot gather single rows), so the call needs no scratch beyond its
-output and, when tokens is not a multiple of 8, a padded copy of q.
+`extend_attention_mgpu` takes the same inputs as `jaxattn.extend.extend_attention` for its causal calls (no custom
+mask, no xai temperature; a sliding window, a soft cap and attention sinks are taken, alone or together) and returns
+the same output. It exists for speed: the FlashAttention-3 schedule (a producer warpgroup, two consumer warpgroups
+with wgmma from registers) that the Triton kernels cannot express on this stack. The producer reads the cached
+prefix straight from the pool, row by row through kv_indices (`cp.async`: Hopper's TMA cannot gather single rows),
+so the call needs no scratch beyond its output and, when tokens is not a multiple of 8, a padded copy of q. Under a
+window it loads only the K/V tiles the window reaches.
 
 It needs an sm_90 GPU and jax's CUDA plugin (Mosaic GPU); there is no CPU path (Pallas' GPU interpreter does not run
 a wgmma whose left operand is in registers). The reference is `jaxattn.extend.extend_attention_reference`.
@@ -43,15 +44,21 @@ def _head_dims_supported(qk_head_dim: int, v_head_dim: int) -> bool:
     return qk_head_dim == v_head_dim and qk_head_dim in MGPU_HEAD_DIMS
 
 
+# The score features of `ExtendCall.features` the kernel takes (static flags; off, the plain kernel is unchanged).
+MGPU_FEATURES = ("sliding window", "soft cap", "sinks")
+_DECLINED_FEATURES = {"non-causal": "non-causal attention (the kernel is causal only)", "custom mask": "a custom mask",
+                      "xai temperature": "xai temperature"}
+
+
 def _unsupported(dtype, qk_head_dim, v_head_dim, features, launch_mode) -> str | None:
     """Why the kernel cannot take a call with these facts, or None (the one list of its limits)."""
     if jnp.dtype(dtype) not in map(jnp.dtype, MGPU_DTYPES):
         return f"dtype {jnp.dtype(dtype).name} (bf16/f16 only)"
     if not _head_dims_supported(qk_head_dim, v_head_dim):
         return f"head dims {qk_head_dim}/{v_head_dim} (equal, 64 or 128 only)"
-    if features:
-        return ("a feature other than plain causal attention (mask, window, soft cap, sinks or xai temperature): "
-                + ", ".join(features))
+    declined = [_DECLINED_FEATURES.get(f, f) for f in features if f not in MGPU_FEATURES]
+    if declined:
+        return ", ".join(declined)
     if launch_mode != "gpu":
         return "no GPU (or an interpreted launch mode)"
     if not hardware.is_sm90():
@@ -94,13 +101,14 @@ def _check_config(config: MgpuExtendConfig, head_dim: int) -> None:
 def run(call: ExtendCall):
     config = call.config or tuning.mgpu_extend_config(call.qk_head_dim)
     _check_config(config, call.qk_head_dim)
-    return _run_kernel(call.q, call.k_new, call.v_new, call.k_pool, call.v_pool, call.meta, call.sm_scale, config)
+    return _run_kernel(call.q, call.k_new, call.v_new, call.k_pool, call.v_pool, call.meta, call.sm_scale, config,
+                       call.sliding_window, call.logit_cap, call.sinks)
 
 
 IMPLEMENTATION = Implementation("mgpu", declines, run)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "config"))
+@functools.partial(jax.jit, static_argnames=("sliding_window", "logit_cap", "sm_scale", "config"))
 def extend_attention_mgpu(
     q: jax.Array,
     k_new: jax.Array,
@@ -109,6 +117,9 @@ def extend_attention_mgpu(
     v_pool: jax.Array,
     meta: ExtendMetadata,
     *,
+    sliding_window: int = -1,
+    logit_cap: float = 0.0,
+    sinks: jax.Array | None = None,
     sm_scale: float | None = None,
     config: MgpuExtendConfig | None = None,
 ) -> jax.Array:
@@ -118,18 +129,22 @@ def extend_attention_mgpu(
       q: [tokens, q_heads, head_dim] bf16/f16, head_dim 64 or 128; sequence b's new tokens at meta.qo_indptr[b]:[b+1].
       k_new, v_new: [tokens, kv_heads, head_dim]: the new tokens' K/V (q's dtype). q_heads % kv_heads == 0 (GQA).
       k_pool, v_pool: [slots, kv_heads, head_dim]: the cache; meta.kv_indices lists each sequence's prefix slots.
-      meta: `ExtendMetadata` from `jaxattn.extend.extend_metadata` (no sliding window).
+      meta: `ExtendMetadata` from `jaxattn.metadata.extend_metadata`, its prefix lists cut for a window or full.
+      sliding_window: W >= 0: a query sees keys with q_pos - k_pos <= W (W + 1 keys); <= meta.sliding_window when the
+        lists were cut for a window. The kernel loads and computes only the K/V tiles the window reaches.
+      logit_cap: > 0 caps scores with cap * tanh(s / cap) (s already scaled). sinks: f32[q_heads] natural-log
+        logits that join each row's softmax denominator only.
       sm_scale: default 1 / sqrt(head_dim). config: `MgpuExtendConfig` (default 64 x 128 tiles, 2 stages).
       Slots past the pool (or negative) are clamped into it: a bad index reads a wrong row, never outside the pool
       (`jaxattn.checked` reports them).
 
     Returns:
-      o: [tokens, q_heads, head_dim] in q's dtype, as `extend_attention(..., causal=True)`; rows past
-      qo_indptr[-1], and rows of a sequence past meta.max_extend_len, are 0.
+      o: [tokens, q_heads, head_dim] in q's dtype, as `extend_attention(..., causal=True)` with the same features;
+      rows past qo_indptr[-1], and rows of a sequence past meta.max_extend_len, are 0.
     """
     check_array("q", q, ndim=3, dtypes=MGPU_DTYPES, what="[tokens, q_heads, head_dim] bf16/f16")
     check_extend_args(q, k_pool, v_pool, meta, meta_type=ExtendMetadata, builder="extend_metadata", custom_mask=None,
-                      sinks=None, sliding_window=-1)
+                      sinks=sinks, sliding_window=sliding_window, logit_cap=logit_cap, sm_scale=sm_scale)
     check_new_tokens(q, k_new, v_new, k_pool, v_pool)
     head_dim, v_dim = q.shape[2], v_pool.shape[2]
     if not _head_dims_supported(head_dim, v_dim):
@@ -139,10 +154,11 @@ def extend_attention_mgpu(
     config = config or tuning.mgpu_extend_config(head_dim)
     _check_config(config, head_dim)
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
-    return _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale, config)
+    return _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale, config, sliding_window, logit_cap, sinks)
 
 
-def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: MgpuExtendConfig):
+def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: MgpuExtendConfig, sliding_window: int,
+                logit_cap: float, sinks):
     """The kernel launch on checked arguments (the registry's route and `extend_attention_mgpu` share it)."""
     from jaxattn.kernels.extend_attention_mgpu import extend_attention_mgpu_kernel
     tokens, q_heads, head_dim = q.shape
@@ -164,6 +180,9 @@ def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: 
         meta.qo_indptr.astype(jnp.int32), meta.kv_indptr.astype(jnp.int32), out_ref,
         max_extend_len=meta.max_extend_len, sm_scale=sm_scale,
         block_q=config.block_q, block_kv=config.block_kv, stages=config.stages,
+        sliding_window=int(sliding_window) if sliding_window >= 0 else -1,
+        logit_cap=float(logit_cap) if logit_cap > 0 else 0.0,
+        sinks=None if sinks is None else sinks.astype(jnp.float32),
         # Whole new-key tiles by TMA where Mosaic allows it (an array of whole 8-row tiles, no shorter than a box).
         tma_new_tiles=tokens % 8 == 0 and tokens >= config.block_kv,
     )

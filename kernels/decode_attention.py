@@ -10,6 +10,11 @@ Split geometry (shared by both stages through `_split_geometry`): with ``L`` the
 ``per_split = cdiv(cdiv(L, n), MIN_BLOCK_KV) * MIN_BLOCK_KV`` keys; split s is ``[s * per_split,
 min((s + 1) * per_split, L))`` and is skipped by both stages when empty (its partial buffers are never
 written nor read).
+
+Indices are not trusted (issue 21): KV_INDPTR ranges are cut to [0, KV_CAPACITY] with a non-negative length, and a
+slot outside [0, NUM_SLOTS) reads the padding slot 0. NaN is not trusted away either: "no keys" is tested as l == 0
+(stage 1) and denom == 0 (stage 2), so NaN in q, a visited K/V or the scale gives a NaN row (NaN LSE for NaN scores),
+while an empty split or row still gives 0 and LSE -inf.
 """
 
 import triton
@@ -32,11 +37,15 @@ def _sum_combine(a, b):
 
 
 @triton.jit
-def _effective_range(KV_INDPTR, seq, SLIDING_WINDOW: tl.constexpr):
-    """(first listed index, effective length) of sequence `seq`'s visible keys."""
-    kv_begin = tl.load(KV_INDPTR + seq).to(tl.int64)
-    kv_len = tl.load(KV_INDPTR + seq + 1).to(tl.int64) - kv_begin
-    kv_len = tl.maximum(kv_len, 0)
+def _effective_range(KV_INDPTR, seq, SLIDING_WINDOW: tl.constexpr, KV_CAPACITY: tl.constexpr):
+    """(first listed index, effective length) of sequence `seq`'s visible keys.
+
+    Hostile offsets are cut into the index list: the range is clamped to [0, KV_CAPACITY] and to a non-negative
+    length, so no program reads past KV_INDICES (both stages clamp alike, so they agree on the splits).
+    """
+    kv_begin = tl.minimum(tl.maximum(tl.load(KV_INDPTR + seq).to(tl.int64), 0), KV_CAPACITY)
+    kv_end = tl.minimum(tl.maximum(tl.load(KV_INDPTR + seq + 1).to(tl.int64), kv_begin), KV_CAPACITY)
+    kv_len = kv_end - kv_begin
     if SLIDING_WINDOW >= 0:
         # The query is the last listed key: key j is visible iff (kv_len - 1 - j) <= W.
         skipped = tl.maximum(kv_len - (SLIDING_WINDOW + 1), 0)
@@ -57,14 +66,21 @@ def _split_geometry(NUM_KV_SPLITS, seq, kv_len, MAX_KV_SPLITS: tl.constexpr, MIN
 
 @triton.jit
 def _split_range(KV_INDPTR, NUM_KV_SPLITS, seq, split, SLIDING_WINDOW: tl.constexpr, MAX_KV_SPLITS: tl.constexpr,
-                 MIN_BLOCK_KV: tl.constexpr):
+                 MIN_BLOCK_KV: tl.constexpr, KV_CAPACITY: tl.constexpr):
     """(first kv_indices entry, number of keys, non-empty) of split `split` of sequence `seq` (stage 1)."""
-    kv_begin, kv_len = _effective_range(KV_INDPTR, seq, SLIDING_WINDOW)
+    kv_begin, kv_len = _effective_range(KV_INDPTR, seq, SLIDING_WINDOW, KV_CAPACITY)
     num_splits, per_split = _split_geometry(NUM_KV_SPLITS, seq, kv_len, MAX_KV_SPLITS, MIN_BLOCK_KV)
     split_start = split * per_split
     split_end = tl.minimum(split_start + per_split, kv_len)
     split_len = tl.maximum(split_end - split_start, 0).to(tl.int32)
     return kv_begin + split_start, split_len, split_end > split_start
+
+
+@triton.jit
+def _checked_slots(slots, NUM_SLOTS: tl.constexpr):
+    """A slot outside the pool (negative, 2**30, just past the end) reads the padding slot 0 instead (one select per
+    key, not per element)."""
+    return tl.where((slots >= 0) & (slots < NUM_SLOTS), slots, 0)
 
 
 @triton.jit
@@ -122,6 +138,8 @@ def decode_stage1_kernel(
     MAX_KV_SPLITS: tl.constexpr,
     MIN_BLOCK_KV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    NUM_SLOTS: tl.constexpr,  # pool rows: slots outside [0, NUM_SLOTS) read slot 0
+    KV_CAPACITY: tl.constexpr,  # length of KV_INDICES: KV_INDPTR is clamped into it
 ):
     tl.static_assert(BLOCK_H >= 16, "tl.dot needs at least 16 rows")
     tl.static_assert(BLOCK_N >= 16, "tl.dot needs at least 16 columns")
@@ -137,7 +155,7 @@ def decode_stage1_kernel(
     # An empty split runs no loop iteration and stores nothing (stage 2 skips it). No early `if`: the body stays
     # a plain loop, which Triton's software pipeliner handles.
     kv_first, split_len, non_empty = _split_range(
-        KV_INDPTR, NUM_KV_SPLITS, seq, split, SLIDING_WINDOW, MAX_KV_SPLITS, MIN_BLOCK_KV
+        KV_INDPTR, NUM_KV_SPLITS, seq, split, SLIDING_WINDOW, MAX_KV_SPLITS, MIN_BLOCK_KV, KV_CAPACITY
     )
     kv_head = head_block // HEAD_BLOCKS_PER_KV
     group_offs = (head_block % HEAD_BLOCKS_PER_KV) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -167,7 +185,7 @@ def decode_stage1_kernel(
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < split_len
         # int64 slots: slot * stride can pass 2**31 on big pools.
-        slots = tl.load(kv_base + offs_n, mask=mask_n, other=0).to(tl.int64)
+        slots = _checked_slots(tl.load(kv_base + offs_n, mask=mask_n, other=0).to(tl.int64), NUM_SLOTS)
         k_rows = k_head + slots[:, None] * STRIDE_K_SLOT
         k = tl.load(k_rows + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N] f32
@@ -194,7 +212,8 @@ def decode_stage1_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    has_keys = l_i > 0
+    # "No keys" is l == 0 exactly; a NaN l (NaN in q, a visited K/V or the scale) is not hidden: it stays NaN.
+    has_keys = l_i != 0
     safe_l = tl.where(has_keys, l_i, 1.0)
     out = acc / safe_l[:, None]
     lse = tl.where(has_keys, (m_i + tl.log2(safe_l)) * LN2, float("-inf"))
@@ -233,6 +252,8 @@ def decode_stage1_vector_kernel(
     BLOCK_N: tl.constexpr,
     MAX_KV_SPLITS: tl.constexpr,
     MIN_BLOCK_KV: tl.constexpr,
+    NUM_SLOTS: tl.constexpr,
+    KV_CAPACITY: tl.constexpr,
 ):
     """Stage 1 for one q head per program (MHA, GROUP == 1): q.k and p.v as multiply-and-sum, no tl.dot.
 
@@ -243,7 +264,7 @@ def decode_stage1_vector_kernel(
     head = tl.program_id(1)
     split = tl.program_id(2).to(tl.int64)
     kv_first, split_len, non_empty = _split_range(
-        KV_INDPTR, NUM_KV_SPLITS, seq, split, SLIDING_WINDOW, MAX_KV_SPLITS, MIN_BLOCK_KV
+        KV_INDPTR, NUM_KV_SPLITS, seq, split, SLIDING_WINDOW, MAX_KV_SPLITS, MIN_BLOCK_KV, KV_CAPACITY
     )
     kv_head = head // GROUP
 
@@ -269,7 +290,8 @@ def decode_stage1_vector_kernel(
     for start in range(0, split_len, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < split_len
-        slots = tl.load(kv_base + offs_n, mask=mask_n, other=0).to(tl.int64)  # int64: slot * stride can pass 2**31
+        # int64: slot * stride can pass 2**31
+        slots = _checked_slots(tl.load(kv_base + offs_n, mask=mask_n, other=0).to(tl.int64), NUM_SLOTS)
         k_rows = k_head + slots[:, None] * STRIDE_K_SLOT
         k = tl.load(k_rows + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         qk = tl.reduce(q[None, :] * k.to(tl.float32), 1, _sum_combine)  # [BLOCK_N]
@@ -289,7 +311,8 @@ def decode_stage1_vector_kernel(
         acc = acc * alpha + tl.reduce(p[:, None] * v.to(tl.float32), 0, _sum_combine)
         m_i = m_new
 
-    has_keys = l_i > 0
+    # "No keys" is l == 0 exactly; a NaN l (NaN in q, a visited K/V or the scale) is not hidden: it stays NaN.
+    has_keys = l_i != 0
     safe_l = tl.where(has_keys, l_i, 1.0)
     out = acc / safe_l
     lse = tl.where(has_keys, (m_i + tl.log2(safe_l)) * LN2, float("-inf"))
@@ -314,10 +337,11 @@ def decode_stage2_kernel(
     HAS_SINK: tl.constexpr,
     MAX_KV_SPLITS: tl.constexpr,
     MIN_BLOCK_KV: tl.constexpr,
+    KV_CAPACITY: tl.constexpr,  # stage 1's: the same clamped ranges, so the same non-empty splits
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    _, kv_len = _effective_range(KV_INDPTR, seq, SLIDING_WINDOW)
+    _, kv_len = _effective_range(KV_INDPTR, seq, SLIDING_WINDOW, KV_CAPACITY)
     num_splits, per_split = _split_geometry(NUM_KV_SPLITS, seq, kv_len, MAX_KV_SPLITS, MIN_BLOCK_KV)
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < V_HEAD_DIM
@@ -333,7 +357,7 @@ def decode_stage2_kernel(
         if split_end > split_start:
             lse_s = tl.load(MID_LSE + row * MAX_KV_SPLITS + split)
             o_s = tl.load(MID_O + (row * MAX_KV_SPLITS + split) * V_HEAD_DIM + offs_dv, mask=mask_dv, other=0.0)
-            m_new = tl.maximum(m, lse_s)  # finite: a non-empty split has keys
+            m_new = tl.maximum(m, lse_s)  # finite for clean inputs: a non-empty split has keys (NaN passes on)
             alpha = tl.exp(m - m_new)
             w = tl.exp(lse_s - m_new)
             acc = acc * alpha + w * o_s
@@ -348,7 +372,8 @@ def decode_stage2_kernel(
         acc = acc * alpha
         denom = denom * alpha + tl.exp(sink - m_safe)
         m = m_safe
-    has_keys = denom > 0
+    # Empty is denom == 0 exactly: a NaN split (NaN inputs) keeps the row NaN instead of turning into 0.
+    has_keys = denom != 0
     safe = tl.where(has_keys, denom, 1.0)
     out = tl.where(has_keys, acc / safe, 0.0)
     tl.store(O + row * V_HEAD_DIM + offs_dv, out.to(O.dtype.element_ty), mask=mask_dv)

@@ -16,6 +16,13 @@ Both kernels share `_fwd_inner`, the tutorial-06-style carry helper called once 
 q-block fully sees (no mask work) and once on the tiles that need masking (diagonal, window, custom mask, the
 ragged end). Tiles always start at multiples of BLOCK_N in listed-key order, so in the unified kernel a token's
 reduction order depends only on absolute key positions, not on where the prefix/new split falls.
+
+Indices are not trusted (issue 21): QO_INDPTR / KV_INDPTR ranges are cut to [0, TOKENS] / [0, KV_CAPACITY] with a
+non-negative length (so Q, O, K_NEW, V_NEW rows stay inside the token count), a slot outside [0, NUM_SLOTS) reads the
+padding slot 0, and custom-mask entries past MASK_LEN (or in a row whose offset is negative) read as "not visible".
+NaN in q or a visible K/V gives a NaN row; a NaN K the row cannot see is removed by the mask. A NaN V the row cannot
+see still poisons it when its key sits in a masked tile the program visits (p = 0 times NaN in the P @ V dot), as in
+SGLang's kernel.
 """
 
 import triton
@@ -53,7 +60,7 @@ def _fwd_inner(
     row_scale,  # f32[BLOCK_M]: xai temperature per row (1 when off)
     q_pos,  # i32[BLOCK_M]: query positions, listed coordinates
     mask_rows,  # i64[BLOCK_M]: flat custom-mask offset of each row's column 0 (listed coordinates)
-    row_valid,  # i1[BLOCK_M]
+    mask_cols,  # i32[BLOCK_M] (APPLY_MASK only): custom-mask columns of each row inside the mask (0: row past q_len)
     K,
     V,  # [rows, KV_HEADS, D]: the pool (GATHER) or the contiguous new tokens
     KV_INDICES,  # slots when GATHER
@@ -81,6 +88,7 @@ def _fwd_inner(
     BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    NUM_SLOTS: tl.constexpr,  # pool rows (GATHER): a slot outside [0, NUM_SLOTS) reads the padding slot 0
 ):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -109,6 +117,10 @@ def _fwd_inner(
                 rows = tl.load(KV_INDICES + idx_base + n).to(tl.int64)
             else:
                 rows = idx_base + n
+        if GATHER:
+            # Hostile slots (negative, 2**30, just past the pool) read the padding slot 0: one select per key, not per
+            # element. Contiguous rows need none: the wrapper's ranges are clamped to the token count.
+            rows = tl.where((rows >= 0) & (rows < NUM_SLOTS), rows, 0)
         # K transposed [BLOCK_D, BLOCK_N]; int64 offsets: slot * stride can pass 2**31.
         k_ptrs = K + (rows * (KV_HEADS * D_QK))[None, :] + offs_d[:, None]
         if MASKED:
@@ -139,9 +151,11 @@ def _fwd_inner(
             k_pos = k_pos_base + n
             visible = k_valid[None, :]
             if APPLY_MASK:
+                # Bounded by the mask's length through the per-row column count (one compare per element, as the
+                # row-valid test it replaces): entries past the mask's end read "not visible", never beyond it.
                 custom = tl.load(
                     MASK + mask_rows[:, None] + k_pos[None, :],
-                    mask=row_valid[:, None] & k_valid[None, :],
+                    mask=(k_pos[None, :] < mask_cols[:, None]) & k_valid[None, :],
                     other=0,
                 )
                 visible = visible & (custom != 0)
@@ -194,8 +208,9 @@ def _finish_and_store(acc, l_i, m_i, SINKS, O, head, o_rows, row_valid, Q_HEADS:
         alpha = tl.math.exp2(m_i - m_f)
         l_i = l_i * alpha + tl.math.exp2(sink - m_f)
         acc = acc * alpha[:, None]
-    # A row with no visible key has l == 0 and acc == 0: output 0, never NaN.
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    # A row with no visible key has l == 0 and acc == 0: output 0. A NaN l (NaN in q, a visible K/V or the scale)
+    # stays NaN: the empty test is l == 0, which NaN fails.
+    o = acc / tl.where(l_i == 0, 1.0, l_i)[:, None]
     offs_dv = tl.arange(0, BLOCK_DV)
     if HEAD_PACK == 1:
         # The unpacked form keeps the scalar head out of the per-row vector (fewer live 64-bit registers).
@@ -227,6 +242,42 @@ def _xai_scale(abs_pos, XAI_LEN: tl.constexpr, XAI_INV_LOG2_LEN: tl.constexpr):
     # (SGLang's unified kernel uses L / (pos + 1) instead; jaxattn uses this one formula in both kernels.)
     pos = abs_pos.to(tl.float32)
     return tl.where(pos > XAI_LEN, tl.log2(tl.maximum(pos, 1.0)) * XAI_INV_LOG2_LEN, 1.0)
+
+
+@triton.jit
+def _csr_range(INDPTR, seq, CAPACITY: tl.constexpr):
+    """(start, length) of sequence `seq` in a CSR list, cut into the buffer it indexes: the start clamped to
+    [0, CAPACITY], the length to [0, CAPACITY - start]. A few scalar min/max per program; a hostile indptr cannot move
+    reads or writes outside the buffer. (Written in this order on purpose: clamping start and end first and then
+    subtracting took the 64-family builds from 128 to 135-143 registers on sm_90.)"""
+    start = tl.load(INDPTR + seq)
+    end = tl.load(INDPTR + seq + 1)
+    start = tl.minimum(tl.maximum(start, 0), CAPACITY)
+    return start, tl.minimum(tl.maximum(end - start, 0), CAPACITY - start)
+
+
+@triton.jit
+def _csr_range_unbounded_start(INDPTR, seq, CAPACITY: tl.constexpr):
+    """`_csr_range` with the start clamped from below only: entries [max(start, 0), min(end, CAPACITY)), length >= 0;
+    a start past CAPACITY comes back unclamped with length 0 (nothing is read through it). The same guarantee in a
+    form the two-stage kernel's prefix range compiles better with: with `_csr_range` its custom-mask builds spilled
+    1512 B instead of 872 B (and `_csr_range` in turn keeps the unified 64-family build at 128 registers, this 135+)."""
+    start = tl.maximum(tl.load(INDPTR + seq), 0)
+    return start, tl.maximum(tl.minimum(tl.load(INDPTR + seq + 1), CAPACITY) - start, 0)
+
+
+@triton.jit
+def _mask_cols(mask_rows, row_valid, MASK_LEN: tl.constexpr):
+    """Per row, how many columns from the row's offset `mask_rows` (int64) lie inside the MASK_LEN-entry mask; 0 for
+    rows past q_len and for rows starting before the mask (a hostile negative offset: the row reads "not visible")."""
+    cols = tl.minimum(tl.maximum(MASK_LEN - mask_rows, 0), 2**31 - 1)
+    return tl.where(row_valid & (mask_rows >= 0), cols, 0).to(tl.int32)
+
+
+@triton.jit
+def _raw_len(INDPTR, seq):
+    """INDPTR[seq + 1] - INDPTR[seq] in int64, unclamped (custom-mask row strides)."""
+    return tl.load(INDPTR + seq + 1).to(tl.int64) - tl.load(INDPTR + seq).to(tl.int64)
 
 
 @triton.jit
@@ -293,19 +344,21 @@ def extend_attention_kernel(
     HAS_SINK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HEAD_PACK: tl.constexpr,  # q heads per block (rows = HEAD_PACK heads x BLOCK_M // HEAD_PACK tokens)
+    TOKENS: tl.constexpr,  # rows of Q/O (and K_NEW/V_NEW): QO_INDPTR is clamped into [0, TOKENS]
+    NUM_SLOTS: tl.constexpr,  # pool rows: slots outside [0, NUM_SLOTS) read slot 0
+    KV_CAPACITY: tl.constexpr,  # length of KV_INDICES: KV_INDPTR is clamped into it
+    MASK_LEN: tl.constexpr,  # length of MASK (1 when unused)
 ):
     tl.static_assert(Q_HEADS % KV_HEADS == 0)
     tl.static_assert((Q_HEADS // KV_HEADS) % HEAD_PACK == 0)
     ROWS: tl.constexpr = BLOCK_M // HEAD_PACK  # tokens per block
     seq = tl.program_id(1)
-    qo_start = tl.load(QO_INDPTR + seq)
-    q_len = tl.load(QO_INDPTR + seq + 1) - qo_start
+    qo_start, q_len = _csr_range(QO_INDPTR, seq, TOKENS)
     block_m = _q_block(qo_start, q_len, ROWS)
     if block_m < 0:
         return
     head, i, kv_head = _block_rows(block_m, Q_HEADS, KV_HEADS, BLOCK_M, HEAD_PACK)
-    kv_start = tl.load(KV_INDPTR + seq)
-    prefix_len = tl.load(KV_INDPTR + seq + 1) - kv_start
+    kv_start, prefix_len = _csr_range_unbounded_start(KV_INDPTR, seq, KV_CAPACITY)
     start_pos = tl.load(KV_START_POS + seq)
 
     row_valid = i < q_len  # i: query index within the sequence's new tokens
@@ -318,10 +371,14 @@ def extend_attention_kernel(
         row_scale = tl.full([BLOCK_M], 1.0, tl.float32)
     if USE_MASK:
         # Full-width rows: the window-dropped prefix columns come first, then the listed prefix, then the new tokens.
+        # The row stride is the sequence's own (unclamped) width, so a range cut by the clamps keeps its rows' columns.
         mask_start = tl.load(MASK_INDPTR + seq).to(tl.int64)
-        mask_rows = mask_start + i.to(tl.int64) * (start_pos + prefix_len + q_len) + start_pos
+        width = start_pos.to(tl.int64) + _raw_len(KV_INDPTR, seq) + _raw_len(QO_INDPTR, seq)
+        mask_rows = mask_start + i.to(tl.int64) * width + start_pos
+        mask_cols = _mask_cols(mask_rows, row_valid, MASK_LEN)
     else:
         mask_rows = i.to(tl.int64)
+        mask_cols = i
 
     acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
@@ -341,16 +398,16 @@ def extend_attention_kernel(
         lo = 0
         mid = prefix_len // BLOCK_N * BLOCK_N
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, qpe, row_scale, q_pos, mask_rows, row_valid, K_POOL, V_POOL, KV_INDICES, MASK,
+        acc, l_i, m_i, q, qpe, row_scale, q_pos, mask_rows, mask_cols, K_POOL, V_POOL, KV_INDICES, MASK,
         kv_start.to(tl.int64), 0, prefix_len, 0, lo, mid, kv_head,
         False, True, False, False, WINDOW, QK_SCALE, LOGIT_CAP, XAI_LEN > 0,
-        KV_HEADS, D_QK, D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, BLOCK_N, DOT_PRECISION,
+        KV_HEADS, D_QK, D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, BLOCK_N, DOT_PRECISION, NUM_SLOTS,
     )
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, qpe, row_scale, q_pos, mask_rows, row_valid, K_POOL, V_POOL, KV_INDICES, MASK,
+        acc, l_i, m_i, q, qpe, row_scale, q_pos, mask_rows, mask_cols, K_POOL, V_POOL, KV_INDICES, MASK,
         kv_start.to(tl.int64), 0, prefix_len, 0, mid, prefix_len, kv_head,
         True, True, False, PREFIX_MASK, WINDOW, QK_SCALE, LOGIT_CAP, XAI_LEN > 0,
-        KV_HEADS, D_QK, D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, BLOCK_N, DOT_PRECISION,
+        KV_HEADS, D_QK, D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, BLOCK_N, DOT_PRECISION, NUM_SLOTS,
     )
 
     # Stage 2: the new tokens from K_NEW/V_NEW. Causal programs stop at the diagonal; only diagonal tiles are masked.
@@ -370,16 +427,16 @@ def extend_attention_kernel(
         lo = tl.maximum(q_first - WINDOW, 0) // BLOCK_N * BLOCK_N
         mid = lo
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, qpe, row_scale, q_pos, mask_rows, row_valid, K_NEW, V_NEW, KV_INDICES, MASK,
+        acc, l_i, m_i, q, qpe, row_scale, q_pos, mask_rows, mask_cols, K_NEW, V_NEW, KV_INDICES, MASK,
         qo_start.to(tl.int64), prefix_len, q_len, 0, lo, mid, kv_head,
         False, False, IS_CAUSAL, False, WINDOW, QK_SCALE, LOGIT_CAP, XAI_LEN > 0,
-        KV_HEADS, D_QK, D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, BLOCK_N, DOT_PRECISION,
+        KV_HEADS, D_QK, D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, BLOCK_N, DOT_PRECISION, NUM_SLOTS,
     )
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, qpe, row_scale, q_pos, mask_rows, row_valid, K_NEW, V_NEW, KV_INDICES, MASK,
+        acc, l_i, m_i, q, qpe, row_scale, q_pos, mask_rows, mask_cols, K_NEW, V_NEW, KV_INDICES, MASK,
         qo_start.to(tl.int64), prefix_len, q_len, 0, mid, hi, kv_head,
         True, False, IS_CAUSAL, USE_MASK, WINDOW, QK_SCALE, LOGIT_CAP, XAI_LEN > 0,
-        KV_HEADS, D_QK, D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, BLOCK_N, DOT_PRECISION,
+        KV_HEADS, D_QK, D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, BLOCK_N, DOT_PRECISION, NUM_SLOTS,
     )
     _finish_and_store(acc, l_i, m_i, SINKS, O, head, q_rows, row_valid, Q_HEADS, D_V, BLOCK_DV, HAS_SINK, HEAD_PACK)
 
@@ -417,19 +474,21 @@ def extend_attention_unified_kernel(
     HAS_SINK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HEAD_PACK: tl.constexpr,  # q heads per block (rows = HEAD_PACK heads x BLOCK_M // HEAD_PACK tokens)
+    TOKENS: tl.constexpr,  # rows of Q/O: QO_INDPTR is clamped into [0, TOKENS]
+    NUM_SLOTS: tl.constexpr,  # pool rows: slots outside [0, NUM_SLOTS) read slot 0
+    KV_CAPACITY: tl.constexpr,  # length of KV_INDICES: KV_INDPTR is clamped into it
+    MASK_LEN: tl.constexpr,  # length of MASK (1 when unused)
 ):
     tl.static_assert(Q_HEADS % KV_HEADS == 0)
     tl.static_assert((Q_HEADS // KV_HEADS) % HEAD_PACK == 0)
     ROWS: tl.constexpr = BLOCK_M // HEAD_PACK  # tokens per block
     seq = tl.program_id(1)
-    qo_start = tl.load(QO_INDPTR + seq)
-    q_len = tl.load(QO_INDPTR + seq + 1) - qo_start
+    qo_start, q_len = _csr_range(QO_INDPTR, seq, TOKENS)
     block_m = _q_block(qo_start, q_len, ROWS)
     if block_m < 0:
         return
     head, i, kv_head = _block_rows(block_m, Q_HEADS, KV_HEADS, BLOCK_M, HEAD_PACK)
-    kv_start = tl.load(KV_INDPTR + seq)
-    kv_len = tl.load(KV_INDPTR + seq + 1) - kv_start
+    kv_start, kv_len = _csr_range(KV_INDPTR, seq, KV_CAPACITY)
     prefix_len = tl.load(PREFIX_LENS + seq)
     start_pos = tl.load(KV_START_POS + seq)
 
@@ -443,9 +502,11 @@ def extend_attention_unified_kernel(
         row_scale = tl.full([BLOCK_M], 1.0, tl.float32)
     if USE_MASK:
         mask_start = tl.load(MASK_INDPTR + seq).to(tl.int64)
-        mask_rows = mask_start + i.to(tl.int64) * kv_len
+        mask_rows = mask_start + i.to(tl.int64) * _raw_len(KV_INDPTR, seq)  # the unclamped row stride (see above)
+        mask_cols = _mask_cols(mask_rows, row_valid, MASK_LEN)
     else:
         mask_rows = i.to(tl.int64)
+        mask_cols = i
 
     acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
@@ -460,7 +521,7 @@ def extend_attention_unified_kernel(
     # the split, and the two code paths need not round alike (the compiler contracts multiply-adds differently),
     # which broke bitwise invariance on the H200. One path keeps each element's arithmetic identical in any split.
     if WINDOW >= 0:
-        shift = start_pos % BLOCK_N
+        shift = (start_pos % BLOCK_N + BLOCK_N) % BLOCK_N  # in [0, BLOCK_N) even for a (hostile) negative start
         lo = tl.maximum(q_pos_first + shift - WINDOW, 0) // BLOCK_N * BLOCK_N
         if USE_MASK:
             hi = kv_len + shift
@@ -476,9 +537,9 @@ def extend_attention_unified_kernel(
         else:
             hi = kv_len
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, qpe, row_scale, q_pos, mask_rows, row_valid, K_POOL, V_POOL, KV_INDICES, MASK,
+        acc, l_i, m_i, q, qpe, row_scale, q_pos, mask_rows, mask_cols, K_POOL, V_POOL, KV_INDICES, MASK,
         kv_start.to(tl.int64), 0, kv_len, shift, lo, hi, kv_head,
         True, True, IS_CAUSAL, USE_MASK, WINDOW, QK_SCALE, LOGIT_CAP, XAI_LEN > 0,
-        KV_HEADS, D_QK, D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, BLOCK_N, DOT_PRECISION,
+        KV_HEADS, D_QK, D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, BLOCK_N, DOT_PRECISION, NUM_SLOTS,
     )
     _finish_and_store(acc, l_i, m_i, SINKS, O, head, q_rows, row_valid, Q_HEADS, D_V, BLOCK_DV, HAS_SINK, HEAD_PACK)

@@ -25,8 +25,9 @@ def merge_state_kernel(
     lse1 = tl.where(lse1 == float("inf"), float("-inf"), lse1)
     lse2 = tl.where(lse2 == float("inf"), float("-inf"), lse2)
     lse_max = tl.maximum(lse1, lse2)
-    # Both empty: avoid (-inf) - (-inf) = NaN; the result is an empty state (zeros, -inf).
-    both_empty = lse_max == float("-inf")
+    # Both empty: avoid (-inf) - (-inf) = NaN; the result is an empty state (zeros, -inf). Tested on each side, not on
+    # the max: the GPU's max drops a NaN operand, which would make (-inf, NaN) look empty.
+    both_empty = (lse1 == float("-inf")) & (lse2 == float("-inf"))
     safe_max = tl.where(both_empty, 0.0, lse_max)
     w1 = tl.exp(lse1 - safe_max)
     w2 = tl.exp(lse2 - safe_max)
@@ -37,7 +38,8 @@ def merge_state_kernel(
     base = row * HEAD_DIM
     o1 = tl.load(O1 + base + offs_d, mask=mask_d, other=0.0).to(tl.float32)
     o2 = tl.load(O2 + base + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    # An empty side contributes nothing, even if its output rows hold garbage (NaN * 0 would be NaN).
-    o = tl.where(w1 > 0, o1 * (w1 * inv_total), 0.0) + tl.where(w2 > 0, o2 * (w2 * inv_total), 0.0)
+    # An empty side (weight exactly 0) contributes nothing, even if its output rows hold garbage (NaN * 0 would be
+    # NaN). A NaN state (NaN LSE, from NaN inputs) is not empty: its NaN weight passes and the merged row is NaN.
+    o = tl.where(w1 == 0, 0.0, o1 * (w1 * inv_total)) + tl.where(w2 == 0, 0.0, o2 * (w2 * inv_total))
     tl.store(O_OUT + base + offs_d, o.to(O_OUT.dtype.element_ty), mask=mask_d)
     tl.store(LSE_OUT + row, tl.where(both_empty, float("-inf"), safe_max + tl.log(tl.where(both_empty, 1.0, total))))

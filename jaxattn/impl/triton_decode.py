@@ -33,10 +33,11 @@ def declines(call: DecodeCall) -> str | None:
 
 
 def stage1_constexprs(*, q_heads, kv_heads, qk_head_dim, v_head_dim, config, sm_scale, logit_cap, xai_temperature_len,
-                      sliding_window, max_kv_splits, v_in_k, v_from_k, dot_precision):
+                      sliding_window, max_kv_splits, v_in_k, v_from_k, dot_precision, num_slots, kv_capacity):
     """Stage 1's constexprs (shared by `run` and `kernel_builds`, so the AOT check compiles what runs).
 
     v_in_k: V's buffer is the K pool (its first v_head_dim dims); v_from_k: the kernel also reuses the loaded K tile.
+    num_slots, kv_capacity: the pool's and kv_indices' lengths, which every slot and CSR offset is clamped into.
     """
     block_d, block_dpe = rope_split(qk_head_dim)
     group = q_heads // kv_heads
@@ -61,16 +62,19 @@ def stage1_constexprs(*, q_heads, kv_heads, qk_head_dim, v_head_dim, config, sm_
         BLOCK_N=config.block_n,
         MAX_KV_SPLITS=max_kv_splits,
         MIN_BLOCK_KV=MIN_BLOCK_KV,
+        NUM_SLOTS=num_slots,  # slots outside the pool read slot 0
+        KV_CAPACITY=kv_capacity,  # kv_indptr is clamped into kv_indices
     )
     if config.block_h != 1:  # the grouped kernel's extra constexprs (the vector kernel has none)
         constexprs.update(V_FROM_K=v_from_k, BLOCK_H=config.block_h, DOT_PRECISION=dot_precision)
     return constexprs
 
 
-def stage2_constexprs(*, q_heads, v_head_dim, sliding_window, has_sink, max_kv_splits):
+def stage2_constexprs(*, q_heads, v_head_dim, sliding_window, has_sink, max_kv_splits, kv_capacity):
+    # kv_capacity: stage 1's clamp of kv_indptr, so both stages see the same splits.
     return dict(SLIDING_WINDOW=int(sliding_window), Q_HEADS=q_heads, V_HEAD_DIM=v_head_dim,
                 BLOCK_DV=triton.next_power_of_2(v_head_dim), HAS_SINK=bool(has_sink), MAX_KV_SPLITS=max_kv_splits,
-                MIN_BLOCK_KV=MIN_BLOCK_KV)
+                MIN_BLOCK_KV=MIN_BLOCK_KV, KV_CAPACITY=kv_capacity)
 
 
 def stage1_kernel(config: DecodeConfig) -> str:
@@ -96,6 +100,7 @@ def run(call: DecodeCall):
         logit_cap=call.logit_cap, xai_temperature_len=call.xai_temperature_len, sliding_window=call.sliding_window,
         max_kv_splits=max_splits, v_in_k=v_in_k, v_from_k=v_in_k and reads_v_from_k(qk_dim, v_dim),
         dot_precision="ieee" if (mode == "interpret" or q.dtype == jnp.float32) else "tf32",
+        num_slots=k_pool.shape[0], kv_capacity=meta.kv_indices.shape[0],
     )
     head_programs = q_heads if config.block_h == 1 else kv_heads * -(-group // config.block_h)
     mid_o, mid_lse = launch(
@@ -133,7 +138,8 @@ def run(call: DecodeCall):
         mode=mode,
         name="decode_stage2",
         **stage2_constexprs(q_heads=q_heads, v_head_dim=v_dim, sliding_window=call.sliding_window,
-                            has_sink=call.sinks is not None, max_kv_splits=max_splits),
+                            has_sink=call.sinks is not None, max_kv_splits=max_splits,
+                            kv_capacity=meta.kv_indices.shape[0]),
     )
     return (o, lse) if call.return_lse else o
 
@@ -144,9 +150,10 @@ IMPLEMENTATION = Implementation("triton", declines, run)
 # ---------------------------------------------------------------------------------------------
 # AOT builds (see jaxattn.aot)
 
-# The group size each table bucket is built at (8 KV heads), and the bound on splits the builds use.
+# The group size each table bucket is built at (8 KV heads), and the bounds the builds use (the sizes change no code).
 _BUILD_GROUPS = {"g1": 1, "g16": 8, "g>16": 64}
 _BUILD_MAX_SPLITS = 64
+_BUILD_BOUNDS = dict(num_slots=1 << 20, kv_capacity=1 << 22)
 
 
 def kernel_builds():
@@ -158,7 +165,8 @@ def kernel_builds():
                             "MID_O": "*fp32", "MID_LSE": "*fp32"}
         for qk_dim, v_dim in SUPPORTED_HEAD_DIMS:
             common = dict(qk_head_dim=qk_dim, v_head_dim=v_dim, sm_scale=1.0 / math.sqrt(qk_dim), logit_cap=30.0,
-                          xai_temperature_len=-1, sliding_window=-1, max_kv_splits=_BUILD_MAX_SPLITS, dot_precision="tf32")
+                          xai_temperature_len=-1, sliding_window=-1, max_kv_splits=_BUILD_MAX_SPLITS, dot_precision="tf32",
+                          **_BUILD_BOUNDS)
             v_variants = [False] + ([True] if reads_v_from_k(qk_dim, v_dim) else [])
             for group_key, group in _BUILD_GROUPS.items():
                 if (qk_dim, v_dim, group_key) not in tuning.sm90.DECODE:
@@ -191,7 +199,7 @@ def kernel_builds():
                 {"MID_O": "*fp32", "MID_LSE": "*fp32", "KV_INDPTR": "*i32", "NUM_KV_SPLITS": "*i32", "SINKS": "*fp32",
                  "O": f"*{dtype}", "LSE": "*fp32"},
                 stage2_constexprs(q_heads=32, v_head_dim=v_dim, sliding_window=-1, has_sink=True,
-                                  max_kv_splits=_BUILD_MAX_SPLITS),
+                                  max_kv_splits=_BUILD_MAX_SPLITS, kv_capacity=_BUILD_BOUNDS["kv_capacity"]),
                 num_warps=4, num_stages=2, label=f"{dtype} v_dim={v_dim}",
             ))
     return builds

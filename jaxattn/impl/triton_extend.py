@@ -28,8 +28,13 @@ def _block_dims(qk_head_dim: int, v_head_dim: int):
 
 
 def kernel_constexprs(*, q_heads, kv_heads, qk_head_dim, v_head_dim, dtype, config, sm_scale, logit_cap, xai_temperature_len,
-                      sliding_window, causal, use_mask, has_sink, skip_prefix_mask=None):
-    """The constexprs of one launch (shared by the launches and kernel_builds, so the AOT check compiles what runs)."""
+                      sliding_window, causal, use_mask, has_sink, tokens, num_slots, kv_capacity, mask_len,
+                      skip_prefix_mask=None):
+    """The constexprs of one launch (shared by the launches and kernel_builds, so the AOT check compiles what runs).
+
+    tokens, num_slots, kv_capacity, mask_len: the q/o rows, pool slots, kv_indices and custom mask lengths (static
+    shapes) that the kernels clamp every index into.
+    """
     block_d, block_dpe, block_dv = _block_dims(qk_head_dim, v_head_dim)
     logit_cap = float(logit_cap)
     qk_scale = sm_scale / logit_cap if logit_cap > 0 else sm_scale * _LOG2E
@@ -53,6 +58,10 @@ def kernel_constexprs(*, q_heads, kv_heads, qk_head_dim, v_head_dim, dtype, conf
         USE_MASK=bool(use_mask),
         HAS_SINK=bool(has_sink),
         DOT_PRECISION="ieee" if jnp.dtype(dtype) == jnp.float32 else "tf32",
+        TOKENS=tokens,
+        NUM_SLOTS=num_slots,
+        KV_CAPACITY=kv_capacity,
+        MASK_LEN=mask_len,
     )
     if skip_prefix_mask is not None:
         constexprs["SKIP_PREFIX_MASK"] = bool(skip_prefix_mask)
@@ -84,7 +93,9 @@ def _launch(call: ExtendCall, kernel: str, arrays: tuple, two_stage: bool):
         q_heads=q_heads, kv_heads=kv_heads, qk_head_dim=qk_dim, v_head_dim=v_dim, dtype=q.dtype, config=config,
         sm_scale=call.sm_scale, logit_cap=call.logit_cap, xai_temperature_len=call.xai_temperature_len,
         sliding_window=call.sliding_window, causal=call.causal, use_mask=call.custom_mask is not None,
-        has_sink=call.sinks is not None, skip_prefix_mask=call.skip_prefix_custom_mask if two_stage else None,
+        has_sink=call.sinks is not None, tokens=tokens, num_slots=call.k_pool.shape[0],
+        kv_capacity=meta.kv_indices.shape[0], mask_len=1 if call.custom_mask is None else call.custom_mask.shape[0],
+        skip_prefix_mask=call.skip_prefix_custom_mask if two_stage else None,
     )
     if call.batch == 0 or tokens == 0:
         return jnp.zeros((tokens, q_heads, v_dim), q.dtype)
@@ -156,6 +167,7 @@ def _build(kernel, family, dtype, *, label_extra="", causal=True, use_mask=False
         q_heads=q_heads, kv_heads=kv_heads, qk_head_dim=qk_dim, v_head_dim=v_dim, dtype=jdtype, config=config,
         sm_scale=1.0 / math.sqrt(qk_dim), logit_cap=logit_cap, xai_temperature_len=xai, sliding_window=window,
         causal=causal, use_mask=use_mask, has_sink=has_sink, skip_prefix_mask=skip_prefix_mask if two_stage else None,
+        tokens=1 << 16, num_slots=1 << 20, kv_capacity=1 << 22, mask_len=1 << 28 if use_mask else 1,  # sizes: no code change
     )
     t = f"*{dtype}"
     if two_stage:

@@ -49,6 +49,27 @@ def launch_mode(mode: str | None = None) -> str:
     return mode
 
 
+def _import_jax_triton():
+    """Imports and returns `jax_triton`, leaving Triton's cache directory as it was before the import.
+
+    jax-triton 0.3.1 sets ``TRITON_CACHE_DIR=""`` at import (0.4.x deletes it). With the empty value every
+    Triton launch made later in the process outside jax-triton (SGLang's or torch's kernels) fails with "Could not
+    create or locate cache dir". If the import emptied or removed the variable, its previous value is put back, or
+    it is deleted again when it was unset, so Triton uses its default (``~/.triton/cache``).
+    """
+    before = os.environ.get("TRITON_CACHE_DIR")
+    try:
+        import jax_triton
+    finally:
+        after = os.environ.get("TRITON_CACHE_DIR")
+        if not after and after != before:
+            if before is None:
+                os.environ.pop("TRITON_CACHE_DIR", None)
+            else:
+                os.environ["TRITON_CACHE_DIR"] = before
+    return jax_triton
+
+
 # ---------------------------------------------------------------------------------------------
 # Kernel modules: compiled and interpreted variants of the same source.
 
@@ -272,8 +293,7 @@ def launch(
         outs = _initial_outputs(args, out_shapes, input_output_aliases, zeroed_outputs)
         return outs[0] if single else tuple(outs)
     if mode == "gpu":
-        import jax_triton as jt
-
+        jt = _import_jax_triton()
         module_name, fn_name = kernel_name
         kernel = getattr(kernel_module(module_name, "gpu"), fn_name)
         outs = jt.triton_call(

@@ -5,7 +5,9 @@
   buffers through `jax.pure_callback`. This is how CPU CI checks the kernels' real indexing and
   masking. bf16 is upcast to fp32 (the interpreter gets bf16 wrong), and every output that the
   caller did not ask to be zeroed is filled with NaN (floats) or -1 (ints) first, so rows a kernel
-  forgets to write show up in tests.
+  forgets to write show up in tests. Every input and output buffer also sits between two guard
+  regions (NaN for floats, a sentinel for ints): a store out of bounds fails the launch with a
+  RuntimeError, and a load out of bounds of a float buffer reads NaN.
 
 `launch_mode()` picks ``"gpu"`` when JAX's default backend is a CUDA GPU and ``"interpret"``
 otherwise; the ``JAXATTN_LAUNCH`` environment variable or the ``mode=`` argument overrides it.
@@ -245,6 +247,66 @@ def _poison_value(dtype: np.dtype):
     return np.nan if np.issubdtype(dtype, np.floating) else -1
 
 
+# Guard regions around every interpreted buffer: at least this many bytes, and at least this many rows of the leading
+# axis (at most the buffer's own size), on each side. A store past either end changes a guard and fails the launch; a
+# load past the end of a float buffer reads NaN, which shows in the outputs.
+_GUARD_BYTES = 4096
+_GUARD_ROWS = 2
+_GUARD_ALIGN = 64  # bytes: the middle view starts as aligned as numpy's allocation (for every element size up to 64)
+
+
+def _guard_pattern(dtype: np.dtype) -> np.ndarray:
+    """One guard element's bytes: a NaN with a payload for floats (so a NaN the kernel computes and stores out of
+    bounds still differs), iinfo.min + 7 for signed ints, iinfo.max - 7 for unsigned ints, 0xA5 bytes otherwise."""
+    size = dtype.itemsize
+    if np.issubdtype(dtype, np.floating) and size in (2, 4, 8):
+        value = {2: 0x7E5A, 4: 0x7FE5A5A5, 8: 0x7FFA5A5A5A5A5A5A}[size]
+        return np.array([value], f"<u{size}").astype(f"=u{size}").view(np.uint8)
+    if np.issubdtype(dtype, np.signedinteger):
+        return np.array([np.iinfo(dtype).min + 7], dtype).view(np.uint8)
+    if np.issubdtype(dtype, np.unsignedinteger):
+        return np.array([np.iinfo(dtype).max - 7], dtype).view(np.uint8)
+    return np.full(size, 0xA5, np.uint8)
+
+
+class _Guarded:
+    """A host buffer of `shape` x `dtype` (the `middle` view) inside a larger array with guard regions each side."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype):
+        dtype = np.dtype(dtype)
+        shape = tuple(int(d) for d in shape)
+        size = int(np.prod(shape, dtype=np.int64))
+        row = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+        guard = max(-(-_GUARD_BYTES // dtype.itemsize), min(_GUARD_ROWS * row, size))
+        unit = max(1, _GUARD_ALIGN // dtype.itemsize)
+        self.guard = -(-guard // unit) * unit  # elements each side
+        self.full = np.empty(2 * self.guard + size, dtype)
+        self.expected = np.tile(_guard_pattern(dtype), self.guard)
+        raw = self.full.view(np.uint8)
+        raw[: self.expected.size] = self.expected
+        raw[raw.size - self.expected.size :] = self.expected
+        self.middle = self.full[self.guard : self.guard + size].reshape(shape)
+
+    def changed(self) -> list[str]:
+        """Which guards no longer hold their pattern, in words (empty when both are intact)."""
+        raw = self.full.view(np.uint8)
+        n = self.expected.size
+        itemsize = self.full.itemsize
+        found = []
+        for side, region in (("before the start", raw[:n]), ("past the end", raw[raw.size - n :])):
+            bad = np.flatnonzero(region != self.expected)
+            if bad.size:
+                # element offsets from the buffer's edge: 1 = the element right next to it
+                elements = np.unique(bad // itemsize)
+                offsets = (self.guard - elements) if side == "before the start" else (elements + 1)
+                found.append(f"{elements.size} element(s) {side} (nearest {int(offsets.min())}, "
+                             f"farthest {int(offsets.max())} elements away)")
+        return found
+
+
+# ---------------------------------------------------------------------------------------------
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -346,23 +408,31 @@ def _run_interpreted(*arrays, kernel_name, args, array_positions, out_shapes, gr
     module_name, fn_name = kernel_name
     kernel = getattr(kernel_module(module_name, "interpret"), fn_name)
     host_args = list(args)
-    host_inputs = {}
+    guarded_inputs = {}
     for position, array in zip(array_positions, arrays):
         array = np.asarray(array)
-        host = np.ascontiguousarray(array.astype(_host_dtype(array.dtype)))
-        host_inputs[position] = host
-        host_args[position] = _HostTensor(host)
+        buffer = _Guarded(array.shape, _host_dtype(array.dtype))
+        buffer.middle[...] = array.astype(buffer.middle.dtype, copy=False)
+        guarded_inputs[position] = buffer
+        host_args[position] = _HostTensor(buffer.middle)
     inverse = {o: i for i, o in aliases.items()}
-    host_outs = []
+    guarded_outs = []
     for index, shape in enumerate(out_shapes):
-        host_dtype = _host_dtype(shape.dtype)
+        buffer = _Guarded(shape.shape, _host_dtype(shape.dtype))
         if index in inverse:
-            out = np.array(host_inputs[inverse[index]], dtype=host_dtype, copy=True)
+            buffer.middle[...] = guarded_inputs[inverse[index]].middle
         elif index in zeroed_outputs:
-            out = np.zeros(shape.shape, host_dtype)
+            buffer.middle[...] = 0
         else:
-            out = np.full(shape.shape, _poison_value(host_dtype), host_dtype)
-        host_outs.append(out)
+            buffer.middle[...] = _poison_value(buffer.middle.dtype)
+        guarded_outs.append(buffer)
     with _interpreter_launch_lock:
-        kernel[grid](*host_args, *[_HostTensor(o) for o in host_outs], **constexprs)
-    return [np.asarray(o).astype(s.dtype) for o, s in zip(host_outs, out_shapes)]
+        kernel[grid](*host_args, *[_HostTensor(o.middle) for o in guarded_outs], **constexprs)
+    problems = [f"input at argument position {p}: {c}" for p, b in guarded_inputs.items() for c in b.changed()]
+    problems += [f"output {i}: {c}" for i, b in enumerate(guarded_outs) for c in b.changed()]
+    if problems:
+        raise RuntimeError(
+            f"jaxattn.launch: kernel {module_name}.{fn_name} (grid {grid}) made an out-of-bounds write: the guard "
+            "region around a buffer changed; " + "; ".join(problems)
+        )
+    return [np.asarray(o.middle).astype(s.dtype) for o, s in zip(guarded_outs, out_shapes)]

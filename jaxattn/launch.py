@@ -124,7 +124,7 @@ _interpreter_patched = False
 
 
 def _patch_interpreter():
-    """Two fixes and a speed-up to Triton 3.6's interpreter, applied once, before the first interpreted launch.
+    """Three fixes and a speed-up to Triton's interpreter (3.6 to 3.9), applied once, before the first interpreted launch.
 
     * `tensor.__index__` is `int(array)`, which numpy >= 2.5 rejects for the interpreter's rank-1 scalars
       ("only 0-dimensional arrays can be converted"); kernels use loaded lengths as `range` bounds.
@@ -132,6 +132,8 @@ def _patch_interpreter():
       imported without the interpreter, so they are compiled-only JITFunctions whose `__call__` just raises.
       Calling one (which only ever happens under the interpreter: compiled kernels never run Python calls)
       now runs it interpreted.
+    * Load and store masks are made bool: a scalar comparison broadcast into a block reaches them as int data,
+      which Triton >= 3.7 rejects ("mask has unsupported dtype").
     * Speed: the kernels' `tl.reduce(x, axis, _max_combine / _sum_combine)` run as one numpy reduction
       instead of the interpreter's element-by-element loop (same results up to float summation order).
     """
@@ -175,6 +177,25 @@ def _patch_interpreter():
         return self.to_tensor(np.asarray(value, dtype=data.dtype), input[0].dtype)
 
     interpreter.ReduceOps.apply_impl = fast_reduce
+
+    # A comparison's handle keeps its operands' dtype (`binary_op` uses lhs.dtype), so a scalar condition broadcast
+    # into a block (`create_splat`) becomes int64 0/1 data and `block_mask & scalar_cond` an int32 one. Triton 3.6's
+    # native load/store accept such a mask; 3.7+ reject it ("mask has unsupported dtype"). Masks go in as bool.
+    builder = interpreter.InterpreterBuilder
+    original_load, original_store = builder.create_masked_load, builder.create_masked_store
+
+    def as_bool_mask(mask):
+        if mask.data.dtype == np.bool_:
+            return mask
+        return interpreter.TensorHandle(mask.data.astype(np.bool_), mask.dtype)
+
+    def masked_load(self, ptrs, mask, *rest):
+        return original_load(self, ptrs, as_bool_mask(mask), *rest)
+
+    def masked_store(self, ptrs, value, mask, *rest):
+        return original_store(self, ptrs, value, as_bool_mask(mask), *rest)
+
+    builder.create_masked_load, builder.create_masked_store = masked_load, masked_store
     _interpreter_patched = True
 
 

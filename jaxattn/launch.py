@@ -124,7 +124,7 @@ _interpreter_patched = False
 
 
 def _patch_interpreter():
-    """Three fixes and a speed-up to Triton's interpreter (3.6 to 3.9), applied once, before the first interpreted launch.
+    """Four fixes and a speed-up to Triton's interpreter (3.6 to 3.9), applied once, before the first interpreted launch.
 
     * `tensor.__index__` is `int(array)`, which numpy >= 2.5 rejects for the interpreter's rank-1 scalars
       ("only 0-dimensional arrays can be converted"); kernels use loaded lengths as `range` bounds.
@@ -134,12 +134,14 @@ def _patch_interpreter():
       now runs it interpreted.
     * Load and store masks are made bool: a scalar comparison broadcast into a block reaches them as int data,
       which Triton >= 3.7 rejects ("mask has unsupported dtype").
+    * `tl.dot` rounds each row independently of its position in the block (einsum instead of BLAS matmul).
     * Speed: the kernels' `tl.reduce(x, axis, _max_combine / _sum_combine)` run as one numpy reduction
       instead of the interpreter's element-by-element loop (same results up to float summation order).
     """
     global _interpreter_patched
     if _interpreter_patched:
         return
+    import triton.language as tl
     from triton.runtime import interpreter
     from triton.runtime.jit import JITFunction
 
@@ -196,6 +198,21 @@ def _patch_interpreter():
         return original_store(self, ptrs, value, as_bool_mask(mask), *rest)
 
     builder.create_masked_load, builder.create_masked_store = masked_load, masked_store
+
+    # `tl.dot` runs as np.matmul, whose BLAS kernel may round a row differently depending on where it sits in the
+    # block (OpenBLAS's sgemm on AMD EPYC: every 16x32 @ 32x16 product tried), so a kernel whose rows are bitwise
+    # independent of their block position on the GPU (the unified extend kernel) was not under the interpreter.
+    # einsum without BLAS sums each output element over k in order: a row's bits depend only on its own data.
+    def create_dot(self, a, b, d, *rest):
+        a_data, b_data = a.data, b.data
+        if (a.dtype.primitive_bitwidth == 8 and a.dtype.is_floating()) or \
+           (b.dtype.primitive_bitwidth == 8 and b.dtype.is_floating()):
+            a_data = interpreter._convert_float(a_data, a.dtype, tl.float16, None).view(np.float16)
+            b_data = interpreter._convert_float(b_data, b.dtype, tl.float16, None).view(np.float16)
+        product = np.einsum("...ik,...kj->...ij", a_data, b_data, dtype=d.data.dtype, optimize=False)
+        return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
+
+    builder.create_dot = create_dot
     _interpreter_patched = True
 
 

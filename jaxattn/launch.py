@@ -72,6 +72,18 @@ def _import_jax_triton():
     return jax_triton
 
 
+def _out_keyword(triton_call) -> str:
+    """The output-types keyword of `jax_triton.triton_call`: ``out_type`` from jax-triton 0.4 (where ``out_shape``
+    still works but warns that it is deprecated), ``out_shape`` in 0.3."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(triton_call).parameters
+    except (TypeError, ValueError):
+        return "out_shape"
+    return "out_type" if "out_type" in parameters else "out_shape"
+
+
 # ---------------------------------------------------------------------------------------------
 # Kernel modules: compiled and interpreted variants of the same source.
 
@@ -399,7 +411,7 @@ def launch(
         outs = jt.triton_call(
             *args,
             kernel=kernel,
-            out_shape=out_shapes,
+            **{_out_keyword(jt.triton_call): out_shapes},
             grid=grid,
             num_warps=num_warps,
             num_stages=num_stages,

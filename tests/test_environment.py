@@ -60,3 +60,13 @@ def test_a_failing_import_still_restores_the_variable(fake_jax_triton, monkeypat
     with pytest.raises(ImportError, match="no GPU jaxlib"):
         launch_module._import_jax_triton()
     assert os.environ["TRITON_CACHE_DIR"] == "/tmp/kept"
+
+
+def test_the_output_keyword_follows_the_installed_jax_triton():
+    # jax-triton 0.3.1 takes out_shape=; 0.4.x takes out_type= (out_shape= still works there but is deprecated).
+    def triton_call_031(*args, kernel, out_shape, grid, name="", num_warps=None, **kwargs): ...
+
+    def triton_call_041(*args, kernel, out_type=None, grid, name="", num_warps=None, **kwargs): ...
+
+    assert launch_module._out_keyword(triton_call_031) == "out_shape"
+    assert launch_module._out_keyword(triton_call_041) == "out_type"

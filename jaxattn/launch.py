@@ -311,7 +311,7 @@ def _guard_pattern(dtype: np.dtype) -> np.ndarray:
     size = dtype.itemsize
     if np.issubdtype(dtype, np.floating) and size in (2, 4, 8):
         value = {2: 0x7E5A, 4: 0x7FE5A5A5, 8: 0x7FFA5A5A5A5A5A5A}[size]
-        return np.array([value], f"<u{size}").astype(f"=u{size}").view(np.uint8)
+        return np.array([value], f"u{size}").view(np.uint8)
     if np.issubdtype(dtype, np.signedinteger):
         return np.array([np.iinfo(dtype).min + 7], dtype).view(np.uint8)
     if np.issubdtype(dtype, np.unsignedinteger):

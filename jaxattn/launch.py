@@ -5,7 +5,9 @@
   buffers through `jax.pure_callback`. This is how CPU CI checks the kernels' real indexing and
   masking. bf16 is upcast to fp32 (the interpreter gets bf16 wrong), and every output that the
   caller did not ask to be zeroed is filled with NaN (floats) or -1 (ints) first, so rows a kernel
-  forgets to write show up in tests.
+  forgets to write show up in tests. Every input and output buffer also sits between two guard
+  regions (NaN for floats, a sentinel for ints): a store out of bounds fails the launch with a
+  RuntimeError, and a load out of bounds of a float buffer reads NaN.
 
 `launch_mode()` picks ``"gpu"`` when JAX's default backend is a CUDA GPU and ``"interpret"``
 otherwise; the ``JAXATTN_LAUNCH`` environment variable or the ``mode=`` argument overrides it.
@@ -47,6 +49,39 @@ def launch_mode(mode: str | None = None) -> str:
             "mode='interpret' (Triton's interpreter on the host; slow, for tests)."
         )
     return mode
+
+
+def _import_jax_triton():
+    """Imports and returns `jax_triton`, leaving Triton's cache directory as it was before the import.
+
+    jax-triton 0.3.1 sets ``TRITON_CACHE_DIR=""`` at import (0.4.x deletes it). With the empty value every
+    Triton launch made later in the process outside jax-triton (SGLang's or torch's kernels) fails with "Could not
+    create or locate cache dir". If the import emptied or removed the variable, its previous value is put back, or
+    it is deleted again when it was unset, so Triton uses its default (``~/.triton/cache``).
+    """
+    before = os.environ.get("TRITON_CACHE_DIR")
+    try:
+        import jax_triton
+    finally:
+        after = os.environ.get("TRITON_CACHE_DIR")
+        if not after and after != before:
+            if before is None:
+                os.environ.pop("TRITON_CACHE_DIR", None)
+            else:
+                os.environ["TRITON_CACHE_DIR"] = before
+    return jax_triton
+
+
+def _out_keyword(triton_call) -> str:
+    """The output-types keyword of `jax_triton.triton_call`: ``out_type`` from jax-triton 0.4 (where ``out_shape``
+    still works but warns that it is deprecated), ``out_shape`` in 0.3."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(triton_call).parameters
+    except (TypeError, ValueError):
+        return "out_shape"
+    return "out_type" if "out_type" in parameters else "out_shape"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,7 +136,7 @@ _interpreter_patched = False
 
 
 def _patch_interpreter():
-    """Three fixes and a speed-up to Triton 3.6's interpreter, applied once, before the first interpreted launch.
+    """Four fixes and a speed-up to Triton's interpreter (3.6 to 3.9), applied once, before the first interpreted launch.
 
     * `tensor.__index__` is `int(array)`, which numpy >= 2.5 rejects for the interpreter's rank-1 scalars
       ("only 0-dimensional arrays can be converted"); kernels use loaded lengths as `range` bounds.
@@ -109,14 +144,16 @@ def _patch_interpreter():
       imported without the interpreter, so they are compiled-only JITFunctions whose `__call__` just raises.
       Calling one (which only ever happens under the interpreter: compiled kernels never run Python calls)
       now runs it interpreted.
-    * `tl.dot` on float32 tiles is computed in float64 and rounded once, so a row's result does not depend on its
-      place in the tile (the host BLAS's float32 kernels sum edge rows in another order).
+    * Load and store masks are made bool: a scalar comparison broadcast into a block reaches them as int data,
+      which Triton >= 3.7 rejects ("mask has unsupported dtype").
+    * `tl.dot` rounds each row independently of its position in the block (einsum instead of BLAS matmul).
     * Speed: the kernels' `tl.reduce(x, axis, _max_combine / _sum_combine)` run as one numpy reduction
       instead of the interpreter's element-by-element loop (same results up to float summation order).
     """
     global _interpreter_patched
     if _interpreter_patched:
         return
+    import triton.language as tl
     from triton.runtime import interpreter
     from triton.runtime.jit import JITFunction
 
@@ -155,19 +192,39 @@ def _patch_interpreter():
 
     interpreter.ReduceOps.apply_impl = fast_reduce
 
-    # tl.dot runs np.matmul, i.e. the host BLAS, whose float32 kernels sum a row's products in an order that depends on
-    # where the row sits in the tile (edge rows take other micro-kernels; seen with OpenBLAS's SkylakeX kernels). The
-    # unified kernel's promise that a token's bits do not depend on the prefix/new split moves rows within tiles, so
-    # the interpreter multiplies float32 tiles in float64 and rounds once: a row's result no longer depends on its place.
-    original_dot = interpreter.InterpreterBuilder.create_dot
+    # A comparison's handle keeps its operands' dtype (`binary_op` uses lhs.dtype), so a scalar condition broadcast
+    # into a block (`create_splat`) becomes int64 0/1 data and `block_mask & scalar_cond` an int32 one. Triton 3.6's
+    # native load/store accept such a mask; 3.7+ reject it ("mask has unsupported dtype"). Masks go in as bool.
+    builder = interpreter.InterpreterBuilder
+    original_load, original_store = builder.create_masked_load, builder.create_masked_store
 
-    def placement_independent_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if a.data.dtype == np.float32 and b.data.dtype == np.float32 and d.data.dtype == np.float32:
-            product = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64)).astype(np.float32)
-            return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
-        return original_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+    def as_bool_mask(mask):
+        if mask.data.dtype == np.bool_:
+            return mask
+        return interpreter.TensorHandle(mask.data.astype(np.bool_), mask.dtype)
 
-    interpreter.InterpreterBuilder.create_dot = placement_independent_dot
+    def masked_load(self, ptrs, mask, *rest):
+        return original_load(self, ptrs, as_bool_mask(mask), *rest)
+
+    def masked_store(self, ptrs, value, mask, *rest):
+        return original_store(self, ptrs, value, as_bool_mask(mask), *rest)
+
+    builder.create_masked_load, builder.create_masked_store = masked_load, masked_store
+
+    # `tl.dot` runs as np.matmul, whose BLAS kernel may round a row differently depending on where it sits in the
+    # block (OpenBLAS's sgemm on AMD EPYC: every 16x32 @ 32x16 product tried), so a kernel whose rows are bitwise
+    # independent of their block position on the GPU (the unified extend kernel) was not under the interpreter.
+    # einsum without BLAS sums each output element over k in order: a row's bits depend only on its own data.
+    def create_dot(self, a, b, d, *rest):
+        a_data, b_data = a.data, b.data
+        if (a.dtype.primitive_bitwidth == 8 and a.dtype.is_floating()) or \
+           (b.dtype.primitive_bitwidth == 8 and b.dtype.is_floating()):
+            a_data = interpreter._convert_float(a_data, a.dtype, tl.float16, None).view(np.float16)
+            b_data = interpreter._convert_float(b_data, b.dtype, tl.float16, None).view(np.float16)
+        product = np.einsum("...ik,...kj->...ij", a_data, b_data, dtype=d.data.dtype, optimize=False)
+        return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
+
+    builder.create_dot = create_dot
     _interpreter_patched = True
 
 
@@ -240,6 +297,66 @@ def _poison_value(dtype: np.dtype):
     return np.nan if np.issubdtype(dtype, np.floating) else -1
 
 
+# Guard regions around every interpreted buffer: at least this many bytes, and at least this many rows of the leading
+# axis (at most the buffer's own size), on each side. A store past either end changes a guard and fails the launch; a
+# load past the end of a float buffer reads NaN, which shows in the outputs.
+_GUARD_BYTES = 4096
+_GUARD_ROWS = 2
+_GUARD_ALIGN = 64  # bytes: the middle view starts as aligned as numpy's allocation (for every element size up to 64)
+
+
+def _guard_pattern(dtype: np.dtype) -> np.ndarray:
+    """One guard element's bytes: a NaN with a payload for floats (so a NaN the kernel computes and stores out of
+    bounds still differs), iinfo.min + 7 for signed ints, iinfo.max - 7 for unsigned ints, 0xA5 bytes otherwise."""
+    size = dtype.itemsize
+    if np.issubdtype(dtype, np.floating) and size in (2, 4, 8):
+        value = {2: 0x7E5A, 4: 0x7FE5A5A5, 8: 0x7FFA5A5A5A5A5A5A}[size]
+        return np.array([value], f"u{size}").view(np.uint8)
+    if np.issubdtype(dtype, np.signedinteger):
+        return np.array([np.iinfo(dtype).min + 7], dtype).view(np.uint8)
+    if np.issubdtype(dtype, np.unsignedinteger):
+        return np.array([np.iinfo(dtype).max - 7], dtype).view(np.uint8)
+    return np.full(size, 0xA5, np.uint8)
+
+
+class _Guarded:
+    """A host buffer of `shape` x `dtype` (the `middle` view) inside a larger array with guard regions each side."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype):
+        dtype = np.dtype(dtype)
+        shape = tuple(int(d) for d in shape)
+        size = int(np.prod(shape, dtype=np.int64))
+        row = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+        guard = max(-(-_GUARD_BYTES // dtype.itemsize), min(_GUARD_ROWS * row, size))
+        unit = max(1, _GUARD_ALIGN // dtype.itemsize)
+        self.guard = -(-guard // unit) * unit  # elements each side
+        self.full = np.empty(2 * self.guard + size, dtype)
+        self.expected = np.tile(_guard_pattern(dtype), self.guard)
+        raw = self.full.view(np.uint8)
+        raw[: self.expected.size] = self.expected
+        raw[raw.size - self.expected.size :] = self.expected
+        self.middle = self.full[self.guard : self.guard + size].reshape(shape)
+
+    def changed(self) -> list[str]:
+        """Which guards no longer hold their pattern, in words (empty when both are intact)."""
+        raw = self.full.view(np.uint8)
+        n = self.expected.size
+        itemsize = self.full.itemsize
+        found = []
+        for side, region in (("before the start", raw[:n]), ("past the end", raw[raw.size - n :])):
+            bad = np.flatnonzero(region != self.expected)
+            if bad.size:
+                # element offsets from the buffer's edge: 1 = the element right next to it
+                elements = np.unique(bad // itemsize)
+                offsets = (self.guard - elements) if side == "before the start" else (elements + 1)
+                found.append(f"{elements.size} element(s) {side} (nearest {int(offsets.min())}, "
+                             f"farthest {int(offsets.max())} elements away)")
+        return found
+
+
+# ---------------------------------------------------------------------------------------------
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -288,14 +405,13 @@ def launch(
         outs = _initial_outputs(args, out_shapes, input_output_aliases, zeroed_outputs)
         return outs[0] if single else tuple(outs)
     if mode == "gpu":
-        import jax_triton as jt
-
+        jt = _import_jax_triton()
         module_name, fn_name = kernel_name
         kernel = getattr(kernel_module(module_name, "gpu"), fn_name)
         outs = jt.triton_call(
             *args,
             kernel=kernel,
-            out_shape=out_shapes,
+            **{_out_keyword(jt.triton_call): out_shapes},
             grid=grid,
             num_warps=num_warps,
             num_stages=num_stages,
@@ -342,23 +458,31 @@ def _run_interpreted(*arrays, kernel_name, args, array_positions, out_shapes, gr
     module_name, fn_name = kernel_name
     kernel = getattr(kernel_module(module_name, "interpret"), fn_name)
     host_args = list(args)
-    host_inputs = {}
+    guarded_inputs = {}
     for position, array in zip(array_positions, arrays):
         array = np.asarray(array)
-        host = np.ascontiguousarray(array.astype(_host_dtype(array.dtype)))
-        host_inputs[position] = host
-        host_args[position] = _HostTensor(host)
+        buffer = _Guarded(array.shape, _host_dtype(array.dtype))
+        buffer.middle[...] = array.astype(buffer.middle.dtype, copy=False)
+        guarded_inputs[position] = buffer
+        host_args[position] = _HostTensor(buffer.middle)
     inverse = {o: i for i, o in aliases.items()}
-    host_outs = []
+    guarded_outs = []
     for index, shape in enumerate(out_shapes):
-        host_dtype = _host_dtype(shape.dtype)
+        buffer = _Guarded(shape.shape, _host_dtype(shape.dtype))
         if index in inverse:
-            out = np.array(host_inputs[inverse[index]], dtype=host_dtype, copy=True)
+            buffer.middle[...] = guarded_inputs[inverse[index]].middle
         elif index in zeroed_outputs:
-            out = np.zeros(shape.shape, host_dtype)
+            buffer.middle[...] = 0
         else:
-            out = np.full(shape.shape, _poison_value(host_dtype), host_dtype)
-        host_outs.append(out)
+            buffer.middle[...] = _poison_value(buffer.middle.dtype)
+        guarded_outs.append(buffer)
     with _interpreter_launch_lock:
-        kernel[grid](*host_args, *[_HostTensor(o) for o in host_outs], **constexprs)
-    return [np.asarray(o).astype(s.dtype) for o, s in zip(host_outs, out_shapes)]
+        kernel[grid](*host_args, *[_HostTensor(o.middle) for o in guarded_outs], **constexprs)
+    problems = [f"input at argument position {p}: {c}" for p, b in guarded_inputs.items() for c in b.changed()]
+    problems += [f"output {i}: {c}" for i, b in enumerate(guarded_outs) for c in b.changed()]
+    if problems:
+        raise RuntimeError(
+            f"jaxattn.launch: kernel {module_name}.{fn_name} (grid {grid}) made an out-of-bounds write: the guard "
+            "region around a buffer changed; " + "; ".join(problems)
+        )
+    return [np.asarray(o.middle).astype(s.dtype) for o, s in zip(guarded_outs, out_shapes)]

@@ -81,6 +81,7 @@ def make_backend(name: str, sliding_windows=()):
 class Stats:
     times: dict  # mode -> seconds in its steps (compile included)
     first: dict  # mode -> seconds of its first step (the compile, mostly)
+    first_tokens: dict  # mode -> tokens of its first step
     counts: dict  # extend, decode (steps), prefill_tokens, reused_tokens, decode_tokens
     finished: list
 
@@ -89,22 +90,23 @@ class Stats:
         steps = self.counts[mode]
         if steps < 2:
             return 0.0
-        tokens = self.counts[tokens_key] * (steps - 1) / steps  # the first step's share, approximately
+        tokens = self.counts[tokens_key] - self.first_tokens[mode]
         return tokens / max(self.times[mode] - self.first[mode], 1e-9)
 
 
 def run_jobs(jobs: list[Job], table, run_step, buckets: Buckets, system_prompt=(), progress=None) -> Stats:
     """Serves `jobs` to completion (see the module doc); returns the finished jobs (in finishing order) and timings."""
     times = {"extend": 0.0, "decode": 0.0}
-    first = {}
+    first, first_tokens = {}, {}
     counts = {"extend": 0, "decode": 0, "prefill_tokens": 0, "reused_tokens": 0, "decode_tokens": 0}
 
-    def timed(mode, batch, token_ids, rows):
+    def timed(mode, batch, token_ids, rows, tokens):
         t0 = time.perf_counter()
         out = run_step(batch, token_ids, np.asarray(rows, np.int32))
         elapsed = time.perf_counter() - t0
         times[mode] += elapsed
         first.setdefault(mode, elapsed)
+        first_tokens.setdefault(mode, tokens)
         counts[mode] += 1
         return out
 
@@ -113,7 +115,7 @@ def run_jobs(jobs: list[Job], table, run_step, buckets: Buckets, system_prompt=(
     if system_prompt:
         owner = table.add(system_prompt)
         batch, token_ids = table.schedule([owner], [len(system_prompt)], mode=ForwardMode.EXTEND, **buckets.extend())
-        timed("extend", batch, token_ids, [len(system_prompt) - 1])
+        timed("extend", batch, token_ids, [len(system_prompt) - 1], len(system_prompt))
         counts["prefill_tokens"] += len(system_prompt)
 
     waiting, running, finished = list(jobs), [], []
@@ -136,7 +138,7 @@ def run_jobs(jobs: list[Job], table, run_step, buckets: Buckets, system_prompt=(
         if admitted:
             new_counts = [len(j.prompt) - j.request.cached for j in admitted]
             batch, token_ids = table.schedule([j.request for j in admitted], new_counts, mode=ForwardMode.EXTEND, **buckets.extend())
-            ids, logits = timed("extend", batch, token_ids, np.cumsum(new_counts) - 1)
+            ids, logits = timed("extend", batch, token_ids, np.cumsum(new_counts) - 1, sum(new_counts))
             counts["prefill_tokens"] += sum(new_counts)
             for b, job in enumerate(admitted):
                 _emit(job, ids[b], None if logits is None else logits[b])
@@ -147,7 +149,7 @@ def run_jobs(jobs: list[Job], table, run_step, buckets: Buckets, system_prompt=(
         live = [j for j in running if not j.done]
         if live:
             batch, token_ids = table.schedule([j.request for j in live], [1] * len(live), mode=ForwardMode.DECODE, **buckets.decode())
-            ids, logits = timed("decode", batch, token_ids, np.arange(len(live)))
+            ids, logits = timed("decode", batch, token_ids, np.arange(len(live)), len(live))
             counts["decode_tokens"] += len(live)
             for b, job in enumerate(live):
                 _emit(job, ids[b], None if logits is None else logits[b])
@@ -158,7 +160,7 @@ def run_jobs(jobs: list[Job], table, run_step, buckets: Buckets, system_prompt=(
             running.remove(job)
             finished.append(job)
             table.finish(job.request)
-    return Stats(times=times, first=first, counts=counts, finished=finished)
+    return Stats(times=times, first=first, first_tokens=first_tokens, counts=counts, finished=finished)
 
 
 def _emit(job: Job, token, logits):

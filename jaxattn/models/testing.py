@@ -94,12 +94,39 @@ def random_tensors(config: LlamaConfig, seed: int = 0, dtype=ml_dtypes.bfloat16)
     return out
 
 
+def write_byte_tokenizer(model_dir) -> None:
+    """DIR/tokenizer.json: a byte-level tokenizer (token id = byte value, 256 ids, no merges); needs `tokenizers`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda c: _BYTE_OF[c])
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save(os.path.join(model_dir, "tokenizer.json"))
+
+
+def _bytes_to_unicode() -> dict:
+    """GPT-2's byte -> printable character table (the ByteLevel pre-tokenizer's alphabet), inverted."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, n = printable[:], 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+_BYTE_OF = _bytes_to_unicode()
+
+
 def write_random_checkpoint(model_dir, preset: str = "llama", config_overrides: dict | None = None, seed: int = 0,
-                            shards: int = 1, dtype: str = "bfloat16") -> dict:
+                            shards: int = 1, dtype: str = "bfloat16", tokenizer: bool = False) -> dict:
     """Writes config.json and random weights (model.safetensors, or `shards` files + model.safetensors.index.json)
     of a preset ("llama", "qwen3", "qwen2", "llama3-8b") into `model_dir`; returns the config dict written.
 
-    The files are what transformers' `from_pretrained(model_dir)` loads (metadata format "pt").
+    The files are what transformers' `from_pretrained(model_dir)` loads (metadata format "pt"). `tokenizer=True`
+    also writes a byte-level tokenizer.json (vocab_size must be >= 256).
     """
     from jaxattn.models.safetensors_io import write_safetensors
 
@@ -114,6 +141,10 @@ def write_random_checkpoint(model_dir, preset: str = "llama", config_overrides: 
         json.dump(hf, f, indent=2)
     with open(os.path.join(model_dir, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": hf.get("bos_token_id"), "eos_token_id": hf.get("eos_token_id"), "do_sample": False}, f, indent=2)
+    if tokenizer:
+        if config.vocab_size < 256:
+            raise ValueError("a byte-level tokenizer needs vocab_size >= 256")
+        write_byte_tokenizer(model_dir)
     names = list(tensors)
     if shards <= 1:
         write_safetensors(os.path.join(model_dir, "model.safetensors"), tensors, metadata={"format": "pt"})

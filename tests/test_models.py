@@ -17,7 +17,7 @@ import pytest
 
 from jaxattn.backends import ReferenceBackend
 from jaxattn.models import LlamaConfig, dense_logits, forward, init_kv_cache, load_hf_checkpoint, load_params
-from jaxattn.models.llama import hf_tensor_names, rope_inv_freq
+from jaxattn.models.llama import rope_inv_freq
 from jaxattn.models.safetensors_io import _read_builtin, _write_builtin, read_safetensors
 from jaxattn.models.testing import hf_config, random_tensors, write_random_checkpoint
 from jaxattn.serving import ForwardMode, RequestTable, SlotAllocator

@@ -557,6 +557,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="CPU, no torch: the jaxattn half, against jaxattn's dense oracle")
     parser.add_argument("--preset", default="llama", help="checkpoint preset for --write-tiny / --dry-run: llama, qwen3, qwen2")
     parser.add_argument("--write-tiny", metavar="DIR", default=None, help="write a random tiny checkpoint of --preset to DIR and exit")
+    parser.add_argument("--overrides", default=None, help='config.json fields for --write-tiny, as JSON: \'{"head_dim": 128}\'')
     parser.add_argument("--bench", action="store_true", help="time the 8B-shaped Llama-3 (random weights) against transformers")
     parser.add_argument("--bench-side", default="both", choices=["both", "jaxattn", "transformers"])
     parser.add_argument("--bench-layers", type=int, default=32)
@@ -571,7 +572,8 @@ def main(argv=None) -> int:
 
         import importlib.util
 
-        write_random_checkpoint(args.write_tiny, args.preset, tokenizer=importlib.util.find_spec("tokenizers") is not None)
+        overrides = json.loads(args.overrides) if args.overrides else None
+        write_random_checkpoint(args.write_tiny, args.preset, overrides, tokenizer=importlib.util.find_spec("tokenizers") is not None)
         print(f"wrote a random {args.preset} checkpoint to {args.write_tiny}")
         return 0
     if args.bench:

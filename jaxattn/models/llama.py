@@ -368,12 +368,12 @@ def init_kv_cache(config: LlamaConfig, num_slots: int, dtype=jnp.bfloat16):
 # The model
 
 def _linear(x, w, b=None):
-    """x @ w (+ b), accumulated in float32 and rounded once to x's dtype (a torch Linear on cuBLAS)."""
+    """x @ w (+ b), accumulated in float32 and rounded once to x's dtype (a torch Linear on cuBLAS, bias included)."""
     precision = "highest" if x.dtype == jnp.float32 else None  # f32: no TF32, so batch composition cannot change results
+    if b is None:
+        return jnp.matmul(x, w, precision=precision)  # 16-bit inputs: f32 accumulation, one rounding, 16-bit output
     y = jnp.matmul(x, w, precision=precision, preferred_element_type=jnp.float32)
-    if b is not None:
-        y = y + b.astype(jnp.float32)
-    return y.astype(x.dtype)
+    return (y + b.astype(jnp.float32)).astype(x.dtype)
 
 
 def _rms_norm(x, weight, eps):

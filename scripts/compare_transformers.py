@@ -97,8 +97,8 @@ def jaxattn_serve(config, params, backend_name: str, system, users, steps: int, 
     cache = init_kv_cache(config, num_slots, dtype)
     table = RequestTable(n + 1, max_ctx, SlotAllocator(num_slots, seed=1))
 
-    def step_fn(params, cache, batch, req_to_token, token_ids):
-        logits, cache = forward(params, config, backend, batch, req_to_token, cache, token_ids)
+    def step_fn(params, cache, batch, req_to_token, token_ids, meta=None):
+        logits, cache = forward(params, config, backend, batch, req_to_token, cache, token_ids, meta)
         return logits.astype(jnp.float32), jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
     step = jax.jit(step_fn, donate_argnums=1)
@@ -106,7 +106,11 @@ def jaxattn_serve(config, params, backend_name: str, system, users, steps: int, 
     def run(requests, counts, buckets, mode):
         nonlocal cache
         batch, ids = table.schedule(requests, counts, mode=mode, **buckets)
-        logits, greedy, cache = step(params, cache, batch, jnp.asarray(table.req_to_token), ids)
+        if backend_name == "flashinfer":  # FlashInfer plans on the host before the jitted step
+            meta = backend.plan(batch, table.req_to_token, list(config.attention_layers()), q_dtype=dtype, kv_dtype=dtype)
+            logits, greedy, cache = step(params, cache, batch, None, ids, meta)
+        else:
+            logits, greedy, cache = step(params, cache, batch, jnp.asarray(table.req_to_token), ids)
         return np.asarray(logits), np.asarray(greedy)
 
     owner = table.add(system)
@@ -216,13 +220,13 @@ def compare(args) -> dict:
     import torch
     import transformers
 
-    record.update(reference=f"transformers {transformers.__version__} (sdpa), torch {torch.__version__}")
+    record.update(reference=f"transformers {transformers.__version__} ({args.hf_attn}), torch {torch.__version__}")
     device = "cuda"
     torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference in true float32
     torch.backends.cudnn.allow_tf32 = False
 
     def load(torch_dtype):
-        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", **_dtype_kwarg(torch_dtype))
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=args.hf_attn, **_dtype_kwarg(torch_dtype))
         return model.to(device).eval()
 
     hf = load(torch.bfloat16)
@@ -554,6 +558,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-fp32-reference", dest="fp32_reference", action="store_false",
                         help="skip transformers in float32 (the noise floor columns)")
+    parser.add_argument("--hf-attn", default="sdpa", choices=["sdpa", "eager", "flash_attention_2"],
+                        help="transformers' attention in compare mode (eager: if your version warns that sdpa ignores sliding windows)")
     parser.add_argument("--dry-run", action="store_true", help="CPU, no torch: the jaxattn half, against jaxattn's dense oracle")
     parser.add_argument("--preset", default="llama", help="checkpoint preset for --write-tiny / --dry-run: llama, qwen3, qwen2")
     parser.add_argument("--write-tiny", metavar="DIR", default=None, help="write a random tiny checkpoint of --preset to DIR and exit")

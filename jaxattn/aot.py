@@ -74,7 +74,9 @@ def compile_build(kb: KernelBuild, target: tuple = H200_TARGET) -> CompiledRepor
     aligned = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t.startswith("*")}
     signature.update({name: "constexpr" for name in constexprs})
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
-    compiled = triton.compile(source, target=GPUTarget(*target), options={"num_warps": kb.num_warps, "num_stages": kb.num_stages})
+    # enable_fp_fusion: the launches' default on Triton 3.6-3.9, stated so a later default (3.10 flips it) keeps the report.
+    options = {"num_warps": kb.num_warps, "num_stages": kb.num_stages, "enable_fp_fusion": True}
+    compiled = triton.compile(source, target=GPUTarget(*target), options=options)
     ptx = compiled.asm.get("ptx", "")
     registers, spills = _ptxas_resources(ptx, target[1])
     has_async = "cp.async" in ptx or "cp.async.bulk" in ptx

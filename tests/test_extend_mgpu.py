@@ -632,7 +632,11 @@ def test_rejects_what_the_kernel_cannot_take(rng):
         extend_attention_mgpu(batch.q, *args, config=MgpuExtendConfig(block_kv=128, stages=8))
 
 
-LOWERING_PLUGIN = os.path.join(os.path.dirname(__file__), "..", ".venv", "mosaic_gpu_lowering")
+# This environment's own copy of jax's CUDA plugin (scripts/setup.sh puts one in each venv), else the pinned .venv's.
+LOWERING_PLUGIN = next((p for p in (os.path.join(sys.prefix, "mosaic_gpu_lowering"),
+                                    os.path.join(os.path.dirname(__file__), "..", ".venv", "mosaic_gpu_lowering"))
+                        if os.path.isdir(os.path.join(p, "jax_cuda12_plugin"))),
+                       os.path.join(os.path.dirname(__file__), "..", ".venv", "mosaic_gpu_lowering"))
 
 
 @pytest.mark.skipif(not os.path.isdir(os.path.join(LOWERING_PLUGIN, "jax_cuda12_plugin")),

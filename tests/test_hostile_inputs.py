@@ -3,7 +3,7 @@ scalars, layers, checked mode) rejects or drops what it cannot store.
 
 Kernels (classes 1, 5, 6):
 
-Interpreter only (the kernels' clamps are the same code on the GPU). Hostile slots are 2**30, -1, 2**31 - 1 and the
+In the interpreter (JAXATTN_HOSTILE_MODE=gpu: on the compiled kernels). Hostile slots are 2**30, -1, 2**31 - 1 and the
 pool size (just past the end); each must read the padding slot 0, so the expected output is the reference run on the
 same input with those slots replaced by 0 and every CSR range cut to the buffer it indexes. Pools are slices of a
 bigger array whose rows past the slice are NaN (the rows a missing clamp would hit on a real allocation); slot 0 is
@@ -12,6 +12,7 @@ finite. NaN tests: NaN in q or a visible K/V makes exactly the rows that see it 
 """
 
 import dataclasses
+import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -33,7 +34,9 @@ from jaxattn.kv_indices import build_unified_kv_indices, build_unified_kv_indice
 from jaxattn.merge_state import merge_state, merge_state_reference
 from jaxattn.serving import write_kv
 
-MODE = "interpret"
+# The interpreter by default (CI); JAXATTN_HOSTILE_MODE=gpu runs the same cases on the compiled kernels, e.g. under
+# compute-sanitizer (scripts/gpu_check.sh with SANITIZE=1).
+MODE = os.environ.get("JAXATTN_HOSTILE_MODE", "interpret")
 TOL = dict(rtol=2e-5, atol=2e-5)
 SMALL = ExtendConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
 

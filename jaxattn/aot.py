@@ -32,7 +32,7 @@ class KernelBuild:
     num_stages: int = 1
     expects_wgmma: bool = False  # a tl.dot kernel on bf16/fp16 should use Hopper's wgmma
     expects_pipelining: bool = False  # its main loop's loads should be software-pipelined (cp.async / TMA in the PTX)
-    max_registers: int | None = None  # registers per thread its timing relied on (occupancy), if any
+    max_registers: int | None = None  # registers per thread its timing relied on (occupancy; on tuning.sm90.TIMED_TRITON)
     label: str = ""  # what configuration this is, for the report
 
     @property

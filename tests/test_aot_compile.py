@@ -1,8 +1,10 @@
 """Every shipped kernel configuration compiles for the H200 (sm_90) on a CPU-only machine and fits its limits."""
 
 import pytest
+import triton
 
 from jaxattn.aot import H200_SHARED_LIMIT_BYTES, compile_build, shipped_builds
+from jaxattn.tuning.sm90 import TIMED_TRITON
 
 BUILDS = shipped_builds()
 
@@ -20,8 +22,9 @@ def test_compiles_for_sm90_within_limits(kb):
         assert report.has_wgmma, f"{kb.key} is built around tl.dot on 16-bit inputs but its PTX has no wgmma"
     if kb.expects_pipelining:
         assert report.has_async_copy, f"{kb.key} runs {kb.num_stages} stages but its loads are not pipelined (no cp.async)"
-    if kb.max_registers is not None and report.registers is not None:
-        # The config was timed at this occupancy: more registers per thread means fewer CTAs per SM.
+    if kb.max_registers is not None and report.registers is not None and triton.__version__.startswith(TIMED_TRITON):
+        # The config was timed at this occupancy (on the Triton the tables were timed with): more registers per thread
+        # means fewer CTAs per SM.
         assert report.registers <= kb.max_registers, f"{kb.key} uses {report.registers} registers (timed at <= {kb.max_registers})"
     if report.spills is not None:
         # Spills are allowed but reported; a big spill is a tuning bug worth failing on.

@@ -13,6 +13,10 @@ from __future__ import annotations
 
 from jaxattn.tuning.configs import DecodeConfig, ExtendConfig, MgpuExtendConfig
 
+# The Triton release these tables were timed with (the H200 image's): register counts, and so occupancy, are a property
+# of its code generation; another release compiles the same kernels differently (3.9 puts the 64 family at 144).
+TIMED_TRITON = "3.6"
+
 # Bandwidth-bound decode: pipelined gathered loads matter most. 128/128 and 576/512 (g16) were picked from the sweep
 # of 2026-12-02 on the H200: the best all-rounder over D1-D3, and the best MLA config.
 DECODE: dict[tuple[int, int, str], DecodeConfig] = {

@@ -17,7 +17,9 @@ What is checked (each message names the argument and the first offending entry):
   lists themselves): indptrs start at 0, never decrease and end within the index capacity; the listed kv_indices
   inside [0, num_slots); per-sequence query counts within max_extend_len; seq_lens / prefix_lens consistent.
   They *return the metadata with out-of-range slots replaced by the padding slot 0*: checkify reports after the
-  step, so the step that finds the error still runs, and with the returned metadata it reads only inside the pool.
+  step, so the step that finds the error still runs, and with the returned metadata it reads only inside the pool
+  (the kernels clamp every index as well). To stop a bad batch before its step, pass the request-table validators as
+  `checked(step, validate=...)`: they run first, in their own call, and raise before the step is launched.
   (Pool writes are already safe: `write_kv` drops out-of-range slots.)
 * `validate_write_slots`: out_cache_loc for `write_kv`.
 
@@ -65,20 +67,31 @@ __all__ = [
 _PREFIX = "jaxattn checked mode: "
 
 
-def checked(fn, *, errors=checkify.user_checks, jit: bool = True, **jit_kwargs):
+def checked(fn, *, errors=checkify.user_checks, jit: bool = True, validate=None, **jit_kwargs):
     """`fn` checkified (and jitted with `jit_kwargs`, e.g. donate_argnums/static_argnames); a failed check raises.
 
     The returned function has `fn`'s signature and results. A failed `checkify.check` inside `fn` (the validators of
     this module, or your own) raises `checkify.JaxRuntimeError`, a ValueError, with the check's message, after the
     step ran. `errors` picks checkify's error sets (default: user checks only; add `checkify.index_checks` or
     `checkify.nan_checks` to also catch out-of-bounds jnp indexing or NaN outputs, at a further cost).
+
+    validate: an optional function taking `fn`'s arguments that runs the validators *before* the step: it is
+    checkified and jitted on its own (no donation), and a failed check raises before `fn` is called, so the step never
+    runs on the bad batch and donated buffers are untouched. Costs one more dispatch of small reductions per call.
     """
     checked_fn = checkify.checkify(fn, errors=errors)
+    checked_validate = None if validate is None else checkify.checkify(validate, errors=errors)
     if jit:
         checked_fn = jax.jit(checked_fn, **jit_kwargs)
+        if checked_validate is not None:
+            static = {k: v for k, v in jit_kwargs.items() if k in ("static_argnums", "static_argnames")}
+            checked_validate = jax.jit(checked_validate, **static)
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
+        if checked_validate is not None:
+            err, _ = checked_validate(*args, **kwargs)
+            err.throw()
         err, out = checked_fn(*args, **kwargs)
         err.throw()
         return out

@@ -233,3 +233,26 @@ def test_decode_metadata_from_indptr_with_bad_slot_is_sanitized():
     err, fixed = check_meta(validate_decode_metadata, meta)
     assert "kv_indices entry 1 (flat) = 40 is outside the pool [0, 16)" in err.get()
     np.testing.assert_array_equal(fixed.kv_indices, [4, 0, 5])
+
+
+def test_validate_runs_before_the_step_and_stops_a_bad_batch(rng):
+    """checked(step, validate=...): a bad batch raises before the step is launched; its donated pool stays usable."""
+    launched = []
+    values = rng.standard_normal((SLOTS, 1, 16)).astype(np.float32)
+    k_pool = jnp.asarray(values)
+
+    def validate(pool, req_to_token, rows, seq_lens):
+        validate_decode_inputs(req_to_token, rows, seq_lens, num_slots=SLOTS, kv_capacity=12)
+
+    def step(pool, req_to_token, rows, seq_lens):
+        launched.append(True)  # runs when the step is traced, i.e. only if validation passed
+        return pool * 2.0
+
+    run = checked(step, validate=validate, donate_argnums=0)
+    with pytest.raises(checkify.JaxRuntimeError, match=r"req_to_token\[req_pool_indices\[1\], 2\] = 20 is outside the pool"):
+        run(k_pool, jnp.asarray(with_entry(2, 2, 20)), i32(0, 2), i32(5, 4))
+    assert not launched
+    np.testing.assert_array_equal(np.asarray(k_pool), values)  # not donated: still readable
+    doubled = run(k_pool, jnp.asarray(table()), i32(0, 2), i32(5, 4))  # a good batch: the step runs (and donates)
+    assert launched
+    np.testing.assert_allclose(doubled, values * 2.0)

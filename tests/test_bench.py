@@ -74,7 +74,7 @@ def test_tuning_cases_run_only_by_name(monkeypatch):
     monkeypatch.setattr(cli, "commit", lambda: "abc1234")
     assert bench.main(["extend", "--no-progress"]) == 0
     assert bench.main(["extend", "--cases", "T64,T576", "--no-progress"]) == 0
-    assert ran == [["E1", "E2", "E3"], ["T64", "T576"]]
+    assert ran == [["E1", "E2", "E3", "E1-W1024", "E1-CAP50", "E1-W1024-CAP50", "E1-SINKS"], ["T64", "T576"]]
 
 
 def test_commit_falls_back_to_the_environment(monkeypatch):
@@ -92,3 +92,24 @@ def test_plot_needs_rows(tmp_path):
     pytest.importorskip("matplotlib")
     with pytest.raises(ValueError, match="no rows"):
         bench.plot_rows([], str(tmp_path / "x.png"))
+
+
+def test_feature_cases_run_each_backend_with_the_feature(one_call):
+    # A window, a soft cap and sinks reach the kernel and the reference alike (their outputs agree), and the floor
+    # counts only the pairs a windowed query sees.
+    case = bench.Case("TF", "extend", batch=2, prefix=24, new=16, q_heads=4, kv_heads=2, head_dim=64, sliding_window=9,
+                      logit_cap=5.0, sinks=True)
+    rows = bench.run("extend", [case], backends=["jaxattn", "jaxattn-unified", "reference", "flashinfer-fa3"],
+                     log=lambda _: None, progress=False)
+    assert [r["backend"] for r in rows] == ["jaxattn", "jaxattn-unified", "reference"]  # FlashInfer: not installed
+    np.testing.assert_allclose(one_call[0], one_call[2], atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(one_call[1], one_call[2], atol=1e-4, rtol=1e-4)
+    plain = bench.Case("TP", "extend", batch=2, prefix=24, new=16, q_heads=4, kv_heads=2, head_dim=64)
+    assert not np.allclose(one_call[2], np.asarray(bench.peers.extend_reference(bench.make_inputs(plain))(), np.float32))
+    assert case.visible_pairs() == 16 * 10  # every query sees W + 1 = 10 keys
+    assert bench.CASES["E1-W1024"].visible_pairs() == 2048 * 1025
+
+
+def test_feature_cases_are_in_the_default_extend_run():
+    defaults = [name for name, c in bench.CASES.items() if c.op == "extend" and c.default]
+    assert {"E1-W1024", "E1-CAP50", "E1-W1024-CAP50", "E1-SINKS"} <= set(defaults)

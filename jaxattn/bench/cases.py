@@ -20,6 +20,10 @@ class Case:
     head_dim: int = 128
     v_head_dim: int | None = None
     default: bool = True  # part of the op's default run (the tuning cases below are run by name)
+    # Score features (extend): every backend of the case runs with the same ones; the floor counts visible pairs.
+    sliding_window: int = -1  # W >= 0: a query sees itself and the W previous keys
+    logit_cap: float = 0.0
+    sinks: bool = False  # per-head sinks near the rows' log-denominators (so they change the output)
 
     @property
     def dv(self) -> int:
@@ -36,8 +40,20 @@ class Case:
             per_token = self.kv_heads * (self.head_dim if self.v_in_k else self.head_dim + self.dv)
             return tokens * per_token * 2 / COPY_BANDWIDTH_BYTES_PER_S * 1e3
         # QK^T and PV: 2 * (Dqk + Dv) FLOPs per visible (query, key) pair and head.
-        flops = 2 * self.q_heads * (self.head_dim + self.dv) * self.new * (self.prefix + (self.new + 1) / 2) * self.batch
+        flops = 2 * self.q_heads * (self.head_dim + self.dv) * self.visible_pairs() * self.batch
         return flops / BF16_MATMUL_FLOPS * 1e3
+
+    def visible_pairs(self) -> float:
+        """(query, key) pairs one sequence's queries see: causal, and at most W + 1 keys each under a window."""
+        if self.sliding_window < 0:
+            return self.new * (self.prefix + (self.new + 1) / 2)
+        return float(sum(min(self.prefix + i + 1, self.sliding_window + 1) for i in range(self.new)))
+
+    @property
+    def features(self) -> dict:
+        """The extend ops' keyword arguments for this case's score features (sinks are passed as an array)."""
+        return dict(sliding_window=self.sliding_window, logit_cap=self.logit_cap)
+
 
 
 CASES = {
@@ -50,6 +66,12 @@ CASES = {
     "E1": Case("E1", "extend", 8, 2048, 2048),
     "E2": Case("E2", "extend", 4, 0, 4096),
     "E3": Case("E3", "extend", 32, 4096, 128),
+    # E1 with the score features of Gemma-2 (window 1024 and soft cap 50 layers) and GPT-OSS (sinks): each beside the
+    # peers with the same feature (FlashInfer's paged prefill takes no sinks).
+    "E1-W1024": Case("E1-W1024", "extend", 8, 2048, 2048, sliding_window=1024),
+    "E1-CAP50": Case("E1-CAP50", "extend", 8, 2048, 2048, logit_cap=50.0),
+    "E1-W1024-CAP50": Case("E1-W1024-CAP50", "extend", 8, 2048, 2048, sliding_window=1024, logit_cap=50.0),
+    "E1-SINKS": Case("E1-SINKS", "extend", 8, 2048, 2048, sinks=True),
     # Tuning cases: one per head-dim family of jaxattn.extend.SM90_CONFIGS other than "128" (E1-E3), E1's lengths
     # unless noted. Run by name (`--cases T64,...`); not in the default extend run.
     "T64": Case("T64", "extend", 8, 2048, 2048, q_heads=32, kv_heads=8, head_dim=64, default=False),

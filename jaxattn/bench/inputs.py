@@ -27,6 +27,7 @@ class Inputs:
     new_slots: object  # jax i32[T]: the slots of the new tokens (out_cache_loc)
     k_new: object
     v_new: object
+    sinks: object = None  # jax f32[Hq] when case.sinks
 
 
 def make_inputs(case: Case, seed: int = 0) -> Inputs:
@@ -69,4 +70,6 @@ def make_inputs(case: Case, seed: int = 0) -> Inputs:
         new_slots=to(new_slots),
         k_new=k_pool[to(new_slots)],
         v_new=v_pool[to(new_slots)],
+        # Near the rows' log-denominators (about 8-9 for ~4096 keys of N(0, 1) scores), so they change the output.
+        sinks=to(rng.normal(8.0, 1.0, case.q_heads).astype(np.float32)) if case.sinks else None,
     )

@@ -105,7 +105,7 @@ def extend_meta(inp: Inputs, unified: bool = False):
 
     case = inp.case
     extend_lens = jnp.full((case.batch,), case.new, jnp.int32)
-    sizes = dict(max_extend_len=case.new, kv_capacity=case.batch * (case.prefix + case.new))
+    sizes = dict(max_extend_len=case.new, kv_capacity=case.batch * (case.prefix + case.new), sliding_window=case.sliding_window)
     if unified:
         return metadata.extend_unified_metadata(inp.req_to_token, inp.req_pool_indices, inp.prefix_lens, extend_lens,
                                                 inp.new_slots, **sizes)
@@ -118,11 +118,13 @@ def extend_jaxattn(inp: Inputs, config=None, unified=False, impl="triton"):
     from jaxattn import extend
 
     meta = extend_meta(inp, unified)
+    features = inp.case.features
     if unified:
-        fn = jax.jit(lambda q, k, v, m: extend.extend_attention_unified(q, k, v, m, config=config))
-        return lambda: fn(inp.q, inp.k_pool, inp.v_pool, meta)
-    fn = jax.jit(lambda q, kn, vn, k, v, m: extend.extend_attention(q, kn, vn, k, v, m, config=config, impl=impl))
-    return lambda: fn(inp.q, inp.k_new, inp.v_new, inp.k_pool, inp.v_pool, meta)
+        fn = jax.jit(lambda q, k, v, m, s: extend.extend_attention_unified(q, k, v, m, sinks=s, config=config, **features))
+        return lambda: fn(inp.q, inp.k_pool, inp.v_pool, meta, inp.sinks)
+    fn = jax.jit(lambda q, kn, vn, k, v, m, s: extend.extend_attention(q, kn, vn, k, v, m, sinks=s, config=config, impl=impl,
+                                                                       **features))
+    return lambda: fn(inp.q, inp.k_new, inp.v_new, inp.k_pool, inp.v_pool, meta, inp.sinks)
 
 
 def extend_mgpu(inp: Inputs, config=None):
@@ -134,8 +136,9 @@ def extend_mgpu(inp: Inputs, config=None):
     if case.head_dim not in (64, 128) or case.dv != case.head_dim:
         raise Skip("the Mosaic GPU kernel takes equal q/k and v head dims of 64 or 128")
     meta = extend_meta(inp)
-    fn = jax.jit(lambda q, kn, vn, k, v, m: extend_attention_mgpu(q, kn, vn, k, v, m, config=config))
-    return lambda: fn(inp.q, inp.k_new, inp.v_new, inp.k_pool, inp.v_pool, meta)
+    features = case.features
+    fn = jax.jit(lambda q, kn, vn, k, v, m, s: extend_attention_mgpu(q, kn, vn, k, v, m, sinks=s, config=config, **features))
+    return lambda: fn(inp.q, inp.k_new, inp.v_new, inp.k_pool, inp.v_pool, meta, inp.sinks)
 
 
 def extend_reference(inp: Inputs):
@@ -145,11 +148,11 @@ def extend_reference(inp: Inputs):
 
     case = inp.case
     fn = jax.jit(
-        lambda q, k, v, qo, kvp, kvi: ragged_paged_attention_reference(
-            q, k, v, qo, kvp, kvi, max_q_len=case.new, max_kv_len=case.prefix + case.new
+        lambda q, k, v, qo, kvp, kvi, s: ragged_paged_attention_reference(
+            q, k, v, qo, kvp, kvi, sinks=s, max_q_len=case.new, max_kv_len=case.prefix + case.new, **case.features
         )
     )
-    return lambda: fn(inp.q, inp.k_pool, inp.v_pool, inp.qo_indptr, inp.kv_indptr, inp.kv_indices)
+    return lambda: fn(inp.q, inp.k_pool, inp.v_pool, inp.qo_indptr, inp.kv_indptr, inp.kv_indices, inp.sinks)
 
 
 def extend_flashinfer(inp: Inputs, backend: str, through_jax: bool = False):
@@ -160,13 +163,17 @@ def extend_flashinfer(inp: Inputs, backend: str, through_jax: bool = False):
         raise Skip("flashinfer not installed")
     if case.v_in_k:
         raise Skip("MLA latent cache: FlashInfer's paged prefill takes separate K and V heads (its MLA wrapper is not wired here)")
+    if case.sinks:
+        raise Skip("FlashInfer's paged prefill (fa2/fa3) takes no attention sinks")
     torch, tv = torch_views(inp)
     workspace = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
     wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend)
     last_page_len = torch.ones(case.batch, dtype=torch.int32, device="cuda")
     wrapper.plan(
         tv["qo_indptr"], tv["kv_indptr"], tv["kv_indices"], last_page_len, case.q_heads, case.kv_heads, case.head_dim, 1,
-        head_dim_vo=case.dv, causal=True, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+        head_dim_vo=case.dv, causal=True, window_left=case.sliding_window,
+        logits_soft_cap=case.logit_cap if case.logit_cap > 0 else None, q_data_type=torch.bfloat16,
+        kv_data_type=torch.bfloat16,
     )
     k = tv["k_pool"].unsqueeze(1)
     v = tv["v_pool"].unsqueeze(1)
@@ -182,6 +189,8 @@ def extend_cudnn(inp: Inputs):
     case = inp.case
     if case.prefix != 0:
         raise Skip("dense only (no cached prefix)")
+    if case.sliding_window >= 0 or case.logit_cap > 0 or case.sinks:
+        raise Skip("plain causal only")
     q = inp.q.reshape(case.batch, case.new, case.q_heads, case.head_dim)
     k = inp.k_new.reshape(case.batch, case.new, case.kv_heads, case.head_dim)
     v = inp.v_new.reshape(case.batch, case.new, case.kv_heads, case.dv)

@@ -101,18 +101,13 @@ class ExtendCall:
 
     @property
     def features(self) -> tuple[str, ...]:
-        """The score features this call uses beyond plain causal attention (names as the decline reasons use)."""
-        used = []
-        if not self.causal:
-            used.append("non-causal")
-        if self.custom_mask is not None:
-            used.append("custom mask")
-        if self.sliding_window >= 0:
-            used.append("sliding window")
-        if self.logit_cap > 0:
-            used.append("soft cap")
-        if self.sinks is not None:
-            used.append("sinks")
-        if self.xai_temperature_len > 0:
-            used.append("xai temperature")
-        return tuple(used)
+        """The score features this call uses beyond plain causal attention (`score_features`)."""
+        return score_features(causal=self.causal, custom_mask=self.custom_mask, sliding_window=self.sliding_window,
+                              logit_cap=self.logit_cap, sinks=self.sinks, xai_temperature_len=self.xai_temperature_len)
+
+
+def score_features(*, causal, custom_mask, sliding_window, logit_cap, sinks, xai_temperature_len) -> tuple[str, ...]:
+    """Names of the score features an extend call uses beyond plain causal attention (the decline reasons' names)."""
+    used = (("non-causal", not causal), ("custom mask", custom_mask is not None), ("sliding window", sliding_window >= 0),
+            ("soft cap", logit_cap > 0), ("sinks", sinks is not None), ("xai temperature", xai_temperature_len > 0))
+    return tuple(name for name, on in used if on)

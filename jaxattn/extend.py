@@ -64,7 +64,6 @@ from jaxattn.tuning.sm90 import EXTEND as SM90_CONFIGS  # noqa: F401  (re-export
 
 IMPLEMENTATIONS = (mgpu_extend.IMPLEMENTATION, triton_extend.TWO_STAGE, triton_extend.UNIFIED)
 CONFIG_TYPES = (ExtendConfig, MgpuExtendConfig)
-IMPLS = tuple(i.name for i in IMPLEMENTATIONS)
 
 _STATIC = ("causal", "skip_prefix_custom_mask", "sliding_window", "logit_cap", "xai_temperature_len", "sm_scale", "config",
            "launch_mode", "mode", "impl")

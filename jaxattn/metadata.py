@@ -356,6 +356,17 @@ def decode_metadata_from_indptr(
 # Extend
 
 
+def _listed_prefix_lists(req_to_token, req_pool_indices, prefix_lens, sliding_window, token_offsets, capacity, index_dtype,
+                         launch_mode):
+    """(listed, dropped, kv_indptr, kv_indices): each sequence's listed prefix (`listed_prefix`) from its token_offsets
+    column on, as CSR lists of pool slots (both extend builders start from these)."""
+    offsets = _offsets(token_offsets, req_pool_indices.shape[0])
+    listed, start = listed_prefix(prefix_lens, sliding_window)
+    kv_indptr, kv_indices = create_kv_indices(req_to_token, req_pool_indices, listed, start + offsets, capacity=capacity,
+                                              index_dtype=index_dtype, launch_mode=launch_mode)
+    return listed, start, kv_indptr, kv_indices
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ExtendMetadata:
@@ -424,12 +435,10 @@ def extend_metadata(
     """
     check_extend_builder_args(req_to_token, req_pool_indices, prefix_lens, extend_lens, max_extend_len, kv_capacity,
                               sliding_window, index_dtype)
-    offsets = _offsets(token_offsets, req_pool_indices.shape[0])
     extend_lens = jnp.maximum(extend_lens.astype(jnp.int32), 0)
-    listed, start = listed_prefix(prefix_lens, sliding_window)
-    kv_indptr, kv_indices = create_kv_indices(
-        req_to_token, req_pool_indices, listed, start + offsets, capacity=kv_capacity, index_dtype=index_dtype, launch_mode=launch_mode_argument(launch_mode, mode)
-    )
+    listed, start, kv_indptr, kv_indices = _listed_prefix_lists(
+        req_to_token, req_pool_indices, prefix_lens, sliding_window, token_offsets, kv_capacity, index_dtype,
+        launch_mode_argument(launch_mode, mode))
     full = listed + start
     return ExtendMetadata(
         qo_indptr=exclusive_cumsum(extend_lens),
@@ -475,12 +484,10 @@ def extend_unified_metadata(
     check_extend_builder_args(req_to_token, req_pool_indices, prefix_lens, extend_lens, max_extend_len, kv_capacity,
                               sliding_window, index_dtype)
     check_array("out_cache_loc", out_cache_loc, ndim=1, dtypes=INDEX_DTYPES, what="[extend_tokens]")
-    offsets = _offsets(token_offsets, req_pool_indices.shape[0])
     extend_lens = jnp.maximum(extend_lens.astype(jnp.int32), 0)
-    listed, start = listed_prefix(prefix_lens, sliding_window)
-    prefix_indptr, prefix_indices = create_kv_indices(
-        req_to_token, req_pool_indices, listed, start + offsets, capacity=kv_capacity, index_dtype=index_dtype, launch_mode=launch_mode_argument(launch_mode, mode)
-    )
+    _, start, prefix_indptr, prefix_indices = _listed_prefix_lists(
+        req_to_token, req_pool_indices, prefix_lens, sliding_window, token_offsets, kv_capacity, index_dtype,
+        launch_mode_argument(launch_mode, mode))
     kv_indptr, kv_indices, listed = build_unified_kv_indices(
         prefix_indptr, prefix_indices, extend_start_loc, extend_lens, out_cache_loc, capacity=kv_capacity,
         index_dtype=index_dtype, launch_mode=launch_mode_argument(launch_mode, mode),

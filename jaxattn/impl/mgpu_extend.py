@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxattn import hardware, tuning
-from jaxattn.calls import ExtendCall
+from jaxattn.calls import ExtendCall, score_features
 from jaxattn.checks import check_array, check_extend_args, check_new_tokens
 from jaxattn.launch import launch_mode as resolve_launch_mode
 from jaxattn.metadata import ExtendMetadata
@@ -73,9 +73,8 @@ def _unsupported(dtype, qk_head_dim, v_head_dim, features, launch_mode) -> str |
 def mgpu_unsupported(q, k_pool, v_pool, *, causal=True, custom_mask=None, sliding_window=-1, logit_cap=0.0, sinks=None,
                      xai_temperature_len=-1, mode=None) -> str | None:
     """Why `extend_attention_mgpu` cannot take this `extend_attention` call, or None when it can (trace time)."""
-    features = tuple(name for name, used in (
-        ("non-causal", not causal), ("custom mask", custom_mask is not None), ("sliding window", sliding_window >= 0),
-        ("soft cap", logit_cap > 0), ("sinks", sinks is not None), ("xai temperature", xai_temperature_len > 0)) if used)
+    features = score_features(causal=causal, custom_mask=custom_mask, sliding_window=sliding_window, logit_cap=logit_cap,
+                              sinks=sinks, xai_temperature_len=xai_temperature_len)
     mode_name = mode if mode not in (None, "gpu") else resolve_launch_mode(mode)
     return _unsupported(q.dtype, q.shape[2], v_pool.shape[2], features, mode_name)
 

@@ -29,6 +29,7 @@ class DecodeCall:
     return_lse: bool
     config: Any  # an implementation's config or None
     launch_mode: str  # "gpu" | "interpret"
+    kv_scales: jax.Array | None = None  # f32[2, kv_heads]: K and V scales of the pool (`jaxattn.fp8`), None: 1
 
     @property
     def batch(self) -> int:
@@ -74,6 +75,7 @@ class ExtendCall:
     sm_scale: float
     config: Any
     launch_mode: str
+    kv_scales: jax.Array | None = None  # f32[2, kv_heads]: K and V scales of the pool (`jaxattn.fp8`), None: 1
 
     @property
     def tokens(self) -> int:

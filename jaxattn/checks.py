@@ -10,8 +10,14 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import functools
+import math
+import numbers
+
 import jax.numpy as jnp
 import numpy as np
+
+from jaxattn.fp8 import FP8_DTYPES
 
 FLOAT_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 INDEX_DTYPES = (jnp.int32, jnp.int64)
@@ -130,12 +136,48 @@ def check_config(config, config_types) -> None:
         raise ValueError(f"config must be {names} or None; got {type(config).__name__}")
 
 
+def check_pool_dtype(name: str, pool, q_dtype) -> None:
+    """A KV pool holds q's dtype, or an fp8 format (e4m3fn / e5m2) that the kernels read directly."""
+    allowed = (q_dtype,) + FP8_DTYPES
+    if not any(jnp.dtype(pool.dtype) == jnp.dtype(d) for d in allowed):
+        raise ValueError(f"{name} must have q's dtype {jnp.dtype(q_dtype).name} or an fp8 format "
+                         f"({dtype_names(FP8_DTYPES)}); got {jnp.dtype(pool.dtype).name}")
+
+
+def check_kv_scale(name: str, scale, kv_heads: int) -> None:
+    """None, a finite Python float > 0, or a float array of shape [] / [1] / [kv_heads] (`jaxattn.fp8`)."""
+    if scale is None:
+        return
+    if hasattr(scale, "shape") and hasattr(scale, "dtype"):
+        if tuple(scale.shape) not in ((), (1,), (kv_heads,)):
+            raise ValueError(f"{name} must be a scalar or have shape ({kv_heads},) (one per kv head); got shape {tuple(scale.shape)}")
+        if not jnp.issubdtype(scale.dtype, jnp.floating):
+            raise ValueError(f"{name} must be a float array; got dtype {jnp.dtype(scale.dtype).name}")
+        return
+    if isinstance(scale, bool) or not (isinstance(scale, numbers.Real) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{name} must be None, a finite float > 0 or a float array [] / [kv_heads] (the pool stores value / scale); got {scale!r}")
+
+
+def checks_float_kv_scales(op):
+    """Decorates a jitted op taking k_scale / v_scale: Python float scales are checked before jit turns them into
+    tracers (a traced value cannot be tested at trace time); array scales are checked inside, with the pool's heads."""
+
+    @functools.wraps(op)
+    def checked_op(*args, k_scale=None, v_scale=None, **kwargs):
+        for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if not hasattr(scale, "shape"):
+                check_kv_scale(name, scale, kv_heads=1)
+        return op(*args, k_scale=k_scale, v_scale=v_scale, **kwargs)
+
+    return checked_op
+
+
 # ---------------------------------------------------------------------------------------------
 # The ops' argument checks (one call per op call, before an implementation is chosen).
 
 
 def check_attention_args(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, sinks=None, custom_mask=None, mask_indptr=None,
-                         sm_scale=None):
+                         sm_scale=None, k_scale=None, v_scale=None):
     """The ragged paged layout shared by the reference and every op. Returns (batch, group_size)."""
     check_sm_scale(sm_scale)
     check_array("q", q, ndim=3, dtypes=FLOAT_DTYPES, what="[tokens, q_heads, qk_head_dim]")
@@ -157,6 +199,8 @@ def check_attention_args(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, si
         if mask_indptr is None:
             raise ValueError("mask_indptr (i64/i32[batch + 1]) is required with custom_mask")
         check_array("mask_indptr", mask_indptr, shape=(batch + 1,), dtypes=INDEX_DTYPES, what="[batch + 1]")
+    check_kv_scale("k_scale", k_scale, kv_heads)
+    check_kv_scale("v_scale", v_scale, kv_heads)
     return batch, q_heads // kv_heads
 
 
@@ -165,15 +209,18 @@ MLA_V_HEAD_DIMS = {576: 512, 288: 256}
 
 
 def check_decode_args(q, k_pool, v_pool, meta, *, meta_type, sinks, v_head_dim, sliding_window, logit_cap=0.0,
-                      xai_temperature_len=-1, sm_scale=None):
+                      xai_temperature_len=-1, sm_scale=None, k_scale=None, v_scale=None):
     """`decode_attention`'s arguments. Returns (batch, q_heads, kv_heads, qk_head_dim, v_head_dim)."""
     check_sm_scale(sm_scale)
     check_array("q", q, ndim=3, dtypes=FLOAT_DTYPES, what="[batch, q_heads, qk_head_dim]")
     batch, q_heads, qk_dim = q.shape
-    check_array("k_pool", k_pool, ndim=3, dtypes=(q.dtype,), what="[slots, kv_heads, qk_head_dim] (q's dtype)")
+    check_array("k_pool", k_pool, ndim=3, what="[slots, kv_heads, qk_head_dim]")
+    check_pool_dtype("k_pool", k_pool, q.dtype)
     slots, kv_heads, _ = k_pool.shape
     check_array("k_pool", k_pool, shape=(None, None, qk_dim), what="[slots, kv_heads, qk_head_dim] (qk_head_dim of q)")
     if v_pool is None:
+        if v_scale is not None:
+            raise ValueError("v_scale must be None when v_pool is None: V is part of K's buffer, scaled by k_scale")
         v_head_dim = MLA_V_HEAD_DIMS.get(qk_dim) if v_head_dim is None else v_head_dim
         if v_head_dim is None or not 0 < v_head_dim <= qk_dim:
             raise ValueError(
@@ -181,7 +228,8 @@ def check_decode_args(q, k_pool, v_pool, meta, *, meta_type, sinks, v_head_dim, 
                 f"(V = the first v_head_dim dims of K); got {v_head_dim!r}"
             )
     else:
-        check_array("v_pool", v_pool, shape=(slots, kv_heads, None), dtypes=(q.dtype,), what="[slots, kv_heads, v_head_dim]")
+        check_array("v_pool", v_pool, shape=(slots, kv_heads, None), what="[slots, kv_heads, v_head_dim]")
+        check_pool_dtype("v_pool", v_pool, q.dtype)
         if v_head_dim is not None and v_head_dim != v_pool.shape[2]:
             raise ValueError(f"v_head_dim ({v_head_dim}) must match v_pool.shape[2] ({v_pool.shape[2]}) or be None")
         v_head_dim = v_pool.shape[2]
@@ -196,6 +244,8 @@ def check_decode_args(q, k_pool, v_pool, meta, *, meta_type, sinks, v_head_dim, 
         check_array("sinks", sinks, shape=(q_heads,), dtypes=FLOAT_DTYPES, what="[q_heads]")
     check_window("sliding_window", sliding_window)
     check_score_options(logit_cap, xai_temperature_len)
+    check_kv_scale("k_scale", k_scale, kv_heads)
+    check_kv_scale("v_scale", v_scale, kv_heads)
     if meta.sliding_window >= 0 and sliding_window > meta.sliding_window:
         raise ValueError(
             f"sliding_window ({sliding_window}) must not exceed meta.sliding_window ({meta.sliding_window}): the KV "
@@ -205,21 +255,21 @@ def check_decode_args(q, k_pool, v_pool, meta, *, meta_type, sinks, v_head_dim, 
 
 
 def check_extend_args(q, k_pool, v_pool, meta, *, meta_type, builder, custom_mask, sinks, sliding_window, config=None,
-                      config_types=(), logit_cap=0.0, xai_temperature_len=-1, sm_scale=None):
+                      config_types=(), logit_cap=0.0, xai_temperature_len=-1, sm_scale=None, k_scale=None, v_scale=None):
     """The arguments both extend forms share (`extend_attention`, `extend_attention_unified`). Returns the batch."""
     check_array("q", q, ndim=3, dtypes=FLOAT_DTYPES, what="[tokens, q_heads, qk_head_dim]")
     check_meta(meta, meta_type, builder)
     batch, _ = check_attention_args(q, k_pool, v_pool, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, sinks, custom_mask,
-                                    meta.mask_indptr if custom_mask is not None else None, sm_scale=sm_scale)
+                                    meta.mask_indptr if custom_mask is not None else None, sm_scale=sm_scale,
+                                    k_scale=k_scale, v_scale=v_scale)
     check_head_dims(q.shape[2], v_pool.shape[2], qk_name="qk_head_dim (q.shape[2])", v_name="v_head_dim (v_pool.shape[2])")
     check_array("meta.kv_start_pos", meta.kv_start_pos, shape=(batch,), dtypes=INDEX_DTYPES, what="[batch]")
     check_array("meta.kv_indices", meta.kv_indices, shape=(meta.kv_capacity,), what="[meta.kv_capacity]")
     check_positive_int("meta.max_extend_len", meta.max_extend_len)
     check_window("sliding_window", sliding_window)
     check_score_options(logit_cap, xai_temperature_len)
-    for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
-        if jnp.dtype(pool.dtype) != jnp.dtype(q.dtype):
-            raise ValueError(f"{name} must have q's dtype {jnp.dtype(q.dtype).name}; got {jnp.dtype(pool.dtype).name}")
+    check_pool_dtype("k_pool", k_pool, q.dtype)
+    check_pool_dtype("v_pool", v_pool, q.dtype)
     if custom_mask is not None:
         check_array("custom_mask", custom_mask, ndim=1, dtypes=MASK_DTYPES, what="[mask_len]")
     if meta.sliding_window >= 0 and not (0 <= sliding_window <= meta.sliding_window):

@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn.calls import DecodeCall
-from jaxattn.checks import check_decode_args, launch_mode_argument
+from jaxattn.checks import check_decode_args, checks_float_kv_scales, launch_mode_argument
+from jaxattn.fp8 import kv_scale_table
 from jaxattn.impl import triton_decode
 from jaxattn.launch import launch_mode as resolve_launch_mode
 from jaxattn.metadata import (  # noqa: F401  (re-exported: the builders' documented home before jaxattn.metadata)
@@ -62,6 +63,7 @@ def _effective_window(meta, sliding_window):
     return sliding_window if sliding_window >= 0 else meta.sliding_window
 
 
+@checks_float_kv_scales
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "logit_cap", "xai_temperature_len", "sliding_window", "return_lse", "v_head_dim",
@@ -84,13 +86,17 @@ def decode_attention(
     launch_mode: str | None = None,
     impl: str | None = None,
     mode: str | None = None,
+    k_scale=None,
+    v_scale=None,
 ):
     """Attention of one query per sequence over its paged KV list.
 
     Args:
       q: [batch, q_heads, qk_head_dim] f32/f16/bf16 (batch = meta's max_batch; padding rows give 0).
-      k_pool: [slots, kv_heads, qk_head_dim], q's dtype. q head h reads kv head h // (q_heads // kv_heads).
-      v_pool: [slots, kv_heads, v_head_dim], q's dtype; or None when V is the first `v_head_dim` dims of K (MLA).
+      k_pool: [slots, kv_heads, qk_head_dim], q's dtype or fp8 (e4m3fn / e5m2, read directly: `jaxattn.fp8`).
+        q head h reads kv head h // (q_heads // kv_heads).
+      v_pool: [slots, kv_heads, v_head_dim], q's dtype or fp8; or None when V is the first `v_head_dim` dims of K
+        (MLA).
       meta: `DecodeMetadata` of the batch.
       sm_scale: default 1 / sqrt(qk_head_dim).
       logit_cap: > 0 soft-caps the scores: cap * tanh(s / cap).
@@ -102,6 +108,8 @@ def decode_attention(
       config: a `DecodeConfig` overriding the tuned table (for sweeps).
       launch_mode: "gpu", "interpret" or None (automatic); `mode` is its old name.
       impl: None (the first of `IMPLEMENTATIONS` that takes the call) or an implementation's name ("triton").
+      k_scale, v_scale: the pools hold K / k_scale and V / v_scale: None (1), a float > 0 or a float array [] /
+        [kv_heads] (traced). k_scale joins the score scale, v_scale the output.
 
     Returns:
       o: [batch, q_heads, v_head_dim] in q's dtype, and with return_lse f32[batch, q_heads].
@@ -109,6 +117,7 @@ def decode_attention(
     batch, q_heads, kv_heads, qk_dim, v_dim = check_decode_args(
         q, k_pool, v_pool, meta, meta_type=DecodeMetadata, sinks=sinks, v_head_dim=v_head_dim,
         sliding_window=sliding_window, logit_cap=logit_cap, xai_temperature_len=xai_temperature_len, sm_scale=sm_scale,
+        k_scale=k_scale, v_scale=v_scale,
     )
     call = DecodeCall(
         q=q, k_pool=k_pool, v_pool=v_pool, meta=meta, sinks=sinks,
@@ -116,22 +125,24 @@ def decode_attention(
         xai_temperature_len=int(xai_temperature_len), sliding_window=_effective_window(meta, sliding_window),
         v_head_dim=v_dim, return_lse=return_lse, config=config,
         launch_mode=resolve_launch_mode(launch_mode_argument(launch_mode, mode)),
+        kv_scales=kv_scale_table(k_scale, k_scale if v_pool is None else v_scale, kv_heads),
     )
     return select(IMPLEMENTATIONS, call, impl).run(call)
 
 
 def decode_attention_reference(
     q, k_pool, v_pool, meta, *, sm_scale=None, logit_cap=0.0, sinks=None, xai_temperature_len=-1, sliding_window=-1,
-    return_lse=False, v_head_dim=None, config=None, launch_mode=None, impl=None, mode=None,
+    return_lse=False, v_head_dim=None, config=None, launch_mode=None, impl=None, mode=None, k_scale=None, v_scale=None,
 ):
     """`decode_attention` on the pure-jnp reference (same arguments; config, launch_mode and impl are ignored)."""
     del config, launch_mode, impl, mode
     batch, q_heads, kv_heads, qk_dim, v_dim = check_decode_args(
         q, k_pool, v_pool, meta, meta_type=DecodeMetadata, sinks=sinks, v_head_dim=v_head_dim,
         sliding_window=sliding_window, logit_cap=logit_cap, xai_temperature_len=xai_temperature_len, sm_scale=sm_scale,
+        k_scale=k_scale, v_scale=v_scale,
     )
-    if v_pool is None:
-        v_pool = k_pool[..., :v_dim]
+    if v_pool is None:  # V is K's first v_dim dims, scaled by k_scale
+        v_pool, v_scale = k_pool[..., :v_dim], k_scale
     window = _effective_window(meta, sliding_window)
     kv_indptr = meta.kv_indptr.astype(jnp.int32)
     kv_lens = kv_indptr[1:] - kv_indptr[:-1]
@@ -144,5 +155,5 @@ def decode_attention_reference(
         q, k_pool, v_pool, jnp.arange(batch + 1, dtype=jnp.int32), kv_indptr, meta.kv_indices,
         causal=True, sliding_window=window, logit_cap=logit_cap, sinks=sinks, xai_temperature_len=xai_temperature_len,
         sm_scale=sm_scale, kv_start_pos=meta.seq_lens.astype(jnp.int32) - kv_lens, max_q_len=1,
-        max_kv_len=max_kv_len, return_lse=return_lse,
+        max_kv_len=max_kv_len, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale,
     )

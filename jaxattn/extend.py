@@ -39,7 +39,15 @@ import jax
 import jax.numpy as jnp
 
 from jaxattn.calls import ExtendCall
-from jaxattn.checks import INDEX_DTYPES, check_array, check_extend_args, check_new_tokens, launch_mode_argument
+from jaxattn.checks import (
+    INDEX_DTYPES,
+    check_array,
+    check_extend_args,
+    check_new_tokens,
+    checks_float_kv_scales,
+    launch_mode_argument,
+)
+from jaxattn.fp8 import kv_scale_table
 from jaxattn.impl import mgpu_extend, triton_extend
 from jaxattn.kv_indices import build_unified_kv_indices_reference
 from jaxattn.launch import launch_mode as resolve_launch_mode
@@ -70,17 +78,18 @@ _STATIC = ("causal", "skip_prefix_custom_mask", "sliding_window", "logit_cap", "
 
 
 def _call(form, q, k_new, v_new, k_pool, v_pool, meta, kv_start_pos, *, causal, custom_mask, skip_prefix_custom_mask,
-          sliding_window, logit_cap, sinks, xai_temperature_len, sm_scale, config, launch_mode):
+          sliding_window, logit_cap, sinks, xai_temperature_len, sm_scale, config, launch_mode, k_scale, v_scale):
     return ExtendCall(
         form=form, q=q, k_new=k_new, v_new=v_new, k_pool=k_pool, v_pool=v_pool, meta=meta, kv_start_pos=kv_start_pos,
         causal=bool(causal), custom_mask=custom_mask, skip_prefix_custom_mask=bool(skip_prefix_custom_mask),
         sliding_window=int(sliding_window), logit_cap=float(logit_cap), sinks=sinks,
         xai_temperature_len=int(xai_temperature_len),
         sm_scale=1.0 / math.sqrt(q.shape[2]) if sm_scale is None else float(sm_scale), config=config,
-        launch_mode=resolve_launch_mode(launch_mode),
+        launch_mode=resolve_launch_mode(launch_mode), kv_scales=kv_scale_table(k_scale, v_scale, v_pool.shape[1]),
     )
 
 
+@checks_float_kv_scales
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def extend_attention(
     q: jax.Array,
@@ -102,6 +111,8 @@ def extend_attention(
     launch_mode: str | None = None,
     impl: str | None = None,
     mode: str | None = None,
+    k_scale=None,
+    v_scale=None,
 ) -> jax.Array:
     """Two-stage extend attention (SGLang's extend_attention_fwd): cached prefix from the pool, new tokens contiguous.
 
@@ -112,7 +123,8 @@ def extend_attention(
     Args:
       q: [tokens, q_heads, qk_head_dim] f32/f16/bf16: the new tokens' queries, sequence b at meta.qo_indptr[b]:[b+1].
       k_new: [tokens, kv_heads, qk_head_dim], v_new: [tokens, kv_heads, v_head_dim]: the new tokens' K/V (q's dtype).
-      k_pool: [slots, kv_heads, qk_head_dim], v_pool: [slots, kv_heads, v_head_dim]: the cache (q's dtype).
+      k_pool: [slots, kv_heads, qk_head_dim], v_pool: [slots, kv_heads, v_head_dim]: the cache (q's dtype, or fp8
+        e4m3fn / e5m2 read directly, `jaxattn.fp8`).
         q head h reads kv head h // (q_heads // kv_heads). qk_head_dim 576/288/192 split off a rope part (MLA).
       meta: `ExtendMetadata` (see `extend_metadata`).
       causal: causal among the new tokens (every prefix key precedes every query). Ignored with a custom mask.
@@ -128,21 +140,25 @@ def extend_attention(
       launch_mode: "gpu", "interpret" or None (automatic); `mode` is its old name.
       impl: None (pick as above) or an implementation's name ("mgpu", "triton"); raises with the reason when that
         implementation cannot take the call.
+      k_scale, v_scale: the pools hold K / k_scale and V / v_scale: None (1), a float > 0 or a float array [] /
+        [kv_heads] (traced). They scale the cached prefix only: k_new / v_new are the step's own values.
 
     Returns:
       o: [tokens, q_heads, v_head_dim] in q's dtype; rows past qo_indptr[-1] are 0.
     """
     check_extend_args(q, k_pool, v_pool, meta, meta_type=ExtendMetadata, builder="extend_metadata", custom_mask=custom_mask,
                       sinks=sinks, sliding_window=sliding_window, config=config, config_types=CONFIG_TYPES,
-                      logit_cap=logit_cap, xai_temperature_len=xai_temperature_len, sm_scale=sm_scale)
+                      logit_cap=logit_cap, xai_temperature_len=xai_temperature_len, sm_scale=sm_scale,
+                      k_scale=k_scale, v_scale=v_scale)
     check_new_tokens(q, k_new, v_new, k_pool, v_pool)
     call = _call("two_stage", q, k_new, v_new, k_pool, v_pool, meta, meta.kv_start_pos, causal=causal,
                  custom_mask=custom_mask, skip_prefix_custom_mask=skip_prefix_custom_mask, sliding_window=sliding_window,
                  logit_cap=logit_cap, sinks=sinks, xai_temperature_len=xai_temperature_len, sm_scale=sm_scale,
-                 config=config, launch_mode=launch_mode_argument(launch_mode, mode))
+                 config=config, launch_mode=launch_mode_argument(launch_mode, mode), k_scale=k_scale, v_scale=v_scale)
     return select(IMPLEMENTATIONS, call, impl).run(call)
 
 
+@checks_float_kv_scales
 @functools.partial(jax.jit, static_argnames=tuple(s for s in _STATIC if s != "skip_prefix_custom_mask"))
 def extend_attention_unified(
     q: jax.Array,
@@ -163,6 +179,8 @@ def extend_attention_unified(
     impl: str | None = None,
     mode: str | None = None,
     window_start_pos: jax.Array | None = None,
+    k_scale=None,
+    v_scale=None,
 ) -> jax.Array:
     """Deterministic one-stage extend attention (SGLang's extend_attention_fwd_unified), all keys through the pool.
 
@@ -175,27 +193,28 @@ def extend_attention_unified(
         meta.kv_start_pos); `window_start_pos` is its old name.
       causal, sliding_window, logit_cap, sinks, xai_temperature_len, sm_scale, config, launch_mode, impl: as
         `extend_attention` (implementations of the unified form: "triton-unified").
+      k_scale, v_scale: as `extend_attention`; here they scale every key and value (all come from the pool).
 
     Returns:
       o: [tokens, q_heads, v_head_dim] in q's dtype; rows past qo_indptr[-1] are 0. For a fixed config.block_n a
       token's row is bit-identical however its sequence is split into prefix and new tokens.
     """
     kv_start_pos = _unified_start_pos(q, k_pool, v_pool, meta, custom_mask, sinks, sliding_window, config, logit_cap,
-                                      xai_temperature_len, kv_start_pos, window_start_pos, sm_scale)
+                                      xai_temperature_len, kv_start_pos, window_start_pos, sm_scale, k_scale, v_scale)
     call = _call("unified", q, None, None, k_pool, v_pool, meta, kv_start_pos, causal=causal, custom_mask=custom_mask,
                  skip_prefix_custom_mask=False, sliding_window=sliding_window, logit_cap=logit_cap, sinks=sinks,
                  xai_temperature_len=xai_temperature_len, sm_scale=sm_scale, config=config,
-                 launch_mode=launch_mode_argument(launch_mode, mode))
+                 launch_mode=launch_mode_argument(launch_mode, mode), k_scale=k_scale, v_scale=v_scale)
     return select(IMPLEMENTATIONS, call, impl).run(call)
 
 
 def _unified_start_pos(q, k_pool, v_pool, meta, custom_mask, sinks, sliding_window, config, logit_cap,
-                       xai_temperature_len, kv_start_pos, window_start_pos, sm_scale=None):
+                       xai_temperature_len, kv_start_pos, window_start_pos, sm_scale=None, k_scale=None, v_scale=None):
     """Checks the unified form's arguments; returns the start positions it uses."""
     batch = check_extend_args(q, k_pool, v_pool, meta, meta_type=ExtendUnifiedMetadata, builder="extend_unified_metadata",
                               custom_mask=custom_mask, sinks=sinks, sliding_window=sliding_window, config=config,
                               config_types=CONFIG_TYPES, logit_cap=logit_cap, xai_temperature_len=xai_temperature_len,
-                              sm_scale=sm_scale)
+                              sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale)
     check_array("meta.prefix_lens", meta.prefix_lens, shape=(batch,), dtypes=INDEX_DTYPES, what="[batch]")
     name = "kv_start_pos"
     if window_start_pos is not None:
@@ -215,26 +234,34 @@ def _unified_start_pos(q, k_pool, v_pool, meta, custom_mask, sinks, sliding_wind
 def extend_attention_reference(
     q, k_new, v_new, k_pool, v_pool, meta, *, causal=True, custom_mask=None, skip_prefix_custom_mask=True, sliding_window=-1,
     logit_cap=0.0, sinks=None, xai_temperature_len=-1, sm_scale=None, config=None, launch_mode=None, impl=None, mode=None,
+    k_scale=None, v_scale=None,
 ):
     """Pure-jnp twin of `extend_attention` (`config`, `launch_mode`, `impl` ignored).
 
-    The new tokens are appended to a copy of the pool (token t at slot slots + t), each sequence's key list is its listed
-    prefix then its new slots, and the custom mask is re-cut to those listed columns.
+    The listed prefix rows are gathered (and scaled, for fp8 pools) into one float32 buffer, the new tokens appended
+    (entry e of meta.kv_indices at row e, token t at row kv_capacity + t), each sequence's key list is its listed
+    prefix then its new rows, and the custom mask is re-cut to those listed columns. No pool-sized copy.
     """
     del config, launch_mode, impl, mode
     check_extend_args(q, k_pool, v_pool, meta, meta_type=ExtendMetadata, builder="extend_metadata", custom_mask=custom_mask,
                       sinks=sinks, sliding_window=sliding_window, logit_cap=logit_cap,
-                      xai_temperature_len=xai_temperature_len)
+                      xai_temperature_len=xai_temperature_len, k_scale=k_scale, v_scale=v_scale)
     check_new_tokens(q, k_new, v_new, k_pool, v_pool)
-    tokens, slots = q.shape[0], k_pool.shape[0]
-    k_all = jnp.concatenate([k_pool, k_new])
-    v_all = jnp.concatenate([v_pool, v_new])
+    tokens, slots, capacity = q.shape[0], k_pool.shape[0], meta.kv_capacity
+    scales = kv_scale_table(k_scale, v_scale, v_pool.shape[1])
+    prefix_slots = jnp.clip(meta.kv_indices.astype(jnp.int32), 0, slots - 1)  # the reference's slot rule
+    k_prefix = k_pool[prefix_slots].astype(jnp.float32)
+    v_prefix = v_pool[prefix_slots].astype(jnp.float32)
+    if scales is not None:
+        k_prefix = k_prefix * scales[0][None, :, None]
+        v_prefix = v_prefix * scales[1][None, :, None]
+    k_all = jnp.concatenate([k_prefix, k_new.astype(jnp.float32)])
+    v_all = jnp.concatenate([v_prefix, v_new.astype(jnp.float32)])
     qo_indptr = meta.qo_indptr.astype(jnp.int32)
     extend_lens = qo_indptr[1:] - qo_indptr[:-1]
-    capacity = meta.kv_capacity + max(tokens, 1)
     kv_indptr, kv_indices, listed = build_unified_kv_indices_reference(
-        meta.kv_indptr.astype(jnp.int32), meta.kv_indices, qo_indptr[:-1], extend_lens,
-        slots + jnp.arange(max(tokens, 1), dtype=jnp.int32), capacity=capacity,
+        meta.kv_indptr.astype(jnp.int32), jnp.arange(capacity, dtype=jnp.int32), qo_indptr[:-1], extend_lens,
+        capacity + jnp.arange(max(tokens, 1), dtype=jnp.int32), capacity=capacity + max(tokens, 1),
     )
     mask, mask_indptr = None, None
     if custom_mask is not None:
@@ -251,16 +278,17 @@ def extend_attention_reference(
 def extend_attention_unified_reference(
     q, k_pool, v_pool, meta, *, causal=True, custom_mask=None, sliding_window=-1, logit_cap=0.0, sinks=None,
     xai_temperature_len=-1, sm_scale=None, kv_start_pos=None, config=None, launch_mode=None, impl=None, mode=None,
-    window_start_pos=None,
+    window_start_pos=None, k_scale=None, v_scale=None,
 ):
     """Pure-jnp twin of `extend_attention_unified` (`config`, `launch_mode`, `impl` ignored)."""
     del launch_mode, impl, mode
     start_pos = _unified_start_pos(q, k_pool, v_pool, meta, custom_mask, sinks, sliding_window, config, logit_cap,
-                                   xai_temperature_len, kv_start_pos, window_start_pos)
+                                   xai_temperature_len, kv_start_pos, window_start_pos, k_scale=k_scale, v_scale=v_scale)
     return ragged_paged_attention_reference(
         q, k_pool, v_pool, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, causal=causal,
         custom_mask=None if custom_mask is None else custom_mask.astype(bool),
         mask_indptr=None if custom_mask is None else meta.mask_indptr, sliding_window=sliding_window,
         logit_cap=logit_cap, sinks=sinks, xai_temperature_len=xai_temperature_len, sm_scale=sm_scale,
-        kv_start_pos=start_pos, max_q_len=meta.max_extend_len, max_kv_len=meta.kv_capacity,
+        kv_start_pos=start_pos, max_q_len=meta.max_extend_len, max_kv_len=meta.kv_capacity, k_scale=k_scale,
+        v_scale=v_scale,
     )

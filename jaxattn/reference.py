@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn.checks import check_attention_args
+from jaxattn.fp8 import kv_scale_table
 
 
 def xai_temperature_scale(positions: jax.Array, xai_temperature_len: int) -> jax.Array:
@@ -77,6 +78,8 @@ def ragged_paged_attention_reference(
     max_kv_len: int | None = None,
     return_lse: bool = False,
     kv_start_positions: jax.Array | None = None,
+    k_scale=None,
+    v_scale=None,
 ):
     """Attention of every query over its sequence's listed keys (see the module docstring for semantics).
 
@@ -92,13 +95,15 @@ def ragged_paged_attention_reference(
         `kv_start_positions` is its old name.
       max_q_len, max_kv_len: static bounds on per-sequence lengths; required under jit, inferred otherwise.
       return_lse: also return the natural-log LSE.
+      k_scale, v_scale: the pools hold K / k_scale and V / v_scale (fp8 pools, `jaxattn.fp8`): None (1), a float or
+        a float array [] / [kv_heads]. Only the listed rows are scaled (in float32), never the whole pool.
 
     Returns:
       o: [tokens, q_heads, v_head_dim] in q's dtype (rows past qo_indptr[-1] are 0), and with return_lse
       f32[tokens, q_heads].
     """
     batch, group = check_attention_args(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, sinks, custom_mask, mask_indptr,
-                                        sm_scale=sm_scale)
+                                        sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale)
     tokens, q_heads, qk_dim = q.shape
     kv_heads, v_dim = v_pool.shape[1], v_pool.shape[2]
     max_q_len = _static_max_len(qo_indptr, max_q_len, "max_q_len")
@@ -112,6 +117,7 @@ def ragged_paged_attention_reference(
         kv_start_pos = kv_start_positions
     starts = jnp.zeros((batch,), jnp.int32) if kv_start_pos is None else kv_start_pos.astype(jnp.int32)
     num_slots = k_pool.shape[0]
+    scales = kv_scale_table(k_scale, v_scale, kv_heads)  # f32[2, kv_heads] or None
 
     def one_sequence(b):
         q_start, q_len = qo_indptr[b], qo_indptr[b + 1] - qo_indptr[b]
@@ -125,8 +131,13 @@ def ragged_paged_attention_reference(
         slots = jnp.clip(slots, 0, num_slots - 1)
         qb = q[q_rows].astype(jnp.float32)  # [Q, Hq, D]
         # Rows past the list's end are zeroed: the slots there are arbitrary and may hold NaN (0 * NaN = NaN).
-        kb = jnp.where(k_valid[:, None, None], k_pool[slots].astype(jnp.float32), 0.0)  # [K, Hkv, D]
-        vb = jnp.where(k_valid[:, None, None], v_pool[slots].astype(jnp.float32), 0.0)  # [K, Hkv, Dv]
+        kb = k_pool[slots].astype(jnp.float32)  # [K, Hkv, D]
+        vb = v_pool[slots].astype(jnp.float32)  # [K, Hkv, Dv]
+        if scales is not None:
+            kb = kb * scales[0][None, :, None]
+            vb = vb * scales[1][None, :, None]
+        kb = jnp.where(k_valid[:, None, None], kb, 0.0)
+        vb = jnp.where(k_valid[:, None, None], vb, 0.0)
         qb = qb.reshape(max_q_len, kv_heads, group, qk_dim)
         s = jnp.einsum("qhgd,khd->hgqk", qb, kb, precision=jax.lax.Precision.HIGHEST) * sm_scale
         if logit_cap > 0:

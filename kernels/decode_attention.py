@@ -15,10 +15,16 @@ Indices are not trusted (issue 21): KV_INDPTR ranges are cut to [0, KV_CAPACITY]
 slot outside [0, NUM_SLOTS) reads the padding slot 0. NaN is not trusted away either: "no keys" is tested as l == 0
 (stage 1) and denom == 0 (stage 2), so NaN in q, a visited K/V or the scale gives a NaN row (NaN LSE for NaN scores),
 while an empty split or row still gives 0 and LSE -inf.
+
+fp8 pools (HAS_KV_SCALES): K/V rows load as fp8 and convert to q's dtype (exact); KV_SCALES[0, kv_head] multiplies the
+scores (folded into the scale the scores are multiplied by anyway) and KV_SCALES[1, kv_head] the split's output. For
+16-bit pools HAS_KV_SCALES is False and the code is the same as without scales.
 """
 
 import triton
 import triton.language as tl
+
+from jaxattn.kernels.kv_scales import load_kv_scales
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -84,10 +90,10 @@ def _checked_slots(slots, NUM_SLOTS: tl.constexpr):
 
 
 @triton.jit
-def _logit_scale(SEQ_LENS, seq, SM_SCALE: tl.constexpr, LOGIT_CAP: tl.constexpr, XAI_TEMPERATURE_LEN: tl.constexpr,
+def _logit_scale(SEQ_LENS, seq, sm_scale, LOGIT_CAP: tl.constexpr, XAI_TEMPERATURE_LEN: tl.constexpr,
                  XAI_INV_LOG2_LEN: tl.constexpr):
     """The factor that turns a (soft-capped) q.k into a base-2 logit: xai temperature, log2(e) and, without a cap, the
-    softmax scale folded into one multiply."""
+    softmax scale (k_scale included) folded into one multiply."""
     if XAI_TEMPERATURE_LEN > 0:
         q_pos = (tl.load(SEQ_LENS + seq) - 1).to(tl.float32)
         xai = tl.where(q_pos > XAI_TEMPERATURE_LEN, tl.log2(tl.maximum(q_pos, 1.0)) * XAI_INV_LOG2_LEN, 1.0)
@@ -95,13 +101,13 @@ def _logit_scale(SEQ_LENS, seq, SM_SCALE: tl.constexpr, LOGIT_CAP: tl.constexpr,
         xai = 1.0
     if LOGIT_CAP > 0:
         return xai * LOG2E
-    return xai * (SM_SCALE * LOG2E)
+    return xai * (sm_scale * LOG2E)
 
 
 @triton.jit
-def _soft_cap(qk, SM_SCALE: tl.constexpr, LOGIT_CAP: tl.constexpr):
+def _soft_cap(qk, sm_scale, LOGIT_CAP: tl.constexpr):
     # cap * tanh(s / cap), with tanh(x) = 2 * sigmoid(2x) - 1 (saturates cleanly at +-1).
-    qk = qk * SM_SCALE
+    qk = qk * sm_scale
     return LOGIT_CAP * (2.0 / (1.0 + tl.exp(-2.0 * (qk / LOGIT_CAP))) - 1.0)
 
 
@@ -114,6 +120,7 @@ def decode_stage1_kernel(
     KV_INDICES,  # i32/i64[kv_capacity]
     NUM_KV_SPLITS,  # i32[batch]
     SEQ_LENS,  # i32[batch]: full sequence length; the query sits at position SEQ_LENS[b] - 1
+    KV_SCALES,  # f32[2, kv_heads]: K and V scales of the pool (read only if HAS_KV_SCALES)
     MID_O,  # out: f32[batch, q_heads, MAX_KV_SPLITS, v_head_dim], per-split normalised output
     MID_LSE,  # out: f32[batch, q_heads, MAX_KV_SPLITS], per-split natural-log LSE
     SM_SCALE: tl.constexpr,
@@ -140,6 +147,7 @@ def decode_stage1_kernel(
     DOT_PRECISION: tl.constexpr,
     NUM_SLOTS: tl.constexpr,  # pool rows: slots outside [0, NUM_SLOTS) read slot 0
     KV_CAPACITY: tl.constexpr,  # length of KV_INDICES: KV_INDPTR is clamped into it
+    HAS_KV_SCALES: tl.constexpr,  # fp8 pool: apply KV_SCALES
 ):
     tl.static_assert(BLOCK_H >= 16, "tl.dot needs at least 16 rows")
     tl.static_assert(BLOCK_N >= 16, "tl.dot needs at least 16 columns")
@@ -147,6 +155,7 @@ def decode_stage1_kernel(
     tl.static_assert(BLOCK_DV >= V_HEAD_DIM)
     tl.static_assert((not V_FROM_K) or (BLOCK_DV == BLOCK_D and V_HEAD_DIM == BLOCK_D))
     HEAD_BLOCKS_PER_KV: tl.constexpr = (GROUP + BLOCK_H - 1) // BLOCK_H
+    KV_HEADS: tl.constexpr = Q_HEADS // GROUP
 
     seq = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
@@ -173,7 +182,9 @@ def decode_stage1_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < V_HEAD_DIM
 
-    post_scale = _logit_scale(SEQ_LENS, seq, SM_SCALE, LOGIT_CAP, XAI_TEMPERATURE_LEN, XAI_INV_LOG2_LEN)
+    k_scale, v_scale = load_kv_scales(KV_SCALES, kv_head, KV_HEADS, HAS_KV_SCALES)
+    sm_scale = SM_SCALE * k_scale
+    post_scale = _logit_scale(SEQ_LENS, seq, sm_scale, LOGIT_CAP, XAI_TEMPERATURE_LEN, XAI_INV_LOG2_LEN)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, log2 domain
     l_i = tl.full([BLOCK_H], 0.0, tl.float32)
@@ -187,13 +198,13 @@ def decode_stage1_kernel(
         # int64 slots: slot * stride can pass 2**31 on big pools.
         slots = _checked_slots(tl.load(kv_base + offs_n, mask=mask_n, other=0).to(tl.int64), NUM_SLOTS)
         k_rows = k_head + slots[:, None] * STRIDE_K_SLOT
-        k = tl.load(k_rows + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N] f32
+        k = tl.load(k_rows + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(q.dtype)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N] f32
         if BLOCK_DPE > 0:
             k_pe = tl.load(k_rows + offs_dpe[None, :], mask=mask_n[:, None] & mask_dpe[None, :], other=0.0)
             qk += tl.dot(q_pe, tl.trans(k_pe.to(q_pe.dtype)), input_precision=DOT_PRECISION)
         if LOGIT_CAP > 0:
-            qk = _soft_cap(qk, SM_SCALE, LOGIT_CAP)
+            qk = _soft_cap(qk, sm_scale, LOGIT_CAP)
         qk = qk * post_scale
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
 
@@ -208,14 +219,16 @@ def decode_stage1_kernel(
         else:
             v = tl.load(
                 v_head + slots[:, None] * STRIDE_V_SLOT + offs_dv[None, :], mask=mask_n[:, None] & mask_dv[None, :], other=0.0
-            )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            ).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     # "No keys" is l == 0 exactly; a NaN l (NaN in q, a visited K/V or the scale) is not hidden: it stays NaN.
     has_keys = l_i != 0
     safe_l = tl.where(has_keys, l_i, 1.0)
     out = acc / safe_l[:, None]
+    if HAS_KV_SCALES:
+        out = out * v_scale
     lse = tl.where(has_keys, (m_i + tl.log2(safe_l)) * LN2, float("-inf"))
     row = (seq * Q_HEADS + heads) * MAX_KV_SPLITS + split  # [BLOCK_H]
     tl.store(MID_O + row[:, None] * V_HEAD_DIM + offs_dv[None, :], out, mask=(mask_h & non_empty)[:, None] & mask_dv[None, :])
@@ -231,6 +244,7 @@ def decode_stage1_vector_kernel(
     KV_INDICES,  # i32/i64[kv_capacity]
     NUM_KV_SPLITS,  # i32[batch]
     SEQ_LENS,  # i32[batch]
+    KV_SCALES,  # f32[2, kv_heads] (read only if HAS_KV_SCALES)
     MID_O,  # out: f32[batch, q_heads, MAX_KV_SPLITS, v_head_dim]
     MID_LSE,  # out: f32[batch, q_heads, MAX_KV_SPLITS]
     SM_SCALE: tl.constexpr,
@@ -254,6 +268,7 @@ def decode_stage1_vector_kernel(
     MIN_BLOCK_KV: tl.constexpr,
     NUM_SLOTS: tl.constexpr,
     KV_CAPACITY: tl.constexpr,
+    HAS_KV_SCALES: tl.constexpr,
 ):
     """Stage 1 for one q head per program (MHA, GROUP == 1): q.k and p.v as multiply-and-sum, no tl.dot.
 
@@ -279,7 +294,9 @@ def decode_stage1_vector_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < V_HEAD_DIM
 
-    post_scale = _logit_scale(SEQ_LENS, seq, SM_SCALE, LOGIT_CAP, XAI_TEMPERATURE_LEN, XAI_INV_LOG2_LEN)
+    k_scale, v_scale = load_kv_scales(KV_SCALES, kv_head, Q_HEADS // GROUP, HAS_KV_SCALES)
+    sm_scale = SM_SCALE * k_scale
+    post_scale = _logit_scale(SEQ_LENS, seq, sm_scale, LOGIT_CAP, XAI_TEMPERATURE_LEN, XAI_INV_LOG2_LEN)
 
     m_i = float("-inf")  # running max, log2 domain
     l_i = 0.0
@@ -299,7 +316,7 @@ def decode_stage1_vector_kernel(
             k_pe = tl.load(k_rows + offs_dpe[None, :], mask=mask_n[:, None] & mask_dpe[None, :], other=0.0)
             qk += tl.reduce(q_pe[None, :] * k_pe.to(tl.float32), 1, _sum_combine)
         if LOGIT_CAP > 0:
-            qk = _soft_cap(qk, SM_SCALE, LOGIT_CAP)
+            qk = _soft_cap(qk, sm_scale, LOGIT_CAP)
         qk = qk * post_scale
         qk = tl.where(mask_n, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(qk, 0, _max_combine))
@@ -315,6 +332,8 @@ def decode_stage1_vector_kernel(
     has_keys = l_i != 0
     safe_l = tl.where(has_keys, l_i, 1.0)
     out = acc / safe_l
+    if HAS_KV_SCALES:
+        out = out * v_scale
     lse = tl.where(has_keys, (m_i + tl.log2(safe_l)) * LN2, float("-inf"))
     row = (seq * Q_HEADS + head) * MAX_KV_SPLITS + split
     tl.store(MID_O + row * V_HEAD_DIM + offs_dv, out, mask=mask_dv & non_empty)

@@ -28,6 +28,8 @@ SGLang's kernel.
 import triton
 import triton.language as tl
 
+from jaxattn.kernels.kv_scales import load_kv_scales
+
 LOG2E = 1.4426950408889634
 
 
@@ -77,7 +79,7 @@ def _fwd_inner(
     APPLY_CAUSAL: tl.constexpr,
     APPLY_MASK: tl.constexpr,
     WINDOW: tl.constexpr,
-    QK_SCALE: tl.constexpr,  # sm_scale * log2(e) (no cap) or sm_scale / cap (cap)
+    qk_scale,  # sm_scale * log2(e) (no cap) or sm_scale / cap (cap), times the source's k_scale (fp8 pools)
     LOGIT_CAP: tl.constexpr,
     USE_XAI: tl.constexpr,
     KV_HEADS: tl.constexpr,
@@ -132,7 +134,7 @@ def _fwd_inner(
             k = tl.load(k_ptrs, mask=mask_d[:, None], other=0.0)
         else:
             k = tl.load(k_ptrs)
-        qk = tl.dot(q, k, input_precision=DOT_PRECISION)
+        qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION)  # fp8 rows convert exactly
         if BLOCK_DPE > 0:
             offs_dpe = BLOCK_D + tl.arange(0, BLOCK_DPE)
             kpe_ptrs = K + (rows * (KV_HEADS * D_QK))[None, :] + offs_dpe[:, None]
@@ -140,9 +142,9 @@ def _fwd_inner(
                 kpe = tl.load(kpe_ptrs, mask=k_valid[None, :], other=0.0)
             else:
                 kpe = tl.load(kpe_ptrs)
-            qk = tl.dot(qpe, kpe, qk, input_precision=DOT_PRECISION)
+            qk = tl.dot(qpe, kpe.to(qpe.dtype), qk, input_precision=DOT_PRECISION)
         if LOGIT_CAP > 0:
-            qk = (LOGIT_CAP * 1.4426950408889634) * _tanh(qk * QK_SCALE)
+            qk = (LOGIT_CAP * 1.4426950408889634) * _tanh(qk * qk_scale)
             if USE_XAI:
                 qk = qk * row_scale[:, None]
         # Without a cap the scale (and xai factor) is applied late: the row max is scaled once per row and the
@@ -168,9 +170,9 @@ def _fwd_inner(
         if LOGIT_CAP == 0:
             # Scales are positive, so max(qk) * scale == max(qk * scale) (rounding is monotonic).
             if USE_XAI:
-                row_max = row_max * (row_scale * QK_SCALE)
+                row_max = row_max * (row_scale * qk_scale)
             else:
-                row_max = row_max * QK_SCALE
+                row_max = row_max * qk_scale
         if MASKED:
             # A row with nothing visible yet keeps max -1e20 (not -inf) so exp2(-inf - max) stays 0, never NaN.
             row_max = tl.where(row_max == float("-inf"), -1e20, row_max)
@@ -179,9 +181,9 @@ def _fwd_inner(
         if LOGIT_CAP > 0:
             p = tl.math.exp2(qk - m_new[:, None])
         elif USE_XAI:
-            p = tl.math.exp2(qk * (row_scale * QK_SCALE)[:, None] - m_new[:, None])
+            p = tl.math.exp2(qk * (row_scale * qk_scale)[:, None] - m_new[:, None])
         else:
-            p = tl.math.exp2(qk * QK_SCALE - m_new[:, None])
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         l_i = l_i * alpha + tl.reduce(p, 1, _sum_combine)
         v_ptrs = V + (rows * (KV_HEADS * D_V))[:, None] + offs_dv[None, :]
         if MASKED:
@@ -193,7 +195,7 @@ def _fwd_inner(
             v = tl.load(v_ptrs, mask=mask_dv[None, :], other=0.0)
         else:
             v = tl.load(v_ptrs)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -323,6 +325,7 @@ def extend_attention_kernel(
     MASK,  # u8[mask_len]: custom mask, per sequence row-major [q_len, KV_START_POS + P + q_len] (dummy if unused)
     MASK_INDPTR,  # i32/i64[batch + 1] (dummy if unused)
     SINKS,  # f32[Q_HEADS] (dummy if unused)
+    KV_SCALES,  # f32[2, KV_HEADS]: the pool's K and V scales (read only if HAS_KV_SCALES)
     O,  # out: [tokens, Q_HEADS, D_V]
     Q_HEADS: tl.constexpr,
     KV_HEADS: tl.constexpr,
@@ -348,6 +351,7 @@ def extend_attention_kernel(
     NUM_SLOTS: tl.constexpr,  # pool rows: slots outside [0, NUM_SLOTS) read slot 0
     KV_CAPACITY: tl.constexpr,  # length of KV_INDICES: KV_INDPTR is clamped into it
     MASK_LEN: tl.constexpr,  # length of MASK (1 when unused)
+    HAS_KV_SCALES: tl.constexpr,  # fp8 pool: the pool's keys and values are scaled (the new tokens' are not)
 ):
     tl.static_assert(Q_HEADS % KV_HEADS == 0)
     tl.static_assert((Q_HEADS // KV_HEADS) % HEAD_PACK == 0)
@@ -383,6 +387,7 @@ def extend_attention_kernel(
     acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    k_scale, v_scale = load_kv_scales(KV_SCALES, kv_head, KV_HEADS, HAS_KV_SCALES)
     q_first = block_m * ROWS  # smallest new-token index in this block
     q_last = tl.minimum(q_len, q_first + ROWS) - 1
 
@@ -400,15 +405,17 @@ def extend_attention_kernel(
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, qpe, row_scale, q_pos, mask_rows, mask_cols, K_POOL, V_POOL, KV_INDICES, MASK,
         kv_start.to(tl.int64), 0, prefix_len, 0, lo, mid, kv_head,
-        False, True, False, False, WINDOW, QK_SCALE, LOGIT_CAP, XAI_LEN > 0,
+        False, True, False, False, WINDOW, QK_SCALE * k_scale, LOGIT_CAP, XAI_LEN > 0,
         KV_HEADS, D_QK, D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, BLOCK_N, DOT_PRECISION, NUM_SLOTS,
     )
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, qpe, row_scale, q_pos, mask_rows, mask_cols, K_POOL, V_POOL, KV_INDICES, MASK,
         kv_start.to(tl.int64), 0, prefix_len, 0, mid, prefix_len, kv_head,
-        True, True, False, PREFIX_MASK, WINDOW, QK_SCALE, LOGIT_CAP, XAI_LEN > 0,
+        True, True, False, PREFIX_MASK, WINDOW, QK_SCALE * k_scale, LOGIT_CAP, XAI_LEN > 0,
         KV_HEADS, D_QK, D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, BLOCK_N, DOT_PRECISION, NUM_SLOTS,
     )
+    if HAS_KV_SCALES:
+        acc = acc * v_scale  # the prefix's values so far; the new tokens' are not scaled (acc is linear in V)
 
     # Stage 2: the new tokens from K_NEW/V_NEW. Causal programs stop at the diagonal; only diagonal tiles are masked.
     if USE_MASK:
@@ -454,6 +461,7 @@ def extend_attention_unified_kernel(
     MASK,  # u8[mask_len]: custom mask, per sequence row-major [q_len, kv_len] over the listed keys (dummy if unused)
     MASK_INDPTR,  # i32/i64[batch + 1] (dummy if unused)
     SINKS,  # f32[Q_HEADS] (dummy if unused)
+    KV_SCALES,  # f32[2, KV_HEADS]: the pool's K and V scales (read only if HAS_KV_SCALES)
     O,  # out: [tokens, Q_HEADS, D_V]
     Q_HEADS: tl.constexpr,
     KV_HEADS: tl.constexpr,
@@ -478,6 +486,7 @@ def extend_attention_unified_kernel(
     NUM_SLOTS: tl.constexpr,  # pool rows: slots outside [0, NUM_SLOTS) read slot 0
     KV_CAPACITY: tl.constexpr,  # length of KV_INDICES: KV_INDPTR is clamped into it
     MASK_LEN: tl.constexpr,  # length of MASK (1 when unused)
+    HAS_KV_SCALES: tl.constexpr,  # fp8 pool: the pool's keys and values are scaled (the new tokens' are not)
 ):
     tl.static_assert(Q_HEADS % KV_HEADS == 0)
     tl.static_assert((Q_HEADS // KV_HEADS) % HEAD_PACK == 0)
@@ -511,6 +520,7 @@ def extend_attention_unified_kernel(
     acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    k_scale, v_scale = load_kv_scales(KV_SCALES, kv_head, KV_HEADS, HAS_KV_SCALES)
     q_pos_first = prefix_len + block_m * ROWS
     q_pos_last = prefix_len + tl.minimum(q_len, block_m * ROWS + ROWS) - 1
 
@@ -539,7 +549,9 @@ def extend_attention_unified_kernel(
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, qpe, row_scale, q_pos, mask_rows, mask_cols, K_POOL, V_POOL, KV_INDICES, MASK,
         kv_start.to(tl.int64), 0, kv_len, shift, lo, hi, kv_head,
-        True, True, IS_CAUSAL, USE_MASK, WINDOW, QK_SCALE, LOGIT_CAP, XAI_LEN > 0,
+        True, True, IS_CAUSAL, USE_MASK, WINDOW, QK_SCALE * k_scale, LOGIT_CAP, XAI_LEN > 0,
         KV_HEADS, D_QK, D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, BLOCK_N, DOT_PRECISION, NUM_SLOTS,
     )
+    if HAS_KV_SCALES:
+        acc = acc * v_scale
     _finish_and_store(acc, l_i, m_i, SINKS, O, head, q_rows, row_valid, Q_HEADS, D_V, BLOCK_DV, HAS_SINK, HEAD_PACK)

@@ -74,7 +74,7 @@ def test_tuning_cases_run_only_by_name(monkeypatch):
     monkeypatch.setattr(cli, "commit", lambda: "abc1234")
     assert bench.main(["extend", "--no-progress"]) == 0
     assert bench.main(["extend", "--cases", "T64,T576", "--no-progress"]) == 0
-    assert ran == [["E1", "E2", "E3", "E1-W1024", "E1-CAP50", "E1-W1024-CAP50", "E1-SINKS"], ["T64", "T576"]]
+    assert ran == [["E1", "E2", "E3", "E1-W1024", "E1-CAP50", "E1-W1024-CAP50", "E1-SINKS", "E1-FP8", "E3-FP8"], ["T64", "T576"]]
 
 
 def test_commit_falls_back_to_the_environment(monkeypatch):
@@ -113,3 +113,19 @@ def test_feature_cases_run_each_backend_with_the_feature(one_call):
 def test_feature_cases_are_in_the_default_extend_run():
     defaults = [name for name, c in bench.CASES.items() if c.op == "extend" and c.default]
     assert {"E1-W1024", "E1-CAP50", "E1-W1024-CAP50", "E1-SINKS"} <= set(defaults)
+
+
+def test_fp8_cases_read_the_pool_with_its_scales(one_call):
+    # An fp8 case's pool holds value / scale; jaxattn (decode, both extend forms) and the reference read it with the
+    # scales and agree, and the decode floor is half the bf16 one (one byte per element).
+    decode = bench.Case("TD8", "decode", batch=2, prefix=40, new=1, q_heads=4, kv_heads=2, head_dim=64, kv_dtype="float8_e4m3fn")
+    rows = bench.run("decode", [decode], backends=["jaxattn", "reference"], log=lambda _: None, progress=False)
+    assert [r["backend"] for r in rows] == ["jaxattn", "reference"]
+    np.testing.assert_allclose(one_call[0], one_call[1], atol=1e-4, rtol=1e-4)
+    assert decode.floor_ms() == pytest.approx(bench.Case("TD", "decode", 2, 40, 1, 4, 2, 64).floor_ms() / 2)
+    extend = bench.Case("TE8", "extend", batch=2, prefix=24, new=16, q_heads=4, kv_heads=2, head_dim=64, kv_dtype="float8_e4m3fn")
+    rows = bench.run("extend", [extend], backends=["jaxattn", "jaxattn-unified", "reference"], log=lambda _: None, progress=False)
+    assert [r["backend"] for r in rows] == ["jaxattn", "jaxattn-unified"]  # the reference row: skipped (see peers)
+    np.testing.assert_allclose(one_call[2], one_call[3], atol=1e-4, rtol=1e-4)
+    inp = bench.make_inputs(extend)
+    assert str(inp.k_pool.dtype) == "float8_e4m3fn" and inp.k_scale == 0.5

@@ -263,7 +263,7 @@ def test_clear_errors(rng):
         decode_attention(q[:, :3], k_pool, v_pool, meta)
     with pytest.raises(ValueError, match="meta batch"):
         decode_attention(q[:1], k_pool, v_pool, meta)
-    with pytest.raises(ValueError, match="k_pool must have dtype float32"):
+    with pytest.raises(ValueError, match="k_pool must have q.s dtype float32 or an fp8 format"):
         decode_attention(q, k_pool.astype(jnp.float16), v_pool, meta)
     with pytest.raises(ValueError, match="k_pool must have shape"):
         decode_attention(q, k_pool[..., :32], v_pool, meta)

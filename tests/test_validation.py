@@ -122,7 +122,7 @@ CASES = [
     # decode_attention
     ("decode/q-dtype", lambda: decode(q=Q_DEC.astype(I32)), r"q must have dtype float32/float16/bfloat16"),
     ("decode/q-rank", lambda: decode(q=Q_DEC[0]), r"q must have rank 3"),
-    ("decode/k_pool-dtype", lambda: decode(k_pool=K_POOL.astype(jnp.bfloat16)), r"k_pool must have dtype float32"),
+    ("decode/k_pool-dtype", lambda: decode(k_pool=K_POOL.astype(jnp.bfloat16)), r"k_pool must have q's dtype float32 or an fp8 format"),
     ("decode/v_pool-heads", lambda: decode(v_pool=V_POOL[:, :1]), r"v_pool must have shape"),
     ("decode/heads", lambda: decode(q=jnp.zeros((B, 3, D))), r"q_heads \(3, q.shape\[1\]\) must be a multiple of kv_heads \(2"),
     ("decode/qk_head_dim-small", lambda: decode(q=jnp.zeros((B, HQ, 8)), k_pool=jnp.zeros((SLOTS, HKV, 8)), v_pool=jnp.zeros((SLOTS, HKV, 8))), r"qk_head_dim \(q.shape\[2\]\) \(a head dim\) must be in \[16, 576\]"),
@@ -191,7 +191,7 @@ CASES = [
     ("write_kv/out_cache_loc-rank", lambda: write_kv(K_POOL, V_POOL, i32(1, 2)[None], K_NEW[:2], V_NEW[:2]), r"out_cache_loc must have rank 1"),
     ("write_kv/k-shape", lambda: write_kv(K_POOL, V_POOL, i32(1, 2), K_NEW[:3], V_NEW[:2]), r"k must have shape \(2, 2, 32\)"),
     ("write_kv/v-dtype", lambda: write_kv(K_POOL, V_POOL, i32(1, 2), K_NEW[:2], V_NEW[:2].astype(I32)), r"v must have dtype"),
-    ("write_kv/k_scale", lambda: write_kv(K_POOL.astype(jnp.float8_e4m3fn), V_POOL, i32(1, 2), K_NEW[:2], V_NEW[:2], k_scale=0.0), r"k_scale must be None or a finite float > 0"),
+    ("write_kv/k_scale", lambda: write_kv(K_POOL.astype(jnp.float8_e4m3fn), V_POOL, i32(1, 2), K_NEW[:2], V_NEW[:2], k_scale=0.0), r"k_scale must be None, a finite float > 0"),
     ("write_kv/v_scale-shape", lambda: write_kv(K_POOL, V_POOL.astype(jnp.float8_e5m2), i32(1, 2), K_NEW[:2], V_NEW[:2], v_scale=jnp.ones(3)), r"v_scale must be a scalar"),
 ]
 

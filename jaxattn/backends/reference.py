@@ -11,7 +11,8 @@ from jaxattn.backends.layer import AttentionLayer, split_heads
 from jaxattn.kv_indices import create_kv_indices_reference
 from jaxattn.reference import ragged_paged_attention_reference
 from jaxattn.serving.batch import ForwardBatch, ForwardMode
-from jaxattn.serving.kv_pool import read_scaled, write_kv
+from jaxattn.fp8 import is_fp8
+from jaxattn.serving.kv_pool import write_kv
 
 
 @jax.tree_util.register_dataclass
@@ -79,21 +80,22 @@ class ReferenceBackend:
             k = split_heads(k, layer.kv_heads, layer.head_dim, "k")
             v = split_heads(v, layer.kv_heads, layer.dv, "v")
             k_pool, v_pool = write_kv(k_pool, v_pool, meta.out_cache_loc, k, v, k_scale=layer.k_scale, v_scale=layer.v_scale)
-        k_read = read_scaled(k_pool, layer.k_scale, q.dtype)  # fp8 pools dequantised; others as they are
-        v_read = read_scaled(v_pool, layer.v_scale, q.dtype)
+        # fp8 pools are read with the layer's scales, row by row as they are gathered; 16-bit pools as they are.
+        scales = dict(k_scale=layer.k_scale if is_fp8(k_pool.dtype) else None,
+                      v_scale=layer.v_scale if is_fp8(v_pool.dtype) else None)
         if layer.is_cross_attention:
             if meta.cross_kv_indptr is None:
                 raise ValueError(f"layer {layer.layer_id} is cross attention but the batch has no encoder_lens")
             o = ragged_paged_attention_reference(
-                q, k_read, v_read, meta.qo_indptr, meta.cross_kv_indptr, meta.cross_kv_indices, causal=False,
+                q, k_pool, v_pool, meta.qo_indptr, meta.cross_kv_indptr, meta.cross_kv_indices, causal=False,
                 logit_cap=layer.logit_cap, sinks=sinks, sm_scale=layer.scale,
-                max_q_len=meta.max_q_len, max_kv_len=meta.max_kv_len,
+                max_q_len=meta.max_q_len, max_kv_len=meta.max_kv_len, **scales,
             )
             return o, k_pool, v_pool
         o = ragged_paged_attention_reference(
-            q, k_read, v_read, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
+            q, k_pool, v_pool, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
             custom_mask=meta.custom_mask, mask_indptr=meta.mask_indptr, sliding_window=layer.sliding_window,
             logit_cap=layer.logit_cap, sinks=sinks, xai_temperature_len=layer.xai_temperature_len, sm_scale=layer.scale,
-            max_q_len=meta.max_q_len, max_kv_len=meta.max_kv_len,
+            max_q_len=meta.max_q_len, max_kv_len=meta.max_kv_len, **scales,
         )
         return o, k_pool, v_pool

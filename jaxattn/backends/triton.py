@@ -37,11 +37,10 @@ still exact: it runs on the full lists and the kernels mask keys outside the win
 Speculative draft decoding: `draft_decode_metadata` builds the decode lists of every draft step at once (SGLang's
 generate_draft_decode_kv_indices); `TritonBackend.draft_step_metadata` turns step i into a forward metadata.
 
-fp8 KV pools are read through `read_scaled`, i.e. each `forward` dequantises the *whole* layer pool to q's dtype
-before the kernel (one read of the pool and one write of a q-dtype copy per layer and step): correct, but it
-costs pool-size traffic; kernels reading fp8 directly are future work. As in SGLang, the two-stage extend reads the
-new tokens' K/V from the step's k/v (not their fp8 copy in the pool), so with fp8 pools it differs from
-ReferenceBackend by the quantisation error of the new tokens; decode and the deterministic path read the pool only.
+fp8 KV pools (e4m3fn / e5m2) go to the kernels as they are, with the layer's k_scale / v_scale (`jaxattn.fp8`): the
+kernels read fp8 rows and apply the scales, so a step's work does not grow with the pool. As in SGLang, the two-stage
+extend reads the new tokens' K/V from the step's k/v (not their fp8 copy in the pool), so with fp8 pools it differs
+from ReferenceBackend by the quantisation error of the new tokens; decode and the deterministic path read the pool only.
 
 Limits: TARGET_VERIFY on a window layer windows over the *listed* order (prefix, then the drafts in list order),
 exactly like ReferenceBackend, not over tree depth; SGLang has the same limit.
@@ -72,7 +71,8 @@ from jaxattn.metadata import (
     listed_columns_mask,
 )
 from jaxattn.serving.batch import ForwardBatch, ForwardMode
-from jaxattn.serving.kv_pool import read_scaled, write_kv
+from jaxattn.fp8 import is_fp8
+from jaxattn.serving.kv_pool import write_kv
 
 
 @jax.tree_util.register_dataclass
@@ -260,8 +260,8 @@ class TritonBackend:
         Args:
           q: [T, q_heads, head_dim] or [T, q_heads * head_dim] (T = B in DECODE). k, v: [T, kv_heads, head_dim /
             v_head_dim] (or flat), or None when the new K/V are already in the pool.
-          k_pool, v_pool: this layer's pool [slots, kv_heads, head_dim / v_head_dim]; fp8 pools are dequantised
-            whole (see the module doc).
+          k_pool, v_pool: this layer's pool [slots, kv_heads, head_dim / v_head_dim]; fp8 pools are read directly
+            with the layer's scales (see the module doc).
           layer: the `AttentionLayer`. meta: this step's `TritonMetadata`. sinks: optional f32[q_heads].
 
         Returns:
@@ -277,24 +277,41 @@ class TritonBackend:
             v = split_heads(v, layer.kv_heads, layer.dv, "v")
         if save_kv and k is not None:
             k_pool, v_pool = write_kv(k_pool, v_pool, meta.out_cache_loc, k, v, k_scale=layer.k_scale, v_scale=layer.v_scale)
-        k_read = read_scaled(k_pool, layer.k_scale, q.dtype).astype(q.dtype)  # fp8 pools: a dequantised copy
-        v_read = read_scaled(v_pool, layer.v_scale, q.dtype).astype(q.dtype)
+        scales = pool_scales(layer, k_pool, v_pool)
         lists, mask = meta.for_layer(layer)
-        common = dict(sm_scale=layer.scale, logit_cap=layer.logit_cap, sinks=sinks, launch_mode=self.launch_mode)
+        common = dict(sm_scale=layer.scale, logit_cap=layer.logit_cap, sinks=sinks, launch_mode=self.launch_mode, **scales)
         if not layer.is_cross_attention:
             common["xai_temperature_len"] = layer.xai_temperature_len
         window = -1 if layer.is_cross_attention else layer.sliding_window
         if meta.mode == ForwardMode.DECODE:
-            o = decode_attention(q, k_read, v_read, lists, sliding_window=window, **common)
+            o = decode_attention(q, k_pool, v_pool, lists, sliding_window=window, **common)
         elif isinstance(lists, ExtendUnifiedMetadata):
-            o = extend_attention_unified(q, k_read, v_read, lists, causal=not layer.is_cross_attention, custom_mask=mask,
+            o = extend_attention_unified(q, k_pool, v_pool, lists, causal=not layer.is_cross_attention, custom_mask=mask,
                                          sliding_window=window, **common)
         else:
-            if k is None:  # the new tokens' K/V are in the pool already
-                k, v = k_read[meta.out_cache_loc], v_read[meta.out_cache_loc]
-            o = extend_attention(q, k.astype(q.dtype), v.astype(q.dtype), k_read, v_read, lists, causal=True,
+            if k is None:  # the new tokens' K/V are in the pool already: their rows, dequantised
+                k = rows_as(k_pool, meta.out_cache_loc, scales.get("k_scale"), q.dtype)
+                v = rows_as(v_pool, meta.out_cache_loc, scales.get("v_scale"), q.dtype)
+            o = extend_attention(q, k.astype(q.dtype), v.astype(q.dtype), k_pool, v_pool, lists, causal=True,
                                  custom_mask=mask, skip_prefix_custom_mask=True, sliding_window=window, **common)
         return o, k_pool, v_pool
+
+
+def pool_scales(layer: AttentionLayer, k_pool, v_pool) -> dict:
+    """The ops' k_scale / v_scale for this layer's pools: the layer's scales for fp8 pools (16-bit pools hold the
+    values themselves, as `write_kv` stores them)."""
+    scales = {}
+    if is_fp8(k_pool.dtype):
+        scales["k_scale"] = layer.k_scale
+    if is_fp8(v_pool.dtype):
+        scales["v_scale"] = layer.v_scale
+    return scales
+
+
+def rows_as(pool, slots, scale, dtype):
+    """pool[slots] as `dtype` values (times `scale` when given): a few rows, never the pool."""
+    rows = pool[slots]
+    return rows.astype(dtype) if scale is None else (rows.astype(jnp.float32) * scale).astype(dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ class Case:
     sliding_window: int = -1  # W >= 0: a query sees itself and the W previous keys
     logit_cap: float = 0.0
     sinks: bool = False  # per-head sinks near the rows' log-denominators (so they change the output)
+    kv_dtype: str = "bfloat16"  # the pool's dtype: "float8_e4m3fn" pools are read by the kernels with K/V scales
 
     @property
     def dv(self) -> int:
@@ -34,11 +35,16 @@ class Case:
         """MLA: one latent KV head whose first Dv dims are V, so the pool is read once."""
         return self.v_head_dim is not None and self.kv_heads == 1
 
+    @property
+    def fp8(self) -> bool:
+        return self.kv_dtype.startswith("float8")
+
     def floor_ms(self) -> float:
         if self.op == "decode":
+            # Reading the pool once: 2 bytes per element, 1 for an fp8 pool (its own floor, half the bf16 one).
             tokens = self.batch * (self.prefix + self.new)
             per_token = self.kv_heads * (self.head_dim if self.v_in_k else self.head_dim + self.dv)
-            return tokens * per_token * 2 / COPY_BANDWIDTH_BYTES_PER_S * 1e3
+            return tokens * per_token * (1 if self.fp8 else 2) / COPY_BANDWIDTH_BYTES_PER_S * 1e3
         # QK^T and PV: 2 * (Dqk + Dv) FLOPs per visible (query, key) pair and head.
         flops = 2 * self.q_heads * (self.head_dim + self.dv) * self.visible_pairs() * self.batch
         return flops / BF16_MATMUL_FLOPS * 1e3
@@ -63,6 +69,12 @@ CASES = {
     "MLA": Case("MLA", "decode", 64, 4095, 1, q_heads=16, kv_heads=1, head_dim=576, v_head_dim=512),
     # MHA (32 q heads, 32 kv heads): the vector kernel's shape, same bytes as D1 (floor 0.250 ms).
     "MHA": Case("MHA", "decode", 16, 4095, 1, q_heads=32, kv_heads=32),
+    # fp8 (e4m3fn) pools, the kernels reading them directly (issue 26): each beside its bf16 case and FlashInfer's fp8.
+    "D1-FP8": Case("D1-FP8", "decode", 64, 4095, 1, kv_dtype="float8_e4m3fn"),
+    "D2-FP8": Case("D2-FP8", "decode", 8, 32767, 1, kv_dtype="float8_e4m3fn"),
+    "D3-FP8": Case("D3-FP8", "decode", 256, 1023, 1, kv_dtype="float8_e4m3fn"),
+    "MLA-FP8": Case("MLA-FP8", "decode", 64, 4095, 1, q_heads=16, kv_heads=1, head_dim=576, v_head_dim=512,
+                    kv_dtype="float8_e4m3fn"),
     "E1": Case("E1", "extend", 8, 2048, 2048),
     "E2": Case("E2", "extend", 4, 0, 4096),
     "E3": Case("E3", "extend", 32, 4096, 128),
@@ -72,6 +84,8 @@ CASES = {
     "E1-CAP50": Case("E1-CAP50", "extend", 8, 2048, 2048, logit_cap=50.0),
     "E1-W1024-CAP50": Case("E1-W1024-CAP50", "extend", 8, 2048, 2048, sliding_window=1024, logit_cap=50.0),
     "E1-SINKS": Case("E1-SINKS", "extend", 8, 2048, 2048, sinks=True),
+    "E1-FP8": Case("E1-FP8", "extend", 8, 2048, 2048, kv_dtype="float8_e4m3fn"),
+    "E3-FP8": Case("E3-FP8", "extend", 32, 4096, 128, kv_dtype="float8_e4m3fn"),  # E2 has no cached prefix to read
     # Tuning cases: one per head-dim family of jaxattn.extend.SM90_CONFIGS other than "128" (E1-E3), E1's lengths
     # unless noted. Run by name (`--cases T64,...`); not in the default extend run.
     "T64": Case("T64", "extend", 8, 2048, 2048, q_heads=32, kv_heads=8, head_dim=64, default=False),

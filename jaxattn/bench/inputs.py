@@ -28,6 +28,8 @@ class Inputs:
     k_new: object
     v_new: object
     sinks: object = None  # jax f32[Hq] when case.sinks
+    k_scale: float | None = None  # fp8 pools: they hold K / k_scale and V / v_scale
+    v_scale: float | None = None
 
 
 def make_inputs(case: Case, seed: int = 0) -> Inputs:
@@ -47,6 +49,13 @@ def make_inputs(case: Case, seed: int = 0) -> Inputs:
         v_pool = k_pool[:, :, : case.dv]  # MLA: V is the first Dv dims of the latent K
     else:
         v_pool = jax.random.normal(kv, (num_slots, case.kv_heads, case.dv), dtype)
+    k_scale = v_scale = None
+    if case.fp8:
+        # Stored as value / scale (what write_kv stores); the new tokens' bf16 K/V are the same rows dequantised.
+        k_scale = v_scale = 0.5
+        fmt = jnp.dtype(case.kv_dtype)
+        k_pool = (k_pool.astype(jnp.float32) / k_scale).astype(fmt)
+        v_pool = k_pool[:, :, : case.dv] if case.v_in_k else (v_pool.astype(jnp.float32) / v_scale).astype(fmt)
     q = jax.random.normal(kq, (b * n, case.q_heads, case.head_dim), dtype)
     seq_lens = np.full(b, p + n, np.int32)
     indptr = np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int32)
@@ -68,8 +77,18 @@ def make_inputs(case: Case, seed: int = 0) -> Inputs:
         prefix_indptr=to(prefix_indptr),
         prefix_indices=to(slots[:, :p].reshape(-1)),
         new_slots=to(new_slots),
-        k_new=k_pool[to(new_slots)],
-        v_new=v_pool[to(new_slots)],
+        k_new=_rows(k_pool, to(new_slots), k_scale),
+        v_new=_rows(v_pool, to(new_slots), v_scale),
         # Near the rows' log-denominators (about 8-9 for ~4096 keys of N(0, 1) scores), so they change the output.
         sinks=to(rng.normal(8.0, 1.0, case.q_heads).astype(np.float32)) if case.sinks else None,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
+
+
+def _rows(pool, slots, scale):
+    """pool[slots] as bf16 values (dequantised when the pool is fp8)."""
+    import jax.numpy as jnp
+
+    rows = pool[slots]
+    return rows if scale is None else (rows.astype(jnp.float32) * scale).astype(jnp.bfloat16)

@@ -26,10 +26,16 @@ def decode_jaxattn(inp: Inputs, config=None, programs_per_sm=None):
         inp.kv_indptr, inp.kv_indices, inp.seq_lens, q_heads=case.q_heads, kv_heads=case.kv_heads, **split_kw
     )
     if case.v_in_k:  # MLA: V is the first Dv dims of the latent K; the kernel reads the pool once
-        fn = jax.jit(lambda q, k, m: decode.decode_attention(q, k, None, m, v_head_dim=case.dv, config=config))
+        fn = jax.jit(lambda q, k, m: decode.decode_attention(q, k, None, m, v_head_dim=case.dv, config=config,
+                                                             k_scale=inp.k_scale))
         return lambda: fn(inp.q, inp.k_pool, meta)
-    fn = jax.jit(lambda q, k, v, m: decode.decode_attention(q, k, v, m, config=config))
+    fn = jax.jit(lambda q, k, v, m: decode.decode_attention(q, k, v, m, config=config, **scales(inp)))
     return lambda: fn(inp.q, inp.k_pool, inp.v_pool, meta)
+
+
+def scales(inp: Inputs) -> dict:
+    """The ops' k_scale / v_scale for the case's pool (none for bf16)."""
+    return {} if inp.k_scale is None else dict(k_scale=inp.k_scale, v_scale=inp.v_scale)
 
 
 def decode_reference(inp: Inputs):
@@ -42,7 +48,8 @@ def decode_reference(inp: Inputs):
         raise Skip("reference too large")
     max_len = case.prefix + case.new
     fn = jax.jit(
-        lambda q, k, v, qo, kvp, kvi: ragged_paged_attention_reference(q, k, v, qo, kvp, kvi, max_q_len=1, max_kv_len=max_len)
+        lambda q, k, v, qo, kvp, kvi: ragged_paged_attention_reference(q, k, v, qo, kvp, kvi, max_q_len=1, max_kv_len=max_len,
+                                                                       **scales(inp))
     )
     return lambda: fn(inp.q, inp.k_pool, inp.v_pool, inp.qo_indptr, inp.kv_indptr, inp.kv_indices)
 
@@ -52,8 +59,18 @@ def torch_views(inp: Inputs):
         import torch
     except ImportError:
         raise Skip("torch not installed")
-    t = torch.from_dlpack
-    return torch, {name: t(getattr(inp, name)) for name in ("q", "k_pool", "v_pool", "kv_indptr", "kv_indices", "qo_indptr")}
+    import jax
+    import jax.numpy as jnp
+
+    from jaxattn.fp8 import is_fp8
+
+    def view(x):
+        if is_fp8(x.dtype):  # fp8 through DLPack as bytes, viewed as torch's fp8 (a copy made once, before timing)
+            fp8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}[jnp.dtype(x.dtype).name]
+            return torch.from_dlpack(jax.lax.bitcast_convert_type(x, jnp.uint8)).view(fp8)
+        return torch.from_dlpack(x)
+
+    return torch, {name: view(getattr(inp, name)) for name in ("q", "k_pool", "v_pool", "kv_indptr", "kv_indices", "qo_indptr")}
 
 
 def decode_flashinfer(inp: Inputs, tensor_cores: bool, through_jax: bool = False, layers: int = 1):
@@ -68,16 +85,19 @@ def decode_flashinfer(inp: Inputs, tensor_cores: bool, through_jax: bool = False
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tensor_cores)
     last_page_len = torch.ones(case.batch, dtype=torch.int32, device="cuda")
+    kv_type = tv["k_pool"].dtype  # bf16, or fp8 (FlashInfer decodes fp8 KV with bf16 queries)
     wrapper.plan(
         tv["kv_indptr"], tv["kv_indices"], last_page_len, case.q_heads, case.kv_heads, case.head_dim, 1,
-        q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+        q_data_type=torch.bfloat16, kv_data_type=kv_type,
     )
     k = tv["k_pool"].unsqueeze(1)  # [slots, page_size 1, Hkv, D]
     v = tv["v_pool"].unsqueeze(1)
     q = tv["q"]
     if through_jax:
+        if case.fp8:
+            raise Skip("the bridge rows time bf16 pools")
         return bridged(wrapper, inp, layers)
-    return lambda: wrapper.run(q, (k, v))
+    return lambda: wrapper.run(q, (k, v), **scales(inp))
 
 
 def bridged(wrapper, inp: Inputs, layers: int = 1):
@@ -119,6 +139,7 @@ def extend_jaxattn(inp: Inputs, config=None, unified=False, impl="triton"):
 
     meta = extend_meta(inp, unified)
     features = inp.case.features
+    features = dict(features, **scales(inp))
     if unified:
         fn = jax.jit(lambda q, k, v, m, s: extend.extend_attention_unified(q, k, v, m, sinks=s, config=config, **features))
         return lambda: fn(inp.q, inp.k_pool, inp.v_pool, meta, inp.sinks)
@@ -135,6 +156,8 @@ def extend_mgpu(inp: Inputs, config=None):
     case = inp.case
     if case.head_dim not in (64, 128) or case.dv != case.head_dim:
         raise Skip("the Mosaic GPU kernel takes equal q/k and v head dims of 64 or 128")
+    if case.fp8:
+        raise Skip("fp8 pools reach the kernel through extend_attention (row 'jaxattn')")
     meta = extend_meta(inp)
     features = case.features
     fn = jax.jit(lambda q, kn, vn, k, v, m, s: extend_attention_mgpu(q, kn, vn, k, v, m, sinks=s, config=config, **features))
@@ -147,6 +170,8 @@ def extend_reference(inp: Inputs):
     from jaxattn.reference import ragged_paged_attention_reference
 
     case = inp.case
+    if case.fp8:
+        raise Skip("the new tokens' bf16 rows are not in the fp8 pool")
     fn = jax.jit(
         lambda q, k, v, qo, kvp, kvi, s: ragged_paged_attention_reference(
             q, k, v, qo, kvp, kvi, sinks=s, max_q_len=case.new, max_kv_len=case.prefix + case.new, **case.features
@@ -165,6 +190,8 @@ def extend_flashinfer(inp: Inputs, backend: str, through_jax: bool = False):
         raise Skip("MLA latent cache: FlashInfer's paged prefill takes separate K and V heads (its MLA wrapper is not wired here)")
     if case.sinks:
         raise Skip("FlashInfer's paged prefill (fa2/fa3) takes no attention sinks")
+    if case.fp8 and through_jax:
+        raise Skip("the bridge rows time bf16 pools")
     torch, tv = torch_views(inp)
     workspace = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
     wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend)
@@ -173,14 +200,14 @@ def extend_flashinfer(inp: Inputs, backend: str, through_jax: bool = False):
         tv["qo_indptr"], tv["kv_indptr"], tv["kv_indices"], last_page_len, case.q_heads, case.kv_heads, case.head_dim, 1,
         head_dim_vo=case.dv, causal=True, window_left=case.sliding_window,
         logits_soft_cap=case.logit_cap if case.logit_cap > 0 else None, q_data_type=torch.bfloat16,
-        kv_data_type=torch.bfloat16,
+        kv_data_type=tv["k_pool"].dtype,
     )
     k = tv["k_pool"].unsqueeze(1)
     v = tv["v_pool"].unsqueeze(1)
     q = tv["q"]
     if through_jax:
         return bridged(wrapper, inp)
-    return lambda: wrapper.run(q, (k, v))
+    return lambda: wrapper.run(q, (k, v), **scales(inp))
 
 
 def extend_cudnn(inp: Inputs):

@@ -33,11 +33,13 @@ def declines(call: DecodeCall) -> str | None:
 
 
 def stage1_constexprs(*, q_heads, kv_heads, qk_head_dim, v_head_dim, config, sm_scale, logit_cap, xai_temperature_len,
-                      sliding_window, max_kv_splits, v_in_k, v_from_k, dot_precision, num_slots, kv_capacity):
+                      sliding_window, max_kv_splits, v_in_k, v_from_k, dot_precision, num_slots, kv_capacity,
+                      has_kv_scales=False):
     """Stage 1's constexprs (shared by `run` and `kernel_builds`, so the AOT check compiles what runs).
 
     v_in_k: V's buffer is the K pool (its first v_head_dim dims); v_from_k: the kernel also reuses the loaded K tile.
     num_slots, kv_capacity: the pool's and kv_indices' lengths, which every slot and CSR offset is clamped into.
+    has_kv_scales: the call carries K/V scales (fp8 pools).
     """
     block_d, block_dpe = rope_split(qk_head_dim)
     group = q_heads // kv_heads
@@ -64,6 +66,7 @@ def stage1_constexprs(*, q_heads, kv_heads, qk_head_dim, v_head_dim, config, sm_
         MIN_BLOCK_KV=MIN_BLOCK_KV,
         NUM_SLOTS=num_slots,  # slots outside the pool read slot 0
         KV_CAPACITY=kv_capacity,  # kv_indptr is clamped into kv_indices
+        HAS_KV_SCALES=bool(has_kv_scales),
     )
     if config.block_h != 1:  # the grouped kernel's extra constexprs (the vector kernel has none)
         constexprs.update(V_FROM_K=v_from_k, BLOCK_H=config.block_h, DOT_PRECISION=dot_precision)
@@ -100,8 +103,9 @@ def run(call: DecodeCall):
         logit_cap=call.logit_cap, xai_temperature_len=call.xai_temperature_len, sliding_window=call.sliding_window,
         max_kv_splits=max_splits, v_in_k=v_in_k, v_from_k=v_in_k and reads_v_from_k(qk_dim, v_dim),
         dot_precision="ieee" if (mode == "interpret" or q.dtype == jnp.float32) else "tf32",
-        num_slots=k_pool.shape[0], kv_capacity=meta.kv_indices.shape[0],
+        num_slots=k_pool.shape[0], kv_capacity=meta.kv_indices.shape[0], has_kv_scales=call.kv_scales is not None,
     )
+    kv_scales = jnp.ones((2, kv_heads), jnp.float32) if call.kv_scales is None else call.kv_scales
     head_programs = q_heads if config.block_h == 1 else kv_heads * -(-group // config.block_h)
     mid_o, mid_lse = launch(
         ("decode_attention", stage1_kernel(config)),
@@ -112,6 +116,7 @@ def run(call: DecodeCall):
         meta.kv_indices,
         meta.num_kv_splits.astype(jnp.int32),
         meta.seq_lens.astype(jnp.int32),
+        kv_scales,
         out_shape=(
             jax.ShapeDtypeStruct((batch, q_heads, max_splits, v_dim), jnp.float32),
             jax.ShapeDtypeStruct((batch, q_heads, max_splits), jnp.float32),
@@ -159,10 +164,13 @@ _BUILD_BOUNDS = dict(num_slots=1 << 20, kv_capacity=1 << 22)
 def kernel_builds():
     """Every stage-1/stage-2 build the sm_90 table (and clamping) can choose, per dtype and head-dim family."""
     builds = []
-    index = {"KV_INDPTR": "*i32", "KV_INDICES": "*i32", "NUM_KV_SPLITS": "*i32", "SEQ_LENS": "*i32"}
+    index = {"KV_INDPTR": "*i32", "KV_INDICES": "*i32", "NUM_KV_SPLITS": "*i32", "SEQ_LENS": "*i32", "KV_SCALES": "*fp32"}
+
+    def stage1_signature(dtype, pool_dtype):
+        return {"Q": f"*{dtype}", "K_POOL": f"*{pool_dtype}", "V_POOL": f"*{pool_dtype}", **index, "MID_O": "*fp32",
+                "MID_LSE": "*fp32"}
+
     for dtype in ("bf16", "fp16"):
-        stage1_signature = {"Q": f"*{dtype}", "K_POOL": f"*{dtype}", "V_POOL": f"*{dtype}", **index,
-                            "MID_O": "*fp32", "MID_LSE": "*fp32"}
         for qk_dim, v_dim in SUPPORTED_HEAD_DIMS:
             common = dict(qk_head_dim=qk_dim, v_head_dim=v_dim, sm_scale=1.0 / math.sqrt(qk_dim), logit_cap=30.0,
                           xai_temperature_len=-1, sliding_window=-1, max_kv_splits=_BUILD_MAX_SPLITS, dot_precision="tf32",
@@ -176,7 +184,7 @@ def kernel_builds():
                     constexprs = stage1_constexprs(q_heads=8 * group, kv_heads=8, config=config, v_in_k=v_from_k,
                                                    v_from_k=v_from_k, **common)
                     builds.append(build(
-                        "decode_attention", stage1_kernel(config), stage1_signature, constexprs,
+                        "decode_attention", stage1_kernel(config), stage1_signature(dtype, dtype), constexprs,
                         num_warps=config.num_warps, num_stages=config.num_stages,
                         # M = BLOCK_H (16 or 32) < 64 rows per warpgroup: Triton emits mma.sync, not wgmma
                         # (checked with `python -m jaxattn.aot -k decode`); decode is bandwidth-bound.
@@ -187,12 +195,26 @@ def kernel_builds():
             config = tuning.vector_config(qk_dim, v_dim)
             constexprs = stage1_constexprs(q_heads=16, kv_heads=16, config=config, v_in_k=False, v_from_k=False, **common)
             builds.append(build(
-                "decode_attention", stage1_kernel(config), stage1_signature, constexprs,
+                "decode_attention", stage1_kernel(config), stage1_signature(dtype, dtype), constexprs,
                 num_warps=config.num_warps, num_stages=config.num_stages,
                 expects_wgmma=False,  # no tl.dot
                 expects_pipelining=False,  # see tuning.vector_config
                 label=f"{dtype} {qk_dim}/{v_dim} mha vector",
             ))
+        # fp8 pools (e4m3fn, e5m2) with this q dtype: the grouped builds of the common GQA and MLA shapes.
+        for pool_dtype in ("fp8e4nv", "fp8e5"):
+            for qk_dim, v_dim, v_from_k in ((128, 128, False), (576, 512, True)):
+                config = tuning.clamp_decode_config(tuning.sm90.DECODE[(qk_dim, v_dim, "g16")], 8 if qk_dim == 128 else 16)
+                constexprs = stage1_constexprs(
+                    q_heads=64 if qk_dim == 128 else 16, kv_heads=8 if qk_dim == 128 else 1, qk_head_dim=qk_dim,
+                    v_head_dim=v_dim, config=config, sm_scale=1.0 / math.sqrt(qk_dim), logit_cap=0.0,
+                    xai_temperature_len=-1, sliding_window=-1, max_kv_splits=_BUILD_MAX_SPLITS, v_in_k=v_from_k,
+                    v_from_k=v_from_k, dot_precision="tf32", has_kv_scales=True, **_BUILD_BOUNDS)
+                builds.append(build(
+                    "decode_attention", stage1_kernel(config), stage1_signature(dtype, pool_dtype), constexprs,
+                    num_warps=config.num_warps, num_stages=config.num_stages, expects_wgmma=False,
+                    expects_pipelining=config.num_stages > 1, label=f"{dtype} q, {pool_dtype} pool {qk_dim}/{v_dim}",
+                ))
         for v_dim in sorted({v for _, v in SUPPORTED_HEAD_DIMS}):
             builds.append(build(
                 "decode_attention", "decode_stage2_kernel",

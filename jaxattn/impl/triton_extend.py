@@ -29,11 +29,11 @@ def _block_dims(qk_head_dim: int, v_head_dim: int):
 
 def kernel_constexprs(*, q_heads, kv_heads, qk_head_dim, v_head_dim, dtype, config, sm_scale, logit_cap, xai_temperature_len,
                       sliding_window, causal, use_mask, has_sink, tokens, num_slots, kv_capacity, mask_len,
-                      skip_prefix_mask=None):
+                      skip_prefix_mask=None, has_kv_scales=False):
     """The constexprs of one launch (shared by the launches and kernel_builds, so the AOT check compiles what runs).
 
     tokens, num_slots, kv_capacity, mask_len: the q/o rows, pool slots, kv_indices and custom mask lengths (static
-    shapes) that the kernels clamp every index into.
+    shapes) that the kernels clamp every index into. has_kv_scales: the pool carries K/V scales (fp8).
     """
     block_d, block_dpe, block_dv = _block_dims(qk_head_dim, v_head_dim)
     logit_cap = float(logit_cap)
@@ -62,6 +62,7 @@ def kernel_constexprs(*, q_heads, kv_heads, qk_head_dim, v_head_dim, dtype, conf
         NUM_SLOTS=num_slots,
         KV_CAPACITY=kv_capacity,
         MASK_LEN=mask_len,
+        HAS_KV_SCALES=bool(has_kv_scales),
     )
     if skip_prefix_mask is not None:
         constexprs["SKIP_PREFIX_MASK"] = bool(skip_prefix_mask)
@@ -95,7 +96,7 @@ def _launch(call: ExtendCall, kernel: str, arrays: tuple, two_stage: bool):
         sliding_window=call.sliding_window, causal=call.causal, use_mask=call.custom_mask is not None,
         has_sink=call.sinks is not None, tokens=tokens, num_slots=call.k_pool.shape[0],
         kv_capacity=meta.kv_indices.shape[0], mask_len=1 if call.custom_mask is None else call.custom_mask.shape[0],
-        skip_prefix_mask=call.skip_prefix_custom_mask if two_stage else None,
+        skip_prefix_mask=call.skip_prefix_custom_mask if two_stage else None, has_kv_scales=call.kv_scales is not None,
     )
     if call.batch == 0 or tokens == 0:
         return jnp.zeros((tokens, q_heads, v_dim), q.dtype)
@@ -106,6 +107,7 @@ def _launch(call: ExtendCall, kernel: str, arrays: tuple, two_stage: bool):
         _dummy(jnp.uint8) if mask is None else mask.astype(jnp.uint8),
         _dummy(jnp.int32) if mask is None else meta.mask_indptr,
         _dummy(jnp.float32) if call.sinks is None else call.sinks.astype(jnp.float32),
+        _dummy(jnp.float32) if call.kv_scales is None else call.kv_scales,
         out_shape=jax.ShapeDtypeStruct((tokens, q_heads, v_dim), q.dtype),
         grid=_grid(config, q_heads, call.batch, meta.max_extend_len),
         num_warps=config.num_warps,
@@ -155,7 +157,7 @@ _BUILD_HEADS = {"64": (64, 64), "128": (128, 128), "256": (256, 256), "576/512":
 _TIMED_MAX_REGISTERS = {"64": 128}
 
 
-def _build(kernel, family, dtype, *, label_extra="", causal=True, use_mask=False, skip_prefix_mask=True, window=-1, logit_cap=0.0, has_sink=False, xai=-1, max_registers=None):
+def _build(kernel, family, dtype, *, label_extra="", causal=True, use_mask=False, skip_prefix_mask=True, window=-1, logit_cap=0.0, has_sink=False, xai=-1, max_registers=None, pool_dtype=None):
     qk_dim, v_dim = _BUILD_HEADS[family]
     q_heads, kv_heads = (16, 1) if qk_dim in (576, 288) else (32, 8)  # MLA absorbed: one latent KV head
     config = tuning.sm90.EXTEND[family]
@@ -168,13 +170,15 @@ def _build(kernel, family, dtype, *, label_extra="", causal=True, use_mask=False
         sm_scale=1.0 / math.sqrt(qk_dim), logit_cap=logit_cap, xai_temperature_len=xai, sliding_window=window,
         causal=causal, use_mask=use_mask, has_sink=has_sink, skip_prefix_mask=skip_prefix_mask if two_stage else None,
         tokens=1 << 16, num_slots=1 << 20, kv_capacity=1 << 22, mask_len=1 << 28 if use_mask else 1,  # sizes: no code change
+        has_kv_scales=pool_dtype is not None,
     )
     t = f"*{dtype}"
+    p = f"*{pool_dtype or dtype}"
     if two_stage:
-        signature = {"Q": t, "K_NEW": t, "V_NEW": t, "K_POOL": t, "V_POOL": t, "QO_INDPTR": "*i32", "KV_INDPTR": "*i32", "KV_INDICES": "*i32", "KV_START_POS": "*i32"}
+        signature = {"Q": t, "K_NEW": t, "V_NEW": t, "K_POOL": p, "V_POOL": p, "QO_INDPTR": "*i32", "KV_INDPTR": "*i32", "KV_INDICES": "*i32", "KV_START_POS": "*i32"}
     else:
-        signature = {"Q": t, "K_POOL": t, "V_POOL": t, "QO_INDPTR": "*i32", "KV_INDPTR": "*i32", "KV_INDICES": "*i32", "PREFIX_LENS": "*i32", "KV_START_POS": "*i32"}
-    signature.update({"MASK": "*u8", "MASK_INDPTR": "*i32", "SINKS": "*fp32", "O": t})
+        signature = {"Q": t, "K_POOL": p, "V_POOL": p, "QO_INDPTR": "*i32", "KV_INDPTR": "*i32", "KV_INDICES": "*i32", "PREFIX_LENS": "*i32", "KV_START_POS": "*i32"}
+    signature.update({"MASK": "*u8", "MASK_INDPTR": "*i32", "SINKS": "*fp32", "KV_SCALES": "*fp32", "O": t})
     return build(
         "extend_attention", kernel, signature, constexprs, num_warps=config.num_warps, num_stages=config.num_stages,
         expects_wgmma=config.block_m >= 64, expects_pipelining=config.num_stages > 1, max_registers=max_registers, label=f"{dtype} {family}{label_extra} {config.block_m}x{config.block_n}",
@@ -193,6 +197,7 @@ def kernel_builds():
         builds.append(_build(kernel, "64", "bf16", label_extra=" sinks+window", has_sink=True, window=127))
         builds.append(_build(kernel, "128", "bf16", label_extra=" softcap+xai", logit_cap=30.0, xai=4096))
         builds.append(_build(kernel, "128", "bf16", label_extra=" noncausal", causal=False))
+        builds.append(_build(kernel, "128", "bf16", label_extra=" fp8e4nv pool", pool_dtype="fp8e4nv"))
     builds.append(_build("extend_attention_kernel", "128", "bf16", label_extra=" mask+prefix", use_mask=True, skip_prefix_mask=False))
     builds.append(_build("extend_attention_kernel", "576/512", "bf16", label_extra=" mask", use_mask=True))
     return builds

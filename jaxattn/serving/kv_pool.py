@@ -5,27 +5,21 @@ v_head_dim]``. Slot 0 is reserved: padding tokens write there and no sequence li
 in it is harmless. Writes are functional (`.at[slots].set`) and happen in place when the step function
 donates the buffers (``jax.jit(step, donate_argnames=...)``).
 
-fp8 storage: buffers of dtype float8_e4m3fn / float8_e5m2 hold ``value / scale``; readers multiply back by
-the same per-layer scale (SGLang's k_scale / v_scale).
+fp8 storage: buffers of dtype float8_e4m3fn / float8_e5m2 hold ``value / scale``; the kernels read them directly and
+multiply back by the same scale (SGLang's per-layer k_scale / v_scale, or one per kv head: `jaxattn.fp8`).
 """
 
 from __future__ import annotations
 
-import math
-import numbers
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn.checks import FLOAT_DTYPES, INDEX_DTYPES, check_array
+from jaxattn.checks import FLOAT_DTYPES, INDEX_DTYPES, check_array, check_kv_scale
+from jaxattn.fp8 import FP8_DTYPES, is_fp8, largest_finite  # noqa: F401  (FP8_DTYPES, is_fp8 re-exported)
 
-FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 BUFFER_DTYPES = FLOAT_DTYPES + FP8_DTYPES
-
-
-def is_fp8(dtype) -> bool:
-    return any(jnp.dtype(dtype) == jnp.dtype(d) for d in FP8_DTYPES)
 
 
 def allocate_kv_pool(num_slots: int, kv_heads: int, head_dim: int, v_head_dim: int | None = None, dtype=jnp.bfloat16):
@@ -46,9 +40,9 @@ def write_kv(k_pool, v_pool, out_cache_loc, k, v, *, k_scale: float | None = Non
         on a GPU); every other slot is exact. Real tokens must therefore not share a slot: checked mode
         (`check_write_slots`, `jaxattn.checked.validate_write_slots`) rejects repeats of any slot but 0.
       k: [tokens, kv_heads, head_dim]. v: [tokens, kv_heads, v_head_dim].
-      k_scale, v_scale: for fp8 buffers, the stored value is ``k / k_scale`` (default 1), saturated to the format's
-        largest finite value (e4m3fn: 448, e5m2: 57344; +-inf saturate too), so no finite input is stored as inf or
-        NaN; NaN stays NaN.
+      k_scale, v_scale: for fp8 buffers, the stored value is ``k / k_scale`` (default 1; a float, or a float array []
+        / [kv_heads] for per-head scales), saturated to the format's largest finite value (e4m3fn: 448, e5m2: 57344;
+        +-inf saturate too), so no finite input is stored as inf or NaN; NaN stays NaN. 16-bit buffers ignore them.
     """
     check_array("k_pool", k_pool, ndim=3, dtypes=BUFFER_DTYPES, what="[slots, kv_heads, head_dim]")
     slots, kv_heads, head_dim = k_pool.shape
@@ -57,14 +51,8 @@ def write_kv(k_pool, v_pool, out_cache_loc, k, v, *, k_scale: float | None = Non
     tokens = out_cache_loc.shape[0]
     check_array("k", k, shape=(tokens, kv_heads, head_dim), dtypes=FLOAT_DTYPES, what="[tokens, kv_heads, head_dim]")
     check_array("v", v, shape=(tokens, kv_heads, v_pool.shape[2]), dtypes=FLOAT_DTYPES, what="[tokens, kv_heads, v_head_dim]")
-    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if scale is None:
-            continue
-        if hasattr(scale, "shape"):  # an array scale (e.g. calibrated per layer): checked for shape only
-            if tuple(scale.shape) not in ((), (1,)):
-                raise ValueError(f"{name} must be a scalar; got shape {tuple(scale.shape)}")
-        elif not (isinstance(scale, numbers.Real) and math.isfinite(scale) and scale > 0):
-            raise ValueError(f"{name} must be None or a finite float > 0 (fp8 buffers store value / scale); got {scale!r}")
+    check_kv_scale("k_scale", k_scale, kv_heads)
+    check_kv_scale("v_scale", v_scale, kv_heads)
     if isinstance(out_cache_loc, np.ndarray):
         # A host array is narrowed to int32 on its way to the device (64-bit ints need jax_enable_x64): an
         # out-of-range slot becomes -1 first (dropped), so 2**32 + 3 cannot wrap onto slot 3.
@@ -83,12 +71,17 @@ def _quantised(x, dtype, scale):
     """x as stored in a pool of `dtype`: fp8 pools hold x / scale, saturated to the format's finite range."""
     if not is_fp8(dtype):
         return x
-    largest = float(jnp.finfo(dtype).max)
-    return jnp.clip(x.astype(jnp.float32) / (1.0 if scale is None else scale), -largest, largest)
+    if scale is None:
+        scale = 1.0
+    elif hasattr(scale, "shape"):  # [] or [kv_heads]: one per head
+        scale = jnp.asarray(scale, jnp.float32).reshape(1, -1, 1)
+    largest = largest_finite(dtype)
+    return jnp.clip(x.astype(jnp.float32) / scale, -largest, largest)
 
 
 def read_scaled(buffer, scale: float | None, dtype):
-    """The pool as `dtype` values: fp8 buffers are multiplied back by their scale."""
+    """The whole pool as `dtype` values: fp8 buffers are multiplied back by their scale (for inspection and tests; the
+    kernels and backends read fp8 pools directly)."""
     if is_fp8(buffer.dtype):
         return (buffer.astype(jnp.float32) * (1.0 if scale is None else scale)).astype(dtype)
     return buffer

@@ -1,0 +1,42 @@
+"""fp8 KV pools: the formats and their scales.
+
+An fp8 pool stores ``K / k_scale`` and ``V / v_scale`` (SGLang's per-layer k_scale / v_scale; per kv head when a
+checkpoint carries them). The kernels read the fp8 rows directly, convert them to q's dtype (exact: every e4m3fn and
+e5m2 value is a bf16 and an f16 value) and apply the scales in float32: k_scale multiplies the scores (folded into the
+softmax scale), v_scale the output. No step converts the pool itself.
+
+A scale is None (1), a Python float > 0, or a float array of shape [] or [kv_heads] (traced: one compiled step serves
+every layer's scales). The ops take them for any pool dtype; the backends pass them for fp8 pools only.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+
+
+def is_fp8(dtype) -> bool:
+    return any(jnp.dtype(dtype) == jnp.dtype(d) for d in FP8_DTYPES)
+
+
+def kv_scale_table(k_scale, v_scale, kv_heads: int) -> jax.Array | None:
+    """f32[2, kv_heads]: row 0 the K scale of every kv head, row 1 the V scale; None when both scales are None.
+
+    The arguments are checked first (`jaxattn.checks.check_kv_scale`).
+    """
+    if k_scale is None and v_scale is None:
+        return None
+
+    def row(scale):
+        if scale is None:
+            return jnp.ones((kv_heads,), jnp.float32)
+        return jnp.broadcast_to(jnp.asarray(scale, jnp.float32).reshape(-1), (kv_heads,))
+
+    return jnp.stack([row(k_scale), row(v_scale)])
+
+
+def largest_finite(dtype) -> float:
+    """The largest finite value of an fp8 format (e4m3fn: 448, e5m2: 57344): writes saturate there."""
+    return float(jnp.finfo(dtype).max)

@@ -1,0 +1,229 @@
+"""fp8 KV pools read inside the kernels (issue 26): decode, both extend forms and the backends against the reference
+on the same fp8 pool, the quantisation error per format, the scale arguments' checks, and no pool-sized conversion
+in a compiled step.
+
+Pools are e4m3fn / e5m2 with unused rows NaN (fp8 has NaN), so a wrong gather shows; q is bf16 (upcast to f32 by the
+interpreter, which also sees fp8 pools as f32 values: the same values, exactly).
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxattn import testing
+from jaxattn.backends import AttentionLayer, ReferenceBackend, TritonBackend
+from jaxattn.decode import DecodeConfig, decode_attention, decode_attention_reference, decode_metadata_from_indptr
+from jaxattn.extend import (
+    extend_attention,
+    extend_attention_reference,
+    extend_attention_unified,
+    extend_attention_unified_reference,
+)
+from jaxattn.impl.mgpu_extend import dequantised_prefix
+from jaxattn.serving import ForwardMode, write_kv
+from tests import test_triton_backend as tb
+from tests.helpers import MODES
+from tests.test_decode import make_pools
+from tests.test_extend import _clean, make_batch
+
+FORMATS = [pytest.param(jnp.float8_e4m3fn, id="e4m3fn"), pytest.param(jnp.float8_e5m2, id="e5m2")]
+
+
+def quantised(pool, scale, fmt):
+    """pool / scale stored as `fmt` (what `write_kv` stores); per-head scales broadcast over the head axis."""
+    if pool is None:
+        return None
+    scale = jnp.asarray(scale, jnp.float32).reshape(1, -1, 1)
+    return (pool.astype(jnp.float32) / scale).astype(fmt)
+
+
+def per_head(kv_heads):
+    return jnp.linspace(0.5, 2.0, kv_heads, dtype=jnp.float32)
+
+
+# (q_heads, kv_heads, qk_dim, v_dim, v_from_k, config): GQA on the grouped kernel, MLA's latent cache (V inside K), MHA
+# on the vector kernel.
+DECODE_CASES = [
+    pytest.param((8, 2, 128, 128, False, None), id="gqa4-128"),
+    pytest.param((4, 1, 576, 512, True, None), id="mla-576"),
+    pytest.param((2, 2, 64, 64, False, DecodeConfig(block_n=32, block_h=1)), id="mha-vector"),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("case", DECODE_CASES)
+@pytest.mark.parametrize("scales", ["float", "per-head"])
+def test_decode_reads_fp8_pools(rng, mode, fmt, case, scales):
+    q_heads, kv_heads, qk_dim, v_dim, v_from_k, config = case
+    kv_lens = [1, 37, 0, 161]
+    q, k_pool, v_pool, kv_indptr, kv_indices = make_pools(rng, kv_lens, q_heads, kv_heads, qk_dim, v_dim, jnp.bfloat16,
+                                                          v_from_k=v_from_k)
+    k_scale = 0.25 if scales == "float" else per_head(kv_heads)
+    v_scale = None if v_from_k else (2.0 if scales == "float" else per_head(kv_heads)[::-1])
+    k8, v8 = quantised(k_pool, k_scale, fmt), quantised(v_pool, 1.0 if v_scale is None else v_scale, fmt)
+    meta = decode_metadata_from_indptr(kv_indptr, kv_indices, q_heads=q_heads, kv_heads=kv_heads, max_kv_splits=4,
+                                       min_split_len=32, programs_per_sm=10**6)
+    kwargs = dict(return_lse=True, v_head_dim=v_dim if v_from_k else None, k_scale=k_scale, v_scale=v_scale)
+    o, lse = decode_attention(q, k8, v8, meta, mode=mode, config=config, **kwargs)
+    ref_o, ref_lse = decode_attention_reference(q, k8, v8, meta, **kwargs)
+    assert o.dtype == jnp.bfloat16
+    assert not np.isnan(np.float32(o)).any()  # unused NaN rows never leak
+    np.testing.assert_allclose(np.float32(o), np.float32(ref_o), **testing.tolerance(jnp.bfloat16))
+    np.testing.assert_allclose(lse, ref_lse, atol=2e-3, rtol=2e-3)
+    np.testing.assert_array_equal(np.float32(o[2]), 0.0)  # the empty row
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantisation_error_is_within_the_format_tolerance(rng, fmt):
+    q_heads, kv_heads, dim = 8, 2, 128
+    q, k_pool, v_pool, kv_indptr, kv_indices = make_pools(rng, [1, 37, 200, 500], q_heads, kv_heads, dim, dim, jnp.bfloat16)
+    meta = decode_metadata_from_indptr(kv_indptr, kv_indices, q_heads=q_heads, kv_heads=kv_heads, max_kv_splits=4,
+                                       min_split_len=32, programs_per_sm=10**6)
+    k_scale, v_scale = 0.5, 2.0
+    o8 = decode_attention(q, quantised(k_pool, k_scale, fmt), quantised(v_pool, v_scale, fmt), meta, mode="interpret",
+                          k_scale=k_scale, v_scale=v_scale)
+    o16 = decode_attention_reference(q, jnp.nan_to_num(k_pool), jnp.nan_to_num(v_pool), meta)
+    np.testing.assert_allclose(np.float32(o8), np.float32(o16), **testing.fp8_tolerance(fmt))
+    # ... and the tolerance is not vacuous: without the scales the outputs are far off.
+    o_unscaled = decode_attention(q, quantised(k_pool, k_scale, fmt), quantised(v_pool, v_scale, fmt), meta, mode="interpret")
+    assert np.abs(np.float32(o_unscaled) - np.float32(o16)).max() > 4 * testing.fp8_tolerance(fmt)["atol"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("features", [{}, dict(sliding_window=6, logit_cap=20.0)], ids=["plain", "window+cap"])
+def test_extend_reads_fp8_pools(rng, mode, fmt, features):
+    batch = make_batch(rng, [0, 21, 9], [13, 0, 17], hq=4, hkv=2, dqk=64, dtype=jnp.bfloat16, max_extend_len=20,
+                       window=features.get("sliding_window", -1))
+    k_scale, v_scale = per_head(2), 1.5
+    kp, vp = quantised(batch.k_pool, k_scale, fmt), quantised(batch.v_pool, v_scale, fmt)
+    ku, vu = quantised(batch.k_pool_unified, k_scale, fmt), quantised(batch.v_pool_unified, v_scale, fmt)
+    kw = dict(k_scale=k_scale, v_scale=v_scale, **features)
+    o = extend_attention(batch.q, batch.k_new, batch.v_new, kp, vp, batch.meta, mode=mode, impl="triton", **kw)
+    ref = extend_attention_reference(batch.q, batch.k_new, batch.v_new, _clean(kp), _clean(vp), batch.meta, **kw)
+    o_u = extend_attention_unified(batch.q, ku, vu, batch.meta_unified, mode=mode, **kw)
+    ref_u = extend_attention_unified_reference(batch.q, _clean(ku), _clean(vu), batch.meta_unified, **kw)
+    tol = testing.tolerance(jnp.bfloat16)
+    for out, want in ((o, ref), (o_u, ref_u)):
+        out = np.float32(out)
+        assert not np.isnan(out).any()
+        np.testing.assert_array_equal(out[batch.tokens:], 0.0)
+        np.testing.assert_allclose(out[: batch.tokens], np.float32(want)[: batch.tokens], **tol)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_mgpu_route_dequantises_only_the_listed_prefix(rng, fmt):
+    # The Mosaic GPU kernel (GPU only) takes fp8 pools through `dequantised_prefix`: the listed rows, scaled, in order.
+    # The rewritten call must mean the same attention: checked here through the Triton kernel on both forms.
+    batch = make_batch(rng, [5, 21, 9], [13, 3, 17], hq=4, hkv=2, dqk=64, dtype=jnp.bfloat16, max_extend_len=20)
+    k_scale, v_scale = per_head(2), 0.75
+    kp, vp = quantised(batch.k_pool, k_scale, fmt), quantised(batch.v_pool, v_scale, fmt)
+    kv_scales = jnp.stack([k_scale, jnp.full((2,), v_scale)])
+    k, v, meta = dequantised_prefix(kp, vp, batch.meta, kv_scales, jnp.bfloat16)
+    assert k.shape == (batch.meta.kv_capacity, 2, 64) and k.dtype == jnp.bfloat16  # the listed bound, not the pool
+    direct = extend_attention(batch.q, batch.k_new, batch.v_new, kp, vp, batch.meta, mode="interpret", impl="triton",
+                              k_scale=k_scale, v_scale=v_scale)
+    rewritten = extend_attention(batch.q, batch.k_new, batch.v_new, k, v, meta, mode="interpret", impl="triton")
+    np.testing.assert_allclose(np.float32(rewritten), np.float32(direct), **testing.tolerance(jnp.bfloat16))
+
+
+def test_scale_arguments_are_checked(rng):
+    q, k_pool, v_pool, kv_indptr, kv_indices = make_pools(rng, [3, 5], 4, 2, 64, 64, jnp.bfloat16)
+    meta = decode_metadata_from_indptr(kv_indptr, kv_indices, q_heads=4, kv_heads=2)
+    k8, v8 = k_pool.astype(jnp.float8_e4m3fn), v_pool.astype(jnp.float8_e4m3fn)
+    bad = [
+        (dict(k_scale=-1.0), "k_scale must be None, a finite float > 0"),
+        (dict(v_scale=float("nan")), "v_scale must be None, a finite float > 0"),
+        (dict(k_scale=True), "k_scale must be None, a finite float > 0"),
+        (dict(k_scale=jnp.ones((3,))), re.escape("k_scale must be a scalar or have shape (2,)")),
+        (dict(v_scale=jnp.ones((2,), jnp.int32)), "v_scale must be a float array"),
+    ]
+    for kwargs, message in bad:
+        with pytest.raises(ValueError, match=message):
+            decode_attention(q, k8, v8, meta, mode="interpret", **kwargs)
+    with pytest.raises(ValueError, match="k_pool must have q's dtype bfloat16 or an fp8 format"):
+        decode_attention(q, k_pool.astype(jnp.int8), v8, meta, mode="interpret")
+    with pytest.raises(ValueError, match="v_scale must be None when v_pool is None"):
+        decode_attention(q, k8, None, meta, v_head_dim=32, k_scale=2.0, v_scale=2.0, mode="interpret")
+
+
+def test_write_kv_takes_per_head_scales(rng):
+    k_pool = jnp.zeros((4, 2, 8), jnp.float8_e4m3fn)
+    v_pool = jnp.zeros((4, 2, 8), jnp.float8_e5m2)
+    k = jnp.asarray(rng.standard_normal((2, 2, 8)), jnp.float32)
+    scales = jnp.asarray([0.5, 4.0])
+    k_pool, v_pool = write_kv(k_pool, v_pool, jnp.asarray([1, 3], jnp.int32), k, k, k_scale=scales, v_scale=2.0)
+    np.testing.assert_array_equal(np.float32(k_pool[jnp.asarray([1, 3])]),
+                                  np.float32((k / scales[None, :, None]).astype(jnp.float8_e4m3fn)))
+    np.testing.assert_array_equal(np.float32(v_pool[jnp.asarray([1, 3])]), np.float32((k / 2.0).astype(jnp.float8_e5m2)))
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE], ids=["extend", "decode"])
+def test_triton_backend_passes_fp8_pools_through(rng, mode):
+    # The backends hand fp8 pools and the layer's scales to the ops (the extend step writes fp8 rows, then reads
+    # the prefix from them); TritonBackend and ReferenceBackend agree.
+    decode = mode == ForwardMode.DECODE
+    batch, req_to_token = tb.make_batch(rng, [6, 3, 0], [1, 1, 1] if decode else [5, 2, 7], mode=mode,
+                                        token_bucket=3 if decode else 16, batch_bucket=3)
+    q, k, v, kb, vb = tb.random_inputs(rng, 3 if decode else 16)
+    layer = AttentionLayer(0, tb.H, tb.KVH, tb.D, k_scale=0.5, v_scale=2.0)
+    kb, vb = kb.astype(jnp.float8_e4m3fn), vb.astype(jnp.float8_e5m2)
+    outs = [backend.forward(q, k, v, kb, vb, layer, backend.init_forward_metadata(batch, req_to_token))
+            for backend in (TritonBackend(), ReferenceBackend())]
+    tokens = int(np.sum(np.asarray(batch.extend_lens)))
+    got, want = np.asarray(outs[0][0])[:tokens], np.asarray(outs[1][0])[:tokens]
+    if decode:
+        np.testing.assert_allclose(got, want, atol=3e-5, rtol=3e-5)
+    else:  # the two-stage kernel reads the new tokens' own K/V, the reference their fp8 copies (module doc)
+        np.testing.assert_allclose(got, want, **testing.fp8_tolerance(jnp.float8_e5m2))
+    np.testing.assert_array_equal(np.asarray(outs[0][1]).view(np.uint8), np.asarray(outs[1][1]).view(np.uint8))
+
+
+def _backend_step(backend, num_slots, fmt):
+    """A jitted one-layer DECODE step of `backend` over fp8 pools of `num_slots` slots, and its arguments."""
+    batch, req_to_token = tb.make_batch(np.random.default_rng(0), [6, 3], [1, 1], mode=ForwardMode.DECODE,
+                                        token_bucket=2, batch_bucket=2)
+    layer = AttentionLayer(0, tb.H, tb.KVH, tb.D, k_scale=0.5, v_scale=2.0)
+
+    def step(q, k, v, k_pool, v_pool):
+        meta = backend.init_forward_metadata(batch, req_to_token)
+        return backend.forward(q, k, v, k_pool, v_pool, layer, meta)
+
+    q, k, v, _, _ = tb.random_inputs(np.random.default_rng(1), 2)
+    pools = tuple(jnp.zeros((num_slots, tb.KVH, tb.D), fmt) for _ in range(2))
+    return jax.jit(step), (q, k, v, *pools)
+
+
+@pytest.mark.parametrize("backend", [TritonBackend(launch_mode="interpret"), ReferenceBackend()], ids=["triton", "reference"])
+def test_no_pool_sized_conversion_in_a_step(backend):
+    # Doubling the pool leaves the step's work unchanged: no op of the compiled step converts a pool-shaped array (the
+    # old path dequantised the whole pool every call); only the row writes touch the pool.
+    programs = []
+    for num_slots in (4096, 8192):
+        step, args = _backend_step(backend, num_slots, jnp.float8_e4m3fn)
+        text = step.lower(*args).as_text()
+        pool_type = f"tensor<{num_slots}x{tb.KVH}x{tb.D}x"
+        converts = [line.strip() for line in text.splitlines() if "convert" in line and pool_type in line]
+        assert not converts, f"pool-sized conversions: {converts[:3]}"
+        assert pool_type in text  # the pattern does name the pool's arrays
+        programs.append(text.replace(str(num_slots), "SLOTS").replace(str(num_slots - 1), "LAST_SLOT"))
+    assert programs[0] == programs[1]  # the same program; only the pool's size (and last slot) differ
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_default_extend_route_reads_fp8_pools(rng, mode, fmt):
+    # What extend_attention picks (on an H200: the Mosaic GPU kernel through `dequantised_prefix`) on an fp8 pool.
+    batch = make_batch(rng, [40, 0, 133], [24, 17, 64], hq=8, hkv=2, dqk=128, dtype=jnp.bfloat16, max_extend_len=64)
+    k_scale, v_scale = per_head(2), 0.5
+    kp, vp = quantised(batch.k_pool, k_scale, fmt), quantised(batch.v_pool, v_scale, fmt)
+    kw = dict(k_scale=k_scale, v_scale=v_scale)
+    o = np.float32(extend_attention(batch.q, batch.k_new, batch.v_new, kp, vp, batch.meta, mode=mode, **kw))
+    ref = extend_attention_reference(batch.q, batch.k_new, batch.v_new, _clean(kp), _clean(vp), batch.meta, **kw)
+    assert not np.isnan(o).any()
+    np.testing.assert_array_equal(o[batch.tokens:], 0.0)
+    np.testing.assert_allclose(o[: batch.tokens], np.float32(ref)[: batch.tokens], **testing.tolerance(jnp.bfloat16))

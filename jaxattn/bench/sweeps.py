@@ -12,7 +12,8 @@ def sweep_variants(op: str, case: Case):
     if op == "decode":
         from jaxattn.tuning import DecodeConfig
 
-        for block_n in (32, 64, 128):
+        # fp8 rows are half as wide: longer key tiles keep as many bytes in flight.
+        for block_n in (64, 128, 256) if case.fp8 else (32, 64, 128):
             for num_warps in (4, 8):
                 for num_stages in (2, 3, 4):
                     if case.head_dim > 256 and (block_n > 64 or num_stages > 3):

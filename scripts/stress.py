@@ -71,6 +71,28 @@ class Profile:
     xai: int = -1
     mask: bool = False  # extend only: a random custom mask (fully masked rows included)
     causal: bool = True
+    kv_dtype: str = ""  # the pools' dtype when it is not q's: "float8_e4m3fn" / "float8_e5m2" (read with k/v scales)
+    per_head_scales: bool = False  # fp8: one scale per kv head instead of one per layer
+
+    def pool_dtype(self):
+        return jnp.dtype(self.kv_dtype or self.dtype)
+
+    def scales(self) -> dict:
+        """The ops' and write_kv's k_scale / v_scale for this profile's pools (none for 16/32-bit pools)."""
+        if not self.kv_dtype:
+            return {}
+        if self.per_head_scales:
+            heads = jnp.linspace(0.25, 1.0, self.kv_heads, dtype=jnp.float32)
+            return dict(k_scale=heads, v_scale=heads[::-1])
+        return dict(k_scale=0.5, v_scale=0.25)
+
+
+def scaled_pool(values, profile: Profile, which: str):
+    """A pool of the profile's dtype holding values / scale (fp8) or the values themselves; NaN stays NaN."""
+    scale = profile.scales().get(f"{which}_scale")
+    if scale is not None:
+        values = values / jnp.asarray(scale, jnp.float32).reshape(1, -1, 1)
+    return values.astype(profile.pool_dtype())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +120,7 @@ def profiles(shapes: str) -> list[Profile]:
             Profile("tiny-gqa2", 4, 2, 32, 32, "float32", sinks=True),
             Profile("tiny-window", 2, 1, 16, 16, "bfloat16", window=5, logit_cap=5.0),
             Profile("tiny-mask", 3, 3, 32, 16, "float16", mask=True, xai=8),
+            Profile("tiny-fp8", 4, 2, 32, 32, "bfloat16", kv_dtype="float8_e4m3fn", per_head_scales=True),
         ]
     return [
         Profile("llama-gqa4-bf16", 32, 8, 128, 128, "bfloat16"),
@@ -110,6 +133,11 @@ def profiles(shapes: str) -> list[Profile]:
         Profile("mqa-group32-fp16", 32, 1, 128, 128, "float16", sinks=True),
         Profile("tree-mask", 32, 8, 128, 128, "bfloat16", mask=True),
         Profile("noncausal", 8, 8, 64, 64, "float16", causal=False, logit_cap=20.0),
+        # fp8 pools read by the kernels (issue 26): per-layer and per-head scales, both formats, GQA / MLA / sinks.
+        Profile("llama-gqa4-fp8", 32, 8, 128, 128, "bfloat16", kv_dtype="float8_e4m3fn"),
+        Profile("mla-absorbed-fp8", 16, 1, 576, 512, "bfloat16", kv_dtype="float8_e4m3fn"),
+        Profile("gpt-oss-fp8-e5m2", 64, 8, 64, 64, "bfloat16", window=127, sinks=True, kv_dtype="float8_e5m2",
+                per_head_scales=True),
     ]
 
 
@@ -197,10 +225,11 @@ class DecodeRunner:
         k1, k2, self.key = jax.random.split(key, 3)
         # Slot 0 (padding) and the reserved top slots hold NaN: a stray read shows up.
         poison = (jnp.arange(self.slots) == 0) | (jnp.arange(self.slots) >= self.slots - 8)
-        self.k_pool = jnp.where(poison[:, None, None], jnp.nan,
-                                jax.random.normal(k1, (self.slots, profile.kv_heads, profile.qk_dim))).astype(self.dtype)
-        self.v_pool = jnp.where(poison[:, None, None], jnp.nan,
-                                jax.random.normal(k2, (self.slots, profile.kv_heads, profile.v_dim))).astype(self.dtype)
+        self.k_pool = scaled_pool(jnp.where(poison[:, None, None], jnp.nan,
+                                            jax.random.normal(k1, (self.slots, profile.kv_heads, profile.qk_dim))), profile, "k")
+        self.v_pool = scaled_pool(jnp.where(poison[:, None, None], jnp.nan,
+                                            jax.random.normal(k2, (self.slots, profile.kv_heads, profile.v_dim))), profile, "v")
+        self.scales = profile.scales()
         p = profile
         self.attn = functools.partial(decode_attention, sliding_window=p.window, logit_cap=p.logit_cap, xai_temperature_len=p.xai, mode=mode)
         self.ref = jax.jit(functools.partial(decode_attention_reference, sliding_window=p.window, logit_cap=p.logit_cap, xai_temperature_len=p.xai))
@@ -226,13 +255,13 @@ class DecodeRunner:
         cur = np.where(lens > 0, table[rows, np.maximum(lens - 1, 0)], 0).astype(np.int32)
         k_cur = jax.random.normal(kk, (s.dec_batch, p.kv_heads, p.qk_dim)).astype(self.dtype)
         v_cur = jax.random.normal(kv, (s.dec_batch, p.kv_heads, p.v_dim)).astype(self.dtype)
-        self.k_pool, self.v_pool = write_kv(self.k_pool, self.v_pool, jnp.asarray(cur), k_cur, v_cur)
+        self.k_pool, self.v_pool = write_kv(self.k_pool, self.v_pool, jnp.asarray(cur), k_cur, v_cur, **self.scales)
         self.k_pool = self.k_pool.at[0].set(jnp.nan)  # padding rows wrote slot 0: poison it again
         self.v_pool = self.v_pool.at[0].set(jnp.nan)
         sinks = jax.random.normal(ks, (p.q_heads,)) * 2 if p.sinks else None
         meta = self.meta(jnp.asarray(table), jnp.asarray(rows), jnp.asarray(lens))
-        o = self.attn(q, self.k_pool, self.v_pool, meta, sinks=sinks)
-        ref = self.ref(q, self.k_pool, self.v_pool, meta, sinks=sinks)
+        o = self.attn(q, self.k_pool, self.v_pool, meta, sinks=sinks, **self.scales)
+        ref = self.ref(q, self.k_pool, self.v_pool, meta, sinks=sinks, **self.scales)
         ok, ratio, reason = compare(o, ref, p.dtype, empty_rows=lens == 0)
         return ok, ratio, reason, dict(op="decode", profile=p.name, batch=index, lens=lens.tolist()), int(total)
 
@@ -252,8 +281,9 @@ class ExtendRunner:
         self.mask_len = shapes.ext_batch * shapes.ext_bucket * self.ctx
         key = jax.random.PRNGKey(seed)
         k1, k2, self.key = jax.random.split(key, 3)
-        self.k_pool = jax.random.normal(k1, (self.slots, profile.kv_heads, profile.qk_dim)).astype(self.dtype).at[0].set(jnp.nan)
-        self.v_pool = jax.random.normal(k2, (self.slots, profile.kv_heads, profile.v_dim)).astype(self.dtype).at[0].set(jnp.nan)
+        self.k_pool = scaled_pool(jax.random.normal(k1, (self.slots, profile.kv_heads, profile.qk_dim)), profile, "k").at[0].set(jnp.nan)
+        self.v_pool = scaled_pool(jax.random.normal(k2, (self.slots, profile.kv_heads, profile.v_dim)), profile, "v").at[0].set(jnp.nan)
+        self.scales = profile.scales()
         p = profile
         kw = dict(causal=p.causal, sliding_window=p.window, logit_cap=p.logit_cap, xai_temperature_len=p.xai)
         self.two = functools.partial(extend_attention, mode=mode, skip_prefix_custom_mask=False, **kw)
@@ -302,12 +332,14 @@ class ExtendRunner:
                 cut.append(m[:, int(prefix[b] - listed[b]) :].reshape(-1))
             mask = jnp.asarray(np.pad(np.concatenate(full), (0, self.mask_len - sum(map(len, full)))))
             mask_u = jnp.asarray(np.pad(np.concatenate(cut), (0, self.mask_len - sum(map(len, cut)))))
-        o_two = self.two(q, k_new, v_new, self.k_pool, self.v_pool, meta, custom_mask=mask, sinks=sinks)
-        r_two = self.two_ref(q, k_new, v_new, jnp.nan_to_num(self.k_pool), jnp.nan_to_num(self.v_pool), meta, custom_mask=mask, sinks=sinks)
+        sc = self.scales
+        o_two = self.two(q, k_new, v_new, self.k_pool, self.v_pool, meta, custom_mask=mask, sinks=sinks, **sc)
+        r_two = self.two_ref(q, k_new, v_new, jnp.nan_to_num(self.k_pool), jnp.nan_to_num(self.v_pool), meta, custom_mask=mask,
+                             sinks=sinks, **sc)
         # Unified: write the new tokens into the pool first (slot 0 takes the padding tokens), then read all from it.
-        self.k_pool, self.v_pool = self.write(self.k_pool, self.v_pool, jnp.asarray(loc), k_new, v_new)
-        o_uni = self.uni(q, self.k_pool, self.v_pool, meta_u, custom_mask=mask_u, sinks=sinks)
-        r_uni = self.uni_ref(q, self.k_pool, self.v_pool, meta_u, custom_mask=mask_u, sinks=sinks)
+        self.k_pool, self.v_pool = self.write(self.k_pool, self.v_pool, jnp.asarray(loc), k_new, v_new, **sc)
+        o_uni = self.uni(q, self.k_pool, self.v_pool, meta_u, custom_mask=mask_u, sinks=sinks, **sc)
+        r_uni = self.uni_ref(q, self.k_pool, self.v_pool, meta_u, custom_mask=mask_u, sinks=sinks, **sc)
         padding = np.arange(self.tokens) >= tokens
         results = []
         for name, o, r in (("extend", o_two, r_two), ("extend_unified", o_uni, r_uni)):

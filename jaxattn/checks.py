@@ -8,11 +8,10 @@ The ops call one entry per call (`check_decode_args`, `check_extend_args`, `chec
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import functools
 import math
 import numbers
+from typing import Sequence
 
 import jax.numpy as jnp
 import numpy as np

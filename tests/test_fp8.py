@@ -227,3 +227,12 @@ def test_default_extend_route_reads_fp8_pools(rng, mode, fmt):
     assert not np.isnan(o).any()
     np.testing.assert_array_equal(o[batch.tokens:], 0.0)
     np.testing.assert_allclose(o[: batch.tokens], np.float32(ref)[: batch.tokens], **testing.tolerance(jnp.bfloat16))
+
+
+def test_mgpu_entry_point_sends_fp8_pools_to_the_op(rng):
+    from jaxattn.impl.mgpu_extend import extend_attention_mgpu
+
+    batch = make_batch(rng, [5, 3], [8, 8], hq=4, hkv=2, dqk=64, dtype=jnp.bfloat16, max_extend_len=8)
+    with pytest.raises(ValueError, match="fp8 pools go through jaxattn.extend.extend_attention"):
+        extend_attention_mgpu(batch.q, batch.k_new, batch.v_new, batch.k_pool.astype(jnp.float8_e4m3fn),
+                              batch.v_pool.astype(jnp.float8_e4m3fn), batch.meta)

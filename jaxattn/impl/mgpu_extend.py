@@ -167,6 +167,9 @@ def extend_attention_mgpu(
     check_extend_args(q, k_pool, v_pool, meta, meta_type=ExtendMetadata, builder="extend_metadata", custom_mask=None,
                       sinks=sinks, sliding_window=sliding_window, logit_cap=logit_cap, sm_scale=sm_scale)
     check_new_tokens(q, k_new, v_new, k_pool, v_pool)
+    if is_fp8(k_pool.dtype) or is_fp8(v_pool.dtype):
+        raise ValueError("extend_attention_mgpu takes pools of q's dtype; fp8 pools go through "
+                         "jaxattn.extend.extend_attention(..., k_scale=, v_scale=), which dequantises the listed prefix")
     head_dim, v_dim = q.shape[2], v_pool.shape[2]
     if not _head_dims_supported(head_dim, v_dim):
         raise ValueError(

@@ -27,10 +27,14 @@ TOLERANCES = {
 
 def tolerance(dtype) -> dict:
     """{"atol": ..., "rtol": ...} for outputs of this input dtype (float32, float16 or bfloat16)."""
+    return _lookup(TOLERANCES, dtype, "tolerance")
+
+
+def _lookup(table: dict, dtype, what: str) -> dict:
     key = jnp.dtype(dtype)
-    if key not in TOLERANCES:
-        raise ValueError(f"no tolerance for dtype {key}; known: {', '.join(str(d) for d in TOLERANCES)}")
-    atol, rtol = TOLERANCES[key]
+    if key not in table:
+        raise ValueError(f"no {what} for dtype {key}; known: {', '.join(str(d) for d in table)}")
+    atol, rtol = table[key]
     return dict(atol=atol, rtol=rtol)
 
 
@@ -46,8 +50,4 @@ FP8_TOLERANCES = {
 
 def fp8_tolerance(fp8_dtype) -> dict:
     """{"atol": ..., "rtol": ...} between outputs over an fp8 pool and over the unquantised 16-bit values."""
-    key = jnp.dtype(fp8_dtype)
-    if key not in FP8_TOLERANCES:
-        raise ValueError(f"no fp8 tolerance for dtype {key}; known: {', '.join(str(d) for d in FP8_TOLERANCES)}")
-    atol, rtol = FP8_TOLERANCES[key]
-    return dict(atol=atol, rtol=rtol)
+    return _lookup(FP8_TOLERANCES, fp8_dtype, "fp8 tolerance")

@@ -155,6 +155,17 @@ def test_real_shape_presets_have_the_real_configs():
     assert round(qwen.num_params() / 1e6) == 1721
 
 
+def test_tied_random_embeddings_do_not_make_the_current_token_the_argmax():
+    # At unit scale a tied embedding makes the current token the argmax at 97% of the tiny qwen3's positions (greedy
+    # decoding then repeats it); testing.embedding_scale shrinks it to lm_head-like logits.
+    config = LlamaConfig.from_hf(hf_config("qwen3"))
+    params = load_params(config, random_tensors(config, seed=1, dtype=np.float32), jnp.float32)
+    ids = np.random.default_rng(0).integers(0, config.vocab_size, 64)
+    logits = np.asarray(dense_logits(params, config, jnp.asarray(ids)))
+    assert np.mean(np.argmax(logits, axis=-1) == ids) < 0.25
+    assert 0.5 < np.std(logits) < 2.0  # logits ~N(0, 1)
+
+
 @pytest.mark.parametrize("preset", ["llama3-1b", "qwen3-1.7b"])
 def test_real_shape_presets_shrunk_serve_like_dense(tmp_path, preset, rng):
     hf = write_random_checkpoint(tmp_path, preset, SHRUNK)

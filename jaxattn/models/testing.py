@@ -39,7 +39,8 @@ PRESETS = {
         hidden_act="silu", bos_token_id=1, eos_token_id=2, pretraining_tp=1, initializer_range=0.02, use_cache=True,
         attention_dropout=0.0,
     ),
-    # Qwen3: q_norm / k_norm, head_dim given explicitly (not hidden / heads), tied embeddings, no biases.
+    # Qwen3: q_norm / k_norm, head_dim given explicitly (not hidden / heads), tied embeddings (see
+    # `embedding_scale`), no biases.
     "qwen3": dict(
         model_type="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=1, head_dim=32, rms_norm_eps=1e-6, rope_theta=1000000.0,
@@ -85,7 +86,8 @@ QWEN3_1_7B = dict(
 )
 
 # Presets with real models' shapes: their random weights are drawn in float32 (five times faster than the tiny
-# presets' float64 draws, which stay as they were so that earlier checkpoints are written again bit for bit).
+# presets' float64 draws, which stay as they were: the untied tiny presets are written again bit for bit; the tied
+# qwen3 changed on 2026-12-03 with `embedding_scale`).
 REAL_SHAPES = {"llama3-1b": LLAMA3_1B, "qwen3-1.7b": QWEN3_1_7B, "llama3-8b": LLAMA3_8B}
 
 
@@ -109,8 +111,21 @@ def hf_config(preset: str = "llama", overrides: dict | None = None, dtype: str =
     return config
 
 
+def embedding_scale(config: LlamaConfig) -> float:
+    """Standard deviation of the random embedding: 1, or 1 / sqrt(hidden) when the embedding is tied (the lm_head).
+
+    Tied at unit scale, the logit of the current token is ~|e|^2 / rms(x) = hidden / rms(x) against the others'
+    ~sqrt(hidden) (the residual stream still holds the token's own embedding): the current token is the argmax at
+    every position of the 1B-shaped presets and at 97% of the tiny qwen3's, and greedy decoding repeats it forever,
+    which proves nothing about the tokens. At 1 / sqrt(hidden) the other logits are ~N(0, 1) and the own-token term
+    ~1 / rms(x): the argmax at none of the 1B-shaped positions and 3-11% of the tiny qwen3's (a 2-layer model still
+    falls into repetition loops now and then, through attention)."""
+    return 1.0 / float(np.sqrt(config.hidden_size)) if config.tie_word_embeddings else 1.0
+
+
 def random_tensors(config: LlamaConfig, seed: int = 0, dtype=ml_dtypes.bfloat16, draw_dtype=np.float64) -> dict[str, np.ndarray]:
-    """{HF name: array} of random weights for `config`, scaled so activations and logits stay O(1).
+    """{HF name: array} of random weights for `config`, scaled so activations and logits stay O(1) (see
+    `embedding_scale` for tied embeddings).
 
     draw_dtype: the dtype of the normal draws (float32 is about five times faster than float64, for real shapes;
     the two give different values for one seed)."""
@@ -123,7 +138,10 @@ def random_tensors(config: LlamaConfig, seed: int = 0, dtype=ml_dtypes.bfloat16,
             value = 1.0 + 0.2 * value
         elif key.startswith("b"):
             value = 0.2 * value
-        elif key != "embed":  # a Linear [out, in]: unit-variance outputs (lm_head a little wider, so greedy picks are not near ties)
+        elif key == "embed":
+            if config.tie_word_embeddings:
+                value *= embedding_scale(config)
+        else:  # a Linear [out, in]: unit-variance outputs (lm_head a little wider, so greedy picks are not near ties)
             value *= (3.0 if key == "lm_head" else 1.0) / np.sqrt(shape[1])
         out[name] = value.astype(np.float32, copy=False).astype(dtype)
     return out
@@ -227,7 +245,7 @@ def random_params(config: LlamaConfig, seed: int = 0, dtype=None):
         elif leaf.startswith("b"):
             scale, offset = 0.2, 0.0
         elif leaf == "embed":
-            scale, offset = 1.0, 0.0
+            scale, offset = embedding_scale(config), 0.0
         else:
             scale, offset = (3.0 if leaf == "lm_head" else 1.0) / float(np.sqrt(shape[0])), 0.0
         value = make(key, scale, offset, shape)

@@ -3,9 +3,12 @@
     # GPU (torch + transformers installed): logits at every position and greedy tokens, jaxattn's TritonBackend
     python scripts/compare_transformers.py --write-tiny /tmp/tiny-llama --preset llama     # a random checkpoint
     python scripts/compare_transformers.py --model /tmp/tiny-llama --steps 32 --json compare.json
+    python scripts/compare_transformers.py --model /tmp/tiny-llama --dtype float32          # proves the greedy tokens
+    python scripts/compare_transformers.py --write-tiny /tmp/llama3-1b --preset llama3-1b  # Llama-3.2-1B's shape, 2.5 GB
     python scripts/compare_transformers.py --bench --json bench.json                        # 8B shape, random weights
     # CPU, no torch: the jaxattn half only (reference backend), checked against jaxattn's dense oracle
-    python scripts/compare_transformers.py --dry-run [--model DIR] ; python scripts/compare_transformers.py --bench --dry-run
+    python scripts/compare_transformers.py --dry-run [--dtype float32] [--model DIR | --preset P --overrides JSON]
+    python scripts/compare_transformers.py --bench --dry-run
 
 Compare mode. The prompts (`--prompts` random ones of `--prompt-len` tokens, after a shared system prompt of
 `--system-len` tokens) go through jaxattn as a server runs them: the system prompt is prefilled once, the prompts
@@ -27,8 +30,32 @@ Tolerance rules (bf16 logits), both stated in the output and the JSON:
   2. with the float32 reference: max |jaxattn - fp32| <= 2 * max |transformers bf16 - fp32| per prompt (jaxattn's
      bf16 error at most twice transformers' own; the tighter check, as rule 1 is loose for deep models).
 The check fails when a position breaks rule 1, a prompt breaks rule 2, or the greedy tokens differ at a non-tie.
+A divergence is a near tie when transformers' top-2 margin there is at most 2 * max |jaxattn - transformers| at that
+position: the two picks can swap only if the two logits' differences add up to the margin.
 (On CPU, jaxattn's paged bf16 logits differ from its own dense bf16 ones by about as much as either differs from
 float32, 0.1-0.25 on the tiny presets: a flat elementwise atol/rtol on logits would fail bf16 models of any kind.)
+
+Why float32 (`--dtype float32`). In bf16, greedy tokens of random-weight models are expected to diverge now and
+then: logits round to 8 mantissa bits, so two candidates often share one bf16 value (margin exactly 0; at logits of
+4-16 one bf16 step is 0.03-0.06) or differ by a step or two, and which one wins depends on rounding that two correct
+implementations do in different orders (fused kernels, split-KV decode, batch shapes). Among the 128256 logits of
+llama3-1b the top two are often a step apart: its CPU dry run in bf16 diverged at margin 0 or one step in 3 of 4
+prompts. The near-tie rule above accepts such divergences but cannot prove the tokens. With `--dtype float32` both
+frameworks serve the same checkpoint (bf16 weights upcast exactly) in float32 throughout: jaxattn's weights,
+activations and KV pools (the Triton kernels take f32 q and pools and use IEEE f32 dots; the model's matmuls run at
+`precision="highest"`), transformers in float32 with TF32 off and eager attention (cuBLAS f32 matmuls; `--hf-attn`
+overrides). The logits then differ by ~1e-5 (llama3-1b's CPU dry run: 1.5e-5 at logits up to 5, 4% of rule 1's
+float32 bound), ties become vanishingly rare, and the greedy tokens must be identical: a divergence fails unless it
+is a near tie by the rule above, i.e. with float32 differences a margin of ~1e-5. Rule 1 uses
+`jaxattn.testing.tolerance(float32)` (2e-5 each); rule 2 is skipped (it measures a bf16 run against the float32
+reference, which is here the run itself) and the output says so. `--backend flashinfer` takes bf16 only.
+
+Checkpoints (`--write-tiny DIR --preset P [--overrides JSON]`, `jaxattn.models.testing.write_random_checkpoint`):
+the tiny presets llama, qwen3, qwen2, and real shapes with random weights: llama3-1b (Llama-3.2-1B's config: 16
+layers, hidden 2048, 32/8 heads x 64, vocab 128256, llama3 RoPE scaling factor 32, tied embeddings; 2.5 GB),
+qwen3-1.7b (Qwen3-1.7B's: 28 layers, hidden 2048, 16/8 heads x 128, q/k norms, vocab 151936, tied; 3.4 GB),
+llama3-8b (16 GB). llama3-1b writes in about 30 s (float32 draws on one CPU core). Tied embeddings are drawn at
+1/sqrt(hidden) (`jaxattn.models.testing.embedding_scale`: at unit scale greedy decoding just repeats the last token).
 
 Bench mode (`--bench`): Llama-3-8B's shape (32 layers, hidden 4096, 32/8 heads x 128, intermediate 14336, vocab
 128256; `--bench-layers` to shrink) with random bf16 weights made on the GPU by each framework (jaxattn:
@@ -136,20 +163,18 @@ def jaxattn_serve(config, params, backend_name: str, system, users, steps: int, 
     return out
 
 
-def tolerance_bound(reference: np.ndarray, num_layers: int):
-    """Per element bound of the rule in the module doc, for reference logits [positions, vocab]."""
+def tolerance_bound(reference: np.ndarray, num_layers: int, dtype):
+    """Per element bound of rule 1 in the module doc, for reference logits [positions, vocab] of a `dtype` run."""
     from jaxattn import testing
 
-    import jax.numpy as jnp
-
-    tol = testing.tolerance(jnp.bfloat16)
+    tol = testing.tolerance(dtype)
     scale = np.max(np.abs(reference.astype(np.float64)), axis=-1, keepdims=True)
     return tol["atol"] * math.sqrt(num_layers) * scale + tol["rtol"] * np.abs(reference), tol
 
 
-def judge(got: np.ndarray, want: np.ndarray, num_layers: int) -> dict:
+def judge(got: np.ndarray, want: np.ndarray, num_layers: int, dtype) -> dict:
     diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
-    bound, tol = tolerance_bound(want, num_layers)
+    bound, tol = tolerance_bound(want, num_layers, dtype)
     ratio = diff / bound
     worst = np.unravel_index(int(np.argmax(ratio)), ratio.shape)
     return dict(max_abs_diff=float(diff.max()), worst_ratio=float(ratio.max()), worst_position=int(worst[0]),
@@ -174,6 +199,7 @@ def compare(args) -> dict:
     from jaxattn.models import dense_logits, load_hf_checkpoint
 
     dry = args.dry_run
+    fp32 = args.dtype == "float32"
     model_dir = args.model
     if model_dir is None:
         if not dry:
@@ -181,9 +207,13 @@ def compare(args) -> dict:
         from jaxattn.models.testing import write_random_checkpoint
 
         model_dir = tempfile.mkdtemp(prefix="jaxattn-tiny-")
-        write_random_checkpoint(model_dir, args.preset)
+        overrides = json.loads(args.overrides) if args.overrides else None
+        write_random_checkpoint(model_dir, args.preset, overrides)
     backend_name = args.backend or ("reference" if dry or jax.default_backend() == "cpu" else "triton")
-    dtype = jnp.bfloat16
+    if fp32 and backend_name == "flashinfer":
+        raise SystemExit("--dtype float32 needs --backend triton or reference: FlashInfer's kernels take fp16/bf16 only")
+    dtype = jnp.float32 if fp32 else jnp.bfloat16
+    hf_attn = args.hf_attn or ("eager" if fp32 else "sdpa")
     t0 = time.perf_counter()
     config, params = load_hf_checkpoint(model_dir, dtype)
     load_s = time.perf_counter() - t0
@@ -192,44 +222,54 @@ def compare(args) -> dict:
     served = jaxattn_serve(config, params, backend_name, system, users, args.steps, dtype)
     serve_s = time.perf_counter() - t0
     record = dict(model=os.path.abspath(model_dir), backend=backend_name, platform=jax.default_backend(), jax=jax.__version__,
-                  steps=args.steps, system_len=len(system), prompt_lens=[len(u) for u in users], jaxattn_load_s=load_s,
-                  jaxattn_serve_s=serve_s, num_layers=config.num_layers, rows=[])
+                  dtype=args.dtype, steps=args.steps, system_len=len(system), prompt_lens=[len(u) for u in users],
+                  jaxattn_load_s=load_s, jaxattn_serve_s=serve_s, num_layers=config.num_layers, rows=[])
+    if fp32:
+        record["rule2"] = "skipped: the run is float32 (rule 2 measures bf16 error against the float32 reference)"
+
+    def divergence(row, generated, theirs, margins, logits, want, first_generated):
+        """Adds the first greedy divergence to `row`: reference top-2 margin there, the logits' difference there,
+        and whether it is a near tie (margin <= 2 * the difference: only then can the difference flip the order)."""
+        div = first_divergence(generated, theirs)
+        row.update(tokens_identical=div is None, first_divergence=div)
+        if div is not None:
+            p = first_generated + div
+            row["margin_at_divergence"] = float(margins[div])
+            row["max_abs_diff_at_divergence"] = float(np.max(np.abs(logits[p] - want[p])))
+            row["near_tie"] = bool(row["margin_at_divergence"] <= 2 * row["max_abs_diff_at_divergence"])
 
     if dry:  # no torch here: jaxattn's own dense oracle (f32 attention) stands in for transformers
         record["reference"] = "jaxattn dense_logits (dry run: no transformers)"
         dense = jax.jit(lambda params, ids: dense_logits(params, config, ids))
-        _, params32 = load_hf_checkpoint(model_dir, jnp.float32)
+        params32 = None if fp32 else load_hf_checkpoint(model_dir, jnp.float32)[1]
         for b, (tokens, logits, generated) in enumerate(served):
             want = np.asarray(dense(params, jnp.asarray(tokens)).astype(jnp.float32))
-            ref = np.asarray(dense(params32, jnp.asarray(tokens)))
-            greedy_dense = [int(t) for t in np.argmax(want[len(tokens) - len(generated) :], axis=-1)]
-            row = judge(logits, want, config.num_layers)
-            div = first_divergence(generated, greedy_dense)
-            row.update(prompt=b, tokens_identical=div is None, first_divergence=div)
-            if div is not None:
-                p = len(tokens) - len(generated) + div
-                top2 = np.sort(want[p])[-2:]
-                row["margin_at_divergence"] = float(top2[1] - top2[0])
-                row["max_abs_diff_at_divergence"] = float(np.max(np.abs(logits[p] - want[p])))
-                row["near_tie"] = bool(row["margin_at_divergence"] <= 2 * row["max_abs_diff_at_divergence"])
-            row["jaxattn_vs_fp32"] = float(np.max(np.abs(logits - ref)))
-            row["transformers_bf16_vs_fp32"] = float(np.max(np.abs(want - ref)))  # here: jaxattn's dense bf16
+            start = len(tokens) - len(generated)
+            greedy_dense = [int(t) for t in np.argmax(want[start:], axis=-1)]
+            top2 = np.sort(want[start:], axis=-1)[:, -2:]
+            row = judge(logits, want, config.num_layers, dtype)
+            row["prompt"] = b
+            divergence(row, generated, greedy_dense, top2[:, 1] - top2[:, 0], logits, want, start)
+            if not fp32:
+                ref = np.asarray(dense(params32, jnp.asarray(tokens)))
+                row["jaxattn_vs_fp32"] = float(np.max(np.abs(logits - ref)))
+                row["transformers_bf16_vs_fp32"] = float(np.max(np.abs(want - ref)))  # here: jaxattn's dense bf16
             record["rows"].append(row)
         return record
 
     import torch
     import transformers
 
-    record.update(reference=f"transformers {transformers.__version__} ({args.hf_attn}), torch {torch.__version__}")
+    record.update(reference=f"transformers {transformers.__version__} ({hf_attn}), torch {torch.__version__}")
     device = "cuda"
-    torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference in true float32
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 in true float32 (the reference, or the whole --dtype float32 run)
     torch.backends.cudnn.allow_tf32 = False
 
     def load(torch_dtype):
-        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=args.hf_attn, **_dtype_kwarg(torch_dtype))
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=hf_attn, **_dtype_kwarg(torch_dtype))
         return model.to(device).eval()
 
-    hf = load(torch.bfloat16)
+    hf = load(torch.float32 if fp32 else torch.bfloat16)
     rotary = getattr(getattr(hf, "model", hf), "rotary_emb", None)
     if rotary is not None and hasattr(rotary, "inv_freq"):
         theirs = rotary.inv_freq.detach().float().cpu().numpy()
@@ -261,17 +301,12 @@ def compare(args) -> dict:
         prompt = tokens[: len(tokens) - len(generated) + 1]
         want = teacher_forced(hf, tokens)
         hf_tokens, margins = greedy(hf, prompt, args.steps)
-        row = judge(logits, want, config.num_layers)
-        div = first_divergence(generated, hf_tokens)
-        row.update(prompt=b, tokens_identical=div is None, first_divergence=div)
-        if div is not None:
-            p = len(prompt) - 1 + div
-            row["margin_at_divergence"] = margins[div]
-            row["max_abs_diff_at_divergence"] = float(np.max(np.abs(logits[p] - want[p])))
-            row["near_tie"] = bool(margins[div] <= 2 * row["max_abs_diff_at_divergence"])
+        row = judge(logits, want, config.num_layers, dtype)
+        row["prompt"] = b
+        divergence(row, generated, hf_tokens, margins, logits, want, len(prompt) - 1)
         record["rows"].append(row)
         hf_runs.append(want)
-    if args.fp32_reference:
+    if args.fp32_reference and not fp32:
         del hf
         torch.cuda.empty_cache()
         hf32 = load(torch.float32)
@@ -292,31 +327,37 @@ def _dtype_kwarg(torch_dtype) -> dict:
 
 def print_compare(record) -> bool:
     rows = record["rows"]
-    print(f"\njaxattn ({record['backend']} on {record['platform']}, bf16) vs {record['reference']}")
+    fp32 = record.get("dtype", "bfloat16") == "float32"
+    short = "fp32" if fp32 else "bf16"
+    print(f"\njaxattn ({record['backend']} on {record['platform']}, {short}) vs {record['reference']}, {short}")
     print(f"model {record['model']}: {record['num_layers']} layers; system prompt {record['system_len']} tokens (a prefix-cache hit), "
           f"prompts {record['prompt_lens']}, {record['steps']} greedy steps")
     if "inv_freq_max_rel_diff" in record:
         print(f"RoPE inv_freq vs transformers' buffer ({record['inv_freq_dtype']}): max rel diff {record['inv_freq_max_rel_diff']:.2e}")
     if rows:
         r = rows[0]
-        print(f"rule 1: |d| <= atol*sqrt(L)*max|ref logits at p| + rtol*|ref|, atol = rtol = {r['atol']:g} (testing.tolerance(bf16)), "
+        print(f"rule 1: |d| <= atol*sqrt(L)*max|ref logits at p| + rtol*|ref|, atol = rtol = {r['atol']:g} (testing.tolerance({short})), "
               f"L = {record['num_layers']}: atol term up to {max(x['atol_scaled'] for x in rows):.3g}; "
-              "rule 2: max|jaxattn - fp32| <= 2 * max|reference bf16 - fp32|")
+              + ("rule 2: skipped (this run is float32: rule 2 judges bf16 runs against the float32 reference); "
+                 if fp32 else "rule 2: max|jaxattn - fp32| <= 2 * max|reference bf16 - fp32|; ")
+              + "greedy tokens identical, or the first divergence a near tie (reference top-2 margin <= 2 * max|d| at that position)")
     head = "| prompt | positions | max abs diff | worst diff / rule-1 bound | rule 1 | greedy tokens | jaxattn vs fp32 | reference bf16 vs fp32 (rule 2) |"
     print(head)
     print("|---|---|---|---|---|---|---|---|")
     ok = True
     for r in rows:
         tokens = "identical" if r["tokens_identical"] else (
-            f"differ at step {r['first_divergence']} (margin {r.get('margin_at_divergence', float('nan')):.3g}"
-            f"{', near tie' if r.get('near_tie') else ''})")
-        fp32 = lambda k: f"{r[k]:.3g}" if k in r else "-"  # noqa: E731
+            f"differ at step {r['first_divergence']} (margin {r.get('margin_at_divergence', float('nan')):.3g}, "
+            f"diff there {r.get('max_abs_diff_at_divergence', float('nan')):.3g}{', near tie' if r.get('near_tie') else ': FAILS'})")
+        cell = lambda k: f"{r[k]:.3g}" if k in r else "-"  # noqa: E731
         rule2 = "" if "jaxattn_vs_fp32" not in r else (" ok" if r["jaxattn_vs_fp32"] <= 2 * r["transformers_bf16_vs_fp32"] else " FAILS")
         print(f"| {r['prompt']} | {r['positions']} | {r['max_abs_diff']:.3g} | {r['worst_ratio']:.3f} (pos {r['worst_position']}) | "
-              f"{'yes' if r['passed'] else 'NO'} | {tokens} | {fp32('jaxattn_vs_fp32')} | {fp32('transformers_bf16_vs_fp32')}{rule2} |")
+              f"{'yes' if r['passed'] else 'NO'} | {tokens} | {cell('jaxattn_vs_fp32')} | {cell('transformers_bf16_vs_fp32')}{rule2} |")
         if "jaxattn_vs_fp32" in r:
             r["rule2_passed"] = bool(r["jaxattn_vs_fp32"] <= 2 * r["transformers_bf16_vs_fp32"])
         ok &= r["passed"] and r.get("rule2_passed", True) and (r["tokens_identical"] or bool(r.get("near_tie")))
+    if fp32 and rows:
+        print(f"greedy tokens identical in {sum(r['tokens_identical'] for r in rows)} of {len(rows)} prompts (float32)")
     print("\nPASS" if ok else "\nFAIL")
     return ok
 
@@ -558,12 +599,17 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-fp32-reference", dest="fp32_reference", action="store_false",
                         help="skip transformers in float32 (the noise floor columns)")
-    parser.add_argument("--hf-attn", default="sdpa", choices=["sdpa", "eager", "flash_attention_2"],
-                        help="transformers' attention in compare mode (eager: if your version warns that sdpa ignores sliding windows)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="compare mode: both frameworks' weights, activations and KV pools (float32: proves the greedy tokens)")
+    parser.add_argument("--hf-attn", default=None, choices=["sdpa", "eager", "flash_attention_2"],
+                        help="transformers' attention in compare mode (default sdpa in bfloat16, eager in float32; eager also "
+                             "if your version warns that sdpa ignores sliding windows)")
     parser.add_argument("--dry-run", action="store_true", help="CPU, no torch: the jaxattn half, against jaxattn's dense oracle")
-    parser.add_argument("--preset", default="llama", help="checkpoint preset for --write-tiny / --dry-run: llama, qwen3, qwen2")
-    parser.add_argument("--write-tiny", metavar="DIR", default=None, help="write a random tiny checkpoint of --preset to DIR and exit")
-    parser.add_argument("--overrides", default=None, help='config.json fields for --write-tiny, as JSON: \'{"head_dim": 128}\'')
+    parser.add_argument("--preset", default="llama",
+                        help="checkpoint preset for --write-tiny / --dry-run: llama, qwen3, qwen2 (tiny), llama3-1b, qwen3-1.7b, llama3-8b")
+    parser.add_argument("--write-tiny", metavar="DIR", default=None, help="write a random checkpoint of --preset to DIR and exit")
+    parser.add_argument("--overrides", default=None,
+                        help='config.json fields for --write-tiny / --dry-run, as JSON: \'{"num_hidden_layers": 2, "vocab_size": 512}\'')
     parser.add_argument("--bench", action="store_true", help="time the 8B-shaped Llama-3 (random weights) against transformers")
     parser.add_argument("--bench-side", default="both", choices=["both", "jaxattn", "transformers"])
     parser.add_argument("--bench-layers", type=int, default=32)

@@ -29,3 +29,16 @@ def test_compiles_for_sm90_within_limits(kb):
     if report.spills is not None:
         # Spills are allowed but reported; a big spill is a tuning bug worth failing on.
         assert report.spills <= 1024, f"{kb.key} spills {report.spills} bytes"
+
+
+def test_fp32_decode_lookup_takes_the_fp32_tile():
+    import jax.numpy as jnp
+
+    from jaxattn import tuning
+
+    bf16 = tuning.decode_config(128, 128, 2, family="sm_90", dtype=jnp.bfloat16)
+    fp32 = tuning.decode_config(128, 128, 2, family="sm_90", dtype=jnp.float32)
+    assert bf16 == tuning.decode_config(128, 128, 2, family="sm_90")  # 16-bit: the table's tile
+    assert fp32 == tuning.clamp_decode_config(tuning.float32_decode_config(bf16, 128, 128), 2)
+    assert (fp32.block_n, fp32.num_stages, fp32.num_warps) == (64, 2, 8)  # the table's 128 keys x 3 stages spill in fp32
+    assert any(b.label.startswith("fp32 128/128 g16") for b in BUILDS)  # and the fp32 tiles are compiled above

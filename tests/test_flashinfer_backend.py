@@ -144,3 +144,14 @@ def test_flashinfer_backend_agrees_with_reference_backend(rng, name):
     meta = fib.plan(batch, r2t, [layer])
     got, _, _ = jax.jit(lambda q, k, v, kb, vb, m: fib.forward(q, k, v, kb, vb, layer, m))(q, k, v, k_buffer, v_buffer, meta)
     np.testing.assert_allclose(np.float32(got), np.float32(want), atol=2e-2, rtol=2e-2)
+
+
+def test_plan_dtypes_name_what_flashinfer_takes_and_refuse_float32():
+    from jaxattn.backends.flashinfer import plan_dtype_names
+
+    assert plan_dtype_names(jnp.bfloat16, jnp.bfloat16) == ("bfloat16", "bfloat16")
+    assert plan_dtype_names(jnp.float16, jnp.float8_e4m3fn) == ("float16", "float8_e4m3fn")
+    with pytest.raises(ValueError, match="q dtype float32 is not supported"):
+        plan_dtype_names(jnp.float32, jnp.bfloat16)
+    with pytest.raises(ValueError, match="KV pool dtype float32 is not supported"):
+        plan_dtype_names(jnp.bfloat16, jnp.float32)  # once read as fp8

@@ -17,7 +17,7 @@ import pytest
 
 from jaxattn.backends import ReferenceBackend
 from jaxattn.models import LlamaConfig, dense_logits, forward, init_kv_cache, load_hf_checkpoint, load_params
-from jaxattn.models.llama import rope_inv_freq
+from jaxattn.models.llama import hf_tensor_names, rope_inv_freq
 from jaxattn.models.safetensors_io import _read_builtin, _write_builtin, read_safetensors
 from jaxattn.models.testing import hf_config, random_tensors, write_random_checkpoint
 from jaxattn.serving import ForwardMode, RequestTable, SlotAllocator
@@ -132,6 +132,49 @@ def test_triton_backend_interpreted_prefill_equals_dense(tmp_path, rng):
     config, params = load_hf_checkpoint(tmp_path, jnp.float32)
     assert config.windows == (5,)
     served = serve(config, params, TritonBackend(sliding_windows=config.sliding_windows), rng, decode_steps=1)
+    check_against_dense(config, params, served, atol=2e-4)
+
+
+# Real-shape presets shrunk for CPU: their attention shapes (hidden 2048, the heads, head dims 64 / 128), 2 layers, a
+# small vocab and MLP.
+SHRUNK = {"num_hidden_layers": 2, "vocab_size": 512, "intermediate_size": 2048}
+
+
+def test_real_shape_presets_have_the_real_configs():
+    llama = LlamaConfig.from_hf(hf_config("llama3-1b"))  # Llama-3.2-1B
+    assert (llama.hidden_size, llama.num_layers, llama.num_heads, llama.num_kv_heads, llama.head_dim) == (2048, 16, 32, 8, 64)
+    assert (llama.intermediate_size, llama.vocab_size, llama.rope_theta) == (8192, 128256, 500000.0)
+    assert dict(llama.rope_scaling) == {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192.0}
+    assert llama.tie_word_embeddings and "lm_head.weight" not in hf_tensor_names(llama)
+    assert round(llama.num_params() / 1e6) == 1236
+    qwen = LlamaConfig.from_hf(hf_config("qwen3-1.7b"))  # Qwen3-1.7B
+    assert (qwen.hidden_size, qwen.num_layers, qwen.num_heads, qwen.num_kv_heads, qwen.head_dim) == (2048, 28, 16, 8, 128)
+    assert (qwen.intermediate_size, qwen.vocab_size, qwen.rope_theta, qwen.rope_scaling) == (6144, 151936, 1e6, ())
+    assert qwen.qk_norm and qwen.tie_word_embeddings and qwen.windows == ()
+    assert round(qwen.num_params() / 1e6) == 1721
+
+
+def test_tied_random_embeddings_do_not_make_the_current_token_the_argmax():
+    # At unit scale a tied embedding makes the current token the argmax at 97% of the tiny qwen3's positions (greedy
+    # decoding then repeats it); testing.embedding_scale shrinks it to lm_head-like logits.
+    config = LlamaConfig.from_hf(hf_config("qwen3"))
+    params = load_params(config, random_tensors(config, seed=1, dtype=np.float32), jnp.float32)
+    ids = np.random.default_rng(0).integers(0, config.vocab_size, 64)
+    logits = np.asarray(dense_logits(params, config, jnp.asarray(ids)))
+    assert np.mean(np.argmax(logits, axis=-1) == ids) < 0.25
+    assert 0.5 < np.std(logits) < 2.0  # logits ~N(0, 1)
+
+
+@pytest.mark.parametrize("preset", ["llama3-1b", "qwen3-1.7b"])
+def test_real_shape_presets_shrunk_serve_like_dense(tmp_path, preset, rng):
+    hf = write_random_checkpoint(tmp_path, preset, SHRUNK)
+    assert hf["tie_word_embeddings"] and hf["hidden_size"] == 2048
+    tensors = read_safetensors(os.path.join(tmp_path, "model.safetensors"))
+    assert "lm_head.weight" not in tensors  # tied: transformers ties lm_head to the embedding, as the loader does
+    config, params = load_hf_checkpoint(tmp_path, jnp.float32)
+    assert config.tie_word_embeddings and "lm_head" not in params and config.num_layers == 2
+    served = serve(config, params, ReferenceBackend(), rng, decode_steps=2)
     check_against_dense(config, params, served, atol=2e-4)
 
 

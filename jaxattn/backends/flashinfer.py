@@ -55,6 +55,19 @@ def should_use_tensor_cores(kv_dtype, q_heads: int, kv_heads: int) -> bool:
     return False
 
 
+def plan_dtype_names(q_dtype, kv_dtype) -> tuple[str, str]:
+    """torch dtype names of FlashInfer's `q_data_type` / `kv_data_type`; ValueError for dtypes its kernels lack
+    (float32 among them: use TritonBackend or ReferenceBackend for fp32)."""
+    sixteen = {jnp.dtype(jnp.bfloat16): "bfloat16", jnp.dtype(jnp.float16): "float16"}
+    if jnp.dtype(q_dtype) not in sixteen:
+        raise ValueError(f"FlashInferBackend: q dtype {jnp.dtype(q_dtype).name} is not supported (bf16/fp16 only; "
+                         "TritonBackend and ReferenceBackend take float32)")
+    if jnp.dtype(kv_dtype) not in sixteen and not is_fp8(kv_dtype):
+        raise ValueError(f"FlashInferBackend: KV pool dtype {jnp.dtype(kv_dtype).name} is not supported (bf16/fp16/fp8 only; "
+                         "TritonBackend and ReferenceBackend take float32)")
+    return sixteen[jnp.dtype(q_dtype)], sixteen.get(jnp.dtype(kv_dtype), "float8_e4m3fn")
+
+
 # ---------------------------------------------------------------------------------------------
 # Plan arguments (host, numpy): testable without a GPU.
 
@@ -210,13 +223,12 @@ class FlashInferBackend:
     def plan(self, batch: ForwardBatch, req_to_token, layers, *, q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16) -> FlashInferMetadata:
         """Host work before the step: plans one wrapper per distinct layer kind. Waits for the previous step."""
         torch = self.torch
+        q_name, kv_name = plan_dtype_names(q_dtype, kv_dtype)
         valid = jnp.asarray(token_valid(batch))
         if batch.mode == ForwardMode.IDLE:
             return FlashInferMetadata(batch.out_cache_loc, valid, batch.mode, batch.num_tokens)
         jax.block_until_ready(batch.seq_lens)  # the wrappers' buffers are reused: the last step must be done
-        to_torch_dtype = {jnp.dtype(jnp.bfloat16): torch.bfloat16, jnp.dtype(jnp.float16): torch.float16}
-        q_t = to_torch_dtype[jnp.dtype(q_dtype)]
-        kv_t = to_torch_dtype.get(jnp.dtype(kv_dtype), torch.float8_e4m3fn)
+        q_t, kv_t = getattr(torch, q_name), getattr(torch, kv_name)
         for kind in dict.fromkeys(self.layer_kind(layer) for layer in layers):
             window, cross, cap, scale, q_heads, kv_heads, head_dim, dv = kind
             args = plan_arguments(batch, req_to_token, sliding_window=window, cross_attention=cross)

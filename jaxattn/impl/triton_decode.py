@@ -95,7 +95,7 @@ def run(call: DecodeCall):
     batch, q_heads, kv_heads, qk_dim, v_dim = call.batch, call.q_heads, call.kv_heads, call.qk_head_dim, call.v_head_dim
     group = q_heads // kv_heads
     mode = call.launch_mode
-    config = tuning.decode_config(qk_dim, v_dim, group) if call.config is None else tuning.clamp_decode_config(call.config, group)
+    config = tuning.decode_config(qk_dim, v_dim, group, dtype=q.dtype) if call.config is None else tuning.clamp_decode_config(call.config, group)
     v_in_k = v_pool is None
     max_splits = meta.max_kv_splits
     constexprs = stage1_constexprs(
@@ -162,7 +162,8 @@ _BUILD_BOUNDS = dict(num_slots=1 << 20, kv_capacity=1 << 22)
 
 
 def kernel_builds():
-    """Every stage-1/stage-2 build the sm_90 table (and clamping) can choose, per dtype and head-dim family."""
+    """Every stage-1/stage-2 build the sm_90 table (and clamping) can choose, per dtype and head-dim family (fp32:
+    the grouped stage 1 at `tuning.float32_decode_config`'s tiles, the one part whose code fp32 changes)."""
     builds = []
     index = {"KV_INDPTR": "*i32", "KV_INDICES": "*i32", "NUM_KV_SPLITS": "*i32", "SEQ_LENS": "*i32", "KV_SCALES": "*fp32"}
 
@@ -170,16 +171,19 @@ def kernel_builds():
         return {"Q": f"*{dtype}", "K_POOL": f"*{pool_dtype}", "V_POOL": f"*{pool_dtype}", **index, "MID_O": "*fp32",
                 "MID_LSE": "*fp32"}
 
-    for dtype in ("bf16", "fp16"):
+    for dtype in ("bf16", "fp16", "fp32"):
         for qk_dim, v_dim in SUPPORTED_HEAD_DIMS:
             common = dict(qk_head_dim=qk_dim, v_head_dim=v_dim, sm_scale=1.0 / math.sqrt(qk_dim), logit_cap=30.0,
-                          xai_temperature_len=-1, sliding_window=-1, max_kv_splits=_BUILD_MAX_SPLITS, dot_precision="tf32",
-                          **_BUILD_BOUNDS)
+                          xai_temperature_len=-1, sliding_window=-1, max_kv_splits=_BUILD_MAX_SPLITS,
+                          dot_precision="ieee" if dtype == "fp32" else "tf32", **_BUILD_BOUNDS)
             v_variants = [False] + ([True] if reads_v_from_k(qk_dim, v_dim) else [])
             for group_key, group in _BUILD_GROUPS.items():
                 if (qk_dim, v_dim, group_key) not in tuning.sm90.DECODE:
                     continue  # g1 falls back to g16's build
-                config = tuning.clamp_decode_config(tuning.sm90.DECODE[(qk_dim, v_dim, group_key)], group)
+                config = tuning.sm90.DECODE[(qk_dim, v_dim, group_key)]
+                if dtype == "fp32":
+                    config = tuning.float32_decode_config(config, qk_dim, v_dim)
+                config = tuning.clamp_decode_config(config, group)
                 for v_from_k in v_variants:
                     constexprs = stage1_constexprs(q_heads=8 * group, kv_heads=8, config=config, v_in_k=v_from_k,
                                                    v_from_k=v_from_k, **common)
@@ -191,6 +195,8 @@ def kernel_builds():
                         expects_wgmma=False, expects_pipelining=config.num_stages > 1,
                         label=f"{dtype} {qk_dim}/{v_dim} {group_key}{' v_from_k' if v_from_k else ''}",
                     ))
+            if dtype == "fp32":
+                continue
             # The vector kernel (opt-in: DecodeConfig(block_h=1)).
             config = tuning.vector_config(qk_dim, v_dim)
             constexprs = stage1_constexprs(q_heads=16, kv_heads=16, config=config, v_in_k=False, v_from_k=False, **common)
@@ -201,6 +207,8 @@ def kernel_builds():
                 expects_pipelining=False,  # see tuning.vector_config
                 label=f"{dtype} {qk_dim}/{v_dim} mha vector",
             ))
+        if dtype == "fp32":
+            continue
         # fp8 pools (e4m3fn, e5m2) with this q dtype: the grouped builds of the common GQA and MLA shapes.
         for pool_dtype in ("fp8e4nv", "fp8e5"):
             for qk_dim, v_dim, v_from_k in ((128, 128, False), (576, 512, True)):

@@ -5,6 +5,13 @@
     write_random_checkpoint("/tmp/tiny-qwen3", "qwen3", shards=2)             # + model.safetensors.index.json
     # transformers.AutoModelForCausalLM.from_pretrained("/tmp/tiny-llama") loads the same directory.
 
+Presets: "llama", "qwen3", "qwen2" are tiny (each family's distinguishing features switched on); "llama3-1b"
+(Llama-3.2-1B's config.json: 16 layers, hidden 2048, 32/8 heads x 64, llama3 RoPE scaling with factor 32, tied
+embeddings), "qwen3-1.7b" (Qwen3-1.7B's: 28 layers, hidden 2048, 16/8 heads x 128, q/k norms, tied embeddings) and
+"llama3-8b" have real models' shapes (`REAL_SHAPES`). Their weights are random, so their text is noise: they are for
+comparing implementations and for timing at real sizes. Shrink one through `config_overrides` (e.g.
+`{"num_hidden_layers": 2, "vocab_size": 512}`) for a CPU test.
+
 `random_params(config, seed, dtype)` makes the same kind of weights directly on the device (no files), e.g. for an
 8B-shaped timing run.
 """
@@ -32,7 +39,8 @@ PRESETS = {
         hidden_act="silu", bos_token_id=1, eos_token_id=2, pretraining_tp=1, initializer_range=0.02, use_cache=True,
         attention_dropout=0.0,
     ),
-    # Qwen3: q_norm / k_norm, head_dim given explicitly (not hidden / heads), tied embeddings, no biases.
+    # Qwen3: q_norm / k_norm, head_dim given explicitly (not hidden / heads), tied embeddings (see
+    # `embedding_scale`), no biases.
     "qwen3": dict(
         model_type="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=1, head_dim=32, rms_norm_eps=1e-6, rope_theta=1000000.0,
@@ -59,12 +67,39 @@ LLAMA3_8B = dict(
     bos_token_id=128000, eos_token_id=128001,
 )
 
+# Llama-3.2-1B's config.json (meta-llama/Llama-3.2-1B): 1.24B parameters, embeddings tied, llama3 RoPE scaling
+# with factor 32 (3.1's is 8).
+LLAMA3_1B = dict(
+    LLAMA3_8B, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
+    rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192},
+)
+
+# Qwen3-1.7B's config.json (Qwen/Qwen3-1.7B): 1.72B parameters, q/k norms, head_dim 128 given explicitly (equal to
+# hidden / heads here), embeddings tied, no sliding window.
+QWEN3_1_7B = dict(
+    PRESETS["qwen3"], vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+    num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+    max_position_embeddings=40960, max_window_layers=28, tie_word_embeddings=True, bos_token_id=151643,
+    eos_token_id=151645,
+)
+
+# Presets with real models' shapes: their random weights are drawn in float32 (five times faster than the tiny
+# presets' float64 draws, which stay as they were: the untied tiny presets are written again bit for bit; the tied
+# qwen3 changed on 2026-12-03 with `embedding_scale`).
+REAL_SHAPES = {"llama3-1b": LLAMA3_1B, "qwen3-1.7b": QWEN3_1_7B, "llama3-8b": LLAMA3_8B}
+
+
+def preset_names() -> list[str]:
+    return [*PRESETS, *REAL_SHAPES]
+
 
 def hf_config(preset: str = "llama", overrides: dict | None = None, dtype: str = "bfloat16") -> dict:
     """A complete config.json dict (architectures, model_type, every field transformers reads) of a preset."""
-    base = LLAMA3_8B if preset == "llama3-8b" else PRESETS.get(preset)
+    base = PRESETS.get(preset, REAL_SHAPES.get(preset))
     if base is None:
-        raise ValueError(f"unknown preset {preset!r}; known: {', '.join([*PRESETS, 'llama3-8b'])}")
+        raise ValueError(f"unknown preset {preset!r}; known: {', '.join(preset_names())}")
     config = dict(base)
     config.update(overrides or {})
     config["architectures"] = [ARCHITECTURES[config["model_type"]]]
@@ -76,21 +111,39 @@ def hf_config(preset: str = "llama", overrides: dict | None = None, dtype: str =
     return config
 
 
-def random_tensors(config: LlamaConfig, seed: int = 0, dtype=ml_dtypes.bfloat16) -> dict[str, np.ndarray]:
-    """{HF name: array} of random weights for `config`, scaled so activations and logits stay O(1)."""
+def embedding_scale(config: LlamaConfig) -> float:
+    """Standard deviation of the random embedding: 1, or 1 / sqrt(hidden) when the embedding is tied (the lm_head).
+
+    Tied at unit scale, the logit of the current token is ~|e|^2 / rms(x) = hidden / rms(x) against the others'
+    ~sqrt(hidden) (the residual stream still holds the token's own embedding): the current token is the argmax at
+    every position of the 1B-shaped presets and at 97% of the tiny qwen3's, and greedy decoding repeats it forever,
+    which proves nothing about the tokens. At 1 / sqrt(hidden) the other logits are ~N(0, 1) and the own-token term
+    ~1 / rms(x): the argmax at none of the 1B-shaped positions and 3-11% of the tiny qwen3's (a 2-layer model still
+    falls into repetition loops now and then, through attention)."""
+    return 1.0 / float(np.sqrt(config.hidden_size)) if config.tie_word_embeddings else 1.0
+
+
+def random_tensors(config: LlamaConfig, seed: int = 0, dtype=ml_dtypes.bfloat16, draw_dtype=np.float64) -> dict[str, np.ndarray]:
+    """{HF name: array} of random weights for `config`, scaled so activations and logits stay O(1) (see
+    `embedding_scale` for tied embeddings).
+
+    draw_dtype: the dtype of the normal draws (float32 is about five times faster than float64, for real shapes;
+    the two give different values for one seed)."""
     rng = np.random.default_rng(seed)
     out = {}
     for name, (path, shape, _) in hf_tensor_names(config).items():
         key = path[-1]
+        value = rng.standard_normal(shape, dtype=draw_dtype)
         if key in ("input_norm", "post_norm", "norm", "q_norm", "k_norm"):
-            value = 1.0 + 0.2 * rng.standard_normal(shape)
+            value = 1.0 + 0.2 * value
         elif key.startswith("b"):
-            value = 0.2 * rng.standard_normal(shape)
+            value = 0.2 * value
         elif key == "embed":
-            value = rng.standard_normal(shape)
+            if config.tie_word_embeddings:
+                value *= embedding_scale(config)
         else:  # a Linear [out, in]: unit-variance outputs (lm_head a little wider, so greedy picks are not near ties)
-            value = rng.standard_normal(shape) * ((3.0 if key == "lm_head" else 1.0) / np.sqrt(shape[1]))
-        out[name] = value.astype(np.float32).astype(dtype)
+            value *= (3.0 if key == "lm_head" else 1.0) / np.sqrt(shape[1])
+        out[name] = value.astype(np.float32, copy=False).astype(dtype)
     return out
 
 
@@ -123,17 +176,19 @@ _BYTE_OF = _bytes_to_unicode()
 def write_random_checkpoint(model_dir, preset: str = "llama", config_overrides: dict | None = None, seed: int = 0,
                             shards: int = 1, dtype: str = "bfloat16", tokenizer: bool = False) -> dict:
     """Writes config.json and random weights (model.safetensors, or `shards` files + model.safetensors.index.json)
-    of a preset ("llama", "qwen3", "qwen2", "llama3-8b") into `model_dir`; returns the config dict written.
+    of a preset (`preset_names()`: "llama", "qwen3", "qwen2", "llama3-1b", "qwen3-1.7b", "llama3-8b") into
+    `model_dir`; returns the config dict written.
 
     The files are what transformers' `from_pretrained(model_dir)` loads (metadata format "pt"). `tokenizer=True`
-    also writes a byte-level tokenizer.json (vocab_size must be >= 256).
+    also writes a byte-level tokenizer.json (vocab_size must be >= 256). A real-shape preset takes seconds per
+    billion parameters (float32 draws) and 2 bytes per parameter of disk in bf16 (llama3-1b: 2.5 GB).
     """
     from jaxattn.models.safetensors_io import write_safetensors
 
     hf = hf_config(preset, config_overrides, dtype)
     config = LlamaConfig.from_hf(hf)
     np_dtype = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float16": np.float16}[dtype]
-    tensors = random_tensors(config, seed, np_dtype)
+    tensors = random_tensors(config, seed, np_dtype, draw_dtype=np.float32 if preset in REAL_SHAPES else np.float64)
     if config.tie_word_embeddings:
         hf.setdefault("tie_word_embeddings", True)
     os.makedirs(model_dir, exist_ok=True)
@@ -190,7 +245,7 @@ def random_params(config: LlamaConfig, seed: int = 0, dtype=None):
         elif leaf.startswith("b"):
             scale, offset = 0.2, 0.0
         elif leaf == "embed":
-            scale, offset = 1.0, 0.0
+            scale, offset = embedding_scale(config), 0.0
         else:
             scale, offset = (3.0 if leaf == "lm_head" else 1.0) / float(np.sqrt(shape[0])), 0.0
         value = make(key, scale, offset, shape)

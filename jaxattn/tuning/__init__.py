@@ -25,7 +25,7 @@ from jaxattn.tuning import sm90
 from jaxattn.tuning.configs import DecodeConfig, ExtendConfig, MgpuExtendConfig
 
 __all__ = [
-    "DecodeConfig", "ExtendConfig", "MgpuExtendConfig", "TABLES", "table", "decode_config", "clamp_decode_config",
+    "DecodeConfig", "ExtendConfig", "MgpuExtendConfig", "TABLES", "table", "decode_config", "float32_decode_config", "clamp_decode_config",
     "heuristic_decode_config", "vector_config", "head_dim_family", "extend_config", "with_custom_mask", "pack_heads",
     "mgpu_extend_config",
 ]
@@ -87,11 +87,27 @@ def clamp_decode_config(config: DecodeConfig, group: int) -> DecodeConfig:
     return dataclasses.replace(config, block_h=block_h)
 
 
-def decode_config(qk_head_dim: int, v_head_dim: int, group: int, family: str | None = None) -> DecodeConfig:
+def float32_decode_config(config: DecodeConfig, qk_head_dim: int, v_head_dim: int) -> DecodeConfig:
+    """The tables' (bf16) decode tile adapted to fp32 inputs, whose IEEE dots run on FMA units with fp32 operands in
+    registers: at most 64 keys and 16 head rows per tile, at most 2 stages, 8 warps once the head dims add up to 256.
+
+    Compiled for sm_90 (`jaxattn.aot`), the tables' own tiles in fp32 spill 10-20 KB per thread (128/128 g16: 12.6
+    KB); these spill nothing at any table entry (tests/test_aot_compile.py builds them). fp32 is a test and
+    comparison dtype (e.g. scripts/compare_transformers.py --dtype float32), so these were not timed.
+    """
+    if config.block_h == 1:  # the vector kernel (opt-in): no tl.dot
+        return config
+    width = triton.next_power_of_2(qk_head_dim) + triton.next_power_of_2(v_head_dim)
+    return dataclasses.replace(config, block_n=min(config.block_n, 64), block_h=16, num_stages=min(config.num_stages, 2),
+                               num_warps=8 if width >= 256 else config.num_warps)
+
+
+def decode_config(qk_head_dim: int, v_head_dim: int, group: int, family: str | None = None, dtype=None) -> DecodeConfig:
     """The tuned decode config for these head dims and group size, or the heuristic one (warning once) on a miss.
 
     MHA (group 1) uses its own entry where the table has one, else the "g16" entry: the grouped kernel pads the single
-    head to 16 dot rows, which costs less than the vector kernel's unpipelined loads (see vector_config).
+    head to 16 dot rows, which costs less than the vector kernel's unpipelined loads (see vector_config). dtype: q's
+    (the tables are bf16/fp16's; float32 takes `float32_decode_config`).
     """
     bucket = "g1" if group == 1 else "g16" if group <= 16 else "g>16"
     entries = table("decode", family)
@@ -102,6 +118,8 @@ def decode_config(qk_head_dim: int, v_head_dim: int, group: int, family: str | N
     if config is None:
         _warn_once(f"jaxattn.tuning: no tuned config for decode {(qk_head_dim, v_head_dim, bucket)}; using a heuristic one")
         config = heuristic_decode_config(qk_head_dim, v_head_dim, group)
+    if dtype is not None and jnp.dtype(dtype) == jnp.float32:
+        config = float32_decode_config(config, qk_head_dim, v_head_dim)
     return clamp_decode_config(config, group)
 
 

@@ -311,6 +311,32 @@ def check_extend_builder_args(req_to_token, req_pool_indices, prefix_lens, exten
     check_index_dtype("index_dtype", index_dtype)
 
 
+# Page sizes the paged layout takes (`jaxattn.paging`); issue 23. Page 1 is today's token-slot layout.
+PAGE_SIZES = (1, 8, 16, 32, 64, 128)
+
+# Slots are int32 in the index lists and kernels: a page's slots must stay below 2**31.
+MAX_SLOTS = 2**31 - 1
+
+
+def check_page_size(page_size) -> None:
+    """A static page size, one of PAGE_SIZES."""
+    if not isinstance(page_size, (int, np.integer)) or isinstance(page_size, bool) or page_size not in PAGE_SIZES:
+        raise ValueError(f"page_size must be one of {PAGE_SIZES} (a static Python int); got {page_size!r}")
+
+
+def check_page_args(req_to_page, page_size, num_slots) -> None:
+    """A page table and its pool: req_to_page i32/i64[max_reqs, max_pages], page_size in PAGE_SIZES, num_slots (the
+    pool's rows) a positive multiple of page_size below 2**31."""
+    check_array("req_to_page", req_to_page, ndim=2, dtypes=INDEX_DTYPES, what="[max_reqs, max_pages]")
+    check_page_size(page_size)
+    check_positive_int("num_slots", num_slots)
+    if num_slots % page_size:
+        raise ValueError(f"num_slots ({num_slots}, the pool's rows) must be a multiple of page_size ({page_size}): "
+                         "pages are page-aligned runs of slots")
+    if num_slots > MAX_SLOTS:
+        raise ValueError(f"num_slots must be at most {MAX_SLOTS} (slots are int32); got {num_slots}")
+
+
 def check_split_args(max_kv_splits, deterministic, split_tile_size, max_context_len) -> None:
     """Decode's static split bound: in deterministic mode max_kv_splits * split_tile_size covers the longest list."""
     check_positive_int("max_kv_splits", max_kv_splits)

@@ -1,8 +1,9 @@
 """Batch metadata: the pytrees the attention ops take, their builders (pure, inside jit, no host sync) and the layout
 rules they follow, each rule written once here.
 
-Layout (page size 1, SGLang's): slot 0 of the pool is the padding slot; `req_to_token[row, pos]` is the pool slot of
-token `pos` of request row `row`; index lists are CSR (`indptr[b]:indptr[b+1]` of `indices`) with static capacities.
+Layout (page size 1, SGLang's; `jaxattn.paging` maps larger pages onto it): slot 0 of the pool is the padding slot;
+`req_to_token[row, pos]` is the pool slot of token `pos` of request row `row`; index lists are CSR
+(`indptr[b]:indptr[b+1]` of `indices`) with static capacities.
 
 Rules:
   * `window_first_key`: the first key a sliding-window layer lists for a sequence. Its first query sits at position

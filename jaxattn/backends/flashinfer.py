@@ -47,9 +47,11 @@ def _require_flashinfer():
 
 
 def should_use_tensor_cores(kv_dtype, q_heads: int, kv_heads: int) -> bool:
-    """SGLang's rule for FlashInfer decode: tensor cores for fp8 KV, or 16-bit KV with >= 4 query heads per KV head."""
+    """FlashInfer decode's kernel choice: SGLang's rule for 16-bit KV (tensor cores with >= 4 query heads per KV head);
+    fp8 KV without them, unlike SGLang: with flashinfer 0.6.0 on the H200 image the tensor-core (prefill) module for
+    bf16 q and e4m3 KV fails to build, while the plain decode kernel runs it (D1 0.486 ms, benchmarks/RESULTS.md)."""
     if is_fp8(kv_dtype):
-        return True
+        return False
     if jnp.dtype(kv_dtype) in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
         return q_heads // kv_heads >= 4
     return False
@@ -65,7 +67,8 @@ def plan_dtype_names(q_dtype, kv_dtype) -> tuple[str, str]:
     if jnp.dtype(kv_dtype) not in sixteen and not is_fp8(kv_dtype):
         raise ValueError(f"FlashInferBackend: KV pool dtype {jnp.dtype(kv_dtype).name} is not supported (bf16/fp16/fp8 only; "
                          "TritonBackend and ReferenceBackend take float32)")
-    return sixteen[jnp.dtype(q_dtype)], sixteen.get(jnp.dtype(kv_dtype), "float8_e4m3fn")
+    fp8 = {jnp.dtype(jnp.float8_e4m3fn): "float8_e4m3fn", jnp.dtype(jnp.float8_e5m2): "float8_e5m2"}
+    return sixteen[jnp.dtype(q_dtype)], {**sixteen, **fp8}[jnp.dtype(kv_dtype)]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,6 +12,10 @@ Page ids are checked the way the kernels check slots: a position whose page is 0
 `[0, max_pages * page_size)`, gets slot 0 (the padding slot, `write_kv`'s and the kernels' clamp target), so no page
 id makes anything read, or write, outside the pool. Valid pages never overflow int32 (num_slots < 2**31).
 
+`PageTable(req_to_page, page_size=, num_slots=)`: a page table and its static sizes as one pytree, what
+`TritonBackend.init_forward_metadata` and `ReferenceBackend.init_forward_metadata` take in place of req_to_token
+(`RequestTable.page_table()` builds it). Its `req_to_token()` is the equivalent page-1 table.
+
 Functions (pure, jit-friendly, no host sync; sizes are static Python ints):
   * `token_slots(req_to_page, req_pool_indices, positions, page_size, *, num_slots)`: the slot of each position.
   * `req_to_token_from_pages(req_to_page, page_size, max_context_len=None, *, num_slots)`: the equivalent page-1
@@ -36,6 +40,7 @@ along with pages in the serving allocator and FlashInfer's page_size.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -67,6 +72,7 @@ from jaxattn.metadata import (
 
 __all__ = [
     "PAGE_SIZES",
+    "PageTable",
     "create_kv_indices_from_pages",
     "decode_metadata_from_pages",
     "extend_metadata_from_pages",
@@ -75,6 +81,36 @@ __all__ = [
     "req_to_token_from_pages",
     "token_slots",
 ]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PageTable:
+    """A page table and its pool's static sizes, as one pytree (`req_to_page` traced, the sizes static).
+
+    req_to_page: i32/i64[max_reqs, max_pages]: page ids of every request row, page 0 = padding.
+    page_size: one of PAGE_SIZES. num_slots: the pool's rows (k_pool.shape[0]), a multiple of page_size.
+    """
+
+    req_to_page: jax.Array
+    page_size: int = dataclasses.field(default=1, metadata=dict(static=True))
+    num_slots: int = dataclasses.field(default=1, metadata=dict(static=True))
+
+    def __post_init__(self):
+        if hasattr(self.req_to_page, "shape") and hasattr(self.req_to_page, "dtype"):  # not a pytree placeholder
+            check_page_args(self.req_to_page, self.page_size, self.num_slots)
+
+    @property
+    def max_context_len(self) -> int:
+        return self.req_to_page.shape[1] * self.page_size
+
+    def req_to_token(self, max_context_len: int | None = None) -> jax.Array:
+        """The equivalent page-1 table (`req_to_token_from_pages`): max_reqs x max_context_len entries."""
+        return req_to_token_from_pages(self.req_to_page, self.page_size, max_context_len, num_slots=self.num_slots)
+
+    def builder_args(self) -> dict:
+        """`page_size` and `num_slots`, the keywords every `*_from_pages` builder takes beside req_to_page."""
+        return dict(page_size=self.page_size, num_slots=self.num_slots)
 
 
 def _slots(req_to_page, rows, positions, page_size, num_slots):

@@ -26,6 +26,7 @@ def snapshot(table: RequestTable):
         list(alloc._free),
         {s: id(h) for s, h in alloc._holder.items()},
         table.req_to_token.tobytes(),
+        table.req_to_page.tobytes(),
         list(table.free_rows),
         {row: (id(r), r.row, r.cached, list(r.tokens)) for row, r in table.requests.items()},
         dict(table._refs),
@@ -343,7 +344,6 @@ def test_serve_loop_pattern_with_keep_prefix_returns_everything_but_the_system_p
 
 # ---- The stateful test -----------------------------------------------------------------------------------
 
-NUM_SLOTS, MAX_REQS, MAX_CTX = 20, 4, 8
 TOKENS = st.integers(0, 50)
 ONE_IN_8 = st.sampled_from([False] * 7 + [True])  # False first: Hypothesis favours the first element
 ACTIONS = ["extend", "append_tokens", "decode", "finish"] * 3 + ["add", "add", "add_shared", "add_shared", "alloc_directly", "free_directly"]
@@ -352,25 +352,34 @@ ACTIONS = ["extend", "append_tokens", "decode", "finish"] * 3 + ["add", "add", "
 class ServingMachine(RuleBasedStateMachine):
     """Random add / shared add / extend / decode / finish / alloc / free, valid and invalid, against a model.
 
-    The model: `owned[request]` is the list of slots (by position) the request lists, `mine` the slots the
-    caller got from `alloc`, `free` the rest. It decides independently whether each call must succeed; a
-    call that must fail has to raise a ServingError and change nothing.
+    The model: `owned[request]` is the list of slots (by position) the request lists, `mine` the pages (slots at
+    page size 1) the caller got from `alloc`, `free` the rest. It decides independently whether each call must
+    succeed; a call that must fail has to raise a ServingError and change nothing. With pages (PAGE_SIZE P > 1)
+    a request's pages are those of its slots, new tokens fill its last page before taking fresh ones, and a
+    prefix hit shares whole pages only. CHUNK scales the token counts so that requests span several pages.
     """
 
-    @initialize(seed=st.integers(0, 2**16), prompts=st.lists(st.lists(TOKENS, min_size=1, max_size=MAX_CTX), min_size=1, max_size=3))
-    def setup(self, seed, prompts):
-        self.table = RequestTable(MAX_REQS, MAX_CTX, SlotAllocator(NUM_SLOTS, seed=seed))
+    PAGE_SIZE, NUM_SLOTS, MAX_REQS, MAX_CTX, CHUNK = 1, 20, 4, 8, 1
+
+    @initialize(seed=st.integers(0, 2**16), data=st.data())
+    def setup(self, seed, data):
+        P, ctx = self.PAGE_SIZE, self.MAX_CTX
+        self.num_pages = self.NUM_SLOTS // P
+        prompts = data.draw(st.lists(st.lists(TOKENS, min_size=1, max_size=ctx), min_size=1, max_size=3))
+        self.table = RequestTable(self.MAX_REQS, ctx, SlotAllocator(self.NUM_SLOTS, seed=seed, page_size=P))
         self.alloc = self.table.allocator
         self.owned: dict[int, tuple[Request, list[int]]] = {}  # id(request) -> (request, slots)
         self.finished: list[Request] = []
         self.mine: set[int] = set()
-        self.free = set(range(1, NUM_SLOTS))
-        self.foreign = RequestTable(2, MAX_CTX, SlotAllocator(8)).add([1, 2])
+        self.free = set(range(1, self.num_pages))
+        self.foreign = RequestTable(2, ctx, SlotAllocator(8)).add([1, 2])
         # Start with live requests, half of each prompt prefilled, so every rule has something to work on.
         requests = [self.table.add(p) for p in prompts]
         for request in requests:
             self.owned[id(request)] = (request, [])
-        self.check_schedule(requests, [len(p) // 2 for p in prompts], False, dict(EXTEND, max_seq_len=MAX_CTX))
+        c = self.CHUNK
+        self.check_schedule(requests, [len(p) // 2 for p in prompts], False,
+                            dict(EXTEND, max_seq_len=ctx, token_bucket=16 * c, max_extend_len=8 * c, kv_capacity=64 * c))
 
     # -- helpers --
     def live(self):
@@ -378,6 +387,14 @@ class ServingMachine(RuleBasedStateMachine):
 
     def slots_of(self, request):
         return self.owned[id(request)][1]
+
+    def pages_of(self, slots):
+        P = self.PAGE_SIZE
+        return [slots[i] // P for i in range(0, len(slots), P)]
+
+    def pages_needed(self, cached, n):
+        P = self.PAGE_SIZE
+        return -(-(cached + n) // P) - -(-cached // P)
 
     def expect(self, ok, call, error=ServingError):
         """Runs `call`; must succeed when `ok`, else raise `error` and change nothing. Returns its result or None."""
@@ -406,10 +423,11 @@ class ServingMachine(RuleBasedStateMachine):
 
     # -- the calls --
     def add(self, data):
-        n = data.draw(st.sampled_from(list(range(1, MAX_CTX + 1)) * 2 + [0, MAX_CTX + 1]))  # mostly a prompt that fits
+        ctx = self.MAX_CTX
+        n = data.draw(st.sampled_from(list(range(1, ctx + 1)) * 2 + [0, ctx + 1]))  # mostly a prompt that fits
         tokens = data.draw(st.lists(TOKENS, min_size=n, max_size=n))
-        ok = n <= MAX_CTX and len(self.owned) < MAX_REQS
-        error = RequestTableFull if n <= MAX_CTX else ServingError
+        ok = n <= ctx and len(self.owned) < self.MAX_REQS
+        error = RequestTableFull if n <= ctx else ServingError
         request = self.expect(ok, lambda: self.table.add(tokens), error)
         if ok:
             assert request.cached == 0 and request.tokens == tokens
@@ -422,28 +440,30 @@ class ServingMachine(RuleBasedStateMachine):
         live = id(owner) in self.owned
         cached = len(self.slots_of(owner)) if live else owner.cached
         shared_len = data.draw(st.sampled_from(list(range(cached + 1)) * 3 + [-1, cached + 1]))
-        tail = data.draw(st.lists(TOKENS, max_size=3))
+        tail = data.draw(st.lists(TOKENS, max_size=3 * self.CHUNK))
         prefix = list(owner.tokens[: max(shared_len, 0)])
         if prefix and data.draw(ONE_IN_8):
             prefix[0] += 1  # not the owner's tokens: a wrong prefix-cache hit
         tokens = prefix + tail
-        ok = (live and 0 <= shared_len <= cached and prefix == list(owner.tokens[:shared_len]) and len(tokens) <= MAX_CTX)
-        full = ok and len(self.owned) >= MAX_REQS
+        ok = (live and 0 <= shared_len <= cached and prefix == list(owner.tokens[:shared_len]) and len(tokens) <= self.MAX_CTX)
+        full = ok and len(self.owned) >= self.MAX_REQS
         request = self.expect(ok and not full, lambda: self.table.add(tokens, shared_prefix_from=owner, shared_len=shared_len),
                               RequestTableFull if full else ServingError)
         if request is not None:
-            assert request.cached == shared_len
-            self.owned[id(request)] = (request, list(self.slots_of(owner)[:shared_len]))
+            whole = shared_len // self.PAGE_SIZE * self.PAGE_SIZE  # whole pages only
+            assert request.cached == whole
+            self.owned[id(request)] = (request, list(self.slots_of(owner)[:whole]))
 
     def append_tokens(self, data):
         if not self.owned:
             return
         request = data.draw(st.sampled_from(self.live()))
-        request.tokens.extend(data.draw(st.lists(TOKENS, min_size=1, max_size=4)))
+        request.tokens.extend(data.draw(st.lists(TOKENS, min_size=1, max_size=4 * self.CHUNK)))
 
     def schedule(self, data, decode):
         if not self.owned:
             return
+        c = self.CHUNK
         ready = [r for r in self.live() if len(r.tokens) > r.cached] or self.live()  # mostly requests with tokens to schedule
         requests = data.draw(st.lists(st.sampled_from(ready if not data.draw(ONE_IN_8) else self.live()), min_size=1, max_size=4, unique_by=id))
         if data.draw(ONE_IN_8):  # a finished, foreign or repeated request
@@ -452,57 +472,72 @@ class ServingMachine(RuleBasedStateMachine):
         for r in requests:
             room = max(len(r.tokens) - r.cached, 0)
             if data.draw(ONE_IN_8):
-                counts.append(data.draw(st.sampled_from([-1, 0, 1, 2, room + 1, 9])))  # anything
+                counts.append(data.draw(st.sampled_from([-1, 0, 1, 2, room + 1, 9 * c])))  # anything
             elif decode:
                 counts.append(1)
             else:
-                counts.append(data.draw(st.sampled_from(range(min(room, 6) + 1))))  # within the request's tokens
+                counts.append(data.draw(st.sampled_from(range(min(room, 6 * c) + 1))))  # within the request's tokens
         if data.draw(ONE_IN_8):
             counts = counts[:-1] if counts else [1]  # one count too few or too many
         def bucket(roomy, tight):  # mostly roomy; now and then too small for the batch
             return tight if data.draw(ONE_IN_8) else roomy
 
         batch_bucket = bucket(4, 2)
-        token_bucket = batch_bucket if decode and not data.draw(ONE_IN_8) else bucket(16, 6)
-        max_extend_len = 1 if decode else bucket(8, 3)
-        kv_capacity = bucket(64, max(1, sum(r.cached for r in requests)))  # tight: no room for new keys
-        max_seq_len = bucket(MAX_CTX, 5)
+        token_bucket = batch_bucket if decode and not data.draw(ONE_IN_8) else bucket(16 * c, 6 * c)
+        max_extend_len = 1 if decode else bucket(8 * c, 3 * c)
+        kv_capacity = bucket(64 * c, max(1, sum(r.cached for r in requests)))  # tight: no room for new keys
+        max_seq_len = bucket(self.MAX_CTX, 5 * c)
         mode = ForwardMode.DECODE if decode else ForwardMode.EXTEND
         kwargs = dict(mode=mode, batch_bucket=batch_bucket, token_bucket=token_bucket, max_extend_len=max_extend_len,
                       kv_capacity=kv_capacity, max_seq_len=max_seq_len)
         self.check_schedule(requests, counts, decode, kwargs)
 
     def check_schedule(self, requests, counts, decode, kwargs):
-        """table.schedule, which must succeed exactly when the model says so; the model takes the new slots."""
+        """table.schedule, which must succeed exactly when the model says so; the model takes the new pages."""
+        P = self.PAGE_SIZE
         batch_bucket, token_bucket, max_extend_len = kwargs["batch_bucket"], kwargs["token_bucket"], kwargs["max_extend_len"]
         kv_capacity, max_seq_len = kwargs["kv_capacity"], kwargs["max_seq_len"]
         # The model's verdict, from its own counts.
         ok = len(counts) == len(requests) and len(requests) <= batch_bucket and (not decode or token_bucket == batch_bucket)
         ok = ok and all(id(r) in self.owned for r in requests) and len({id(r) for r in requests}) == len(requests)
-        ends = []
+        ends, need = [], 0
         if ok:
             for r, n in zip(requests, counts):
                 cached = len(self.slots_of(r))
                 ok = ok and n >= 0 and (n == 1 or not decode) and n <= max_extend_len
-                ok = ok and cached + n <= min(MAX_CTX, len(r.tokens), max_seq_len)
+                ok = ok and cached + n <= min(self.MAX_CTX, len(r.tokens), max_seq_len)
                 ends.append(cached + n)
+                if ok:
+                    need += self.pages_needed(cached, n)
         ok = ok and sum(counts) <= token_bucket and sum(ends) <= kv_capacity
-        exhausted = ok and sum(counts) > len(self.free)
+        exhausted = ok and need > len(self.free)
         result = self.expect(ok and not exhausted, lambda: self.table.schedule(requests, counts, **kwargs),
                              KVPoolExhausted if exhausted else ServingError)
         if result is None:
             return
         batch, token_ids = result
         token_ids, loc, positions = np.asarray(token_ids), np.asarray(batch.out_cache_loc), np.asarray(batch.positions)
-        cursor = 0
+        cursor, fresh_all = 0, set()
         for b, (r, n) in enumerate(zip(requests, counts)):
             old = self.slots_of(r)
+            old_pages = self.pages_of(old)
             start = b if decode else cursor
             new = loc[start : start + n].tolist()
-            assert set(new) <= self.free and len(set(new)) == n and 0 not in new  # fresh slots, each once
+            assert len(set(new)) == n and 0 not in new
+            fresh = {}
+            for pos, s in zip(range(len(old), len(old) + n), new):
+                assert s % P == pos % P  # page-aligned: position pos sits at page * P + pos % P
+                if pos // P < len(old_pages):
+                    assert s // P == old_pages[pos // P]  # the request's own partly filled last page
+                else:
+                    assert fresh.setdefault(pos // P, s // P) == s // P
+            assert len(fresh) == self.pages_needed(len(old), n)
+            fresh = set(fresh.values())
+            assert fresh <= self.free and not fresh & fresh_all  # fresh pages, each once
+            fresh_all |= fresh
             assert token_ids[start : start + n].tolist() == r.tokens[len(old) : len(old) + n]
             assert positions[start : start + n].tolist() == list(range(len(old), len(old) + n))
-            self.free -= set(new)
+            self.free -= fresh
             old.extend(new)
             assert r.cached == len(old)
             cursor += n
@@ -519,14 +554,15 @@ class ServingMachine(RuleBasedStateMachine):
         self.expect(ok, lambda: self.table.finish(request, keep_prefix=keep_prefix))
         if ok:
             _, slots = self.owned.pop(id(request))
-            still = {s for _, other in self.owned.values() for s in other}
-            self.free |= set(slots) - still
+            still = {p for _, other in self.owned.values() for p in self.pages_of(other)}
+            self.free |= set(self.pages_of(slots)) - still
             self.finished.append(request)
 
     def alloc_directly(self, data):
         n = data.draw(st.sampled_from([0, 1, 1, 2, 2, 3, -1, len(self.free) + 1]))
         ok = 0 <= n <= len(self.free)
-        got = self.expect(ok, lambda: self.alloc.alloc(n), ServingError if n < 0 else KVPoolExhausted)
+        alloc = self.alloc.alloc if self.PAGE_SIZE == 1 else self.alloc.alloc_pages
+        got = self.expect(ok, lambda: alloc(n), ServingError if n < 0 else KVPoolExhausted)
         if got is not None:
             got = got.tolist()
             assert len(got) == n and set(got) <= self.free and len(set(got)) == n
@@ -534,38 +570,44 @@ class ServingMachine(RuleBasedStateMachine):
             self.mine |= set(got)
 
     def free_directly(self, data):
-        held = [s for _, slots in self.owned.values() for s in slots]
-        candidates = sorted(self.mine) * 3 + [0, NUM_SLOTS, -1] + sorted(self.free)[:2] + held[:2]
-        slots = data.draw(st.lists(st.sampled_from(candidates), max_size=4))
-        ok = len(set(slots)) == len(slots) and set(slots) <= self.mine
-        self.expect(ok, lambda: self.alloc.free(slots))
+        held = [p for _, slots in self.owned.values() for p in self.pages_of(slots)]
+        candidates = sorted(self.mine) * 3 + [0, self.num_pages, -1] + sorted(self.free)[:2] + held[:2]
+        pages = data.draw(st.lists(st.sampled_from(candidates), max_size=4))
+        ok = len(set(pages)) == len(pages) and set(pages) <= self.mine
+        free = self.alloc.free if self.PAGE_SIZE == 1 else self.alloc.free_pages
+        self.expect(ok, lambda: free(pages))
         if ok:
-            self.mine -= set(slots)
-            self.free |= set(slots)
+            self.mine -= set(pages)
+            self.free |= set(pages)
 
     # -- invariants --
     @invariant()
     def ownership_is_exact(self):
         if not hasattr(self, "table"):
             return
+        P = self.PAGE_SIZE
         free_list = self.alloc._free
-        assert len(free_list) == len(set(free_list)) == self.alloc.available
+        assert len(free_list) == len(set(free_list)) == self.alloc.available_pages
+        assert self.alloc.available == len(free_list) * P
         assert set(free_list) == self.free
         assert 0 not in free_list and 0 not in self.alloc._holder
-        owned = {s for _, slots in self.owned.values() for s in slots}
+        owned = {p for _, slots in self.owned.values() for p in self.pages_of(slots)}
         assert not (self.free & owned) and not (self.free & self.mine) and not (self.mine & owned)
-        assert self.free | owned | self.mine == set(range(1, NUM_SLOTS))
+        assert self.free | owned | self.mine == set(range(1, self.num_pages))
         assert {s for s, h in self.alloc._holder.items() if h is None} == self.mine
         assert {s for s, h in self.alloc._holder.items() if h is self.table} == owned
-        # The table lists exactly the model's slots; rows past `cached` and free rows are 0.
+        # The table lists exactly the model's slots and pages; rows past `cached` and free rows are 0.
         assert {id(r) for r in self.table.requests.values()} == set(self.owned)
         for request, slots in self.owned.values():
             assert request.cached == len(slots)
             row = self.table.req_to_token[request.row]
             assert row[: len(slots)].tolist() == slots and not row[len(slots) :].any()
+            pages = self.pages_of(slots)
+            page_row = self.table.req_to_page[request.row]
+            assert page_row[: len(pages)].tolist() == pages and not page_row[len(pages) :].any()
         for row in self.table.free_rows:
-            assert not self.table.req_to_token[row].any()
-        assert len(self.table.free_rows) + len(self.owned) == MAX_REQS
+            assert not self.table.req_to_token[row].any() and not self.table.req_to_page[row].any()
+        assert len(self.table.free_rows) + len(self.owned) == self.MAX_REQS
         # A slot two requests list is a shared prefix: same position, and everything before it shared too.
         lists = [slots for _, slots in self.owned.values()]
         for i, a in enumerate(lists):
@@ -574,14 +616,27 @@ class ServingMachine(RuleBasedStateMachine):
                 while common < min(len(a), len(b)) and a[common] == b[common]:
                     common += 1
                 assert set(a) & set(b) == set(a[:common])
-        # Reference counts are the number of live requests listing each slot.
+                # A page both list is full in both: nobody writes into a shared page.
+                for j, p in enumerate(self.pages_of(a)):
+                    if p in self.pages_of(b):
+                        assert (j + 1) * P <= min(len(a), len(b))
+        # Reference counts are the number of live requests listing each page.
         counts = {}
         for slots in lists:
-            for s in slots:
-                counts[s] = counts.get(s, 0) + 1
+            for p in self.pages_of(slots):
+                counts[p] = counts.get(p, 0) + 1
         assert self.table._refs == counts
 
 
-ServingMachine.TestCase.settings = settings(max_examples=50, stateful_step_count=30, deadline=None, derandomize=True,
-                                            suppress_health_check=list(HealthCheck), print_blob=True)
+class PagedServingMachine(ServingMachine):
+    """The same machine over pages of 16 slots: 6 usable pages, requests of up to 3 pages, counts scaled by 8."""
+
+    PAGE_SIZE, NUM_SLOTS, MAX_REQS, MAX_CTX, CHUNK = 16, 16 * 7, 4, 48, 8
+
+
+MACHINE_SETTINGS = settings(max_examples=50, stateful_step_count=30, deadline=None, derandomize=True,
+                            suppress_health_check=list(HealthCheck), print_blob=True)
+ServingMachine.TestCase.settings = MACHINE_SETTINGS
+PagedServingMachine.TestCase.settings = MACHINE_SETTINGS
 test_serving_state_machine = ServingMachine.TestCase
+test_paged_serving_state_machine = PagedServingMachine.TestCase

@@ -2,6 +2,7 @@
 
     backend = ReferenceBackend()                       # or TritonBackend(), FlashInferBackend()
     meta = backend.init_forward_metadata(batch, req_to_token)      # inside jit, no host sync
+    meta = backend.init_forward_metadata(batch, page_table)        # or a jaxattn.paging.PageTable (Reference, Triton)
     o, k_pool, v_pool = backend.forward(q, k, v, k_pool, v_pool, layer, meta, sinks=...)
 
 `init_forward_metadata` runs once per step and its result is shared by every layer; `forward` writes the step's new

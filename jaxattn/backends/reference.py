@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from jaxattn.backends.layer import AttentionLayer, split_heads
 from jaxattn.kv_indices import create_kv_indices_reference
+from jaxattn.paging import PageTable, create_kv_indices_from_pages
 from jaxattn.reference import ragged_paged_attention_reference
 from jaxattn.serving.batch import ForwardBatch, ForwardMode
 from jaxattn.fp8 import is_fp8
@@ -36,17 +37,23 @@ class ReferenceBackend:
 
     name = "reference"
 
-    def init_forward_metadata(self, batch: ForwardBatch, req_to_token: jax.Array) -> ReferenceMetadata:
+    def init_forward_metadata(self, batch: ForwardBatch, req_to_token: "jax.Array | PageTable") -> ReferenceMetadata:
+        """The step's lists from req_to_token (i32[max_reqs, max_context_len], the slot of every token) or from a
+        `jaxattn.paging.PageTable` (pages, with static page_size and num_slots)."""
         encoder = batch.encoder_lens
         self_start = None if encoder is None else encoder
-        kv_indptr, kv_indices = create_kv_indices_reference(
-            req_to_token, batch.req_pool_indices, batch.seq_lens, self_start, capacity=batch.kv_capacity
-        )
+        if isinstance(req_to_token, PageTable):
+            def lists(lens, starts):
+                return create_kv_indices_from_pages(req_to_token.req_to_page, batch.req_pool_indices, lens, starts,
+                                                    capacity=batch.kv_capacity, **req_to_token.builder_args())
+        else:
+            def lists(lens, starts):
+                return create_kv_indices_reference(req_to_token, batch.req_pool_indices, lens, starts,
+                                                   capacity=batch.kv_capacity)
+        kv_indptr, kv_indices = lists(batch.seq_lens, self_start)
         cross_indptr = cross_indices = None
         if encoder is not None:
-            cross_indptr, cross_indices = create_kv_indices_reference(
-                req_to_token, batch.req_pool_indices, encoder, capacity=batch.kv_capacity
-            )
+            cross_indptr, cross_indices = lists(encoder, None)
         verify = batch.mode == ForwardMode.TARGET_VERIFY
         max_q = 1 if batch.mode == ForwardMode.DECODE else batch.max_extend_len
         return ReferenceMetadata(

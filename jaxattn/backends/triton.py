@@ -2,6 +2,7 @@
 
     backend = TritonBackend(sliding_windows=(4096,))                  # windows known statically
     meta = backend.init_forward_metadata(batch, req_to_token)         # inside jit, no host sync
+    meta = backend.init_forward_metadata(batch, page_table)           # or pages: a jaxattn.paging.PageTable
     o, k_pool, v_pool = backend.forward(q, k, v, k_pool, v_pool, layer, meta, sinks=...)
 
 `init_forward_metadata` builds, once per step and for every layer, the index lists each mode needs
@@ -29,6 +30,12 @@ Cross attention (`batch.encoder_lens`): a sequence's encoder tokens sit first in
 decoder tokens after them. Self layers list decoder tokens only (positions count from the first decoder token);
 cross layers (`layer.is_cross_attention`) attend the encoder's tokens, non-causally, through the unified kernel
 (extend-like modes) or the decode kernel.
+
+Pages: `init_forward_metadata` takes a `jaxattn.paging.PageTable` (req_to_page with static page_size and
+num_slots; `RequestTable.page_table()`) wherever it takes req_to_token, and builds the same metadata with the
+`*_from_pages` builders (self attention, windows, every mode); `forward` is unchanged (the kernels read by slot).
+Cross attention over pages goes through the equivalent page-1 table (`PageTable.req_to_token()`, max_reqs x
+max_context entries per step); `draft_decode_metadata` takes req_to_token only.
 
 Which window sizes get their own (shorter) lists is static: `TritonBackend(sliding_windows=(W, ...))`, plus the
 windows of `layers` when they are passed to `init_forward_metadata`. A window layer whose W was not prepared is
@@ -72,6 +79,8 @@ from jaxattn.metadata import (
 )
 from jaxattn.serving.batch import ForwardBatch, ForwardMode
 from jaxattn.fp8 import is_fp8
+from jaxattn.paging import PageTable, decode_metadata_from_pages, extend_metadata_from_pages, \
+    extend_unified_metadata_from_pages
 from jaxattn.serving.kv_pool import write_kv
 
 
@@ -160,31 +169,42 @@ class TritonBackend:
 
     def _decode_lists(self, batch, req_to_token, seq_lens, token_offsets, *, capacity, max_len, window, heads):
         """DecodeMetadata over each sequence's last keys (all of them, or a window's) from its token_offsets column."""
-        return decode_metadata(
-            req_to_token, batch.req_pool_indices, seq_lens, kv_capacity=capacity, q_heads=heads[0], kv_heads=heads[1],
-            max_kv_splits=self.max_kv_splits, deterministic=self.deterministic, split_tile_size=self.split_tile_size,
-            sliding_window=window, token_offsets=token_offsets, max_context_len=max_len, launch_mode=self.launch_mode,
+        kwargs = dict(
+            kv_capacity=capacity, q_heads=heads[0], kv_heads=heads[1], max_kv_splits=self.max_kv_splits,
+            deterministic=self.deterministic, split_tile_size=self.split_tile_size, sliding_window=window,
+            token_offsets=token_offsets, max_context_len=max_len, launch_mode=self.launch_mode,
         )
+        if isinstance(req_to_token, PageTable):
+            return decode_metadata_from_pages(req_to_token.req_to_page, batch.req_pool_indices, seq_lens,
+                                              **req_to_token.builder_args(), **kwargs)
+        return decode_metadata(req_to_token, batch.req_pool_indices, seq_lens, **kwargs)
 
     def _extend_lists(self, batch, req_to_token, token_offsets, *, window, capacity):
         """ExtendMetadata (two-stage) or ExtendUnifiedMetadata (deterministic) of the batch's self attention."""
         sizes = dict(max_extend_len=batch.max_extend_len, kv_capacity=capacity, sliding_window=window,
                      token_offsets=token_offsets, launch_mode=self.launch_mode)
+        if isinstance(req_to_token, PageTable):
+            table, plain, unified = req_to_token.req_to_page, extend_metadata_from_pages, extend_unified_metadata_from_pages
+            sizes.update(req_to_token.builder_args())
+        else:
+            table, plain, unified = req_to_token, extend_metadata, extend_unified_metadata
         if not self.deterministic:
-            return extend_metadata(req_to_token, batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, **sizes)
-        return extend_unified_metadata(req_to_token, batch.req_pool_indices, batch.prefix_lens, batch.extend_lens,
-                                       batch.out_cache_loc, **sizes)
+            return plain(table, batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, **sizes)
+        return unified(table, batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.out_cache_loc, **sizes)
 
-    def init_forward_metadata(self, batch: ForwardBatch, req_to_token: jax.Array, layers=None) -> TritonMetadata:
+    def init_forward_metadata(self, batch: ForwardBatch, req_to_token: "jax.Array | PageTable", layers=None) -> TritonMetadata:
         """Builds the step's `TritonMetadata` on device (jit-friendly, no host sync).
 
         Args:
           batch: the step's `ForwardBatch` (B sequences, T token rows).
-          req_to_token: i32[max_reqs, max_context_len]: pool slot of every token of every request row.
+          req_to_token: i32[max_reqs, max_context_len]: pool slot of every token of every request row; or a
+            `jaxattn.paging.PageTable` (pages of every request row, with static page_size and num_slots): the
+            same metadata through the `*_from_pages` builders.
           layers: optional `AttentionLayer`s of the model: their sliding windows get trimmed lists too and the
             first one's head counts size the decode split heuristic.
         """
-        check_array("req_to_token", req_to_token, ndim=2, dtypes=INDEX_DTYPES, what="[max_reqs, max_context_len]")
+        if not isinstance(req_to_token, PageTable):
+            check_array("req_to_token", req_to_token, ndim=2, dtypes=INDEX_DTYPES, what="[max_reqs, max_context_len]")
         windows = self.sliding_windows
         if layers:
             windows = _check_windows(windows + tuple(l.sliding_window for l in layers if l.sliding_window >= 0 and not l.is_cross_attention))
@@ -236,7 +256,8 @@ class TritonBackend:
                 window_masks = (mask,) * len(windows)  # two-stage metadata keeps full-width mask rows
         cross = None
         if encoder is not None:
-            cross = cross_attention_metadata(req_to_token, batch.req_pool_indices, encoder, batch.extend_lens,
+            table = req_to_token.req_to_token() if isinstance(req_to_token, PageTable) else req_to_token
+            cross = cross_attention_metadata(table, batch.req_pool_indices, encoder, batch.extend_lens,
                                              max_extend_len=batch.max_extend_len, kv_capacity=batch.kv_capacity,
                                              launch_mode=self.launch_mode)
         return TritonMetadata(attn=attn, window_attn=window_attn, cross_attn=cross, custom_mask=mask,

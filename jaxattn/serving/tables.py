@@ -14,6 +14,23 @@ holder: the caller (a plain `alloc`) or one `RequestTable`. Slot 0 is the paddin
 out. Inside a table, each slot a live request lists has a reference count: a request created with
 `shared_prefix_from` shares its owner's first `shared_len` slots (one more reference each), and a slot goes
 back to the pool exactly once, when the last request listing it finishes. Requests can finish in any order.
+
+Pages (issue 23; `jaxattn.paging`'s layout). `SlotAllocator(num_slots, page_size=P)` hands out whole pages: page p
+is the page-aligned slot run `[p * P, (p + 1) * P)`, page 0 (slots `[0, P)`) is the padding page and never handed
+out, and everything above about slots holds for pages (holders, reference counts, freeing exactly once). A
+request owns whole pages: `RequestTable.req_to_page[row, i]` is the page of its positions `[i * P, (i + 1) * P)`,
+and it lists `ceil(cached / P)` pages (the last one may be partly filled; the next tokens go there first).
+`req_to_token` is kept beside it at every page size (the slot of each cached position; at P = 1 it is
+`req_to_page`). Page size 1 is exactly the slot layout and behaviour described above.
+
+Prefix sharing with pages shares whole pages only: `add(..., shared_prefix_from=owner, shared_len=n)` shares the
+owner's first `n // P` pages, and the new request starts with `cached == (n // P) * P`; the tokens of the owner's
+partly shared page (`n % P` of them) are *recomputed* by the new request's next extend, into a page of its own.
+Recompute, not copy: a copy would be a device-side K/V copy of every layer's pool outside the step (the table is
+host-side numpy and never touches the pools), while recomputing at most P - 1 tokens costs nothing extra in the
+step that extends the request anyway; it is also SGLang's rule (its radix cache matches page-aligned prefixes
+only). So a page listed by two requests is always full in both (every one of its positions is cached), nobody
+ever writes into it, and a page is written only by the one request that owns it alone.
 """
 
 from __future__ import annotations
@@ -23,6 +40,7 @@ import operator
 import jax.numpy as jnp
 import numpy as np
 
+from jaxattn.checks import PAGE_SIZES
 from jaxattn.serving.batch import ForwardBatch, ForwardMode
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
@@ -64,67 +82,111 @@ def _token_list(where: str, tokens) -> list[int]:
 
 
 class SlotAllocator:
-    """Hands out KV-pool slots 1..num_slots-1 (slot 0 is the padding slot), in shuffled order like a used pool.
+    """Hands out KV-pool slots 1..num_slots-1 (slot 0 is the padding slot), in shuffled order like a used pool;
+    with `page_size` P > 1, whole pages 1..num_slots/P - 1 (page 0 is the padding page).
 
     `alloc(n)` gives the caller n slots; `free(slots)` takes back slots the caller got from `alloc`. Freeing a
     slot twice, slot 0, a slot outside the pool, a slot never allocated or a slot a `RequestTable` holds
-    (release those with `RequestTable.finish`) raises `ServingError` and frees nothing.
+    (release those with `RequestTable.finish`) raises `ServingError` and frees nothing. With P > 1 the unit is
+    the page: `alloc_pages(n)` / `free_pages(pages)` (same rules, for page ids; `page_slots` gives a page's
+    slots), and `alloc` / `free` raise (a slot cannot be handed out alone). At P = 1 a page is a slot, and
+    `alloc_pages` / `free_pages` are `alloc` / `free`.
     """
 
-    def __init__(self, num_slots: int, seed: int = 0):
+    def __init__(self, num_slots: int, seed: int = 0, *, page_size: int = 1):
         self.num_slots = _int("SlotAllocator(num_slots)", num_slots, low=1)
-        self._free = [int(s) for s in np.random.default_rng(seed).permutation(np.arange(1, self.num_slots))]
-        self._holder: dict[int, object] = {}  # allocated slot -> its holder (None: the caller; else a RequestTable)
+        page_size = _int("SlotAllocator(page_size)", page_size, low=1)
+        if page_size not in PAGE_SIZES:
+            raise ServingError(f"SlotAllocator(page_size) must be one of {PAGE_SIZES}; got {page_size}")
+        if self.num_slots % page_size:
+            raise ServingError(f"SlotAllocator(num_slots) must be a multiple of page_size {page_size} (pages are "
+                               f"page-aligned runs of slots); got {self.num_slots}")
+        self.page_size = page_size
+        self.num_pages = self.num_slots // page_size
+        # Page ids (slots at page_size 1) in a shuffled order; page 0 is never in it.
+        self._free = [int(s) for s in np.random.default_rng(seed).permutation(np.arange(1, self.num_pages))]
+        self._holder: dict[int, object] = {}  # allocated page -> its holder (None: the caller; else a RequestTable)
+
+    @property
+    def _unit(self) -> str:
+        return "slot" if self.page_size == 1 else "page"
+
+    def _slot_api(self, where: str) -> None:
+        if self.page_size != 1:
+            raise ServingError(f"{where}: this pool hands out whole pages (page_size {self.page_size}); use "
+                               f"alloc_pages / free_pages (and page_slots for their slots)")
 
     def alloc(self, n: int) -> np.ndarray:
         """i32[n]: n free slots, now held by the caller. KVPoolExhausted when fewer than n are free."""
+        self._slot_api("alloc(n)")
         return self._take(n, None, "alloc(n)")
 
     def free(self, slots) -> None:
         """Returns slots the caller got from `alloc` to the pool (all of them, or none when one is rejected)."""
+        self._slot_api("free(slots)")
         self._release(slots, None, "free(slots)")
+
+    def alloc_pages(self, n: int) -> np.ndarray:
+        """i32[n]: n free page ids, now held by the caller. KVPoolExhausted when fewer than n are free."""
+        return self._take(n, None, "alloc_pages(n)")
+
+    def free_pages(self, pages) -> None:
+        """Returns pages the caller got from `alloc_pages` (all of them, or none when one is rejected)."""
+        self._release(pages, None, "free_pages(pages)")
+
+    def page_slots(self, pages) -> np.ndarray:
+        """i32[len(pages), page_size]: the slots of each page, `page * page_size + [0, page_size)`."""
+        pages = np.asarray(pages, np.int64).reshape(-1)
+        return (pages[:, None] * self.page_size + np.arange(self.page_size)).astype(np.int32)
 
     @property
     def available(self) -> int:
+        """Free slots (free pages x page_size)."""
+        return len(self._free) * self.page_size
+
+    @property
+    def available_pages(self) -> int:
         return len(self._free)
 
     def _take(self, n, holder, where: str) -> np.ndarray:
         n = _int(where, n)
         if n > len(self._free):
-            raise KVPoolExhausted(f"KV pool exhausted: {where} asked for {n} slots, {len(self._free)} free")
+            unit = self._unit
+            raise KVPoolExhausted(f"KV pool exhausted: {where} asked for {n} {unit}s, {len(self._free)} free")
         out, self._free = self._free[:n], self._free[n:]
         for s in out:
             self._holder[s] = holder
         return np.asarray(out, np.int32)
 
     def _untake(self, slots) -> None:
-        """Undoes the last `_take` exactly (the slots back at the front of the free list, in order)."""
+        """Undoes the last `_take` exactly (the pages back at the front of the free list, in order)."""
         slots = [int(s) for s in slots]
         for s in slots:
             del self._holder[s]
         self._free = slots + self._free
 
     def _release(self, slots, holder, where: str) -> None:
+        unit = self._unit
         if isinstance(slots, (int, np.integer)) or (isinstance(slots, np.ndarray) and slots.ndim != 1):
-            raise ServingError(f"{where} must be a 1-d sequence of slots; got {slots!r}")
+            raise ServingError(f"{where} must be a 1-d sequence of {unit}s; got {slots!r}")
         try:
             items = list(slots)
         except TypeError:
-            raise ServingError(f"{where} must be a sequence of slots; got {slots!r}") from None
+            raise ServingError(f"{where} must be a sequence of {unit}s; got {slots!r}") from None
         checked, seen = [], set()
         for i, s in enumerate(items):
             s = _int(f"{where}[{i}]", s, low=0)
             if s == 0:
-                raise ServingError(f"{where}[{i}]: slot 0 is the padding slot; it is never allocated, so it cannot be freed")
-            if s >= self.num_slots:
-                raise ServingError(f"{where}[{i}]: slot {s} is outside the pool (slots 1..{self.num_slots - 1})")
+                raise ServingError(f"{where}[{i}]: {unit} 0 is the padding {unit}; it is never allocated, so it cannot be freed")
+            if s >= self.num_pages:
+                raise ServingError(f"{where}[{i}]: {unit} {s} is outside the pool ({unit}s 1..{self.num_pages - 1})")
             if s in seen:
-                raise ServingError(f"{where}[{i}]: slot {s} is listed twice")
+                raise ServingError(f"{where}[{i}]: {unit} {s} is listed twice")
             if s not in self._holder:
-                raise ServingError(f"{where}[{i}]: slot {s} is not allocated (already free, or never handed out)")
+                raise ServingError(f"{where}[{i}]: {unit} {s} is not allocated (already free, or never handed out)")
             if self._holder[s] is not holder:
                 owner = "a RequestTable (release it with RequestTable.finish)" if holder is None else "another holder"
-                raise ServingError(f"{where}[{i}]: slot {s} is held by {owner}")
+                raise ServingError(f"{where}[{i}]: {unit} {s} is held by {owner}")
             seen.add(s)
             checked.append(s)
         for s in checked:
@@ -157,31 +219,52 @@ class Request:
 
 
 class RequestTable:
-    """req_to_token [max_reqs, max_context] on the host, plus the requests living in it.
+    """req_to_token [max_reqs, max_context] on the host, plus the requests living in it; with pages (the
+    allocator's page_size P > 1) also req_to_page [max_reqs, ceil(max_context / P)].
 
-    The table holds the slots its live requests list, with a reference count per slot (see the module
-    docstring): sharing a prefix adds a reference, finishing a request drops its references, and a slot whose
-    count reaches 0 goes back to the allocator.
+    The table holds the pages (slots at P = 1) its live requests list, with a reference count per page (see the
+    module docstring): sharing a prefix adds a reference, finishing a request drops its references, and a page
+    whose count reaches 0 goes back to the allocator. `page_table()` is the device-side table the backends take.
     """
 
-    def __init__(self, max_reqs: int, max_context: int, allocator: SlotAllocator):
+    def __init__(self, max_reqs: int, max_context: int, allocator: SlotAllocator, *, page_size: int | None = None):
         max_reqs = _int("RequestTable(max_reqs)", max_reqs, low=1)
         self.max_context = _int("RequestTable(max_context)", max_context, low=1)
         if not isinstance(allocator, SlotAllocator):
             raise ServingError(f"RequestTable(allocator) must be a SlotAllocator; got {allocator!r}")
+        if page_size is not None and _int("RequestTable(page_size)", page_size, low=1) != allocator.page_size:
+            raise ServingError(f"RequestTable(page_size={page_size}) differs from the allocator's page_size {allocator.page_size}")
+        self.page_size = allocator.page_size
         self.req_to_token = np.zeros((max_reqs, self.max_context), np.int32)
+        # req_to_page[row, i]: the page of positions [i * P, (i + 1) * P); at P = 1 the same array as req_to_token.
+        self.req_to_page = (self.req_to_token if self.page_size == 1 else
+                            np.zeros((max_reqs, -(-self.max_context // self.page_size)), np.int32))
         self.allocator = allocator
         self.free_rows = list(range(max_reqs))
         self.requests: dict[int, Request] = {}
-        self._refs: dict[int, int] = {}  # slot -> how many live requests list it
+        self._refs: dict[int, int] = {}  # page (slot at P = 1) -> how many live requests list it
+
+    def _pages(self, n_tokens: int) -> int:
+        """Pages holding positions [0, n_tokens)."""
+        return -(-n_tokens // self.page_size)
+
+    def page_table(self):
+        """The device-side `jaxattn.paging.PageTable` of req_to_page (for `init_forward_metadata`)."""
+        from jaxattn.paging import PageTable
+
+        return PageTable(jnp.asarray(self.req_to_page), page_size=self.page_size, num_slots=self.allocator.num_slots)
 
     def is_live(self, request) -> bool:
         """Whether `request` is a request of this table that has not finished."""
         return isinstance(request, Request) and self.requests.get(request.row) is request
 
     def slot_refs(self, slot: int) -> int:
-        """How many live requests of this table list `slot` (0: the table does not hold it)."""
-        return self._refs.get(int(slot), 0)
+        """How many live requests of this table list `slot`'s page (0: the table does not hold it)."""
+        return self._refs.get(int(slot) // self.page_size, 0)
+
+    def page_refs(self, page: int) -> int:
+        """How many live requests of this table list `page` (0: the table does not hold it)."""
+        return self._refs.get(int(page), 0)
 
     def _check_live(self, where: str, request) -> Request:
         if not isinstance(request, Request):
@@ -194,7 +277,11 @@ class RequestTable:
         """A new request; optionally sharing the first `shared_len` cached slots of a live request of this table
         (a prefix-cache hit: the new request starts with `cached == shared_len`, and its first `shared_len`
         tokens must equal the owner's). The shared slots stay allocated until every request listing them has
-        finished, whichever finishes first. RequestTableFull when no row is free."""
+        finished, whichever finishes first. RequestTableFull when no row is free.
+
+        With pages (page_size P > 1) only whole pages are shared: the first `shared_len // P` pages, and the new
+        request starts with `cached == (shared_len // P) * P`; its next extend recomputes the rest of the prefix
+        into a page of its own (the module docstring says why recompute, not copy)."""
         tokens = _token_list("add(tokens)", tokens)
         if len(tokens) > self.max_context:
             raise ServingError(f"add(tokens): {len(tokens)} tokens exceed max_context {self.max_context}")
@@ -215,18 +302,20 @@ class RequestTable:
             raise RequestTableFull(f"add: all {self.req_to_token.shape[0]} req_to_token rows (max_reqs) are in use; finish a request first")
         row = self.free_rows.pop(0)
         request = Request(row, tokens)
-        if shared_len:
-            shared = self.req_to_token[shared_prefix_from.row, :shared_len]
-            self.req_to_token[row, :shared_len] = shared
-            for s in shared.tolist():
+        full = shared_len // self.page_size * self.page_size  # whole pages only
+        if full:
+            self.req_to_token[row, :full] = self.req_to_token[shared_prefix_from.row, :full]
+            if self.page_size != 1:
+                self.req_to_page[row, : full // self.page_size] = self.req_to_page[shared_prefix_from.row, : full // self.page_size]
+            for s in self.req_to_page[row, : full // self.page_size].tolist():
                 self._refs[s] += 1
-            request._cached = shared_len
+            request._cached = full
         self.requests[row] = request
         return request
 
     def finish(self, request: Request, keep_prefix: int = 0) -> None:
-        """Releases the request's row and its references to its slots; slots no other live request lists go
-        back to the pool (each exactly once).
+        """Releases the request's row and its references to its pages (slots at page size 1); pages no other
+        live request lists go back to the pool (each exactly once).
 
         `keep_prefix` is accepted for compatibility and changes nothing: callers passed the length of a prefix
         shared with another request so that finishing would not free it; the reference counts now keep shared
@@ -234,20 +323,23 @@ class RequestTable:
         """
         request = self._check_live("finish(request)", request)
         _int("finish(keep_prefix)", keep_prefix, high=request.cached)
-        slots = self.req_to_token[request.row, : request.cached].tolist()
+        slots = self.req_to_page[request.row, : self._pages(request.cached)].tolist()
         released = [s for s in slots if self._refs[s] == 1]
-        self.allocator._release(released, self, "finish: the request's slots")  # checks before it changes anything
+        what = "slots" if self.page_size == 1 else "pages"
+        self.allocator._release(released, self, f"finish: the request's {what}")  # checks before it changes anything
         for s in slots:
             self._refs[s] -= 1
             if not self._refs[s]:
                 del self._refs[s]
         self.req_to_token[request.row] = 0
+        self.req_to_page[request.row] = 0
         del self.requests[request.row]
         self.free_rows.append(request.row)
 
     def schedule(self, requests: list[Request], new_counts: list[int], *, mode: ForwardMode, batch_bucket: int,
                  token_bucket: int, max_extend_len: int, kv_capacity: int, max_seq_len: int):
         """Allocates slots for each request's next `new_counts` tokens and builds the padded step inputs.
+        With pages, the new tokens fill the request's partly filled last page first, then fresh whole pages.
 
         Returns (ForwardBatch, token_ids i32[token_bucket]); the requests' `cached` counts advance.
 
@@ -257,7 +349,7 @@ class RequestTable:
         >= 0 and <= max_extend_len; every request live in this table and listed once; cached + count within
         max_context, within the request's tokens and within max_seq_len; len(requests) <= batch_bucket; the
         total new tokens <= token_bucket; the total keys (sum of seq_lens) <= kv_capacity; enough free slots
-        for the whole batch (KVPoolExhausted otherwise).
+        for the whole batch (KVPoolExhausted otherwise; with pages, enough free pages).
         """
         if not isinstance(mode, ForwardMode):
             raise ServingError(f"schedule(mode) must be a ForwardMode; got {mode!r}")
@@ -311,21 +403,30 @@ class RequestTable:
         keys = sum(r.cached + n for r, n in zip(requests, counts))
         if keys > kv_capacity:
             raise ServingError(f"schedule: the batch lists {keys} keys (sum of seq_lens), more than kv_capacity {kv_capacity}")
-        if total > self.allocator.available:
-            raise KVPoolExhausted(f"KV pool exhausted: schedule needs {total} slots for the batch, {self.allocator.available} free")
+        P = self.page_size
+        need = [self._pages(r.cached + n) - self._pages(r.cached) for r, n in zip(requests, counts)]
+        if sum(need) > self.allocator.available_pages:
+            if P == 1:
+                raise KVPoolExhausted(f"KV pool exhausted: schedule needs {total} slots for the batch, {self.allocator.available} free")
+            raise KVPoolExhausted(f"KV pool exhausted: schedule needs {sum(need)} pages (page_size {P}) for the batch, "
+                                  f"{self.allocator.available_pages} free")
 
         # Everything checked: build the step inputs, then commit.
-        slots = self.allocator._take(total, self, "schedule")
+        pages = self.allocator._take(sum(need), self, "schedule")
         req_pool_indices = np.zeros(batch_bucket, np.int32)
         seq_lens = np.zeros(batch_bucket, np.int32)
         extend_lens = np.zeros(batch_bucket, np.int32)
         out_cache_loc = np.zeros(token_bucket, np.int32)
         positions = np.zeros(token_bucket, np.int32)
         token_ids = np.zeros(token_bucket, np.int32)
-        cursor, per_request = 0, []
-        for b, (request, n, ids) in enumerate(zip(requests, counts, token_rows)):
-            own = slots[cursor : cursor + n]
+        cursor, page_cursor, per_request = 0, 0, []
+        for b, (request, n, ids, k) in enumerate(zip(requests, counts, token_rows, need)):
             start = request.cached
+            new_pages = pages[page_cursor : page_cursor + k]
+            page_cursor += k
+            row_pages = np.concatenate([self.req_to_page[request.row, : self._pages(start)], new_pages])
+            pos = np.arange(start, start + n)
+            own = (row_pages[pos // P] * P + pos % P).astype(np.int32)
             token_pos = b if mode == ForwardMode.DECODE else cursor
             out_cache_loc[token_pos : token_pos + n] = own
             positions[token_pos : token_pos + n] = np.arange(start, start + n)
@@ -333,7 +434,7 @@ class RequestTable:
             req_pool_indices[b] = request.row
             seq_lens[b] = start + n
             extend_lens[b] = n
-            per_request.append(own)
+            per_request.append((own, new_pages))
             cursor += n
         try:
             batch = ForwardBatch(
@@ -349,11 +450,14 @@ class RequestTable:
             )
             token_ids = jnp.asarray(token_ids)
         except BaseException:
-            self.allocator._untake(slots)
+            self.allocator._untake(pages)
             raise
-        for request, n, own in zip(requests, counts, per_request):
+        for request, n, (own, new_pages) in zip(requests, counts, per_request):
+            first = self._pages(request.cached)
             self.req_to_token[request.row, request.cached : request.cached + n] = own
-            for s in own.tolist():
+            if P != 1:
+                self.req_to_page[request.row, first : first + len(new_pages)] = new_pages
+            for s in new_pages.tolist():
                 self._refs[s] = 1
             request._cached += n
         return batch, token_ids

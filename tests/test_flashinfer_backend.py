@@ -156,3 +156,24 @@ def test_plan_dtypes_name_what_flashinfer_takes_and_refuse_float32():
         plan_dtype_names(jnp.float32, jnp.bfloat16)
     with pytest.raises(ValueError, match="KV pool dtype float32 is not supported"):
         plan_dtype_names(jnp.bfloat16, jnp.float32)  # once read as fp8
+
+
+def test_a_page_table_plans_as_its_page_one_table():
+    from jaxattn.paging import PageTable
+
+    page_size, num_slots = 8, 8 * 12
+    req_to_page = jnp.asarray([[3, 5, 0], [0, 0, 0], [7, 2, 9]], jnp.int32)
+    table = PageTable(req_to_page, page_size=page_size, num_slots=num_slots)
+    batch = ForwardBatch(
+        req_pool_indices=jnp.asarray([2, 0], jnp.int32), seq_lens=jnp.asarray([19, 11], jnp.int32),
+        extend_lens=jnp.asarray([1, 1], jnp.int32), out_cache_loc=jnp.zeros(2, jnp.int32), positions=jnp.zeros(2, jnp.int32),
+        mode=ForwardMode.DECODE, max_extend_len=1, kv_capacity=64, max_seq_len=24,
+    )
+    paged = plan_arguments(batch, table)
+    flat = plan_arguments(batch, table.req_to_token())
+    assert paged.keys() == flat.keys()
+    for key in paged:
+        np.testing.assert_array_equal(paged[key], flat[key])
+    # Row 2's first 19 keys: page 7's 8 slots, page 2's 8, then 3 of page 9's.
+    want = np.concatenate([np.arange(56, 64), np.arange(16, 24), np.arange(72, 75)])
+    np.testing.assert_array_equal(paged["kv_indices"][:19], want)

@@ -25,6 +25,7 @@ import numpy as np
 
 from jaxattn.backends.layer import AttentionLayer, split_heads
 from jaxattn.metadata import window_first_key
+from jaxattn.paging import PageTable
 from jaxattn.serving.batch import ForwardBatch, ForwardMode
 from jaxattn.serving.kv_pool import is_fp8, write_kv
 
@@ -81,8 +82,11 @@ def plan_arguments(batch: ForwardBatch, req_to_token, *, sliding_window: int = -
     Keys: qo_indptr (extend-like modes), kv_indptr, kv_indices, kv_last_page_len, and for TARGET_VERIFY
     custom_mask (bool, flat per request [q_len, kv_len]). With a sliding window the kv list keeps the last
     min(seq_len, W + q_len) keys (decode: W + 1), like SGLang's window wrapper; with cross attention it is the
-    encoder's tokens; a decoder with encoder tokens lists its own tokens after them.
+    encoder's tokens; a decoder with encoder tokens lists its own tokens after them. A `jaxattn.paging.PageTable`
+    is planned as its page-1 table (`PageTable.req_to_token()`: FlashInfer's page size 1 over the same slots).
     """
+    if isinstance(req_to_token, PageTable):
+        req_to_token = req_to_token.req_to_token()
     req_to_token = np.asarray(req_to_token)
     rows = np.asarray(batch.req_pool_indices)
     seq_lens = np.asarray(batch.seq_lens)

@@ -3,6 +3,7 @@
     python examples/serve.py                       # CPU: the reference backend
     python examples/serve.py --backend triton      # GPU: Triton kernels (CPU: Triton's interpreter, slow)
     python examples/serve.py --backend flashinfer  # GPU with flashinfer installed
+    python examples/serve.py --page-size 16        # KV pages of 16 slots (jaxattn.paging; prefix hits share whole pages)
 
 What happens: requests arrive with prompts, some sharing a system prompt. A prefill (EXTEND) step writes
 their K/V into the pool and reuses the cached system-prompt slots of an earlier request (a prefix-cache hit:
@@ -23,6 +24,7 @@ import numpy as np
 
 from batching import Buckets, Job, Progress, make_backend, print_rows, run_jobs
 from jaxattn.kv_pool import allocate_kv_buffers
+from jaxattn.paging import PAGE_SIZES
 from jaxattn.serving import RequestTable, SlotAllocator
 from toy_model import ToyConfig, dense_logits, forward, init_params
 
@@ -37,6 +39,8 @@ def main(argv=None) -> int:
                         help="default: triton on a GPU, reference on CPU")
     parser.add_argument("--requests", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--page-size", type=int, default=1, choices=PAGE_SIZES,
+                        help="KV page size: requests own whole pages; a prefix hit shares the whole pages of the prefix")
     args = parser.parse_args(argv)
     on_gpu = jax.default_backend() in ("gpu", "cuda")
     backend_name = args.backend or ("triton" if on_gpu else "reference")
@@ -46,7 +50,11 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(args.seed)
     params = init_params(config, seed=args.seed)
     cache = [allocate_kv_buffers(NUM_SLOTS, config.kv_heads, config.head_dim, dtype=dtype) for _ in range(config.layers)]
-    table = RequestTable(MAX_REQS, MAX_CTX, SlotAllocator(NUM_SLOTS, seed=args.seed))
+    table = RequestTable(MAX_REQS, MAX_CTX, SlotAllocator(NUM_SLOTS, seed=args.seed, page_size=args.page_size))
+
+    def kv_table():
+        """What the backends read the pool through: req_to_token (page size 1) or the page table."""
+        return jnp.asarray(table.req_to_token) if args.page_size == 1 else table.page_table()
 
     system_prompt = list(rng.integers(0, config.vocab, 40))
     jobs = []
@@ -65,10 +73,11 @@ def main(argv=None) -> int:
         nonlocal cache
         if backend_name == "flashinfer":  # the plan is host work before the jitted step
             layers = [config.attention_layer(i) for i in range(config.layers)]
-            meta = backend.plan(batch, table.req_to_token, layers, q_dtype=dtype, kv_dtype=dtype)
+            meta = backend.plan(batch, table.req_to_token if args.page_size == 1 else table.page_table(), layers,
+                                q_dtype=dtype, kv_dtype=dtype)
             logits, cache = planned_step(cache, batch, meta, token_ids)
         else:
-            logits, cache = step(cache, batch, jnp.asarray(table.req_to_token), token_ids)
+            logits, cache = step(cache, batch, kv_table(), token_ids)
         logits = np.asarray(logits.astype(jnp.float32))[rows]
         return np.argmax(logits, axis=-1), logits
 

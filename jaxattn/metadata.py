@@ -120,7 +120,8 @@ def rope_split(qk_head_dim: int) -> tuple[int, int]:
     return padded, 0
 
 
-def _offsets(token_offsets, batch):
+def row_token_offsets(token_offsets, batch):
+    """i32[batch]: each sequence's first column in its request row (`token_offsets`, default 0; negatives read 0)."""
     if token_offsets is None:
         return jnp.zeros((batch,), jnp.int32)
     check_array("token_offsets", token_offsets, shape=(batch,), dtypes=INDEX_DTYPES, what="[batch]")
@@ -271,7 +272,7 @@ def decode_metadata(
     check_window("sliding_window", sliding_window)
     if max_context_len is not None:
         check_positive_int("max_context_len", max_context_len)
-    offsets = _offsets(token_offsets, req_pool_indices.shape[0])
+    offsets = row_token_offsets(token_offsets, req_pool_indices.shape[0])
     seq_lens = jnp.maximum(seq_lens.astype(jnp.int32), 0)
     listed = decode_listed_keys(seq_lens, sliding_window)
     kv_indptr, kv_indices = create_kv_indices(
@@ -361,7 +362,7 @@ def _listed_prefix_lists(req_to_token, req_pool_indices, prefix_lens, sliding_wi
                          launch_mode):
     """(listed, dropped, kv_indptr, kv_indices): each sequence's listed prefix (`listed_prefix`) from its token_offsets
     column on, as CSR lists of pool slots (both extend builders start from these)."""
-    offsets = _offsets(token_offsets, req_pool_indices.shape[0])
+    offsets = row_token_offsets(token_offsets, req_pool_indices.shape[0])
     listed, start = listed_prefix(prefix_lens, sliding_window)
     kv_indptr, kv_indices = create_kv_indices(req_to_token, req_pool_indices, listed, start + offsets, capacity=capacity,
                                               index_dtype=index_dtype, launch_mode=launch_mode)

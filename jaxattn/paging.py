@@ -63,11 +63,11 @@ from jaxattn.metadata import (
     DecodeMetadata,
     ExtendMetadata,
     ExtendUnifiedMetadata,
-    _offsets,
     custom_mask_indptr,
     decode_listed_keys,
     decode_metadata_from_indptr,
     listed_prefix,
+    row_token_offsets,
 )
 
 __all__ = [
@@ -239,7 +239,7 @@ def out_cache_loc_from_pages(
     check_positive_int("num_tokens", num_tokens)
     batch = req_pool_indices.shape[0]
     extend_lens = jnp.maximum(extend_lens.astype(jnp.int32), 0)
-    start = jnp.maximum(prefix_lens.astype(jnp.int32), 0) + _offsets(token_offsets, batch)
+    start = jnp.maximum(prefix_lens.astype(jnp.int32), 0) + row_token_offsets(token_offsets, batch)
     _, slots = _paged_lists(req_to_page, req_pool_indices, extend_lens, start, page_size, num_slots, num_tokens,
                             jnp.int32)
     return slots
@@ -294,7 +294,7 @@ def decode_metadata_from_pages(
     if max_context_len is not None:
         check_positive_int("max_context_len", max_context_len)
     launch_mode_argument(launch_mode, mode)
-    offsets = _offsets(token_offsets, req_pool_indices.shape[0])
+    offsets = row_token_offsets(token_offsets, req_pool_indices.shape[0])
     seq_lens = jnp.maximum(seq_lens.astype(jnp.int32), 0)
     listed = decode_listed_keys(seq_lens, sliding_window)
     kv_indptr, kv_indices = _paged_lists(req_to_page, req_pool_indices, listed, offsets + seq_lens - listed, page_size,
@@ -313,7 +313,7 @@ def decode_metadata_from_pages(
 def _listed_prefix_pages(req_to_page, req_pool_indices, prefix_lens, sliding_window, token_offsets, page_size, num_slots,
                          capacity, index_dtype):
     """`jaxattn.metadata._listed_prefix_lists` over pages: (listed, dropped, kv_indptr, kv_indices)."""
-    offsets = _offsets(token_offsets, req_pool_indices.shape[0])
+    offsets = row_token_offsets(token_offsets, req_pool_indices.shape[0])
     listed, start = listed_prefix(prefix_lens, sliding_window)
     kv_indptr, kv_indices = _paged_lists(req_to_page, req_pool_indices, listed, start + offsets, page_size, num_slots,
                                          capacity, index_dtype)

@@ -18,7 +18,7 @@ import pytest
 from jaxattn.backends import ReferenceBackend
 from jaxattn.models import LlamaConfig, dense_logits, forward, init_kv_cache, load_hf_checkpoint, load_params
 from jaxattn.models.llama import hf_tensor_names, rope_inv_freq
-from jaxattn.models.safetensors_io import _read_builtin, _write_builtin, read_safetensors
+from jaxattn.models.safetensors_io import read_builtin, write_builtin, read_safetensors
 from jaxattn.models.testing import hf_config, random_tensors, write_random_checkpoint
 from jaxattn.serving import ForwardMode, RequestTable, SlotAllocator
 
@@ -251,9 +251,9 @@ def test_builtin_safetensors_reader_and_writer_agree_with_the_package(tmp_path):
 
     tensors = {"a": np.arange(6, dtype=np.float32).reshape(2, 3).astype(ml_dtypes.bfloat16), "b": np.arange(5, dtype=np.int32)}
     save_file(tensors, str(tmp_path / "pkg.safetensors"))
-    for name, value in _read_builtin(tmp_path / "pkg.safetensors").items():
+    for name, value in read_builtin(tmp_path / "pkg.safetensors").items():
         np.testing.assert_array_equal(value, tensors[name])
-    _write_builtin(tmp_path / "own.safetensors", tensors, metadata={"format": "pt"})
+    write_builtin(tmp_path / "own.safetensors", tensors, metadata={"format": "pt"})
     loaded = load_file(str(tmp_path / "own.safetensors"))
     for name, value in tensors.items():
         np.testing.assert_array_equal(loaded[name], value)

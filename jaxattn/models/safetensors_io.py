@@ -1,4 +1,5 @@
-"""safetensors files with numpy: `read_safetensors`, `safetensors_keys`, `write_safetensors`.
+"""safetensors files with numpy: `read_safetensors`, `safetensors_keys`, `write_safetensors` (and the built-in
+`read_builtin` / `write_builtin` they fall back to).
 
 The `safetensors` package (`jaxattn[models]`) is used when installed and able to read the file; a small reader and
 writer of the format (an 8-byte little-endian header length, a JSON header of names, dtypes, shapes and byte
@@ -42,7 +43,8 @@ def safetensors_keys(path) -> list[str]:
     return [k for k in header if k != "__metadata__"]
 
 
-def _read_builtin(path) -> dict[str, np.ndarray]:
+def read_builtin(path) -> dict[str, np.ndarray]:
+    """The file's tensors through the built-in reader (what `read_safetensors` falls back to)."""
     header, start = _header(path)
     data = np.memmap(path, dtype=np.uint8, mode="r")
     out = {}
@@ -62,11 +64,11 @@ def read_safetensors(path) -> dict[str, np.ndarray]:
     try:
         from safetensors.numpy import load_file
     except ImportError:
-        return _read_builtin(path)
+        return read_builtin(path)
     try:
         return load_file(path)
     except (TypeError, KeyError, ValueError):  # e.g. an older safetensors without bfloat16 through numpy
-        return _read_builtin(path)
+        return read_builtin(path)
 
 
 def write_safetensors(path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
@@ -82,10 +84,11 @@ def write_safetensors(path, tensors: dict[str, np.ndarray], metadata: dict[str, 
             return
         except (TypeError, KeyError, ValueError):
             pass
-    _write_builtin(path, tensors, metadata)
+    write_builtin(path, tensors, metadata)
 
 
-def _write_builtin(path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
+def write_builtin(path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
+    """Writes `tensors` through the built-in writer (what `write_safetensors` falls back to)."""
     tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
     header, offset = {}, 0
     if metadata:

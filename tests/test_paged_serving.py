@@ -14,7 +14,7 @@ from jaxattn.paging import PageTable
 from jaxattn.serving import KVPoolExhausted, RequestTable, ServingError, SlotAllocator
 from jaxattn.serving.batch import ForwardMode
 from jaxattn.serving.kv_pool import allocate_kv_buffers
-from tests.test_serving_tables import rejected, snapshot
+from tests.test_serving_tables import rejected
 
 PAGE_SIZES = [1, 16, 64]
 

@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxattn.backends.layer import AttentionLayer, split_heads
+from jaxattn.fp8 import is_fp8
 from jaxattn.kv_indices import create_kv_indices_reference
 from jaxattn.paging import PageTable, create_kv_indices_from_pages
 from jaxattn.reference import ragged_paged_attention_reference
 from jaxattn.serving.batch import ForwardBatch, ForwardMode
-from jaxattn.fp8 import is_fp8
 from jaxattn.serving.kv_pool import write_kv
 
 

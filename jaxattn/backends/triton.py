@@ -65,6 +65,7 @@ from jaxattn.backends.layer import AttentionLayer, split_heads
 from jaxattn.checks import INDEX_DTYPES, check_array, check_positive_int, launch_mode_argument
 from jaxattn.decode import decode_attention
 from jaxattn.extend import extend_attention, extend_attention_unified
+from jaxattn.fp8 import is_fp8
 from jaxattn.kv_indices import build_unified_kv_indices, create_kv_indices
 from jaxattn.metadata import (
     DecodeMetadata,
@@ -77,10 +78,13 @@ from jaxattn.metadata import (
     extend_unified_metadata,
     listed_columns_mask,
 )
+from jaxattn.paging import (
+    PageTable,
+    decode_metadata_from_pages,
+    extend_metadata_from_pages,
+    extend_unified_metadata_from_pages,
+)
 from jaxattn.serving.batch import ForwardBatch, ForwardMode
-from jaxattn.fp8 import is_fp8
-from jaxattn.paging import PageTable, decode_metadata_from_pages, extend_metadata_from_pages, \
-    extend_unified_metadata_from_pages
 from jaxattn.serving.kv_pool import write_kv
 
 

@@ -12,7 +12,6 @@ multiply back by the same scale (SGLang's per-layer k_scale / v_scale, or one pe
 from __future__ import annotations
 
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

@@ -47,7 +47,7 @@ from jaxattn.checks import (
     checks_float_kv_scales,
     launch_mode_argument,
 )
-from jaxattn.fp8 import kv_scale_table
+from jaxattn.fp8 import dequantised_rows, kv_scale_table
 from jaxattn.impl import mgpu_extend, triton_extend
 from jaxattn.kv_indices import build_unified_kv_indices_reference
 from jaxattn.launch import launch_mode as resolve_launch_mode
@@ -250,11 +250,8 @@ def extend_attention_reference(
     tokens, slots, capacity = q.shape[0], k_pool.shape[0], meta.kv_capacity
     scales = kv_scale_table(k_scale, v_scale, v_pool.shape[1])
     prefix_slots = jnp.clip(meta.kv_indices.astype(jnp.int32), 0, slots - 1)  # the reference's slot rule
-    k_prefix = k_pool[prefix_slots].astype(jnp.float32)
-    v_prefix = v_pool[prefix_slots].astype(jnp.float32)
-    if scales is not None:
-        k_prefix = k_prefix * scales[0][None, :, None]
-        v_prefix = v_prefix * scales[1][None, :, None]
+    k_prefix = dequantised_rows(k_pool, prefix_slots, None if scales is None else scales[0], jnp.float32)
+    v_prefix = dequantised_rows(v_pool, prefix_slots, None if scales is None else scales[1], jnp.float32)
     k_all = jnp.concatenate([k_prefix, k_new.astype(jnp.float32)])
     v_all = jnp.concatenate([v_prefix, v_new.astype(jnp.float32)])
     qo_indptr = meta.qo_indptr.astype(jnp.int32)

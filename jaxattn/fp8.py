@@ -37,6 +37,20 @@ def kv_scale_table(k_scale, v_scale, kv_heads: int) -> jax.Array | None:
     return jnp.stack([row(k_scale), row(v_scale)])
 
 
+def per_head_factor(scale):
+    """A scale (a float, or an array [] / [kv_heads]) as a float32 factor broadcastable over [rows, kv_heads, dim]."""
+    return jnp.asarray(scale, jnp.float32).reshape(1, -1, 1)
+
+
+def dequantised_rows(pool, slots, scale, dtype):
+    """pool[slots] as `dtype` values, multiplied by `scale` (None: as stored) in float32: the rows a step needs,
+    never the pool. pool: [slots, kv_heads, dim]; slots: [rows] in range."""
+    rows = pool[slots]
+    if scale is None:
+        return rows.astype(dtype)
+    return (rows.astype(jnp.float32) * per_head_factor(scale)).astype(dtype)
+
+
 def largest_finite(dtype) -> float:
     """The largest finite value of an fp8 format (e4m3fn: 448, e5m2: 57344): writes saturate there."""
     return float(jnp.finfo(dtype).max)

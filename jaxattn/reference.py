@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn.checks import check_attention_args
-from jaxattn.fp8 import kv_scale_table
+from jaxattn.fp8 import dequantised_rows, kv_scale_table
 
 
 def xai_temperature_scale(positions: jax.Array, xai_temperature_len: int) -> jax.Array:
@@ -131,11 +131,8 @@ def ragged_paged_attention_reference(
         slots = jnp.clip(slots, 0, num_slots - 1)
         qb = q[q_rows].astype(jnp.float32)  # [Q, Hq, D]
         # Rows past the list's end are zeroed: the slots there are arbitrary and may hold NaN (0 * NaN = NaN).
-        kb = k_pool[slots].astype(jnp.float32)  # [K, Hkv, D]
-        vb = v_pool[slots].astype(jnp.float32)  # [K, Hkv, Dv]
-        if scales is not None:
-            kb = kb * scales[0][None, :, None]
-            vb = vb * scales[1][None, :, None]
+        kb = dequantised_rows(k_pool, slots, None if scales is None else scales[0], jnp.float32)  # [K, Hkv, D]
+        vb = dequantised_rows(v_pool, slots, None if scales is None else scales[1], jnp.float32)  # [K, Hkv, Dv]
         kb = jnp.where(k_valid[:, None, None], kb, 0.0)
         vb = jnp.where(k_valid[:, None, None], vb, 0.0)
         qb = qb.reshape(max_q_len, kv_heads, group, qk_dim)

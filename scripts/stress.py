@@ -50,6 +50,7 @@ from jaxattn.extend import (  # noqa: E402
     extend_metadata,
     extend_unified_metadata,
 )
+from jaxattn.fp8 import per_head_factor  # noqa: E402
 from jaxattn.kv_pool import write_kv  # noqa: E402
 
 from jaxattn.testing import tolerance  # noqa: E402  (the test suite's table)
@@ -91,7 +92,7 @@ def scaled_pool(values, profile: Profile, which: str):
     """A pool of the profile's dtype holding values / scale (fp8) or the values themselves; NaN stays NaN."""
     scale = profile.scales().get(f"{which}_scale")
     if scale is not None:
-        values = values / jnp.asarray(scale, jnp.float32).reshape(1, -1, 1)
+        values = values / per_head_factor(scale)
     return values.astype(profile.pool_dtype())
 
 

@@ -14,6 +14,7 @@ import dataclasses
 import math
 
 from jaxattn.checks import check_head_dims, check_heads, check_positive_int, check_score_options, check_sm_scale, check_window
+from jaxattn.fp8 import is_fp8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +55,16 @@ class AttentionLayer:
     @property
     def scale(self) -> float:
         return 1.0 / math.sqrt(self.head_dim) if self.sm_scale is None else self.sm_scale
+
+    def pool_scales(self, k_pool, v_pool) -> dict:
+        """The ops' k_scale / v_scale for this layer's pools: its scales for fp8 pools, none for 16/32-bit pools
+        (they hold the values themselves, as `write_kv` stores them)."""
+        scales = {}
+        if is_fp8(k_pool.dtype):
+            scales["k_scale"] = self.k_scale
+        if is_fp8(v_pool.dtype):
+            scales["v_scale"] = self.v_scale
+        return scales
 
 
 def split_heads(x, heads, dim, name):

@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxattn.backends.layer import AttentionLayer, split_heads
-from jaxattn.fp8 import is_fp8
 from jaxattn.kv_indices import create_kv_indices_reference
 from jaxattn.paging import PageTable, create_kv_indices_from_pages
 from jaxattn.reference import ragged_paged_attention_reference
@@ -88,8 +87,7 @@ class ReferenceBackend:
             v = split_heads(v, layer.kv_heads, layer.dv, "v")
             k_pool, v_pool = write_kv(k_pool, v_pool, meta.out_cache_loc, k, v, k_scale=layer.k_scale, v_scale=layer.v_scale)
         # fp8 pools are read with the layer's scales, row by row as they are gathered; 16-bit pools as they are.
-        scales = dict(k_scale=layer.k_scale if is_fp8(k_pool.dtype) else None,
-                      v_scale=layer.v_scale if is_fp8(v_pool.dtype) else None)
+        scales = layer.pool_scales(k_pool, v_pool)
         if layer.is_cross_attention:
             if meta.cross_kv_indptr is None:
                 raise ValueError(f"layer {layer.layer_id} is cross attention but the batch has no encoder_lens")

@@ -65,7 +65,7 @@ from jaxattn.backends.layer import AttentionLayer, split_heads
 from jaxattn.checks import INDEX_DTYPES, check_array, check_positive_int, launch_mode_argument
 from jaxattn.decode import decode_attention
 from jaxattn.extend import extend_attention, extend_attention_unified
-from jaxattn.fp8 import is_fp8
+from jaxattn.fp8 import dequantised_rows
 from jaxattn.kv_indices import build_unified_kv_indices, create_kv_indices
 from jaxattn.metadata import (
     DecodeMetadata,
@@ -302,7 +302,7 @@ class TritonBackend:
             v = split_heads(v, layer.kv_heads, layer.dv, "v")
         if save_kv and k is not None:
             k_pool, v_pool = write_kv(k_pool, v_pool, meta.out_cache_loc, k, v, k_scale=layer.k_scale, v_scale=layer.v_scale)
-        scales = pool_scales(layer, k_pool, v_pool)
+        scales = layer.pool_scales(k_pool, v_pool)
         lists, mask = meta.for_layer(layer)
         common = dict(sm_scale=layer.scale, logit_cap=layer.logit_cap, sinks=sinks, launch_mode=self.launch_mode, **scales)
         if not layer.is_cross_attention:
@@ -315,28 +315,11 @@ class TritonBackend:
                                          sliding_window=window, **common)
         else:
             if k is None:  # the new tokens' K/V are in the pool already: their rows, dequantised
-                k = rows_as(k_pool, meta.out_cache_loc, scales.get("k_scale"), q.dtype)
-                v = rows_as(v_pool, meta.out_cache_loc, scales.get("v_scale"), q.dtype)
+                k = dequantised_rows(k_pool, meta.out_cache_loc, scales.get("k_scale"), q.dtype)
+                v = dequantised_rows(v_pool, meta.out_cache_loc, scales.get("v_scale"), q.dtype)
             o = extend_attention(q, k.astype(q.dtype), v.astype(q.dtype), k_pool, v_pool, lists, causal=True,
                                  custom_mask=mask, skip_prefix_custom_mask=True, sliding_window=window, **common)
         return o, k_pool, v_pool
-
-
-def pool_scales(layer: AttentionLayer, k_pool, v_pool) -> dict:
-    """The ops' k_scale / v_scale for this layer's pools: the layer's scales for fp8 pools (16-bit pools hold the
-    values themselves, as `write_kv` stores them)."""
-    scales = {}
-    if is_fp8(k_pool.dtype):
-        scales["k_scale"] = layer.k_scale
-    if is_fp8(v_pool.dtype):
-        scales["v_scale"] = layer.v_scale
-    return scales
-
-
-def rows_as(pool, slots, scale, dtype):
-    """pool[slots] as `dtype` values (times `scale` when given): a few rows, never the pool."""
-    rows = pool[slots]
-    return rows.astype(dtype) if scale is None else (rows.astype(jnp.float32) * scale).astype(dtype)
 
 
 # ---------------------------------------------------------------------------------------------

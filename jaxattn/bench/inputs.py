@@ -36,6 +36,8 @@ def make_inputs(case: Case, seed: int = 0) -> Inputs:
     import jax
     import jax.numpy as jnp
 
+    from jaxattn.fp8 import dequantised_rows
+
     rng = np.random.default_rng(seed)
     b, p, n = case.batch, case.prefix, case.new
     total = b * (p + n)
@@ -77,18 +79,11 @@ def make_inputs(case: Case, seed: int = 0) -> Inputs:
         prefix_indptr=to(prefix_indptr),
         prefix_indices=to(slots[:, :p].reshape(-1)),
         new_slots=to(new_slots),
-        k_new=_rows(k_pool, to(new_slots), k_scale),
-        v_new=_rows(v_pool, to(new_slots), v_scale),
+        k_new=dequantised_rows(k_pool, to(new_slots), k_scale, dtype),
+        v_new=dequantised_rows(v_pool, to(new_slots), v_scale, dtype),
         # Near the rows' log-denominators (about 8-9 for ~4096 keys of N(0, 1) scores), so they change the output.
         sinks=to(rng.normal(8.0, 1.0, case.q_heads).astype(np.float32)) if case.sinks else None,
         k_scale=k_scale,
         v_scale=v_scale,
     )
 
-
-def _rows(pool, slots, scale):
-    """pool[slots] as bf16 values (dequantised when the pool is fp8)."""
-    import jax.numpy as jnp
-
-    rows = pool[slots]
-    return rows if scale is None else (rows.astype(jnp.float32) * scale).astype(jnp.bfloat16)

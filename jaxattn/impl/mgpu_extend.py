@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jaxattn import hardware, tuning
 from jaxattn.calls import ExtendCall, score_features
 from jaxattn.checks import check_array, check_extend_args, check_new_tokens
-from jaxattn.fp8 import is_fp8
+from jaxattn.fp8 import dequantised_rows, is_fp8
 from jaxattn.launch import launch_mode as resolve_launch_mode
 from jaxattn.metadata import ExtendMetadata
 from jaxattn.registry import Implementation
@@ -119,9 +119,8 @@ def dequantised_prefix(k_pool, v_pool, meta: ExtendMetadata, kv_scales, dtype):
     Out-of-range slots are clamped into the pool, as the kernel does.
     """
     slots = jnp.clip(meta.kv_indices.astype(jnp.int32), 0, k_pool.shape[0] - 1)
-    scales = jnp.ones((2, k_pool.shape[1]), jnp.float32) if kv_scales is None else kv_scales
-    k = (k_pool[slots].astype(jnp.float32) * scales[0][None, :, None]).astype(dtype)
-    v = (v_pool[slots].astype(jnp.float32) * scales[1][None, :, None]).astype(dtype)
+    k = dequantised_rows(k_pool, slots, None if kv_scales is None else kv_scales[0], dtype)
+    v = dequantised_rows(v_pool, slots, None if kv_scales is None else kv_scales[1], dtype)
     listed = dataclasses.replace(meta, kv_indices=jnp.arange(meta.kv_indices.shape[0], dtype=meta.kv_indices.dtype))
     return k, v, listed
 

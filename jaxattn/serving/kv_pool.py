@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn.checks import FLOAT_DTYPES, INDEX_DTYPES, check_array, check_kv_scale
-from jaxattn.fp8 import FP8_DTYPES, is_fp8, largest_finite  # noqa: F401  (FP8_DTYPES, is_fp8 re-exported)
+from jaxattn.fp8 import FP8_DTYPES, is_fp8, largest_finite, per_head_factor  # noqa: F401  (FP8_DTYPES, is_fp8 re-exported)
 
 BUFFER_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 
@@ -70,12 +70,8 @@ def _quantised(x, dtype, scale):
     """x as stored in a pool of `dtype`: fp8 pools hold x / scale, saturated to the format's finite range."""
     if not is_fp8(dtype):
         return x
-    if scale is None:
-        scale = 1.0
-    elif hasattr(scale, "shape"):  # [] or [kv_heads]: one per head
-        scale = jnp.asarray(scale, jnp.float32).reshape(1, -1, 1)
     largest = largest_finite(dtype)
-    return jnp.clip(x.astype(jnp.float32) / scale, -largest, largest)
+    return jnp.clip(x.astype(jnp.float32) / per_head_factor(1.0 if scale is None else scale), -largest, largest)
 
 
 def read_scaled(buffer, scale: float | None, dtype):

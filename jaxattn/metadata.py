@@ -441,13 +441,23 @@ def extend_metadata(
     listed, start, kv_indptr, kv_indices = _listed_prefix_lists(
         req_to_token, req_pool_indices, prefix_lens, sliding_window, token_offsets, kv_capacity, index_dtype,
         launch_mode_argument(launch_mode, mode))
-    full = listed + start
+    return extend_metadata_from_lists(extend_lens, listed, start, kv_indptr, kv_indices, max_extend_len=max_extend_len,
+                                      kv_capacity=kv_capacity, sliding_window=sliding_window)
+
+
+def extend_metadata_from_lists(extend_lens, listed, start, kv_indptr, kv_indices, *, max_extend_len, kv_capacity,
+                               sliding_window) -> ExtendMetadata:
+    """`ExtendMetadata` from a batch's listed-prefix lists (`extend_metadata` and the page-table builder share it).
+
+    extend_lens: i32[batch], clamped >= 0. listed, start: `listed_prefix`'s (listed keys, keys dropped before them).
+    kv_indptr / kv_indices: the listed prefix's CSR slot lists. Masks are full width [q_len, start + listed + q_len].
+    """
     return ExtendMetadata(
         qo_indptr=exclusive_cumsum(extend_lens),
         kv_indptr=kv_indptr,
         kv_indices=kv_indices,
         kv_start_pos=start,
-        mask_indptr=custom_mask_indptr(extend_lens, full + extend_lens),
+        mask_indptr=custom_mask_indptr(extend_lens, listed + start + extend_lens),
         max_extend_len=max_extend_len,
         kv_capacity=kv_capacity,
         sliding_window=int(sliding_window) if sliding_window >= 0 else -1,
@@ -487,12 +497,22 @@ def extend_unified_metadata(
                               sliding_window, index_dtype)
     check_array("out_cache_loc", out_cache_loc, ndim=1, dtypes=INDEX_DTYPES, what="[extend_tokens]")
     extend_lens = jnp.maximum(extend_lens.astype(jnp.int32), 0)
+    launch_mode = launch_mode_argument(launch_mode, mode)
     _, start, prefix_indptr, prefix_indices = _listed_prefix_lists(
-        req_to_token, req_pool_indices, prefix_lens, sliding_window, token_offsets, kv_capacity, index_dtype,
-        launch_mode_argument(launch_mode, mode))
+        req_to_token, req_pool_indices, prefix_lens, sliding_window, token_offsets, kv_capacity, index_dtype, launch_mode)
+    return extend_unified_metadata_from_lists(
+        extend_lens, start, prefix_indptr, prefix_indices, out_cache_loc, extend_start_loc, max_extend_len=max_extend_len,
+        kv_capacity=kv_capacity, sliding_window=sliding_window, index_dtype=index_dtype, launch_mode=launch_mode)
+
+
+def extend_unified_metadata_from_lists(extend_lens, start, prefix_indptr, prefix_indices, out_cache_loc, extend_start_loc,
+                                       *, max_extend_len, kv_capacity, sliding_window, index_dtype,
+                                       launch_mode) -> ExtendUnifiedMetadata:
+    """`ExtendUnifiedMetadata` from the listed-prefix lists and the new tokens' slots, joined by the unified index
+    kernel (`extend_unified_metadata` and the page-table builder share it). Masks are [q_len, listed + q_len]."""
     kv_indptr, kv_indices, listed = build_unified_kv_indices(
         prefix_indptr, prefix_indices, extend_start_loc, extend_lens, out_cache_loc, capacity=kv_capacity,
-        index_dtype=index_dtype, launch_mode=launch_mode_argument(launch_mode, mode),
+        index_dtype=index_dtype, launch_mode=launch_mode,
     )
     return ExtendUnifiedMetadata(
         qo_indptr=exclusive_cumsum(extend_lens),

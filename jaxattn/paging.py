@@ -58,14 +58,15 @@ from jaxattn.checks import (
     check_window,
     launch_mode_argument,
 )
-from jaxattn.kv_indices import build_unified_kv_indices, exclusive_cumsum
+from jaxattn.kv_indices import exclusive_cumsum
 from jaxattn.metadata import (
     DecodeMetadata,
     ExtendMetadata,
     ExtendUnifiedMetadata,
-    custom_mask_indptr,
     decode_listed_keys,
     decode_metadata_from_indptr,
+    extend_metadata_from_lists,
+    extend_unified_metadata_from_lists,
     listed_prefix,
     row_token_offsets,
 )
@@ -355,16 +356,8 @@ def extend_metadata_from_pages(
     listed, start, kv_indptr, kv_indices = _listed_prefix_pages(
         req_to_page, req_pool_indices, prefix_lens, sliding_window, token_offsets, page_size, num_slots, kv_capacity,
         index_dtype)
-    return ExtendMetadata(
-        qo_indptr=exclusive_cumsum(extend_lens),
-        kv_indptr=kv_indptr,
-        kv_indices=kv_indices,
-        kv_start_pos=start,
-        mask_indptr=custom_mask_indptr(extend_lens, listed + start + extend_lens),
-        max_extend_len=max_extend_len,
-        kv_capacity=kv_capacity,
-        sliding_window=int(sliding_window) if sliding_window >= 0 else -1,
-    )
+    return extend_metadata_from_lists(extend_lens, listed, start, kv_indptr, kv_indices, max_extend_len=max_extend_len,
+                                      kv_capacity=kv_capacity, sliding_window=sliding_window)
 
 
 @functools.partial(jax.jit, static_argnames=("page_size", "num_slots", "max_extend_len", "kv_capacity", "sliding_window",
@@ -399,18 +392,6 @@ def extend_unified_metadata_from_pages(
     _, start, prefix_indptr, prefix_indices = _listed_prefix_pages(
         req_to_page, req_pool_indices, prefix_lens, sliding_window, token_offsets, page_size, num_slots, kv_capacity,
         index_dtype)
-    kv_indptr, kv_indices, listed = build_unified_kv_indices(
-        prefix_indptr, prefix_indices, extend_start_loc, extend_lens, out_cache_loc, capacity=kv_capacity,
-        index_dtype=index_dtype, launch_mode=launch_mode,
-    )
-    return ExtendUnifiedMetadata(
-        qo_indptr=exclusive_cumsum(extend_lens),
-        kv_indptr=kv_indptr,
-        kv_indices=kv_indices,
-        prefix_lens=listed,
-        kv_start_pos=start,
-        mask_indptr=custom_mask_indptr(extend_lens, listed + extend_lens),
-        max_extend_len=max_extend_len,
-        kv_capacity=kv_capacity,
-        sliding_window=int(sliding_window) if sliding_window >= 0 else -1,
-    )
+    return extend_unified_metadata_from_lists(
+        extend_lens, start, prefix_indptr, prefix_indices, out_cache_loc, extend_start_loc, max_extend_len=max_extend_len,
+        kv_capacity=kv_capacity, sliding_window=sliding_window, index_dtype=index_dtype, launch_mode=launch_mode)

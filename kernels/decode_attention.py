@@ -16,9 +16,14 @@ slot outside [0, NUM_SLOTS) reads the padding slot 0. NaN is not trusted away ei
 (stage 1) and denom == 0 (stage 2), so NaN in q, a visited K/V or the scale gives a NaN row (NaN LSE for NaN scores),
 while an empty split or row still gives 0 and LSE -inf.
 
-fp8 pools (HAS_KV_SCALES): K/V rows load as fp8 and convert to q's dtype (exact); KV_SCALES[0, kv_head] multiplies the
-scores (folded into the scale the scores are multiplied by anyway) and KV_SCALES[1, kv_head] the split's output. For
+fp8 pools (HAS_KV_SCALES): K/V rows load as fp8 and convert exactly to the dot dtype; KV_SCALES[0, kv_head] multiplies
+the scores (folded into the scale the scores are multiplied by anyway) and KV_SCALES[1, kv_head] the split's output. For
 16-bit pools HAS_KV_SCALES is False and the code is the same as without scales.
+F16_DOTS (the grouped kernel, fp8 pool with bf16 q): the dots run in f16, not bf16. e4m3 / e5m2 rows convert to f16 in
+one packed instruction per two elements, to bf16 in a second one per element (f16 -> bf16), and that conversion, not
+memory, bounded fp8 decode (H200: 50% of the fp8 floor). q is multiplied by SM_SCALE in f32 before its f16 rounding
+(10 mantissa bits, finer than bf16's 8), so f16's range holds |q * SM_SCALE| up to 65504; beyond it the score is inf.
+p (in [0, 1]) is rounded to f16 instead of bf16 for the p.v dot.
 """
 
 import triton
@@ -148,6 +153,7 @@ def decode_stage1_kernel(
     NUM_SLOTS: tl.constexpr,  # pool rows: slots outside [0, NUM_SLOTS) read slot 0
     KV_CAPACITY: tl.constexpr,  # length of KV_INDICES: KV_INDPTR is clamped into it
     HAS_KV_SCALES: tl.constexpr,  # fp8 pool: apply KV_SCALES
+    F16_DOTS: tl.constexpr,  # fp8 pool with bf16 q: q (pre-scaled), K, V and p as f16 in the dots (module docstring)
 ):
     tl.static_assert(BLOCK_H >= 16, "tl.dot needs at least 16 rows")
     tl.static_assert(BLOCK_N >= 16, "tl.dot needs at least 16 columns")
@@ -183,7 +189,13 @@ def decode_stage1_kernel(
     mask_dv = offs_dv < V_HEAD_DIM
 
     k_scale, v_scale = load_kv_scales(KV_SCALES, kv_head, KV_HEADS, HAS_KV_SCALES)
-    sm_scale = SM_SCALE * k_scale
+    if F16_DOTS:
+        q = (q.to(tl.float32) * SM_SCALE).to(tl.float16)
+        if BLOCK_DPE > 0:
+            q_pe = (q_pe.to(tl.float32) * SM_SCALE).to(tl.float16)
+        sm_scale = k_scale  # what the dots leave to scale
+    else:
+        sm_scale = SM_SCALE * k_scale
     post_scale = _logit_scale(SEQ_LENS, seq, sm_scale, LOGIT_CAP, XAI_TEMPERATURE_LEN, XAI_INV_LOG2_LEN)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, log2 domain

@@ -82,6 +82,25 @@ def test_decode_reads_fp8_pools(rng, mode, fmt, case, scales):
     np.testing.assert_array_equal(np.float32(o[2]), 0.0)  # the empty row
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("logit_cap", [0.0, 20.0])
+def test_decode_f16_dots_keep_large_scores(rng, mode, logit_cap):
+    """bf16 q over an fp8 pool runs the grouped kernel's dots in f16 with q pre-scaled (kernels/decode_attention.py):
+    scores of tens (q x 20), with and without a soft cap, still match the reference on the same pool."""
+    q_heads, kv_heads, dim = 8, 2, 128
+    q, k_pool, v_pool, kv_indptr, kv_indices = make_pools(rng, [5, 300, 77], q_heads, kv_heads, dim, dim, jnp.bfloat16)
+    q = (q.astype(jnp.float32) * 20).astype(jnp.bfloat16)
+    k8, v8 = quantised(k_pool, 0.5, jnp.float8_e4m3fn), quantised(v_pool, 2.0, jnp.float8_e4m3fn)
+    meta = decode_metadata_from_indptr(kv_indptr, kv_indices, q_heads=q_heads, kv_heads=kv_heads, max_kv_splits=4,
+                                       min_split_len=32, programs_per_sm=10**6)
+    kwargs = dict(k_scale=0.5, v_scale=2.0, logit_cap=logit_cap, return_lse=True)
+    o, lse = decode_attention(q, k8, v8, meta, mode=mode, **kwargs)
+    ref_o, ref_lse = decode_attention_reference(q, _clean(k8), _clean(v8), meta, **kwargs)
+    assert np.abs(np.float32(ref_lse)).max() > 10  # the scores are large: the test is not about near-uniform softmax
+    np.testing.assert_allclose(np.float32(o), np.float32(ref_o), **testing.tolerance(jnp.bfloat16))
+    np.testing.assert_allclose(lse, ref_lse, atol=2e-2, rtol=2e-3)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantisation_error_is_within_the_format_tolerance(rng, fmt):
     q_heads, kv_heads, dim = 8, 2, 128

@@ -34,12 +34,13 @@ def declines(call: DecodeCall) -> str | None:
 
 def stage1_constexprs(*, q_heads, kv_heads, qk_head_dim, v_head_dim, config, sm_scale, logit_cap, xai_temperature_len,
                       sliding_window, max_kv_splits, v_in_k, v_from_k, dot_precision, num_slots, kv_capacity,
-                      has_kv_scales=False):
+                      has_kv_scales=False, f16_dots=False):
     """Stage 1's constexprs (shared by `run` and `kernel_builds`, so the AOT check compiles what runs).
 
     v_in_k: V's buffer is the K pool (its first v_head_dim dims); v_from_k: the kernel also reuses the loaded K tile.
     num_slots, kv_capacity: the pool's and kv_indices' lengths, which every slot and CSR offset is clamped into.
     has_kv_scales: the call carries K/V scales (fp8 pools).
+    f16_dots: fp8 pool with bf16 q: the grouped kernel's dots run in f16 (see `uses_f16_dots`).
     """
     block_d, block_dpe = rope_split(qk_head_dim)
     group = q_heads // kv_heads
@@ -69,7 +70,8 @@ def stage1_constexprs(*, q_heads, kv_heads, qk_head_dim, v_head_dim, config, sm_
         HAS_KV_SCALES=bool(has_kv_scales),
     )
     if config.block_h != 1:  # the grouped kernel's extra constexprs (the vector kernel has none)
-        constexprs.update(V_FROM_K=v_from_k, BLOCK_H=config.block_h, DOT_PRECISION=dot_precision)
+        constexprs.update(V_FROM_K=v_from_k, BLOCK_H=config.block_h, DOT_PRECISION=dot_precision,
+                          F16_DOTS=bool(f16_dots))
     return constexprs
 
 
@@ -82,6 +84,13 @@ def stage2_constexprs(*, q_heads, v_head_dim, sliding_window, has_sink, max_kv_s
 
 def stage1_kernel(config: DecodeConfig) -> str:
     return "decode_stage1_vector_kernel" if config.block_h == 1 else "decode_stage1_kernel"
+
+
+def uses_f16_dots(q_dtype, has_kv_scales: bool) -> bool:
+    """fp8 pool with bf16 q: the grouped kernel converts K/V rows to f16 (one packed conversion per two elements)
+    instead of bf16 (a second conversion per element, which bounded fp8 decode); kernels/decode_attention.py says why
+    this keeps the numerics."""
+    return bool(has_kv_scales) and jnp.dtype(q_dtype) == jnp.bfloat16
 
 
 def reads_v_from_k(qk_head_dim: int, v_head_dim: int) -> bool:
@@ -104,6 +113,7 @@ def run(call: DecodeCall):
         max_kv_splits=max_splits, v_in_k=v_in_k, v_from_k=v_in_k and reads_v_from_k(qk_dim, v_dim),
         dot_precision="ieee" if (mode == "interpret" or q.dtype == jnp.float32) else "tf32",
         num_slots=k_pool.shape[0], kv_capacity=meta.kv_indices.shape[0], has_kv_scales=call.kv_scales is not None,
+        f16_dots=uses_f16_dots(q.dtype, call.kv_scales is not None),
     )
     kv_scales = jnp.ones((2, kv_heads), jnp.float32) if call.kv_scales is None else call.kv_scales
     head_programs = q_heads if config.block_h == 1 else kv_heads * -(-group // config.block_h)
@@ -217,7 +227,8 @@ def kernel_builds():
                     q_heads=64 if qk_dim == 128 else 16, kv_heads=8 if qk_dim == 128 else 1, qk_head_dim=qk_dim,
                     v_head_dim=v_dim, config=config, sm_scale=1.0 / math.sqrt(qk_dim), logit_cap=0.0,
                     xai_temperature_len=-1, sliding_window=-1, max_kv_splits=_BUILD_MAX_SPLITS, v_in_k=v_from_k,
-                    v_from_k=v_from_k, dot_precision="tf32", has_kv_scales=True, **_BUILD_BOUNDS)
+                    v_from_k=v_from_k, dot_precision="tf32", has_kv_scales=True,
+                    f16_dots=uses_f16_dots({"bf16": jnp.bfloat16, "fp16": jnp.float16}[dtype], True), **_BUILD_BOUNDS)
                 builds.append(build(
                     "decode_attention", stage1_kernel(config), stage1_signature(dtype, pool_dtype), constexprs,
                     num_warps=config.num_warps, num_stages=config.num_stages, expects_wgmma=False,

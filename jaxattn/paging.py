@@ -35,8 +35,8 @@ Cost: the lists are built by a jnp gather per listed key (a searchsorted over th
 and one multiply-add per entry of kv_capacity), not by the Triton index kernel and not through a per-token table, so
 the extra work is O(kv_capacity) per step and nothing of size max_reqs x max_context is built (only
 `req_to_token_from_pages` builds that). The kernels still read one slot per key: page-granular kernel addressing
-(one index per page, `page * page_size + offset` inside the kernel, lists page_size times shorter) is the next step,
-along with pages in the serving allocator and FlashInfer's page_size.
+(one index per page, `page * page_size + offset` inside the kernel, lists page_size times shorter) is the next step
+(the serving allocator takes pages, and FlashInferBackend plans FlashInfer's own page_size from a PageTable).
 """
 
 from __future__ import annotations

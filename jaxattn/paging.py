@@ -17,6 +17,7 @@ id makes anything read, or write, outside the pool. Valid pages never overflow i
 (`RequestTable.page_table()` builds it). Its `req_to_token()` is the equivalent page-1 table.
 
 Functions (pure, jit-friendly, no host sync; sizes are static Python ints):
+  * `page_in_pool(page_ids, page_size, *, num_slots)`: which page ids are real pages (the check above).
   * `token_slots(req_to_page, req_pool_indices, positions, page_size, *, num_slots)`: the slot of each position.
   * `req_to_token_from_pages(req_to_page, page_size, max_context_len=None, *, num_slots)`: the equivalent page-1
     table (max_reqs x max_context_len entries: for tests, interop, or callers that want the page-1 builders).
@@ -34,8 +35,8 @@ Cost: the lists are built by a jnp gather per listed key (a searchsorted over th
 and one multiply-add per entry of kv_capacity), not by the Triton index kernel and not through a per-token table, so
 the extra work is O(kv_capacity) per step and nothing of size max_reqs x max_context is built (only
 `req_to_token_from_pages` builds that). The kernels still read one slot per key: page-granular kernel addressing
-(one index per page, `page * page_size + offset` inside the kernel, lists page_size times shorter) is the next step,
-along with pages in the serving allocator and FlashInfer's page_size.
+(one index per page, `page * page_size + offset` inside the kernel, lists page_size times shorter) is the next step
+(the serving allocator takes pages, and FlashInferBackend plans FlashInfer's own page_size from a PageTable).
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ __all__ = [
     "extend_metadata_from_pages",
     "extend_unified_metadata_from_pages",
     "out_cache_loc_from_pages",
+    "page_in_pool",
     "req_to_token_from_pages",
     "token_slots",
 ]
@@ -114,6 +116,13 @@ class PageTable:
         return dict(page_size=self.page_size, num_slots=self.num_slots)
 
 
+def page_in_pool(page_ids, page_size: int, *, num_slots: int):
+    """bool[...]: the page ids that address a real page of the pool, 1 <= id < num_slots // page_size (numpy or jax
+    arrays). Any other id reads as the padding page 0: the one rule of which table entries are pages (the slot
+    gathers here, FlashInfer's page lists)."""
+    return (page_ids > 0) & (page_ids < num_slots // page_size)
+
+
 def _slots(req_to_page, rows, positions, page_size, num_slots):
     """The page rule (arguments already checked): slot of (row, position), 0 where anything is out of range."""
     rows, positions = jnp.broadcast_arrays(jnp.asarray(rows).astype(jnp.int32), jnp.asarray(positions).astype(jnp.int32))
@@ -123,7 +132,7 @@ def _slots(req_to_page, rows, positions, page_size, num_slots):
     column = positions // page_size  # floor: a negative position gives a negative column
     ok = (rows >= 0) & (rows < max_reqs) & (positions >= 0) & (column < max_pages)
     page = req_to_page[jnp.clip(rows, 0, max_reqs - 1), jnp.clip(column, 0, max_pages - 1)].astype(jnp.int32)
-    ok = ok & (page > 0) & (page < num_slots // page_size)
+    ok = ok & page_in_pool(page, page_size, num_slots=num_slots)
     return jnp.where(ok, page * page_size + positions % page_size, 0).astype(jnp.int32)
 
 

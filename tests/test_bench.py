@@ -129,3 +129,64 @@ def test_fp8_cases_read_the_pool_with_its_scales(one_call):
     np.testing.assert_allclose(one_call[2], one_call[3], atol=1e-4, rtol=1e-4)
     inp = bench.make_inputs(extend)
     assert str(inp.k_pool.dtype) == "float8_e4m3fn" and inp.k_scale == 0.5
+
+
+@pytest.mark.parametrize("page_size", [8, 16])
+@pytest.mark.parametrize("case", TINY, ids=lambda c: c.name)
+def test_paged_inputs_scatter_whole_pages_and_keep_each_tokens_kv(case, page_size):
+    from jaxattn.backends.flashinfer import paged_kv_lists
+
+    flat, paged = bench.make_inputs(case), bench.make_inputs(bench.paged_case(case, page_size))
+    assert paged.case.name == f"{case.name}-P{page_size}" and paged.case.floor_ms() == case.floor_ms()
+    pages, slots = np.asarray(paged.req_to_page), np.asarray(paged.req_to_token)
+    length = case.prefix + case.new
+    assert pages.shape == (case.batch, -(-length // page_size)) and paged.k_pool.shape[0] == (pages.size + 1) * page_size
+    # Pages 1.. each once (page 0 is padding), in random order; token pos at page * P + pos % P (contiguous in a page).
+    assert sorted(pages.reshape(-1)) == list(range(1, pages.size + 1)) and not np.all(np.diff(pages.reshape(-1)) > 0)
+    pos = np.arange(length)
+    np.testing.assert_array_equal(slots, pages[:, pos // page_size] * page_size + pos % page_size)
+    # The same tokens as page 1, each with its page-1 K/V; the lists count the same keys.
+    for name in ("qo_indptr", "kv_indptr", "prefix_indptr", "seq_lens", "prefix_lens"):
+        np.testing.assert_array_equal(getattr(paged, name), getattr(flat, name))
+    np.testing.assert_array_equal(paged.kv_indices, slots.reshape(-1))
+    for pool in ("k_pool", "v_pool"):
+        np.testing.assert_array_equal(np.asarray(getattr(paged, pool), np.float32)[slots],
+                                      np.asarray(getattr(flat, pool), np.float32)[np.asarray(flat.req_to_token)])
+    np.testing.assert_array_equal(np.asarray(paged.k_new, np.float32), np.asarray(flat.k_new, np.float32))
+    # FlashInfer's plan lists (what its bench rows plan): the page ids, expanded, are the token lists.
+    indptr, page_ids, last = paged_kv_lists(pages, np.arange(case.batch), np.zeros(case.batch, int), np.asarray(paged.seq_lens),
+                                            page_size)
+    np.testing.assert_array_equal(page_ids, pages.reshape(-1))
+    np.testing.assert_array_equal(last, [length - (pages.shape[1] - 1) * page_size] * case.batch)
+    expanded = (page_ids[:, None] * page_size + np.arange(page_size)).reshape(case.batch, -1)[:, :length]
+    np.testing.assert_array_equal(expanded.reshape(-1), np.asarray(paged.kv_indices))
+
+
+@pytest.mark.parametrize("case", TINY, ids=lambda c: c.name)
+def test_paged_cases_compute_the_page_one_attention(one_call, case):
+    rows = bench.run(case.op, [case], backends=["jaxattn", "reference"], log=lambda _: None, progress=False,
+                     page_sizes=(1, 8, 16))
+    names = [case.name, f"{case.name}-P8", f"{case.name}-P16"]
+    assert [(r["case"], r["backend"]) for r in rows] == [(n, b) for n in names for b in ("jaxattn", "reference")]
+    assert len({r["floor_ms"] for r in rows}) == 1
+    jaxattn_out, reference_out = one_call[0::2], one_call[1::2]
+    for got in reference_out[1:]:
+        np.testing.assert_array_equal(got, reference_out[0])
+    for got in jaxattn_out:
+        np.testing.assert_allclose(got, reference_out[0], atol=2e-2, rtol=2e-2)
+    assert "| jaxattn | 1.000 ms" in bench.markdown_table(rows) and f"{case.name}-P16 (floor" in bench.markdown_table(rows)
+
+
+def test_page_sizes_and_paged_case_names_on_the_command_line(monkeypatch):
+    ran = []
+    monkeypatch.setattr(cli, "run", lambda op, cases, *a, **k: ran.append((cases, k["page_sizes"])) or [])
+    monkeypatch.setattr(cli, "commit", lambda: "abc1234")
+    assert bench.main(["decode", "--cases", "D1", "--no-progress"]) == 0
+    assert bench.main(["decode", "--cases", "D1,D2", "--page-sizes", "1,16,64", "--no-progress"]) == 0
+    assert ran == [(["D1"], (1,)), (["D1", "D2"], (1, 16, 64))]
+    with pytest.raises(SystemExit, match="--page-sizes must be comma-separated page sizes of"):
+        bench.main(["decode", "--page-sizes", "1,12", "--no-progress"])
+    assert bench.case_named("D1-P16") == bench.paged_case(bench.CASES["D1"], 16)
+    assert bench.case_named("E1-W1024-CAP50") is bench.CASES["E1-W1024-CAP50"] and bench.case_named("D9-P16") is None
+    with pytest.raises(ValueError, match="page_size must be one of"):
+        bench.paged_case(bench.CASES["D1"], 12)

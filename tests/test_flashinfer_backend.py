@@ -9,7 +9,7 @@ import pytest
 
 from jaxattn.backends import AttentionLayer, ReferenceBackend
 from jaxattn.batch import ForwardBatch, ForwardMode
-from jaxattn.flashinfer_backend import plan_arguments, should_use_tensor_cores
+from jaxattn.flashinfer_backend import plan_arguments, should_use_tensor_cores, token_valid
 from tests.helpers import HAS_GPU
 
 
@@ -158,22 +158,199 @@ def test_plan_dtypes_name_what_flashinfer_takes_and_refuse_float32():
         plan_dtype_names(jnp.bfloat16, jnp.float32)  # once read as fp8
 
 
-def test_a_page_table_plans_as_its_page_one_table():
+# ---------------------------------------------------------------------------------------------
+# Pages: a PageTable is planned with FlashInfer's own page_size (page ids, last-page lengths).
+
+PAGED_CASES = {  # lengths end mid-page, on a page boundary (16, 64), at 1, and a padding row (0)
+    "decode": dict(mode=ForwardMode.DECODE, seq_lens=[70, 0, 64, 7, 16], extend_lens=[1, 0, 1, 1, 1]),
+    "extend": dict(mode=ForwardMode.EXTEND, seq_lens=[70, 9, 1, 32], extend_lens=[11, 9, 1, 16]),
+    "window": dict(mode=ForwardMode.EXTEND, seq_lens=[70, 9, 30, 64], extend_lens=[11, 9, 5, 3], window=6),
+    "window-decode": dict(mode=ForwardMode.DECODE, seq_lens=[70, 9, 30, 0, 17], extend_lens=[1, 1, 1, 0, 1], window=6),
+}
+PAGED_CONTEXT = 128  # every page size's rows hold 128 positions
+
+
+def paged_batch(rng, mode, seq_lens, extend_lens, page_size, encoder_lens=None, custom_mask=None):
+    """A batch over a page table whose rows take pages of the pool at random (page 0 never), with the new tokens' slots
+    in out_cache_loc. Returns (batch, PageTable)."""
+    from jaxattn.paging import PageTable, out_cache_loc_from_pages, token_slots
+
+    max_reqs, max_pages = 6, PAGED_CONTEXT // page_size
+    num_slots = (max_reqs * max_pages + 1) * page_size
+    req_to_page = jnp.asarray((rng.permutation(max_reqs * max_pages) + 1).reshape(max_reqs, max_pages), jnp.int32)
+    table = PageTable(req_to_page, page_size=page_size, num_slots=num_slots)
+    rows = jnp.asarray(rng.choice(max_reqs, len(seq_lens), replace=False), jnp.int32)
+    seq_lens, extend_lens = jnp.asarray(seq_lens, jnp.int32), jnp.asarray(extend_lens, jnp.int32)
+    if mode == ForwardMode.DECODE:  # token b is sequence b; padding rows (seq_len 0) get slot 0
+        out_cache_loc = token_slots(req_to_page, rows, seq_lens - 1, page_size, num_slots=num_slots)
+    else:
+        out_cache_loc = out_cache_loc_from_pages(req_to_page, rows, seq_lens - extend_lens, extend_lens, page_size=page_size,
+                                                 num_slots=num_slots, num_tokens=int(extend_lens.sum()))
+    batch = ForwardBatch(
+        req_pool_indices=rows, seq_lens=seq_lens, extend_lens=extend_lens, out_cache_loc=out_cache_loc,
+        positions=jnp.zeros(out_cache_loc.shape, jnp.int32), mode=mode, max_extend_len=16, kv_capacity=512,
+        max_seq_len=PAGED_CONTEXT, custom_mask=custom_mask,
+        encoder_lens=None if encoder_lens is None else jnp.asarray(encoder_lens, jnp.int32),
+    )
+    return batch, table
+
+
+def listed_slots(args, page_size, b):
+    """Sequence b's keys as pool slots: its pages expanded (page p is slots p * P .. p * P + P - 1), the last page cut
+    at kv_last_page_len."""
+    pages = args["kv_indices"][args["kv_indptr"][b] : args["kv_indptr"][b + 1]]
+    slots = (pages[:, None] * page_size + np.arange(page_size)).reshape(-1)
+    return slots[: len(slots) - page_size + args["kv_last_page_len"][b]]
+
+
+@pytest.mark.parametrize("page_size", [1, 8, 16, 64])
+@pytest.mark.parametrize("name", list(PAGED_CASES))
+def test_a_page_table_plans_pages_that_expand_to_its_page_one_lists(rng, name, page_size):
+    case = dict(PAGED_CASES[name])
+    window = case.pop("window", -1)
+    batch, table = paged_batch(rng, page_size=page_size, **case)
+    paged = plan_arguments(batch, table, sliding_window=window)
+    flat = plan_arguments(batch, table.req_to_token(), sliding_window=window)  # page size 1 over the same slots
+    assert paged.keys() == flat.keys()
+    if "qo_indptr" in flat:
+        np.testing.assert_array_equal(paged["qo_indptr"], flat["qo_indptr"])
+    assert np.all((paged["kv_last_page_len"] >= 1) & (paged["kv_last_page_len"] <= page_size))
+    for b, seq_len in enumerate(case["seq_lens"]):
+        keys, want = listed_slots(paged, page_size, b), listed_slots(flat, 1, b)
+        if seq_len == 0:  # a padding row lists the padding page once, one key
+            np.testing.assert_array_equal(paged["kv_indices"][paged["kv_indptr"][b] : paged["kv_indptr"][b + 1]], [0])
+            np.testing.assert_array_equal(keys, [0])
+            continue
+        # The same keys, but a list starts on a page's first slot: under a window up to P - 1 keys before the
+        # window's first key come too (window_left masks them); without one, none.
+        extra = len(keys) - len(want)
+        assert 0 <= extra < page_size and (window >= 0 or extra == 0)
+        np.testing.assert_array_equal(keys[extra:], want)
+        assert paged["kv_indptr"][b + 1] - paged["kv_indptr"][b] == -(-len(keys) // page_size)
+    if page_size == 1:  # page size 1 is exactly the req_to_token plan
+        for key in flat:
+            np.testing.assert_array_equal(paged[key], flat[key])
+
+
+def test_paged_plans_of_ends_on_and_off_a_page_boundary(rng):
+    batch, table = paged_batch(rng, ForwardMode.DECODE, [16, 17, 15, 0], [1, 1, 1, 0], page_size=16)
+    args = plan_arguments(batch, table)
+    np.testing.assert_array_equal(args["kv_indptr"], [0, 1, 3, 4, 5])
+    np.testing.assert_array_equal(args["kv_last_page_len"], [16, 1, 15, 1])
+    pages = np.asarray(table.req_to_page)[np.asarray(batch.req_pool_indices)]
+    np.testing.assert_array_equal(args["kv_indices"], [pages[0, 0], pages[1, 0], pages[1, 1], pages[2, 0], 0])
+    # A window of 20 over 40 keys in decode: keys 19..39 are seen, so page 0 (keys 0..15) is dropped and page 1
+    # (16..31) listed from its start: 3 keys before the window, masked by window_left.
+    batch, table = paged_batch(rng, ForwardMode.DECODE, [40], [1], page_size=16)
+    args = plan_arguments(batch, table, sliding_window=20)
+    pages = np.asarray(table.req_to_page)[np.asarray(batch.req_pool_indices)[0]]
+    np.testing.assert_array_equal(args["kv_indices"], pages[1:3])
+    np.testing.assert_array_equal(args["kv_last_page_len"], [8])
+
+
+def test_paged_plans_cross_attention_and_refuse_a_decoder_starting_mid_page(rng):
+    batch, table = paged_batch(rng, ForwardMode.EXTEND, [20, 9], [4, 3], page_size=16, encoder_lens=[16, 32])
+    rows = np.asarray(batch.req_pool_indices)
+    pages = np.asarray(table.req_to_page)[rows]
+    cross = plan_arguments(batch, table, cross_attention=True)  # the encoder's tokens: 1 and 2 whole pages
+    np.testing.assert_array_equal(cross["kv_indptr"], [0, 1, 3])
+    np.testing.assert_array_equal(cross["kv_indices"], [pages[0, 0], pages[1, 0], pages[1, 1]])
+    np.testing.assert_array_equal(cross["kv_last_page_len"], [16, 16])
+    own = plan_arguments(batch, table)  # the decoder's tokens start on a page boundary after the encoder's
+    np.testing.assert_array_equal(own["kv_indices"], [pages[0, 1], pages[0, 2], pages[1, 2]])
+    np.testing.assert_array_equal(own["kv_last_page_len"], [4, 9])
+    batch, table = paged_batch(rng, ForwardMode.EXTEND, [20, 9], [4, 3], page_size=16, encoder_lens=[16, 5])
+    with pytest.raises(NotImplementedError, match=r"encoder_lens \[5\] are not multiples of page_size"):
+        plan_arguments(batch, table)
+    plan_arguments(batch, table, sliding_window=2)  # the window hides the encoder keys on row 1's first page
+
+
+def test_paged_plans_read_page_ids_outside_the_pool_as_the_padding_page():
     from jaxattn.paging import PageTable
 
-    page_size, num_slots = 8, 8 * 12
-    req_to_page = jnp.asarray([[3, 5, 0], [0, 0, 0], [7, 2, 9]], jnp.int32)
-    table = PageTable(req_to_page, page_size=page_size, num_slots=num_slots)
+    table = PageTable(jnp.asarray([[3, 99, -4, 5]], jnp.int32), page_size=8, num_slots=8 * 12)
     batch = ForwardBatch(
-        req_pool_indices=jnp.asarray([2, 0], jnp.int32), seq_lens=jnp.asarray([19, 11], jnp.int32),
-        extend_lens=jnp.asarray([1, 1], jnp.int32), out_cache_loc=jnp.zeros(2, jnp.int32), positions=jnp.zeros(2, jnp.int32),
-        mode=ForwardMode.DECODE, max_extend_len=1, kv_capacity=64, max_seq_len=24,
+        req_pool_indices=jnp.asarray([0], jnp.int32), seq_lens=jnp.asarray([30], jnp.int32),
+        extend_lens=jnp.asarray([1], jnp.int32), out_cache_loc=jnp.zeros(1, jnp.int32), positions=jnp.zeros(1, jnp.int32),
+        mode=ForwardMode.DECODE, max_extend_len=1, kv_capacity=64, max_seq_len=32,
     )
-    paged = plan_arguments(batch, table)
-    flat = plan_arguments(batch, table.req_to_token())
-    assert paged.keys() == flat.keys()
-    for key in paged:
-        np.testing.assert_array_equal(paged[key], flat[key])
-    # Row 2's first 19 keys: page 7's 8 slots, page 2's 8, then 3 of page 9's.
-    want = np.concatenate([np.arange(56, 64), np.arange(16, 24), np.arange(72, 75)])
-    np.testing.assert_array_equal(paged["kv_indices"][:19], want)
+    args = plan_arguments(batch, table)
+    np.testing.assert_array_equal(args["kv_indices"], [3, 0, 0, 5])
+    np.testing.assert_array_equal(args["kv_last_page_len"], [6])
+
+
+def flashinfer_semantics(q, k_pool, v_pool, args, page_size, *, window, causal, scale):
+    """FlashInfer's paged attention as documented, in numpy float64: sequence b's keys are its listed slots
+    (`listed_slots`); query i of its qo_len sits at position kv_len - qo_len + i and sees the keys at positions <= its
+    own (causal) with position distance <= window_left (when >= 0). Returns f64[T, q_heads, Dv]."""
+    q, k_pool, v_pool = (np.asarray(x, np.float64) for x in (q, k_pool, v_pool))
+    batch = len(args["kv_last_page_len"])
+    qo_indptr = args.get("qo_indptr", np.arange(batch + 1))
+    group = q.shape[1] // k_pool.shape[1]
+    out = np.zeros(q.shape[:2] + v_pool.shape[2:])
+    for b in range(batch):
+        slots = listed_slots(args, page_size, b)
+        k, v = np.repeat(k_pool[slots], group, axis=1), np.repeat(v_pool[slots], group, axis=1)  # [kv_len, Hq, D]
+        qo_len, kv_len = qo_indptr[b + 1] - qo_indptr[b], len(slots)
+        for i in range(qo_len):
+            q_pos, k_pos = kv_len - qo_len + i, np.arange(kv_len)
+            seen = (k_pos <= q_pos) if causal else np.ones(kv_len, bool)
+            if window >= 0:
+                seen &= q_pos - k_pos <= window
+            scores = np.einsum("hd,khd->hk", q[qo_indptr[b] + i], k[seen]) * scale
+            weights = np.exp(scores - scores.max(axis=1, keepdims=True))
+            out[qo_indptr[b] + i] = np.einsum("hk,khd->hd", weights / weights.sum(axis=1, keepdims=True), v[seen])
+    return out
+
+
+@pytest.mark.parametrize("page_size", [1, 8, 16])
+@pytest.mark.parametrize("name", list(PAGED_CASES))
+def test_paged_plans_give_the_reference_attention_under_flashinfers_semantics(rng, name, page_size):
+    # The plan, read the way FlashInfer reads it (pages, last-page lengths, window_left by position), attends like
+    # ReferenceBackend on the same page table. Pool rows that no real token owns are NaN, so a key listed past a
+    # sequence's end shows.
+    from jaxattn.paging import token_slots
+
+    case = dict(PAGED_CASES[name])
+    window = case.pop("window", -1)
+    batch, table = paged_batch(rng, page_size=page_size, **case)
+    hq, hkv, d = 4, 2, 16
+    layer = AttentionLayer(0, hq, hkv, d, sliding_window=window)
+    owned = np.zeros(table.num_slots, bool)
+    for row, seq_len in zip(np.asarray(batch.req_pool_indices), case["seq_lens"]):
+        positions = jnp.arange(seq_len, dtype=jnp.int32)
+        owned[np.asarray(token_slots(table.req_to_page, jnp.full_like(positions, row), positions, page_size,
+                                     num_slots=table.num_slots))] = True
+    pools = [np.where(owned[:, None, None], rng.standard_normal((table.num_slots, hkv, d)), np.nan) for _ in range(2)]
+    k_pool, v_pool = (jnp.asarray(x, jnp.float32) for x in pools)
+    q = jnp.asarray(rng.standard_normal((batch.num_tokens, hq, d)), jnp.float32)
+    ref = ReferenceBackend()
+    want, _, _ = ref.forward(q, None, None, k_pool, v_pool, layer, ref.init_forward_metadata(batch, table))
+    args = plan_arguments(batch, table, sliding_window=window)
+    got = flashinfer_semantics(q, k_pool, v_pool, args, page_size, window=window, causal=True, scale=layer.scale)
+    valid = token_valid(batch)
+    np.testing.assert_allclose(got[valid], np.asarray(want, np.float64)[valid], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and flashinfer")
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("name", list(PAGED_CASES))
+def test_flashinfer_backend_with_pages_agrees_with_reference_backend(rng, name, page_size):
+    from jaxattn.flashinfer_backend import FlashInferBackend
+
+    case = dict(PAGED_CASES[name])
+    window = case.pop("window", -1)
+    batch, table = paged_batch(rng, page_size=page_size, **case)
+    hq, hkv, d = 8, 2, 128
+    layer = AttentionLayer(0, hq, hkv, d, sliding_window=window)
+    k_pool, v_pool = (jnp.asarray(rng.standard_normal((table.num_slots, hkv, d)), jnp.bfloat16) for _ in range(2))
+    t = batch.num_tokens
+    q, k, v = (jnp.asarray(rng.standard_normal((t, h, d)), jnp.bfloat16) for h in (hq, hkv, hkv))
+    ref = ReferenceBackend()
+    want, _, _ = jax.jit(lambda *a: ref.forward(*a, layer, ref.init_forward_metadata(batch, table)))(q, k, v, k_pool, v_pool)
+    fib = FlashInferBackend()
+    meta = fib.plan(batch, table, [layer])
+    assert meta.page_size == page_size
+    got, _, _ = jax.jit(lambda q, k, v, kb, vb, m: fib.forward(q, k, v, kb, vb, layer, m))(q, k, v, k_pool, v_pool, meta)
+    np.testing.assert_allclose(np.float32(got), np.float32(want), atol=2e-2, rtol=2e-2)

@@ -10,8 +10,10 @@ wrappers, so a step jitted once keeps serving new plans. `forward` writes K/V wi
 the wrapper's `run()` through `jax.experimental.buffer_callback`, on XLA's stream, on DLPack views of JAX's
 own buffers (no copies). LSEs from FlashInfer are base 2; jaxattn's are natural log: converted at the boundary.
 
-Page size 1: the pool `[slots, kv_heads, head_dim]` is passed as `[slots, 1, kv_heads, head_dim]` (a view)
-with every `last_page_len` 1. torch and flashinfer are imported only when this backend is used.
+Pages: the pool `[slots, kv_heads, head_dim]` is passed as `[slots // P, P, kv_heads, head_dim]` (a view,
+`paged_pool_view`): page size 1 for a req_to_token table (every `last_page_len` 1), a `jaxattn.paging.PageTable`'s
+page_size P otherwise (page ids, FlashInfer's own paging). torch and flashinfer are imported only when this backend
+is used.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import numpy as np
 
 from jaxattn.backends.layer import AttentionLayer, split_heads
 from jaxattn.metadata import window_first_key
-from jaxattn.paging import PageTable
+from jaxattn.paging import PageTable, page_in_pool
 from jaxattn.serving.batch import ForwardBatch, ForwardMode
 from jaxattn.serving.kv_pool import is_fp8, write_kv
 
@@ -76,24 +78,69 @@ def plan_dtype_names(q_dtype, kv_dtype) -> tuple[str, str]:
 # Plan arguments (host, numpy): testable without a GPU.
 
 
+def plan_page_size(req_to_token) -> int:
+    """FlashInfer's page_size for a table: a `jaxattn.paging.PageTable`'s page_size, 1 for a req_to_token table."""
+    return req_to_token.page_size if isinstance(req_to_token, PageTable) else 1
+
+
+def paged_kv_lists(table, rows, kv_starts, kv_lens, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """FlashInfer's paged-KV lists of each sequence's token range (numpy, host).
+
+    Sequence b lists positions kv_starts[b] .. kv_starts[b] + kv_lens[b] - 1 of request row rows[b], from the first
+    slot of the page holding kv_starts[b]: FlashInfer's first key of a sequence is a page's first slot, so up to
+    page_size - 1 earlier keys are listed too (the caller makes sure they are masked).
+
+    Args:
+      table: i32[max_reqs, max_pages]: page ids of every request row (page size 1: req_to_token's slots).
+      rows, kv_starts, kv_lens: i32[B] (kv_lens >= 1).
+      page_size: tokens per page.
+
+    Returns:
+      (kv_indptr i32[B + 1] over pages, kv_indices i32[kv_indptr[-1]]: page ids, kv_last_page_len i32[B]: tokens on
+      each sequence's last page, 1..page_size, FlashInfer's convention).
+    """
+    table, rows = np.asarray(table), np.asarray(rows)
+    first_page = np.asarray(kv_starts) // page_size
+    listed = np.asarray(kv_starts) + np.asarray(kv_lens) - first_page * page_size  # keys from the first page's start
+    num_pages = -(-listed // page_size)
+    if np.any(first_page + num_pages > table.shape[1]):
+        raise ValueError(f"a sequence's keys run past the table's {table.shape[1]} columns (page_size {page_size})")
+    kv_indices = np.concatenate(
+        [table[r, f : f + n] for r, f, n in zip(rows, first_page, num_pages)] + [np.zeros(0, np.int32)]
+    ).astype(np.int32)
+    kv_indptr = np.concatenate([[0], np.cumsum(num_pages)]).astype(np.int32)
+    return kv_indptr, kv_indices, (listed - (num_pages - 1) * page_size).astype(np.int32)
+
+
 def plan_arguments(batch: ForwardBatch, req_to_token, *, sliding_window: int = -1, cross_attention: bool = False) -> dict:
     """FlashInfer's plan inputs for one wrapper, as numpy arrays (host sync on the batch's arrays).
 
     Keys: qo_indptr (extend-like modes), kv_indptr, kv_indices, kv_last_page_len, and for TARGET_VERIFY
     custom_mask (bool, flat per request [q_len, kv_len]). With a sliding window the kv list keeps the last
     min(seq_len, W + q_len) keys (decode: W + 1), like SGLang's window wrapper; with cross attention it is the
-    encoder's tokens; a decoder with encoder tokens lists its own tokens after them. A `jaxattn.paging.PageTable`
-    is planned as its page-1 table (`PageTable.req_to_token()`: FlashInfer's page size 1 over the same slots).
+    encoder's tokens; a decoder with encoder tokens lists its own tokens after them.
+
+    Pages: a req_to_token table is planned with page size 1 (one slot per key, every last_page_len 1). A
+    `jaxattn.paging.PageTable` is planned with its page_size P (`plan_page_size`): kv_indices are page ids (ids
+    outside the pool read as the padding page 0, `jaxattn.paging.page_in_pool`), kv_indptr counts pages and
+    kv_last_page_len the keys on each last page (1..P). A list starts on a page boundary: under a window the whole
+    pages before the window's first key are dropped and FlashInfer's window_left (it masks by position, counted
+    from the list's end, so distances are kept) hides the rest; a decoder whose first token is mid-page (encoder_lens
+    not a multiple of P) with no window to hide the encoder keys on that page is refused.
     """
+    page_size = plan_page_size(req_to_token)
     if isinstance(req_to_token, PageTable):
-        req_to_token = req_to_token.req_to_token()
-    req_to_token = np.asarray(req_to_token)
+        pages = np.asarray(req_to_token.req_to_page)
+        table = np.where(page_in_pool(pages, page_size, num_slots=req_to_token.num_slots), pages, 0)
+    else:
+        table = np.asarray(req_to_token)
     rows = np.asarray(batch.req_pool_indices)
     seq_lens = np.asarray(batch.seq_lens)
     extend_lens = np.asarray(batch.extend_lens)
     encoder = None if batch.encoder_lens is None else np.asarray(batch.encoder_lens)
     decode = batch.mode == ForwardMode.DECODE
     q_lens = np.ones_like(seq_lens) if decode else extend_lens
+    dropped = np.zeros_like(seq_lens)  # keys before the window's first key (none without a window)
     if cross_attention:
         if encoder is None:
             raise ValueError("cross attention needs batch.encoder_lens")
@@ -110,15 +157,15 @@ def plan_arguments(batch: ForwardBatch, req_to_token, *, sliding_window: int = -
     padding = seq_lens <= 0
     kv_lens = np.where(padding, 1, kv_lens)
     kv_starts = np.where(padding, 0, kv_starts)
-    kv_indices = np.concatenate(
-        [np.zeros(1, np.int32) if pad else req_to_token[r, s : s + n] for r, s, n, pad in zip(rows, kv_starts, kv_lens, padding)]
-        + [np.zeros(0, np.int32)]
-    ).astype(np.int32)
-    args = dict(
-        kv_indptr=np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32),
-        kv_indices=kv_indices,
-        kv_last_page_len=np.ones(len(rows), np.int32),
-    )
+    seen_mid_page = (kv_starts % page_size != 0) & (dropped == 0) & ~padding
+    if np.any(seen_mid_page):
+        raise NotImplementedError(
+            f"FlashInferBackend with page_size {page_size}: batch.encoder_lens {encoder[seen_mid_page].tolist()} are "
+            "not multiples of page_size, so the decoder's first page would show it the encoder's last keys (FlashInfer "
+            "lists whole pages); use page_size 1 or page-aligned encoder lengths")
+    kv_indptr, kv_indices, kv_last_page_len = paged_kv_lists(table, rows, kv_starts, kv_lens, page_size)
+    kv_indices[kv_indptr[:-1][padding]] = 0
+    args = dict(kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last_page_len=kv_last_page_len)
     if not decode:
         args["qo_indptr"] = np.concatenate([[0], np.cumsum(extend_lens)]).astype(np.int32)
     if batch.mode == ForwardMode.TARGET_VERIFY:
@@ -153,13 +200,24 @@ def _torch_view(buffer):
     return torch_dlpack.from_dlpack(buffer.__dlpack__(stream=-1))
 
 
-def bridged_run(wrapper, q, k_pool, v_pool, v_head_dim: int, *, k_scale=None, v_scale=None, has_side_effect=False):
+def paged_pool_view(pool, page_size: int):
+    """FlashInfer's NHD page view of a flat pool, no copy: torch [slots, kv_heads, D] -> [slots // page_size,
+    page_size, kv_heads, D]. The pool's rows are page-aligned (`jaxattn.paging`: page p is slots [p * P, (p + 1) * P)),
+    so page p of the view is exactly those slots; page size 1 is [slots, 1, kv_heads, D]."""
+    if pool.shape[0] % page_size:
+        raise ValueError(f"the KV pool's {pool.shape[0]} rows are not a multiple of page_size {page_size}")
+    return pool.unflatten(0, (pool.shape[0] // page_size, page_size))
+
+
+def bridged_run(wrapper, q, k_pool, v_pool, v_head_dim: int, *, k_scale=None, v_scale=None, has_side_effect=False,
+                page_size: int = 1):
     """Runs a planned FlashInfer wrapper on JAX arrays, inside or outside jit, with no copies.
 
     `jax.experimental.buffer_callback` hands the callback XLA's device buffers and stream; torch sees them
     through DLPack and FlashInfer runs on `torch.cuda.ExternalStream(stream)`, so the kernel is ordered with
     the rest of the XLA program. Returns (o [T, q_heads, v_head_dim], base-2 lse f32[T, q_heads]).
     has_side_effect: keep XLA from merging calls on identical inputs (the benchmark's repeated layers).
+    page_size: the page size the wrapper was planned with; the pools go in as `paged_pool_view`s.
     """
     import torch
     from jax.experimental.buffer_callback import buffer_callback
@@ -167,7 +225,7 @@ def bridged_run(wrapper, q, k_pool, v_pool, v_head_dim: int, *, k_scale=None, v_
     def run(ctx, outputs, q_buf, k_buf, v_buf):
         out_buf, lse_buf = outputs
         with torch.cuda.stream(_torch_stream(torch, ctx.stream)):
-            cache = (_torch_view(k_buf).unsqueeze(1), _torch_view(v_buf).unsqueeze(1))
+            cache = (paged_pool_view(_torch_view(k_buf), page_size), paged_pool_view(_torch_view(v_buf), page_size))
             wrapper.run(_torch_view(q_buf), cache, out=_torch_view(out_buf), lse=_torch_view(lse_buf),
                         return_lse=True, k_scale=k_scale, v_scale=v_scale)
 
@@ -190,6 +248,7 @@ class FlashInferMetadata:
     token_valid: jax.Array  # bool[T]
     mode: ForwardMode = dataclasses.field(metadata=dict(static=True))
     num_tokens: int = dataclasses.field(metadata=dict(static=True))
+    page_size: int = dataclasses.field(default=1, metadata=dict(static=True))  # the wrappers' planned page size
 
 
 class FlashInferBackend:
@@ -228,12 +287,17 @@ class FlashInferBackend:
         return self._wrappers[key]
 
     def plan(self, batch: ForwardBatch, req_to_token, layers, *, q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16) -> FlashInferMetadata:
-        """Host work before the step: plans one wrapper per distinct layer kind. Waits for the previous step."""
+        """Host work before the step: plans one wrapper per distinct layer kind. Waits for the previous step.
+
+        req_to_token: i32[max_reqs, max_context_len] (page size 1), or a `jaxattn.paging.PageTable`: planned with
+        its page_size (`plan_arguments`), and `forward` hands FlashInfer the pools as pages (`paged_pool_view`).
+        """
         torch = self.torch
         q_name, kv_name = plan_dtype_names(q_dtype, kv_dtype)
         valid = jnp.asarray(token_valid(batch))
+        page_size = plan_page_size(req_to_token)
         if batch.mode == ForwardMode.IDLE:
-            return FlashInferMetadata(batch.out_cache_loc, valid, batch.mode, batch.num_tokens)
+            return FlashInferMetadata(batch.out_cache_loc, valid, batch.mode, batch.num_tokens, page_size)
         jax.block_until_ready(batch.seq_lens)  # the wrappers' buffers are reused: the last step must be done
         q_t, kv_t = getattr(torch, q_name), getattr(torch, kv_name)
         for kind in dict.fromkeys(self.layer_kind(layer) for layer in layers):
@@ -243,14 +307,14 @@ class FlashInferBackend:
             wrapper = self._wrapper(batch.mode, kind, kv_dtype)
             common = dict(logits_soft_cap=cap if cap > 0 else None, sm_scale=scale, q_data_type=q_t, kv_data_type=kv_t)
             if batch.mode == ForwardMode.DECODE:
-                wrapper.plan(dev["kv_indptr"], dev["kv_indices"], dev["kv_last_page_len"], q_heads, kv_heads, head_dim, 1,
-                             window_left=window, **common)
+                wrapper.plan(dev["kv_indptr"], dev["kv_indices"], dev["kv_last_page_len"], q_heads, kv_heads, head_dim,
+                             page_size, window_left=window, **common)
             else:
                 wrapper.plan(dev["qo_indptr"], dev["kv_indptr"], dev["kv_indices"], dev["kv_last_page_len"], q_heads, kv_heads,
-                             head_dim, 1, head_dim_vo=dv, custom_mask=dev.get("custom_mask"), causal=not cross and "custom_mask" not in dev,
+                             head_dim, page_size, head_dim_vo=dv, custom_mask=dev.get("custom_mask"), causal=not cross and "custom_mask" not in dev,
                              window_left=window, **common)
         torch.cuda.synchronize()
-        return FlashInferMetadata(batch.out_cache_loc, valid, batch.mode, batch.num_tokens)
+        return FlashInferMetadata(batch.out_cache_loc, valid, batch.mode, batch.num_tokens, page_size)
 
     def forward(self, q, k, v, k_pool, v_pool, layer: AttentionLayer, meta: FlashInferMetadata, *, sinks=None, save_kv=True,
                 return_lse=False):
@@ -269,7 +333,10 @@ class FlashInferBackend:
         key = (meta.mode, self.layer_kind(layer))
         if key not in self._wrappers:
             raise ValueError(f"layer {layer.layer_id} was not planned: pass it to FlashInferBackend.plan(batch, req_to_token, layers)")
-        o, lse2 = bridged_run(self._wrappers[key], q, k_pool, v_pool, layer.dv, k_scale=layer.k_scale, v_scale=layer.v_scale)
+        if k_pool.shape[0] % meta.page_size:
+            raise ValueError(f"k_pool's {k_pool.shape[0]} rows are not a multiple of the planned page_size {meta.page_size}")
+        o, lse2 = bridged_run(self._wrappers[key], q, k_pool, v_pool, layer.dv, k_scale=layer.k_scale, v_scale=layer.v_scale,
+                              page_size=meta.page_size)
         o = jnp.where(meta.token_valid[:, None, None], o, 0).astype(q.dtype)
         lse2 = jnp.where(meta.token_valid[:, None], lse2, -jnp.inf)
         if return_lse:

@@ -25,6 +25,9 @@ class Case:
     logit_cap: float = 0.0
     sinks: bool = False  # per-head sinks near the rows' log-denominators (so they change the output)
     kv_dtype: str = "bfloat16"  # the pool's dtype: "float8_e4m3fn" pools are read by the kernels with K/V scales
+    # KV pages (jaxattn.paging): each sequence's pages scattered over the pool, its tokens contiguous within a page.
+    # Page size 1 scatters every token. Set by `paged_case`, which also names the case.
+    page_size: int = 1
 
     @property
     def dv(self) -> int:
@@ -59,7 +62,6 @@ class Case:
     def features(self) -> dict:
         """The extend ops' keyword arguments for this case's score features (sinks are passed as an array)."""
         return dict(sliding_window=self.sliding_window, logit_cap=self.logit_cap)
-
 
 
 CASES = {
@@ -97,3 +99,24 @@ CASES = {
     "T576": Case("T576", "extend", 16, 4096, 256, q_heads=16, kv_heads=1, head_dim=576, v_head_dim=512, default=False),
     "T288": Case("T288", "extend", 16, 4096, 256, q_heads=16, kv_heads=1, head_dim=288, v_head_dim=256, default=False),
 }
+
+
+PAGE_SUFFIX = "-P"  # a paged case's name: its case's name, then -P<page size> (D1-P16)
+
+
+def paged_case(case: Case, page_size: int) -> Case:
+    """`case` over KV pages of `page_size` tokens, named `<name>-P<page_size>`; page size 1 is `case` itself."""
+    from jaxattn.checks import check_page_size
+
+    check_page_size(page_size)
+    if page_size == 1:
+        return case
+    return dataclasses.replace(case, name=f"{case.name}{PAGE_SUFFIX}{page_size}", page_size=page_size)
+
+
+def case_named(name: str) -> Case | None:
+    """The case of a name: one of CASES, or a paged one (`paged_case`'s name, e.g. D1-P16); None if neither."""
+    base, suffix, size = name.rpartition(PAGE_SUFFIX)
+    if suffix and size.isdigit() and base in CASES:
+        return paged_case(CASES[base], int(size))
+    return CASES.get(name)

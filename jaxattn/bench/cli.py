@@ -2,6 +2,7 @@
 
     python -m jaxattn.bench decode [--cases D1,D2] [--json out.json] [--plot out.png] [--sweep]
     python -m jaxattn.bench extend [--cases E1] [--json out.json] [--plot out.png] [--sweep]
+    python -m jaxattn.bench decode --page-sizes 1,16,64     # each case also over KV pages of 16 and 64 tokens
     python -m jaxattn.bench plot results/decode.json results/extend.json -o plot.png
 
 
@@ -11,6 +12,9 @@ random normal (never zeros) and every sequence's KV slots are scattered at rando
 real allocator leaves them. Floors: decode reads every K and V byte once at 4.3 TB/s; extend does
 2 * q_heads * (qk_head_dim + v_head_dim) * new * (prefix + (new + 1) / 2) FLOPs per sequence at 790 TFLOP/s.
 (benchmarks/ANCHORS.md: the shapes, the floors and the peers' figures.)
+`--page-sizes` runs every case at each page size P (default 1 only): P > 1 scatters whole pages instead of slots,
+tokens contiguous within a page, FlashInfer planned with page_size P; its rows are named <case>-P<P> (D1-P16),
+with the case's floor (`jaxattn.bench.inputs`).
 Peers that are not installed (FlashInfer, torch) or not supported for a shape are skipped with a note.
 Each run prints a markdown table; `--json` keeps the rows (with device, date and commit: git's, or
 $JAXATTN_COMMIT where the checkout has no .git) and `--plot` draws fraction-of-floor bars (matplotlib, the
@@ -23,7 +27,7 @@ import argparse
 import json
 import sys
 
-from .cases import CASES
+from .cases import CASES, case_named, paged_case
 from .inputs import make_inputs
 from .peers import BACKENDS, Skip
 from .report import commit, device_name, load_rows, markdown_table, plot_rows, require_matplotlib, today
@@ -41,14 +45,19 @@ def _progress(total: int, desc: str):
 
 
 def run(op: str, cases: list, backends: list[str] | None = None, sweep: bool = False, log=print,
-        progress: bool = True) -> list[dict]:
-    """Times every (case, backend or config) work item; returns one row per timed item.
+        progress: bool = True, page_sizes=(1,)) -> list[dict]:
+    """Times every (case, page size, backend or config) work item; returns one row per timed item.
 
-    `cases` are names from CASES or `Case` objects. A failing or skipped item is logged, never fatal.
+    `cases` are names (of CASES, or paged ones like D1-P16) or `Case` objects; each runs at every one of
+    `page_sizes` (`paged_case`). A failing or skipped item is logged, never fatal.
     """
     rows = []
     device, revision, date = device_name(), commit(), today()
-    cases = [CASES[c] if isinstance(c, str) else c for c in cases]
+    named = [case_named(c) if isinstance(c, str) else c for c in cases]
+    unknown = [c for c, case in zip(cases, named) if case is None]
+    if unknown:
+        raise SystemExit(f"unknown cases {unknown}: the names are {list(CASES)} (a paged one: D1-P16)")
+    cases = [paged_case(case, page_size) for case in named for page_size in page_sizes]
     work = []  # (case, backend label, maker, sync)
     for case in cases:
         if case.op != op:
@@ -88,6 +97,19 @@ def run(op: str, cases: list, backends: list[str] | None = None, sweep: bool = F
     return rows
 
 
+def page_sizes_argument(text: str) -> tuple[int, ...]:
+    """--page-sizes "1,16,64" -> (1, 16, 64); each one of jaxattn.paging.PAGE_SIZES."""
+    from jaxattn.paging import PAGE_SIZES
+
+    try:
+        sizes = tuple(int(size) for size in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or any(size not in PAGE_SIZES for size in sizes):
+        raise SystemExit(f"--page-sizes must be comma-separated page sizes of {PAGE_SIZES}; got {text!r}")
+    return sizes
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxattn.bench", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -98,6 +120,7 @@ def main(argv=None) -> int:
         p.add_argument("--json", default=None, help="write the rows to this JSON file")
         p.add_argument("--plot", default=None, help="write a PNG of %% of floor per case and backend (needs matplotlib)")
         p.add_argument("--sweep", action="store_true", help="also time every candidate kernel configuration")
+        p.add_argument("--page-sizes", default="1", help="comma-separated KV page sizes to run each case at (default: 1)")
         p.add_argument("--no-progress", action="store_true", help="no progress bar; one line per item instead")
     p = sub.add_parser("plot", help="plot saved JSON records")
     p.add_argument("records", nargs="+", help="JSON files written by --json")
@@ -114,9 +137,10 @@ def main(argv=None) -> int:
         require_matplotlib()  # fail before the sweep, not after it
     case_names = args.cases.split(",") if args.cases else [n for n, c in CASES.items() if c.op == args.command and c.default]
     backends = args.backends.split(",") if args.backends else None
+    page_sizes = page_sizes_argument(args.page_sizes)
     print(f"jaxattn.bench {args.command}: device {device_name()}, commit {commit()}")
     rows = run(args.command, case_names, backends, sweep=args.sweep, log=lambda s: print(s, flush=True),
-               progress=not args.no_progress)
+               progress=not args.no_progress, page_sizes=page_sizes)
     print()
     print(markdown_table(rows))
     if args.json:

@@ -1,4 +1,11 @@
-"""Device-resident inputs for one case: random normal q/K/V, every sequence's KV slots scattered over the pool."""
+"""Device-resident inputs for one case: random normal q/K/V, every sequence's KV slots scattered over the pool.
+
+Page size 1 (the default) scatters every token's slot. A paged case (`Case.page_size` P > 1) lays the same tokens out
+in pages (`jaxattn.paging`: page p holds slots [p * P, (p + 1) * P), page 0 is padding): each sequence's pages are
+scattered at random over the pool, its tokens contiguous within a page, the last page partly filled when the length
+is not a multiple of P. Every token keeps the K/V, and q, sinks and scales are the same, as at page size 1, so a
+paged case computes exactly the page-1 case's attention.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +22,8 @@ class Inputs:
     q: object  # jax [T, Hq, D]
     k_pool: object  # jax [S, Hkv, D]
     v_pool: object  # jax [S, Hkv, Dv]
-    req_to_token: object  # jax i32[B, max_ctx]
+    req_to_token: object  # jax i32[B, max_ctx]: every token's slot (paged: the page table's page-1 equivalent)
+    req_to_page: object  # jax i32[B, pages per sequence]: page ids (page size 1: req_to_token)
     req_pool_indices: object  # jax i32[B]
     prefix_lens: object  # jax i32[B]
     seq_lens: object  # jax i32[B] (prefix + new)
@@ -47,10 +55,15 @@ def make_inputs(case: Case, seed: int = 0) -> Inputs:
     kq, kk, kv = jax.random.split(key, 3)
     dtype = jnp.bfloat16
     k_pool = jax.random.normal(kk, (num_slots, case.kv_heads, case.head_dim), dtype)
+    v_pool = None if case.v_in_k else jax.random.normal(kv, (num_slots, case.kv_heads, case.dv), dtype)
+    req_to_page = slots  # page size 1: a page is a slot
+    if case.page_size > 1:
+        req_to_page, paged_slots, num_slots = page_aligned_slots(case, seed)
+        k_pool = move_rows(k_pool, slots, paged_slots, num_slots)  # each token keeps its page-1 K/V
+        v_pool = None if v_pool is None else move_rows(v_pool, slots, paged_slots, num_slots)
+        slots = paged_slots
     if case.v_in_k:
         v_pool = k_pool[:, :, : case.dv]  # MLA: V is the first Dv dims of the latent K
-    else:
-        v_pool = jax.random.normal(kv, (num_slots, case.kv_heads, case.dv), dtype)
     k_scale = v_scale = None
     if case.fp8:
         # Stored as value / scale (what write_kv stores); the new tokens' bf16 K/V are the same rows dequantised.
@@ -70,6 +83,7 @@ def make_inputs(case: Case, seed: int = 0) -> Inputs:
         k_pool=k_pool,
         v_pool=v_pool,
         req_to_token=to(slots),
+        req_to_page=to(req_to_page),
         req_pool_indices=to(np.arange(b, dtype=np.int32)),
         prefix_lens=to(np.full(b, p, np.int32)),
         seq_lens=to(seq_lens),
@@ -87,3 +101,32 @@ def make_inputs(case: Case, seed: int = 0) -> Inputs:
         v_scale=v_scale,
     )
 
+
+
+def page_aligned_slots(case: Case, seed: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
+    """A paged case's layout: (req_to_page i32[B, pages per sequence], slots i32[B, prefix + new], num_slots).
+
+    The pages 1 .. B * pages per sequence, in random order (page 0 is padding); each token's slot is
+    `jaxattn.paging.req_to_token_from_pages` of them; the pool has num_slots = (B * pages per sequence + 1) *
+    page_size rows. Its own random stream, so the page-1 draws (slots, sinks) stay as they are.
+    """
+    import jax.numpy as jnp
+
+    from jaxattn.paging import req_to_token_from_pages
+
+    length, page_size = case.prefix + case.new, case.page_size
+    pages_per_sequence = -(-length // page_size)
+    num_pages = case.batch * pages_per_sequence
+    req_to_page = (np.random.default_rng((seed, page_size)).permutation(num_pages) + 1).astype(np.int32)
+    req_to_page = req_to_page.reshape(case.batch, pages_per_sequence)
+    num_slots = (num_pages + 1) * page_size
+    slots = req_to_token_from_pages(jnp.asarray(req_to_page), page_size, length, num_slots=num_slots)
+    return req_to_page, np.asarray(slots), num_slots
+
+
+def move_rows(pool, slots: np.ndarray, new_slots: np.ndarray, num_slots: int):
+    """A pool of `num_slots` rows holding row slots[i] of `pool` at new_slots[i] (zeros elsewhere: rows no token owns)."""
+    import jax.numpy as jnp
+
+    moved = jnp.zeros((num_slots,) + pool.shape[1:], pool.dtype)
+    return moved.at[jnp.asarray(new_slots.reshape(-1))].set(pool[jnp.asarray(slots.reshape(-1))])

@@ -3,9 +3,15 @@
 jaxattn's decode, extend (two-stage Triton, unified, Mosaic GPU), FlashInfer's decode and paged prefill called from torch
 and from jit through jaxattn's DLPack bridge, cuDNN (dense only) and the jnp reference. BACKENDS names them per op with
 their synchronisation; its keys are the `backend` of the result rows.
+
+Pages (`Case.page_size` P): jaxattn's ops and the reference read one slot per key from the inputs' token lists (the
+page table's page-1 equivalent, what TritonBackend builds from a PageTable); FlashInfer is planned with page_size P
+over the page ids and reads the same pools as [slots // P, P, Hkv, D] views.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from .inputs import Inputs
 from .timing import PerCall, jax_sync, torch_sync
@@ -73,6 +79,25 @@ def torch_views(inp: Inputs):
     return torch, {name: view(getattr(inp, name)) for name in ("q", "k_pool", "v_pool", "kv_indptr", "kv_indices", "qo_indptr")}
 
 
+def flashinfer_pages(inp: Inputs, torch):
+    """FlashInfer's paged-KV plan lists of the whole sequences at the case's page size, as CUDA tensors:
+    (kv_indptr over pages, kv_indices: page ids, kv_last_page_len), from `jaxattn.backends.flashinfer.paged_kv_lists`
+    (what FlashInferBackend plans). Page size 1: the token lists, every last_page_len 1."""
+    from jaxattn.backends.flashinfer import paged_kv_lists
+
+    batch = inp.case.batch
+    lists = paged_kv_lists(np.asarray(inp.req_to_page), np.arange(batch), np.zeros(batch, np.int64), np.asarray(inp.seq_lens),
+                           inp.case.page_size)
+    return tuple(torch.from_numpy(x).cuda() for x in lists)
+
+
+def flashinfer_cache(inp: Inputs, tv: dict):
+    """(K, V) as FlashInfer's NHD pages: [slots // P, P, Hkv, D] views of the pools (`paged_pool_view`, no copy)."""
+    from jaxattn.backends.flashinfer import paged_pool_view
+
+    return paged_pool_view(tv["k_pool"], inp.case.page_size), paged_pool_view(tv["v_pool"], inp.case.page_size)
+
+
 def decode_flashinfer(inp: Inputs, tensor_cores: bool, through_jax: bool = False, layers: int = 1):
     case = inp.case
     if case.v_head_dim is not None:
@@ -84,14 +109,13 @@ def decode_flashinfer(inp: Inputs, tensor_cores: bool, through_jax: bool = False
     torch, tv = torch_views(inp)
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tensor_cores)
-    last_page_len = torch.ones(case.batch, dtype=torch.int32, device="cuda")
+    kv_indptr, kv_indices, last_page_len = flashinfer_pages(inp, torch)
     kv_type = tv["k_pool"].dtype  # bf16, or fp8 (FlashInfer decodes fp8 KV with bf16 queries)
     wrapper.plan(
-        tv["kv_indptr"], tv["kv_indices"], last_page_len, case.q_heads, case.kv_heads, case.head_dim, 1,
+        kv_indptr, kv_indices, last_page_len, case.q_heads, case.kv_heads, case.head_dim, case.page_size,
         q_data_type=torch.bfloat16, kv_data_type=kv_type,
     )
-    k = tv["k_pool"].unsqueeze(1)  # [slots, page_size 1, Hkv, D]
-    v = tv["v_pool"].unsqueeze(1)
+    k, v = flashinfer_cache(inp, tv)  # [slots // P, P, Hkv, D]
     q = tv["q"]
     if through_jax:
         if case.fp8:
@@ -111,7 +135,8 @@ def bridged(wrapper, inp: Inputs, layers: int = 1):
     from jaxattn.backends.flashinfer import bridged_run
 
     def step(q, k, v):
-        return [bridged_run(wrapper, q, k, v, inp.case.dv, has_side_effect=layers > 1)[0] for _ in range(layers)]
+        return [bridged_run(wrapper, q, k, v, inp.case.dv, has_side_effect=layers > 1, page_size=inp.case.page_size)[0]
+                for _ in range(layers)]
 
     fn = jax.jit(step)
     return PerCall(lambda: fn(inp.q, inp.k_pool, inp.v_pool), layers)
@@ -195,15 +220,14 @@ def extend_flashinfer(inp: Inputs, backend: str, through_jax: bool = False):
     torch, tv = torch_views(inp)
     workspace = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
     wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend)
-    last_page_len = torch.ones(case.batch, dtype=torch.int32, device="cuda")
+    kv_indptr, kv_indices, last_page_len = flashinfer_pages(inp, torch)
     wrapper.plan(
-        tv["qo_indptr"], tv["kv_indptr"], tv["kv_indices"], last_page_len, case.q_heads, case.kv_heads, case.head_dim, 1,
+        tv["qo_indptr"], kv_indptr, kv_indices, last_page_len, case.q_heads, case.kv_heads, case.head_dim, case.page_size,
         head_dim_vo=case.dv, causal=True, window_left=case.sliding_window,
         logits_soft_cap=case.logit_cap if case.logit_cap > 0 else None, q_data_type=torch.bfloat16,
         kv_data_type=tv["k_pool"].dtype,
     )
-    k = tv["k_pool"].unsqueeze(1)
-    v = tv["v_pool"].unsqueeze(1)
+    k, v = flashinfer_cache(inp, tv)
     q = tv["q"]
     if through_jax:
         return bridged(wrapper, inp)

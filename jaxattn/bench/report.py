@@ -8,7 +8,7 @@ import json
 import os
 import subprocess
 
-from .cases import BF16_MATMUL_FLOPS, CASES, COPY_BANDWIDTH_BYTES_PER_S
+from .cases import BF16_MATMUL_FLOPS, COPY_BANDWIDTH_BYTES_PER_S, case_named
 
 
 def device_name() -> str:
@@ -91,7 +91,7 @@ def require_matplotlib():
 
 
 def _case_label(name: str) -> str:
-    case = CASES.get(name)
+    case = case_named(name)
     if case is None:
         return name
     if case.op == "decode":
@@ -100,6 +100,8 @@ def _case_label(name: str) -> str:
         shape = f"{case.batch} x ({case.prefix}+{case.new})"
     if case.v_head_dim is not None:
         shape += f"\n{case.q_heads}/{case.kv_heads} heads, {case.head_dim}/{case.dv}"
+    if case.page_size > 1:
+        shape += f"\npages of {case.page_size}"
     return f"{name}\n{shape}"
 
 

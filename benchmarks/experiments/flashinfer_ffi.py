@@ -13,6 +13,7 @@ after every case, so a run cut short keeps what it finished. Kernels are JIT-bui
 """
 
 import argparse
+import importlib.metadata
 import json
 import os
 import statistics
@@ -66,11 +67,12 @@ def main():
     if not os.environ.get("TRITON_CACHE_DIR"):  # an import may have set it empty (jax_triton 0.3.1)
         os.environ["TRITON_CACHE_DIR"] = os.path.expanduser("~/.triton/cache")
     versions = dict(jax=jax.__version__, torch=torch.__version__, flashinfer=getattr(flashinfer, "__version__", "?"))
+    for dist in ("jax-tvm-ffi", "apache-tvm-ffi"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist] = None
     try:
-        import jax_tvm_ffi
-        import tvm_ffi
-
-        versions.update(jax_tvm_ffi=getattr(jax_tvm_ffi, "__version__", "?"), tvm_ffi=tvm_ffi.__version__)
         launcher, launcher_error = FfiLauncher(), None
     except Exception as error:  # no wheel: the ffi rows report it
         launcher, launcher_error = None, error_text(error)

@@ -2,10 +2,11 @@
 
 import json
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxattn import bench
+from jaxattn import bench, testing
 from jaxattn.bench import cli, report
 
 TINY = [
@@ -121,7 +122,9 @@ def test_fp8_cases_read_the_pool_with_its_scales(one_call):
     decode = bench.Case("TD8", "decode", batch=2, prefix=40, new=1, q_heads=4, kv_heads=2, head_dim=64, kv_dtype="float8_e4m3fn")
     rows = bench.run("decode", [decode], backends=["jaxattn", "reference"], log=lambda _: None, progress=False)
     assert [r["backend"] for r in rows] == ["jaxattn", "reference"]
-    np.testing.assert_allclose(one_call[0], one_call[1], atol=1e-4, rtol=1e-4)
+    # bf16 tolerance: jaxattn's fp8 decode dots run in f16 with q pre-scaled (kernels/decode_attention.py), so outputs
+    # may differ from the reference by a bf16 rounding step.
+    np.testing.assert_allclose(one_call[0], one_call[1], **testing.tolerance(jnp.bfloat16))
     assert decode.floor_ms() == pytest.approx(bench.Case("TD", "decode", 2, 40, 1, 4, 2, 64).floor_ms() / 2)
     extend = bench.Case("TE8", "extend", batch=2, prefix=24, new=16, q_heads=4, kv_heads=2, head_dim=64, kv_dtype="float8_e4m3fn")
     rows = bench.run("extend", [extend], backends=["jaxattn", "jaxattn-unified", "reference"], log=lambda _: None, progress=False)

@@ -7,8 +7,10 @@
 `plan` builds FlashInfer's plan arguments (indptr, indices, last-page lengths, the bit-packed tree mask) on
 the host and calls the wrappers' `plan()`; it returns a small pytree whose static part names the planned
 wrappers, so a step jitted once keeps serving new plans. `forward` writes K/V with `write_kv` (JAX) and runs
-the wrapper's `run()` through `jax.experimental.buffer_callback`, on XLA's stream, on DLPack views of JAX's
-own buffers (no copies). LSEs from FlashInfer are base 2; jaxattn's are natural log: converted at the boundary.
+the wrapper's kernel on XLA's stream on JAX's own buffers (no copies), one of two ways (`launch=`, or
+$JAXATTN_FLASHINFER_LAUNCH): "ffi", an XLA FFI call through jax-tvm-ffi (`jaxattn.backends.flashinfer_ffi`, the
+default when jax-tvm-ffi is installed), or "bridge", the wrapper's `run()` through `jax.experimental.buffer_callback`
+on DLPack views (`bridged_run`). LSEs from FlashInfer are base 2; jaxattn's are natural log: converted at the boundary.
 
 Pages: the pool `[slots, kv_heads, head_dim]` is passed as `[slots // P, P, kv_heads, head_dim]` (a view,
 `paged_pool_view`): page size 1 for a req_to_token table (every `last_page_len` 1), a `jaxattn.paging.PageTable`'s
@@ -25,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxattn.backends.flashinfer_ffi import FfiLauncher, choose_launch
 from jaxattn.backends.layer import AttentionLayer, split_heads
 from jaxattn.metadata import window_first_key
 from jaxattn.paging import PageTable, page_in_pool
@@ -260,8 +263,10 @@ class FlashInferBackend:
 
     name = "flashinfer"
 
-    def __init__(self, workspace_bytes: int = 384 << 20, use_tensor_cores: bool | None = None):
+    def __init__(self, workspace_bytes: int = 384 << 20, use_tensor_cores: bool | None = None, launch: str | None = None):
         self.torch, self.flashinfer = _require_flashinfer()
+        self.launch = choose_launch(launch)  # "ffi" | "bridge"
+        self._ffi = FfiLauncher() if self.launch == "ffi" else None
         self.workspace = self.torch.empty(workspace_bytes, dtype=self.torch.uint8, device="cuda")
         self.use_tensor_cores = use_tensor_cores
         self._wrappers: dict = {}
@@ -335,8 +340,9 @@ class FlashInferBackend:
             raise ValueError(f"layer {layer.layer_id} was not planned: pass it to FlashInferBackend.plan(batch, req_to_token, layers)")
         if k_pool.shape[0] % meta.page_size:
             raise ValueError(f"k_pool's {k_pool.shape[0]} rows are not a multiple of the planned page_size {meta.page_size}")
-        o, lse2 = bridged_run(self._wrappers[key], q, k_pool, v_pool, layer.dv, k_scale=layer.k_scale, v_scale=layer.v_scale,
-                              page_size=meta.page_size)
+        run = bridged_run if self._ffi is None else self._ffi.run
+        o, lse2 = run(self._wrappers[key], q, k_pool, v_pool, layer.dv, k_scale=layer.k_scale, v_scale=layer.v_scale,
+                      page_size=meta.page_size)
         o = jnp.where(meta.token_valid[:, None, None], o, 0).astype(q.dtype)
         lse2 = jnp.where(meta.token_valid[:, None], lse2, -jnp.inf)
         if return_lse:

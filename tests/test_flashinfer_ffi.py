@@ -1,0 +1,182 @@
+"""FlashInfer's FFI launch (jaxattn.backends.flashinfer_ffi): launch choice and the recorded call on CPU (a stand-in
+wrapper whose "kernel" is a Python function, through a real XLA FFI call when jax-tvm-ffi is installed); against
+bridged_run and the reference on the GPU."""
+
+import dataclasses
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxattn.backends.flashinfer_ffi import (
+    Operand,
+    call_template,
+    choose_launch,
+    ffi_available,
+    fill_template,
+    record_run_call,
+)
+from tests.helpers import HAS_GPU
+
+HAS_FFI = ffi_available()
+
+
+def test_auto_launch_follows_the_wheel(monkeypatch):
+    monkeypatch.delenv("JAXATTN_FLASHINFER_LAUNCH", raising=False)
+    assert choose_launch(available=True) == "ffi"
+    assert choose_launch(available=False) == "bridge"
+    assert choose_launch("bridge", available=True) == "bridge"
+    monkeypatch.setenv("JAXATTN_FLASHINFER_LAUNCH", "bridge")
+    assert choose_launch(available=True) == "bridge"
+    assert choose_launch("ffi", available=True) == "ffi"  # the argument wins over the environment
+
+
+def test_forcing_ffi_without_the_wheel_names_it():
+    with pytest.raises(ImportError, match=r"jax-tvm-ffi"):
+        choose_launch("ffi", available=False)
+    with pytest.raises(ValueError, match="expected one of"):
+        choose_launch("tvm", available=True)
+
+
+class StandInWrapper:
+    """Shaped like a planned FlashInfer wrapper: plan() sets `_plan_info` and a workspace, run() makes one positional
+    call into `_cached_module` with q, the K/V pair (also nested, as the tensor-core decode path does), out and lse.
+    Its "kernel" writes out = q * scale * plan_info[0] + k[0, 0, 0, 0] and lse = plan_info[0]."""
+
+    def __init__(self):
+        self._cached_module = SimpleNamespace(run=self.kernel)
+        self.kernel_calls = 0
+
+    def plan(self, factor):
+        self._plan_info = [factor, 7]
+        self._workspace = np.zeros(4, np.float32)
+
+    def run(self, q, paged_kv_cache, *, out, lse, return_lse, k_scale=None):
+        assert return_lse
+        k, v = paged_kv_cache
+        scale = 1.0 if k_scale is None else k_scale
+        self._cached_module.run(self._workspace, self._plan_info, q, k, v, out, lse, 1, paged_kv_cache, scale)
+
+    def kernel(self, workspace, plan_info, q, k, v, out, lse, layout, kv_pair, scale):
+        self.kernel_calls += 1
+        assert kv_pair[0] is k and kv_pair[1] is v and layout == 1
+        out, lse = np.from_dlpack(out), np.from_dlpack(lse)
+        out[...] = np.from_dlpack(q) * scale * plan_info[0] + np.from_dlpack(k)[0, 0, 0, 0]
+        lse[...] = plan_info[0]
+
+
+def numpy_placeholders(q_shape, q_dtype, k_shape, v_shape, kv_dtype, page_size=1):
+    return (np.zeros((1, *q_shape[1:]), np.float32), np.zeros((1, page_size, *k_shape[1:]), np.float32),
+            np.zeros((1, page_size, *v_shape[1:]), np.float32), np.zeros((1, q_shape[1], v_shape[2]), np.float32),
+            np.zeros((1, q_shape[1]), np.float32))
+
+
+def test_the_template_holds_operands_where_run_passed_them():
+    wrapper = StandInWrapper()
+    wrapper.plan(2.0)
+    operands = numpy_placeholders((3, 2, 4), None, (5, 1, 4), (5, 1, 4), None)
+    name, args = record_run_call(wrapper, *operands, k_scale=0.5)
+    assert name == "run" and wrapper.kernel_calls == 0  # recorded, not launched
+    assert wrapper._cached_module.run == wrapper.kernel  # the module is put back
+    template = call_template(args, operands, convert=lambda a: ("converted", a) if isinstance(a, np.ndarray) else a)
+    assert template[0][0] == "converted" and template[1] == [2.0, 7]
+    assert template[2:8] == (Operand(0), Operand(1), Operand(2), Operand(3), Operand(4), 1)
+    assert template[8] == (Operand(1), Operand(2)) and template[9] == 0.5
+    filled = fill_template(template, ("q", "k", "v", "out", "lse"))
+    assert filled[2:8] == ["q", "k", "v", "out", "lse", 1] and filled[8] == ("k", "v")
+
+
+def test_a_run_that_drops_an_operand_is_refused():
+    operands = tuple(np.zeros(1) for _ in range(5))
+    with pytest.raises(RuntimeError, match=r"operands \[4\]"):
+        call_template((operands[0], operands[1], operands[2], operands[3], None), operands)
+
+
+@pytest.mark.skipif(not HAS_FFI, reason="needs jax-tvm-ffi")
+def test_ffi_launch_on_cpu_follows_every_new_plan():
+    from jaxattn.backends.flashinfer_ffi import FfiLauncher
+
+    wrapper = StandInWrapper()
+    wrapper.plan(2.0)
+    launcher = FfiLauncher(platform="cpu", placeholders=numpy_placeholders)
+    q = jnp.arange(24, dtype=jnp.float32).reshape(3, 2, 4)
+    k_pool = jnp.full((5, 1, 4), 10.0)
+    v_pool = jnp.zeros((5, 1, 4))
+    step = jax.jit(lambda q, k, v: launcher.run(wrapper, q, k, v, 4, k_scale=0.5, v_scale=2.0))
+    o, lse = step(q, k_pool, v_pool)
+    np.testing.assert_allclose(o, (q * 0.5 * 2.0 + 10.0) * 2.0)
+    np.testing.assert_allclose(lse, np.full((3, 2), 2.0))
+    wrapper.plan(3.0)  # a new plan: the same executable, the new plan's arguments
+    o, lse = step(q, k_pool, v_pool)
+    np.testing.assert_allclose(o, (q * 0.5 * 3.0 + 10.0) * 2.0)
+    np.testing.assert_allclose(lse, np.full((3, 2), 3.0))
+    assert wrapper.kernel_calls == 2 and step._cache_size() == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the FFI launch against bridged_run and the reference backend.
+
+# Two batches per case with the same token count: one jitted step serves both plans.
+GPU_CASES = {
+    "decode": dict(mode="DECODE", seq_lens=([33, 0, 64, 7], [12, 3, 0, 50]), extend_lens=([1, 0, 1, 1], [1, 1, 0, 1]), tokens=4),
+    "decode-tensor-cores": dict(mode="DECODE", seq_lens=([33, 5, 64], [2, 40, 9]), extend_lens=([1, 1, 1], [1, 1, 1]), tokens=3,
+                                q_heads=8),
+    "extend": dict(mode="EXTEND", seq_lens=([40, 9, 1], [20, 30, 2]), extend_lens=([11, 9, 1], [5, 18, 1]), tokens=24),
+    "window": dict(mode="EXTEND", seq_lens=([40, 9, 30], [12, 50, 3]), extend_lens=([11, 9, 5], [12, 6, 3]), tokens=28, window=6),
+}
+
+
+def scheduled_batch(rng, mode, seq_lens, extend_lens, tokens, num_slots):
+    """A batch whose new tokens' slots (out_cache_loc) are the req_to_token entries they are written to."""
+    from tests.test_flashinfer_backend import make_batch
+
+    batch, r2t = make_batch(rng, mode, seq_lens, extend_lens, tokens)
+    r2t = (rng.permutation(num_slots - 1)[: r2t.size].reshape(r2t.shape) + 1).astype(np.int32)
+    rows = np.asarray(batch.req_pool_indices)
+    out_cache_loc = np.zeros(tokens, np.int32)
+    cursor = 0
+    for b, (s, n) in enumerate(zip(seq_lens, extend_lens)):
+        at = b if mode.name == "DECODE" else cursor
+        out_cache_loc[at : at + n] = r2t[rows[b], s - n : s]
+        cursor += n
+    return dataclasses.replace(batch, out_cache_loc=jnp.asarray(out_cache_loc)), r2t
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_GPU and HAS_FFI), reason="needs a CUDA GPU, flashinfer and jax-tvm-ffi")
+@pytest.mark.parametrize("name", list(GPU_CASES))
+def test_ffi_launch_matches_the_bridge_and_the_reference(rng, name):
+    from jaxattn.backends import AttentionLayer, ReferenceBackend
+    from jaxattn.backends.flashinfer import FlashInferBackend
+    from jaxattn.batch import ForwardMode
+
+    case = dict(GPU_CASES[name])
+    window, hq, mode, tokens = case.pop("window", -1), case.pop("q_heads", 4), ForwardMode[case["mode"]], case["tokens"]
+    num_slots, hkv, d = 4096, 2, 128
+    batches = [scheduled_batch(rng, mode, s, e, tokens, num_slots) for s, e in zip(case["seq_lens"], case["extend_lens"])]
+    layer = AttentionLayer(0, hq, hkv, d, sliding_window=window)
+    pools = [jnp.asarray(rng.standard_normal((num_slots, hkv, d)), jnp.bfloat16) for _ in range(2)]
+    q, k, v = (jnp.asarray(rng.standard_normal((tokens, h, d)), jnp.bfloat16) for h in (hq, hkv, hkv))
+
+    ref = ReferenceBackend()
+    want = []
+    for batch, r2t in batches:
+        ref_step = jax.jit(lambda *a, b=batch, r=r2t: ref.forward(*a, layer, ref.init_forward_metadata(b, jnp.asarray(r))))
+        want.append(ref_step(q, k, v, *pools)[0])
+    got = {}
+    for launch in ("ffi", "bridge"):
+        backend = FlashInferBackend(launch=launch)
+        step = jax.jit(lambda q, k, v, kb, vb, m: backend.forward(q, k, v, kb, vb, layer, m, return_lse=True))
+        got[launch] = []
+        for batch, r2t in batches:
+            meta = backend.plan(batch, r2t, [layer])
+            o, lse, _, _ = step(q, k, v, *pools, meta)
+            got[launch].append((np.float32(o), np.float32(lse)))
+        assert step._cache_size() == 1
+    for i in range(len(batches)):
+        np.testing.assert_allclose(got["ffi"][i][0], np.float32(want[i]), atol=2e-2, rtol=2e-2)
+        # the same kernels and plans: the same bits
+        np.testing.assert_array_equal(got["ffi"][i][0], got["bridge"][i][0])
+        np.testing.assert_array_equal(got["ffi"][i][1], got["bridge"][i][1])

@@ -5,8 +5,11 @@ the fp8 -> bf16 conversion (Triton converts e4m3 pairs to f16, then each f16 to 
 and half as many bytes in flight per tile. This times, in one run: bf16 q over the bf16 pool; bf16 q over the fp8 pool;
 f16 q over the fp8 pool (one conversion per two elements, no bf16 step); each at the table's tile and at longer key
 tiles / more stages / more splits.
+The first run (1b60983, records in benchmarks/results/) found f16 q no faster than bf16 q once the dots ran in f16
+(0.219 vs 0.222 ms, 56% of the floor): the conversion was a tenth of the gap. This version asks about bytes in flight
+(--wide: stages, warps, splits) and about the scattered 128-byte row pieces (each case also over sorted slots).
 
-    python benchmarks/experiments/fp8_decode.py --json out.json
+    python benchmarks/experiments/fp8_decode.py --wide --json out.json
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--case", default="D1-FP8")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--wide", action="store_true", help="also longer pipelines, other warps and splits")
     args = parser.parse_args(argv)
 
     import jax
@@ -33,33 +37,40 @@ def main(argv=None) -> int:
     from jaxattn.bench.timing import jax_sync, time_calls
 
     fp8_case = bench.CASES[args.case]
-    bf16_case = dataclasses.replace(fp8_case, kv_dtype="bfloat16")
+    bf16_case = dataclasses.replace(fp8_case, kv_dtype="bfloat16", name=fp8_case.name.replace("-FP8", ""))
+    DC = decode.DecodeConfig
+    # Second run (after 1b60983's f16 dots): does fp8 lack bytes in flight (more stages / warps), or do its 128-byte
+    # scattered row pieces (one kv head of a slot) read slower than bf16's 256-byte ones (sorted slots: contiguous)?
+    variants = [("table", None, None)]
+    if args.wide:
+        variants += [
+            ("n64 w4 s6", DC(block_n=64, num_warps=4, num_stages=6), None),
+            ("n128 w4 s6", DC(block_n=128, num_warps=4, num_stages=6), None),
+            ("n64 w2 s6", DC(block_n=64, num_warps=2, num_stages=6), None),
+            ("n32 w2 s8", DC(block_n=32, num_warps=2, num_stages=8), None),
+            ("n128 w8 s4", DC(block_n=128, num_warps=8, num_stages=4), None),
+            ("n64 w4 s4 pps16", DC(block_n=64, num_warps=4, num_stages=4), 16),
+        ]
     rows = []
     for case in (bf16_case, fp8_case):
         inp = bench.make_inputs(case)
         scales = bench.peers.scales(inp)
-        for q_dtype in ((jnp.bfloat16,) if not case.fp8 else (jnp.bfloat16, jnp.float16)):
-            q = inp.q.astype(q_dtype)
-            for label, config, pps in (
-                ("table", None, None),
-                ("n128 w4 s4", decode.DecodeConfig(block_n=128, num_warps=4, num_stages=4), None),
-                ("n256 w4 s3", decode.DecodeConfig(block_n=256, num_warps=4, num_stages=3), None),
-                ("n256 w8 s3", decode.DecodeConfig(block_n=256, num_warps=8, num_stages=3), None),
-                ("n64 w4 s4", decode.DecodeConfig(block_n=64, num_warps=4, num_stages=4), None),
-                ("table pps16", None, 16),
-            ):
+        for slots in ("scattered", "sorted"):
+            kv_indices = inp.kv_indices if slots == "scattered" else jnp.sort(inp.kv_indices)
+            for label, config, pps in variants if (case.fp8 or slots == "sorted") else variants[:1]:
                 kw = {} if pps is None else dict(programs_per_sm=pps)
-                meta = metadata.decode_metadata_from_indptr(inp.kv_indptr, inp.kv_indices, inp.seq_lens,
+                meta = metadata.decode_metadata_from_indptr(inp.kv_indptr, kv_indices, inp.seq_lens,
                                                             q_heads=case.q_heads, kv_heads=case.kv_heads, **kw)
                 fn = jax.jit(lambda q, k, v, m, c=config: decode.decode_attention(q, k, v, m, config=c, **scales))
+                name = f"{case.name:7s} {slots:9s} {label:16s}"
                 try:
-                    ms = time_calls(lambda: fn(q, inp.k_pool, inp.v_pool, meta), jax_sync)
+                    ms = time_calls(lambda: fn(inp.q, inp.k_pool, inp.v_pool, meta), jax_sync)
                 except Exception as error:  # noqa: BLE001  (a tile that does not fit must not hide the others)
-                    print(f"{case.name:7s} q {jnp.dtype(q_dtype).name:8s} {label:12s} FAILED {type(error).__name__}: {error}"[:200])
+                    print(f"{name} FAILED {type(error).__name__}: {error}"[:200], flush=True)
                     continue
                 floor = case.floor_ms()
-                rows.append(dict(case=case.name, q_dtype=jnp.dtype(q_dtype).name, variant=label, ms=ms, floor_ms=floor))
-                print(f"{case.name:7s} q {jnp.dtype(q_dtype).name:8s} {label:12s} {ms:.3f} ms  {100 * floor / ms:5.1f}% of its floor", flush=True)
+                rows.append(dict(case=case.name, slots=slots, variant=label, ms=ms, floor_ms=floor))
+                print(f"{name} {ms:.3f} ms  {100 * floor / ms:5.1f}% of its floor", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=bench.device_name(), commit=bench.commit(), rows=rows), f, indent=1)

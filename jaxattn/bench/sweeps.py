@@ -12,11 +12,17 @@ def sweep_variants(op: str, case: Case):
     if op == "decode":
         from jaxattn.tuning import DecodeConfig
 
-        # fp8 rows are half as wide: longer key tiles keep as many bytes in flight.
-        for block_n in (64, 128, 256) if case.fp8 else (32, 64, 128):
-            for num_warps in (4, 8):
-                for num_stages in (2, 3, 4):
-                    if case.head_dim > 256 and (block_n > 64 or num_stages > 3):
+        # fp8 rows are half as wide and their f16 dots want fewer warps (tuning.sm90.DECODE_FP8): longer pipelines,
+        # 2 or 4 warps.
+        mla = case.head_dim > 256
+        if case.fp8:
+            grid = ((16, 32, 64) if mla else (32, 64, 128), (2, 4), (2, 3, 4) if mla else (4, 6, 8))
+        else:
+            grid = ((32, 64, 128), (4, 8), (2, 3, 4))
+        for block_n in grid[0]:
+            for num_warps in grid[1]:
+                for num_stages in grid[2]:
+                    if mla and (block_n > 64 or num_stages > 3) and not case.fp8:
                         continue  # MLA tiles: shared memory
                     config = DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
                     label = f"n{block_n} w{num_warps} s{num_stages}"

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import triton
 
-from jaxattn import tuning
+from jaxattn import hardware, tuning
 from jaxattn.aot import build
 from jaxattn.calls import DecodeCall
 from jaxattn.launch import launch
@@ -104,7 +104,10 @@ def run(call: DecodeCall):
     batch, q_heads, kv_heads, qk_dim, v_dim = call.batch, call.q_heads, call.kv_heads, call.qk_head_dim, call.v_head_dim
     group = q_heads // kv_heads
     mode = call.launch_mode
-    config = tuning.decode_config(qk_dim, v_dim, group, dtype=q.dtype) if call.config is None else tuning.clamp_decode_config(call.config, group)
+    if call.config is None:
+        config = tuning.decode_config(qk_dim, v_dim, group, dtype=q.dtype, fp8_pool=call.kv_scales is not None)
+    else:
+        config = tuning.clamp_decode_config(call.config, group)
     v_in_k = v_pool is None
     max_splits = meta.max_kv_splits
     constexprs = stage1_constexprs(
@@ -222,7 +225,7 @@ def kernel_builds():
         # fp8 pools (e4m3fn, e5m2) with this q dtype: the grouped builds of the common GQA and MLA shapes.
         for pool_dtype in ("fp8e4nv", "fp8e5"):
             for qk_dim, v_dim, v_from_k in ((128, 128, False), (576, 512, True)):
-                config = tuning.clamp_decode_config(tuning.sm90.DECODE[(qk_dim, v_dim, "g16")], 8 if qk_dim == 128 else 16)
+                config = tuning.decode_config(qk_dim, v_dim, 8 if qk_dim == 128 else 16, family=hardware.SM90.name, fp8_pool=True)
                 constexprs = stage1_constexprs(
                     q_heads=64 if qk_dim == 128 else 16, kv_heads=8 if qk_dim == 128 else 1, qk_head_dim=qk_dim,
                     v_head_dim=v_dim, config=config, sm_scale=1.0 / math.sqrt(qk_dim), logit_cap=0.0,

@@ -43,7 +43,7 @@ def _warn_once(message: str) -> None:
 
 
 def table(op: str, family: str | None = None) -> dict:
-    """The `op` table ("decode", "extend", "extend_mgpu") of `family` (default: the visible GPU's family)."""
+    """The `op` table ("decode", "decode_fp8", "extend", "extend_mgpu") of `family` (default: the visible GPU's family)."""
     if family is None:
         family = hardware.gpu_family_name() or hardware.REFERENCE_FAMILY.name
     tables = TABLES.get(family)
@@ -102,15 +102,19 @@ def float32_decode_config(config: DecodeConfig, qk_head_dim: int, v_head_dim: in
                                num_warps=8 if width >= 256 else config.num_warps)
 
 
-def decode_config(qk_head_dim: int, v_head_dim: int, group: int, family: str | None = None, dtype=None) -> DecodeConfig:
+def decode_config(qk_head_dim: int, v_head_dim: int, group: int, family: str | None = None, dtype=None,
+                  fp8_pool: bool = False) -> DecodeConfig:
     """The tuned decode config for these head dims and group size, or the heuristic one (warning once) on a miss.
 
     MHA (group 1) uses its own entry where the table has one, else the "g16" entry: the grouped kernel pads the single
     head to 16 dot rows, which costs less than the vector kernel's unpipelined loads (see vector_config). dtype: q's
-    (the tables are bf16/fp16's; float32 takes `float32_decode_config`).
+    (the tables are bf16/fp16's; float32 takes `float32_decode_config`). fp8_pool: the pool is e4m3fn / e5m2 (the
+    "decode_fp8" table's entry where it has one).
     """
     bucket = "g1" if group == 1 else "g16" if group <= 16 else "g>16"
     entries = table("decode", family)
+    if fp8_pool:
+        entries = {**entries, **table("decode_fp8", family)}
     config = entries.get((qk_head_dim, v_head_dim, bucket))
     if config is None and bucket == "g1":
         bucket = "g16"

@@ -2,7 +2,7 @@
 
 Keys (normalised by `jaxattn.tuning`'s lookups):
   * DECODE: (qk_head_dim, v_head_dim, group bucket); the bucket is "g1" for MHA (falls back to "g16" when missing),
-    "g16" for q_heads / kv_heads <= 16, else "g>16".
+    "g16" for q_heads / kv_heads <= 16, else "g>16". DECODE_FP8: the same keys, for fp8 pools (falls back to DECODE).
   * EXTEND: the head-dim family: "64", "128", "256" (plain heads, the larger head dim rounded up to a power of 2, at
     least 64) and "576/512", "288/256", "192/128" (qk/v head dims with a rope part in a second dot). Configs are for
     16-bit inputs; fp32 and custom masks adapt them (`jaxattn.tuning.extend_config`).
@@ -38,6 +38,14 @@ DECODE: dict[tuple[int, int, str], DecodeConfig] = {
     (576, 512, "g>16"): DecodeConfig(block_n=32, block_h=32, num_warps=8, num_stages=2),
 }
 
+# fp8 pools (e4m3fn / e5m2), keys as DECODE's; a key missing here takes DECODE's entry. Rows are half as wide, and the
+# f16 dots (kernels/decode_attention.py) want fewer warps: at D1-FP8 (H200, 2026-12-03, 11e9d5a, records in
+# benchmarks/results/) 64-key tiles with 2 warps and 6 stages ran 0.176 ms against DECODE's 128/4/3 at 0.222 ms, and
+# 4 or 8 warps at any tile stayed at 0.207-0.39 ms.
+DECODE_FP8: dict[tuple[int, int, str], DecodeConfig] = {
+    (128, 128, "g16"): DecodeConfig(block_n=64, block_h=16, num_warps=2, num_stages=6),
+}
+
 # Two-stage kernel, bf16, each candidate checked against the reference first. "128" on E1/E3 (sweep of 2026-12-02):
 # 128x128 tiles with 3 stages, 2.56 ms on E1 against 5.24 ms for 128x32/2. The others on the tuning cases
 # T64/T256/T192/T576/T288 of jaxattn.bench (benchmarks/experiments/extend_tuning.py,
@@ -63,4 +71,4 @@ EXTEND_MGPU: dict[int, MgpuExtendConfig] = {
     128: MgpuExtendConfig(block_q=64, block_kv=128, stages=2),
 }
 
-TABLES = {"decode": DECODE, "extend": EXTEND, "extend_mgpu": EXTEND_MGPU}
+TABLES = {"decode": DECODE, "decode_fp8": DECODE_FP8, "extend": EXTEND, "extend_mgpu": EXTEND_MGPU}

@@ -23,9 +23,10 @@ from tests.helpers import HAS_GPU
 HAS_FFI = ffi_available()
 
 
-def test_auto_launch_follows_the_wheel(monkeypatch):
+def test_the_ffi_launch_is_opt_in(monkeypatch):
     monkeypatch.delenv("JAXATTN_FLASHINFER_LAUNCH", raising=False)
-    assert choose_launch(available=True) == "ffi"
+    assert choose_launch(available=True) == "bridge"  # installed is not enough (see choose_launch)
+    assert choose_launch("auto", available=True) == "bridge"
     assert choose_launch(available=False) == "bridge"
     assert choose_launch("bridge", available=True) == "bridge"
     monkeypatch.setenv("JAXATTN_FLASHINFER_LAUNCH", "bridge")
@@ -144,9 +145,16 @@ def scheduled_batch(rng, mode, seq_lens, extend_lens, tokens, num_slots):
     return dataclasses.replace(batch, out_cache_loc=jnp.asarray(out_cache_loc)), r2t
 
 
+# H200 at 55e003d: "extend" failed (padding rows 21-23 of the first batch non-zero under the FFI launch, where the
+# backend zeroes them after the call: a stream-ordering race is the first suspect); the other three passed.
+KNOWN_FFI_FAILURES = {"extend"}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_GPU and HAS_FFI), reason="needs a CUDA GPU, flashinfer and jax-tvm-ffi")
-@pytest.mark.parametrize("name", list(GPU_CASES))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.xfail(reason="FFI extend padding rows (H200, 55e003d)",
+                                                                       strict=True))
+                                  if name in KNOWN_FFI_FAILURES else name for name in GPU_CASES])
 def test_ffi_launch_matches_the_bridge_and_the_reference(rng, name):
     from jaxattn.backends import AttentionLayer, ReferenceBackend
     from jaxattn.backends.flashinfer import FlashInferBackend

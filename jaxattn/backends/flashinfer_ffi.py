@@ -36,7 +36,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-LAUNCH_ENV = "JAXATTN_FLASHINFER_LAUNCH"  # "ffi" | "bridge" | "auto" (default)
+LAUNCH_ENV = "JAXATTN_FLASHINFER_LAUNCH"  # "ffi" | "bridge" (default; "auto" is "bridge")
 LAUNCHES = ("ffi", "bridge")
 
 
@@ -51,13 +51,17 @@ def ffi_available() -> bool:
 
 
 def choose_launch(requested: str | None = None, *, available: bool | None = None) -> str:
-    """The launch path, "ffi" or "bridge": `requested`, else $JAXATTN_FLASHINFER_LAUNCH, else "auto" (ffi when
-    jax-tvm-ffi is importable). Asking for "ffi" without it raises ImportError naming the wheel."""
-    requested = requested or os.environ.get(LAUNCH_ENV) or "auto"
+    """The launch path, "ffi" or "bridge": `requested`, else $JAXATTN_FLASHINFER_LAUNCH, else "bridge".
+
+    The FFI launch is opt-in, also where jax-tvm-ffi is installed: on the H200 (55e003d) its paged-prefill output had
+    non-zero padding rows in one of four GPU cases (not diagnosed), and it was no closer to torch-launched FlashInfer
+    than the bridge at D1-D3 (records 2026-12-03_h200_flashinfer_ffi_11e9d5a.*). Asking for "ffi" without the wheel
+    raises ImportError naming it."""
+    requested = requested or os.environ.get(LAUNCH_ENV) or "bridge"
     if available is None:
         available = ffi_available()
     if requested == "auto":
-        return "ffi" if available else "bridge"
+        return "bridge"
     if requested not in LAUNCHES:
         raise ValueError(f"FlashInfer launch {requested!r}: expected one of {LAUNCHES} or 'auto' "
                          f"(from the argument or ${LAUNCH_ENV})")

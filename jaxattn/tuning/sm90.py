@@ -41,9 +41,12 @@ DECODE: dict[tuple[int, int, str], DecodeConfig] = {
 # fp8 pools (e4m3fn / e5m2), keys as DECODE's; a key missing here takes DECODE's entry. Rows are half as wide, and the
 # f16 dots (kernels/decode_attention.py) want fewer warps: at D1-FP8 (H200, 2026-12-03, 11e9d5a, records in
 # benchmarks/results/) 64-key tiles with 2 warps and 6 stages ran 0.176 ms against DECODE's 128/4/3 at 0.222 ms, and
-# 4 or 8 warps at any tile stayed at 0.207-0.39 ms.
+# 4 or 8 warps at any tile stayed at 0.207-0.39 ms (the bench's sweep at f6b987e: 0.174 ms again). MLA-FP8 (576/512,
+# V inside K), the same sweep: 64 keys, 4 warps, 2 stages 0.159 ms against DECODE's 32/4/2 at 0.173 ms (still slower
+# than the bf16 latent cache's 0.138 ms: the compiled kernel reads the fp8 V operand from shared memory byte by byte).
 DECODE_FP8: dict[tuple[int, int, str], DecodeConfig] = {
     (128, 128, "g16"): DecodeConfig(block_n=64, block_h=16, num_warps=2, num_stages=6),
+    (576, 512, "g16"): DecodeConfig(block_n=64, block_h=16, num_warps=4, num_stages=2),
 }
 
 # Two-stage kernel, bf16, each candidate checked against the reference first. "128" on E1/E3 (sweep of 2026-12-02):

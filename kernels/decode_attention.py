@@ -24,6 +24,12 @@ one packed instruction per two elements, to bf16 in a second one per element (f1
 memory, bounded fp8 decode (H200: 50% of the fp8 floor). q is multiplied by SM_SCALE in f32 before its f16 rounding
 (10 mantissa bits, finer than bf16's 8), so f16's range holds |q * SM_SCALE| up to 65504; beyond it the score is inf.
 p (in [0, 1]) is rounded to f16 instead of bf16 for the p.v dot.
+V_IN_REGISTERS (the grouped kernel, fp8 pools; `DecodeConfig.fp8_v_in_registers`): the p.v dot's V operand wants keys
+along its reduction axis, across the rows memory holds, and sm_90 has no transposing 8-bit ldmatrix, so Triton reads an
+fp8 V tile from shared memory a byte at a time (128 ld.shared.b8 per 64-key tile, 255 registers at 128/128). With
+V_IN_REGISTERS the tile is dequantised (times v_scale) to q's dot dtype in registers first, and the dot reads the
+16-bit copy with ldmatrix.trans (156 registers); the split's output is then not multiplied by v_scale again. f16's
+range must hold |V| (the dequantised value), which real activations do.
 """
 
 import triton
@@ -154,6 +160,7 @@ def decode_stage1_kernel(
     KV_CAPACITY: tl.constexpr,  # length of KV_INDICES: KV_INDPTR is clamped into it
     HAS_KV_SCALES: tl.constexpr,  # fp8 pool: apply KV_SCALES
     F16_DOTS: tl.constexpr,  # fp8 pool with bf16 q: q (pre-scaled), K, V and p as f16 in the dots (module docstring)
+    V_IN_REGISTERS: tl.constexpr,  # fp8 pool: V (times v_scale) converted in registers before the p.v dot (docstring)
 ):
     tl.static_assert(BLOCK_H >= 16, "tl.dot needs at least 16 rows")
     tl.static_assert(BLOCK_N >= 16, "tl.dot needs at least 16 columns")
@@ -210,7 +217,8 @@ def decode_stage1_kernel(
         # int64 slots: slot * stride can pass 2**31 on big pools.
         slots = _checked_slots(tl.load(kv_base + offs_n, mask=mask_n, other=0).to(tl.int64), NUM_SLOTS)
         k_rows = k_head + slots[:, None] * STRIDE_K_SLOT
-        k = tl.load(k_rows + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(q.dtype)
+        k_stored = tl.load(k_rows + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        k = k_stored.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N] f32
         if BLOCK_DPE > 0:
             k_pe = tl.load(k_rows + offs_dpe[None, :], mask=mask_n[:, None] & mask_dpe[None, :], other=0.0)
@@ -227,11 +235,17 @@ def decode_stage1_kernel(
         p = tl.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.reduce(p, 1, _sum_combine)
         if V_FROM_K:
+            v_stored = k_stored
+        else:
+            v_stored = tl.load(
+                v_head + slots[:, None] * STRIDE_V_SLOT + offs_dv[None, :], mask=mask_n[:, None] & mask_dv[None, :], other=0.0
+            )
+        if V_IN_REGISTERS:
+            v = (v_stored.to(tl.float32) * v_scale).to(q.dtype)
+        elif V_FROM_K:
             v = k
         else:
-            v = tl.load(
-                v_head + slots[:, None] * STRIDE_V_SLOT + offs_dv[None, :], mask=mask_n[:, None] & mask_dv[None, :], other=0.0
-            ).to(q.dtype)
+            v = v_stored.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -239,7 +253,7 @@ def decode_stage1_kernel(
     has_keys = l_i != 0
     safe_l = tl.where(has_keys, l_i, 1.0)
     out = acc / safe_l[:, None]
-    if HAS_KV_SCALES:
+    if HAS_KV_SCALES and not V_IN_REGISTERS:
         out = out * v_scale
     lse = tl.where(has_keys, (m_i + tl.log2(safe_l)) * LN2, float("-inf"))
     row = (seq * Q_HEADS + heads) * MAX_KV_SPLITS + split  # [BLOCK_H]

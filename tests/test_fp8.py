@@ -55,6 +55,9 @@ DECODE_CASES = [
     pytest.param((8, 2, 128, 128, False, None), id="gqa4-128"),
     pytest.param((4, 1, 576, 512, True, None), id="mla-576"),
     pytest.param((2, 2, 64, 64, False, DecodeConfig(block_n=32, block_h=1)), id="mha-vector"),
+    # V dequantised in registers before the p.v dot (DecodeConfig.fp8_v_in_registers): v_scale moves into V.
+    pytest.param((8, 2, 128, 128, False, DecodeConfig(block_n=32, fp8_v_in_registers=True)), id="gqa4-128-v-in-registers"),
+    pytest.param((4, 1, 576, 512, True, DecodeConfig(block_n=32, fp8_v_in_registers=True)), id="mla-576-v-in-registers"),
 ]
 
 

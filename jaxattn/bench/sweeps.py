@@ -27,6 +27,13 @@ def sweep_variants(op: str, case: Case):
                     config = DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
                     label = f"n{block_n} w{num_warps} s{num_stages}"
                     variants.append((label, lambda inp, c=config: decode_jaxattn(inp, config=c)))
+        if case.fp8:  # V dequantised in registers (DecodeConfig.fp8_v_in_registers): not byte-wise shared-memory reads
+            tiles = ((32, 4, 2), (64, 4, 2), (64, 8, 2), (32, 8, 2)) if mla else (
+                (64, 2, 6), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 4, 4), (128, 8, 3))
+            for block_n, num_warps, num_stages in tiles:
+                config = DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages, fp8_v_in_registers=True)
+                label = f"n{block_n} w{num_warps} s{num_stages} v-in-registers"
+                variants.append((label, lambda inp, c=config: decode_jaxattn(inp, config=c)))
         if case.q_heads == case.kv_heads:  # MHA: the vector kernel's tiles beside the grouped kernel's above
             for block_n in (32, 64, 128):
                 for num_warps in (2, 4, 8):

@@ -8,6 +8,8 @@ with `DecodeConfig(block_h=1)`). Takes every decode call.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 
 import jax
@@ -71,7 +73,7 @@ def stage1_constexprs(*, q_heads, kv_heads, qk_head_dim, v_head_dim, config, sm_
     )
     if config.block_h != 1:  # the grouped kernel's extra constexprs (the vector kernel has none)
         constexprs.update(V_FROM_K=v_from_k, BLOCK_H=config.block_h, DOT_PRECISION=dot_precision,
-                          F16_DOTS=bool(f16_dots))
+                          F16_DOTS=bool(f16_dots), V_IN_REGISTERS=bool(has_kv_scales) and config.fp8_v_in_registers)
     return constexprs
 
 
@@ -224,8 +226,10 @@ def kernel_builds():
             continue
         # fp8 pools (e4m3fn, e5m2) with this q dtype: the grouped builds of the common GQA and MLA shapes.
         for pool_dtype in ("fp8e4nv", "fp8e5"):
-            for qk_dim, v_dim, v_from_k in ((128, 128, False), (576, 512, True)):
+            for (qk_dim, v_dim, v_from_k), v_in_registers in itertools.product(((128, 128, False), (576, 512, True)),
+                                                                                (False, True)):
                 config = tuning.decode_config(qk_dim, v_dim, 8 if qk_dim == 128 else 16, family=hardware.SM90.name, fp8_pool=True)
+                config = dataclasses.replace(config, fp8_v_in_registers=v_in_registers)
                 constexprs = stage1_constexprs(
                     q_heads=64 if qk_dim == 128 else 16, kv_heads=8 if qk_dim == 128 else 1, qk_head_dim=qk_dim,
                     v_head_dim=v_dim, config=config, sm_scale=1.0 / math.sqrt(qk_dim), logit_cap=0.0,
@@ -235,7 +239,8 @@ def kernel_builds():
                 builds.append(build(
                     "decode_attention", stage1_kernel(config), stage1_signature(dtype, pool_dtype), constexprs,
                     num_warps=config.num_warps, num_stages=config.num_stages, expects_wgmma=False,
-                    expects_pipelining=config.num_stages > 1, label=f"{dtype} q, {pool_dtype} pool {qk_dim}/{v_dim}",
+                    expects_pipelining=config.num_stages > 1,
+                    label=f"{dtype} q, {pool_dtype} pool {qk_dim}/{v_dim}{' v in registers' if v_in_registers else ''}",
                 ))
         for v_dim in sorted({v for _, v in SUPPORTED_HEAD_DIMS}):
             builds.append(build(

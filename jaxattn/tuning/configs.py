@@ -19,8 +19,13 @@ class DecodeConfig:
     block_h: int = 16
     num_warps: int = 4
     num_stages: int = 2
+    # fp8 pools, grouped kernel: dequantise V to 16 bits in registers before the p.v dot (kernels/decode_attention.py,
+    # V_IN_REGISTERS). Compile-checked, not yet timed on the GPU: off in the tables.
+    fp8_v_in_registers: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.fp8_v_in_registers, bool):
+            raise ValueError(f"DecodeConfig.fp8_v_in_registers must be a bool; got {self.fp8_v_in_registers!r}")
         for name in ("block_n", "block_h", "num_warps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0 or value & (value - 1):

@@ -26,6 +26,7 @@ from jaxattn.kv_indices import create_kv_indices_reference
 from jaxattn.kv_pool import write_kv
 from jaxattn.metadata import decode_metadata, extend_metadata, extend_unified_metadata
 from jaxattn.paging import (
+    PageTable,
     create_kv_indices_from_pages,
     decode_metadata_from_pages,
     extend_metadata_from_pages,
@@ -294,3 +295,22 @@ def test_extend(rng, mode, page_size):
         np.testing.assert_allclose(np.asarray(o_u), np.asarray(unified_reference(q, k_all, v_all, meta_u1, window)),
                                    **tolerance(jnp.float32))
         np.testing.assert_allclose(np.asarray(o_u), np.asarray(ref), **tolerance(jnp.float32))  # both forms agree
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_draft_decode_metadata_over_pages(rng, page_size):
+    """Speculative draft steps over a PageTable: the same metadata as over its page-1 table, the drafts' reserved
+    slots (positions seq_len + t * steps + j) included; a padding row (seq_len 0) gets empty lists either way."""
+    from jaxattn.triton_backend import draft_decode_metadata
+
+    num_steps, topk = 3, 2
+    verified = np.array([34, 27, 14, 0], np.int32)
+    paged = paged_batch(rng, page_size, [n + topk * num_steps if n else 0 for n in verified])
+    kw = dict(speculative_num_steps=num_steps, topk=topk, kv_capacity=256, q_heads=8, kv_heads=2, max_kv_splits=4)
+    rows, lens = jnp.asarray(paged.rows), jnp.asarray(verified)
+    table = PageTable(jnp.asarray(paged.req_to_page), page_size=page_size, num_slots=paged.num_slots)
+    got = draft_decode_metadata(table, rows, lens, **kw)
+    want = draft_decode_metadata(jnp.asarray(paged.req_to_token), rows, lens, **kw)
+    assert_same_metadata(got, want)
+    assert int(got.kv_indptr[0, -1]) == topk * (verified.sum() + np.count_nonzero(verified))  # step 0: prefix + 1 draft
+    assert np.asarray(got.out_cache_loc).min() >= 0 and (np.asarray(got.out_cache_loc) > 0).sum() == 2 * topk * 3

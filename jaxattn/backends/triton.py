@@ -35,7 +35,7 @@ Pages: `init_forward_metadata` takes a `jaxattn.paging.PageTable` (req_to_page w
 num_slots; `RequestTable.page_table()`) wherever it takes req_to_token, and builds the same metadata with the
 `*_from_pages` builders (self attention, windows, every mode); `forward` is unchanged (the kernels read by slot).
 Cross attention over pages goes through the equivalent page-1 table (`PageTable.req_to_token()`, max_reqs x
-max_context entries per step); `draft_decode_metadata` takes req_to_token only.
+max_context entries per step); `draft_decode_metadata` takes a PageTable too (its lists gathered from the pages).
 
 Which window sizes get their own (shorter) lists is static: `TritonBackend(sliding_windows=(W, ...))`, plus the
 windows of `layers` when they are passed to `init_forward_metadata`. A window layer whose W was not prepared is
@@ -80,9 +80,11 @@ from jaxattn.metadata import (
 )
 from jaxattn.paging import (
     PageTable,
+    create_kv_indices_from_pages,
     decode_metadata_from_pages,
     extend_metadata_from_pages,
     extend_unified_metadata_from_pages,
+    token_slots,
 )
 from jaxattn.serving.batch import ForwardBatch, ForwardMode
 from jaxattn.serving.kv_pool import write_kv
@@ -364,7 +366,7 @@ class DraftDecodeMetadata:
                      "deterministic", "split_tile_size", "max_context_len", "launch_mode", "mode"),
 )
 def draft_decode_metadata(
-    req_to_token: jax.Array,
+    req_to_token: "jax.Array | PageTable",
     req_pool_indices: jax.Array,
     seq_lens: jax.Array,
     *,
@@ -390,8 +392,9 @@ def draft_decode_metadata(
     0.5.4 do, it gets no metadata: S = speculative_num_steps - 1.
 
     Args:
-      req_to_token: i32[max_reqs, max_context_len]. req_pool_indices: i32[B]. seq_lens: i32[B], verified tokens
-        per sequence (0 = padding row: empty lists, slot 0).
+      req_to_token: i32[max_reqs, max_context_len], or a `jaxattn.paging.PageTable` (the same slots through its pages:
+        the lists are gathered from the page table, no page-1 table is built). req_pool_indices: i32[B]. seq_lens:
+        i32[B], verified tokens per sequence (0 = padding row: empty lists, slot 0).
       speculative_num_steps: >= 2. topk: draft branches per sequence, >= 1.
       kv_capacity: static length of each step's list: >= topk * sum(seq_lens) + B * topk * (speculative_num_steps - 1).
       q_heads, kv_heads, max_kv_splits, deterministic, split_tile_size: as `decode.decode_metadata`.
@@ -401,7 +404,9 @@ def draft_decode_metadata(
     Returns:
       `DraftDecodeMetadata` with S = speculative_num_steps - 1 steps.
     """
-    check_array("req_to_token", req_to_token, ndim=2, dtypes=INDEX_DTYPES, what="[max_reqs, max_context_len]")
+    paged = isinstance(req_to_token, PageTable)
+    if not paged:
+        check_array("req_to_token", req_to_token, ndim=2, dtypes=INDEX_DTYPES, what="[max_reqs, max_context_len]")
     check_array("req_pool_indices", req_pool_indices, ndim=1, dtypes=INDEX_DTYPES, what="[batch]")
     batch = req_pool_indices.shape[0]
     check_array("seq_lens", seq_lens, shape=(batch,), dtypes=INDEX_DTYPES, what="[batch]")
@@ -410,20 +415,31 @@ def draft_decode_metadata(
     check_positive_int("topk", topk)
     check_positive_int("kv_capacity", kv_capacity)
     launch_mode = launch_mode_argument(launch_mode, mode)
-    max_ctx = req_to_token.shape[1] if max_context_len is None else int(max_context_len)
     rows = jnp.repeat(req_pool_indices.astype(jnp.int32), topk)  # row r = b * topk + t
     seq = jnp.repeat(jnp.maximum(seq_lens.astype(jnp.int32), 0), topk)
     branch = jnp.tile(jnp.arange(topk, dtype=jnp.int32), batch)
     real = seq > 0
-    prefix_indptr, prefix_indices = create_kv_indices(req_to_token, rows, seq, None, capacity=kv_capacity, launch_mode=launch_mode)
-    max_reqs, ctx = req_to_token.shape
-    safe_rows = jnp.clip(rows, 0, max_reqs - 1)
+    if paged:
+        ctx = req_to_token.req_to_page.shape[1] * req_to_token.page_size  # positions a row's pages hold
+        prefix_indptr, prefix_indices = create_kv_indices_from_pages(
+            req_to_token.req_to_page, rows, seq, None, capacity=kv_capacity, **req_to_token.builder_args())
+
+        def slots_at(cols):  # token_slots reads slot 0 for positions past the row's pages
+            return token_slots(req_to_token.req_to_page, rows[:, None], cols, **req_to_token.builder_args())
+    else:
+        ctx = req_to_token.shape[1]
+        prefix_indptr, prefix_indices = create_kv_indices(req_to_token, rows, seq, None, capacity=kv_capacity,
+                                                          launch_mode=launch_mode)
+        safe_rows = jnp.clip(rows, 0, req_to_token.shape[0] - 1)
+
+        def slots_at(cols):
+            return req_to_token[safe_rows[:, None], jnp.clip(cols, 0, ctx - 1)]
+    max_ctx = ctx if max_context_len is None else int(max_context_len)
     metas, locs, positions = [], [], []
     for i in range(speculative_num_steps - 1):
         depth = jnp.arange(i + 1, dtype=jnp.int32)
         cols = seq[:, None] + branch[:, None] * speculative_num_steps + depth[None, :]  # [B * topk, i + 1]
-        slots = req_to_token[safe_rows[:, None], jnp.clip(cols, 0, ctx - 1)]
-        slots = jnp.where(real[:, None] & (cols < ctx), slots, 0)
+        slots = jnp.where(real[:, None] & (cols < ctx), slots_at(cols), 0)
         drafts = jnp.where(real, i + 1, 0)
         # Row r's i + 1 draft slots sit at r * (i + 1) in the flattened [B * topk, i + 1] array.
         kv_indptr, kv_indices, _ = build_unified_kv_indices(

@@ -20,8 +20,8 @@ fp8 pools (HAS_KV_SCALES): K/V rows load as fp8 and convert exactly to the dot d
 the scores (folded into the scale the scores are multiplied by anyway) and KV_SCALES[1, kv_head] the split's output. For
 16-bit pools HAS_KV_SCALES is False and the code is the same as without scales.
 F16_DOTS (the grouped kernel, fp8 pool with bf16 q): the dots run in f16, not bf16. e4m3 / e5m2 rows convert to f16 in
-one packed instruction per two elements, to bf16 in a second one per element (f16 -> bf16), and that conversion, not
-memory, bounded fp8 decode (H200: 50% of the fp8 floor). q is multiplied by SM_SCALE in f32 before its f16 rounding
+one packed instruction per two elements, to bf16 in a second one per element (f16 -> bf16): about a tenth of the fp8
+step at D1 (H200: 0.252 -> 0.224 ms; benchmarks/RESULTS.md). q is multiplied by SM_SCALE in f32 before its f16 rounding
 (10 mantissa bits, finer than bf16's 8), so f16's range holds |q * SM_SCALE| up to 65504; beyond it the score is inf.
 p (in [0, 1]) is rounded to f16 instead of bf16 for the p.v dot.
 V_IN_REGISTERS (the grouped kernel, fp8 pools; `DecodeConfig.fp8_v_in_registers`): the p.v dot's V operand wants keys

@@ -55,7 +55,6 @@ def main():
     args = parser.parse_args()
 
     import jax
-    import jax.numpy as jnp
     import numpy as np
     import torch
     import flashinfer

@@ -66,8 +66,9 @@ def choose_launch(requested: str | None = None, *, available: bool | None = None
         raise ValueError(f"FlashInfer launch {requested!r}: expected one of {LAUNCHES} or 'auto' "
                          f"(from the argument or ${LAUNCH_ENV})")
     if requested == "ffi" and not available:
-        raise ImportError("the FlashInfer FFI launch needs jax-tvm-ffi (pip install jax-tvm-ffi==0.1.3, with apache-tvm-ffi); "
-                          "launch='bridge' runs FlashInfer through jax.experimental.buffer_callback instead")
+        raise ImportError("the FlashInfer FFI launch needs jax-tvm-ffi (pip install 'jaxattn[flashinfer-ffi]': "
+                          "jax-tvm-ffi 0.1.3 with apache-tvm-ffi); launch='bridge' runs FlashInfer through "
+                          "jax.experimental.buffer_callback instead")
     return requested
 
 

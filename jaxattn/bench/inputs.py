@@ -102,7 +102,6 @@ def make_inputs(case: Case, seed: int = 0) -> Inputs:
     )
 
 
-
 def page_aligned_slots(case: Case, seed: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
     """A paged case's layout: (req_to_page i32[B, pages per sequence], slots i32[B, prefix + new], num_slots).
 

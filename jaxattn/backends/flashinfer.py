@@ -8,9 +8,9 @@
 the host and calls the wrappers' `plan()`; it returns a small pytree whose static part names the planned
 wrappers, so a step jitted once keeps serving new plans. `forward` writes K/V with `write_kv` (JAX) and runs
 the wrapper's kernel on XLA's stream on JAX's own buffers (no copies), one of two ways (`launch=`, or
-$JAXATTN_FLASHINFER_LAUNCH): "ffi", an XLA FFI call through jax-tvm-ffi (`jaxattn.backends.flashinfer_ffi`, the
-default when jax-tvm-ffi is installed), or "bridge", the wrapper's `run()` through `jax.experimental.buffer_callback`
-on DLPack views (`bridged_run`). LSEs from FlashInfer are base 2; jaxattn's are natural log: converted at the boundary.
+$JAXATTN_FLASHINFER_LAUNCH): "bridge" (the default), the wrapper's `run()` through `jax.experimental.buffer_callback`
+on DLPack views (`bridged_run`), or "ffi" (opt-in, `jaxattn.backends.flashinfer_ffi.choose_launch` says why), an XLA
+FFI call through jax-tvm-ffi. LSEs from FlashInfer are base 2; jaxattn's are natural log: converted at the boundary.
 
 Pages: the pool `[slots, kv_heads, head_dim]` is passed as `[slots // P, P, kv_heads, head_dim]` (a view,
 `paged_pool_view`): page size 1 for a req_to_token table (every `last_page_len` 1), a `jaxattn.paging.PageTable`'s

@@ -23,8 +23,8 @@ operands are immutable is not touched). plan() fills them with host->device copi
 after plan() and before the step (FlashInferBackend.plan does). Not CUDA-graph safe (the callback reads the current
 plan), so the target is registered without the command-buffer trait and XLA launches it eagerly.
 
-jax-tvm-ffi and apache-tvm-ffi are imported only when a launcher is made; `choose_launch` picks this path when
-jax-tvm-ffi is importable and `bridged_run` otherwise.
+jax-tvm-ffi and apache-tvm-ffi are imported only when a launcher is made; `choose_launch` picks this path only when
+asked (`FlashInferBackend(launch="ffi")` or $JAXATTN_FLASHINFER_LAUNCH=ffi) and says why it is not the default.
 """
 
 from __future__ import annotations

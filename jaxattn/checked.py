@@ -12,7 +12,9 @@ What is checked (each message names the argument and the first offending entry):
   lengths non-negative; the req_pool_indices of every non-empty sequence inside req_to_token's rows; the req_to_token
   entries the batch lists inside [0, num_slots); prefix + extend (or seq_len) within max_context_len (req_to_token's
   width); extend_lens <= the max_extend_len bucket; totals within kv_capacity / the query rows; out_cache_loc in
-  range and free of repeats other than the padding slot 0 (`jaxattn.kv_pool.check_write_slots`).
+  range and free of repeats other than the padding slot 0 (`jaxattn.kv_pool.check_write_slots`). A
+  `jaxattn.paging.PageTable` may stand for req_to_token: the pages holding the listed keys must then be pages of
+  the pool (1 <= id < num_slots / page_size; page 0 and ids outside read the padding slot).
 * `validate_decode_metadata` / `validate_extend_metadata` (the metadata pytrees, also for callers that build CSR
   lists themselves): indptrs start at 0, never decrease and end within the index capacity; the listed kv_indices
   inside [0, num_slots); per-sequence query counts within max_extend_len; seq_lens / prefix_lens consistent.
@@ -53,6 +55,7 @@ from jax.experimental import checkify
 
 from jaxattn.checks import INDEX_DTYPES, check_array, check_positive_int, check_request_tables, check_window
 from jaxattn.metadata import DecodeMetadata, ExtendMetadata, ExtendUnifiedMetadata, listed_prefix
+from jaxattn.paging import PageTable, page_in_pool
 from jaxattn.serving.kv_pool import check_write_slots
 
 __all__ = [
@@ -171,8 +174,43 @@ def _rows_in_range(req_pool_indices, max_reqs, active):
                i=i, v=rows[i])
 
 
+def _table_shape(req_to_token, num_slots: int) -> tuple[int, int]:
+    """(max_reqs, max_context_len) of a request table: req_to_token's shape, or a `PageTable`'s rows and the positions
+    its pages hold (its num_slots must be the pool's)."""
+    if isinstance(req_to_token, PageTable):
+        if req_to_token.num_slots != num_slots:
+            raise ValueError(f"num_slots ({num_slots}) must be the PageTable's num_slots ({req_to_token.num_slots}): the "
+                             "pool the table pages")
+        return req_to_token.req_to_page.shape[0], req_to_token.max_context_len
+    check_array("req_to_token", req_to_token, ndim=2, dtypes=INDEX_DTYPES, what="[max_reqs, max_context_len]")
+    return req_to_token.shape
+
+
+def _listed_page_entries(table: PageTable, req_pool_indices, begin, end):
+    """The pages holding positions begin_b .. end_b - 1 of every sequence are pages of the pool, 1 <= id < num_slots /
+    page_size (rows already checked): page 0 and ids outside the pool read the padding slot 0."""
+    max_reqs, max_pages = table.req_to_page.shape
+    if req_pool_indices.size == 0:
+        return
+    rows = jnp.clip(req_pool_indices.astype(jnp.int32), 0, max_reqs - 1)
+    pages = table.req_to_page[rows].astype(jnp.int32)  # [batch, max_pages]: only the rows the batch uses
+    column = jnp.arange(max_pages, dtype=jnp.int32)[None, :]
+    size = table.page_size
+    listed = (column >= begin[:, None] // size) & (column * size < end[:, None]) & (end > begin)[:, None]
+    bad = listed & ~page_in_pool(pages, size, num_slots=table.num_slots)
+    flat = bad.reshape(-1)
+    k = _first(flat)
+    b, p = k // max_pages, k % max_pages
+    _check_all(~flat, f"req_to_page[req_pool_indices[{{b}}], {{p}}] = {{v}} is not a page of the pool [1, "
+               f"{table.num_slots // size}) (it holds a listed key)", b=b, p=p, v=pages.reshape(-1)[k])
+
+
 def _listed_table_entries(req_to_token, req_pool_indices, begin, end, num_slots):
-    """req_to_token[row_b, begin_b:end_b] inside [0, num_slots) for every sequence (rows already checked)."""
+    """req_to_token[row_b, begin_b:end_b] inside [0, num_slots) for every sequence (rows already checked); for a
+    `PageTable`, the pages holding those positions are pages of the pool."""
+    if isinstance(req_to_token, PageTable):
+        _listed_page_entries(req_to_token, req_pool_indices, begin, end)
+        return
     max_reqs, max_ctx = req_to_token.shape
     if req_pool_indices.size == 0:
         return
@@ -209,14 +247,14 @@ def validate_decode_inputs(req_to_token, req_pool_indices, seq_lens, *, num_slot
 
     seq_lens >= 0 and <= max_context_len; req_pool_indices of non-empty sequences inside req_to_token; the listed
     entries (the last min(seq_len, W + 1) with a window W) inside [0, num_slots); the listed total <= kv_capacity;
-    out_cache_loc (the current tokens' slots) valid for `write_kv`.
+    out_cache_loc (the current tokens' slots) valid for `write_kv`. req_to_token may be a `jaxattn.paging.PageTable`
+    (the pages holding the listed keys must be pages of the pool).
     """
-    check_array("req_to_token", req_to_token, ndim=2, dtypes=INDEX_DTYPES, what="[max_reqs, max_context_len]")
+    max_reqs, max_ctx = _table_shape(req_to_token, num_slots)
     check_array("req_pool_indices", req_pool_indices, ndim=1, dtypes=INDEX_DTYPES, what="[max_batch]")
     check_array("seq_lens", seq_lens, shape=req_pool_indices.shape, dtypes=INDEX_DTYPES, what="[max_batch]")
     check_positive_int("num_slots", num_slots)
     check_window("sliding_window", sliding_window)
-    max_reqs, max_ctx = req_to_token.shape
     seq_lens = seq_lens.astype(jnp.int32)
     _non_negative("seq_lens", seq_lens)
     _at_most("seq_lens", seq_lens, max_ctx, "max_context_len, req_to_token.shape[1]")
@@ -243,12 +281,14 @@ def validate_extend_inputs(req_to_token, req_pool_indices, prefix_lens, extend_l
     new tokens' entries of req_to_token inside [0, num_slots); the listed total (prefix, plus the new tokens when
     `unified`) <= kv_capacity; the total of extend_lens <= num_tokens (q's rows) and <= len(out_cache_loc); out_cache_loc
     valid for `write_kv`; with `custom_mask` (a verify step) and without x64, the mask's total size fits int32 offsets.
+    req_to_token may be a `jaxattn.paging.PageTable` (the pages holding the listed keys must be pages of the pool).
     """
-    check_request_tables(req_to_token, req_pool_indices, prefix_lens, extend_lens)
     check_positive_int("num_slots", num_slots)
+    max_reqs, max_ctx = _table_shape(req_to_token, num_slots)
+    paged = isinstance(req_to_token, PageTable)
+    check_request_tables(req_to_token.req_to_page if paged else req_to_token, req_pool_indices, prefix_lens, extend_lens)
     check_positive_int("max_extend_len", max_extend_len)
     check_window("sliding_window", sliding_window)
-    max_reqs, max_ctx = req_to_token.shape
     prefix_lens = prefix_lens.astype(jnp.int32)
     extend_lens = extend_lens.astype(jnp.int32)
     _non_negative("prefix_lens", prefix_lens)

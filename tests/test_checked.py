@@ -26,6 +26,7 @@ from jaxattn.extend import (
     extend_unified_metadata,
 )
 from jaxattn.kv_pool import write_kv
+from jaxattn.paging import PageTable
 
 SLOTS, MAX_REQS, MAX_CTX = 16, 3, 8
 
@@ -67,8 +68,38 @@ def with_entry(row, pos, value):
     return t
 
 
+PAGE, PAGED_SLOTS = 8, 64  # pages 1..7 (page 0 is padding)
+
+
+def page_table(row=None, column=None, value=None):
+    """Three request rows of two 8-slot pages each: row 0 pages 3, 5; row 1 page 2 (then padding); row 2 pages 7, 1.
+    With row/column/value, that entry replaced."""
+    pages = np.array([[3, 5], [2, 0], [7, 1]], np.int32)
+    if row is not None:
+        pages[row, column] = value
+    return PageTable(jnp.asarray(pages), page_size=PAGE, num_slots=PAGED_SLOTS)
+
+
+def paged_decode_inputs(table=None, rows=(0, 2), lens=(12, 9), **kw):
+    table = page_table() if table is None else table
+    return lambda: validate_decode_inputs(table, i32(*rows), i32(*lens), num_slots=PAGED_SLOTS, **kw)
+
+
+def paged_extend_inputs(table=None, rows=(0, 1), prefix=(9, 1), extend=(3, 2), **kw):
+    table = page_table() if table is None else table
+    return lambda: validate_extend_inputs(table, i32(*rows), i32(*prefix), i32(*extend), num_slots=PAGED_SLOTS,
+                                          max_extend_len=4, **kw)
+
+
 BAD = [
     # (id, validation, regex naming the argument)
+    ("paged/decode/padding-page", paged_decode_inputs(page_table(0, 1, 0)),
+     r"req_to_page\[req_pool_indices\[0\], 1\] = 0 is not a page of the pool \[1, 8\)"),
+    ("paged/decode/page-past-pool", paged_decode_inputs(page_table(2, 0, 8)),
+     r"req_to_page\[req_pool_indices\[1\], 0\] = 8 is not a page of the pool"),
+    ("paged/decode/seq_lens-past-pages", paged_decode_inputs(lens=(17, 9)), r"seq_lens\[0\] = 17 exceeds max_context_len"),
+    ("paged/extend/new-tokens-page", paged_extend_inputs(page_table(1, 0, -3)),
+     r"req_to_page\[req_pool_indices\[1\], 0\] = -3 is not a page of the pool"),
     ("decode/seq_lens-negative", decode_inputs(lens=(5, -2)), r"seq_lens\[1\] = -2 is negative"),
     ("decode/seq_lens-past-context", decode_inputs(lens=(9, 4)), r"seq_lens\[0\] = 9 exceeds max_context_len"),
     ("decode/req_pool_indices", decode_inputs(rows=(0, 7)), r"req_pool_indices\[1\] = 7 is outside req_to_token's rows \[0, 3\)"),
@@ -94,6 +125,10 @@ BAD = [
 ]
 
 GOOD = [
+    ("paged/decode", paged_decode_inputs(kv_capacity=21)),
+    # A window lists keys 8..11 of row 0 (its second page only), and row 1's padding page is past its tokens.
+    ("paged/decode/window", paged_decode_inputs(page_table(0, 0, 0), sliding_window=3)),
+    ("paged/extend", paged_extend_inputs(kv_capacity=17, unified=True)),
     ("decode", decode_inputs(kv_capacity=9, out_cache_loc=i32(7, 14))),
     # A padding row (length 0) may name any request row, and the table past a sequence's end is never read.
     ("decode/padding-row", decode_inputs(t=with_entry(0, 6, -7), rows=(0, 2, 99), lens=(5, 4, 0), kv_capacity=9)),
@@ -118,6 +153,11 @@ def test_bad_value_is_caught(validation, message):
 @pytest.mark.parametrize("validation", [pytest.param(v, id=i) for i, v in GOOD])
 def test_good_values_pass(validation):
     run(validation)
+
+
+def test_a_page_table_must_page_the_pool_it_is_checked_against():
+    with pytest.raises(ValueError, match=r"num_slots \(32\) must be the PageTable's num_slots \(64\)"):
+        validate_decode_inputs(page_table(), i32(0), i32(3), num_slots=32)
 
 
 def decode_meta():

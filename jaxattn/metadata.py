@@ -544,8 +544,16 @@ def cross_attention_metadata(
     check_extend_builder_args(req_to_token, req_pool_indices, encoder_lens, extend_lens, max_extend_len, kv_capacity)
     encoder_lens = jnp.maximum(encoder_lens.astype(jnp.int32), 0)
     indptr, indices = create_kv_indices(req_to_token, req_pool_indices, encoder_lens, None, capacity=kv_capacity, launch_mode=launch_mode_argument(launch_mode, mode))
+    return cross_attention_metadata_from_lists(indptr, indices, encoder_lens, extend_lens, max_extend_len=max_extend_len,
+                                               kv_capacity=kv_capacity)
+
+
+def cross_attention_metadata_from_lists(kv_indptr, kv_indices, encoder_lens, extend_lens, *, max_extend_len: int,
+                                        kv_capacity: int) -> ExtendUnifiedMetadata:
+    """The cross-attention metadata around the encoder tokens' lists (kv_indptr i32[B + 1], kv_indices [kv_capacity]),
+    shared by the req_to_token and page-table builders. encoder_lens: i32[B], >= 0."""
     return ExtendUnifiedMetadata(
-        qo_indptr=exclusive_cumsum(jnp.maximum(extend_lens.astype(jnp.int32), 0)), kv_indptr=indptr, kv_indices=indices,
-        prefix_lens=encoder_lens, kv_start_pos=jnp.zeros_like(encoder_lens), mask_indptr=None,
+        qo_indptr=exclusive_cumsum(jnp.maximum(extend_lens.astype(jnp.int32), 0)), kv_indptr=kv_indptr,
+        kv_indices=kv_indices, prefix_lens=encoder_lens, kv_start_pos=jnp.zeros_like(encoder_lens), mask_indptr=None,
         max_extend_len=max_extend_len, kv_capacity=kv_capacity,
     )

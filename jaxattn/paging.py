@@ -64,6 +64,7 @@ from jaxattn.metadata import (
     DecodeMetadata,
     ExtendMetadata,
     ExtendUnifiedMetadata,
+    cross_attention_metadata_from_lists,
     decode_listed_keys,
     decode_metadata_from_indptr,
     extend_metadata_from_lists,
@@ -76,6 +77,7 @@ __all__ = [
     "PAGE_SIZES",
     "PageTable",
     "create_kv_indices_from_pages",
+    "cross_attention_metadata_from_pages",
     "decode_metadata_from_pages",
     "extend_metadata_from_pages",
     "extend_unified_metadata_from_pages",
@@ -404,3 +406,27 @@ def extend_unified_metadata_from_pages(
     return extend_unified_metadata_from_lists(
         extend_lens, start, prefix_indptr, prefix_indices, out_cache_loc, extend_start_loc, max_extend_len=max_extend_len,
         kv_capacity=kv_capacity, sliding_window=sliding_window, index_dtype=index_dtype, launch_mode=launch_mode)
+
+
+@functools.partial(jax.jit, static_argnames=("page_size", "num_slots", "max_extend_len", "kv_capacity"))
+def cross_attention_metadata_from_pages(
+    req_to_page: jax.Array,
+    req_pool_indices: jax.Array,
+    encoder_lens: jax.Array,
+    extend_lens: jax.Array,
+    *,
+    page_size: int,
+    num_slots: int,
+    max_extend_len: int,
+    kv_capacity: int,
+) -> ExtendUnifiedMetadata:
+    """`jaxattn.metadata.cross_attention_metadata` over a page table: each sequence's new tokens over its encoder's
+    tokens (positions 0 .. encoder_lens[b] - 1 of its pages), run non-causal. req_to_page, page_size, num_slots: as
+    `decode_metadata_from_pages`; others as `cross_attention_metadata`."""
+    _check_extend_pages(req_to_page, req_pool_indices, encoder_lens, extend_lens, page_size, num_slots, max_extend_len,
+                        kv_capacity, -1, jnp.int32)
+    encoder_lens = jnp.maximum(encoder_lens.astype(jnp.int32), 0)
+    kv_indptr, kv_indices = _paged_lists(req_to_page, req_pool_indices, encoder_lens, None, page_size, num_slots,
+                                         kv_capacity, jnp.int32)
+    return cross_attention_metadata_from_lists(kv_indptr, kv_indices, encoder_lens, extend_lens,
+                                               max_extend_len=max_extend_len, kv_capacity=kv_capacity)

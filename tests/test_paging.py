@@ -28,6 +28,7 @@ from jaxattn.metadata import decode_metadata, extend_metadata, extend_unified_me
 from jaxattn.paging import (
     PageTable,
     create_kv_indices_from_pages,
+    cross_attention_metadata_from_pages,
     decode_metadata_from_pages,
     extend_metadata_from_pages,
     extend_unified_metadata_from_pages,
@@ -314,3 +315,19 @@ def test_draft_decode_metadata_over_pages(rng, page_size):
     assert_same_metadata(got, want)
     assert int(got.kv_indptr[0, -1]) == topk * (verified.sum() + np.count_nonzero(verified))  # step 0: prefix + 1 draft
     assert np.asarray(got.out_cache_loc).min() >= 0 and (np.asarray(got.out_cache_loc) > 0).sum() == 2 * topk * 3
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cross_attention_metadata_over_pages(rng, page_size):
+    """Cross attention's lists (each sequence's encoder tokens, then run non-causal) from the pages equal the
+    page-1 builder's; an encoder of 0 tokens (a decoder-only row) lists nothing."""
+    from jaxattn.metadata import cross_attention_metadata
+
+    paged = paged_batch(rng, page_size, [40, 33, 20])
+    rows, encoder, extend = jnp.asarray(paged.rows), jnp.asarray([40, 17, 0], jnp.int32), jnp.asarray([3, 5, 2], jnp.int32)
+    sizes = dict(max_extend_len=8, kv_capacity=128)
+    got = cross_attention_metadata_from_pages(jnp.asarray(paged.req_to_page), rows, encoder, extend, page_size=page_size,
+                                              num_slots=paged.num_slots, **sizes)
+    want = cross_attention_metadata(jnp.asarray(paged.req_to_token), rows, encoder, extend, **sizes)
+    assert_same_metadata(got, want)
+    np.testing.assert_array_equal(np.asarray(got.kv_indptr), [0, 40, 57, 57])

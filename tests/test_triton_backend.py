@@ -171,6 +171,24 @@ def test_cross_attention_matches_reference(rng, kind, mode):
     assert_matches_reference(got, want, batch)
 
 
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
+def test_cross_attention_over_a_page_table(rng, mode):
+    """TritonBackend with a PageTable builds the cross-attention lists from the pages: at page size 1 (page id =
+    slot) the same metadata as with req_to_token."""
+    from jaxattn.paging import PageTable
+
+    ext = [3, 2] if mode == ForwardMode.EXTEND else [1, 1]
+    batch, req_to_token = make_batch(rng, [4, 0], ext, mode=mode, token_bucket=6 if mode == ForwardMode.EXTEND else 3,
+                                     batch_bucket=3, encoder_lens=[5, 3])
+    backend = TritonBackend()
+    got = backend.init_forward_metadata(batch, PageTable(req_to_token, page_size=1, num_slots=NUM_SLOTS), batch_layers(batch))
+    want = backend.init_forward_metadata(batch, req_to_token, batch_layers(batch))
+    assert got.cross_attn is not None
+    for a, b in zip(jax.tree_util.tree_leaves(got.cross_attn), jax.tree_util.tree_leaves(want.cross_attn)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert jax.tree_util.tree_structure(got.cross_attn) == jax.tree_util.tree_structure(want.cross_attn)
+
+
 def test_idle_gives_zeros_and_leaves_the_pool():
     rng = np.random.default_rng(0)
     batch, req_to_token = make_batch(rng, [], [], mode=ForwardMode.IDLE, token_bucket=2, batch_bucket=1)

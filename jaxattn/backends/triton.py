@@ -33,9 +33,8 @@ cross layers (`layer.is_cross_attention`) attend the encoder's tokens, non-causa
 
 Pages: `init_forward_metadata` takes a `jaxattn.paging.PageTable` (req_to_page with static page_size and
 num_slots; `RequestTable.page_table()`) wherever it takes req_to_token, and builds the same metadata with the
-`*_from_pages` builders (self attention, windows, every mode); `forward` is unchanged (the kernels read by slot).
-Cross attention over pages goes through the equivalent page-1 table (`PageTable.req_to_token()`, max_reqs x
-max_context entries per step); `draft_decode_metadata` takes a PageTable too (its lists gathered from the pages).
+`*_from_pages` builders (self and cross attention, windows, every mode); `forward` is unchanged (the kernels read
+by slot); `draft_decode_metadata` takes a PageTable too (its lists gathered from the pages).
 
 Which window sizes get their own (shorter) lists is static: `TritonBackend(sliding_windows=(W, ...))`, plus the
 windows of `layers` when they are passed to `init_forward_metadata`. A window layer whose W was not prepared is
@@ -81,6 +80,7 @@ from jaxattn.metadata import (
 from jaxattn.paging import (
     PageTable,
     create_kv_indices_from_pages,
+    cross_attention_metadata_from_pages,
     decode_metadata_from_pages,
     extend_metadata_from_pages,
     extend_unified_metadata_from_pages,
@@ -261,9 +261,12 @@ class TritonBackend:
             else:
                 window_masks = (mask,) * len(windows)  # two-stage metadata keeps full-width mask rows
         cross = None
-        if encoder is not None:
-            table = req_to_token.req_to_token() if isinstance(req_to_token, PageTable) else req_to_token
-            cross = cross_attention_metadata(table, batch.req_pool_indices, encoder, batch.extend_lens,
+        if encoder is not None and isinstance(req_to_token, PageTable):
+            cross = cross_attention_metadata_from_pages(req_to_token.req_to_page, batch.req_pool_indices, encoder,
+                                                        batch.extend_lens, max_extend_len=batch.max_extend_len,
+                                                        kv_capacity=batch.kv_capacity, **req_to_token.builder_args())
+        elif encoder is not None:
+            cross = cross_attention_metadata(req_to_token, batch.req_pool_indices, encoder, batch.extend_lens,
                                              max_extend_len=batch.max_extend_len, kv_capacity=batch.kv_capacity,
                                              launch_mode=self.launch_mode)
         return TritonMetadata(attn=attn, window_attn=window_attn, cross_attn=cross, custom_mask=mask,

@@ -104,6 +104,28 @@ def test_decode_f16_dots_keep_large_scores(rng, mode, logit_cap):
     np.testing.assert_allclose(lse, ref_lse, atol=2e-2, rtol=2e-3)
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("config", [None, DecodeConfig(block_n=32, fp8_v_in_registers=True)], ids=["table", "v-in-registers"])
+def test_fp8_decode_nan_reaches_exactly_the_rows_that_see_it(rng, mode, config):
+    """NaN in one sequence's q (through the f16 dots) and in one listed fp8 V entry of another sequence (through the
+    V dequantisation): exactly those rows come out NaN, the others stay finite and correct."""
+    q_heads, kv_heads, dim = 8, 2, 128
+    q, k_pool, v_pool, kv_indptr, kv_indices = make_pools(rng, [5, 40, 77], q_heads, kv_heads, dim, dim, jnp.bfloat16)
+    k8, v8 = quantised(k_pool, 0.5, jnp.float8_e4m3fn), quantised(v_pool, 2.0, jnp.float8_e4m3fn)
+    q = q.at[0, 3, 7].set(jnp.nan)  # sequence 0, q head 3 (kv head 0)
+    listed = int(np.asarray(kv_indices)[int(kv_indptr[1]) + 11])  # sequence 1's 12th key
+    v8 = v8.at[listed, 1, 5].set(jnp.nan)  # its V, kv head 1: q heads 4-7 of sequence 1 see it
+    meta = decode_metadata_from_indptr(kv_indptr, kv_indices, q_heads=q_heads, kv_heads=kv_heads, max_kv_splits=4,
+                                       min_split_len=32, programs_per_sm=10**6)
+    o = np.float32(decode_attention(q, k8, v8, meta, mode=mode, config=config, k_scale=0.5, v_scale=2.0))
+    want = np.zeros(o.shape, bool)
+    want[0, 3, :] = True
+    want[1, 4:, 5] = True
+    np.testing.assert_array_equal(np.isnan(o), want)
+    ref = np.float32(decode_attention_reference(q, _clean(k8), _clean(v8), meta, k_scale=0.5, v_scale=2.0))
+    np.testing.assert_allclose(o[~want], ref[~want], **testing.tolerance(jnp.bfloat16))  # every other entry
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantisation_error_is_within_the_format_tolerance(rng, fmt):
     q_heads, kv_heads, dim = 8, 2, 128

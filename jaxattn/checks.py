@@ -292,6 +292,17 @@ def check_new_tokens(q, k_new, v_new, k_pool, v_pool) -> None:
 # Metadata builders' arguments.
 
 
+def check_kv_list_args(req_pool_indices, kv_lens, kv_starts) -> int:
+    """The per-sequence arguments of a key-list builder (`jaxattn.kv_indices.create_kv_indices`,
+    `jaxattn.paging.create_kv_indices_from_pages`): rows, lengths and optional starts. Returns the batch."""
+    check_array("req_pool_indices", req_pool_indices, ndim=1, dtypes=INDEX_DTYPES, what="[batch]")
+    batch = req_pool_indices.shape[0]
+    check_array("kv_lens", kv_lens, shape=(batch,), dtypes=INDEX_DTYPES, what="[batch]")
+    if kv_starts is not None:
+        check_array("kv_starts", kv_starts, shape=(batch,), dtypes=INDEX_DTYPES, what="[batch]")
+    return batch
+
+
 def check_request_tables(req_to_token, req_pool_indices, prefix_lens, extend_lens) -> int:
     """An extend batch's request tables (the builders and `jaxattn.checked`). Returns the batch."""
     check_array("req_to_token", req_to_token, ndim=2, dtypes=INDEX_DTYPES, what="[max_reqs, max_context_len]")

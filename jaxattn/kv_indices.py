@@ -12,7 +12,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxattn.checks import launch_mode_argument, INDEX_DTYPES, check_array, check_index_dtype, check_positive_int
+from jaxattn.checks import (
+    INDEX_DTYPES,
+    check_array,
+    check_index_dtype,
+    check_kv_list_args,
+    check_positive_int,
+    launch_mode_argument,
+)
 from jaxattn.aot import build
 from jaxattn.launch import launch
 
@@ -26,11 +33,7 @@ def exclusive_cumsum(lengths: jax.Array, dtype=jnp.int32) -> jax.Array:
 
 def _check_create_args(req_to_token, req_pool_indices, kv_lens, kv_starts):
     check_array("req_to_token", req_to_token, ndim=2, dtypes=INDEX_DTYPES, what="[max_reqs, max_context_len]")
-    check_array("req_pool_indices", req_pool_indices, ndim=1, dtypes=INDEX_DTYPES, what="[batch]")
-    batch = req_pool_indices.shape[0]
-    check_array("kv_lens", kv_lens, shape=(batch,), dtypes=INDEX_DTYPES, what="[batch]")
-    if kv_starts is not None:
-        check_array("kv_starts", kv_starts, shape=(batch,), dtypes=INDEX_DTYPES, what="[batch]")
+    check_kv_list_args(req_pool_indices, kv_lens, kv_starts)
 
 
 @functools.partial(jax.jit, static_argnames=("capacity", "index_dtype", "launch_mode", "mode"))

@@ -54,6 +54,7 @@ from jaxattn.checks import (
     check_extend_builder_args,
     check_heads,
     check_index_dtype,
+    check_kv_list_args,
     check_page_args,
     check_positive_int,
     check_window,
@@ -213,11 +214,7 @@ def create_kv_indices_from_pages(
     Returns (kv_indptr i32[batch + 1], kv_indices index_dtype[capacity]).
     """
     check_page_args(req_to_page, page_size, num_slots)
-    check_array("req_pool_indices", req_pool_indices, ndim=1, dtypes=INDEX_DTYPES, what="[batch]")
-    batch = req_pool_indices.shape[0]
-    check_array("kv_lens", kv_lens, shape=(batch,), dtypes=INDEX_DTYPES, what="[batch]")
-    if kv_starts is not None:
-        check_array("kv_starts", kv_starts, shape=(batch,), dtypes=INDEX_DTYPES, what="[batch]")
+    check_kv_list_args(req_pool_indices, kv_lens, kv_starts)
     check_positive_int("capacity", capacity)
     check_index_dtype("index_dtype", index_dtype)
     return _paged_lists(req_to_page, req_pool_indices, kv_lens, kv_starts, page_size, num_slots, capacity, index_dtype)

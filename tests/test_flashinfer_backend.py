@@ -303,6 +303,14 @@ def flashinfer_semantics(q, k_pool, v_pool, args, page_size, *, window, causal, 
     return out
 
 
+def paged_layer_case(rng, name, page_size, hq, hkv, d):
+    """(the PAGED_CASES entry without its window, its batch, its PageTable, a layer of these heads and its window)."""
+    case = dict(PAGED_CASES[name])
+    window = case.pop("window", -1)
+    batch, table = paged_batch(rng, page_size=page_size, **case)
+    return case, batch, table, AttentionLayer(0, hq, hkv, d, sliding_window=window)
+
+
 @pytest.mark.parametrize("page_size", [1, 8, 16])
 @pytest.mark.parametrize("name", list(PAGED_CASES))
 def test_paged_plans_give_the_reference_attention_under_flashinfers_semantics(rng, name, page_size):
@@ -311,11 +319,9 @@ def test_paged_plans_give_the_reference_attention_under_flashinfers_semantics(rn
     # sequence's end shows.
     from jaxattn.paging import token_slots
 
-    case = dict(PAGED_CASES[name])
-    window = case.pop("window", -1)
-    batch, table = paged_batch(rng, page_size=page_size, **case)
     hq, hkv, d = 4, 2, 16
-    layer = AttentionLayer(0, hq, hkv, d, sliding_window=window)
+    case, batch, table, layer = paged_layer_case(rng, name, page_size, hq, hkv, d)
+    window = layer.sliding_window
     owned = np.zeros(table.num_slots, bool)
     for row, seq_len in zip(np.asarray(batch.req_pool_indices), case["seq_lens"]):
         positions = jnp.arange(seq_len, dtype=jnp.int32)
@@ -339,11 +345,8 @@ def test_paged_plans_give_the_reference_attention_under_flashinfers_semantics(rn
 def test_flashinfer_backend_with_pages_agrees_with_reference_backend(rng, name, page_size):
     from jaxattn.flashinfer_backend import FlashInferBackend
 
-    case = dict(PAGED_CASES[name])
-    window = case.pop("window", -1)
-    batch, table = paged_batch(rng, page_size=page_size, **case)
     hq, hkv, d = 8, 2, 128
-    layer = AttentionLayer(0, hq, hkv, d, sliding_window=window)
+    _, batch, table, layer = paged_layer_case(rng, name, page_size, hq, hkv, d)
     k_pool, v_pool = (jnp.asarray(rng.standard_normal((table.num_slots, hkv, d)), jnp.bfloat16) for _ in range(2))
     t = batch.num_tokens
     q, k, v = (jnp.asarray(rng.standard_normal((t, h, d)), jnp.bfloat16) for h in (hq, hkv, hkv))

@@ -18,7 +18,7 @@ def sweep_variants(op: str, case: Case):
         if case.fp8:
             grid = ((16, 32, 64) if mla else (32, 64, 128), (2, 4), (2, 3, 4) if mla else (4, 6, 8))
         else:
-            grid = ((32, 64, 128), (4, 8), (2, 3, 4))
+            grid = ((32, 64, 128), (2, 4, 8) if mla else (4, 8), (2, 3, 4))
         for block_n in grid[0]:
             for num_warps in grid[1]:
                 for num_stages in grid[2]:
@@ -39,7 +39,8 @@ def sweep_variants(op: str, case: Case):
                 for num_warps in (2, 4, 8):
                     config = DecodeConfig(block_n=block_n, block_h=1, num_warps=num_warps, num_stages=1)
                     variants.append((f"vector n{block_n} w{num_warps}", lambda inp, c=config: decode_jaxattn(inp, config=c)))
-        for programs_per_sm in (4, 16):
+        # MLA's one head block per sequence: fewer, longer splits (1-2 programs per SM) halve the partial buffers.
+        for programs_per_sm in (1, 2, 4, 16) if mla else (4, 16):
             variants.append((f"default pps{programs_per_sm}", lambda inp, p=programs_per_sm: decode_jaxattn(inp, programs_per_sm=p)))
     else:
         from jaxattn.tuning import ExtendConfig

@@ -16,7 +16,7 @@ import jax
 class DecodeCall:
     """`decode_attention`'s arguments. v_pool None: V is the first v_head_dim dims of K (MLA)."""
 
-    q: jax.Array  # [batch, q_heads, qk_head_dim]
+    q: jax.Array  # [batch, q_heads, qk_head_dim], or [batch, tokens_per_seq, q_heads, qk_head_dim]
     k_pool: jax.Array  # [slots, kv_heads, qk_head_dim]
     v_pool: jax.Array | None  # [slots, kv_heads, v_head_dim]
     meta: Any  # DecodeMetadata
@@ -30,14 +30,19 @@ class DecodeCall:
     config: Any  # an implementation's config or None
     launch_mode: str  # "gpu" | "interpret"
     kv_scales: jax.Array | None = None  # f32[2, kv_heads]: K and V scales of the pool (`jaxattn.fp8`), None: 1
+    draft_mask: jax.Array | None = None  # i32[batch, tokens_per_seq]: each token's drafts as bits; None: causal
 
     @property
     def batch(self) -> int:
         return self.q.shape[0]
 
     @property
+    def tokens_per_seq(self) -> int:
+        return 1 if self.q.ndim == 3 else self.q.shape[1]
+
+    @property
     def q_heads(self) -> int:
-        return self.q.shape[1]
+        return self.q.shape[-2]
 
     @property
     def kv_heads(self) -> int:
@@ -45,7 +50,7 @@ class DecodeCall:
 
     @property
     def qk_head_dim(self) -> int:
-        return self.q.shape[2]
+        return self.q.shape[-1]
 
 
 @dataclasses.dataclass(frozen=True)

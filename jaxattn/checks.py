@@ -207,12 +207,31 @@ def check_attention_args(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, si
 MLA_V_HEAD_DIMS = {576: 512, 288: 256}
 
 
+# Query tokens per sequence a decode call takes (speculative verify, multi-token prediction): a draft mask holds
+# one bit per draft in an int32.
+MAX_DECODE_QUERY_TOKENS = 32
+
+
 def check_decode_args(q, k_pool, v_pool, meta, *, meta_type, sinks, v_head_dim, sliding_window, logit_cap=0.0,
-                      xai_temperature_len=-1, sm_scale=None, k_scale=None, v_scale=None):
+                      xai_temperature_len=-1, sm_scale=None, k_scale=None, v_scale=None, draft_mask=None):
     """`decode_attention`'s arguments. Returns (batch, q_heads, kv_heads, qk_head_dim, v_head_dim)."""
     check_sm_scale(sm_scale)
-    check_array("q", q, ndim=3, dtypes=FLOAT_DTYPES, what="[batch, q_heads, qk_head_dim]")
-    batch, q_heads, qk_dim = q.shape
+    if getattr(q, "ndim", None) == 4:  # several query tokens per sequence
+        check_array("q", q, ndim=4, dtypes=FLOAT_DTYPES, what="[batch, tokens_per_seq, q_heads, qk_head_dim]")
+        batch, tokens, q_heads, qk_dim = q.shape
+        if not 1 <= tokens <= MAX_DECODE_QUERY_TOKENS:
+            raise ValueError(f"q.shape[1] (query tokens per sequence) must be in [1, {MAX_DECODE_QUERY_TOKENS}]; got {tokens}")
+        if draft_mask is not None:
+            check_array("draft_mask", draft_mask, shape=(batch, tokens), dtypes=(jnp.int32, jnp.uint32),
+                        what="[batch, tokens_per_seq] (bit j: the token sees draft j)")
+    else:
+        check_array("q", q, ndim=3, dtypes=FLOAT_DTYPES,
+                    what="[batch, q_heads, qk_head_dim] (or [batch, tokens_per_seq, q_heads, qk_head_dim])")
+        batch, q_heads, qk_dim = q.shape
+        if draft_mask is not None:
+            raise ValueError("draft_mask needs several query tokens per sequence: q [batch, tokens_per_seq, q_heads, "
+                             "qk_head_dim]")
+        tokens = 1
     check_array("k_pool", k_pool, ndim=3, what="[slots, kv_heads, qk_head_dim]")
     check_pool_dtype("k_pool", k_pool, q.dtype)
     slots, kv_heads, _ = k_pool.shape
@@ -239,6 +258,11 @@ def check_decode_args(q, k_pool, v_pool, meta, *, meta_type, sinks, v_head_dim, 
     check_meta(meta, meta_type, "decode_metadata")
     if meta.batch != batch:
         raise ValueError(f"meta batch ({meta.batch}, meta.kv_indptr.shape[0] - 1) must equal q.shape[0] ({batch})")
+    if tokens > 1 and (sliding_window >= 0 or meta.sliding_window >= 0):
+        raise ValueError("several query tokens per sequence (q.shape[1] > 1) take no sliding window: use "
+                         "extend_attention for windowed verify")
+    if tokens > 1 and xai_temperature_len > 0:
+        raise ValueError("several query tokens per sequence (q.shape[1] > 1) take no xai temperature: use extend_attention")
     if sinks is not None:
         check_array("sinks", sinks, shape=(q_heads,), dtypes=FLOAT_DTYPES, what="[q_heads]")
     check_window("sliding_window", sliding_window)

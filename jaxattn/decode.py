@@ -1,4 +1,4 @@
-"""Decode attention: one new query token per sequence over the paged KV pool. The op and its reference twin.
+"""Decode attention: one new query token (or a few) per sequence over the paged KV pool. The op and its reference twin.
 
 Semantics are `jaxattn.reference`'s (score order scale -> soft cap -> xai temperature -> mask; a sliding
 window W keeps W + 1 keys; sinks add exp(sink) to the denominator only; empty rows give 0 and LSE -inf).
@@ -9,6 +9,12 @@ The query of sequence b is the last token of its KV list, its K/V already writte
   * `decode_attention(q, k_pool, v_pool, meta, ...)` runs an implementation from `IMPLEMENTATIONS` (today one:
     SGLang's split-KV Triton kernels, `jaxattn.impl.triton_decode`).
   * `decode_attention_reference(q, k_pool, v_pool, meta, ...)`: the same call on the pure-jnp reference.
+
+Several query tokens per sequence (speculative verify, multi-token prediction): q ``[batch, tokens, q_heads, dim]``,
+the last ``tokens`` listed keys of a sequence being those tokens' own (the drafts, written to the pool first). Token t
+sees the keys before the drafts and drafts 0..t (causal), or with ``draft_mask`` (i32[batch, tokens], bit j of
+[b, t]: token t sees draft j; `draft_mask_bits` packs a boolean tree mask) a draft tree. The kernel reads each K/V row
+once for all the tokens. Up to 32 tokens; no sliding window or xai temperature (extend_attention takes those).
 
 MLA: pass ``v_pool=None`` (and ``v_head_dim``, default 512 for qk_head_dim 576 and 256 for 288) when V is
 the first ``v_head_dim`` dims of K, as in DeepSeek's latent cache: the kernel then reuses the K tile it already
@@ -42,6 +48,7 @@ from jaxattn.metadata import (  # noqa: F401  (re-exported: the builders' docume
     decode_metadata,
     decode_metadata_from_indptr,
     default_max_kv_splits,
+    draft_mask_bits,
     num_kv_splits_heuristic,
 )
 from jaxattn.reference import ragged_paged_attention_reference
@@ -88,11 +95,13 @@ def decode_attention(
     mode: str | None = None,
     k_scale=None,
     v_scale=None,
+    draft_mask: jax.Array | None = None,
 ):
-    """Attention of one query per sequence over its paged KV list.
+    """Attention of one query (or a few) per sequence over its paged KV list.
 
     Args:
-      q: [batch, q_heads, qk_head_dim] f32/f16/bf16 (batch = meta's max_batch; padding rows give 0).
+      q: [batch, q_heads, qk_head_dim] f32/f16/bf16 (batch = meta's max_batch; padding rows give 0), or
+        [batch, tokens, q_heads, qk_head_dim]: the sequence's last `tokens` listed keys are these queries' own.
       k_pool: [slots, kv_heads, qk_head_dim], q's dtype or fp8 (e4m3fn / e5m2, read directly: `jaxattn.fp8`).
         q head h reads kv head h // (q_heads // kv_heads).
       v_pool: [slots, kv_heads, v_head_dim], q's dtype or fp8; or None when V is the first `v_head_dim` dims of K
@@ -110,14 +119,17 @@ def decode_attention(
       impl: None (the first of `IMPLEMENTATIONS` that takes the call) or an implementation's name ("triton").
       k_scale, v_scale: the pools hold K / k_scale and V / v_scale: None (1), a float > 0 or a float array [] /
         [kv_heads] (traced). k_scale joins the score scale, v_scale the output.
+      draft_mask: with several tokens, optional i32/u32[batch, tokens]: bit j of [b, t] = token t sees draft j
+        (default causal: drafts 0..t). Keys before the drafts are always visible.
 
     Returns:
-      o: [batch, q_heads, v_head_dim] in q's dtype, and with return_lse f32[batch, q_heads].
+      o: q's shape with v_head_dim last, in q's dtype; with return_lse also the f32 LSE (q's shape without the last
+      axis).
     """
     batch, q_heads, kv_heads, qk_dim, v_dim = check_decode_args(
         q, k_pool, v_pool, meta, meta_type=DecodeMetadata, sinks=sinks, v_head_dim=v_head_dim,
         sliding_window=sliding_window, logit_cap=logit_cap, xai_temperature_len=xai_temperature_len, sm_scale=sm_scale,
-        k_scale=k_scale, v_scale=v_scale,
+        k_scale=k_scale, v_scale=v_scale, draft_mask=draft_mask,
     )
     call = DecodeCall(
         q=q, k_pool=k_pool, v_pool=v_pool, meta=meta, sinks=sinks,
@@ -125,7 +137,7 @@ def decode_attention(
         xai_temperature_len=int(xai_temperature_len), sliding_window=_effective_window(meta, sliding_window),
         v_head_dim=v_dim, return_lse=return_lse, config=config,
         launch_mode=resolve_launch_mode(launch_mode_argument(launch_mode, mode)),
-        kv_scales=kv_scale_table(k_scale, k_scale if v_pool is None else v_scale, kv_heads),
+        kv_scales=kv_scale_table(k_scale, k_scale if v_pool is None else v_scale, kv_heads), draft_mask=draft_mask,
     )
     return select(IMPLEMENTATIONS, call, impl).run(call)
 
@@ -133,14 +145,16 @@ def decode_attention(
 def decode_attention_reference(
     q, k_pool, v_pool, meta, *, sm_scale=None, logit_cap=0.0, sinks=None, xai_temperature_len=-1, sliding_window=-1,
     return_lse=False, v_head_dim=None, config=None, launch_mode=None, impl=None, mode=None, k_scale=None, v_scale=None,
+    draft_mask=None,
 ):
     """`decode_attention` on the pure-jnp reference (same arguments; config, launch_mode and impl are ignored)."""
     del config, launch_mode, impl, mode
     batch, q_heads, kv_heads, qk_dim, v_dim = check_decode_args(
         q, k_pool, v_pool, meta, meta_type=DecodeMetadata, sinks=sinks, v_head_dim=v_head_dim,
         sliding_window=sliding_window, logit_cap=logit_cap, xai_temperature_len=xai_temperature_len, sm_scale=sm_scale,
-        k_scale=k_scale, v_scale=v_scale,
+        k_scale=k_scale, v_scale=v_scale, draft_mask=draft_mask,
     )
+    tokens = 1 if q.ndim == 3 else q.shape[1]
     if v_pool is None:  # V is K's first v_dim dims, scaled by k_scale
         v_pool, v_scale = k_pool[..., :v_dim], k_scale
     window = _effective_window(meta, sliding_window)
@@ -151,9 +165,13 @@ def decode_attention_reference(
         max_kv_len = max(int(np.max(np.asarray(kv_lens), initial=0)), 1)
     except jax.errors.TracerArrayConversionError:
         max_kv_len = meta.kv_capacity if max_kv_len is None else min(max_kv_len, meta.kv_capacity)
-    return ragged_paged_attention_reference(
-        q, k_pool, v_pool, jnp.arange(batch + 1, dtype=jnp.int32), kv_indptr, meta.kv_indices,
-        causal=True, sliding_window=window, logit_cap=logit_cap, sinks=sinks, xai_temperature_len=xai_temperature_len,
-        sm_scale=sm_scale, kv_start_pos=meta.seq_lens.astype(jnp.int32) - kv_lens, max_q_len=1,
-        max_kv_len=max_kv_len, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale,
+    out = ragged_paged_attention_reference(
+        q.reshape(batch * tokens, q_heads, qk_dim), k_pool, v_pool, jnp.arange(batch + 1, dtype=jnp.int32) * tokens,
+        kv_indptr, meta.kv_indices, causal=True, sliding_window=window, logit_cap=logit_cap, sinks=sinks,
+        xai_temperature_len=xai_temperature_len, sm_scale=sm_scale, kv_start_pos=meta.seq_lens.astype(jnp.int32) - kv_lens,
+        max_q_len=tokens, max_kv_len=max_kv_len, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale,
+        draft_mask=None if draft_mask is None else draft_mask.reshape(-1),
     )
+    o, lse = out if return_lse else (out, None)
+    o = o.reshape(q.shape[:-1] + (v_dim,))
+    return (o, lse.reshape(q.shape[:-1])) if return_lse else o

@@ -32,6 +32,7 @@ import triton
 from jaxattn import hardware
 from jaxattn.checks import (
     INDEX_DTYPES,
+    MAX_DECODE_QUERY_TOKENS,
     check_array,
     check_extend_builder_args,
     check_heads,
@@ -66,6 +67,22 @@ def listed_prefix(prefix_lens, sliding_window: int):
     prefix_lens = jnp.maximum(prefix_lens.astype(jnp.int32), 0)
     dropped = window_first_key(prefix_lens, sliding_window)
     return prefix_lens - dropped, dropped
+
+
+def draft_mask_bits(mask) -> jax.Array:
+    """A draft tree's boolean mask as the bit masks decode's several-token form takes (`decode_attention(draft_mask=)`).
+
+    mask: bool[..., tokens, tokens], row t = which of the sequence's drafts (its last `tokens` keys) token t sees;
+    tokens <= 32. Returns i32[..., tokens] with bit j of row t set iff mask[..., t, j]. Works inside jit.
+    """
+    mask = jnp.asarray(mask).astype(bool)
+    tokens = mask.shape[-1]
+    if mask.ndim < 2 or mask.shape[-2] != tokens or tokens > MAX_DECODE_QUERY_TOKENS:
+        raise ValueError(f"mask must be bool[..., tokens, tokens] with tokens <= {MAX_DECODE_QUERY_TOKENS}; got shape "
+                         f"{tuple(mask.shape)}")
+    weights = jnp.left_shift(jnp.uint32(1), jnp.arange(tokens, dtype=jnp.uint32))
+    bits = jnp.sum(jnp.where(mask, weights, jnp.uint32(0)), axis=-1, dtype=jnp.uint32)  # distinct bits: sum = or
+    return jax.lax.bitcast_convert_type(bits, jnp.int32)
 
 
 def decode_listed_keys(seq_lens, sliding_window: int):

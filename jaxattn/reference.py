@@ -17,6 +17,8 @@ Score pipeline (SGLang's order): ``s = (q . k) * sm_scale``; ``s = logit_cap * t
   * causal: ``k_pos <= q_pos`` (ignored when a custom mask is given: the custom mask decides alone);
   * custom mask: ``custom_mask[mask_indptr[b] + i * kv_len + j]`` is true (row-major ``[q_len, kv_len]``
     per sequence, the columns being the listed keys);
+  * draft mask (a tree over the queries, compact): with ``d = j - prefix_len``, key j is visible when ``d < 0``
+    (before the queries' own keys) or bit d of ``draft_mask[q_row]`` is set (replaces causal, as a custom mask does);
   * sliding window W >= 0: ``q_pos - k_pos <= W``, i.e. W + 1 keys including itself. jaxattn uses this one
     rule for decode too (SGLang's Triton decode keeps only W keys; FlashInfer and Triton extend keep W + 1).
 
@@ -80,6 +82,7 @@ def ragged_paged_attention_reference(
     kv_start_positions: jax.Array | None = None,
     k_scale=None,
     v_scale=None,
+    draft_mask: jax.Array | None = None,
 ):
     """Attention of every query over its sequence's listed keys (see the module docstring for semantics).
 
@@ -97,6 +100,8 @@ def ragged_paged_attention_reference(
       return_lse: also return the natural-log LSE.
       k_scale, v_scale: the pools hold K / k_scale and V / v_scale (fp8 pools, `jaxattn.fp8`): None (1), a float or
         a float array [] / [kv_heads]. Only the listed rows are scaled (in float32), never the whole pool.
+      draft_mask: optional i32/u32[tokens]: per query row, bit d = sees the d-th of its sequence's last q_len listed
+        keys (q_len <= 32; see the module docstring). Not with custom_mask.
 
     Returns:
       o: [tokens, q_heads, v_head_dim] in q's dtype (rows past qo_indptr[-1] are 0), and with return_lse
@@ -106,6 +111,12 @@ def ragged_paged_attention_reference(
                                         sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale)
     tokens, q_heads, qk_dim = q.shape
     kv_heads, v_dim = v_pool.shape[1], v_pool.shape[2]
+    if draft_mask is not None:
+        if custom_mask is not None:
+            raise ValueError("give custom_mask or draft_mask, not both")
+        if draft_mask.shape != (tokens,) or draft_mask.dtype not in (jnp.int32, jnp.uint32):
+            raise ValueError(f"draft_mask must be i32/u32[{tokens}] (a bit mask per query row); got "
+                             f"{draft_mask.dtype}{list(draft_mask.shape)}")
     max_q_len = _static_max_len(qo_indptr, max_q_len, "max_q_len")
     max_kv_len = _static_max_len(kv_indptr, max_kv_len, "max_kv_len")
     sm_scale = 1.0 / math.sqrt(qk_dim) if sm_scale is None else float(sm_scale)
@@ -149,6 +160,11 @@ def ragged_paged_attention_reference(
             flat = offsets[b] + (i[:, None] * kv_len + j[None, :]).astype(offsets.dtype)
             flat = jnp.clip(flat, 0, custom_mask.shape[0] - 1)
             visible &= custom_mask[flat].astype(bool)
+        elif draft_mask is not None:
+            bits = draft_mask[q_rows].astype(jnp.uint32)  # [Q]
+            draft = j - (kv_len - q_len)  # [K]: negative before the queries' own keys
+            bit = jnp.right_shift(bits[:, None], jnp.clip(draft, 0, 31).astype(jnp.uint32)[None, :]) & 1
+            visible &= (draft < 0)[None, :] | ((draft < 32)[None, :] & (bit != 0))
         elif causal:
             visible &= k_pos[None, :] <= q_pos[:, None]
         if sliding_window >= 0:

@@ -29,7 +29,18 @@ along its reduction axis, across the rows memory holds, and sm_90 has no transpo
 fp8 V tile from shared memory a byte at a time (128 ld.shared.b8 per 64-key tile, 255 registers at 128/128). With
 V_IN_REGISTERS the tile is dequantised (times v_scale) to q's dot dtype in registers first, and the dot reads the
 16-bit copy with ldmatrix.trans (156 registers); the split's output is then not multiplied by v_scale again. f16's
-range must hold |V| (the dequantised value), which real activations do.
+range must hold |V| (the dequantised value), which real activations do. Timed on the H200 (d3464cf) it was slower at
+every tile (D1-FP8 0.198 ms against 0.177 ms): off in the tables.
+
+Several query tokens per sequence (Q_TOKENS > 1, the grouped kernel; speculative verify, multi-token prediction): the
+last Q_TOKENS listed keys of a sequence are its query tokens' own keys (the "drafts"). A program's BLOCK_H rows are
+(token, q head) pairs of one kv head, token-major (row r: token r // GROUP, head r % GROUP), so each K/V tile is read
+once for all tokens: MLA's 16 heads x 4 tokens fill one 64-row tile. Token t sees every key before the drafts and,
+causally, drafts 0..t; with HAS_DRAFT_MASK, the drafts whose bits are set in DRAFT_MASK[b, t] (bit j: draft j; a tree
+given as per-row bit masks, so no [q_len, kv_len] mask moves through memory). Q is [batch * Q_TOKENS, q_heads,
+qk_head_dim]; the partial buffers and outputs have a row per (sequence, token). Windows and xai temperature take one
+token (their positions are the last key's). A split can hold no key a row sees (a split of later drafts only): that
+row stores out 0 and LSE -inf, which stage 2 merges as an empty split.
 """
 
 import triton
@@ -84,13 +95,14 @@ def _split_geometry(NUM_KV_SPLITS, seq, kv_len, MAX_KV_SPLITS: tl.constexpr, MIN
 @triton.jit
 def _split_range(KV_INDPTR, NUM_KV_SPLITS, seq, split, SLIDING_WINDOW: tl.constexpr, MAX_KV_SPLITS: tl.constexpr,
                  MIN_BLOCK_KV: tl.constexpr, KV_CAPACITY: tl.constexpr):
-    """(first kv_indices entry, number of keys, non-empty) of split `split` of sequence `seq` (stage 1)."""
+    """(first kv_indices entry, number of keys, non-empty, the split's first key as an index into the effective
+    range, the effective length) of split `split` of sequence `seq` (stage 1)."""
     kv_begin, kv_len = _effective_range(KV_INDPTR, seq, SLIDING_WINDOW, KV_CAPACITY)
     num_splits, per_split = _split_geometry(NUM_KV_SPLITS, seq, kv_len, MAX_KV_SPLITS, MIN_BLOCK_KV)
     split_start = split * per_split
     split_end = tl.minimum(split_start + per_split, kv_len)
     split_len = tl.maximum(split_end - split_start, 0).to(tl.int32)
-    return kv_begin + split_start, split_len, split_end > split_start
+    return kv_begin + split_start, split_len, split_end > split_start, split_start, kv_len
 
 
 @triton.jit
@@ -132,8 +144,9 @@ def decode_stage1_kernel(
     NUM_KV_SPLITS,  # i32[batch]
     SEQ_LENS,  # i32[batch]: full sequence length; the query sits at position SEQ_LENS[b] - 1
     KV_SCALES,  # f32[2, kv_heads]: K and V scales of the pool (read only if HAS_KV_SCALES)
-    MID_O,  # out: f32[batch, q_heads, MAX_KV_SPLITS, v_head_dim], per-split normalised output
-    MID_LSE,  # out: f32[batch, q_heads, MAX_KV_SPLITS], per-split natural-log LSE
+    DRAFT_MASK,  # i32[batch, Q_TOKENS]: bit j of [b, t]: token t sees draft j (read only if HAS_DRAFT_MASK)
+    MID_O,  # out: f32[batch * Q_TOKENS, q_heads, MAX_KV_SPLITS, v_head_dim], per-split normalised output
+    MID_LSE,  # out: f32[batch * Q_TOKENS, q_heads, MAX_KV_SPLITS], per-split natural-log LSE
     SM_SCALE: tl.constexpr,
     LOGIT_CAP: tl.constexpr,  # > 0: soft cap cap * tanh(s / cap)
     XAI_TEMPERATURE_LEN: tl.constexpr,  # > 0: Grok's position-dependent temperature
@@ -161,13 +174,21 @@ def decode_stage1_kernel(
     HAS_KV_SCALES: tl.constexpr,  # fp8 pool: apply KV_SCALES
     F16_DOTS: tl.constexpr,  # fp8 pool with bf16 q: q (pre-scaled), K, V and p as f16 in the dots (module docstring)
     V_IN_REGISTERS: tl.constexpr,  # fp8 pool: V (times v_scale) converted in registers before the p.v dot (docstring)
+    Q_TOKENS: tl.constexpr,  # query tokens per sequence (module docstring)
+    HAS_DRAFT_MASK: tl.constexpr,  # Q_TOKENS > 1: DRAFT_MASK gives each token's drafts; else causal
 ):
     tl.static_assert(BLOCK_H >= 16, "tl.dot needs at least 16 rows")
+    if Q_TOKENS > 1:
+        tl.static_assert(SLIDING_WINDOW < 0, "several query tokens take no sliding window")
+        tl.static_assert(XAI_TEMPERATURE_LEN <= 0, "several query tokens take no xai temperature")
+    if HAS_DRAFT_MASK:
+        tl.static_assert(Q_TOKENS <= 32, "a draft mask holds 32 drafts")
     tl.static_assert(BLOCK_N >= 16, "tl.dot needs at least 16 columns")
     tl.static_assert(BLOCK_D + BLOCK_DPE >= QK_HEAD_DIM)
     tl.static_assert(BLOCK_DV >= V_HEAD_DIM)
     tl.static_assert((not V_FROM_K) or (BLOCK_DV == BLOCK_D and V_HEAD_DIM == BLOCK_D))
-    HEAD_BLOCKS_PER_KV: tl.constexpr = (GROUP + BLOCK_H - 1) // BLOCK_H
+    ROWS: tl.constexpr = Q_TOKENS * GROUP  # (token, q head) rows per kv head
+    HEAD_BLOCKS_PER_KV: tl.constexpr = (ROWS + BLOCK_H - 1) // BLOCK_H
     KV_HEADS: tl.constexpr = Q_HEADS // GROUP
 
     seq = tl.program_id(0).to(tl.int64)
@@ -176,17 +197,28 @@ def decode_stage1_kernel(
 
     # An empty split runs no loop iteration and stores nothing (stage 2 skips it). No early `if`: the body stays
     # a plain loop, which Triton's software pipeliner handles.
-    kv_first, split_len, non_empty = _split_range(
+    kv_first, split_len, non_empty, split_start, kv_len = _split_range(
         KV_INDPTR, NUM_KV_SPLITS, seq, split, SLIDING_WINDOW, MAX_KV_SPLITS, MIN_BLOCK_KV, KV_CAPACITY
     )
     kv_head = head_block // HEAD_BLOCKS_PER_KV
-    group_offs = (head_block % HEAD_BLOCKS_PER_KV) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_h = group_offs < GROUP
+    row_offs = (head_block % HEAD_BLOCKS_PER_KV) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = row_offs < ROWS
+    if Q_TOKENS == 1:
+        group_offs = row_offs
+        token_rows = seq  # the (sequence, token) row of q and of the outputs
+    else:
+        group_offs = row_offs % GROUP
+        tokens = row_offs // GROUP  # [BLOCK_H]
+        token_rows = seq * Q_TOKENS + tokens
+        # Key i of the effective range is draft i - (kv_len - Q_TOKENS) (negative: a key before the drafts).
+        first_draft = split_start - (kv_len - Q_TOKENS)
+        if HAS_DRAFT_MASK:
+            draft_bits = tl.load(DRAFT_MASK + token_rows, mask=mask_h, other=0).to(tl.int64) & 0xFFFFFFFF
     heads = kv_head * GROUP + group_offs  # [BLOCK_H]
 
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < QK_HEAD_DIM
-    q_rows = Q + seq * (Q_HEADS * QK_HEAD_DIM) + heads[:, None] * QK_HEAD_DIM
+    q_rows = Q + (token_rows * Q_HEADS + heads)[:, None] * QK_HEAD_DIM
     q = tl.load(q_rows + offs_d[None, :], mask=mask_h[:, None] & mask_d[None, :], other=0.0)
     if BLOCK_DPE > 0:
         offs_dpe = BLOCK_D + tl.arange(0, BLOCK_DPE)
@@ -226,7 +258,17 @@ def decode_stage1_kernel(
         if LOGIT_CAP > 0:
             qk = _soft_cap(qk, sm_scale, LOGIT_CAP)
         qk = qk * post_scale
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        if Q_TOKENS == 1:
+            visible = mask_n[None, :]
+        else:
+            draft = first_draft + offs_n  # [BLOCK_N]
+            if HAS_DRAFT_MASK:
+                bit = (draft_bits[:, None] >> tl.minimum(tl.maximum(draft, 0), 31)[None, :]) & 1
+                sees = (draft < 0)[None, :] | (bit != 0)
+            else:
+                sees = draft[None, :] <= tokens[:, None]
+            visible = mask_n[None, :] & sees
+        qk = tl.where(visible, qk, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.reduce(qk, 1, _max_combine))
         # Guard: a row whose keys are all masked keeps max -inf; use 0 so exp2 gives 0, not NaN.
@@ -256,7 +298,7 @@ def decode_stage1_kernel(
     if HAS_KV_SCALES and not V_IN_REGISTERS:
         out = out * v_scale
     lse = tl.where(has_keys, (m_i + tl.log2(safe_l)) * LN2, float("-inf"))
-    row = (seq * Q_HEADS + heads) * MAX_KV_SPLITS + split  # [BLOCK_H]
+    row = (token_rows * Q_HEADS + heads) * MAX_KV_SPLITS + split  # [BLOCK_H]
     tl.store(MID_O + row[:, None] * V_HEAD_DIM + offs_dv[None, :], out, mask=(mask_h & non_empty)[:, None] & mask_dv[None, :])
     tl.store(MID_LSE + row, lse, mask=mask_h & non_empty)
 
@@ -271,6 +313,7 @@ def decode_stage1_vector_kernel(
     NUM_KV_SPLITS,  # i32[batch]
     SEQ_LENS,  # i32[batch]
     KV_SCALES,  # f32[2, kv_heads] (read only if HAS_KV_SCALES)
+    DRAFT_MASK,  # unused: one query token per sequence (the grouped kernel's argument list)
     MID_O,  # out: f32[batch, q_heads, MAX_KV_SPLITS, v_head_dim]
     MID_LSE,  # out: f32[batch, q_heads, MAX_KV_SPLITS]
     SM_SCALE: tl.constexpr,
@@ -304,7 +347,7 @@ def decode_stage1_vector_kernel(
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     split = tl.program_id(2).to(tl.int64)
-    kv_first, split_len, non_empty = _split_range(
+    kv_first, split_len, non_empty, _, _ = _split_range(
         KV_INDPTR, NUM_KV_SPLITS, seq, split, SLIDING_WINDOW, MAX_KV_SPLITS, MIN_BLOCK_KV, KV_CAPACITY
     )
     kv_head = head // GROUP
@@ -368,13 +411,13 @@ def decode_stage1_vector_kernel(
 
 @triton.jit
 def decode_stage2_kernel(
-    MID_O,  # f32[batch, q_heads, MAX_KV_SPLITS, v_head_dim]
-    MID_LSE,  # f32[batch, q_heads, MAX_KV_SPLITS]
+    MID_O,  # f32[batch * Q_TOKENS, q_heads, MAX_KV_SPLITS, v_head_dim]
+    MID_LSE,  # f32[batch * Q_TOKENS, q_heads, MAX_KV_SPLITS]
     KV_INDPTR,  # i32[batch + 1]
     NUM_KV_SPLITS,  # i32[batch]
     SINKS,  # f32[q_heads] (ignored unless HAS_SINK)
-    O,  # out: [batch, q_heads, v_head_dim]
-    LSE,  # out: f32[batch, q_heads]
+    O,  # out: [batch * Q_TOKENS, q_heads, v_head_dim]
+    LSE,  # out: f32[batch * Q_TOKENS, q_heads]
     SLIDING_WINDOW: tl.constexpr,
     Q_HEADS: tl.constexpr,
     V_HEAD_DIM: tl.constexpr,
@@ -383,14 +426,16 @@ def decode_stage2_kernel(
     MAX_KV_SPLITS: tl.constexpr,
     MIN_BLOCK_KV: tl.constexpr,
     KV_CAPACITY: tl.constexpr,  # stage 1's: the same clamped ranges, so the same non-empty splits
+    Q_TOKENS: tl.constexpr,  # query tokens per sequence: program 0's index is a (sequence, token) row
 ):
-    seq = tl.program_id(0).to(tl.int64)
+    token_row = tl.program_id(0).to(tl.int64)
+    seq = token_row // Q_TOKENS
     head = tl.program_id(1)
     _, kv_len = _effective_range(KV_INDPTR, seq, SLIDING_WINDOW, KV_CAPACITY)
     num_splits, per_split = _split_geometry(NUM_KV_SPLITS, seq, kv_len, MAX_KV_SPLITS, MIN_BLOCK_KV)
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < V_HEAD_DIM
-    row = seq * Q_HEADS + head
+    row = token_row * Q_HEADS + head
 
     m = float("-inf")
     denom = 0.0
@@ -402,9 +447,12 @@ def decode_stage2_kernel(
         if split_end > split_start:
             lse_s = tl.load(MID_LSE + row * MAX_KV_SPLITS + split)
             o_s = tl.load(MID_O + (row * MAX_KV_SPLITS + split) * V_HEAD_DIM + offs_dv, mask=mask_dv, other=0.0)
-            m_new = tl.maximum(m, lse_s)  # finite for clean inputs: a non-empty split has keys (NaN passes on)
-            alpha = tl.exp(m - m_new)
-            w = tl.exp(lse_s - m_new)
+            m_new = tl.maximum(m, lse_s)  # NaN passes on
+            # -inf: no split so far has a key this row sees (several tokens: a split of later drafts only); 0 keeps
+            # exp from giving NaN, and such a split adds nothing.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_safe)
+            w = tl.exp(lse_s - m_safe)
             acc = acc * alpha + w * o_s
             denom = denom * alpha + w
             m = m_new

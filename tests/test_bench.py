@@ -193,3 +193,17 @@ def test_page_sizes_and_paged_case_names_on_the_command_line(monkeypatch):
     assert bench.case_named("E1-W1024-CAP50") is bench.CASES["E1-W1024-CAP50"] and bench.case_named("D9-P16") is None
     with pytest.raises(ValueError, match="page_size must be one of"):
         bench.paged_case(bench.CASES["D1"], 12)
+
+
+def test_verify_case_runs_decode_beside_extend(one_call):
+    # A decode case with several new tokens is a verify step: the several-token decode, the extend op over the same
+    # step and the reference agree (MLA's latent shape, V inside K), and the floor reads every key once.
+    case = bench.Case("TV", "decode", batch=2, prefix=37, new=3, q_heads=4, kv_heads=1, head_dim=576, v_head_dim=512)
+    rows = bench.run("decode", [case], backends=["jaxattn", "jaxattn-extend", "reference"], log=lambda _: None,
+                     progress=False)
+    assert [r["backend"] for r in rows] == ["jaxattn", "jaxattn-extend", "reference"]
+    decode_out = one_call[0].reshape(2 * 3, 4, 512)
+    np.testing.assert_allclose(decode_out, one_call[2], **testing.tolerance(jnp.bfloat16))
+    np.testing.assert_allclose(one_call[1], one_call[2], **testing.tolerance(jnp.bfloat16))
+    assert case.floor_ms() == pytest.approx(2 * 40 * 576 * 2 / 4.3e12 * 1e3)
+    assert bench.CASES["MLA-V4"].floor_ms() == pytest.approx(bench.CASES["MLA"].floor_ms())

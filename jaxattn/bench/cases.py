@@ -14,7 +14,7 @@ class Case:
     op: str  # "decode" | "extend"
     batch: int
     prefix: int  # cached tokens per sequence (decode: the context before the new token)
-    new: int  # new tokens per sequence (decode: 1)
+    new: int  # new tokens per sequence (decode: 1, or the query tokens of a verify step)
     q_heads: int = 32
     kv_heads: int = 8
     head_dim: int = 128
@@ -69,6 +69,10 @@ CASES = {
     "D2": Case("D2", "decode", 8, 32767, 1),
     "D3": Case("D3", "decode", 256, 1023, 1),
     "MLA": Case("MLA", "decode", 64, 4095, 1, q_heads=16, kv_heads=1, head_dim=576, v_head_dim=512),
+    # Issue 22's longer MLA shape, and a speculative verify step on MLA's shape: 4 query tokens per sequence (causal
+    # over the drafts), the same 4096 keys per sequence, so the same floor as MLA.
+    "MLA-L": Case("MLA-L", "decode", 128, 8191, 1, q_heads=16, kv_heads=1, head_dim=576, v_head_dim=512),
+    "MLA-V4": Case("MLA-V4", "decode", 64, 4092, 4, q_heads=16, kv_heads=1, head_dim=576, v_head_dim=512),
     # MHA (32 q heads, 32 kv heads): the vector kernel's shape, same bytes as D1 (floor 0.250 ms).
     "MHA": Case("MHA", "decode", 16, 4095, 1, q_heads=32, kv_heads=32),
     # fp8 (e4m3fn) pools, the kernels reading them directly (issue 26): each beside its bf16 case and FlashInfer's fp8.

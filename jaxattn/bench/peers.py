@@ -31,12 +31,22 @@ def decode_jaxattn(inp: Inputs, config=None, programs_per_sm=None):
     meta = metadata.decode_metadata_from_indptr(
         inp.kv_indptr, inp.kv_indices, inp.seq_lens, q_heads=case.q_heads, kv_heads=case.kv_heads, **split_kw
     )
+    # Several new tokens (a verify step): q [batch, tokens, q_heads, dim], causal over the sequence's last keys.
+    q = inp.q if case.new == 1 else inp.q.reshape(case.batch, case.new, case.q_heads, case.head_dim)
     if case.v_in_k:  # MLA: V is the first Dv dims of the latent K; the kernel reads the pool once
         fn = jax.jit(lambda q, k, m: decode.decode_attention(q, k, None, m, v_head_dim=case.dv, config=config,
                                                              k_scale=inp.k_scale))
-        return lambda: fn(inp.q, inp.k_pool, meta)
+        return lambda: fn(q, inp.k_pool, meta)
     fn = jax.jit(lambda q, k, v, m: decode.decode_attention(q, k, v, m, config=config, **scales(inp)))
-    return lambda: fn(inp.q, inp.k_pool, inp.v_pool, meta)
+    return lambda: fn(q, inp.k_pool, inp.v_pool, meta)
+
+
+def decode_as_extend(inp: Inputs):
+    """A verify step (several new tokens per sequence) through extend_attention, what it would run without the
+    several-token decode form."""
+    if inp.case.new == 1:
+        raise Skip("one token per sequence: the decode op itself")
+    return extend_jaxattn(inp, impl=None)
 
 
 def scales(inp: Inputs) -> dict:
@@ -54,8 +64,8 @@ def decode_reference(inp: Inputs):
         raise Skip("reference too large")
     max_len = case.prefix + case.new
     fn = jax.jit(
-        lambda q, k, v, qo, kvp, kvi: ragged_paged_attention_reference(q, k, v, qo, kvp, kvi, max_q_len=1, max_kv_len=max_len,
-                                                                       **scales(inp))
+        lambda q, k, v, qo, kvp, kvi: ragged_paged_attention_reference(q, k, v, qo, kvp, kvi, max_q_len=case.new,
+                                                                       max_kv_len=max_len, **scales(inp))
     )
     return lambda: fn(inp.q, inp.k_pool, inp.v_pool, inp.qo_indptr, inp.kv_indptr, inp.kv_indices)
 
@@ -122,6 +132,33 @@ def decode_flashinfer(inp: Inputs, tensor_cores: bool, through_jax: bool = False
             raise Skip("the bridge rows time bf16 pools")
         return bridged(wrapper, inp, layers)
     return lambda: wrapper.run(q, (k, v), **scales(inp))
+
+
+def decode_flashinfer_mla(inp: Inputs):
+    """FlashInfer's MLA decode (`BatchMLAPagedAttentionWrapper`, backend "auto") over the same latent pool: ckv = the
+    first 512 dims, kpe = the last 64 (strided views of the pool, as SGLang passes them), causal over several new
+    tokens."""
+    case = inp.case
+    if not case.v_in_k or (case.head_dim, case.dv) != (576, 512):
+        raise Skip("FlashInfer's MLA wrapper takes the 576/512 latent head")
+    if case.fp8:
+        raise Skip("fp8 latent cache: not wired for FlashInfer's MLA wrapper")
+    try:
+        import flashinfer
+    except ImportError:
+        raise Skip("flashinfer not installed")
+    torch, tv = torch_views(inp)
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace, backend="auto")
+    kv_indptr, kv_indices, _ = flashinfer_pages(inp, torch)
+    qo_indptr = torch.arange(case.batch + 1, dtype=torch.int32, device="cuda") * case.new
+    kv_lens = torch.from_numpy(np.asarray(inp.seq_lens)).cuda()
+    wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_lens, case.q_heads, 512, 64, case.page_size, case.new > 1,
+                 1.0 / float(np.sqrt(case.head_dim)), torch.bfloat16, torch.bfloat16)
+    pages = tv["k_pool"].reshape(-1, case.page_size, case.head_dim)  # [slots // P, P, 576]
+    ckv, kpe = pages[..., :512], pages[..., 512:]
+    q_nope, q_pe = tv["q"][..., :512].contiguous(), tv["q"][..., 512:].contiguous()
+    return lambda: wrapper.run(q_nope, q_pe, ckv, kpe)
 
 
 def bridged(wrapper, inp: Inputs, layers: int = 1):
@@ -252,8 +289,10 @@ def extend_cudnn(inp: Inputs):
 BACKENDS = {
     "decode": {
         "jaxattn": (decode_jaxattn, jax_sync),
+        "jaxattn-extend": (decode_as_extend, jax_sync),
         "flashinfer": (lambda inp: decode_flashinfer(inp, False), torch_sync),
         "flashinfer-tc": (lambda inp: decode_flashinfer(inp, True), torch_sync),
+        "flashinfer-mla": (decode_flashinfer_mla, torch_sync),
         "flashinfer-in-jit": (lambda inp: decode_flashinfer(inp, False, through_jax=True), jax_sync),
         "flashinfer-in-jit-8-layers": (lambda inp: decode_flashinfer(inp, False, through_jax=True, layers=8), jax_sync),
         "reference": (decode_reference, jax_sync),

@@ -54,14 +54,14 @@ def markdown_table(rows: list[dict]) -> str:
 # ---------------------------------------------------------------------------------------------
 # Plot: fraction of the floor per case and backend (matplotlib, imported only here).
 
-# Plot: fraction of the floor per case and backend (matplotlib, imported only here).
-
 LABELS = {
     "jaxattn": "jaxattn",
     "jaxattn-unified": "jaxattn unified (deterministic)",
     "jaxattn-triton": "jaxattn two-stage (Triton)",
     "flashinfer": "FlashInfer",
     "flashinfer-tc": "FlashInfer, tensor cores",
+    "flashinfer-mla": "FlashInfer MLA (BatchMLAPagedAttentionWrapper)",
+    "jaxattn-extend": "jaxattn extend op (the verify step without several-token decode)",
     "flashinfer-in-jit": "FlashInfer from jit (bridge)",
     "flashinfer-in-jit-8-layers": "FlashInfer from jit (bridge), 8 layers per step",
     "flashinfer-fa2": "FlashInfer fa2",

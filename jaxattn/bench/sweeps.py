@@ -34,6 +34,12 @@ def sweep_variants(op: str, case: Case):
                 config = DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages, fp8_v_in_registers=True)
                 label = f"n{block_n} w{num_warps} s{num_stages} v-in-registers"
                 variants.append((label, lambda inp, c=config: decode_jaxattn(inp, config=c)))
+        if mla and not case.fp8:  # 64-row tiles (MLA's 16 heads padded, or 16 heads x 4 tokens): wgmma, 8 warps
+            for block_n, num_stages in ((16, 2), (16, 3), (32, 2), (32, 3)):
+                config = DecodeConfig(block_n=block_n, block_h=64, num_warps=8, num_stages=num_stages)
+                label = f"h64 n{block_n} w8 s{num_stages}"
+                variants.append((label, lambda inp, c=config: decode_jaxattn(inp, config=c)))
+                variants.append((f"{label} pps2", lambda inp, c=config: decode_jaxattn(inp, config=c, programs_per_sm=2)))
         if case.q_heads == case.kv_heads:  # MHA: the vector kernel's tiles beside the grouped kernel's above
             for block_n in (32, 64, 128):
                 for num_warps in (2, 4, 8):

@@ -31,18 +31,22 @@ SUPPORTED_HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128), (288, 256),
 def declines(call: DecodeCall) -> str | None:
     if call.config is not None and not isinstance(call.config, DecodeConfig):
         return f"config is a {type(call.config).__name__}, not a DecodeConfig"
+    if call.tokens_per_seq > 1 and call.config is not None and call.config.block_h == 1:
+        return "DecodeConfig(block_h=1) (the vector kernel) takes one query token per sequence"
     return None
 
 
 def stage1_constexprs(*, q_heads, kv_heads, qk_head_dim, v_head_dim, config, sm_scale, logit_cap, xai_temperature_len,
                       sliding_window, max_kv_splits, v_in_k, v_from_k, dot_precision, num_slots, kv_capacity,
-                      has_kv_scales=False, f16_dots=False):
+                      has_kv_scales=False, f16_dots=False, q_tokens=1, has_draft_mask=False):
     """Stage 1's constexprs (shared by `run` and `kernel_builds`, so the AOT check compiles what runs).
 
     v_in_k: V's buffer is the K pool (its first v_head_dim dims); v_from_k: the kernel also reuses the loaded K tile.
     num_slots, kv_capacity: the pool's and kv_indices' lengths, which every slot and CSR offset is clamped into.
     has_kv_scales: the call carries K/V scales (fp8 pools).
     f16_dots: fp8 pool with bf16 q: the grouped kernel's dots run in f16 (see `uses_f16_dots`).
+    q_tokens, has_draft_mask: query tokens per sequence, and whether a draft mask (else causal) says which drafts each
+    sees (the grouped kernel; see kernels/decode_attention.py).
     """
     block_d, block_dpe = rope_split(qk_head_dim)
     group = q_heads // kv_heads
@@ -73,15 +77,16 @@ def stage1_constexprs(*, q_heads, kv_heads, qk_head_dim, v_head_dim, config, sm_
     )
     if config.block_h != 1:  # the grouped kernel's extra constexprs (the vector kernel has none)
         constexprs.update(V_FROM_K=v_from_k, BLOCK_H=config.block_h, DOT_PRECISION=dot_precision,
-                          F16_DOTS=bool(f16_dots), V_IN_REGISTERS=bool(has_kv_scales) and config.fp8_v_in_registers)
+                          F16_DOTS=bool(f16_dots), V_IN_REGISTERS=bool(has_kv_scales) and config.fp8_v_in_registers,
+                          Q_TOKENS=int(q_tokens), HAS_DRAFT_MASK=bool(has_draft_mask))
     return constexprs
 
 
-def stage2_constexprs(*, q_heads, v_head_dim, sliding_window, has_sink, max_kv_splits, kv_capacity):
+def stage2_constexprs(*, q_heads, v_head_dim, sliding_window, has_sink, max_kv_splits, kv_capacity, q_tokens=1):
     # kv_capacity: stage 1's clamp of kv_indptr, so both stages see the same splits.
     return dict(SLIDING_WINDOW=int(sliding_window), Q_HEADS=q_heads, V_HEAD_DIM=v_head_dim,
                 BLOCK_DV=triton.next_power_of_2(v_head_dim), HAS_SINK=bool(has_sink), MAX_KV_SPLITS=max_kv_splits,
-                MIN_BLOCK_KV=MIN_BLOCK_KV, KV_CAPACITY=kv_capacity)
+                MIN_BLOCK_KV=MIN_BLOCK_KV, KV_CAPACITY=kv_capacity, Q_TOKENS=int(q_tokens))
 
 
 def stage1_kernel(config: DecodeConfig) -> str:
@@ -102,14 +107,17 @@ def reads_v_from_k(qk_head_dim: int, v_head_dim: int) -> bool:
 
 
 def run(call: DecodeCall):
-    q, k_pool, v_pool, meta = call.q, call.k_pool, call.v_pool, call.meta
+    k_pool, v_pool, meta = call.k_pool, call.v_pool, call.meta
     batch, q_heads, kv_heads, qk_dim, v_dim = call.batch, call.q_heads, call.kv_heads, call.qk_head_dim, call.v_head_dim
-    group = q_heads // kv_heads
+    tokens = call.tokens_per_seq
+    q = call.q.reshape(batch * tokens, q_heads, qk_dim)  # (sequence, token) rows
+    # The kernel's rows are (token, q head) pairs of one kv head: the tables are looked up by how many there are.
+    rows = tokens * (q_heads // kv_heads)
     mode = call.launch_mode
     if call.config is None:
-        config = tuning.decode_config(qk_dim, v_dim, group, dtype=q.dtype, fp8_pool=call.kv_scales is not None)
+        config = tuning.decode_config(qk_dim, v_dim, rows, dtype=q.dtype, fp8_pool=call.kv_scales is not None)
     else:
-        config = tuning.clamp_decode_config(call.config, group)
+        config = tuning.clamp_decode_config(call.config, rows)
     v_in_k = v_pool is None
     max_splits = meta.max_kv_splits
     constexprs = stage1_constexprs(
@@ -118,10 +126,12 @@ def run(call: DecodeCall):
         max_kv_splits=max_splits, v_in_k=v_in_k, v_from_k=v_in_k and reads_v_from_k(qk_dim, v_dim),
         dot_precision="ieee" if (mode == "interpret" or q.dtype == jnp.float32) else "tf32",
         num_slots=k_pool.shape[0], kv_capacity=meta.kv_indices.shape[0], has_kv_scales=call.kv_scales is not None,
-        f16_dots=uses_f16_dots(q.dtype, call.kv_scales is not None),
+        f16_dots=uses_f16_dots(q.dtype, call.kv_scales is not None), q_tokens=tokens,
+        has_draft_mask=call.draft_mask is not None,
     )
     kv_scales = jnp.ones((2, kv_heads), jnp.float32) if call.kv_scales is None else call.kv_scales
-    head_programs = q_heads if config.block_h == 1 else kv_heads * -(-group // config.block_h)
+    draft_mask = jnp.zeros((1,), jnp.int32) if call.draft_mask is None else call.draft_mask.reshape(-1).astype(jnp.int32)
+    head_programs = q_heads if config.block_h == 1 else kv_heads * -(-rows // config.block_h)
     mid_o, mid_lse = launch(
         ("decode_attention", stage1_kernel(config)),
         q,
@@ -132,9 +142,10 @@ def run(call: DecodeCall):
         meta.num_kv_splits.astype(jnp.int32),
         meta.seq_lens.astype(jnp.int32),
         kv_scales,
+        draft_mask,
         out_shape=(
-            jax.ShapeDtypeStruct((batch, q_heads, max_splits, v_dim), jnp.float32),
-            jax.ShapeDtypeStruct((batch, q_heads, max_splits), jnp.float32),
+            jax.ShapeDtypeStruct((batch * tokens, q_heads, max_splits, v_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch * tokens, q_heads, max_splits), jnp.float32),
         ),
         grid=(batch, head_programs, max_splits),
         num_warps=config.num_warps,
@@ -151,16 +162,18 @@ def run(call: DecodeCall):
         meta.kv_indptr.astype(jnp.int32),
         meta.num_kv_splits.astype(jnp.int32),
         sink_arg,
-        out_shape=(jax.ShapeDtypeStruct((batch, q_heads, v_dim), q.dtype), jax.ShapeDtypeStruct((batch, q_heads), jnp.float32)),
-        grid=(batch, q_heads),
+        out_shape=(jax.ShapeDtypeStruct((batch * tokens, q_heads, v_dim), q.dtype),
+                   jax.ShapeDtypeStruct((batch * tokens, q_heads), jnp.float32)),
+        grid=(batch * tokens, q_heads),
         num_warps=4,
         num_stages=2,
         mode=mode,
         name="decode_stage2",
         **stage2_constexprs(q_heads=q_heads, v_head_dim=v_dim, sliding_window=call.sliding_window,
                             has_sink=call.sinks is not None, max_kv_splits=max_splits,
-                            kv_capacity=meta.kv_indices.shape[0]),
+                            kv_capacity=meta.kv_indices.shape[0], q_tokens=tokens),
     )
+    o, lse = o.reshape(call.q.shape[:-1] + (v_dim,)), lse.reshape(call.q.shape[:-1])
     return (o, lse) if call.return_lse else o
 
 
@@ -180,7 +193,8 @@ def kernel_builds():
     """Every stage-1/stage-2 build the sm_90 table (and clamping) can choose, per dtype and head-dim family (fp32:
     the grouped stage 1 at `tuning.float32_decode_config`'s tiles, the one part whose code fp32 changes)."""
     builds = []
-    index = {"KV_INDPTR": "*i32", "KV_INDICES": "*i32", "NUM_KV_SPLITS": "*i32", "SEQ_LENS": "*i32", "KV_SCALES": "*fp32"}
+    index = {"KV_INDPTR": "*i32", "KV_INDICES": "*i32", "NUM_KV_SPLITS": "*i32", "SEQ_LENS": "*i32", "KV_SCALES": "*fp32",
+             "DRAFT_MASK": "*i32"}
 
     def stage1_signature(dtype, pool_dtype):
         return {"Q": f"*{dtype}", "K_POOL": f"*{pool_dtype}", "V_POOL": f"*{pool_dtype}", **index, "MID_O": "*fp32",
@@ -224,6 +238,23 @@ def kernel_builds():
             ))
         if dtype == "fp32":
             continue
+        # Several query tokens (a verify step): MLA's 16 heads x 4 tokens and GQA's 4 heads x 4 tokens, causal and
+        # under a draft mask, at the tiles the table gives their rows.
+        for (qk_dim, v_dim, q_heads, kv_heads, v_from_k), has_draft_mask in itertools.product(
+                ((576, 512, 16, 1, True), (128, 128, 32, 8, False)), (False, True)):
+            rows = 4 * q_heads // kv_heads
+            config = tuning.decode_config(qk_dim, v_dim, rows, family=hardware.SM90.name)
+            constexprs = stage1_constexprs(
+                q_heads=q_heads, kv_heads=kv_heads, qk_head_dim=qk_dim, v_head_dim=v_dim, config=config,
+                sm_scale=1.0 / math.sqrt(qk_dim), logit_cap=0.0, xai_temperature_len=-1, sliding_window=-1,
+                max_kv_splits=_BUILD_MAX_SPLITS, v_in_k=v_from_k, v_from_k=v_from_k, dot_precision="tf32",
+                q_tokens=4, has_draft_mask=has_draft_mask, **_BUILD_BOUNDS)
+            builds.append(build(
+                "decode_attention", stage1_kernel(config), stage1_signature(dtype, dtype), constexprs,
+                num_warps=config.num_warps, num_stages=config.num_stages, expects_wgmma=config.block_h >= 64,
+                expects_pipelining=config.num_stages > 1,
+                label=f"{dtype} {qk_dim}/{v_dim} 4 tokens x {q_heads // kv_heads} heads{' draft mask' if has_draft_mask else ''}",
+            ))
         # fp8 pools (e4m3fn, e5m2) with this q dtype: the grouped builds of the common GQA and MLA shapes.
         for pool_dtype in ("fp8e4nv", "fp8e5"):
             for (qk_dim, v_dim, v_from_k), v_in_registers in itertools.product(((128, 128, False), (576, 512, True)),

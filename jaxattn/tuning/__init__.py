@@ -79,11 +79,13 @@ def vector_config(qk_head_dim: int, v_head_dim: int) -> DecodeConfig:
     return DecodeConfig(block_n=64 if width <= 256 else 32, block_h=1, num_warps=2, num_stages=1)
 
 
-def clamp_decode_config(config: DecodeConfig, group: int) -> DecodeConfig:
-    """Fits a config to the problem: no more head rows than the group needs (but >= 16; 1 = vector kernel stays)."""
+def clamp_decode_config(config: DecodeConfig, rows: int) -> DecodeConfig:
+    """Fits a config to the problem: rows = q heads per kv head (x query tokens per sequence). A tile holds at least
+    16 rows (a dot's least) and no more than the rows need, except that padding up to 64 (one wgmma tile: a tiling
+    choice, not extra memory traffic) is left to an explicit config; block_h 1 (the vector kernel) stays."""
     if config.block_h == 1:
         return config
-    block_h = max(16, min(config.block_h, triton.next_power_of_2(group)))
+    block_h = max(16, min(config.block_h, max(64, triton.next_power_of_2(rows))))
     return dataclasses.replace(config, block_h=block_h)
 
 

@@ -238,11 +238,19 @@ def test_split_heuristic_fills_the_h200():
     assert mixed[0] == 1 and mixed[1] < mixed[3] and mixed[2] == 1  # same chunk size across the batch
     det = num_kv_splits_heuristic(jnp.asarray([1, 256, 257, 0]), deterministic=True, split_tile_size=256, **kw)
     assert np.asarray(det).tolist() == [1, 1, 2, 1]
+    # MLA (16 heads over one latent head): a program does 4 GQA programs' work, so about 4x fewer splits (the H200's
+    # 132 SMs: 5 at 64 x 4096, 3 at 128 x 8192), not the 16 / 9 that counting programs alone gives.
+    mla = dict(q_heads=16, kv_heads=1, max_kv_splits=64, num_sms=132)
+    assert int(num_kv_splits_heuristic(jnp.full((64,), 4096), **mla)[0]) == 5
+    assert int(num_kv_splits_heuristic(jnp.full((128,), 8192), **mla)[0]) == 3
+    assert int(num_kv_splits_heuristic(jnp.full((64,), 4096), **dict(mla, q_heads=4))[0]) == 16  # 4 heads: as GQA
 
 
 def test_config_table():
     assert get_config(128, 128, 4) == DecodeConfig(block_n=128, block_h=16, num_warps=4, num_stages=3)
-    assert get_config(576, 512, 128).block_h == 32
+    assert get_config(576, 512, 128).block_h == 64  # MLA past 16 rows: one 64-row tile per kv head
+    assert clamp_config(DecodeConfig(block_h=64), 16).block_h == 64  # padding to one wgmma tile: an explicit choice
+    assert clamp_config(DecodeConfig(block_h=128), 16).block_h == 64
     # MHA: the grouped kernel, with its own entry where tuned, else the g16 one clamped to 16 rows.
     assert get_config(128, 128, 1) == DecodeConfig(block_n=32, block_h=16, num_warps=4, num_stages=3)
     assert get_config(64, 64, 1) == get_config(64, 64, 4)

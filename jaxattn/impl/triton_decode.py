@@ -220,8 +220,8 @@ def kernel_builds():
                         "decode_attention", stage1_kernel(config), stage1_signature(dtype, dtype), constexprs,
                         num_warps=config.num_warps, num_stages=config.num_stages,
                         # M = BLOCK_H (16 or 32) < 64 rows per warpgroup: Triton emits mma.sync, not wgmma
-                        # (checked with `python -m jaxattn.aot -k decode`); decode is bandwidth-bound.
-                        expects_wgmma=False, expects_pipelining=config.num_stages > 1,
+                        # (checked with `python -m jaxattn.aot -k decode`); 64-row tiles (MLA past 16 rows) use wgmma.
+                        expects_wgmma=config.block_h >= 64 and dtype != "fp32", expects_pipelining=config.num_stages > 1,
                         label=f"{dtype} {qk_dim}/{v_dim} {group_key}{' v_from_k' if v_from_k else ''}",
                     ))
             if dtype == "fp32":

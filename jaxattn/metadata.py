@@ -85,6 +85,30 @@ def draft_mask_bits(mask) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.int32)
 
 
+def custom_mask_from_draft_bits(draft_mask, extend_lens, seq_lens, capacity: int) -> jax.Array:
+    """The full TARGET_VERIFY custom mask of a verify step given as per-row bit masks (for the paths that take the
+    boolean form: window layers, the reference and FlashInfer).
+
+    draft_mask: i32/u32[B, D], bit j of [b, t]: draft t of sequence b sees draft j (its last D keys); every draft sees
+    the sequence's earlier keys. extend_lens, seq_lens: i32[B] (D, or 0 for padding). capacity: static length of the
+    result (>= sum(extend_len * seq_len), e.g. B * D * max_seq_len). Returns bool[capacity]: rows [extend_len, seq_len]
+    per sequence at `custom_mask_indptr(extend_lens, seq_lens)`, False past the end.
+    """
+    batch, drafts = draft_mask.shape
+    extend_lens = jnp.maximum(extend_lens.astype(jnp.int32), 0)
+    seq_lens = jnp.maximum(seq_lens.astype(jnp.int32), 0)
+    indptr = custom_mask_indptr(extend_lens, seq_lens)
+    flat = jnp.arange(capacity, dtype=indptr.dtype)
+    b = jnp.clip(jnp.searchsorted(indptr, flat, side="right") - 1, 0, batch - 1)
+    width = jnp.maximum(seq_lens[b], 1).astype(indptr.dtype)
+    local = flat - indptr[b]
+    row = jnp.clip(local // width, 0, drafts - 1).astype(jnp.int32)
+    draft = (local % width).astype(jnp.int32) - (seq_lens[b] - extend_lens[b])  # negative: a key before the drafts
+    bits = draft_mask.astype(jnp.uint32)[b, row]
+    bit = jnp.right_shift(bits, jnp.clip(draft, 0, 31).astype(jnp.uint32)) & 1
+    return (flat < indptr[-1]) & ((draft < 0) | ((draft < drafts) & (bit != 0)))
+
+
 def decode_listed_keys(seq_lens, sliding_window: int):
     """Keys a decode query lists per sequence (its own included): min(seq_len, W + 1) with a window."""
     seq_lens = jnp.maximum(seq_lens.astype(jnp.int32), 0)

@@ -369,3 +369,54 @@ def test_errors_name_the_argument(rng):
     with pytest.raises(ValueError, match="speculative_num_steps"):
         draft_decode_metadata(req_to_token, batch.req_pool_indices, batch.seq_lens, speculative_num_steps=1, topk=1,
                               kv_capacity=8, q_heads=H, kv_heads=KVH)
+
+
+CAPPED = AttentionLayer(5, H, KVH, D, logit_cap=5.0)
+VERIFY_LAYERS = (FULL, CAPPED, WINDOWED, UNPREPARED, FEATURES)
+
+
+@pytest.mark.parametrize("kind", BACKEND_KINDS)
+def test_target_verify_with_draft_bits(rng, kind):
+    """The tree as per-row bit masks (batch.draft_mask): full layers run the several-token decode kernel, window and
+    xai layers the extend path with the bits expanded; all match the boolean-mask batch and ReferenceBackend."""
+    from jaxattn.metadata import draft_mask_bits
+
+    parents = [[-1, 0, 0, 1], [-1, -1, 1, 2], [-1, 0, 1, 2]]
+    drafts, batch_bucket = 4, 4
+    with_mask, req_to_token = make_batch(rng, [6, 2, 9], [4, 4, 4], mode=ForwardMode.TARGET_VERIFY,
+                                         token_bucket=drafts * batch_bucket, batch_bucket=batch_bucket, parents=parents)
+    bits = np.zeros((batch_bucket, drafts), np.int32)
+    bits[:3] = np.asarray(draft_mask_bits(np.stack([tree_mask_for_verify(p, 0) for p in parents])))
+    with_bits = dataclasses.replace(with_mask, custom_mask=None, draft_mask=jnp.asarray(bits))
+    used = int(np.sum(np.asarray(with_mask.extend_lens) * np.asarray(with_mask.seq_lens)))
+    np.testing.assert_array_equal(np.asarray(with_bits.verify_custom_mask())[:used], np.asarray(with_mask.custom_mask)[:used])
+    inputs = random_inputs(rng, drafts * batch_bucket)
+    backend = TritonBackend(sliding_windows=(WINDOW,), **kind)
+
+    def step(backend, batch):
+        meta = backend.init_forward_metadata(batch, req_to_token)
+        return [backend.forward(*inputs, layer, meta)[0] for layer in VERIFY_LAYERS]
+
+    meta = backend.init_forward_metadata(with_bits, req_to_token)
+    assert [meta.takes_verify_decode(layer) for layer in VERIFY_LAYERS] == [True, True, False, False, False]
+    got = jax.jit(lambda b: step(backend, b))(with_bits)
+    want_mask = jax.jit(lambda b: step(backend, b))(with_mask)
+    want_ref = jax.jit(lambda b: step(ReferenceBackend(), b))(with_bits)
+    for layer, o, o_mask, o_ref in zip(VERIFY_LAYERS, got, want_mask, want_ref):
+        np.testing.assert_allclose(np.asarray(o), np.asarray(o_mask), atol=3e-5, rtol=3e-5, err_msg=f"layer {layer}")
+        np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), atol=3e-5, rtol=3e-5, err_msg=f"layer {layer}")
+        np.testing.assert_array_equal(np.asarray(o)[12:], 0)  # the padding sequence's rows
+
+
+def test_draft_mask_batch_checks(rng):
+    batch, _ = make_batch(rng, [6, 2], [4, 4], mode=ForwardMode.TARGET_VERIFY, token_bucket=8, batch_bucket=2,
+                          parents=[[-1, 0, 0, 1], [-1, -1, 1, 2]])
+    bits = jnp.zeros((2, 4), jnp.int32)
+    with pytest.raises(ValueError, match="one of them"):
+        dataclasses.replace(batch, draft_mask=bits)  # custom_mask and draft_mask both
+    with pytest.raises(ValueError, match=r"out_cache_loc must have shape \(6,\)"):
+        dataclasses.replace(batch, custom_mask=None, draft_mask=jnp.zeros((2, 3), jnp.int32))
+    with pytest.raises(ValueError, match="draft_mask must have dtype"):
+        dataclasses.replace(batch, custom_mask=None, draft_mask=jnp.zeros((2, 4), jnp.float32))
+    with pytest.raises(ValueError, match="TARGET_VERIFY field"):
+        dataclasses.replace(batch, custom_mask=None, draft_mask=bits, mode=ForwardMode.EXTEND)

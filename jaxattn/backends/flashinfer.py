@@ -170,12 +170,12 @@ def plan_arguments(batch: ForwardBatch, req_to_token, *, sliding_window: int = -
     kv_indices[kv_indptr[:-1][padding]] = 0
     args = dict(kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last_page_len=kv_last_page_len)
     if not decode:
-        args["qo_indptr"] = np.concatenate([[0], np.cumsum(extend_lens)]).astype(np.int32)
+        args["qo_indptr"] = np.asarray(batch.qo_indptr).astype(np.int32)  # draft_mask: D rows per sequence
     if batch.mode == ForwardMode.TARGET_VERIFY:
         if sliding_window >= 0:
             raise NotImplementedError("TARGET_VERIFY on sliding-window layers is not supported by the FlashInfer path")
         mask_indptr = np.concatenate([[0], np.cumsum(extend_lens * seq_lens)]).astype(np.int64)
-        args["custom_mask"] = np.asarray(batch.custom_mask, bool)[: mask_indptr[-1]]
+        args["custom_mask"] = np.asarray(batch.verify_custom_mask(), bool)[: mask_indptr[-1]]
         args["mask_indptr"] = mask_indptr
     return args
 
@@ -241,6 +241,8 @@ def token_valid(batch: ForwardBatch) -> np.ndarray:
     """bool[T]: tokens that belong to a real sequence (others are padding and get zero output)."""
     if batch.mode == ForwardMode.DECODE:
         return np.asarray(batch.seq_lens) > 0
+    if batch.draft_mask is not None:  # D rows per sequence, padding sequences included
+        return np.repeat(np.asarray(batch.seq_lens) > 0, batch.draft_mask.shape[1])
     return np.arange(batch.num_tokens) < int(np.asarray(batch.extend_lens).sum())
 
 

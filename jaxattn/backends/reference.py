@@ -61,7 +61,7 @@ class ReferenceBackend:
             kv_indices=kv_indices,
             out_cache_loc=batch.out_cache_loc,
             mask_indptr=batch.mask_indptr if verify else None,
-            custom_mask=batch.custom_mask if verify else None,
+            custom_mask=batch.verify_custom_mask() if verify else None,
             cross_kv_indptr=cross_indptr,
             cross_kv_indices=cross_indices,
             mode=batch.mode,

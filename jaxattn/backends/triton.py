@@ -19,7 +19,11 @@
                        attends the new tokens again (inventory §4.3 "Open question"); jaxattn does not copy that.
   TARGET_VERIFY        The EXTEND lists (prefix = seq_len - draft) plus the tree mask, rows [draft, seq_len] per
                        sequence (`batch.custom_mask`, `batch.mask_indptr`). Like SGLang, the prefix columns are not
-                       read (`skip_prefix_custom_mask`): every draft sees the whole verified prefix.
+                       read (`skip_prefix_custom_mask`): every draft sees the whole verified prefix. With the tree
+                       as bit masks (`batch.draft_mask`, D drafts per sequence) full attention layers run the
+                       several-token decode kernel over `verify_decode` (each sequence's keys, drafts last): K/V
+                       read once for all D drafts and no [D, seq_len] mask; window and xai-temperature layers
+                       take the extend lists with the bits expanded to the boolean mask.
   deterministic        Extend-like modes use `ExtendUnifiedMetadata` (prefix slots then out_cache_loc, one key
                        loop in absolute order: bitwise identical whatever the prefix/new split); decode splits are
                        ceil(len / split_tile_size), a function of the sequence's own length only.
@@ -109,6 +113,14 @@ class TritonMetadata:
     mode: ForwardMode = dataclasses.field(metadata=dict(static=True))
     windows: tuple = dataclasses.field(default=(), metadata=dict(static=True))
     deterministic: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    # TARGET_VERIFY with `batch.draft_mask` (i32[B, D]): decode lists over each sequence's keys, for full layers.
+    verify_decode: DecodeMetadata | None = None
+    draft_mask: jax.Array | None = None
+
+    def takes_verify_decode(self, layer: AttentionLayer) -> bool:
+        """Whether `layer` runs this verify step on the several-token decode kernel (see the module doc)."""
+        return (self.verify_decode is not None and not layer.is_cross_attention and layer.sliding_window < 0
+                and layer.xai_temperature_len <= 0)
 
     def for_layer(self, layer: AttentionLayer):
         """(metadata, custom_mask) serving `layer`."""
@@ -249,9 +261,14 @@ class TritonBackend:
             window_attn.append(self._extend_lists(batch, req_to_token, column0, window=w,
                                                   capacity=max(1, min(batch.kv_capacity, bound))))
         window_attn = tuple(window_attn)
-        mask, window_masks = None, (None,) * len(windows)
+        mask, window_masks, verify_decode = None, (None,) * len(windows), None
         if mode == ForwardMode.TARGET_VERIFY:
-            mask = batch.custom_mask.astype(bool)  # rows [extend_len, seq_len]: full width = listed width without a window
+            # rows [extend_len, seq_len]: full width = listed width without a window. From draft bits, the expansion
+            # is computed only if a layer reads it (XLA drops it otherwise).
+            mask = batch.verify_custom_mask().astype(bool)
+            if batch.draft_mask is not None:
+                verify_decode = self._decode_lists(batch, req_to_token, seq_lens, column0, capacity=batch.kv_capacity,
+                                                   max_len=batch.max_seq_len, window=-1, heads=heads)
             if self.deterministic:
                 extend_lens = jnp.maximum(batch.extend_lens.astype(jnp.int32), 0)
                 window_masks = tuple(
@@ -270,7 +287,8 @@ class TritonBackend:
                                              max_extend_len=batch.max_extend_len, kv_capacity=batch.kv_capacity,
                                              launch_mode=self.launch_mode)
         return TritonMetadata(attn=attn, window_attn=window_attn, cross_attn=cross, custom_mask=mask,
-                              window_custom_masks=window_masks, **common)
+                              window_custom_masks=window_masks, verify_decode=verify_decode,
+                              draft_mask=batch.draft_mask, **common)
 
     def draft_step_metadata(self, draft: "DraftDecodeMetadata", step) -> TritonMetadata:
         """The forward metadata of draft step `step` (an int or a traced int) of `draft_decode_metadata`'s result.
@@ -315,6 +333,11 @@ class TritonBackend:
         window = -1 if layer.is_cross_attention else layer.sliding_window
         if meta.mode == ForwardMode.DECODE:
             o = decode_attention(q, k_pool, v_pool, lists, sliding_window=window, **common)
+        elif meta.mode == ForwardMode.TARGET_VERIFY and meta.takes_verify_decode(layer):
+            batch, drafts = meta.draft_mask.shape
+            o = decode_attention(q.reshape(batch, drafts, *q.shape[1:]), k_pool, v_pool, meta.verify_decode,
+                                 draft_mask=meta.draft_mask, **common)
+            o = o.reshape(q.shape[0], *o.shape[2:])
         elif isinstance(lists, ExtendUnifiedMetadata):
             o = extend_attention_unified(q, k_pool, v_pool, lists, causal=not layer.is_cross_attention, custom_mask=mask,
                                          sliding_window=window, **common)

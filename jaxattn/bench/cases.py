@@ -73,6 +73,7 @@ CASES = {
     # over the drafts), the same 4096 keys per sequence, so the same floor as MLA.
     "MLA-L": Case("MLA-L", "decode", 128, 8191, 1, q_heads=16, kv_heads=1, head_dim=576, v_head_dim=512),
     "MLA-V4": Case("MLA-V4", "decode", 64, 4092, 4, q_heads=16, kv_heads=1, head_dim=576, v_head_dim=512),
+    "D1-V4": Case("D1-V4", "decode", 64, 4092, 4),  # D1's sequences, the last 4 tokens verified (GQA 32/8)
     # MHA (32 q heads, 32 kv heads): the vector kernel's shape, same bytes as D1 (floor 0.250 ms).
     "MHA": Case("MHA", "decode", 16, 4095, 1, q_heads=32, kv_heads=32),
     # fp8 (e4m3fn) pools, the kernels reading them directly (issue 26): each beside its bf16 case and FlashInfer's fp8.

@@ -49,6 +49,13 @@ def decode_as_extend(inp: Inputs):
     return extend_jaxattn(inp, impl=None)
 
 
+def verify_flashinfer_fa3(inp: Inputs):
+    """A verify step (several new tokens per sequence, causal) on FlashInfer's fa3 paged prefill."""
+    if inp.case.new == 1:
+        raise Skip("one token per sequence: FlashInfer's decode rows")
+    return extend_flashinfer(inp, "fa3")
+
+
 def scales(inp: Inputs) -> dict:
     """The ops' k_scale / v_scale for the case's pool (none for bf16)."""
     return {} if inp.k_scale is None else dict(k_scale=inp.k_scale, v_scale=inp.v_scale)
@@ -293,6 +300,7 @@ BACKENDS = {
         "flashinfer": (lambda inp: decode_flashinfer(inp, False), torch_sync),
         "flashinfer-tc": (lambda inp: decode_flashinfer(inp, True), torch_sync),
         "flashinfer-mla": (decode_flashinfer_mla, torch_sync),
+        "flashinfer-fa3": (verify_flashinfer_fa3, torch_sync),
         "flashinfer-in-jit": (lambda inp: decode_flashinfer(inp, False, through_jax=True), jax_sync),
         "flashinfer-in-jit-8-layers": (lambda inp: decode_flashinfer(inp, False, through_jax=True, layers=8), jax_sync),
         "reference": (decode_reference, jax_sync),

@@ -18,9 +18,9 @@ import enum
 import jax
 import jax.numpy as jnp
 
-from jaxattn.checks import INDEX_DTYPES, check_array
+from jaxattn.checks import INDEX_DTYPES, MAX_DECODE_QUERY_TOKENS, check_array
 from jaxattn.kv_indices import exclusive_cumsum
-from jaxattn.metadata import custom_mask_indptr
+from jaxattn.metadata import custom_mask_from_draft_bits, custom_mask_indptr
 
 
 class ForwardMode(enum.Enum):
@@ -47,6 +47,11 @@ class ForwardBatch:
     positions: jax.Array  # i32[T]: position of each new token in its sequence
     encoder_lens: jax.Array | None = None  # i32[B]: encoder tokens stored before the decoder's (cross attention)
     custom_mask: jax.Array | None = None  # bool[mask_capacity]: TARGET_VERIFY tree mask, per sequence [D, seq_len]
+    # i32[B, D]: TARGET_VERIFY's tree as per-row bit masks instead (bit j of [b, t]: draft t sees draft j; every draft
+    # sees the prefix). Every sequence then has D drafts at token rows b * D .. b * D + D - 1 (T = B * D; padding
+    # sequences: extend_len 0, their rows write slot 0), and full attention layers run the several-token decode kernel
+    # (no [D, seq_len] mask through memory). `draft_mask_bits` packs a boolean [D, D] tree mask.
+    draft_mask: jax.Array | None = None
     mode: ForwardMode = dataclasses.field(default=ForwardMode.EXTEND, metadata=dict(static=True))
     max_extend_len: int = dataclasses.field(default=1, metadata=dict(static=True))  # bucket: max new tokens per sequence
     kv_capacity: int = dataclasses.field(default=1, metadata=dict(static=True))  # bucket: max total listed keys
@@ -72,8 +77,20 @@ class ForwardBatch:
                 raise ValueError(
                     f"in DECODE mode token b is sequence b: out_cache_loc must have shape ({batch},); got {self.out_cache_loc.shape}"
                 )
-            if self.mode == ForwardMode.TARGET_VERIFY and self.custom_mask is None:
-                raise ValueError("TARGET_VERIFY needs custom_mask (the tree mask, per sequence row-major [draft, seq_len])")
+            if self.mode == ForwardMode.TARGET_VERIFY and (self.custom_mask is None) == (self.draft_mask is None):
+                raise ValueError("TARGET_VERIFY needs custom_mask (the tree mask, per sequence row-major [draft, seq_len]) "
+                                 "or draft_mask (i32[batch, drafts] bit masks), one of them")
+            if self.draft_mask is not None:
+                if self.mode != ForwardMode.TARGET_VERIFY:
+                    raise ValueError(f"draft_mask is a TARGET_VERIFY field; the batch's mode is {self.mode.name}")
+                check_array("draft_mask", self.draft_mask, ndim=2, dtypes=(jnp.int32, jnp.uint32), what="[batch, drafts]")
+                drafts = self.draft_mask.shape[1]
+                if self.draft_mask.shape[0] != batch or not 1 <= drafts <= MAX_DECODE_QUERY_TOKENS:
+                    raise ValueError(f"draft_mask must have shape ({batch}, D) with 1 <= D <= {MAX_DECODE_QUERY_TOKENS}; "
+                                     f"got {tuple(self.draft_mask.shape)}")
+                if self.out_cache_loc.shape[0] != batch * drafts:
+                    raise ValueError(f"with draft_mask every sequence has {drafts} token rows: out_cache_loc must have "
+                                     f"shape ({batch * drafts},); got {tuple(self.out_cache_loc.shape)}")
 
     @property
     def batch_size(self) -> int:
@@ -93,12 +110,23 @@ class ForwardBatch:
         """i32[B + 1]: where each sequence's new tokens sit among the step's tokens."""
         if self.mode == ForwardMode.DECODE:
             return jnp.arange(self.batch_size + 1, dtype=jnp.int32)
+        if self.draft_mask is not None:  # D rows per sequence, padding sequences included
+            return jnp.arange(self.batch_size + 1, dtype=jnp.int32) * self.draft_mask.shape[1]
         return exclusive_cumsum(self.extend_lens)
 
     @property
     def mask_indptr(self) -> jax.Array:
         """i32/i64[B + 1] (`jaxattn.metadata.custom_mask_indptr`): start of each sequence's [extend_len, seq_len] block."""
         return custom_mask_indptr(self.extend_lens, self.seq_lens)
+
+    def verify_custom_mask(self) -> jax.Array:
+        """TARGET_VERIFY's boolean tree mask: `custom_mask`, or `draft_mask` expanded to that form (bool[B * D *
+        max_seq_len]) for the paths that read it whole."""
+        if self.custom_mask is not None:
+            return self.custom_mask
+        batch, drafts = self.draft_mask.shape
+        return custom_mask_from_draft_bits(self.draft_mask, self.extend_lens, self.seq_lens,
+                                           batch * drafts * self.max_seq_len)
 
 
 def tree_mask_for_verify(parents, prefix_len: int):

@@ -41,7 +41,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxattn.decode import decode_attention, decode_attention_reference, decode_metadata  # noqa: E402
+from jaxattn.batch import tree_mask_for_verify  # noqa: E402
+from jaxattn.decode import decode_attention, decode_attention_reference, decode_metadata, draft_mask_bits  # noqa: E402
 from jaxattn.extend import (  # noqa: E402
     extend_attention,
     extend_attention_reference,
@@ -74,6 +75,8 @@ class Profile:
     causal: bool = True
     kv_dtype: str = ""  # the pools' dtype when it is not q's: "float8_e4m3fn" / "float8_e5m2" (read with k/v scales)
     per_head_scales: bool = False  # fp8: one scale per kv head instead of one per layer
+    tokens: int = 1  # decode only: query tokens per sequence (a verify step: the last `tokens` keys are theirs)
+    tree: bool = False  # decode with tokens > 1: a random draft tree (draft_mask) instead of causal
 
     def pool_dtype(self):
         return jnp.dtype(self.kv_dtype or self.dtype)
@@ -122,6 +125,7 @@ def profiles(shapes: str) -> list[Profile]:
             Profile("tiny-window", 2, 1, 16, 16, "bfloat16", window=5, logit_cap=5.0),
             Profile("tiny-mask", 3, 3, 32, 16, "float16", mask=True, xai=8),
             Profile("tiny-fp8", 4, 2, 32, 32, "bfloat16", kv_dtype="float8_e4m3fn", per_head_scales=True),
+            Profile("tiny-verify-tree", 4, 2, 32, 32, "float32", sinks=True, tokens=3, tree=True),
         ]
     return [
         Profile("llama-gqa4-bf16", 32, 8, 128, 128, "bfloat16"),
@@ -139,6 +143,11 @@ def profiles(shapes: str) -> list[Profile]:
         Profile("mla-absorbed-fp8", 16, 1, 576, 512, "bfloat16", kv_dtype="float8_e4m3fn"),
         Profile("gpt-oss-fp8-e5m2", 64, 8, 64, 64, "bfloat16", window=127, sinks=True, kv_dtype="float8_e5m2",
                 per_head_scales=True),
+        # Several query tokens per sequence on the decode kernel (speculative verify, MTP): causal, and random trees.
+        Profile("mla-verify-4", 16, 1, 576, 512, "bfloat16", tokens=4),
+        Profile("llama-verify-tree-6", 32, 8, 128, 128, "bfloat16", logit_cap=30.0, tokens=6, tree=True),
+        Profile("llama-verify-tree-fp8", 32, 8, 128, 128, "bfloat16", sinks=True, tokens=5, tree=True,
+                kv_dtype="float8_e4m3fn"),
     ]
 
 
@@ -251,19 +260,35 @@ class DecodeRunner:
             table[rows[b], : lens[b]] = slots[offset : offset + lens[b]]
             offset += lens[b]
         self.key, kq, kk, kv, ks = jax.random.split(self.key, 5)
-        q = jax.random.normal(kq, (s.dec_batch, p.q_heads, p.qk_dim)).astype(self.dtype)
-        # The current token's K/V: written at its slot (the last of each list) first, as a serving step does.
-        cur = np.where(lens > 0, table[rows, np.maximum(lens - 1, 0)], 0).astype(np.int32)
-        k_cur = jax.random.normal(kk, (s.dec_batch, p.kv_heads, p.qk_dim)).astype(self.dtype)
-        v_cur = jax.random.normal(kv, (s.dec_batch, p.kv_heads, p.v_dim)).astype(self.dtype)
+        t = p.tokens
+        q = jax.random.normal(kq, (s.dec_batch, t, p.q_heads, p.qk_dim) if t > 1 else (s.dec_batch, p.q_heads, p.qk_dim))
+        q = q.astype(self.dtype)
+        # The current tokens' K/V: written at their slots (the last t of each list) first, as a serving step does.
+        # A list shorter than t has fewer; its missing tokens' rows write the padding slot.
+        cols = np.arange(t) - t + lens[:, None]  # [batch, t]
+        cur = np.where(cols >= 0, table[rows[:, None], np.maximum(cols, 0)], 0).reshape(-1).astype(np.int32)
+        k_cur = jax.random.normal(kk, (s.dec_batch * t, p.kv_heads, p.qk_dim)).astype(self.dtype)
+        v_cur = jax.random.normal(kv, (s.dec_batch * t, p.kv_heads, p.v_dim)).astype(self.dtype)
+        draft_mask = None
+        if p.tree:  # each token sees itself and its ancestors (a random tree in topological order)
+            masks = np.zeros((s.dec_batch, t, t), bool)
+            for b in range(s.dec_batch):
+                parents = [int(rng.integers(-1, j)) for j in range(t)]
+                masks[b] = tree_mask_for_verify(parents, 0)
+            draft_mask = draft_mask_bits(masks)
         self.k_pool, self.v_pool = write_kv(self.k_pool, self.v_pool, jnp.asarray(cur), k_cur, v_cur, **self.scales)
         self.k_pool = self.k_pool.at[0].set(jnp.nan)  # padding rows wrote slot 0: poison it again
         self.v_pool = self.v_pool.at[0].set(jnp.nan)
         sinks = jax.random.normal(ks, (p.q_heads,)) * 2 if p.sinks else None
         meta = self.meta(jnp.asarray(table), jnp.asarray(rows), jnp.asarray(lens))
-        o = self.attn(q, self.k_pool, self.v_pool, meta, sinks=sinks, **self.scales)
-        ref = self.ref(q, self.k_pool, self.v_pool, meta, sinks=sinks, **self.scales)
-        ok, ratio, reason = compare(o, ref, p.dtype, empty_rows=lens == 0)
+        o = self.attn(q, self.k_pool, self.v_pool, meta, sinks=sinks, draft_mask=draft_mask, **self.scales)
+        ref = self.ref(q, self.k_pool, self.v_pool, meta, sinks=sinks, draft_mask=draft_mask, **self.scales)
+        # Rows with no key: padding sequences, and (causal, no sinks) the tokens placed before a short list's start.
+        empty = np.broadcast_to((lens == 0)[:, None], (s.dec_batch, t)).copy()
+        if not p.tree and not p.sinks:
+            empty |= np.arange(t)[None, :] - t + lens[:, None] < 0
+        rows = (s.dec_batch * t, p.q_heads, p.v_dim)  # one row per (sequence, token)
+        ok, ratio, reason = compare(o.reshape(rows), ref.reshape(rows), p.dtype, empty_rows=empty.reshape(-1))
         return ok, ratio, reason, dict(op="decode", profile=p.name, batch=index, lens=lens.tolist()), int(total)
 
 

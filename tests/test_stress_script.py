@@ -41,3 +41,14 @@ def test_each_batch_has_its_own_generator_and_shards_cover_the_profiles():
     assert draws[0] != draws[1] != draws[2]
     assert stress.batch_rng(0, "decode", 1).integers(0, 1 << 30, 4).tolist() != draws[1]
     assert sorted({stress.shard_of(i, 10, 4) for i in range(10)}) == [0, 1, 2, 3]
+
+
+def test_verify_profile_runs_against_the_reference():
+    # The several-token decode profile (a random draft tree, sinks, lists shorter than the token count): two batches
+    # through the interpreter, no mismatch.
+    stress = load_stress_script()
+    profile = next(p for p in stress.profiles("tiny") if p.tokens > 1)
+    runner = stress.DecodeRunner(profile, stress.SHAPES["tiny"], "interpret", seed=0)
+    for i in range(2):
+        ok, ratio, reason, case, _ = runner.run(stress.batch_rng(0, "decode", i), i)
+        assert ok, (reason, ratio, case)

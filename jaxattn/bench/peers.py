@@ -115,18 +115,23 @@ def flashinfer_cache(inp: Inputs, tv: dict):
     return paged_pool_view(tv["k_pool"], inp.case.page_size), paged_pool_view(tv["v_pool"], inp.case.page_size)
 
 
+def flashinfer_session(inp: Inputs, workspace_mb: int = 256):
+    """(the flashinfer module, torch, the inputs as torch views, a workspace buffer); Skip without FlashInfer."""
+    try:
+        import flashinfer
+    except ImportError:
+        raise Skip("flashinfer not installed")
+    torch, tv = torch_views(inp)
+    return flashinfer, torch, tv, torch.empty(workspace_mb << 20, dtype=torch.uint8, device="cuda")
+
+
 def decode_flashinfer(inp: Inputs, tensor_cores: bool, through_jax: bool = False, layers: int = 1):
     case = inp.case
     if case.v_head_dim is not None:
         raise Skip("MLA shapes need FlashInfer's MLA wrapper")
     if case.new > 1:  # its decode kernels take one query per sequence (given more rows, the H200 run faulted)
         raise Skip("several tokens per sequence: FlashInfer's verify is its prefill (row flashinfer-fa3)")
-    try:
-        import flashinfer
-    except ImportError:
-        raise Skip("flashinfer not installed")
-    torch, tv = torch_views(inp)
-    workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    flashinfer, torch, tv, workspace = flashinfer_session(inp)
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tensor_cores)
     kv_indptr, kv_indices, last_page_len = flashinfer_pages(inp, torch)
     kv_type = tv["k_pool"].dtype  # bf16, or fp8 (FlashInfer decodes fp8 KV with bf16 queries)
@@ -152,12 +157,7 @@ def decode_flashinfer_mla(inp: Inputs):
         raise Skip("FlashInfer's MLA wrapper takes the 576/512 latent head")
     if case.fp8:
         raise Skip("fp8 latent cache: not wired for FlashInfer's MLA wrapper")
-    try:
-        import flashinfer
-    except ImportError:
-        raise Skip("flashinfer not installed")
-    torch, tv = torch_views(inp)
-    workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    flashinfer, torch, tv, workspace = flashinfer_session(inp)
     wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace, backend="auto")
     kv_indptr, kv_indices, _ = flashinfer_pages(inp, torch)
     qo_indptr = torch.arange(case.batch + 1, dtype=torch.int32, device="cuda") * case.new
@@ -253,18 +253,13 @@ def extend_reference(inp: Inputs):
 
 def extend_flashinfer(inp: Inputs, backend: str, through_jax: bool = False):
     case = inp.case
-    try:
-        import flashinfer
-    except ImportError:
-        raise Skip("flashinfer not installed")
     if case.v_in_k:
-        raise Skip("MLA latent cache: FlashInfer's paged prefill takes separate K and V heads (its MLA wrapper is not wired here)")
+        raise Skip("MLA latent cache: FlashInfer's paged prefill takes separate K and V heads (row flashinfer-mla: its MLA wrapper)")
     if case.sinks:
         raise Skip("FlashInfer's paged prefill (fa2/fa3) takes no attention sinks")
     if case.fp8 and through_jax:
         raise Skip("the bridge rows time bf16 pools")
-    torch, tv = torch_views(inp)
-    workspace = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+    flashinfer, torch, tv, workspace = flashinfer_session(inp, workspace_mb=512)
     wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend)
     kv_indptr, kv_indices, last_page_len = flashinfer_pages(inp, torch)
     wrapper.plan(

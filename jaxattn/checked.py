@@ -24,6 +24,8 @@ What is checked (each message names the argument and the first offending entry):
   `checked(step, validate=...)`: they run first, in their own call, and raise before the step is launched.
   (Pool writes are already safe: `write_kv` drops out-of-range slots.)
 * `validate_write_slots`: out_cache_loc for `write_kv`.
+* `validate_verify_drafts`: a verify step whose tree comes as bit masks (`ForwardBatch.draft_mask`, D drafts per
+  sequence): every sequence with keys has exactly D new tokens and at least D keys, every padding sequence none.
 
 Use, either way:
 
@@ -239,6 +241,22 @@ def validate_write_slots(out_cache_loc, num_slots: int):
     i = _first(bad)
     _check_all(~bad, f"out_cache_loc[{{i}}] = {{v}} is outside the pool [0, {num_slots})", i=i, v=loc[i])
     check_write_slots(out_cache_loc, num_slots)
+
+
+def validate_verify_drafts(extend_lens, seq_lens, drafts: int):
+    """A draft-bits verify step's lengths: extend_lens[b] == drafts <= seq_lens[b] where seq_lens[b] > 0, else 0 (the
+    several-token decode kernel takes a sequence's last `drafts` keys as its query tokens' own)."""
+    check_array("extend_lens", extend_lens, ndim=1, dtypes=INDEX_DTYPES, what="[batch]")
+    check_array("seq_lens", seq_lens, shape=extend_lens.shape, dtypes=INDEX_DTYPES, what="[batch]")
+    check_positive_int("drafts", drafts)
+    extend, seq = extend_lens.astype(jnp.int32), seq_lens.astype(jnp.int32)
+    bad = jnp.where(seq > 0, extend != drafts, extend != 0)
+    i = _first(bad)
+    _check_all(~bad, f"extend_lens[{{i}}] = {{v}} (seq_lens {{s}}): a draft-mask verify step gives every sequence with "
+                     f"keys {drafts} drafts and padding sequences none", i=i, v=extend[i], s=seq[i])
+    short = (seq > 0) & (seq < drafts)
+    i = _first(short)
+    _check_all(~short, f"seq_lens[{{i}}] = {{v}} is shorter than the {drafts} drafts it verifies", i=i, v=seq[i])
 
 
 def validate_decode_inputs(req_to_token, req_pool_indices, seq_lens, *, num_slots: int, kv_capacity: int | None = None,

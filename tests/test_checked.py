@@ -16,6 +16,7 @@ from jaxattn.checked import (
     validate_decode_metadata,
     validate_extend_inputs,
     validate_extend_metadata,
+    validate_verify_drafts,
     validate_write_slots,
 )
 from jaxattn.decode import decode_attention, decode_attention_reference, decode_metadata, decode_metadata_from_indptr
@@ -122,6 +123,9 @@ BAD = [
     ("extend/out_cache_loc-short", extend_inputs(out_cache_loc=i32(5, 6, 7, 10)), r"more than out_cache_loc holds \(4\)"),
     ("extend/out_cache_loc-repeat", extend_inputs(out_cache_loc=i32(5, 6, 7, 10, 6)), r"out_cache_loc names slot 6 twice"),
     ("write/out_cache_loc", lambda: validate_write_slots(i32(0, -1), SLOTS), r"out_cache_loc\[1\] = -1 is outside the pool"),
+    ("verify/drafts", lambda: validate_verify_drafts(i32(4, 3), i32(9, 7), 4), r"extend_lens\[1\] = 3 \(seq_lens 7\)"),
+    ("verify/padding", lambda: validate_verify_drafts(i32(4, 4), i32(9, 0), 4), r"extend_lens\[1\] = 4 \(seq_lens 0\)"),
+    ("verify/short", lambda: validate_verify_drafts(i32(4, 4), i32(9, 2), 4), r"seq_lens\[1\] = 2 is shorter than the 4"),
 ]
 
 GOOD = [
@@ -139,6 +143,7 @@ GOOD = [
     ("extend/window", extend_inputs(t=with_entry(0, 0, 99), sliding_window=1)),
     ("extend/empty-rows", extend_inputs(rows=(0, 50), prefix=(2, 0), extend=(3, 0))),
     ("write", lambda: validate_write_slots(i32(0, 0, 15, 1), SLOTS)),
+    ("verify", lambda: validate_verify_drafts(i32(4, 0, 4), i32(9, 0, 4), 4)),
 ]
 
 

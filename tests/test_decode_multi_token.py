@@ -173,3 +173,14 @@ def test_inside_jit(rng):
     np.testing.assert_allclose(np.asarray(step(q, meta, draft_mask)),
                                np.asarray(decode_attention_reference(q, k_pool, v_pool, meta, draft_mask=draft_mask)),
                                **tolerance(jnp.float32))
+
+
+def test_unsigned_draft_mask_is_read_bit_for_bit(rng):
+    # u32 masks (bit 31 set, unused beyond the drafts) give the same result as their i32 bit pattern.
+    q, k_pool, v_pool, meta = make_case(rng, 4, 2, 64, 64, 3, jnp.float32)
+    bits = np.asarray(random_trees(rng, len(KV_LENS), 3)[0]).view(np.uint32) | np.uint32(1 << 31)
+    unsigned = decode_attention(q, k_pool, v_pool, meta, draft_mask=jnp.asarray(bits), mode="interpret")
+    signed = decode_attention(q, k_pool, v_pool, meta, draft_mask=jnp.asarray(bits.view(np.int32)), mode="interpret")
+    np.testing.assert_array_equal(np.asarray(unsigned), np.asarray(signed))
+    want = decode_attention_reference(q, k_pool, v_pool, meta, draft_mask=jnp.asarray(bits))
+    np.testing.assert_allclose(np.asarray(unsigned), np.asarray(want), **tolerance(jnp.float32))

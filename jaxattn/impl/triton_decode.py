@@ -130,7 +130,11 @@ def run(call: DecodeCall):
         has_draft_mask=call.draft_mask is not None,
     )
     kv_scales = jnp.ones((2, kv_heads), jnp.float32) if call.kv_scales is None else call.kv_scales
-    draft_mask = jnp.zeros((1,), jnp.int32) if call.draft_mask is None else call.draft_mask.reshape(-1).astype(jnp.int32)
+    # The kernel reads 32 bits per row: u32 masks are reinterpreted, not converted (bit 31 would not survive a cast).
+    if call.draft_mask is None:
+        draft_mask = jnp.zeros((1,), jnp.int32)
+    else:
+        draft_mask = jax.lax.bitcast_convert_type(call.draft_mask.reshape(-1), jnp.int32)
     head_programs = q_heads if config.block_h == 1 else kv_heads * -(-rows // config.block_h)
     mid_o, mid_lse = launch(
         ("decode_attention", stage1_kernel(config)),

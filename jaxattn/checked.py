@@ -25,7 +25,8 @@ What is checked (each message names the argument and the first offending entry):
   (Pool writes are already safe: `write_kv` drops out-of-range slots.)
 * `validate_write_slots`: out_cache_loc for `write_kv`.
 * `validate_verify_drafts`: a verify step whose tree comes as bit masks (`ForwardBatch.draft_mask`, D drafts per
-  sequence): every sequence with keys has exactly D new tokens and at least D keys, every padding sequence none.
+  sequence): every sequence with keys has exactly D new tokens and at least D keys, every padding sequence none, and
+  the padding sequences come last.
 
 Use, either way:
 
@@ -245,7 +246,8 @@ def validate_write_slots(out_cache_loc, num_slots: int):
 
 def validate_verify_drafts(extend_lens, seq_lens, drafts: int):
     """A draft-bits verify step's lengths: extend_lens[b] == drafts <= seq_lens[b] where seq_lens[b] > 0, else 0 (the
-    several-token decode kernel takes a sequence's last `drafts` keys as its query tokens' own)."""
+    several-token decode kernel takes a sequence's last `drafts` keys as its query tokens' own), padding sequences
+    last."""
     check_array("extend_lens", extend_lens, ndim=1, dtypes=INDEX_DTYPES, what="[batch]")
     check_array("seq_lens", seq_lens, shape=extend_lens.shape, dtypes=INDEX_DTYPES, what="[batch]")
     check_positive_int("drafts", drafts)
@@ -257,6 +259,12 @@ def validate_verify_drafts(extend_lens, seq_lens, drafts: int):
     short = (seq > 0) & (seq < drafts)
     i = _first(short)
     _check_all(~short, f"seq_lens[{{i}}] = {{v}} is shorter than the {drafts} drafts it verifies", i=i, v=seq[i])
+    # Token rows are b * drafts + t, and the extend paths (window layers) count rows by extend_lens: the two agree only
+    # with the padding sequences last.
+    after_padding = (seq > 0) & (jnp.cumsum((seq == 0).astype(jnp.int32)) > 0)
+    i = _first(after_padding)
+    _check_all(~after_padding, f"seq_lens[{{i}}] = {{v}} follows a padding sequence: a draft-mask verify step puts its "
+                               "padding sequences last", i=i, v=seq[i])
 
 
 def validate_decode_inputs(req_to_token, req_pool_indices, seq_lens, *, num_slots: int, kv_capacity: int | None = None,

@@ -126,6 +126,7 @@ BAD = [
     ("verify/drafts", lambda: validate_verify_drafts(i32(4, 3), i32(9, 7), 4), r"extend_lens\[1\] = 3 \(seq_lens 7\)"),
     ("verify/padding", lambda: validate_verify_drafts(i32(4, 4), i32(9, 0), 4), r"extend_lens\[1\] = 4 \(seq_lens 0\)"),
     ("verify/short", lambda: validate_verify_drafts(i32(4, 4), i32(9, 2), 4), r"seq_lens\[1\] = 2 is shorter than the 4"),
+    ("verify/padding-first", lambda: validate_verify_drafts(i32(0, 4), i32(0, 9), 4), r"seq_lens\[1\] = 9 follows a padding"),
 ]
 
 GOOD = [
@@ -143,7 +144,7 @@ GOOD = [
     ("extend/window", extend_inputs(t=with_entry(0, 0, 99), sliding_window=1)),
     ("extend/empty-rows", extend_inputs(rows=(0, 50), prefix=(2, 0), extend=(3, 0))),
     ("write", lambda: validate_write_slots(i32(0, 0, 15, 1), SLOTS)),
-    ("verify", lambda: validate_verify_drafts(i32(4, 0, 4), i32(9, 0, 4), 4)),
+    ("verify", lambda: validate_verify_drafts(i32(4, 4, 0), i32(9, 4, 0), 4)),
 ]
 
 

@@ -49,7 +49,7 @@ class ForwardBatch:
     custom_mask: jax.Array | None = None  # bool[mask_capacity]: TARGET_VERIFY tree mask, per sequence [D, seq_len]
     # i32[B, D]: TARGET_VERIFY's tree as per-row bit masks instead (bit j of [b, t]: draft t sees draft j; every draft
     # sees the prefix). Every sequence then has D drafts at token rows b * D .. b * D + D - 1 (T = B * D; padding
-    # sequences: extend_len 0, their rows write slot 0), and full attention layers run the several-token decode kernel
+    # sequences after the real ones, extend_len 0, their rows write slot 0), and full layers run the several-token decode kernel
     # (no [D, seq_len] mask through memory). `draft_mask_bits` packs a boolean [D, D] tree mask.
     draft_mask: jax.Array | None = None
     mode: ForwardMode = dataclasses.field(default=ForwardMode.EXTEND, metadata=dict(static=True))

@@ -14,8 +14,11 @@ rest, `impl=` forces one):
 
   ================  ==========  ==================================================================================
   "mgpu"            two-stage   Pallas Mosaic GPU kernel, FlashAttention-3's schedule (`jaxattn.impl.mgpu_extend`):
-                                sm_90, bf16/f16, head dim 64/128, causal, with window, soft cap and sinks.
+                                sm_90, bf16/f16, head dim 64/128, causal or not, window (causal), soft cap, sinks,
+                                xai temperature; no custom mask.
   "triton"          two-stage   SGLang's two-stage Triton kernel, every feature (`jaxattn.impl.triton_extend`).
+  "mgpu-unified"    unified     The Mosaic GPU kernel over one list per sequence, every tile masked alike
+                                (deterministic): as "mgpu" less the window.
   "triton-unified"  unified     SGLang's deterministic unified Triton kernel, every feature.
   ================  ==========  ==================================================================================
 
@@ -70,7 +73,7 @@ from jaxattn.tuning import (  # noqa: F401  (re-exported)
 )
 from jaxattn.tuning.sm90 import EXTEND as SM90_CONFIGS  # noqa: F401  (re-exported)
 
-IMPLEMENTATIONS = (mgpu_extend.IMPLEMENTATION, triton_extend.TWO_STAGE, triton_extend.UNIFIED)
+IMPLEMENTATIONS = (mgpu_extend.IMPLEMENTATION, triton_extend.TWO_STAGE, mgpu_extend.UNIFIED, triton_extend.UNIFIED)
 CONFIG_TYPES = (ExtendConfig, MgpuExtendConfig)
 
 _STATIC = ("causal", "skip_prefix_custom_mask", "sliding_window", "logit_cap", "xai_temperature_len", "sm_scale", "config",
@@ -116,9 +119,10 @@ def extend_attention(
 ) -> jax.Array:
     """Two-stage extend attention (SGLang's extend_attention_fwd): cached prefix from the pool, new tokens contiguous.
 
-    Runs the first of `IMPLEMENTATIONS` that takes the call: on an H200/H100 (sm_90), causal calls (bf16/f16, head
-    dim 64 or 128, no custom mask or xai temperature; a sliding window, soft cap and sinks are taken) run the Mosaic
-    GPU kernel (FlashAttention-3's schedule, 1.5x faster at E1); everything else runs SGLang's two-stage Triton kernel.
+    Runs the first of `IMPLEMENTATIONS` that takes the call: on an H200/H100 (sm_90), bf16/f16 calls with head dim
+    64 or 128 and no custom mask (causal or not; a sliding window, soft cap, sinks and xai temperature are taken) run
+    the Mosaic GPU kernel (FlashAttention-3's schedule, 1.5x faster at E1); everything else runs SGLang's two-stage
+    Triton kernel.
 
     Args:
       q: [tokens, q_heads, qk_head_dim] f32/f16/bf16: the new tokens' queries, sequence b at meta.qo_indptr[b]:[b+1].
@@ -174,7 +178,7 @@ def extend_attention_unified(
     xai_temperature_len: int = -1,
     sm_scale: float | None = None,
     kv_start_pos: jax.Array | None = None,
-    config: ExtendConfig | None = None,
+    config: ExtendConfig | MgpuExtendConfig | None = None,
     launch_mode: str | None = None,
     impl: str | None = None,
     mode: str | None = None,
@@ -192,12 +196,14 @@ def extend_attention_unified(
       kv_start_pos: optional i32[batch]: absolute position of each sequence's first listed key (default
         meta.kv_start_pos); `window_start_pos` is its old name.
       causal, sliding_window, logit_cap, sinks, xai_temperature_len, sm_scale, config, launch_mode, impl: as
-        `extend_attention` (implementations of the unified form: "triton-unified").
+        `extend_attention`. Implementations of the unified form: "mgpu-unified" (sm_90, bf16/f16, head dim 64/128, no
+        window or custom mask; tiles of config.block_kv keys) and "triton-unified" (every feature; tiles of
+        config.block_n keys), picked in that order.
       k_scale, v_scale: as `extend_attention`; here they scale every key and value (all come from the pool).
 
     Returns:
-      o: [tokens, q_heads, v_head_dim] in q's dtype; rows past qo_indptr[-1] are 0. For a fixed config.block_n a
-      token's row is bit-identical however its sequence is split into prefix and new tokens.
+      o: [tokens, q_heads, v_head_dim] in q's dtype; rows past qo_indptr[-1] are 0. For a fixed implementation and
+      tile a token's row is bit-identical however its sequence is split into prefix and new tokens.
     """
     kv_start_pos = _unified_start_pos(q, k_pool, v_pool, meta, custom_mask, sinks, sliding_window, config, logit_cap,
                                       xai_temperature_len, kv_start_pos, window_start_pos, sm_scale, k_scale, v_scale)

@@ -281,7 +281,8 @@ def warpgroup_window_steps(wg_row, q_start, q_end, prefix_len, lead, pre_steps, 
 
 def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo_indptr, kv_indptr, out_ref, *,
                                  max_extend_len, sm_scale, block_q, block_kv, stages, tma_new_tiles,
-                                 sliding_window=-1, logit_cap=0.0, sinks=None):
+                                 causal=True, sliding_window=-1, logit_cap=0.0, sinks=None, xai_temperature_len=-1,
+                                 kv_start_pos=None, prefix_lens=None):
     """Runs the kernel; writes `out_ref` in place (rows it does not own are left as they were).
 
     q: [q_rows, q_heads, head_dim] (q_rows a multiple of 8, >= block_q: Q/O move by TMA in 8-row tiles);
@@ -304,7 +305,11 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
       at the common max).
     """
     q_rows, q_heads, head_dim = q.shape
-    tokens, kv_heads = k_new.shape[:2]
+    unified = prefix_lens is not None
+    if unified and (k_new is not None or v_new is not None):
+        raise ValueError("the unified form reads every key from the pool: give k_new = v_new = None")
+    tokens = q_rows if unified else k_new.shape[0]
+    kv_heads = k_pool.shape[1]
     pool_rows = k_pool.shape[0]
     batch = qo_indptr.shape[0] - 1
     group = q_heads // kv_heads
@@ -312,14 +317,21 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
     cta_rows = COMPUTE_WARPGROUPS * block_q
     q_tiles = -(-(max_extend_len + 7) // cta_rows)  # + 7: tiles start up to 7 rows before a sequence
     window = int(sliding_window) if sliding_window is not None and sliding_window >= 0 else None
+    if window is not None and (unified or not causal):
+        raise ValueError("a sliding window is taken with causal two-stage calls only")
     logit_cap = float(logit_cap) if logit_cap and logit_cap > 0 else None
     # The exponent's scale: scores (or with a soft cap their tanh, in [-1, 1]) times this are log2 units.
     scale_log2 = float(sm_scale) * LOG2E if logit_cap is None else logit_cap * LOG2E
     has_sinks = sinks is not None
+    xai = int(xai_temperature_len) if xai_temperature_len is not None and xai_temperature_len > 0 else None
+    if xai is not None and kv_start_pos is None:
+        raise ValueError("xai temperature needs kv_start_pos (each sequence's first listed key's position)")
+    if unified:
+        tma_new_tiles = False  # every tile comes from the pool by cp.async
     copy = dict(block_kv=block_kv, head_dim=head_dim)
 
     def body(qo_indptr_ref, kv_indptr_ref, kv_indices_ref, q_ref, k_new_ref, v_new_ref, k_pool_ref, v_pool_ref,
-             sinks_ref, out_gmem, scoped):
+             sinks_ref, start_pos_ref, prefix_lens_ref, out_gmem, scoped):
         (qo_smem2, o_rows_smem2, k_smem, v_smem, kv_bars), (k_ready, v_ready, q_ready), (k_free, v_free), schedule = scoped
         head = lax.axis_index("heads")
         seq = lax.axis_index("seq")
@@ -335,12 +347,30 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
         base = _align8(q_start)
         lead = q_start - base
         kv_start = kv_indptr_ref[seq]
+        # Listed keys from the pool: the cached prefix (two-stage), or every key, prefix then new (unified).
         prefix_len = kv_indptr_ref[seq + 1] - kv_start
         token_end = jnp.minimum(qo_indptr_ref[batch], tokens)  # rows of k_new/v_new past it are copied as zeros
+        # Non-causal: every new key of the sequence (all its rows, also those past max_extend_len).
+        key_end = jnp.minimum(qo_indptr_ref[seq + 1], token_end)
         cta_row = base + tile * cta_rows  # first (absolute) query row of this CTA
+        if unified:
+            prefix_len = jnp.maximum(prefix_len, 0)
         pre_steps = _cdiv(prefix_len, block_kv)
-        # K/V tiles the CTA needs: the whole prefix, then new keys up to its last valid row.
-        cta_steps = pre_steps + _cdiv(jnp.minimum(cta_row + cta_rows, q_end) - base, block_kv)
+        if unified:
+            # Query t of the sequence sits at listed position q_prefix + t; causal, it sees the listed keys up to it.
+            q_prefix = prefix_lens_ref[seq]
+
+            def unified_steps(last_row):  # the K/V steps rows up to `last_row` (absolute) see, from step 0
+                if not causal:
+                    return pre_steps
+                return _cdiv(jnp.clip(q_prefix + (last_row - q_start) + 1, 0, prefix_len), block_kv)
+
+            cta_steps = unified_steps(jnp.minimum(cta_row + cta_rows, q_end) - 1)
+        elif causal:
+            # K/V tiles the CTA needs: the whole prefix, then new keys up to its last valid row.
+            cta_steps = pre_steps + _cdiv(jnp.minimum(cta_row + cta_rows, q_end) - base, block_kv)
+        else:
+            cta_steps = pre_steps + _cdiv(key_end - base, block_kv)
         # The CTA's first step: 0, or under a window the one its first query row needs first. Producer and both
         # consumers start their bookkeeping (ring slots' first uses, cp.async phases) from this one value.
         if window is None:
@@ -385,32 +415,55 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                 qo_smem = qo_smem2.at[wg]
                 wg_row = cta_row + wg * block_q  # this warpgroup's first query row (it may hold no valid row)
                 wg_rel = wg_row - base  # ... counted from base, as key tile offsets are
-                new_steps = _cdiv(jnp.minimum(wg_row + block_q, q_end) - base, block_kv)
-                wg_steps = pre_steps + new_steps
+                t0 = wg_row - q_start  # its row 0, from the sequence's first new token (< 0: previous sequence)
+                wg_last_row = jnp.minimum(wg_row + block_q, q_end) - 1
+                if unified:
+                    wg_steps = unified_steps(wg_last_row)
+                elif causal:
+                    wg_steps = pre_steps + _cdiv(wg_last_row + 1 - base, block_kv)
+                else:
+                    wg_steps = cta_steps
+                new_steps = wg_steps - pre_steps
                 full_pre = lax.div(prefix_len, jnp.int32(block_kv))  # prefix tiles with no key past the prefix
                 # New-key tiles every row sees whole: none of the previous sequence's keys (tile 0 when lead > 0),
-                # last key <= the warpgroup's first row.
+                # last key <= the warpgroup's first row (causal) or before the sequence's end (non-causal).
                 first_full = jnp.where(lead > 0, 1, 0)
-                end_full = jnp.maximum(jnp.minimum(lax.div(wg_rel + 1, jnp.int32(block_kv)), new_steps), first_full)
+                last_seen = wg_rel + 1 if causal else key_end - base
+                end_full = jnp.maximum(jnp.minimum(lax.div(last_seen, jnp.int32(block_kv)), new_steps), first_full)
 
                 plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(wg_row, block_q), head], qo_smem, q_ready.at[wg])
                 plgpu.barrier_wait(q_ready.at[wg])
 
                 # Under a window a valid row's first tiles may hold none of its keys (they straddle another row's
-                # window edge): a finite start keeps exp2(m_i - m_new) at 1 there, never exp2(-inf + inf) = NaN.
-                m_init = -jnp.inf if window is None else -1e30
+                # window edge): a finite start keeps exp2(m_i - m_new) at 1 there, never exp2(-inf + inf) = NaN. The
+                # unified form starts finite too, so a row that sees no key (bad metadata) ends with l = 0, not NaN.
+                m_init = -jnp.inf if window is None and not unified else -1e30
                 m_i = plgpu.layout_cast(jnp.full((block_q,), m_init, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
                 l_i = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
                 acc = plgpu.layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+                # Listed position of the warpgroup's row 0 (query t at listed position q_pos0 + t), where used.
+                q_pos0 = (q_prefix if unified else prefix_len) + t0 if unified or xai is not None else None
+
+                if xai is None:
+                    row_scale = scale_log2
+                else:
+                    # Grok's temperature per row: log2(pos) / log2(L) for absolute positions pos > L, else 1,
+                    # folded into the exponent's scale once per warpgroup (the reduction only changes the layout).
+                    rows = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA)
+                    position = (start_pos_ref[seq] + q_pos0 + rows).astype(jnp.float32)
+                    factor = jnp.where(position > float(xai), jnp.log2(jnp.maximum(position, 1.0)) * (1.0 / np.log2(xai)),
+                                       1.0)
+                    row_scale = factor.max(axis=1) * scale_log2
 
                 if window is None:
-                    wait_ready(0, jnp.int32(0), k_ready)
+                    if unified:
+                        pl.when(wg_steps > 0)(lambda: wait_ready(0, jnp.int32(0), k_ready))
+                    else:
+                        wait_ready(0, jnp.int32(0), k_ready)
                     pl.when(wg == 1)(schedule_sync)
                 else:
-                    # This warpgroup's query rows are t0.. (from the sequence's first new token; rows t < 0 belong
-                    # to the previous sequence). Its steps: [wg_first, wg_steps), masked for the window up to
-                    # win_full; the CTA's steps from first_step before wg_first are released unused (head flush).
-                    t0 = wg_row - q_start
+                    # This warpgroup's query rows are t0..; its steps: [wg_first, wg_steps), masked for the window up
+                    # to win_full; the CTA's steps from first_step before wg_first are released unused (head flush).
                     wg_first, win_full = warpgroup_window_steps(
                         wg_row, q_start, q_end, prefix_len, lead, pre_steps, first_step, wg_steps, window=window,
                         block_q=block_q, block_kv=block_kv)
@@ -431,31 +484,46 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                         s = jnp.tanh(s * (float(sm_scale) / logit_cap))
                     if mask_kind is not None:
                         cols = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA)
+                        rows = functools.partial(plgpu.broadcasted_iota, jnp.int32, (block_q, block_kv), 0,
+                                                 layout=plgpu.Layout.WGMMA)  # each tile row's index, where a mask needs it
                         if mask_kind == "prefix":  # the prefix's last tile: keys past the prefix are padding
                             visible = step * block_kv + cols < prefix_len
+                        elif mask_kind == "unified":
+                            # Listed key j: inside the list, and (causal) at or before the row's listed position.
+                            key = step * block_kv + cols
+                            visible = key < prefix_len
+                            if causal:
+                                visible = visible & (key <= q_pos0 + rows())
                         elif mask_kind == "window":
                             # Any tile (prefix or new) reaching below the window: key at position k (see
                             # window_first_step) is visible to row t iff max(t - W, lo) <= k <= min(t, hi), lo/hi
                             # the tile's in-sequence keys: prefix keys up to -1 (not its padding), new keys from 0
                             # (not the lead rows of the previous sequence); causal for new keys.
-                            rows = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA)
                             from_pool = step < pre_steps
                             key = jnp.where(from_pool, step * block_kv - prefix_len,
                                             (step - pre_steps) * block_kv - lead) + cols
-                            t = t0 + rows
+                            t = t0 + rows()
                             lo = jnp.where(from_pool, -prefix_len, 0)
                             hi = jnp.where(from_pool, -1, jnp.int32(2**30))
                             visible = (key >= jnp.maximum(t - window, lo)) & (key <= jnp.minimum(t, hi))
-                        else:  # "causal": key k (from base) is visible to row r iff lead <= k <= wg_rel + r
-                            rows = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA)
+                        elif mask_kind == "new":  # non-causal: key k (from base) is the sequence's iff lead <= k < end
                             key = (step - pre_steps) * block_kv + cols
-                            visible = (key >= lead) & (key <= wg_rel + rows)
+                            visible = (key >= lead) & (key < key_end - base)
+                        else:  # "causal": key k (from base) is visible to row r iff lead <= k <= wg_rel + r
+                            key = (step - pre_steps) * block_kv + cols
+                            visible = (key >= lead) & (key <= wg_rel + rows())
                         s = jnp.where(visible, s, -jnp.inf)
                     # Base-2 online softmax; m_i is kept in log2 units so p = exp2(s * c - m) is one FMA + exp2
-                    # (c = sm_scale * log2(e), or with a soft cap cap * log2(e): s is then the tanh).
-                    m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
+                    # (c = sm_scale * log2(e), or with a soft cap cap * log2(e): s is then the tanh; times each row's
+                    # xai factor).
+                    if xai is None:
+                        m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
+                        scaled = s * scale_log2
+                    else:
+                        m_new = jnp.maximum(m_i, s.max(axis=1) * row_scale)
+                        scaled = s * lax.broadcast_in_dim(row_scale, s.shape, [0])
                     alpha = jnp.exp2(m_i - m_new)
-                    p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                    p = jnp.exp2(scaled - lax.broadcast_in_dim(m_new, s.shape, [0]))
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                     l_i = l_i * alpha + p.sum(axis=1)
                     p16 = p.astype(dtype)
@@ -496,20 +564,28 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     plgpu.barrier_arrive(v_free.at[slot])
                     schedule_sync()
 
-                masked = functools.partial(kv_step, mask_kind="causal")
+                new_kind = "causal" if causal else "new"
+                masked = functools.partial(kv_step, mask_kind=new_kind)
                 carry = (acc, m_i, l_i)
-                if window is None:
-                    bound = lambda x: x  # noqa: E731
+                if unified:
+                    # One loop in key order, every tile masked: which tiles a row would see unmasked depends on where
+                    # its q tile starts, i.e. on the prefix/new split; one code path keeps each score's arithmetic
+                    # the same in any split (tiles past a row's last key are exact no-ops: p = 0, alpha = 1).
+                    carry = lax.fori_loop(0, wg_steps, functools.partial(kv_step, mask_kind="unified"), carry)
                 else:
-                    lax.fori_loop(first_step, wg_first, head_flush_step, None)
-                    pl.when(wg_first < wg_steps)(lambda: wait_ready(0, wg_first, k_ready))
-                    carry = lax.fori_loop(wg_first, win_full, functools.partial(kv_step, mask_kind="window"), carry)
-                    bound = lambda x: jnp.maximum(x, win_full)  # noqa: E731  the steps below are done
-                carry = lax.fori_loop(bound(0), bound(full_pre), kv_step, carry)
-                carry = lax.fori_loop(bound(full_pre), bound(pre_steps), functools.partial(kv_step, mask_kind="prefix"), carry)
-                carry = lax.fori_loop(bound(pre_steps), bound(pre_steps + first_full), masked, carry)
-                carry = lax.fori_loop(bound(pre_steps + first_full), bound(pre_steps + end_full), kv_step, carry)
-                carry = lax.fori_loop(bound(pre_steps + end_full), wg_steps, masked, carry)
+                    if window is None:
+                        bound = lambda x: x  # noqa: E731
+                    else:
+                        lax.fori_loop(first_step, wg_first, head_flush_step, None)
+                        pl.when(wg_first < wg_steps)(lambda: wait_ready(0, wg_first, k_ready))
+                        carry = lax.fori_loop(wg_first, win_full, functools.partial(kv_step, mask_kind="window"), carry)
+                        bound = lambda x: jnp.maximum(x, win_full)  # noqa: E731  the steps below are done
+                    carry = lax.fori_loop(bound(0), bound(full_pre), kv_step, carry)
+                    carry = lax.fori_loop(bound(full_pre), bound(pre_steps), functools.partial(kv_step, mask_kind="prefix"),
+                                          carry)
+                    carry = lax.fori_loop(bound(pre_steps), bound(pre_steps + first_full), masked, carry)
+                    carry = lax.fori_loop(bound(pre_steps + first_full), bound(pre_steps + end_full), kv_step, carry)
+                    carry = lax.fori_loop(bound(pre_steps + end_full), wg_steps, masked, carry)
                 lax.fori_loop(wg_steps, cta_steps, flush_step, None)
                 pl.when(wg == 0)(schedule_sync)
                 acc, m_i, l_i = carry
@@ -521,6 +597,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     alpha = jnp.exp2(m_i - m_f)
                     l_i = l_i * alpha + jnp.exp2(sink - m_f)
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                if unified:  # a row that saw no key (only bad metadata makes one) gives 0; NaN stays NaN
+                    l_i = jnp.where(l_i == 0.0, 1.0, l_i)
                 out = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
                 # This warpgroup's rows of the sequence: [lo, hi) of its block_q.
                 lo = jnp.clip(q_start - wg_row, 0, block_q)
@@ -596,8 +674,20 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
 
                 lax.fori_loop(first_step, cta_steps, step_body, sources_of(jnp.int32(first_step)))
 
-    def entry(qo_indptr_ref, kv_indptr_ref, kv_indices_ref, q_ref, k_new_ref, v_new_ref, k_pool_ref, v_pool_ref, *rest):
-        sinks_ref, out_gmem = rest if has_sinks else (None,) + rest
+    # Operands: the optional ones only when their feature is on (a plain call's kernel is unchanged).
+    optional = {"sinks": sinks if has_sinks else None, "start_pos": kv_start_pos if xai is not None else None,
+                "prefix_lens": prefix_lens}
+    present = tuple(name for name, value in optional.items() if value is not None)
+    new_operands = () if unified else (k_new, v_new)
+
+    def entry(qo_indptr_ref, kv_indptr_ref, kv_indices_ref, q_ref, *rest):
+        if unified:  # the producer's "new" operand is never read (every step is from the pool): the pool stands in
+            (k_pool_ref, v_pool_ref), rest = rest[:2], rest[2:]
+            k_new_ref, v_new_ref = k_pool_ref, v_pool_ref
+        else:
+            (k_new_ref, v_new_ref, k_pool_ref, v_pool_ref), rest = rest[:4], rest[4:]
+        refs = dict(zip(present, rest[:len(present)]))
+        (out_gmem,) = rest[len(present):]
         smem = (
             plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), dtype, transforms=_SWIZZLED),  # Q, then O
             plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), dtype),  # O of a partial tile (row-sliceable)
@@ -607,7 +697,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
         )
         pl.run_scoped(
             lambda *scoped: body(qo_indptr_ref, kv_indptr_ref, kv_indices_ref, q_ref, k_new_ref, v_new_ref, k_pool_ref,
-                                 v_pool_ref, sinks_ref, out_gmem, scoped),
+                                 v_pool_ref, refs.get("sinks"), refs.get("start_pos"), refs.get("prefix_lens"), out_gmem,
+                                 scoped),
             smem,
             (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
              plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS)),
@@ -624,4 +715,4 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
         num_threads=COMPUTE_WARPGROUPS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(qo_indptr, kv_indptr, kv_indices, q, k_new, v_new, k_pool, v_pool, *([sinks] if has_sinks else []), out_ref)
+    )(qo_indptr, kv_indptr, kv_indices, q, *new_operands, k_pool, v_pool, *(optional[name] for name in present), out_ref)

@@ -11,8 +11,8 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from jaxattn.extend import extend_metadata
-from jaxattn.extend_mgpu import MgpuExtendConfig, extend_attention_mgpu
+from jaxattn.extend import extend_metadata, extend_unified_metadata
+from jaxattn.extend_mgpu import MgpuExtendConfig, extend_attention_mgpu, extend_attention_unified_mgpu
 
 
 SHAPES = [  # label, tokens, q heads, kv heads, head dim, dtype, config, features
@@ -27,6 +27,13 @@ SHAPES = [  # label, tokens, q heads, kv heads, head dim, dtype, config, feature
     ("sinks-128-bf16", 300, 8, 2, 128, jnp.bfloat16, MgpuExtendConfig(), dict(sinks=True)),
     ("all-128-bf16-tma", 512, 8, 2, 128, jnp.bfloat16, MgpuExtendConfig(), dict(sliding_window=1024, cut=True, logit_cap=50.0, sinks=True)),
     ("all-64-f16-kv64s4", 300, 4, 2, 64, jnp.float16, MgpuExtendConfig(block_kv=64, stages=4), dict(sliding_window=37, logit_cap=5.0, sinks=True)),
+    # Non-causal (encoder tokens) with TMA and cp.async new tiles; xai temperature with a window and a soft cap.
+    ("noncausal-128-bf16", 300, 8, 2, 128, jnp.bfloat16, MgpuExtendConfig(), dict(causal=False)),
+    ("noncausal-64-bf16-tma-sinks", 256, 4, 1, 64, jnp.bfloat16, MgpuExtendConfig(), dict(causal=False, sinks=True)),
+    ("xai-window-cap-128-bf16-tma", 512, 8, 2, 128, jnp.bfloat16, MgpuExtendConfig(), dict(xai_temperature_len=64, sliding_window=100, logit_cap=30.0)),
+    # The unified form (every key from the pool): plain, and non-causal with every score feature.
+    ("unified-128-bf16", 300, 8, 2, 128, jnp.bfloat16, MgpuExtendConfig(), dict(unified=True)),
+    ("unified-64-f16-kv64s3-all", 256, 4, 2, 64, jnp.float16, MgpuExtendConfig(block_kv=64, stages=3), dict(unified=True, causal=False, logit_cap=5.0, sinks=True, xai_temperature_len=16)),
 ]
 
 
@@ -34,14 +41,21 @@ def lower(tokens, hq, hkv, d, dtype, config, features=None, batch=3, slots=1000,
     S = jax.ShapeDtypeStruct
     idx = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
     features = dict(features or {})
+    unified = features.pop("unified", False)
     window = features.pop("sliding_window", -1)
     cut = window if features.pop("cut", False) else -1  # prefix lists cut for the window, or full ones
     sinks = S((hq,), jnp.float32) if features.pop("sinks", False) else None
-    meta = jax.eval_shape(lambda: extend_metadata(idx(4, 600), idx(batch), idx(batch), idx(batch), max_extend_len=256,
-                                                  kv_capacity=capacity, sliding_window=cut))
-    args = (S((tokens, hq, d), dtype), S((tokens, hkv, d), dtype), S((tokens, hkv, d), dtype), S((slots, hkv, d), dtype),
-            S((slots, hkv, d), dtype), meta, sinks)
-    call = lambda *a: extend_attention_mgpu(*a[:-1], sinks=a[-1], sliding_window=window, config=config, **features)  # noqa: E731
+    pool = (S((slots, hkv, d), dtype), S((slots, hkv, d), dtype))
+    if unified:
+        meta = jax.eval_shape(lambda: extend_unified_metadata(idx(4, 600), idx(batch), idx(batch), idx(batch), idx(tokens),
+                                                              max_extend_len=256, kv_capacity=capacity))
+        args = (S((tokens, hq, d), dtype), *pool, meta, sinks)
+        call = lambda *a: extend_attention_unified_mgpu(*a[:-1], sinks=a[-1], config=config, **features)  # noqa: E731
+    else:
+        meta = jax.eval_shape(lambda: extend_metadata(idx(4, 600), idx(batch), idx(batch), idx(batch), max_extend_len=256,
+                                                      kv_capacity=capacity, sliding_window=cut))
+        args = (S((tokens, hq, d), dtype), S((tokens, hkv, d), dtype), S((tokens, hkv, d), dtype), *pool, meta, sinks)
+        call = lambda *a: extend_attention_mgpu(*a[:-1], sinks=a[-1], sliding_window=window, config=config, **features)  # noqa: E731
     exported = jax.export.export(jax.jit(call), platforms=["cuda"])(*args)
     if "mosaic_gpu" not in exported.mlir_module():
         raise AssertionError("no Mosaic GPU custom call in the lowered module")

@@ -10,10 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxattn.extend import extend_attention
-from jaxattn.extend_mgpu import MgpuExtendConfig, extend_attention_mgpu, mgpu_unsupported
+from jaxattn.extend import extend_attention, extend_attention_unified, extend_unified_metadata, extend_attention_unified_reference
+from jaxattn.extend_mgpu import MgpuExtendConfig, extend_attention_mgpu, extend_attention_unified_mgpu, mgpu_unsupported
 from tests.helpers import HAS_GPU, tolerance
-from tests.test_extend import assert_output, make_batch, ref_two_stage
+from tests.helpers import random_normal
+from tests.test_extend import assert_output, make_batch, ref_two_stage, ref_unified
 
 
 def _is_hopper():
@@ -113,6 +114,124 @@ def test_features_match_triton_kernel_on_a_larger_batch(rng, feature):
     assert_output(o, ref_two_stage(batch, **kw), batch, jnp.bfloat16)
     np.testing.assert_array_equal(np.float32(extend_attention(batch.q, batch.k_new, batch.v_new, batch.k_pool,
                                                               batch.v_pool, batch.meta, **kw)), np.float32(o))  # the default
+
+
+# Non-causal calls (encoder tokens: every new key of the sequence, masked where a tile holds another sequence's) and
+# xai temperature (a per-row factor folded into the exponent's scale), alone and with the other features.
+MORE_FEATURES = [
+    ("noncausal", dict(causal=False)),
+    ("noncausal-cap-sinks", dict(causal=False, logit_cap=2.0, sinks=True)),
+    ("xai", dict(xai_temperature_len=20)),
+    ("xai-window-cap", dict(xai_temperature_len=50, sliding_window=37, logit_cap=3.0)),
+    ("noncausal-xai", dict(causal=False, xai_temperature_len=8)),
+]
+
+
+def _more_kwargs(rng, hq, features):
+    kw = dict(features)
+    if kw.pop("sinks", False):
+        kw["sinks"] = jnp.asarray(rng.standard_normal(hq) * 2.0, jnp.float32)
+    return kw
+
+
+@pytest.mark.parametrize("feature", MORE_FEATURES, ids=lambda f: f[0])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{jnp.dtype(s[0]).name}-{s[1]}x{s[2]}-{s[3]}-{len(s[4])}seq")
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("whole_tiles", [False, True], ids=["tokens-odd", "tokens-x8"])
+def test_noncausal_and_xai_match_reference(rng, shape, feature, whole_tiles):
+    dtype, hq, hkv, d, prefix_lens, extend_lens, config = shape
+    batch = make_batch(rng, prefix_lens, extend_lens, hq=hq, hkv=hkv, dqk=d, dtype=dtype, max_extend_len=max(extend_lens) + 9)
+    kw = _more_kwargs(rng, hq, feature[1])
+    q, k_new, v_new = batch.q, batch.k_new, batch.v_new
+    if whole_tiles:
+        pad = ((0, -q.shape[0] % 8), (0, 0), (0, 0))
+        q, k_new, v_new = (jnp.pad(x, pad, constant_values=jnp.nan) for x in (q, k_new, v_new))
+    o = extend_attention_mgpu(q, k_new, v_new, batch.k_pool, batch.v_pool, batch.meta, config=config, **kw)
+    assert_output(o, ref_two_stage(batch, **kw), batch, dtype)
+    np.testing.assert_array_equal(  # the default route takes these calls
+        np.float32(extend_attention(q, k_new, v_new, batch.k_pool, batch.v_pool, batch.meta, config=config, **kw)),
+        np.float32(o))
+
+
+UNIFIED_FEATURES = [
+    ("causal", dict()),
+    ("noncausal", dict(causal=False)),
+    ("cap-sinks-xai", dict(logit_cap=2.0, sinks=True, xai_temperature_len=20)),
+]
+
+
+@pytest.mark.parametrize("feature", UNIFIED_FEATURES, ids=lambda f: f[0])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{jnp.dtype(s[0]).name}-{s[1]}x{s[2]}-{s[3]}-{len(s[4])}seq")
+@pytest.mark.gpu
+@needs_hopper
+def test_unified_matches_reference(rng, shape, feature):
+    # The unified form: every key (prefix and new) from the pool through one list, all tiles masked alike.
+    dtype, hq, hkv, d, prefix_lens, extend_lens, config = shape
+    batch = make_batch(rng, prefix_lens, extend_lens, hq=hq, hkv=hkv, dqk=d, dtype=dtype, max_extend_len=max(extend_lens) + 9)
+    kw = _more_kwargs(rng, hq, feature[1])
+    args = (batch.q, batch.k_pool_unified, batch.v_pool_unified, batch.meta_unified)
+    o = extend_attention_unified_mgpu(*args, config=config, **kw)
+    assert o.shape == batch.q.shape and o.dtype == dtype
+    assert_output(o, ref_unified(batch, **kw), batch, dtype)
+    np.testing.assert_array_equal(np.float32(extend_attention_unified(*args, config=config, **kw)), np.float32(o))
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("config", [MgpuExtendConfig(), MgpuExtendConfig(block_kv=64, stages=3)], ids=["kv128", "kv64"])
+def test_unified_is_bitwise_split_invariant(rng, config):
+    # One 700-token sequence split as (prefix p, new 700 - p), beside a second sequence that moves its q rows: every
+    # token computed in two splits gets the same bits (its tiles sit at fixed listed-key offsets, every tile is masked
+    # alike, and tiles past a row's last key are exact no-ops).
+    length, hq, hkv, d, slots_n = 700, 8, 2, 128, 2000
+    slots = rng.permutation(np.arange(1, slots_n))[:length].astype(np.int32)
+    k_pool = random_normal(rng, (slots_n, hkv, d), jnp.bfloat16)
+    v_pool = random_normal(rng, (slots_n, hkv, d), jnp.bfloat16)
+    q_all = random_normal(rng, (length, hq, d), jnp.bfloat16)
+    other = 37
+    table = jnp.asarray(np.stack([np.concatenate([slots, np.zeros(8, np.int32)]),
+                                  np.concatenate([np.arange(1500, 1500 + 60, dtype=np.int32), np.zeros(648, np.int32)])]))
+    outputs = {}
+    for p in (0, 1, 63, 64, 129, 300, 511, 699):
+        n = length - p
+        meta = extend_unified_metadata(
+            table, jnp.asarray([0, 1], jnp.int32), jnp.asarray([p, 60 - other], jnp.int32), jnp.asarray([n, other], jnp.int32),
+            jnp.concatenate([jnp.asarray(slots[p:]), jnp.arange(1500 + 60 - other, 1500 + 60, dtype=jnp.int32)]),
+            max_extend_len=length, kv_capacity=length + 64)
+        q = jnp.concatenate([q_all[p:], random_normal(rng, (other, hq, d), jnp.bfloat16)])
+        o = extend_attention_unified_mgpu(q, k_pool, v_pool, meta, config=config)
+        outputs[p] = np.asarray(o[:n].astype(jnp.float32))
+        ref = extend_attention_unified_reference(q, k_pool, v_pool, meta)
+        np.testing.assert_allclose(outputs[p], np.float32(ref[:n]), **tolerance(jnp.bfloat16))
+    for p1 in outputs:
+        for p2 in outputs:
+            if p1 < p2:  # tokens p2.. are computed in both splits
+                np.testing.assert_array_equal(outputs[p1][p2 - p1 :], outputs[p2], err_msg=f"splits at {p1} and {p2}")
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_unified_matches_triton_unified_on_a_larger_batch(rng):
+    batch = make_batch(rng, [1500, 0, 700, 2048], [1024, 2000, 777, 300], hq=8, hkv=2, dqk=128, dtype=jnp.bfloat16, scale=0.5)
+    args = (batch.q, batch.k_pool_unified, batch.v_pool_unified, batch.meta_unified)
+    o = extend_attention_unified_mgpu(*args)
+    assert_output(o, extend_attention_unified(*args, impl="triton-unified"), batch, jnp.bfloat16)
+    assert_output(o, ref_unified(batch), batch, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_unified_rows_with_no_key_are_zero(rng):
+    # Bad metadata: a sequence whose list is empty (its rows see nothing) gives 0, not NaN; the others are unharmed.
+    batch = make_batch(rng, [30, 12], [20, 9], hq=4, hkv=2, dqk=128, dtype=jnp.bfloat16)
+    meta = batch.meta_unified
+    kv_indptr = meta.kv_indptr.at[0].set(meta.kv_indptr[1])  # sequence 0 lists no key
+    bad = dataclasses.replace(meta, kv_indptr=kv_indptr, prefix_lens=meta.prefix_lens.at[0].set(0))
+    o = np.float32(extend_attention_unified_mgpu(batch.q, batch.k_pool_unified, batch.v_pool_unified, bad))
+    np.testing.assert_array_equal(o[:20], 0.0)
+    want = np.float32(ref_unified(batch))
+    np.testing.assert_allclose(o[20:29], want[20:29], **tolerance(jnp.bfloat16))
 
 
 @pytest.mark.gpu
@@ -583,8 +702,8 @@ def test_extend_attention_picks_the_kernel(rng):
     if _is_hopper():
         mgpu = extend_attention_mgpu(*args)
         np.testing.assert_array_equal(np.float32(extend_attention(*args)), np.float32(mgpu))  # the default
-        with pytest.raises(ValueError, match="impl='mgpu'.*xai temperature"):
-            extend_attention(*args, xai_temperature_len=16, impl="mgpu")
+        with pytest.raises(ValueError, match="impl='mgpu'.*a custom mask"):
+            extend_attention(*args, custom_mask=jnp.ones(8 * 12 + 5 * 14, bool), impl="mgpu")
     else:
         with pytest.raises(ValueError, match="impl='mgpu'.*no GPU"):
             extend_attention(*args, impl="mgpu")
@@ -602,13 +721,18 @@ def test_says_why_it_cannot_take_a_call():
     assert "dtype float32" in mgpu_unsupported(S((8, 4, 128), jnp.float32), pool, pool)
     assert "head dims 128/64" in mgpu_unsupported(q, pool, S((32, 2, 64), jnp.bfloat16))
     assert "head dims 96/96" in mgpu_unsupported(S((8, 4, 96), jnp.bfloat16), S((32, 2, 96), jnp.bfloat16), S((32, 2, 96), jnp.bfloat16))
-    for feature, why in ((dict(causal=False), "non-causal"), (dict(custom_mask=jnp.ones(4, bool)), "custom mask"),
-                         (dict(xai_temperature_len=16), "xai temperature")):
+    for feature, why in ((dict(custom_mask=jnp.ones(4, bool)), "custom mask"),
+                         (dict(causal=False, sliding_window=8), "a sliding window with non-causal attention"),
+                         (dict(sliding_window=8, form="unified"), "a sliding window in the unified form"),
+                         (dict(custom_mask=jnp.ones(4, bool), form="unified"), "a custom mask in the unified form")):
         assert why in mgpu_unsupported(q, pool, pool, **feature), feature
     assert "interpreted" in mgpu_unsupported(q, pool, pool, mode="interpret")
-    # A window, a soft cap and sinks are taken, alone or together: only the device can decline them.
+    # A window, a soft cap, sinks, xai temperature and non-causal calls are taken, alone or together: only the device
+    # can decline them.
     for feature in (dict(), dict(sliding_window=0), dict(logit_cap=1.0), dict(sinks=jnp.zeros(4)),
-                    dict(sliding_window=100, logit_cap=30.0, sinks=jnp.zeros(4))):
+                    dict(sliding_window=100, logit_cap=30.0, sinks=jnp.zeros(4)), dict(xai_temperature_len=16),
+                    dict(causal=False, logit_cap=3.0, sinks=jnp.zeros(4), xai_temperature_len=8),
+                    dict(form="unified"), dict(form="unified", causal=False, logit_cap=1.0, xai_temperature_len=4)):
         why = mgpu_unsupported(q, pool, pool, **feature)
         device_reasons = ("no GPU", "sm_90", "CUDA runtime")
         assert (why is None or "CUDA runtime" in why) if _is_hopper() else any(r in why for r in device_reasons), (feature, why)
@@ -649,4 +773,4 @@ def test_lowers_for_cuda_on_cpu():
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     from tests.lower_mgpu_kernel import SHAPES as LOWERED
 
-    assert run.stdout.count("ok ") == len(LOWERED) == 10, run.stdout
+    assert run.stdout.count("ok ") == len(LOWERED) == 15, run.stdout

@@ -24,6 +24,7 @@ class Case:
     sliding_window: int = -1  # W >= 0: a query sees itself and the W previous keys
     logit_cap: float = 0.0
     sinks: bool = False  # per-head sinks near the rows' log-denominators (so they change the output)
+    causal: bool = True  # False: every query sees its whole sequence (encoder tokens, cross attention)
     kv_dtype: str = "bfloat16"  # the pool's dtype: "float8_e4m3fn" pools are read by the kernels with K/V scales
     # KV pages (jaxattn.paging): each sequence's pages scattered over the pool, its tokens contiguous within a page.
     # Page size 1 scatters every token. Set by `paged_case`, which also names the case.
@@ -54,6 +55,8 @@ class Case:
 
     def visible_pairs(self) -> float:
         """(query, key) pairs one sequence's queries see: causal, and at most W + 1 keys each under a window."""
+        if not self.causal:
+            return float(self.new * (self.prefix + self.new))
         if self.sliding_window < 0:
             return self.new * (self.prefix + (self.new + 1) / 2)
         return float(sum(min(self.prefix + i + 1, self.sliding_window + 1) for i in range(self.new)))
@@ -61,7 +64,7 @@ class Case:
     @property
     def features(self) -> dict:
         """The extend ops' keyword arguments for this case's score features (sinks are passed as an array)."""
-        return dict(sliding_window=self.sliding_window, logit_cap=self.logit_cap)
+        return dict(sliding_window=self.sliding_window, logit_cap=self.logit_cap, causal=self.causal)
 
 
 CASES = {
@@ -91,6 +94,8 @@ CASES = {
     "E1-CAP50": Case("E1-CAP50", "extend", 8, 2048, 2048, logit_cap=50.0),
     "E1-W1024-CAP50": Case("E1-W1024-CAP50", "extend", 8, 2048, 2048, sliding_window=1024, logit_cap=50.0),
     "E1-SINKS": Case("E1-SINKS", "extend", 8, 2048, 2048, sinks=True),
+    # Encoder tokens (non-causal): E2's lengths, every query sees its whole sequence.
+    "E2-NC": Case("E2-NC", "extend", 4, 0, 4096, causal=False),
     "E1-FP8": Case("E1-FP8", "extend", 8, 2048, 2048, kv_dtype="float8_e4m3fn"),
     "E3-FP8": Case("E3-FP8", "extend", 32, 4096, 128, kv_dtype="float8_e4m3fn"),  # E2 has no cached prefix to read
     # Tuning cases: one per head-dim family of jaxattn.extend.SM90_CONFIGS other than "128" (E1-E3), E1's lengths

@@ -212,7 +212,8 @@ def extend_jaxattn(inp: Inputs, config=None, unified=False, impl="triton"):
     features = inp.case.features
     features = dict(features, **scales(inp))
     if unified:
-        fn = jax.jit(lambda q, k, v, m, s: extend.extend_attention_unified(q, k, v, m, sinks=s, config=config, **features))
+        fn = jax.jit(lambda q, k, v, m, s: extend.extend_attention_unified(q, k, v, m, sinks=s, config=config, impl=impl,
+                                                                           **features))
         return lambda: fn(inp.q, inp.k_pool, inp.v_pool, meta, inp.sinks)
     fn = jax.jit(lambda q, kn, vn, k, v, m, s: extend.extend_attention(q, kn, vn, k, v, m, sinks=s, config=config, impl=impl,
                                                                        **features))
@@ -264,7 +265,7 @@ def extend_flashinfer(inp: Inputs, backend: str, through_jax: bool = False):
     kv_indptr, kv_indices, last_page_len = flashinfer_pages(inp, torch)
     wrapper.plan(
         tv["qo_indptr"], kv_indptr, kv_indices, last_page_len, case.q_heads, case.kv_heads, case.head_dim, case.page_size,
-        head_dim_vo=case.dv, causal=True, window_left=case.sliding_window,
+        head_dim_vo=case.dv, causal=case.causal, window_left=case.sliding_window,
         logits_soft_cap=case.logit_cap if case.logit_cap > 0 else None, q_data_type=torch.bfloat16,
         kv_data_type=tv["k_pool"].dtype,
     )
@@ -286,7 +287,7 @@ def extend_cudnn(inp: Inputs):
     q = inp.q.reshape(case.batch, case.new, case.q_heads, case.head_dim)
     k = inp.k_new.reshape(case.batch, case.new, case.kv_heads, case.head_dim)
     v = inp.v_new.reshape(case.batch, case.new, case.kv_heads, case.dv)
-    fn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
+    fn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=case.causal, implementation="cudnn"))
     return lambda: fn(q, k, v)
 
 
@@ -305,7 +306,8 @@ BACKENDS = {
     "extend": {
         "jaxattn": (lambda inp: extend_jaxattn(inp, impl=None), jax_sync),  # what extend_attention picks
         "jaxattn-triton": (extend_jaxattn, jax_sync),
-        "jaxattn-unified": (lambda inp: extend_jaxattn(inp, unified=True), jax_sync),
+        "jaxattn-unified": (lambda inp: extend_jaxattn(inp, unified=True, impl=None), jax_sync),  # what it picks
+        "jaxattn-unified-triton": (lambda inp: extend_jaxattn(inp, unified=True, impl="triton-unified"), jax_sync),
         "flashinfer-fa2": (lambda inp: extend_flashinfer(inp, "fa2"), torch_sync),
         "flashinfer-fa3": (lambda inp: extend_flashinfer(inp, "fa3"), torch_sync),
         "flashinfer-fa3-in-jit": (lambda inp: extend_flashinfer(inp, "fa3", through_jax=True), jax_sync),

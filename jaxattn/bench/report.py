@@ -57,6 +57,7 @@ def markdown_table(rows: list[dict]) -> str:
 LABELS = {
     "jaxattn": "jaxattn",
     "jaxattn-unified": "jaxattn unified (deterministic)",
+    "jaxattn-unified-triton": "jaxattn unified (deterministic), Triton kernel",
     "jaxattn-triton": "jaxattn two-stage (Triton)",
     "flashinfer": "FlashInfer",
     "flashinfer-tc": "FlashInfer, tensor cores",

@@ -1,15 +1,23 @@
-"""Causal extend attention on Hopper through a Pallas Mosaic GPU kernel (`kernels/extend_attention_mgpu.py`).
+"""Extend attention on Hopper through a Pallas Mosaic GPU kernel (`kernels/extend_attention_mgpu.py`).
 
-`extend_attention_mgpu` takes the same inputs as `jaxattn.extend.extend_attention` for its causal calls (no custom
-mask, no xai temperature; a sliding window, a soft cap and attention sinks are taken, alone or together) and returns
-the same output. It exists for speed: the FlashAttention-3 schedule (a producer warpgroup, two consumer warpgroups
-with wgmma from registers) that the Triton kernels cannot express on this stack. The producer reads the cached
-prefix straight from the pool, row by row through kv_indices (`cp.async`: Hopper's TMA cannot gather single rows),
-so the call needs no scratch beyond its output and, when tokens is not a multiple of 8, a padded copy of q. Under a
-window it loads only the K/V tiles the window reaches.
+Two implementations of `jaxattn.extend`'s contract on one kernel:
+
+* "mgpu" (`IMPLEMENTATION`, and `extend_attention_mgpu`): the two-stage form (prefix from the pool, new tokens
+  contiguous), causal or not, with a sliding window (causal only), a soft cap, sinks and xai temperature, alone or
+  together.
+* "mgpu-unified" (`UNIFIED`): the deterministic unified form (every key through the pool, one list per sequence):
+  tiles at fixed listed-key offsets (multiples of block_kv), every tile through the same masked code path, so a
+  token's row is bit-identical however its sequence is split into prefix and new tokens. Causal or not, soft cap,
+  sinks, xai temperature; no window.
+
+Both exist for speed: the FlashAttention-3 schedule (a producer warpgroup, two consumer warpgroups with wgmma from
+registers) that the Triton kernels cannot express on this stack. The producer reads pool rows straight through the
+index list (`cp.async`: Hopper's TMA cannot gather single rows), so a call needs no scratch beyond its output and,
+when tokens is not a multiple of 8, a padded copy of q. Under a window it loads only the K/V tiles the window reaches.
 
 It needs an sm_90 GPU and jax's CUDA plugin (Mosaic GPU); there is no CPU path (Pallas' GPU interpreter does not run
-a wgmma whose left operand is in registers). The reference is `jaxattn.extend.extend_attention_reference`.
+a wgmma whose left operand is in registers). The references are `jaxattn.extend.extend_attention_reference` and
+`extend_attention_unified_reference`.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from jaxattn.calls import ExtendCall, score_features
 from jaxattn.checks import check_array, check_extend_args, check_new_tokens
 from jaxattn.fp8 import dequantised_rows, is_fp8
 from jaxattn.launch import launch_mode as resolve_launch_mode
-from jaxattn.metadata import ExtendMetadata
+from jaxattn.metadata import ExtendMetadata, ExtendUnifiedMetadata
 from jaxattn.registry import Implementation
 from jaxattn.tuning import ExtendConfig, MgpuExtendConfig
 
@@ -46,21 +54,24 @@ def _head_dims_supported(qk_head_dim: int, v_head_dim: int) -> bool:
     return qk_head_dim == v_head_dim and qk_head_dim in MGPU_HEAD_DIMS
 
 
-# The score features of `ExtendCall.features` the kernel takes (static flags; off, the plain kernel is unchanged).
-MGPU_FEATURES = ("sliding window", "soft cap", "sinks")
-_DECLINED_FEATURES = {"non-causal": "non-causal attention (the kernel is causal only)", "custom mask": "a custom mask",
-                      "xai temperature": "xai temperature"}
+# The score features of `ExtendCall.features` the kernel takes, per form (static flags; off, the plain kernel is
+# unchanged). The unified form's tiles sit at fixed listed-key offsets; a window would move them with the list's start.
+MGPU_FEATURES = {"two_stage": ("sliding window", "soft cap", "sinks", "xai temperature", "non-causal"),
+                 "unified": ("soft cap", "sinks", "xai temperature", "non-causal")}
+_FEATURE_NAMES = {"custom mask": "a custom mask", "sliding window": "a sliding window"}
 
 
-def _unsupported(dtype, qk_head_dim, v_head_dim, features, launch_mode) -> str | None:
-    """Why the kernel cannot take a call with these facts, or None (the one list of its limits)."""
+def _unsupported(dtype, qk_head_dim, v_head_dim, features, launch_mode, form="two_stage") -> str | None:
+    """Why the kernel cannot take a call of `form` with these facts, or None (the one list of its limits)."""
     if jnp.dtype(dtype) not in map(jnp.dtype, MGPU_DTYPES):
         return f"dtype {jnp.dtype(dtype).name} (bf16/f16 only)"
     if not _head_dims_supported(qk_head_dim, v_head_dim):
         return f"head dims {qk_head_dim}/{v_head_dim} (equal, 64 or 128 only)"
-    declined = [_DECLINED_FEATURES.get(f, f) for f in features if f not in MGPU_FEATURES]
+    declined = [_FEATURE_NAMES.get(f, f) for f in features if f not in MGPU_FEATURES[form]]
     if declined:
-        return ", ".join(declined)
+        return ", ".join(declined) + (" in the unified form" if form == "unified" else "")
+    if "sliding window" in features and "non-causal" in features:
+        return "a sliding window with non-causal attention"
     if launch_mode != "gpu":
         return "no GPU (or an interpreted launch mode)"
     if not hardware.is_sm90():
@@ -73,20 +84,26 @@ def _unsupported(dtype, qk_head_dim, v_head_dim, features, launch_mode) -> str |
 
 
 def mgpu_unsupported(q, k_pool, v_pool, *, causal=True, custom_mask=None, sliding_window=-1, logit_cap=0.0, sinks=None,
-                     xai_temperature_len=-1, mode=None) -> str | None:
-    """Why `extend_attention_mgpu` cannot take this `extend_attention` call, or None when it can (trace time)."""
+                     xai_temperature_len=-1, mode=None, form="two_stage") -> str | None:
+    """Why the Mosaic GPU kernel cannot take this `extend_attention` call (form "two_stage") or
+    `extend_attention_unified` call (form "unified"), or None when it can (trace time)."""
     features = score_features(causal=causal, custom_mask=custom_mask, sliding_window=sliding_window, logit_cap=logit_cap,
                               sinks=sinks, xai_temperature_len=xai_temperature_len)
     mode_name = mode if mode not in (None, "gpu") else resolve_launch_mode(mode)
-    return _unsupported(q.dtype, q.shape[2], v_pool.shape[2], features, mode_name)
+    return _unsupported(q.dtype, q.shape[2], v_pool.shape[2], features, mode_name, form)
 
 
-def declines(call: ExtendCall) -> str | None:
-    if call.form != "two_stage":
-        return "takes the two-stage form only"
-    if isinstance(call.config, ExtendConfig):
-        return "config is a Triton ExtendConfig (pass an MgpuExtendConfig, or none, for this kernel)"
-    return _unsupported(call.q.dtype, call.qk_head_dim, call.v_head_dim, call.features, call.launch_mode)
+def _declines_form(form: str):
+    def declines(call: ExtendCall) -> str | None:
+        if call.form != form:
+            return f"takes the {form.replace('_', '-')} form only"
+        if isinstance(call.config, ExtendConfig):
+            return "config is a Triton ExtendConfig (pass an MgpuExtendConfig, or none, for this kernel)"
+        if form == "unified" and call.meta.sliding_window >= 0:
+            return "a window-cut key list in the unified form"
+        return _unsupported(call.q.dtype, call.qk_head_dim, call.v_head_dim, call.features, call.launch_mode, form)
+
+    return declines
 
 
 def _check_config(config: MgpuExtendConfig, head_dim: int) -> None:
@@ -99,19 +116,21 @@ def _check_config(config: MgpuExtendConfig, head_dim: int) -> None:
             f"sm_90 has {limit} (fewer stages or a smaller block_kv)")
 
 
-def run(call: ExtendCall):
+def _run(call: ExtendCall):
     config = call.config or tuning.mgpu_extend_config(call.qk_head_dim)
     _check_config(config, call.qk_head_dim)
     k_pool, v_pool, meta = call.k_pool, call.v_pool, call.meta
     if call.kv_scales is not None or is_fp8(k_pool.dtype) or is_fp8(v_pool.dtype):
         k_pool, v_pool, meta = dequantised_prefix(k_pool, v_pool, meta, call.kv_scales, call.q.dtype)
     return _run_kernel(call.q, call.k_new, call.v_new, k_pool, v_pool, meta, call.sm_scale, config,
-                       call.sliding_window, call.logit_cap, call.sinks)
+                       causal=call.causal, sliding_window=call.sliding_window, logit_cap=call.logit_cap, sinks=call.sinks,
+                       xai_temperature_len=call.xai_temperature_len, kv_start_pos=call.kv_start_pos,
+                       prefix_lens=meta.prefix_lens if call.form == "unified" else None)
 
 
-def dequantised_prefix(k_pool, v_pool, meta: ExtendMetadata, kv_scales, dtype):
-    """(k, v, meta) for a scaled (fp8) pool: the listed prefix rows gathered, scaled and cast to q's `dtype`, with meta
-    listing them in order (entry e at row e).
+def dequantised_prefix(k_pool, v_pool, meta: ExtendMetadata | ExtendUnifiedMetadata, kv_scales, dtype):
+    """(k, v, meta) for a scaled (fp8) pool: the listed rows (the prefix; in the unified form every key) gathered,
+    scaled and cast to q's `dtype`, with meta listing them in order (entry e at row e).
 
     The kernel's producer copies 16-bit rows into the tensor-core layout; fp8 rows would need a conversion pass in
     shared memory it does not have. The copy is kv_capacity rows (the batch's listed prefix bound), never the pool:
@@ -125,10 +144,12 @@ def dequantised_prefix(k_pool, v_pool, meta: ExtendMetadata, kv_scales, dtype):
     return k, v, listed
 
 
-IMPLEMENTATION = Implementation("mgpu", declines, run)
+IMPLEMENTATION = Implementation("mgpu", _declines_form("two_stage"), _run)
+UNIFIED = Implementation("mgpu-unified", _declines_form("unified"), _run)
 
 
-@functools.partial(jax.jit, static_argnames=("sliding_window", "logit_cap", "sm_scale", "config"))
+@functools.partial(jax.jit, static_argnames=("causal", "sliding_window", "logit_cap", "xai_temperature_len", "sm_scale",
+                                             "config"))
 def extend_attention_mgpu(
     q: jax.Array,
     k_new: jax.Array,
@@ -137,34 +158,40 @@ def extend_attention_mgpu(
     v_pool: jax.Array,
     meta: ExtendMetadata,
     *,
+    causal: bool = True,
     sliding_window: int = -1,
     logit_cap: float = 0.0,
     sinks: jax.Array | None = None,
+    xai_temperature_len: int = -1,
     sm_scale: float | None = None,
     config: MgpuExtendConfig | None = None,
 ) -> jax.Array:
-    """Causal extend attention (prefix from the pool, new tokens contiguous) with the Hopper Mosaic GPU kernel.
+    """Two-stage extend attention (prefix from the pool, new tokens contiguous) with the Hopper Mosaic GPU kernel.
 
     Args:
       q: [tokens, q_heads, head_dim] bf16/f16, head_dim 64 or 128; sequence b's new tokens at meta.qo_indptr[b]:[b+1].
       k_new, v_new: [tokens, kv_heads, head_dim]: the new tokens' K/V (q's dtype). q_heads % kv_heads == 0 (GQA).
       k_pool, v_pool: [slots, kv_heads, head_dim]: the cache; meta.kv_indices lists each sequence's prefix slots.
       meta: `ExtendMetadata` from `jaxattn.metadata.extend_metadata`, its prefix lists cut for a window or full.
-      sliding_window: W >= 0: a query sees keys with q_pos - k_pos <= W (W + 1 keys); <= meta.sliding_window when the
-        lists were cut for a window. The kernel loads and computes only the K/V tiles the window reaches.
+      causal: False: every query sees its whole prefix and all its sequence's new tokens (encoder tokens).
+      sliding_window: W >= 0 (causal only): a query sees keys with q_pos - k_pos <= W (W + 1 keys); <=
+        meta.sliding_window when the lists were cut for a window. The kernel loads and computes only the K/V tiles
+        the window reaches.
       logit_cap: > 0 caps scores with cap * tanh(s / cap) (s already scaled). sinks: f32[q_heads] natural-log
-        logits that join each row's softmax denominator only.
+        logits that join each row's softmax denominator only. xai_temperature_len: L > 0 multiplies scores by
+        log2(pos) / log2(L) for absolute positions pos > L (meta.kv_start_pos + prefix + token).
       sm_scale: default 1 / sqrt(head_dim). config: `MgpuExtendConfig` (default 64 x 128 tiles, 2 stages).
       Slots past the pool (or negative) are clamped into it: a bad index reads a wrong row, never outside the pool
       (`jaxattn.checked` reports them).
 
     Returns:
-      o: [tokens, q_heads, head_dim] in q's dtype, as `extend_attention(..., causal=True)` with the same features;
-      rows past qo_indptr[-1], and rows of a sequence past meta.max_extend_len, are 0.
+      o: [tokens, q_heads, head_dim] in q's dtype, as `extend_attention` with the same features; rows past
+      qo_indptr[-1], and rows of a sequence past meta.max_extend_len, are 0.
     """
     check_array("q", q, ndim=3, dtypes=MGPU_DTYPES, what="[tokens, q_heads, head_dim] bf16/f16")
     check_extend_args(q, k_pool, v_pool, meta, meta_type=ExtendMetadata, builder="extend_metadata", custom_mask=None,
-                      sinks=sinks, sliding_window=sliding_window, logit_cap=logit_cap, sm_scale=sm_scale)
+                      sinks=sinks, sliding_window=sliding_window, logit_cap=logit_cap,
+                      xai_temperature_len=xai_temperature_len, sm_scale=sm_scale)
     check_new_tokens(q, k_new, v_new, k_pool, v_pool)
     if is_fp8(k_pool.dtype) or is_fp8(v_pool.dtype):
         raise ValueError("extend_attention_mgpu takes pools of q's dtype; fp8 pools go through "
@@ -174,19 +201,79 @@ def extend_attention_mgpu(
         raise ValueError(
             f"extend_attention_mgpu takes equal q/k and v head dims of 64 or 128; got qk_head_dim {head_dim}, "
             f"v_head_dim {v_dim} (use jaxattn.extend.extend_attention)")
+    if sliding_window >= 0 and not causal:
+        raise ValueError("extend_attention_mgpu takes a sliding_window with causal=True only (use "
+                         "jaxattn.extend.extend_attention)")
     config = config or tuning.mgpu_extend_config(head_dim)
     _check_config(config, head_dim)
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
-    return _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale, config, sliding_window, logit_cap, sinks)
+    return _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale, config, causal=causal,
+                       sliding_window=sliding_window, logit_cap=logit_cap, sinks=sinks,
+                       xai_temperature_len=xai_temperature_len, kv_start_pos=meta.kv_start_pos)
 
 
-def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: MgpuExtendConfig, sliding_window: int,
-                logit_cap: float, sinks):
-    """The kernel launch on checked arguments (the registry's route and `extend_attention_mgpu` share it)."""
+@functools.partial(jax.jit, static_argnames=("causal", "logit_cap", "xai_temperature_len", "sm_scale", "config"))
+def extend_attention_unified_mgpu(
+    q: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    meta: ExtendUnifiedMetadata,
+    *,
+    causal: bool = True,
+    logit_cap: float = 0.0,
+    sinks: jax.Array | None = None,
+    xai_temperature_len: int = -1,
+    sm_scale: float | None = None,
+    config: MgpuExtendConfig | None = None,
+) -> jax.Array:
+    """Deterministic unified extend attention (every key through the pool) with the Hopper Mosaic GPU kernel.
+
+    Args:
+      q: [tokens, q_heads, head_dim] bf16/f16, head_dim 64 or 128.
+      k_pool, v_pool: [slots, kv_heads, head_dim] of q's dtype, the new tokens' K/V already written at the slots meta
+        lists for them (`jaxattn.serving.write_kv`).
+      meta: `ExtendUnifiedMetadata` from `jaxattn.metadata.extend_unified_metadata` (built without a window).
+      causal, logit_cap, sinks, xai_temperature_len (absolute positions from meta.kv_start_pos), sm_scale, config:
+        as `extend_attention_mgpu`.
+
+    Returns:
+      o: [tokens, q_heads, head_dim] in q's dtype, as `jaxattn.extend.extend_attention_unified`; rows past
+      qo_indptr[-1], and rows of a sequence past meta.max_extend_len, are 0. For a fixed config.block_kv a token's
+      row is bit-identical however its sequence is split into prefix and new tokens.
+    """
+    check_array("q", q, ndim=3, dtypes=MGPU_DTYPES, what="[tokens, q_heads, head_dim] bf16/f16")
+    check_extend_args(q, k_pool, v_pool, meta, meta_type=ExtendUnifiedMetadata, builder="extend_unified_metadata",
+                      custom_mask=None, sinks=sinks, sliding_window=-1, logit_cap=logit_cap,
+                      xai_temperature_len=xai_temperature_len, sm_scale=sm_scale)
+    if is_fp8(k_pool.dtype) or is_fp8(v_pool.dtype) or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
+        raise ValueError("extend_attention_unified_mgpu takes pools of q's dtype; fp8 pools go through "
+                         "jaxattn.extend.extend_attention_unified(..., k_scale=, v_scale=)")
+    head_dim, v_dim = q.shape[2], v_pool.shape[2]
+    if not _head_dims_supported(head_dim, v_dim):
+        raise ValueError(
+            f"extend_attention_unified_mgpu takes equal q/k and v head dims of 64 or 128; got qk_head_dim {head_dim}, "
+            f"v_head_dim {v_dim} (use jaxattn.extend.extend_attention_unified)")
+    if meta.sliding_window >= 0:
+        raise ValueError("extend_attention_unified_mgpu takes no sliding window (its tiles sit at fixed listed-key "
+                         "offsets); meta was built with sliding_window="
+                         f"{meta.sliding_window} (use jaxattn.extend.extend_attention_unified)")
+    config = config or tuning.mgpu_extend_config(head_dim)
+    _check_config(config, head_dim)
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    return _run_kernel(q, None, None, k_pool, v_pool, meta, sm_scale, config, causal=causal, sliding_window=-1,
+                       logit_cap=logit_cap, sinks=sinks, xai_temperature_len=xai_temperature_len,
+                       kv_start_pos=meta.kv_start_pos, prefix_lens=meta.prefix_lens)
+
+
+def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: MgpuExtendConfig, *, causal: bool,
+                sliding_window: int, logit_cap: float, sinks, xai_temperature_len: int, kv_start_pos, prefix_lens=None):
+    """The kernel launch on checked arguments (the registry's routes and `extend_attention_mgpu` share it).
+    prefix_lens (i32[batch]): the unified form (k_new, v_new unused: every key from the pool)."""
     from jaxattn.kernels.extend_attention_mgpu import extend_attention_mgpu_kernel
     tokens, q_heads, head_dim = q.shape
     if tokens == 0 or meta.qo_indptr.shape[0] == 1:
         return jnp.zeros((tokens, q_heads, head_dim), q.dtype)
+    unified = prefix_lens is not None
     # Q and O move by TMA in 8-row tiles, which wants an array of whole 8-row tiles no shorter than a block_q box:
     # pad q (a copy) when tokens is not a multiple of 8 or is below block_q. k_new/v_new need no copy: their whole
     # tiles come by TMA only when tokens allows it (below), the others row by row.
@@ -198,15 +285,20 @@ def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: 
     kv_indices = meta.kv_indices
     if kv_indices.shape[0] == 0:  # a kernel operand needs an address; no row of it is listed
         kv_indices = jnp.zeros((1,), kv_indices.dtype)
+    xai = int(xai_temperature_len) if xai_temperature_len > 0 else -1
     extend_attention_mgpu_kernel(
-        q, k_new, v_new, k_pool, v_pool, kv_indices,
+        q, None if unified else k_new, None if unified else v_new, k_pool, v_pool, kv_indices,
         meta.qo_indptr.astype(jnp.int32), meta.kv_indptr.astype(jnp.int32), out_ref,
         max_extend_len=meta.max_extend_len, sm_scale=sm_scale,
         block_q=config.block_q, block_kv=config.block_kv, stages=config.stages,
+        causal=bool(causal),
         sliding_window=int(sliding_window) if sliding_window >= 0 else -1,
         logit_cap=float(logit_cap) if logit_cap > 0 else 0.0,
         sinks=None if sinks is None else sinks.astype(jnp.float32),
+        xai_temperature_len=xai,
+        kv_start_pos=kv_start_pos.astype(jnp.int32) if xai > 0 else None,
+        prefix_lens=prefix_lens.astype(jnp.int32) if unified else None,
         # Whole new-key tiles by TMA where Mosaic allows it (an array of whole 8-row tiles, no shorter than a box).
-        tma_new_tiles=tokens % 8 == 0 and tokens >= config.block_kv,
+        tma_new_tiles=not unified and tokens % 8 == 0 and tokens >= config.block_kv,
     )
     return out_ref[...][:tokens]

@@ -568,10 +568,15 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                 masked = functools.partial(kv_step, mask_kind=new_kind)
                 carry = (acc, m_i, l_i)
                 if unified:
-                    # One loop in key order, every tile masked: which tiles a row would see unmasked depends on where
-                    # its q tile starts, i.e. on the prefix/new split; one code path keeps each score's arithmetic
-                    # the same in any split (tiles past a row's last key are exact no-ops: p = 0, alpha = 1).
-                    carry = lax.fori_loop(0, wg_steps, functools.partial(kv_step, mask_kind="unified"), carry)
+                    # Tiles in key order at fixed listed offsets: [0, full_end) hold only keys every valid row sees
+                    # (unmasked), the rest are masked. Which path a tile takes for a row depends on where its q tile
+                    # starts, i.e. on the prefix/new split; the mask only replaces invisible scores by -inf, so a
+                    # visible score's arithmetic is the same on both paths, and tiles past a row's last key are exact
+                    # no-ops (p = 0, alpha = 1): a row's bits do not depend on the split (tested on the GPU).
+                    seen_by_all = q_prefix + jnp.maximum(t0, 0) + 1 if causal else prefix_len
+                    full_end = jnp.clip(lax.div(jnp.minimum(prefix_len, seen_by_all), jnp.int32(block_kv)), 0, wg_steps)
+                    carry = lax.fori_loop(0, full_end, kv_step, carry)
+                    carry = lax.fori_loop(full_end, wg_steps, functools.partial(kv_step, mask_kind="unified"), carry)
                 else:
                     if window is None:
                         bound = lambda x: x  # noqa: E731

@@ -180,16 +180,20 @@ def test_unified_matches_reference(rng, shape, feature):
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("config", [MgpuExtendConfig(), MgpuExtendConfig(block_kv=64, stages=3)], ids=["kv128", "kv64"])
-def test_unified_is_bitwise_split_invariant(rng, config):
+@pytest.mark.parametrize("features", [dict(), dict(logit_cap=3.0, xai_temperature_len=100, sinks=True)],
+                         ids=["plain", "cap-xai-sinks"])
+def test_unified_is_bitwise_split_invariant(rng, config, features):
     # One 700-token sequence split as (prefix p, new 700 - p), beside a second sequence that moves its q rows: every
-    # token computed in two splits gets the same bits (its tiles sit at fixed listed-key offsets, every tile is masked
-    # alike, and tiles past a row's last key are exact no-ops).
+    # token computed in two splits gets the same bits (its tiles sit at fixed listed-key offsets; a tile a row sees
+    # whole runs unmasked in one split and masked in another with the same arithmetic; tiles past a row's last key
+    # are exact no-ops).
     length, hq, hkv, d, slots_n = 700, 8, 2, 128, 2000
     slots = rng.permutation(np.arange(1, slots_n))[:length].astype(np.int32)
     k_pool = random_normal(rng, (slots_n, hkv, d), jnp.bfloat16)
     v_pool = random_normal(rng, (slots_n, hkv, d), jnp.bfloat16)
     q_all = random_normal(rng, (length, hq, d), jnp.bfloat16)
     other = 37
+    kw = _more_kwargs(rng, hq, features)
     table = jnp.asarray(np.stack([np.concatenate([slots, np.zeros(8, np.int32)]),
                                   np.concatenate([np.arange(1500, 1500 + 60, dtype=np.int32), np.zeros(648, np.int32)])]))
     outputs = {}
@@ -200,9 +204,9 @@ def test_unified_is_bitwise_split_invariant(rng, config):
             jnp.concatenate([jnp.asarray(slots[p:]), jnp.arange(1500 + 60 - other, 1500 + 60, dtype=jnp.int32)]),
             max_extend_len=length, kv_capacity=length + 64)
         q = jnp.concatenate([q_all[p:], random_normal(rng, (other, hq, d), jnp.bfloat16)])
-        o = extend_attention_unified_mgpu(q, k_pool, v_pool, meta, config=config)
+        o = extend_attention_unified_mgpu(q, k_pool, v_pool, meta, config=config, **kw)
         outputs[p] = np.asarray(o[:n].astype(jnp.float32))
-        ref = extend_attention_unified_reference(q, k_pool, v_pool, meta)
+        ref = extend_attention_unified_reference(q, k_pool, v_pool, meta, **kw)
         np.testing.assert_allclose(outputs[p], np.float32(ref[:n]), **tolerance(jnp.bfloat16))
     for p1 in outputs:
         for p2 in outputs:

@@ -285,11 +285,13 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                                  kv_start_pos=None, prefix_lens=None):
     """Runs the kernel; writes `out_ref` in place (rows it does not own are left as they were).
 
-    q: [q_rows, q_heads, head_dim] (q_rows a multiple of 8, >= block_q: Q/O move by TMA in 8-row tiles);
-    k_new/v_new: [tokens, kv_heads, head_dim] (token i's K/V; tokens <= q_rows);
-    k_pool/v_pool: [slots, kv_heads, head_dim]; kv_indices: i32/i64[capacity]: sequence b's prefix slots at
-      kv_indptr[b]:kv_indptr[b+1]; qo_indptr, kv_indptr: i32[batch + 1]; out_ref: a Ref of q's shape and dtype.
-    head_dim 64 or 128 (the accumulators of both consumer warpgroups live in registers); block_kv 64 or 128.
+    q: [q_rows, q_heads, qk_dim] (q_rows a multiple of 8, >= block_q: Q/O move by TMA in 8-row tiles);
+    k_new: [tokens, kv_heads, qk_dim], v_new: [tokens, kv_heads, v_dim] (token i's K/V; tokens <= q_rows);
+    k_pool: [slots, kv_heads, qk_dim], v_pool: [slots, kv_heads, v_dim]; kv_indices: i32/i64[capacity]: sequence
+      b's prefix slots at kv_indptr[b]:kv_indptr[b+1]; qo_indptr, kv_indptr: i32[batch + 1]; out_ref: a Ref
+      [q_rows, q_heads, v_dim] of q's dtype.
+    qk_dim / v_dim: 64/64, 128/128 or 192/128 (multiples of 64; the accumulators of both consumer warpgroups live
+      in registers); block_kv 64 or 128. With v_dim != qk_dim, O is stored through its own buffer (not Q's).
     tma_new_tiles: load new-key tiles that lie wholly before the batch's last token by TMA (needs tokens a multiple
       of 8 and >= block_kv: Mosaic's TMA moves whole 8-row tiles, no taller than the array); the others by cp.async.
 
@@ -304,7 +306,9 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
     sinks: f32[q_heads], natural-log logits joining each row's denominator only (folded in at the end, in base 2
       at the common max).
     """
-    q_rows, q_heads, head_dim = q.shape
+    q_rows, q_heads, qk_dim = q.shape
+    v_dim = v_pool.shape[2]
+    o_in_q = v_dim == qk_dim  # whole O tiles reuse Q's (swizzled) buffer; else every O tile goes through o_rows
     unified = prefix_lens is not None
     if unified and (k_new is not None or v_new is not None):
         raise ValueError("the unified form reads every key from the pool: give k_new = v_new = None")
@@ -328,7 +332,6 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
         raise ValueError("xai temperature needs kv_start_pos (each sequence's first listed key's position)")
     if unified:
         tma_new_tiles = False  # every tile comes from the pool by cp.async
-    copy = dict(block_kv=block_kv, head_dim=head_dim)
 
     def body(qo_indptr_ref, kv_indptr_ref, kv_indices_ref, q_ref, k_new_ref, v_new_ref, k_pool_ref, v_pool_ref,
              sinks_ref, start_pos_ref, prefix_lens_ref, out_gmem, scoped):
@@ -440,7 +443,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                 m_init = -jnp.inf if window is None and not unified else -1e30
                 m_i = plgpu.layout_cast(jnp.full((block_q,), m_init, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
                 l_i = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-                acc = plgpu.layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+                acc = plgpu.layout_cast(jnp.full((block_q, v_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
                 # Listed position of the warpgroup's row 0 (query t at listed position q_pos0 + t), where used.
                 q_pos0 = (q_prefix if unified else prefix_len) + t0 if unified or xai is not None else None
 
@@ -611,9 +614,10 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
 
                 @pl.when((lo == 0) & (hi == block_q))
                 def _whole_tile():
-                    qo_smem[...] = out
+                    o_smem = qo_smem if o_in_q else o_rows_smem2.at[wg]
+                    o_smem[...] = out
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(qo_smem, out_gmem.at[pl.ds(wg_row, block_q), head])
+                    plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[pl.ds(wg_row, block_q), head])
 
                 @pl.when((hi > lo) & ((lo > 0) | (hi < block_q)))
                 def _partial_tile():
@@ -655,22 +659,22 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     tma = by_tma(step)
                     rows = pl.ds(base + (step - pre_steps) * block_kv, block_kv)
 
-                    def load(which, new_ref, pool_ref, smem, free, ready):
+                    def load(which, new_ref, pool_ref, smem, free, ready, head_dim):
                         @pl.when(step >= first_step + stages)  # the CTA's first `stages` tiles fill empty slots
                         def _():
                             plgpu.barrier_wait(free.at[slot])
 
                         def cp_async():
                             issue_rows(new_ref, pool_ref, smem, kv_bars, sources, from_pool, slot, which * stages + slot,
-                                       kv_head, **copy)
+                                       kv_head, block_kv=block_kv, head_dim=head_dim)
 
                         if not tma_new_tiles:
                             return cp_async()
                         pl.when(tma)(lambda: plgpu.copy_gmem_to_smem(new_ref.at[rows, kv_head], smem.at[slot], ready.at[slot]))
                         pl.when(jnp.logical_not(tma))(cp_async)
 
-                    load(0, k_new_ref, k_pool_ref, k_smem, k_free, k_ready)
-                    load(1, v_new_ref, v_pool_ref, v_smem, v_free, v_ready)
+                    load(0, k_new_ref, k_pool_ref, k_smem, k_free, k_ready, qk_dim)
+                    load(1, v_new_ref, v_pool_ref, v_smem, v_free, v_ready, v_dim)
 
                 def step_body(step, sources):
                     next_sources = sources_of(step + 1)  # its loads overlap this tile's waits and copies
@@ -694,10 +698,10 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
         refs = dict(zip(present, rest[:len(present)]))
         (out_gmem,) = rest[len(present):]
         smem = (
-            plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), dtype, transforms=_SWIZZLED),  # Q, then O
-            plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), dtype),  # O of a partial tile (row-sliceable)
-            plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=_SWIZZLED),
-            plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=_SWIZZLED),
+            plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, qk_dim), dtype, transforms=_SWIZZLED),  # Q, then O (o_in_q)
+            plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, v_dim), dtype),  # O of a partial tile (row-sliceable)
+            plgpu.SMEM((stages, block_kv, qk_dim), dtype, transforms=_SWIZZLED),
+            plgpu.SMEM((stages, block_kv, v_dim), dtype, transforms=_SWIZZLED),
             plgpu.SMEM((2 * stages * 2,), jnp.int32),  # mbarriers (8 bytes each): K ready, V ready per slot
         )
         pl.run_scoped(

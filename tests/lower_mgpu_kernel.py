@@ -34,6 +34,9 @@ SHAPES = [  # label, tokens, q heads, kv heads, head dim, dtype, config, feature
     # The unified form (every key from the pool): plain, and non-causal with every score feature.
     ("unified-128-bf16", 300, 8, 2, 128, jnp.bfloat16, MgpuExtendConfig(), dict(unified=True)),
     ("unified-64-f16-kv64s3-all", 256, 4, 2, 64, jnp.float16, MgpuExtendConfig(block_kv=64, stages=3), dict(unified=True, causal=False, logit_cap=5.0, sinks=True, xai_temperature_len=16)),
+    # DeepSeek's non-absorbed prefill (q/k 192, v 128): O through its own buffer; TMA new tiles; the unified form.
+    ("mha-192-128-bf16-tma-window", 256, 4, 4, 192, jnp.bfloat16, None, dict(dv=128, sliding_window=64, logit_cap=10.0)),
+    ("unified-192-128-bf16", 300, 4, 4, 192, jnp.bfloat16, None, dict(dv=128, unified=True)),
 ]
 
 
@@ -45,7 +48,8 @@ def lower(tokens, hq, hkv, d, dtype, config, features=None, batch=3, slots=1000,
     window = features.pop("sliding_window", -1)
     cut = window if features.pop("cut", False) else -1  # prefix lists cut for the window, or full ones
     sinks = S((hq,), jnp.float32) if features.pop("sinks", False) else None
-    pool = (S((slots, hkv, d), dtype), S((slots, hkv, d), dtype))
+    dv = features.pop("dv", d)
+    pool = (S((slots, hkv, d), dtype), S((slots, hkv, dv), dtype))
     if unified:
         meta = jax.eval_shape(lambda: extend_unified_metadata(idx(4, 600), idx(batch), idx(batch), idx(batch), idx(tokens),
                                                               max_extend_len=256, kv_capacity=capacity))
@@ -54,7 +58,7 @@ def lower(tokens, hq, hkv, d, dtype, config, features=None, batch=3, slots=1000,
     else:
         meta = jax.eval_shape(lambda: extend_metadata(idx(4, 600), idx(batch), idx(batch), idx(batch), max_extend_len=256,
                                                       kv_capacity=capacity, sliding_window=cut))
-        args = (S((tokens, hq, d), dtype), S((tokens, hkv, d), dtype), S((tokens, hkv, d), dtype), *pool, meta, sinks)
+        args = (S((tokens, hq, d), dtype), S((tokens, hkv, d), dtype), S((tokens, hkv, dv), dtype), *pool, meta, sinks)
         call = lambda *a: extend_attention_mgpu(*a[:-1], sinks=a[-1], sliding_window=window, config=config, **features)  # noqa: E731
     exported = jax.export.export(jax.jit(call), platforms=["cuda"])(*args)
     if "mosaic_gpu" not in exported.mlir_module():

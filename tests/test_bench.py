@@ -75,7 +75,7 @@ def test_tuning_cases_run_only_by_name(monkeypatch):
     monkeypatch.setattr(cli, "commit", lambda: "abc1234")
     assert bench.main(["extend", "--no-progress"]) == 0
     assert bench.main(["extend", "--cases", "T64,T576", "--no-progress"]) == 0
-    assert ran == [["E1", "E2", "E3", "E1-W1024", "E1-CAP50", "E1-W1024-CAP50", "E1-SINKS", "E2-NC", "E1-FP8", "E3-FP8"], ["T64", "T576"]]
+    assert ran == [["E1", "E2", "E3", "E1-W1024", "E1-CAP50", "E1-W1024-CAP50", "E1-SINKS", "E2-NC", "E1-XAI-CAP30", "E1-FP8", "E3-FP8"], ["T64", "T576"]]
 
 
 def test_commit_falls_back_to_the_environment(monkeypatch):

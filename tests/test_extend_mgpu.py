@@ -238,6 +238,38 @@ def test_unified_rows_with_no_key_are_zero(rng):
     np.testing.assert_allclose(o[20:29], want[20:29], **tolerance(jnp.bfloat16))
 
 
+# DeepSeek's non-absorbed prefill: q/k head dim 192, v 128 (its own O buffer, 64-key tiles), both forms, features.
+HEAD_DIMS_192 = [
+    ("plain", dict()),
+    ("window-cap-sinks", dict(sliding_window=37, logit_cap=3.0, sinks=True)),
+    ("noncausal-xai", dict(causal=False, xai_temperature_len=20)),
+]
+
+
+@pytest.mark.parametrize("feature", HEAD_DIMS_192, ids=lambda f: f[0])
+@pytest.mark.parametrize("whole_tiles", [False, True], ids=["tokens-odd", "tokens-x8"])
+@pytest.mark.gpu
+@needs_hopper
+def test_head_dims_192_128_match_reference(rng, feature, whole_tiles):
+    batch = make_batch(rng, [0, 37, 128, 300], [130, 5, 64, 257], hq=4, hkv=4, dqk=192, dv=128, dtype=jnp.bfloat16,
+                       max_extend_len=266)
+    kw = _more_kwargs(rng, 4, feature[1])
+    q, k_new, v_new = batch.q, batch.k_new, batch.v_new
+    if whole_tiles:
+        pad = ((0, -q.shape[0] % 8), (0, 0), (0, 0))
+        q, k_new, v_new = (jnp.pad(x, pad, constant_values=jnp.nan) for x in (q, k_new, v_new))
+    o = extend_attention_mgpu(q, k_new, v_new, batch.k_pool, batch.v_pool, batch.meta, **kw)
+    assert o.shape == q.shape[:2] + (128,) and o.dtype == jnp.bfloat16
+    assert_output(o, ref_two_stage(batch, **kw), batch, jnp.bfloat16)
+    np.testing.assert_array_equal(  # the default route takes these calls
+        np.float32(extend_attention(q, k_new, v_new, batch.k_pool, batch.v_pool, batch.meta, **kw)), np.float32(o))
+    if "sliding_window" not in kw:
+        args = (batch.q, batch.k_pool_unified, batch.v_pool_unified, batch.meta_unified)
+        o = extend_attention_unified_mgpu(*args, **kw)
+        assert_output(o, ref_unified(batch, **kw), batch, jnp.bfloat16)
+        np.testing.assert_array_equal(np.float32(extend_attention_unified(*args, **kw)), np.float32(o))
+
+
 @pytest.mark.gpu
 @needs_hopper
 def test_nan_outside_the_batch_does_not_leak(rng):
@@ -723,7 +755,9 @@ def test_says_why_it_cannot_take_a_call():
     S = jax.ShapeDtypeStruct
     q, pool = S((8, 4, 128), jnp.bfloat16), S((32, 2, 128), jnp.bfloat16)
     assert "dtype float32" in mgpu_unsupported(S((8, 4, 128), jnp.float32), pool, pool)
-    assert "head dims 128/64" in mgpu_unsupported(q, pool, S((32, 2, 64), jnp.bfloat16))
+    assert "head dims 128/64 (64/64, 128/128 or 192/128 only)" in mgpu_unsupported(q, pool, S((32, 2, 64), jnp.bfloat16))
+    q192, k192, v128 = S((8, 4, 192), jnp.bfloat16), S((32, 2, 192), jnp.bfloat16), S((32, 2, 128), jnp.bfloat16)
+    assert "head dims" not in (mgpu_unsupported(q192, k192, v128) or "")  # DeepSeek's 192/128 is taken
     assert "head dims 96/96" in mgpu_unsupported(S((8, 4, 96), jnp.bfloat16), S((32, 2, 96), jnp.bfloat16), S((32, 2, 96), jnp.bfloat16))
     for feature, why in ((dict(custom_mask=jnp.ones(4, bool)), "custom mask"),
                          (dict(causal=False, sliding_window=8), "a sliding window with non-causal attention"),
@@ -748,7 +782,7 @@ def test_rejects_what_the_kernel_cannot_take(rng):
     with pytest.raises(ValueError, match="q must have dtype"):
         extend_attention_mgpu(batch.q.astype(jnp.float32), *(a.astype(jnp.float32) for a in args[:4]), batch.meta)
     odd = make_batch(rng, [4], [8], hq=2, hkv=1, dqk=96, dtype=jnp.bfloat16)
-    with pytest.raises(ValueError, match="head dims of 64 or 128"):
+    with pytest.raises(ValueError, match="head dims 64/64, 128/128 or 192/128"):
         extend_attention_mgpu(odd.q, odd.k_new, odd.v_new, odd.k_pool, odd.v_pool, odd.meta)
     with pytest.raises(ValueError, match="k_new"):
         extend_attention_mgpu(batch.q, batch.k_new[:, :, :32], *args[1:])
@@ -777,4 +811,4 @@ def test_lowers_for_cuda_on_cpu():
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     from tests.lower_mgpu_kernel import SHAPES as LOWERED
 
-    assert run.stdout.count("ok ") == len(LOWERED) == 15, run.stdout
+    assert run.stdout.count("ok ") == len(LOWERED) == 17, run.stdout

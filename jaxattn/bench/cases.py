@@ -25,6 +25,7 @@ class Case:
     logit_cap: float = 0.0
     sinks: bool = False  # per-head sinks near the rows' log-denominators (so they change the output)
     causal: bool = True  # False: every query sees its whole sequence (encoder tokens, cross attention)
+    xai_temperature_len: int = -1  # L > 0: Grok's temperature on positions past L (no FlashInfer peer)
     kv_dtype: str = "bfloat16"  # the pool's dtype: "float8_e4m3fn" pools are read by the kernels with K/V scales
     # KV pages (jaxattn.paging): each sequence's pages scattered over the pool, its tokens contiguous within a page.
     # Page size 1 scatters every token. Set by `paged_case`, which also names the case.
@@ -64,7 +65,8 @@ class Case:
     @property
     def features(self) -> dict:
         """The extend ops' keyword arguments for this case's score features (sinks are passed as an array)."""
-        return dict(sliding_window=self.sliding_window, logit_cap=self.logit_cap, causal=self.causal)
+        return dict(sliding_window=self.sliding_window, logit_cap=self.logit_cap, causal=self.causal,
+                    xai_temperature_len=self.xai_temperature_len)
 
 
 CASES = {
@@ -94,8 +96,10 @@ CASES = {
     "E1-CAP50": Case("E1-CAP50", "extend", 8, 2048, 2048, logit_cap=50.0),
     "E1-W1024-CAP50": Case("E1-W1024-CAP50", "extend", 8, 2048, 2048, sliding_window=1024, logit_cap=50.0),
     "E1-SINKS": Case("E1-SINKS", "extend", 8, 2048, 2048, sinks=True),
-    # Encoder tokens (non-causal): E2's lengths, every query sees its whole sequence.
+    # Encoder tokens (non-causal): E2's lengths, every query sees its whole sequence. Grok-1's layers: xai temperature
+    # (L = 1024: positions 1025.. of E1's 4096 are scaled) and soft cap 30.
     "E2-NC": Case("E2-NC", "extend", 4, 0, 4096, causal=False),
+    "E1-XAI-CAP30": Case("E1-XAI-CAP30", "extend", 8, 2048, 2048, logit_cap=30.0, xai_temperature_len=1024),
     "E1-FP8": Case("E1-FP8", "extend", 8, 2048, 2048, kv_dtype="float8_e4m3fn"),
     "E3-FP8": Case("E3-FP8", "extend", 32, 4096, 128, kv_dtype="float8_e4m3fn"),  # E2 has no cached prefix to read
     # Tuning cases: one per head-dim family of jaxattn.extend.SM90_CONFIGS other than "128" (E1-E3), E1's lengths

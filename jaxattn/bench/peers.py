@@ -223,11 +223,11 @@ def extend_jaxattn(inp: Inputs, config=None, unified=False, impl="triton"):
 def extend_mgpu(inp: Inputs, config=None):
     import jax
 
-    from jaxattn.impl.mgpu_extend import extend_attention_mgpu
+    from jaxattn.impl.mgpu_extend import HEAD_DIMS_TEXT, MGPU_HEAD_DIMS, extend_attention_mgpu
 
     case = inp.case
-    if case.head_dim not in (64, 128) or case.dv != case.head_dim:
-        raise Skip("the Mosaic GPU kernel takes equal q/k and v head dims of 64 or 128")
+    if (case.head_dim, case.dv) not in MGPU_HEAD_DIMS:
+        raise Skip(f"the Mosaic GPU kernel takes head dims {HEAD_DIMS_TEXT}")
     if case.fp8:
         raise Skip("fp8 pools reach the kernel through extend_attention (row 'jaxattn')")
     meta = extend_meta(inp)
@@ -258,6 +258,8 @@ def extend_flashinfer(inp: Inputs, backend: str, through_jax: bool = False):
         raise Skip("MLA latent cache: FlashInfer's paged prefill takes separate K and V heads (row flashinfer-mla: its MLA wrapper)")
     if case.sinks:
         raise Skip("FlashInfer's paged prefill (fa2/fa3) takes no attention sinks")
+    if case.xai_temperature_len > 0:
+        raise Skip("FlashInfer has no xai temperature")
     if case.fp8 and through_jax:
         raise Skip("the bridge rows time bf16 pools")
     flashinfer, torch, tv, workspace = flashinfer_session(inp, workspace_mb=512)
@@ -282,8 +284,8 @@ def extend_cudnn(inp: Inputs):
     case = inp.case
     if case.prefix != 0:
         raise Skip("dense only (no cached prefix)")
-    if case.sliding_window >= 0 or case.logit_cap > 0 or case.sinks:
-        raise Skip("plain causal only")
+    if case.sliding_window >= 0 or case.logit_cap > 0 or case.sinks or case.xai_temperature_len > 0:
+        raise Skip("no score features (a window, cap, sinks or xai temperature)")
     q = inp.q.reshape(case.batch, case.new, case.q_heads, case.head_dim)
     k = inp.k_new.reshape(case.batch, case.new, case.kv_heads, case.head_dim)
     v = inp.v_new.reshape(case.batch, case.new, case.kv_heads, case.dv)

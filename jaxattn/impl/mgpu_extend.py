@@ -39,7 +39,9 @@ from jaxattn.registry import Implementation
 from jaxattn.tuning import ExtendConfig, MgpuExtendConfig
 
 MGPU_DTYPES = (jnp.bfloat16, jnp.float16)
-MGPU_HEAD_DIMS = (64, 128)  # equal q/k and v head dims: both consumer warpgroups' accumulators fit in registers
+# (qk_head_dim, v_head_dim) pairs: multiples of 64 (the 128-byte swizzled tiles) whose accumulators and tiles fit both
+# consumer warpgroups' registers and shared memory; 192/128 is DeepSeek's non-absorbed (MHA) prefill.
+MGPU_HEAD_DIMS = ((64, 64), (128, 128), (192, 128))
 
 
 def _cuda_runtime_version() -> int | None:
@@ -51,7 +53,10 @@ def _cuda_runtime_version() -> int | None:
 
 
 def _head_dims_supported(qk_head_dim: int, v_head_dim: int) -> bool:
-    return qk_head_dim == v_head_dim and qk_head_dim in MGPU_HEAD_DIMS
+    return (qk_head_dim, v_head_dim) in MGPU_HEAD_DIMS
+
+
+HEAD_DIMS_TEXT = "64/64, 128/128 or 192/128"  # MGPU_HEAD_DIMS, for messages
 
 
 # The score features of `ExtendCall.features` the kernel takes, per form (static flags; off, the plain kernel is
@@ -66,7 +71,7 @@ def _unsupported(dtype, qk_head_dim, v_head_dim, features, launch_mode, form="tw
     if jnp.dtype(dtype) not in map(jnp.dtype, MGPU_DTYPES):
         return f"dtype {jnp.dtype(dtype).name} (bf16/f16 only)"
     if not _head_dims_supported(qk_head_dim, v_head_dim):
-        return f"head dims {qk_head_dim}/{v_head_dim} (equal, 64 or 128 only)"
+        return f"head dims {qk_head_dim}/{v_head_dim} ({HEAD_DIMS_TEXT} only)"
     declined = [_FEATURE_NAMES.get(f, f) for f in features if f not in MGPU_FEATURES[form]]
     if declined:
         return ", ".join(declined) + (" in the unified form" if form == "unified" else "")
@@ -106,19 +111,28 @@ def _declines_form(form: str):
     return declines
 
 
-def _check_config(config: MgpuExtendConfig, head_dim: int) -> None:
+def _config(config: MgpuExtendConfig | None, qk_head_dim: int, v_head_dim: int) -> MgpuExtendConfig:
+    """`config`, or the tuned one for these head dims; checked against sm_90's shared memory."""
+    config = config or tuning.mgpu_extend_config(qk_head_dim, v_head_dim)
     if not isinstance(config, MgpuExtendConfig):
         raise ValueError(f"config must be an MgpuExtendConfig or None; got {type(config).__name__}")
     limit = hardware.SM90.shared_memory_bytes
-    if config.shared_memory_bytes(head_dim) > limit:
+    needed = config.shared_memory_bytes(qk_head_dim, v_head_dim)
+    if needed > limit:
         raise ValueError(
-            f"config {config} needs {config.shared_memory_bytes(head_dim)} B of shared memory at head dim {head_dim}; "
+            f"config {config} needs {needed} B of shared memory at head dims {qk_head_dim}/{v_head_dim}; "
             f"sm_90 has {limit} (fewer stages or a smaller block_kv)")
+    return config
+
+
+def _check_head_dims(op: str, q, v_pool, fallback: str) -> None:
+    if not _head_dims_supported(q.shape[2], v_pool.shape[2]):
+        raise ValueError(f"{op} takes q/k and v head dims {HEAD_DIMS_TEXT}; got qk_head_dim {q.shape[2]}, "
+                         f"v_head_dim {v_pool.shape[2]} (use {fallback})")
 
 
 def _run(call: ExtendCall):
-    config = call.config or tuning.mgpu_extend_config(call.qk_head_dim)
-    _check_config(config, call.qk_head_dim)
+    config = _config(call.config, call.qk_head_dim, call.v_head_dim)
     k_pool, v_pool, meta = call.k_pool, call.v_pool, call.meta
     if call.kv_scales is not None or is_fp8(k_pool.dtype) or is_fp8(v_pool.dtype):
         k_pool, v_pool, meta = dequantised_prefix(k_pool, v_pool, meta, call.kv_scales, call.q.dtype)
@@ -169,9 +183,11 @@ def extend_attention_mgpu(
     """Two-stage extend attention (prefix from the pool, new tokens contiguous) with the Hopper Mosaic GPU kernel.
 
     Args:
-      q: [tokens, q_heads, head_dim] bf16/f16, head_dim 64 or 128; sequence b's new tokens at meta.qo_indptr[b]:[b+1].
-      k_new, v_new: [tokens, kv_heads, head_dim]: the new tokens' K/V (q's dtype). q_heads % kv_heads == 0 (GQA).
-      k_pool, v_pool: [slots, kv_heads, head_dim]: the cache; meta.kv_indices lists each sequence's prefix slots.
+      q: [tokens, q_heads, qk_head_dim] bf16/f16; sequence b's new tokens at meta.qo_indptr[b]:[b+1].
+      k_new: [tokens, kv_heads, qk_head_dim], v_new: [tokens, kv_heads, v_head_dim]: the new tokens' K/V (q's dtype).
+        q_heads % kv_heads == 0 (GQA). Head dims (qk/v): 64/64, 128/128 or 192/128.
+      k_pool: [slots, kv_heads, qk_head_dim], v_pool: [slots, kv_heads, v_head_dim]: the cache; meta.kv_indices
+        lists each sequence's prefix slots.
       meta: `ExtendMetadata` from `jaxattn.metadata.extend_metadata`, its prefix lists cut for a window or full.
       causal: False: every query sees its whole prefix and all its sequence's new tokens (encoder tokens).
       sliding_window: W >= 0 (causal only): a query sees keys with q_pos - k_pos <= W (W + 1 keys); <=
@@ -180,15 +196,15 @@ def extend_attention_mgpu(
       logit_cap: > 0 caps scores with cap * tanh(s / cap) (s already scaled). sinks: f32[q_heads] natural-log
         logits that join each row's softmax denominator only. xai_temperature_len: L > 0 multiplies scores by
         log2(pos) / log2(L) for absolute positions pos > L (meta.kv_start_pos + prefix + token).
-      sm_scale: default 1 / sqrt(head_dim). config: `MgpuExtendConfig` (default 64 x 128 tiles, 2 stages).
+      sm_scale: default 1 / sqrt(qk_head_dim). config: `MgpuExtendConfig` (default: `tuning.mgpu_extend_config`).
       Slots past the pool (or negative) are clamped into it: a bad index reads a wrong row, never outside the pool
       (`jaxattn.checked` reports them).
 
     Returns:
-      o: [tokens, q_heads, head_dim] in q's dtype, as `extend_attention` with the same features; rows past
+      o: [tokens, q_heads, v_head_dim] in q's dtype, as `extend_attention` with the same features; rows past
       qo_indptr[-1], and rows of a sequence past meta.max_extend_len, are 0.
     """
-    check_array("q", q, ndim=3, dtypes=MGPU_DTYPES, what="[tokens, q_heads, head_dim] bf16/f16")
+    check_array("q", q, ndim=3, dtypes=MGPU_DTYPES, what="[tokens, q_heads, qk_head_dim] bf16/f16")
     check_extend_args(q, k_pool, v_pool, meta, meta_type=ExtendMetadata, builder="extend_metadata", custom_mask=None,
                       sinks=sinks, sliding_window=sliding_window, logit_cap=logit_cap,
                       xai_temperature_len=xai_temperature_len, sm_scale=sm_scale)
@@ -196,17 +212,12 @@ def extend_attention_mgpu(
     if is_fp8(k_pool.dtype) or is_fp8(v_pool.dtype):
         raise ValueError("extend_attention_mgpu takes pools of q's dtype; fp8 pools go through "
                          "jaxattn.extend.extend_attention(..., k_scale=, v_scale=), which dequantises the listed prefix")
-    head_dim, v_dim = q.shape[2], v_pool.shape[2]
-    if not _head_dims_supported(head_dim, v_dim):
-        raise ValueError(
-            f"extend_attention_mgpu takes equal q/k and v head dims of 64 or 128; got qk_head_dim {head_dim}, "
-            f"v_head_dim {v_dim} (use jaxattn.extend.extend_attention)")
+    _check_head_dims("extend_attention_mgpu", q, v_pool, "jaxattn.extend.extend_attention")
     if sliding_window >= 0 and not causal:
         raise ValueError("extend_attention_mgpu takes a sliding_window with causal=True only (use "
                          "jaxattn.extend.extend_attention)")
-    config = config or tuning.mgpu_extend_config(head_dim)
-    _check_config(config, head_dim)
-    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    config = _config(config, q.shape[2], v_pool.shape[2])
+    sm_scale = 1.0 / math.sqrt(q.shape[2]) if sm_scale is None else float(sm_scale)
     return _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale, config, causal=causal,
                        sliding_window=sliding_window, logit_cap=logit_cap, sinks=sinks,
                        xai_temperature_len=xai_temperature_len, kv_start_pos=meta.kv_start_pos)
@@ -229,37 +240,33 @@ def extend_attention_unified_mgpu(
     """Deterministic unified extend attention (every key through the pool) with the Hopper Mosaic GPU kernel.
 
     Args:
-      q: [tokens, q_heads, head_dim] bf16/f16, head_dim 64 or 128.
-      k_pool, v_pool: [slots, kv_heads, head_dim] of q's dtype, the new tokens' K/V already written at the slots meta
-        lists for them (`jaxattn.serving.write_kv`).
+      q: [tokens, q_heads, qk_head_dim] bf16/f16.
+      k_pool: [slots, kv_heads, qk_head_dim], v_pool: [slots, kv_heads, v_head_dim] of q's dtype (head dims 64/64,
+        128/128 or 192/128), the new tokens' K/V already written at the slots meta lists for them
+        (`jaxattn.serving.write_kv`).
       meta: `ExtendUnifiedMetadata` from `jaxattn.metadata.extend_unified_metadata` (built without a window).
       causal, logit_cap, sinks, xai_temperature_len (absolute positions from meta.kv_start_pos), sm_scale, config:
         as `extend_attention_mgpu`.
 
     Returns:
-      o: [tokens, q_heads, head_dim] in q's dtype, as `jaxattn.extend.extend_attention_unified`; rows past
+      o: [tokens, q_heads, v_head_dim] in q's dtype, as `jaxattn.extend.extend_attention_unified`; rows past
       qo_indptr[-1], and rows of a sequence past meta.max_extend_len, are 0. For a fixed config.block_kv a token's
       row is bit-identical however its sequence is split into prefix and new tokens.
     """
-    check_array("q", q, ndim=3, dtypes=MGPU_DTYPES, what="[tokens, q_heads, head_dim] bf16/f16")
+    check_array("q", q, ndim=3, dtypes=MGPU_DTYPES, what="[tokens, q_heads, qk_head_dim] bf16/f16")
     check_extend_args(q, k_pool, v_pool, meta, meta_type=ExtendUnifiedMetadata, builder="extend_unified_metadata",
                       custom_mask=None, sinks=sinks, sliding_window=-1, logit_cap=logit_cap,
                       xai_temperature_len=xai_temperature_len, sm_scale=sm_scale)
     if is_fp8(k_pool.dtype) or is_fp8(v_pool.dtype) or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
         raise ValueError("extend_attention_unified_mgpu takes pools of q's dtype; fp8 pools go through "
                          "jaxattn.extend.extend_attention_unified(..., k_scale=, v_scale=)")
-    head_dim, v_dim = q.shape[2], v_pool.shape[2]
-    if not _head_dims_supported(head_dim, v_dim):
-        raise ValueError(
-            f"extend_attention_unified_mgpu takes equal q/k and v head dims of 64 or 128; got qk_head_dim {head_dim}, "
-            f"v_head_dim {v_dim} (use jaxattn.extend.extend_attention_unified)")
+    _check_head_dims("extend_attention_unified_mgpu", q, v_pool, "jaxattn.extend.extend_attention_unified")
     if meta.sliding_window >= 0:
         raise ValueError("extend_attention_unified_mgpu takes no sliding window (its tiles sit at fixed listed-key "
                          "offsets); meta was built with sliding_window="
                          f"{meta.sliding_window} (use jaxattn.extend.extend_attention_unified)")
-    config = config or tuning.mgpu_extend_config(head_dim)
-    _check_config(config, head_dim)
-    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    config = _config(config, q.shape[2], v_pool.shape[2])
+    sm_scale = 1.0 / math.sqrt(q.shape[2]) if sm_scale is None else float(sm_scale)
     return _run_kernel(q, None, None, k_pool, v_pool, meta, sm_scale, config, causal=causal, sliding_window=-1,
                        logit_cap=logit_cap, sinks=sinks, xai_temperature_len=xai_temperature_len,
                        kv_start_pos=meta.kv_start_pos, prefix_lens=meta.prefix_lens)
@@ -270,9 +277,10 @@ def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: 
     """The kernel launch on checked arguments (the registry's routes and `extend_attention_mgpu` share it).
     prefix_lens (i32[batch]): the unified form (k_new, v_new unused: every key from the pool)."""
     from jaxattn.kernels.extend_attention_mgpu import extend_attention_mgpu_kernel
-    tokens, q_heads, head_dim = q.shape
+    tokens, q_heads = q.shape[:2]
+    v_dim = v_pool.shape[2]
     if tokens == 0 or meta.qo_indptr.shape[0] == 1:
-        return jnp.zeros((tokens, q_heads, head_dim), q.dtype)
+        return jnp.zeros((tokens, q_heads, v_dim), q.dtype)
     unified = prefix_lens is not None
     # Q and O move by TMA in 8-row tiles, which wants an array of whole 8-row tiles no shorter than a block_q box:
     # pad q (a copy) when tokens is not a multiple of 8 or is below block_q. k_new/v_new need no copy: their whole
@@ -281,7 +289,7 @@ def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: 
     if rows > tokens:
         q = jnp.pad(q, ((0, rows - tokens), (0, 0), (0, 0)))
     # Zeros that the kernel overwrites in place (aliased): rows it does not compute stay 0.
-    out_ref = jax.new_ref(jnp.zeros((rows, q_heads, head_dim), q.dtype))
+    out_ref = jax.new_ref(jnp.zeros((rows, q_heads, v_dim), q.dtype))
     kv_indices = meta.kv_indices
     if kv_indices.shape[0] == 0:  # a kernel operand needs an address; no row of it is listed
         kv_indices = jnp.zeros((1,), kv_indices.dtype)

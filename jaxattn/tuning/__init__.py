@@ -178,10 +178,13 @@ def pack_heads(config: ExtendConfig, q_heads: int, kv_heads: int) -> ExtendConfi
 # Extend (Mosaic GPU kernel)
 
 
-def mgpu_extend_config(head_dim: int, family: str | None = None) -> MgpuExtendConfig:
-    """The Mosaic GPU extend kernel's tiles for this head dim (the default config on a miss, warning once)."""
-    config = table("extend_mgpu", family).get(head_dim)
+def mgpu_extend_config(qk_head_dim: int, v_head_dim: int | None = None, family: str | None = None) -> MgpuExtendConfig:
+    """The Mosaic GPU extend kernel's tiles for these head dims (v_head_dim default: qk_head_dim), keyed as the
+    Triton extend table (`head_dim_family`); the default config on a miss, warning once."""
+    v_head_dim = qk_head_dim if v_head_dim is None else v_head_dim
+    key = head_dim_family(qk_head_dim, v_head_dim)
+    config = table("extend_mgpu", family).get(key)
     if config is None:
-        _warn_once(f"jaxattn.tuning: no tuned config for the Mosaic GPU extend kernel at head dim {head_dim}; using the default")
+        _warn_once(f"jaxattn.tuning: no tuned config for the Mosaic GPU extend kernel at head dims {key}; using the default")
         config = MgpuExtendConfig()
     return config

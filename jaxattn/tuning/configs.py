@@ -81,10 +81,13 @@ class MgpuExtendConfig:
     block_kv: int = 128
     stages: int = 2
 
-    def shared_memory_bytes(self, head_dim: int) -> int:
+    def shared_memory_bytes(self, qk_head_dim: int, v_head_dim: int | None = None) -> int:
         """Q/O tiles of both consumer warpgroups, their partial-tile store buffers, the K/V ring (16-bit), and the
         ring's mbarriers (each buffer rounded up to Pallas' 1 KiB alignment)."""
-        return (4 * self.block_q + 2 * self.stages * self.block_kv) * head_dim * 2 + 1024
+        v_head_dim = qk_head_dim if v_head_dim is None else v_head_dim
+        q_and_o = 2 * self.block_q * (qk_head_dim + v_head_dim)
+        ring = self.stages * self.block_kv * (qk_head_dim + v_head_dim)
+        return (q_and_o + ring) * 2 + 1024
 
     def __post_init__(self):
         if self.block_q != 64:

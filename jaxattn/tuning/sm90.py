@@ -6,7 +6,7 @@ Keys (normalised by `jaxattn.tuning`'s lookups):
   * EXTEND: the head-dim family: "64", "128", "256" (plain heads, the larger head dim rounded up to a power of 2, at
     least 64) and "576/512", "288/256", "192/128" (qk/v head dims with a rope part in a second dot). Configs are for
     16-bit inputs; fp32 and custom masks adapt them (`jaxattn.tuning.extend_config`).
-  * EXTEND_MGPU: head_dim (64 or 128).
+  * EXTEND_MGPU: the head-dim family, as EXTEND ("64", "128", "192/128").
 """
 
 from __future__ import annotations
@@ -71,9 +71,11 @@ EXTEND: dict[str, ExtendConfig] = {
 
 # Measured on the H200 (E1-E3): 64 x 128 with 2 stages beats 64 x 64 with 3-4 stages by 9-27%
 # (results/2026-12-03_h200_mgpu_extend_first.log).
-EXTEND_MGPU: dict[int, MgpuExtendConfig] = {
-    64: MgpuExtendConfig(block_q=64, block_kv=128, stages=2),
-    128: MgpuExtendConfig(block_q=64, block_kv=128, stages=2),
+# 192/128: 128-key tiles would need 240 KB of shared memory at 2 stages; 64-key tiles with 2 stages (not yet tuned).
+EXTEND_MGPU: dict[str, MgpuExtendConfig] = {
+    "64": MgpuExtendConfig(block_q=64, block_kv=128, stages=2),
+    "128": MgpuExtendConfig(block_q=64, block_kv=128, stages=2),
+    "192/128": MgpuExtendConfig(block_q=64, block_kv=64, stages=2),
 }
 
 TABLES = {"decode": DECODE, "decode_fp8": DECODE_FP8, "extend": EXTEND, "extend_mgpu": EXTEND_MGPU}

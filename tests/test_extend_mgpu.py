@@ -608,26 +608,128 @@ def test_barrier_protocol_never_hangs(tma_new_tiles):
     assert cases > 100
 
 
-def _kernel_model(q, k_new, v_new, k_pool, v_pool, meta, *, window, logit_cap, sinks, block_kv, block_q=64):
+def test_barrier_protocol_never_hangs_unified_and_noncausal():
+    # CPU: as above for the unified form (every step by cp.async, each warpgroup's causal step count from its last
+    # row's listed position, the CTA's from its last row's; empty lists included) and for non-causal two-stage CTAs
+    # (both warpgroups take every step of the sequence).
+    from jaxattn.kernels.extend_attention_mgpu import cp_async_uses
+
+    import random
+
+    rng = random.Random(1)
+    block_q, cta_rows = 64, 128
+    cdiv = lambda x, d: -(-x // d)  # noqa: E731
+    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+    cases = 0
+    for block_kv, stages in ((128, 2), (64, 3)):
+        for q_start, q_prefix, q_len, listed in ((5, 300, 257, 557), (0, 0, 130, 130), (13, 1000, 70, 1070),
+                                                 (8, 64, 700, 764), (3, 0, 40, 0), (0, 20, 9, 25)):
+            base = q_start // 8 * 8
+            q_end = q_start + q_len
+            pre_steps = cdiv(listed, block_kv)
+
+            def unified_steps(last_row):
+                return cdiv(min(max(q_prefix + (last_row - q_start) + 1, 0), listed), block_kv)
+
+            for cta_row in range(base, q_end, cta_rows):
+                # Unified: all steps from the pool (tail_step = pre_steps: no TMA tiles).
+                cta_steps = unified_steps(min(cta_row + cta_rows, q_end) - 1)
+                ranges = [(0, unified_steps(min(cta_row + wg * block_q + block_q, q_end) - 1)) for wg in (0, 1)]
+                layouts = [(cta_steps, ranges, pre_steps, pre_steps, False)]
+                # Non-causal two-stage (prefix of q_prefix keys, new keys to the sequence's end, some by TMA).
+                two_pre = cdiv(q_prefix, block_kv)
+                nc_steps = two_pre + cdiv(q_end - base, block_kv)
+                tail = two_pre + max((q_end - base) // block_kv, 0)
+                layouts.append((nc_steps, [(0, nc_steps)] * 2, two_pre, tail, True))
+                for steps_total, wg_ranges, pre, tail_step, tma in layouts:
+                    steps = np.arange(steps_total + 1)
+                    uses = np.asarray(cp_async_uses(i32(steps), i32(steps % stages), pre_steps=i32(pre),
+                                                    tail_step=i32(tail_step), stages=stages))
+                    programs = _cta_programs(0, steps_total, wg_ranges, pre, tail_step, uses, stages=stages,
+                                             tma_new_tiles=tma)
+                    for _ in range(3):
+                        barriers = {("free", w, s): _Barrier(2) for w in (0, 1) for s in range(stages)}
+                        barriers |= {(kind, w, s): _Barrier(1) for kind in ("ready", "kv") for w in (0, 1) for s in range(stages)}
+                        barriers["schedule"] = _Barrier(2)
+                        _run_protocol(programs, barriers, rng)
+                        cases += 1
+    assert cases > 50
+
+
+def _softmax_steps(qt, plan, tile, mask, *, c_rows, m_init, sinks, hq, block_q, d_v):
+    """The consumer's base-2 online softmax over `plan` ((step, kind) in order): qt [heads, rows, d]; tile(step) ->
+    (k, v) [block_kv, heads, d]; mask(step, kind) -> visible [rows, block_kv] or None; c_rows [rows]: the exponent's
+    scale per row (sm_scale * log2(e), or cap * log2(e) with a cap, times the xai factor); sinks at the end.
+    Returns acc / l [heads, rows, d_v] (l = 0 rows divide by 1 when m_init is finite, as the unified form does)."""
+    from jaxattn.kernels.extend_attention_mgpu import LOG2E
+
+    m = np.full((hq, block_q), m_init, np.float32)
+    l, acc = np.zeros((hq, block_q), np.float32), np.zeros((hq, block_q, d_v), np.float32)
+    for step, kind in plan:
+        k, v = tile(step)
+        s = np.einsum("hqd,khd->hqk", qt, k)
+        s = s if c_rows.logit_cap is None else np.tanh(s * c_rows.tanh_scale)
+        visible = mask(step, kind)
+        if visible is not None:
+            s = np.where(visible, s, -np.inf)
+        with np.errstate(invalid="ignore"):
+            m_new = np.maximum(m, s.max(axis=2) * c_rows.c)
+            alpha = np.exp2(m - m_new)
+            p = np.exp2(s * c_rows.c[:, None] - m_new[..., None])
+        acc = acc * alpha[..., None] + np.einsum("hqk,khd->hqd", p, v)
+        l, m = l * alpha + p.sum(axis=2), m_new
+    if sinks is not None:
+        sink = np.float32(sinks)[:, None] * LOG2E
+        m_f = np.maximum(m, sink)
+        alpha = np.exp2(m - m_f)
+        l, acc = l * alpha + np.exp2(sink - m_f), acc * alpha[..., None]
+    if np.isfinite(m_init):
+        l = np.where(l == 0, 1.0, l)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return acc / l[..., None]
+
+
+class _RowScale:
+    """The exponent's scale of a warpgroup's rows (the kernel's scale_log2, times xai's factor per row)."""
+
+    def __init__(self, *, sm_scale, logit_cap, xai, positions):
+        from jaxattn.kernels.extend_attention_mgpu import LOG2E
+
+        self.logit_cap = logit_cap if logit_cap > 0 else None
+        self.tanh_scale = sm_scale / logit_cap if logit_cap > 0 else None
+        base = logit_cap * LOG2E if logit_cap > 0 else sm_scale * LOG2E
+        factor = np.ones(len(positions), np.float32)
+        if xai > 0:
+            pos = np.float32(positions)
+            factor = np.where(pos > xai, np.log2(np.maximum(pos, 1.0)) / np.log2(xai), 1.0)
+        self.c = np.float32(base * factor)
+
+
+def _kernel_model(q, k_new, v_new, k_pool, v_pool, meta, *, window, logit_cap, sinks, block_kv, block_q=64, causal=True,
+                  xai=-1):
     """numpy model of the kernel's consumer warpgroups, f32: the CTA and warpgroup step ranges from the kernel's own
     helpers, its loop order and mask kinds (`kv_step`), base-2 online softmax from m_init, sinks at the end."""
-    from jaxattn.kernels.extend_attention_mgpu import LOG2E, cta_window_first_step, warpgroup_window_steps
+    from jaxattn.kernels.extend_attention_mgpu import cta_window_first_step, warpgroup_window_steps
 
     cdiv = lambda x, d: -(-x // d)  # noqa: E731
     q, k_new, v_new = (np.float32(x) for x in (q, k_new, v_new))
     k_pool, v_pool = (np.nan_to_num(np.float32(x)) for x in (k_pool, v_pool))
     tokens, hq, d = q.shape
+    d_v = v_new.shape[2]
     group = hq // k_new.shape[1]
     kv_of = np.arange(hq) // group
     sm_scale = 1 / np.sqrt(d)
     qo, kvp, kvi = (np.asarray(x) for x in (meta.qo_indptr, meta.kv_indptr, meta.kv_indices))
+    start_pos = np.asarray(meta.kv_start_pos)
     cta_rows = 2 * block_q
     q_pad = np.zeros((cdiv(tokens, 8) * 8 + 2 * cta_rows, hq, d), np.float32)
     q_pad[:tokens] = q
-    out = np.zeros_like(q_pad)
+    out = np.zeros((len(q_pad), hq, d_v), np.float32)
     token_end = min(qo[-1], tokens)
+    cols, rows = np.arange(block_kv)[None, :], np.arange(block_q)[:, None]
     for seq in range(len(qo) - 1):
         q_start, q_end = qo[seq], min(qo[seq + 1], qo[seq] + meta.max_extend_len)
+        key_end = min(qo[seq + 1], token_end)  # non-causal: every new key of the sequence
         base, lead = q_start // 8 * 8, q_start % 8
         kv_start, prefix_len = kvp[seq], kvp[seq + 1] - kvp[seq]
         pre_steps = cdiv(prefix_len, block_kv)
@@ -645,18 +747,24 @@ def _kernel_model(q, k_new, v_new, k_pool, v_pool, meta, *, window, logit_cap, s
             return tuple(np.where(valid[:, None, None], x[:, kv_of], 0.0) for x in (k, v))
 
         for cta_row in range(base, q_end, cta_rows):
-            cta_steps = pre_steps + cdiv(min(cta_row + cta_rows, q_end) - base, block_kv)
+            if causal:
+                cta_steps = pre_steps + cdiv(min(cta_row + cta_rows, q_end) - base, block_kv)
+            else:
+                cta_steps = pre_steps + cdiv(key_end - base, block_kv)
             if window >= 0:
                 first_step = int(cta_window_first_step(cta_row, q_start, prefix_len, lead, pre_steps, cta_steps,
                                                        window=window, block_kv=block_kv))
             for wg in range(2):
                 wg_row = cta_row + wg * block_q
                 wg_rel = wg_row - base
-                new_steps = cdiv(min(wg_row + block_q, q_end) - base, block_kv)
-                wg_steps = pre_steps + new_steps
+                t0 = wg_row - q_start
+                wg_steps = pre_steps + cdiv(min(wg_row + block_q, q_end) - base, block_kv) if causal else cta_steps
+                new_steps = wg_steps - pre_steps
                 full_pre = prefix_len // block_kv
                 first_full = int(lead > 0)
-                end_full = max(min((wg_rel + 1) // block_kv, new_steps), first_full)
+                last_seen = wg_rel + 1 if causal else key_end - base
+                end_full = max(min(last_seen // block_kv, new_steps), first_full)
+                new_kind = "causal" if causal else "new"
                 plan, bound = [], lambda x: x  # noqa: E731
                 if window >= 0:
                     wg_first, win_full = (int(x) for x in warpgroup_window_steps(
@@ -665,50 +773,97 @@ def _kernel_model(q, k_new, v_new, k_pool, v_pool, meta, *, window, logit_cap, s
                     plan += [(step, "window") for step in range(wg_first, win_full)]
                     bound = lambda x, w=win_full: max(x, w)  # noqa: E731
                 for lo, hi, kind in ((0, full_pre, None), (full_pre, pre_steps, "prefix"),
-                                     (pre_steps, pre_steps + first_full, "causal"),
+                                     (pre_steps, pre_steps + first_full, new_kind),
                                      (pre_steps + first_full, pre_steps + end_full, None)):
                     plan += [(step, kind) for step in range(bound(lo), bound(hi))]
-                plan += [(step, "causal") for step in range(bound(pre_steps + end_full), wg_steps)]
+                plan += [(step, new_kind) for step in range(bound(pre_steps + end_full), wg_steps)]
                 steps = [step for step, _ in plan]
                 assert steps == list(range(steps[0], steps[0] + len(steps))) if steps else True, plan  # in order
+                assert all(step < cta_steps for step in steps), plan  # only tiles the producer loads
 
-                qt = q_pad[wg_row : wg_row + block_q].transpose(1, 0, 2)  # [heads, rows, d]
-                m = np.full((hq, block_q), -np.inf if window < 0 else -1e30, np.float32)
-                l, acc = np.zeros((hq, block_q), np.float32), np.zeros((hq, block_q, d), np.float32)
-                cols, rows = np.arange(block_kv)[None, :], np.arange(block_q)[:, None]
-                for step, kind in plan:
-                    k, v = tile(step)
-                    s = np.einsum("hqd,khd->hqk", qt, k)
-                    if logit_cap > 0:
-                        s = np.tanh(s * (sm_scale / logit_cap))
-                    visible = np.ones((block_q, block_kv), bool)
+                def mask(step, kind, wg_rel=wg_rel, t0=t0):
+                    if kind is None:
+                        return None
                     if kind == "prefix":
-                        visible = step * block_kv + cols < prefix_len
-                    elif kind == "causal":
+                        return step * block_kv + cols < prefix_len
+                    if kind == "causal":
                         key = (step - pre_steps) * block_kv + cols
-                        visible = (key >= lead) & (key <= wg_rel + rows)
-                    elif kind == "window":
-                        from_pool = step < pre_steps
-                        key = (step * block_kv - prefix_len if from_pool else (step - pre_steps) * block_kv - lead) + cols
-                        t = wg_row - q_start + rows
-                        lo, hi = (-prefix_len, -1) if from_pool else (0, 2**30)
-                        visible = (key >= np.maximum(t - window, lo)) & (key <= np.minimum(t, hi))
-                    s = np.where(visible, s, -np.inf)
-                    with np.errstate(invalid="ignore"):
-                        c = logit_cap * LOG2E if logit_cap > 0 else sm_scale * LOG2E
-                        m_new = np.maximum(m, s.max(axis=2) * c)
-                        alpha = np.exp2(m - m_new)
-                        p = np.exp2(s * c - m_new[..., None])
-                    acc = acc * alpha[..., None] + np.einsum("hqk,khd->hqd", p, v)
-                    l, m = l * alpha + p.sum(axis=2), m_new
-                if sinks is not None:
-                    sink = np.float32(sinks)[:, None] * LOG2E
-                    m_f = np.maximum(m, sink)
-                    alpha = np.exp2(m - m_f)
-                    l, acc = l * alpha + np.exp2(sink - m_f), acc * alpha[..., None]
+                        return (key >= lead) & (key <= wg_rel + rows)
+                    if kind == "new":
+                        key = (step - pre_steps) * block_kv + cols
+                        return (key >= lead) & (key < key_end - base)
+                    from_pool = step < pre_steps  # "window"
+                    key = (step * block_kv - prefix_len if from_pool else (step - pre_steps) * block_kv - lead) + cols
+                    t = t0 + rows
+                    lo, hi = (-prefix_len, -1) if from_pool else (0, 2**30)
+                    return (key >= np.maximum(t - window, lo)) & (key <= np.minimum(t, hi))
+
+                scale = _RowScale(sm_scale=sm_scale, logit_cap=logit_cap, xai=xai,
+                                  positions=start_pos[seq] + prefix_len + t0 + np.arange(block_q))
+                o = _softmax_steps(q_pad[wg_row : wg_row + block_q].transpose(1, 0, 2), plan, tile, mask, c_rows=scale,
+                                   m_init=-np.inf if window < 0 else -1e30, sinks=sinks, hq=hq, block_q=block_q, d_v=d_v)
                 lo, hi = np.clip(q_start - wg_row, 0, block_q), np.clip(q_end - wg_row, 0, block_q)
-                with np.errstate(invalid="ignore", divide="ignore"):
-                    out[wg_row + lo : wg_row + hi] = (acc / l[..., None]).transpose(1, 0, 2)[lo:hi]
+                out[wg_row + lo : wg_row + hi] = o.transpose(1, 0, 2)[lo:hi]
+    return out[:tokens]
+
+
+def _unified_kernel_model(q, k_pool, v_pool, meta, *, logit_cap, sinks, block_kv, block_q=64, causal=True, xai=-1):
+    """numpy model of the unified form's consumers: tiles at listed-key offsets from step 0, [0, full_end) unmasked and
+    the rest masked (key in the list and, causal, at or before the row's listed position), m_init finite, rows that
+    saw nothing divided by 1. Also checks the producer's step count covers every warpgroup's."""
+    cdiv = lambda x, d: -(-x // d)  # noqa: E731
+    q = np.float32(q)
+    k_pool, v_pool = (np.nan_to_num(np.float32(x)) for x in (k_pool, v_pool))
+    tokens, hq, d = q.shape
+    d_v = v_pool.shape[2]
+    kv_of = np.arange(hq) // (hq // k_pool.shape[1])
+    qo, kvp, kvi = (np.asarray(x) for x in (meta.qo_indptr, meta.kv_indptr, meta.kv_indices))
+    prefix_lens, start_pos = np.asarray(meta.prefix_lens), np.asarray(meta.kv_start_pos)
+    cta_rows = 2 * block_q
+    q_pad = np.zeros((cdiv(tokens, 8) * 8 + 2 * cta_rows, hq, d), np.float32)
+    q_pad[:tokens] = q
+    out = np.zeros((len(q_pad), hq, d_v), np.float32)
+    cols, rows = np.arange(block_kv)[None, :], np.arange(block_q)[:, None]
+    for seq in range(len(qo) - 1):
+        q_start, q_end = qo[seq], min(qo[seq + 1], qo[seq] + meta.max_extend_len)
+        base = q_start // 8 * 8
+        kv_start, listed = kvp[seq], max(kvp[seq + 1] - kvp[seq], 0)
+        q_prefix = prefix_lens[seq]
+
+        def steps_to(last_row):
+            if not causal:
+                return cdiv(listed, block_kv)
+            return cdiv(int(np.clip(q_prefix + (last_row - q_start) + 1, 0, listed)), block_kv)
+
+        def tile(step):
+            r = step * block_kv + np.arange(block_kv)
+            slots = kvi[kv_start + np.minimum(r, listed - 1)]
+            return tuple(np.where((r < listed)[:, None, None], x[slots][:, kv_of], 0.0) for x in (k_pool, v_pool))
+
+        for cta_row in range(base, q_end, cta_rows):
+            cta_steps = steps_to(min(cta_row + cta_rows, q_end) - 1)
+            for wg in range(2):
+                wg_row = cta_row + wg * block_q
+                t0 = wg_row - q_start
+                wg_steps = steps_to(min(wg_row + block_q, q_end) - 1)
+                assert wg_steps <= cta_steps
+                seen_by_all = q_prefix + max(t0, 0) + 1 if causal else listed
+                full_end = int(np.clip(min(listed, seen_by_all) // block_kv, 0, wg_steps))
+                plan = [(step, None) for step in range(full_end)] + [(step, "unified") for step in range(full_end, wg_steps)]
+
+                def mask(step, kind, t0=t0):
+                    if kind is None:
+                        return None
+                    key = step * block_kv + cols
+                    visible = np.broadcast_to(key < listed, (block_q, block_kv))
+                    return visible & (key <= q_prefix + t0 + rows) if causal else visible
+
+                scale = _RowScale(sm_scale=1 / np.sqrt(d), logit_cap=logit_cap, xai=xai,
+                                  positions=start_pos[seq] + q_prefix + t0 + np.arange(block_q))
+                o = _softmax_steps(q_pad[wg_row : wg_row + block_q].transpose(1, 0, 2), plan, tile, mask, c_rows=scale,
+                                   m_init=-1e30, sinks=sinks, hq=hq, block_q=block_q, d_v=d_v)
+                lo, hi = np.clip(q_start - wg_row, 0, block_q), np.clip(q_end - wg_row, 0, block_q)
+                out[wg_row + lo : wg_row + hi] = o.transpose(1, 0, 2)[lo:hi]
     return out[:tokens]
 
 
@@ -728,6 +883,62 @@ def test_kernel_model_matches_reference(rng, shape):
                           logit_cap=logit_cap, sinks=kw.get("sinks"), block_kv=block_kv)
         ref = np.float32(ref_two_stage(batch, **kw))
         np.testing.assert_allclose(o[: batch.tokens], ref[: batch.tokens], atol=2e-5, rtol=2e-5, err_msg=label)
+
+
+@pytest.mark.parametrize("shape", SHAPES[1:3], ids=lambda s: f"{jnp.dtype(s[0]).name}-{s[1]}x{s[2]}-{s[3]}-{len(s[4])}seq")
+def test_kernel_model_of_the_new_features_matches_reference(rng, shape):
+    # CPU: as above for non-causal calls (new keys to the sequence's end, the neighbours' keys masked) and xai
+    # temperature (a per-row factor of the exponent's scale, from absolute positions), and for the unified form
+    # (tiles at listed-key offsets, [0, full_end) unmasked) with each of them.
+    _, hq, hkv, d, prefix_lens, extend_lens, config = shape
+    block_kv = (config or MgpuExtendConfig()).block_kv
+    for label, features in MORE_FEATURES + UNIFIED_FEATURES:
+        kw = _more_kwargs(rng, hq, features)
+        batch = make_batch(rng, prefix_lens, extend_lens, hq=hq, hkv=hkv, dqk=d, dtype=jnp.float32,
+                           window=kw.get("sliding_window", -1), max_extend_len=max(extend_lens) + 9)
+        model = dict(logit_cap=kw.get("logit_cap", 0.0), sinks=kw.get("sinks"), block_kv=block_kv,
+                     causal=kw.get("causal", True), xai=kw.get("xai_temperature_len", -1))
+        o = _kernel_model(batch.q, batch.k_new, batch.v_new, batch.k_pool, batch.v_pool, batch.meta,
+                          window=kw.get("sliding_window", -1), **model)
+        ref = np.float32(ref_two_stage(batch, **kw))
+        np.testing.assert_allclose(o[: batch.tokens], ref[: batch.tokens], atol=2e-5, rtol=2e-5, err_msg=label)
+        if "sliding_window" in kw:
+            continue
+        o = _unified_kernel_model(batch.q, batch.k_pool_unified, batch.v_pool_unified, batch.meta_unified, **model)
+        ref = np.float32(ref_unified(batch, **kw))
+        np.testing.assert_allclose(o[: batch.tokens], ref[: batch.tokens], atol=2e-5, rtol=2e-5, err_msg=f"unified {label}")
+
+
+def test_kernel_model_at_head_dims_192_128(rng):
+    # CPU: v narrower than q/k (O [rows, 128]), 64-key tiles as the table has them, both forms.
+    batch = make_batch(rng, [0, 37, 300], [130, 5, 70], hq=2, hkv=2, dqk=192, dv=128, dtype=jnp.float32,
+                       max_extend_len=139)
+    o = _kernel_model(batch.q, batch.k_new, batch.v_new, batch.k_pool, batch.v_pool, batch.meta, window=-1,
+                      logit_cap=0.0, sinks=None, block_kv=64)
+    np.testing.assert_allclose(o[: batch.tokens], np.float32(ref_two_stage(batch))[: batch.tokens], atol=2e-5, rtol=2e-5)
+    o = _unified_kernel_model(batch.q, batch.k_pool_unified, batch.v_pool_unified, batch.meta_unified, logit_cap=0.0,
+                              sinks=None, block_kv=64)
+    np.testing.assert_allclose(o[: batch.tokens], np.float32(ref_unified(batch))[: batch.tokens], atol=2e-5, rtol=2e-5)
+
+
+def test_unified_kernel_model_is_split_invariant(rng):
+    # CPU: the unified schedule (which tiles run unmasked depends on the split) gives the same values for a token
+    # whatever its split, as the GPU test checks bit for bit on the kernel.
+    length, hq, d = 300, 2, 64
+    slots = rng.permutation(np.arange(1, 400))[:length].astype(np.int32)
+    k_pool, v_pool = (random_normal(rng, (400, 1, d), jnp.float32) for _ in range(2))
+    q_all = random_normal(rng, (length, hq, d), jnp.float32)
+    table = jnp.asarray(np.concatenate([slots, np.zeros(4, np.int32)])[None])
+    outputs = {}
+    for p in (0, 1, 64, 130, 299):
+        meta = extend_unified_metadata(table, jnp.asarray([0], jnp.int32), jnp.asarray([p], jnp.int32),
+                                       jnp.asarray([length - p], jnp.int32), jnp.asarray(slots[p:]),
+                                       max_extend_len=length, kv_capacity=length)
+        outputs[p] = _unified_kernel_model(q_all[p:], k_pool, v_pool, meta, logit_cap=0.0, sinks=None, block_kv=64)
+    for p1 in outputs:
+        for p2 in outputs:
+            if p1 < p2:
+                np.testing.assert_allclose(outputs[p1][p2 - p1 :], outputs[p2], atol=1e-6, rtol=1e-6)
 
 
 def test_extend_attention_picks_the_kernel(rng):

@@ -260,6 +260,9 @@ def extend_flashinfer(inp: Inputs, backend: str, through_jax: bool = False):
         raise Skip("FlashInfer's paged prefill (fa2/fa3) takes no attention sinks")
     if case.xai_temperature_len > 0:
         raise Skip("FlashInfer has no xai temperature")
+    if case.dv != case.head_dim:
+        # Seen on the H200 (0.6.0, T192): "K and V must have same page stride for sparse attention (3072 vs. 2048)".
+        raise Skip("FlashInfer's paged prefill needs K and V pages of one stride (equal head dims)")
     if case.fp8 and through_jax:
         raise Skip("the bridge rows time bf16 pools")
     flashinfer, torch, tv, workspace = flashinfer_session(inp, workspace_mb=512)

@@ -1,4 +1,4 @@
-"""Causal extend attention for Hopper as a Pallas Mosaic GPU kernel: warp-specialised, paged K/V by cp.async, wgmma.
+"""Extend attention for Hopper as a Pallas Mosaic GPU kernel: warp-specialised, paged K/V by cp.async, wgmma.
 
 The FlashAttention-3 schedule (the structure of JAX's `pallas/ops/gpu/attention_mgpu.py`), made ragged and paged
 for serving: one CTA = 2 * block_q new tokens of one sequence x one q head, three warpgroups:
@@ -24,8 +24,16 @@ stores, so no row of another sequence is overwritten. Shapes: see `extend_attent
 Features, each a static flag that adds code only when on: a sliding window (the CTA's K/V steps start at the tile
 its first query row's window reaches, `window_first_step`; producer and consumers count ring uses and cp.async
 phases from that step; tiles reaching below a warpgroup's window are masked per row), a soft cap (tanh.approx.f32
-before the mask, cap * log2(e) folded into the exponent's FMA) and attention sinks (folded into the denominator at
-the end).
+before the mask, cap * log2(e) folded into the exponent's FMA), attention sinks (folded into the denominator at
+the end), xai temperature (a per-row factor of the exponent's scale, computed once per warpgroup) and non-causal
+calls (every CTA takes the sequence's whole prefix and all its new keys; tiles holding another sequence's keys are
+masked). q/k and v head dims may differ (192/128): O then goes through its own buffer.
+
+The unified form (`prefix_lens` given; no k_new/v_new): every key comes from the pool through one list per sequence,
+all tiles by cp.async at fixed listed-key offsets from step 0, the CTA taking the tiles up to its last row's listed
+position. Tiles every valid row of a warpgroup sees whole run unmasked, the others masked; the mask only replaces
+invisible scores, and tiles past a row's last key are exact no-ops (p = 0, alpha = 1, from a finite m_init), so a
+row's bits do not depend on where its sequence's prefix/new split falls, nor on its neighbours.
 """
 
 from __future__ import annotations

@@ -35,6 +35,16 @@ SHAPES = [
 ]
 
 
+def _new_tokens(batch, whole_tiles):
+    """(q, k_new, v_new) of a batch; whole_tiles: padded with NaN tokens to a multiple of 8 rows, so new-key tiles
+    wholly inside the batch come by TMA (the tail tile by cp.async, its padding rows zero-filled)."""
+    q, k_new, v_new = batch.q, batch.k_new, batch.v_new
+    if whole_tiles:
+        pad = ((0, -q.shape[0] % 8), (0, 0), (0, 0))
+        q, k_new, v_new = (jnp.pad(x, pad, constant_values=jnp.nan) for x in (q, k_new, v_new))
+    return q, k_new, v_new
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{jnp.dtype(s[0]).name}-{s[1]}x{s[2]}-{s[3]}-{len(s[4])}seq")
 @pytest.mark.gpu
 @needs_hopper
@@ -44,10 +54,7 @@ def test_matches_reference(rng, shape, whole_tiles):
     # wholly inside the batch by TMA, the tail tile by cp.async with its padding rows zero-filled.
     dtype, hq, hkv, d, prefix_lens, extend_lens, config = shape
     batch = make_batch(rng, prefix_lens, extend_lens, hq=hq, hkv=hkv, dqk=d, dtype=dtype, max_extend_len=max(extend_lens) + 9)
-    q, k_new, v_new = batch.q, batch.k_new, batch.v_new
-    if whole_tiles:
-        pad = ((0, -q.shape[0] % 8), (0, 0), (0, 0))
-        q, k_new, v_new = (jnp.pad(x, pad, constant_values=jnp.nan) for x in (q, k_new, v_new))
+    q, k_new, v_new = _new_tokens(batch, whole_tiles)
     o = extend_attention_mgpu(q, k_new, v_new, batch.k_pool, batch.v_pool, batch.meta, config=config)
     assert o.shape == q.shape and o.dtype == dtype
     assert_output(o, ref_two_stage(batch), batch, dtype)  # rows past batch.tokens (padding) must be 0
@@ -88,10 +95,7 @@ def test_features_match_reference(rng, shape, feature, whole_tiles):
     batch = make_batch(rng, prefix_lens, extend_lens, hq=hq, hkv=hkv, dqk=d, dtype=dtype, window=cut,
                        max_extend_len=max(extend_lens) + 9)
     kw = _feature_kwargs(rng, hq, window, logit_cap, sinks)
-    q, k_new, v_new = batch.q, batch.k_new, batch.v_new
-    if whole_tiles:
-        pad = ((0, -q.shape[0] % 8), (0, 0), (0, 0))
-        q, k_new, v_new = (jnp.pad(x, pad, constant_values=jnp.nan) for x in (q, k_new, v_new))
+    q, k_new, v_new = _new_tokens(batch, whole_tiles)
     o = extend_attention_mgpu(q, k_new, v_new, batch.k_pool, batch.v_pool, batch.meta, config=config, **kw)
     assert o.shape == q.shape and o.dtype == dtype
     assert_output(o, ref_two_stage(batch, **kw), batch, dtype)
@@ -143,10 +147,7 @@ def test_noncausal_and_xai_match_reference(rng, shape, feature, whole_tiles):
     dtype, hq, hkv, d, prefix_lens, extend_lens, config = shape
     batch = make_batch(rng, prefix_lens, extend_lens, hq=hq, hkv=hkv, dqk=d, dtype=dtype, max_extend_len=max(extend_lens) + 9)
     kw = _more_kwargs(rng, hq, feature[1])
-    q, k_new, v_new = batch.q, batch.k_new, batch.v_new
-    if whole_tiles:
-        pad = ((0, -q.shape[0] % 8), (0, 0), (0, 0))
-        q, k_new, v_new = (jnp.pad(x, pad, constant_values=jnp.nan) for x in (q, k_new, v_new))
+    q, k_new, v_new = _new_tokens(batch, whole_tiles)
     o = extend_attention_mgpu(q, k_new, v_new, batch.k_pool, batch.v_pool, batch.meta, config=config, **kw)
     assert_output(o, ref_two_stage(batch, **kw), batch, dtype)
     np.testing.assert_array_equal(  # the default route takes these calls
@@ -254,10 +255,7 @@ def test_head_dims_192_128_match_reference(rng, feature, whole_tiles):
     batch = make_batch(rng, [0, 37, 128, 300], [130, 5, 64, 257], hq=4, hkv=4, dqk=192, dv=128, dtype=jnp.bfloat16,
                        max_extend_len=266)
     kw = _more_kwargs(rng, 4, feature[1])
-    q, k_new, v_new = batch.q, batch.k_new, batch.v_new
-    if whole_tiles:
-        pad = ((0, -q.shape[0] % 8), (0, 0), (0, 0))
-        q, k_new, v_new = (jnp.pad(x, pad, constant_values=jnp.nan) for x in (q, k_new, v_new))
+    q, k_new, v_new = _new_tokens(batch, whole_tiles)
     o = extend_attention_mgpu(q, k_new, v_new, batch.k_pool, batch.v_pool, batch.meta, **kw)
     assert o.shape == q.shape[:2] + (128,) and o.dtype == jnp.bfloat16
     assert_output(o, ref_two_stage(batch, **kw), batch, jnp.bfloat16)

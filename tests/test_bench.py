@@ -69,13 +69,35 @@ def test_floors():
     assert t192.floor_ms() == pytest.approx(2 * 16 * (192 + 128) * pairs / 790e12 * 1e3)
 
 
-def test_tuning_cases_run_only_by_name(monkeypatch):
+def test_mla_tuning_cases_run_only_by_name(monkeypatch):
     ran = []
     monkeypatch.setattr(cli, "run", lambda op, cases, *a, **k: ran.append(cases) or [])
     monkeypatch.setattr(cli, "commit", lambda: "abc1234")
     assert bench.main(["extend", "--no-progress"]) == 0
     assert bench.main(["extend", "--cases", "T64,T576", "--no-progress"]) == 0
-    assert ran == [["E1", "E2", "E3", "E1-W1024", "E1-CAP50", "E1-W1024-CAP50", "E1-SINKS", "E2-NC", "E1-XAI-CAP30", "E1-FP8", "E3-FP8"], ["T64", "T576"]]
+    assert ran == [["E1", "E2", "E3", "E1-W1024", "E1-CAP50", "E1-W1024-CAP50", "E1-SINKS", "E2-NC", "E1-XAI-CAP30",
+                    "V-TREE64", "E1-FP8", "E3-FP8", "T64", "T256", "T192"], ["T64", "T576"]]
+
+
+def test_tree_verify_case(one_call):
+    # A verify step under a random draft tree: the floor counts the prefix and each draft's ancestors; jaxattn's
+    # two-stage and unified rows (the custom mask through the Triton kernels, interpreted here) agree with the reference.
+    mask = bench.cases.draft_tree(9)
+    assert mask.diagonal().all() and not np.triu(mask, 1).any()  # each token sees itself, never a later token
+    for j in range(1, 9):  # a draft sees its parent's set plus itself (a root: itself only)
+        ancestors = mask[j] & ~np.eye(9, dtype=bool)[j]
+        assert not ancestors.any() or any((ancestors == mask[p]).all() for p in range(j))
+    case = bench.Case("TV", "extend", batch=2, prefix=20, new=9, q_heads=4, kv_heads=2, head_dim=64, tree=True)
+    assert case.visible_pairs() == 9 * 20 + mask.sum() < 9 * 20 + 45  # fewer than causal's pairs
+    rows = bench.run("extend", [case], backends=["jaxattn", "jaxattn-unified", "reference"], log=lambda _: None,
+                     progress=False)
+    assert [r["backend"] for r in rows] == ["jaxattn", "jaxattn-unified", "reference"]
+    two_stage, unified, want = one_call[-3:]
+    np.testing.assert_allclose(two_stage, want, atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(unified, want, atol=2e-2, rtol=2e-2)
+    causal = bench.make_inputs(bench.Case("TC", "extend", batch=2, prefix=20, new=9, q_heads=4, kv_heads=2, head_dim=64))
+    assert bench.peers.extend_reference(causal)().shape == want.shape
+    assert not np.allclose(np.asarray(bench.peers.extend_reference(causal)(), np.float32), want, atol=1e-3)  # the mask matters
 
 
 def test_commit_falls_back_to_the_environment(monkeypatch):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 COPY_BANDWIDTH_BYTES_PER_S = 4.3e12  # measured device-to-device copy on the H200 (bytes read + written)
 BF16_MATMUL_FLOPS = 790e12  # measured bf16 matmul on the H200
 
@@ -26,6 +28,9 @@ class Case:
     sinks: bool = False  # per-head sinks near the rows' log-denominators (so they change the output)
     causal: bool = True  # False: every query sees its whole sequence (encoder tokens, cross attention)
     xai_temperature_len: int = -1  # L > 0: Grok's temperature on positions past L (no FlashInfer peer)
+    # The new tokens are speculative drafts under a random tree (`draft_tree`): each sees the whole prefix, itself and
+    # its ancestors, given as a custom mask (TARGET_VERIFY); the same tree in every sequence.
+    tree: bool = False
     kv_dtype: str = "bfloat16"  # the pool's dtype: "float8_e4m3fn" pools are read by the kernels with K/V scales
     # KV pages (jaxattn.paging): each sequence's pages scattered over the pool, its tokens contiguous within a page.
     # Page size 1 scatters every token. Set by `paged_case`, which also names the case.
@@ -58,6 +63,8 @@ class Case:
         """(query, key) pairs one sequence's queries see: causal, and at most W + 1 keys each under a window."""
         if not self.causal:
             return float(self.new * (self.prefix + self.new))
+        if self.tree:
+            return float(self.new * self.prefix + draft_tree(self.new).sum())
         if self.sliding_window < 0:
             return self.new * (self.prefix + (self.new + 1) / 2)
         return float(sum(min(self.prefix + i + 1, self.sliding_window + 1) for i in range(self.new)))
@@ -67,6 +74,18 @@ class Case:
         """The extend ops' keyword arguments for this case's score features (sinks are passed as an array)."""
         return dict(sliding_window=self.sliding_window, logit_cap=self.logit_cap, causal=self.causal,
                     xai_temperature_len=self.xai_temperature_len)
+
+
+def draft_tree(new: int, seed: int = 0) -> np.ndarray:
+    """bool[new, new]: a random draft tree over `new` tokens in topological order (token j's parent is one of the
+    tokens before it, or the prefix), row j true at j and its ancestors."""
+    rng = np.random.default_rng(seed)
+    mask = np.eye(new, dtype=bool)
+    for j in range(1, new):
+        parent = int(rng.integers(-1, j))
+        if parent >= 0:
+            mask[j] |= mask[parent]
+    return mask
 
 
 CASES = {
@@ -100,14 +119,18 @@ CASES = {
     # (L = 1024: positions 1025.. of E1's 4096 are scaled) and soft cap 30.
     "E2-NC": Case("E2-NC", "extend", 4, 0, 4096, causal=False),
     "E1-XAI-CAP30": Case("E1-XAI-CAP30", "extend", 8, 2048, 2048, logit_cap=30.0, xai_temperature_len=1024),
+    # Speculative tree verify: 64 draft tokens per sequence over a 4096-token prefix, a random tree as a custom mask
+    # (FlashInfer fa2 takes it; fa3 takes no custom mask).
+    "V-TREE64": Case("V-TREE64", "extend", 32, 4096, 64, tree=True),
     "E1-FP8": Case("E1-FP8", "extend", 8, 2048, 2048, kv_dtype="float8_e4m3fn"),
     "E3-FP8": Case("E3-FP8", "extend", 32, 4096, 128, kv_dtype="float8_e4m3fn"),  # E2 has no cached prefix to read
     # Tuning cases: one per head-dim family of jaxattn.extend.SM90_CONFIGS other than "128" (E1-E3), E1's lengths
-    # unless noted. Run by name (`--cases T64,...`); not in the default extend run.
-    "T64": Case("T64", "extend", 8, 2048, 2048, q_heads=32, kv_heads=8, head_dim=64, default=False),
-    "T256": Case("T256", "extend", 8, 2048, 2048, q_heads=16, kv_heads=8, head_dim=256, default=False),  # Gemma-2-like
+    # unless noted. T64, T256 and T192 are in the default extend run (head dims of real models); the MLA ones run by
+    # name (`--cases T576,...`).
+    "T64": Case("T64", "extend", 8, 2048, 2048, q_heads=32, kv_heads=8, head_dim=64),
+    "T256": Case("T256", "extend", 8, 2048, 2048, q_heads=16, kv_heads=8, head_dim=256),  # Gemma-2-like
     # DeepSeek-V3 MHA prefill (not absorbed), 16 heads of a tensor-parallel shard.
-    "T192": Case("T192", "extend", 8, 2048, 2048, q_heads=16, kv_heads=16, head_dim=192, v_head_dim=128, default=False),
+    "T192": Case("T192", "extend", 8, 2048, 2048, q_heads=16, kv_heads=16, head_dim=192, v_head_dim=128),
     # Absorbed MLA over the latent cache (one KV head, V = first 512 dims of K): short extends (chunked prefill tail,
     # speculative verify) over long prefixes.
     "T576": Case("T576", "extend", 16, 4096, 256, q_heads=16, kv_heads=1, head_dim=576, v_head_dim=512, default=False),

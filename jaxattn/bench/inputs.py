@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from .cases import Case
+from .cases import Case, draft_tree
 
 
 @dataclasses.dataclass
@@ -36,6 +36,7 @@ class Inputs:
     k_new: object
     v_new: object
     sinks: object = None  # jax f32[Hq] when case.sinks
+    custom_mask: object = None  # jax bool[B * new * (prefix + new)] when case.tree: per sequence [new, prefix + new]
     k_scale: float | None = None  # fp8 pools: they hold K / k_scale and V / v_scale
     v_scale: float | None = None
 
@@ -99,7 +100,15 @@ def make_inputs(case: Case, seed: int = 0) -> Inputs:
         sinks=to(rng.normal(8.0, 1.0, case.q_heads).astype(np.float32)) if case.sinks else None,
         k_scale=k_scale,
         v_scale=v_scale,
+        custom_mask=to(verify_mask(case)) if case.tree else None,
     )
+
+
+def verify_mask(case: Case) -> np.ndarray:
+    """bool[B * new * (prefix + new)]: each sequence's [new, prefix + new] rows, the prefix visible, then
+    `draft_tree` over the new tokens."""
+    rows = np.concatenate([np.ones((case.new, case.prefix), bool), draft_tree(case.new)], axis=1)
+    return np.tile(rows.reshape(-1), case.batch)
 
 
 def page_aligned_slots(case: Case, seed: int = 0) -> tuple[np.ndarray, np.ndarray, int]:

@@ -212,12 +212,12 @@ def extend_jaxattn(inp: Inputs, config=None, unified=False, impl="triton"):
     features = inp.case.features
     features = dict(features, **scales(inp))
     if unified:
-        fn = jax.jit(lambda q, k, v, m, s: extend.extend_attention_unified(q, k, v, m, sinks=s, config=config, impl=impl,
-                                                                           **features))
-        return lambda: fn(inp.q, inp.k_pool, inp.v_pool, meta, inp.sinks)
-    fn = jax.jit(lambda q, kn, vn, k, v, m, s: extend.extend_attention(q, kn, vn, k, v, m, sinks=s, config=config, impl=impl,
-                                                                       **features))
-    return lambda: fn(inp.q, inp.k_new, inp.v_new, inp.k_pool, inp.v_pool, meta, inp.sinks)
+        fn = jax.jit(lambda q, k, v, m, s, c: extend.extend_attention_unified(q, k, v, m, sinks=s, custom_mask=c,
+                                                                              config=config, impl=impl, **features))
+        return lambda: fn(inp.q, inp.k_pool, inp.v_pool, meta, inp.sinks, inp.custom_mask)
+    fn = jax.jit(lambda q, kn, vn, k, v, m, s, c: extend.extend_attention(q, kn, vn, k, v, m, sinks=s, custom_mask=c,
+                                                                          config=config, impl=impl, **features))
+    return lambda: fn(inp.q, inp.k_new, inp.v_new, inp.k_pool, inp.v_pool, meta, inp.sinks, inp.custom_mask)
 
 
 def extend_mgpu(inp: Inputs, config=None):
@@ -230,6 +230,8 @@ def extend_mgpu(inp: Inputs, config=None):
         raise Skip(f"the Mosaic GPU kernel takes head dims {HEAD_DIMS_TEXT}")
     if case.fp8:
         raise Skip("fp8 pools reach the kernel through extend_attention (row 'jaxattn')")
+    if case.tree:
+        raise Skip("the Mosaic GPU kernel takes no custom mask")
     meta = extend_meta(inp)
     features = case.features
     fn = jax.jit(lambda q, kn, vn, k, v, m, s: extend_attention_mgpu(q, kn, vn, k, v, m, sinks=s, config=config, **features))
@@ -244,12 +246,15 @@ def extend_reference(inp: Inputs):
     case = inp.case
     if case.fp8:
         raise Skip("the new tokens' bf16 rows are not in the fp8 pool")
+    mask_indptr = None if inp.custom_mask is None else np.arange(case.batch + 1) * (case.new * (case.prefix + case.new))
     fn = jax.jit(
-        lambda q, k, v, qo, kvp, kvi, s: ragged_paged_attention_reference(
-            q, k, v, qo, kvp, kvi, sinks=s, max_q_len=case.new, max_kv_len=case.prefix + case.new, **case.features
+        lambda q, k, v, qo, kvp, kvi, s, c, mi: ragged_paged_attention_reference(
+            q, k, v, qo, kvp, kvi, sinks=s, custom_mask=c, mask_indptr=mi, max_q_len=case.new,
+            max_kv_len=case.prefix + case.new, **case.features
         )
     )
-    return lambda: fn(inp.q, inp.k_pool, inp.v_pool, inp.qo_indptr, inp.kv_indptr, inp.kv_indices, inp.sinks)
+    return lambda: fn(inp.q, inp.k_pool, inp.v_pool, inp.qo_indptr, inp.kv_indptr, inp.kv_indices, inp.sinks,
+                      inp.custom_mask, mask_indptr)
 
 
 def extend_flashinfer(inp: Inputs, backend: str, through_jax: bool = False):
@@ -263,6 +268,8 @@ def extend_flashinfer(inp: Inputs, backend: str, through_jax: bool = False):
     if case.dv != case.head_dim:
         # Seen on the H200 (0.6.0, T192): "K and V must have same page stride for sparse attention (3072 vs. 2048)".
         raise Skip("FlashInfer's paged prefill needs K and V pages of one stride (equal head dims)")
+    if case.tree and backend == "fa3":
+        raise Skip("FlashInfer's fa3 prefill takes no custom mask (row flashinfer-fa2)")
     if case.fp8 and through_jax:
         raise Skip("the bridge rows time bf16 pools")
     flashinfer, torch, tv, workspace = flashinfer_session(inp, workspace_mb=512)
@@ -270,7 +277,8 @@ def extend_flashinfer(inp: Inputs, backend: str, through_jax: bool = False):
     kv_indptr, kv_indices, last_page_len = flashinfer_pages(inp, torch)
     wrapper.plan(
         tv["qo_indptr"], kv_indptr, kv_indices, last_page_len, case.q_heads, case.kv_heads, case.head_dim, case.page_size,
-        head_dim_vo=case.dv, causal=case.causal, window_left=case.sliding_window,
+        head_dim_vo=case.dv, causal=case.causal and not case.tree, window_left=case.sliding_window,
+        custom_mask=None if inp.custom_mask is None else torch.from_dlpack(inp.custom_mask),
         logits_soft_cap=case.logit_cap if case.logit_cap > 0 else None, q_data_type=torch.bfloat16,
         kv_data_type=tv["k_pool"].dtype,
     )
@@ -287,8 +295,8 @@ def extend_cudnn(inp: Inputs):
     case = inp.case
     if case.prefix != 0:
         raise Skip("dense only (no cached prefix)")
-    if case.sliding_window >= 0 or case.logit_cap > 0 or case.sinks or case.xai_temperature_len > 0:
-        raise Skip("no score features (a window, cap, sinks or xai temperature)")
+    if case.sliding_window >= 0 or case.logit_cap > 0 or case.sinks or case.xai_temperature_len > 0 or case.tree:
+        raise Skip("no score features (a window, cap, sinks, xai temperature or custom mask)")
     q = inp.q.reshape(case.batch, case.new, case.q_heads, case.head_dim)
     k = inp.k_new.reshape(case.batch, case.new, case.kv_heads, case.head_dim)
     v = inp.v_new.reshape(case.batch, case.new, case.kv_heads, case.dv)

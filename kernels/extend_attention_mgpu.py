@@ -381,7 +381,9 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
             # K/V tiles the CTA needs: the whole prefix, then new keys up to its last valid row.
             cta_steps = pre_steps + _cdiv(jnp.minimum(cta_row + cta_rows, q_end) - base, block_kv)
         else:
-            cta_steps = pre_steps + _cdiv(key_end - base, block_kv)
+            # At least one new-key tile, as causal CTAs have: the consumers' loops assume steps past the prefix exist
+            # (with bad metadata, key_end <= q_start, that tile's keys are all masked).
+            cta_steps = pre_steps + jnp.maximum(_cdiv(key_end - base, block_kv), 1)
         # The CTA's first step: 0, or under a window the one its first query row needs first. Producer and both
         # consumers start their bookkeeping (ring slots' first uses, cp.async phases) from this one value.
         if window is None:

@@ -634,11 +634,13 @@ def test_barrier_protocol_never_hangs_unified_and_noncausal():
                 cta_steps = unified_steps(min(cta_row + cta_rows, q_end) - 1)
                 ranges = [(0, unified_steps(min(cta_row + wg * block_q + block_q, q_end) - 1)) for wg in (0, 1)]
                 layouts = [(cta_steps, ranges, pre_steps, pre_steps, False)]
-                # Non-causal two-stage (prefix of q_prefix keys, new keys to the sequence's end, some by TMA).
+                # Non-causal two-stage (prefix of q_prefix keys, new keys to the sequence's end, some by TMA), and
+                # with bad metadata whose keys end before the sequence's first row (still one new-key step).
                 two_pre = cdiv(q_prefix, block_kv)
-                nc_steps = two_pre + cdiv(q_end - base, block_kv)
-                tail = two_pre + max((q_end - base) // block_kv, 0)
-                layouts.append((nc_steps, [(0, nc_steps)] * 2, two_pre, tail, True))
+                for key_end in (q_end, q_start - 1):
+                    nc_steps = two_pre + max(cdiv(key_end - base, block_kv), 1)
+                    tail = two_pre + max((key_end - base) // block_kv, 0)
+                    layouts.append((nc_steps, [(0, nc_steps)] * 2, two_pre, tail, True))
                 for steps_total, wg_ranges, pre, tail_step, tma in layouts:
                     steps = np.arange(steps_total + 1)
                     uses = np.asarray(cp_async_uses(i32(steps), i32(steps % stages), pre_steps=i32(pre),
@@ -748,7 +750,7 @@ def _kernel_model(q, k_new, v_new, k_pool, v_pool, meta, *, window, logit_cap, s
             if causal:
                 cta_steps = pre_steps + cdiv(min(cta_row + cta_rows, q_end) - base, block_kv)
             else:
-                cta_steps = pre_steps + cdiv(key_end - base, block_kv)
+                cta_steps = pre_steps + max(cdiv(key_end - base, block_kv), 1)
             if window >= 0:
                 first_step = int(cta_window_first_step(cta_row, q_start, prefix_len, lead, pre_steps, cta_steps,
                                                        window=window, block_kv=block_kv))
@@ -964,7 +966,7 @@ def test_says_why_it_cannot_take_a_call():
     S = jax.ShapeDtypeStruct
     q, pool = S((8, 4, 128), jnp.bfloat16), S((32, 2, 128), jnp.bfloat16)
     assert "dtype float32" in mgpu_unsupported(S((8, 4, 128), jnp.float32), pool, pool)
-    assert "head dims 128/64 (64/64, 128/128 or 192/128 only)" in mgpu_unsupported(q, pool, S((32, 2, 64), jnp.bfloat16))
+    assert "head dims 128/64 (64/64, 128/128, 192/128 only)" in mgpu_unsupported(q, pool, S((32, 2, 64), jnp.bfloat16))
     q192, k192, v128 = S((8, 4, 192), jnp.bfloat16), S((32, 2, 192), jnp.bfloat16), S((32, 2, 128), jnp.bfloat16)
     assert "head dims" not in (mgpu_unsupported(q192, k192, v128) or "")  # DeepSeek's 192/128 is taken
     assert "head dims 96/96" in mgpu_unsupported(S((8, 4, 96), jnp.bfloat16), S((32, 2, 96), jnp.bfloat16), S((32, 2, 96), jnp.bfloat16))
@@ -991,7 +993,7 @@ def test_rejects_what_the_kernel_cannot_take(rng):
     with pytest.raises(ValueError, match="q must have dtype"):
         extend_attention_mgpu(batch.q.astype(jnp.float32), *(a.astype(jnp.float32) for a in args[:4]), batch.meta)
     odd = make_batch(rng, [4], [8], hq=2, hkv=1, dqk=96, dtype=jnp.bfloat16)
-    with pytest.raises(ValueError, match="head dims 64/64, 128/128 or 192/128"):
+    with pytest.raises(ValueError, match="head dims 64/64, 128/128, 192/128"):
         extend_attention_mgpu(odd.q, odd.k_new, odd.v_new, odd.k_pool, odd.v_pool, odd.meta)
     with pytest.raises(ValueError, match="k_new"):
         extend_attention_mgpu(batch.q, batch.k_new[:, :, :32], *args[1:])

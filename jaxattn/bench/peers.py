@@ -246,7 +246,8 @@ def extend_reference(inp: Inputs):
     case = inp.case
     if case.fp8:
         raise Skip("the new tokens' bf16 rows are not in the fp8 pool")
-    mask_indptr = None if inp.custom_mask is None else np.arange(case.batch + 1) * (case.new * (case.prefix + case.new))
+    rows = case.new * (case.prefix + case.new)  # one sequence's mask entries
+    mask_indptr = None if inp.custom_mask is None else (np.arange(case.batch + 1) * rows).astype(np.int32)
     fn = jax.jit(
         lambda q, k, v, qo, kvp, kvi, s, c, mi: ragged_paged_attention_reference(
             q, k, v, qo, kvp, kvi, sinks=s, custom_mask=c, mask_indptr=mi, max_q_len=case.new,

@@ -58,4 +58,18 @@ def sweep_variants(op: str, case: Case):
                 config = ExtendConfig(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
                 label = f"m{block_m} n{block_n} w{num_warps} s{num_stages}"
                 variants.append((label, lambda inp, c=config: extend_jaxattn(inp, config=c)))
+        # The Mosaic GPU kernel's tiles (tuning.sm90.EXTEND_MGPU), where it takes the shape: those sm_90's shared
+        # memory holds.
+        from jaxattn.hardware import SM90
+        from jaxattn.impl.mgpu_extend import MGPU_HEAD_DIMS
+        from jaxattn.tuning import MgpuExtendConfig
+
+        if (case.head_dim, case.dv) in MGPU_HEAD_DIMS and not case.tree:
+            for block_kv in (64, 128):
+                for stages in (2, 3, 4):
+                    config = MgpuExtendConfig(block_kv=block_kv, stages=stages)
+                    if config.shared_memory_bytes(case.head_dim, case.dv) > SM90.shared_memory_bytes:
+                        continue
+                    variants.append((f"mgpu kv{block_kv} s{stages}",
+                                     lambda inp, c=config: extend_jaxattn(inp, config=c, impl="mgpu")))
     return variants

@@ -5,10 +5,10 @@ Two implementations of `jaxattn.extend`'s contract on one kernel:
 * "mgpu" (`IMPLEMENTATION`, and `extend_attention_mgpu`): the two-stage form (prefix from the pool, new tokens
   contiguous), causal or not, with a sliding window (causal only), a soft cap, sinks and xai temperature, alone or
   together.
-* "mgpu-unified" (`UNIFIED`): the deterministic unified form (every key through the pool, one list per sequence):
-  tiles at fixed listed-key offsets (multiples of block_kv), every tile through the same masked code path, so a
-  token's row is bit-identical however its sequence is split into prefix and new tokens. Causal or not, soft cap,
-  sinks, xai temperature; no window.
+* "mgpu-unified" (`UNIFIED`, and `extend_attention_unified_mgpu`): the deterministic unified form (every key through
+  the pool, one list per sequence): tiles at fixed listed-key offsets (multiples of block_kv); a masked tile only
+  replaces invisible scores, so a token's row is bit-identical however its sequence is split into prefix and new
+  tokens. Causal or not, soft cap, sinks, xai temperature; no window.
 
 Both exist for speed: the FlashAttention-3 schedule (a producer warpgroup, two consumer warpgroups with wgmma from
 registers) that the Triton kernels cannot express on this stack. The producer reads pool rows straight through the
@@ -56,7 +56,7 @@ def _head_dims_supported(qk_head_dim: int, v_head_dim: int) -> bool:
     return (qk_head_dim, v_head_dim) in MGPU_HEAD_DIMS
 
 
-HEAD_DIMS_TEXT = "64/64, 128/128 or 192/128"  # MGPU_HEAD_DIMS, for messages
+HEAD_DIMS_TEXT = ", ".join(f"{qk}/{v}" for qk, v in MGPU_HEAD_DIMS)  # for messages
 
 
 # The score features of `ExtendCall.features` the kernel takes, per form (static flags; off, the plain kernel is

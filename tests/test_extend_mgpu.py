@@ -909,6 +909,35 @@ def test_kernel_model_of_the_new_features_matches_reference(rng, shape):
         np.testing.assert_allclose(o[: batch.tokens], ref[: batch.tokens], atol=2e-5, rtol=2e-5, err_msg=f"unified {label}")
 
 
+def test_kernel_model_on_random_batches(rng):
+    # CPU: random ragged batches (empty prefixes and extends, sequences off the 8-row grid, several CTAs) with a random
+    # mix of features, both forms, both tile sizes: the kernel's schedule gives the reference's output.
+    for trial in range(6):
+        batch_size = int(rng.integers(1, 5))
+        prefix_lens = [int(x) for x in rng.choice([0, 1, 63, 64, 65, 200, 333], batch_size)]
+        extend_lens = [int(x) for x in rng.choice([0, 1, 7, 8, 64, 129, 200], batch_size)]
+        block_kv = int(rng.choice([64, 128]))
+        causal = bool(rng.random() < 0.6)
+        window = int(rng.choice([-1, 0, 50])) if causal else -1
+        features = dict(logit_cap=float(rng.choice([0.0, 2.0])), xai_temperature_len=int(rng.choice([-1, 30])),
+                        sinks=bool(rng.random() < 0.5), causal=causal)
+        if window >= 0:
+            features["sliding_window"] = window
+        kw = _more_kwargs(rng, 2, features)
+        batch = make_batch(rng, prefix_lens, extend_lens, hq=2, hkv=1, dqk=64, dtype=jnp.float32, window=window,
+                           max_extend_len=max(max(extend_lens), 1))
+        model = dict(logit_cap=kw["logit_cap"], sinks=kw.get("sinks"), block_kv=block_kv, causal=causal,
+                     xai=kw["xai_temperature_len"])
+        context = f"trial {trial}: {prefix_lens} {extend_lens} {block_kv} {kw}"
+        o = _kernel_model(batch.q, batch.k_new, batch.v_new, batch.k_pool, batch.v_pool, batch.meta, window=window, **model)
+        np.testing.assert_allclose(o[: batch.tokens], np.float32(ref_two_stage(batch, **kw))[: batch.tokens], atol=2e-5,
+                                   rtol=2e-5, err_msg=context)
+        if window < 0:
+            o = _unified_kernel_model(batch.q, batch.k_pool_unified, batch.v_pool_unified, batch.meta_unified, **model)
+            np.testing.assert_allclose(o[: batch.tokens], np.float32(ref_unified(batch, **kw))[: batch.tokens], atol=2e-5,
+                                       rtol=2e-5, err_msg="unified " + context)
+
+
 def test_kernel_model_at_head_dims_192_128(rng):
     # CPU: v narrower than q/k (O [rows, 128]), 64-key tiles as the table has them, both forms.
     batch = make_batch(rng, [0, 37, 300], [130, 5, 70], hq=2, hkv=2, dqk=192, dv=128, dtype=jnp.float32,

@@ -10,10 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxattn.extend import extend_attention, extend_attention_unified, extend_unified_metadata, extend_attention_unified_reference
+from jaxattn.extend import (
+    extend_attention,
+    extend_attention_unified,
+    extend_attention_unified_reference,
+    extend_unified_metadata,
+)
 from jaxattn.extend_mgpu import MgpuExtendConfig, extend_attention_mgpu, extend_attention_unified_mgpu, mgpu_unsupported
-from tests.helpers import HAS_GPU, tolerance
-from tests.helpers import random_normal
+from jaxattn.reference import xai_temperature_scale
+from tests.helpers import HAS_GPU, random_normal, tolerance
 from tests.test_extend import assert_output, make_batch, ref_two_stage, ref_unified
 
 
@@ -699,9 +704,8 @@ class _RowScale:
         self.tanh_scale = sm_scale / logit_cap if logit_cap > 0 else None
         base = logit_cap * LOG2E if logit_cap > 0 else sm_scale * LOG2E
         factor = np.ones(len(positions), np.float32)
-        if xai > 0:
-            pos = np.float32(positions)
-            factor = np.where(pos > xai, np.log2(np.maximum(pos, 1.0)) / np.log2(xai), 1.0)
+        if xai > 0:  # the rule is the reference's (the kernel computes it per row once)
+            factor = np.asarray(xai_temperature_scale(jnp.asarray(positions), xai))
         self.c = np.float32(base * factor)
 
 

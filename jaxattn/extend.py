@@ -14,7 +14,7 @@ rest, `impl=` forces one):
 
   ================  ==========  ==================================================================================
   "mgpu"            two-stage   Pallas Mosaic GPU kernel, FlashAttention-3's schedule (`jaxattn.impl.mgpu_extend`):
-                                sm_90, bf16/f16, head dims 64, 128, 192/128, causal or not, window (causal), soft
+                                sm_90, bf16/f16, head dims 64, 128, 192/128, 256, causal or not, window (causal), soft
                                 cap, sinks, xai temperature; no custom mask.
   "triton"          two-stage   SGLang's two-stage Triton kernel, every feature (`jaxattn.impl.triton_extend`).
   "mgpu-unified"    unified     The Mosaic GPU kernel over one list per sequence, tiles at fixed listed-key
@@ -120,7 +120,7 @@ def extend_attention(
     """Two-stage extend attention (SGLang's extend_attention_fwd): cached prefix from the pool, new tokens contiguous.
 
     Runs the first of `IMPLEMENTATIONS` that takes the call: on an H200/H100 (sm_90), bf16/f16 calls with head dims
-    64, 128 or 192/128 and no custom mask (causal or not; a sliding window, soft cap, sinks and xai temperature are taken) run
+    64, 128, 192/128 or 256 and no custom mask (causal or not; a sliding window, soft cap, sinks and xai temperature are taken) run
     the Mosaic GPU kernel (FlashAttention-3's schedule, 1.5x faster at E1); everything else runs SGLang's two-stage
     Triton kernel.
 
@@ -196,8 +196,8 @@ def extend_attention_unified(
       kv_start_pos: optional i32[batch]: absolute position of each sequence's first listed key (default
         meta.kv_start_pos); `window_start_pos` is its old name.
       causal, sliding_window, logit_cap, sinks, xai_temperature_len, sm_scale, config, launch_mode, impl: as
-        `extend_attention`. Implementations of the unified form: "mgpu-unified" (sm_90, bf16/f16, head dims 64, 128
-        or 192/128, no window or custom mask; tiles of config.block_kv keys) and "triton-unified" (every feature; tiles of
+        `extend_attention`. Implementations of the unified form: "mgpu-unified" (sm_90, bf16/f16, head dims 64, 128,
+        192/128 or 256, no window or custom mask; tiles of config.block_kv keys) and "triton-unified" (every feature; tiles of
         config.block_n keys), picked in that order.
       k_scale, v_scale: as `extend_attention`; here they scale every key and value (all come from the pool).
 

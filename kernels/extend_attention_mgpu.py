@@ -27,7 +27,8 @@ phases from that step; tiles reaching below a warpgroup's window are masked per 
 before the mask, cap * log2(e) folded into the exponent's FMA), attention sinks (folded into the denominator at
 the end), xai temperature (a per-row factor of the exponent's scale, computed once per warpgroup) and non-causal
 calls (every CTA takes the sequence's whole prefix and all its new keys; tiles holding another sequence's keys are
-masked). q/k and v head dims may differ (192/128): O then goes through its own buffer.
+masked). q/k and v head dims may differ (192/128): O then goes through its own buffer. At 256/256 a partial q tile
+is stored through a 64-column buffer in four chunks (a whole-width one would not fit beside Q and the ring).
 
 The unified form (`prefix_lens` given; no k_new/v_new): every key comes from the pool through one list per sequence,
 all tiles by cp.async at fixed listed-key offsets from step 0, the CTA taking the tiles up to its last row's listed
@@ -288,7 +289,7 @@ def warpgroup_window_steps(wg_row, q_start, q_end, prefix_len, lead, pre_steps, 
 
 
 def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo_indptr, kv_indptr, out_ref, *,
-                                 max_extend_len, sm_scale, block_q, block_kv, stages, tma_new_tiles,
+                                 max_extend_len, sm_scale, block_q, block_kv, stages, tma_new_tiles, o_rows_columns,
                                  causal=True, sliding_window=-1, logit_cap=0.0, sinks=None, xai_temperature_len=-1,
                                  kv_start_pos=None, prefix_lens=None):
     """Runs the kernel; writes `out_ref` in place (rows it does not own are left as they were).
@@ -298,8 +299,11 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
     k_pool: [slots, kv_heads, qk_dim], v_pool: [slots, kv_heads, v_dim]; kv_indices: i32/i64[capacity]: sequence
       b's prefix slots at kv_indptr[b]:kv_indptr[b+1]; qo_indptr, kv_indptr: i32[batch + 1]; out_ref: a Ref
       [q_rows, q_heads, v_dim] of q's dtype.
-    qk_dim / v_dim: 64/64, 128/128 or 192/128 (multiples of 64; the accumulators of both consumer warpgroups live
-      in registers); block_kv 64 or 128. With v_dim != qk_dim, O is stored through its own buffer (not Q's).
+    qk_dim / v_dim: 64/64, 128/128, 192/128 or 256/256 (multiples of 64; the accumulators of both consumer warpgroups
+      live in registers); block_kv 64 or 128. With v_dim != qk_dim, O is stored through its own buffer (not Q's).
+    o_rows_columns: the width of the row-sliceable O buffer a partial q tile is stored through, in column chunks
+      (v_dim, or a divisor of it when v_dim == qk_dim: at 256/256 a [block_q, 256] buffer per warpgroup would not fit
+      beside Q and the ring; `MgpuExtendConfig.o_rows_columns` is the rule).
     tma_new_tiles: load new-key tiles that lie wholly before the batch's last token by TMA (needs tokens a multiple
       of 8 and >= block_kv: Mosaic's TMA moves whole 8-row tiles, no taller than the array); the others by cp.async.
 
@@ -317,6 +321,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
     q_rows, q_heads, qk_dim = q.shape
     v_dim = v_pool.shape[2]
     o_in_q = v_dim == qk_dim  # whole O tiles reuse Q's (swizzled) buffer; else every O tile goes through o_rows
+    if v_dim % o_rows_columns or (not o_in_q and o_rows_columns != v_dim):
+        raise ValueError(f"o_rows_columns {o_rows_columns} must divide v_dim {v_dim} (equal it when v_dim != qk_dim)")
     unified = prefix_lens is not None
     if unified and (k_new is not None or v_new is not None):
         raise ValueError("the unified form reads every key from the pool: give k_new = v_new = None")
@@ -632,21 +638,25 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                 @pl.when((hi > lo) & ((lo > 0) | (hi < block_q)))
                 def _partial_tile():
                     # TMA boxes have static sizes: store hi - lo rows as a sum of powers of 2 (e.g. 37 = 32 + 4 + 1),
-                    # from a plain (row-sliceable) buffer.
+                    # from a plain (row-sliceable) buffer, o_rows_columns columns at a time.
                     o_rows = o_rows_smem2.at[wg]
-                    o_rows[...] = out
-                    plgpu.commit_smem()
                     count = hi - lo
-                    start = lo
-                    size = block_q // 2
-                    while size >= 1:
-                        @pl.when((count & size) != 0)
-                        def _(start=start, size=size):
-                            plgpu.copy_smem_to_gmem(
-                                o_rows.at[pl.ds(start, size)], out_gmem.at[pl.ds(wg_row + start, size), head])
+                    for column in range(0, v_dim, o_rows_columns):
+                        if column:  # the previous chunk's stores have read the buffer
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        o_rows[...] = out[:, column:column + o_rows_columns]
+                        plgpu.commit_smem()
+                        start = lo
+                        size = block_q // 2
+                        while size >= 1:
+                            @pl.when((count & size) != 0)
+                            def _(start=start, size=size, column=column):
+                                plgpu.copy_smem_to_gmem(
+                                    o_rows.at[pl.ds(start, size)],
+                                    out_gmem.at[pl.ds(wg_row + start, size), head, pl.ds(column, o_rows_columns)])
 
-                        start = start + (count & size)
-                        size //= 2
+                            start = start + (count & size)
+                            size //= 2
 
                 plgpu.wait_smem_to_gmem(0)
 
@@ -709,7 +719,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
         (out_gmem,) = rest[len(present):]
         smem = (
             plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, qk_dim), dtype, transforms=_SWIZZLED),  # Q, then O (o_in_q)
-            plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, v_dim), dtype),  # O of a partial tile (row-sliceable)
+            plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, o_rows_columns), dtype),  # O of a partial tile (row-sliceable)
             plgpu.SMEM((stages, block_kv, qk_dim), dtype, transforms=_SWIZZLED),
             plgpu.SMEM((stages, block_kv, v_dim), dtype, transforms=_SWIZZLED),
             plgpu.SMEM((2 * stages * 2,), jnp.int32),  # mbarriers (8 bytes each): K ready, V ready per slot

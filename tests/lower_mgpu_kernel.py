@@ -37,6 +37,10 @@ SHAPES = [  # label, tokens, q heads, kv heads, head dim, dtype, config, feature
     # DeepSeek's non-absorbed prefill (q/k 192, v 128): O through its own buffer; TMA new tiles; the unified form.
     ("mha-192-128-bf16-tma-window", 256, 4, 4, 192, jnp.bfloat16, None, dict(dv=128, sliding_window=64, logit_cap=10.0)),
     ("unified-192-128-bf16", 300, 4, 4, 192, jnp.bfloat16, None, dict(dv=128, unified=True)),
+    # Gemma's 256 (partial O tiles in 64-column chunks): plain by cp.async, window + soft cap by TMA, unified.
+    ("gqa-256-bf16", 300, 8, 4, 256, jnp.bfloat16, None, {}),
+    ("gqa-256-f16-tma-window-cap", 512, 8, 4, 256, jnp.float16, None, dict(sliding_window=100, logit_cap=50.0)),
+    ("unified-256-bf16-sinks", 300, 8, 4, 256, jnp.bfloat16, None, dict(unified=True, causal=False, sinks=True)),
 ]
 
 

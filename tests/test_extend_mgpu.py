@@ -273,6 +273,48 @@ def test_head_dims_192_128_match_reference(rng, feature, whole_tiles):
         np.testing.assert_array_equal(np.float32(extend_attention_unified(*args, **kw)), np.float32(o))
 
 
+# Gemma's head dim 256 (64-key tiles; a partial q tile stored in four 64-column chunks), both forms, its features.
+HEAD_DIM_256 = [
+    ("plain", dict()),
+    ("window-cap", dict(sliding_window=100, logit_cap=50.0)),  # Gemma-2's local layers
+    ("noncausal-sinks", dict(causal=False, sinks=True)),
+]
+
+
+@pytest.mark.parametrize("feature", HEAD_DIM_256, ids=lambda f: f[0])
+@pytest.mark.parametrize("whole_tiles", [False, True], ids=["tokens-odd", "tokens-x8"])
+@pytest.mark.gpu
+@needs_hopper
+def test_head_dim_256_matches_reference(rng, feature, whole_tiles):
+    # Lengths give partial q tiles of 1-63 rows in both warpgroups (the chunked store) and whole ones (Q's buffer).
+    batch = make_batch(rng, [0, 37, 128, 300], [130, 5, 64, 257], hq=8, hkv=4, dqk=256, dtype=jnp.bfloat16,
+                       max_extend_len=266)
+    kw = _more_kwargs(rng, 8, feature[1])
+    q, k_new, v_new = _new_tokens(batch, whole_tiles)
+    o = extend_attention_mgpu(q, k_new, v_new, batch.k_pool, batch.v_pool, batch.meta, **kw)
+    assert o.shape == q.shape and o.dtype == jnp.bfloat16
+    assert_output(o, ref_two_stage(batch, **kw), batch, jnp.bfloat16)
+    np.testing.assert_array_equal(  # the default route takes these calls
+        np.float32(extend_attention(q, k_new, v_new, batch.k_pool, batch.v_pool, batch.meta, **kw)), np.float32(o))
+    if "sliding_window" not in kw:
+        args = (batch.q, batch.k_pool_unified, batch.v_pool_unified, batch.meta_unified)
+        o = extend_attention_unified_mgpu(*args, **kw)
+        assert_output(o, ref_unified(batch, **kw), batch, jnp.bfloat16)
+        np.testing.assert_array_equal(np.float32(extend_attention_unified(*args, **kw)), np.float32(o))
+
+
+def test_head_dim_256_tiles_fit_shared_memory():
+    # The rule the kernel's buffers follow (MgpuExtendConfig.o_rows_columns): at 256/256 only partial tiles use the O
+    # buffer, 64 columns wide; the table's tile then fits sm_90's 227 KB, a 128-key tile does not.
+    from jaxattn import hardware, tuning
+    config = tuning.mgpu_extend_config(256)
+    assert MgpuExtendConfig.o_rows_columns(256) == 64 and MgpuExtendConfig.o_rows_columns(192, 128) == 128
+    assert MgpuExtendConfig.o_rows_columns(128) == 128 and MgpuExtendConfig.o_rows_columns(64) == 64
+    assert config.shared_memory_bytes(256) <= hardware.SM90.shared_memory_bytes
+    assert MgpuExtendConfig(block_kv=128).shared_memory_bytes(256) > hardware.SM90.shared_memory_bytes
+    assert MgpuExtendConfig(stages=3, block_kv=64).shared_memory_bytes(256) > hardware.SM90.shared_memory_bytes
+
+
 @pytest.mark.gpu
 @needs_hopper
 def test_nan_outside_the_batch_does_not_leak(rng):
@@ -999,7 +1041,7 @@ def test_says_why_it_cannot_take_a_call():
     S = jax.ShapeDtypeStruct
     q, pool = S((8, 4, 128), jnp.bfloat16), S((32, 2, 128), jnp.bfloat16)
     assert "dtype float32" in mgpu_unsupported(S((8, 4, 128), jnp.float32), pool, pool)
-    assert "head dims 128/64 (64/64, 128/128, 192/128 only)" in mgpu_unsupported(q, pool, S((32, 2, 64), jnp.bfloat16))
+    assert "head dims 128/64 (64/64, 128/128, 192/128, 256/256 only)" in mgpu_unsupported(q, pool, S((32, 2, 64), jnp.bfloat16))
     q192, k192, v128 = S((8, 4, 192), jnp.bfloat16), S((32, 2, 192), jnp.bfloat16), S((32, 2, 128), jnp.bfloat16)
     assert "head dims" not in (mgpu_unsupported(q192, k192, v128) or "")  # DeepSeek's 192/128 is taken
     assert "head dims 96/96" in mgpu_unsupported(S((8, 4, 96), jnp.bfloat16), S((32, 2, 96), jnp.bfloat16), S((32, 2, 96), jnp.bfloat16))
@@ -1026,7 +1068,7 @@ def test_rejects_what_the_kernel_cannot_take(rng):
     with pytest.raises(ValueError, match="q must have dtype"):
         extend_attention_mgpu(batch.q.astype(jnp.float32), *(a.astype(jnp.float32) for a in args[:4]), batch.meta)
     odd = make_batch(rng, [4], [8], hq=2, hkv=1, dqk=96, dtype=jnp.bfloat16)
-    with pytest.raises(ValueError, match="head dims 64/64, 128/128, 192/128"):
+    with pytest.raises(ValueError, match="head dims 64/64, 128/128, 192/128, 256/256"):
         extend_attention_mgpu(odd.q, odd.k_new, odd.v_new, odd.k_pool, odd.v_pool, odd.meta)
     with pytest.raises(ValueError, match="k_new"):
         extend_attention_mgpu(batch.q, batch.k_new[:, :, :32], *args[1:])
@@ -1055,4 +1097,4 @@ def test_lowers_for_cuda_on_cpu():
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     from tests.lower_mgpu_kernel import SHAPES as LOWERED
 
-    assert run.stdout.count("ok ") == len(LOWERED) == 17, run.stdout
+    assert run.stdout.count("ok ") == len(LOWERED) == 20, run.stdout

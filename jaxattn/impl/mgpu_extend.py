@@ -40,8 +40,9 @@ from jaxattn.tuning import ExtendConfig, MgpuExtendConfig
 
 MGPU_DTYPES = (jnp.bfloat16, jnp.float16)
 # (qk_head_dim, v_head_dim) pairs: multiples of 64 (the 128-byte swizzled tiles) whose accumulators and tiles fit both
-# consumer warpgroups' registers and shared memory; 192/128 is DeepSeek's non-absorbed (MHA) prefill.
-MGPU_HEAD_DIMS = ((64, 64), (128, 128), (192, 128))
+# consumer warpgroups' registers and shared memory; 192/128 is DeepSeek's non-absorbed (MHA) prefill, 256/256 Gemma's
+# (64-key tiles, partial O tiles stored in 64-column chunks).
+MGPU_HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
 
 
 def _cuda_runtime_version() -> int | None:
@@ -185,7 +186,7 @@ def extend_attention_mgpu(
     Args:
       q: [tokens, q_heads, qk_head_dim] bf16/f16; sequence b's new tokens at meta.qo_indptr[b]:[b+1].
       k_new: [tokens, kv_heads, qk_head_dim], v_new: [tokens, kv_heads, v_head_dim]: the new tokens' K/V (q's dtype).
-        q_heads % kv_heads == 0 (GQA). Head dims (qk/v): 64/64, 128/128 or 192/128.
+        q_heads % kv_heads == 0 (GQA). Head dims (qk/v): `MGPU_HEAD_DIMS` (64/64, 128/128, 192/128, 256/256).
       k_pool: [slots, kv_heads, qk_head_dim], v_pool: [slots, kv_heads, v_head_dim]: the cache; meta.kv_indices
         lists each sequence's prefix slots.
       meta: `ExtendMetadata` from `jaxattn.metadata.extend_metadata`, its prefix lists cut for a window or full.
@@ -241,8 +242,8 @@ def extend_attention_unified_mgpu(
 
     Args:
       q: [tokens, q_heads, qk_head_dim] bf16/f16.
-      k_pool: [slots, kv_heads, qk_head_dim], v_pool: [slots, kv_heads, v_head_dim] of q's dtype (head dims 64/64,
-        128/128 or 192/128), the new tokens' K/V already written at the slots meta lists for them
+      k_pool: [slots, kv_heads, qk_head_dim], v_pool: [slots, kv_heads, v_head_dim] of q's dtype (head dims
+        `MGPU_HEAD_DIMS`), the new tokens' K/V already written at the slots meta lists for them
         (`jaxattn.serving.write_kv`).
       meta: `ExtendUnifiedMetadata` from `jaxattn.metadata.extend_unified_metadata` (built without a window).
       causal, logit_cap, sinks, xai_temperature_len (absolute positions from meta.kv_start_pos), sm_scale, config:
@@ -299,6 +300,7 @@ def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: 
         meta.qo_indptr.astype(jnp.int32), meta.kv_indptr.astype(jnp.int32), out_ref,
         max_extend_len=meta.max_extend_len, sm_scale=sm_scale,
         block_q=config.block_q, block_kv=config.block_kv, stages=config.stages,
+        o_rows_columns=config.o_rows_columns(q.shape[2], v_dim),
         causal=bool(causal),
         sliding_window=int(sliding_window) if sliding_window >= 0 else -1,
         logit_cap=float(logit_cap) if logit_cap > 0 else 0.0,

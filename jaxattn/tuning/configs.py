@@ -81,13 +81,22 @@ class MgpuExtendConfig:
     block_kv: int = 128
     stages: int = 2
 
-    def shared_memory_bytes(self, qk_head_dim: int, v_head_dim: int | None = None) -> int:
-        """Q/O tiles of both consumer warpgroups, their partial-tile store buffers, the K/V ring (16-bit), and the
-        ring's mbarriers (each buffer rounded up to Pallas' 1 KiB alignment)."""
+    @staticmethod
+    def o_rows_columns(qk_head_dim: int, v_head_dim: int | None = None) -> int:
+        """Columns of the row-sliceable O buffer each consumer warpgroup stores a partial q tile through (in chunks of
+        this many columns). Whole tiles reuse Q's buffer when the head dims are equal, so only partial tiles use it
+        then: up to 128 columns wide, and 64 beyond (256/256: Q, the ring and a 128-column buffer need 88 bytes more
+        than sm_90 has); with unequal head dims every O tile goes through it whole."""
         v_head_dim = qk_head_dim if v_head_dim is None else v_head_dim
-        q_and_o = 2 * self.block_q * (qk_head_dim + v_head_dim)
+        return v_head_dim if v_head_dim != qk_head_dim or v_head_dim <= 128 else 64
+
+    def shared_memory_bytes(self, qk_head_dim: int, v_head_dim: int | None = None) -> int:
+        """Q tiles of both consumer warpgroups (O reuses them), their O store buffers (`o_rows_columns`), the K/V
+        ring (16-bit), and 4 KiB for the barriers and Pallas' alignment padding (3160 B when lowered at 256/256)."""
+        v_head_dim = qk_head_dim if v_head_dim is None else v_head_dim
+        q_and_o = 2 * self.block_q * (qk_head_dim + self.o_rows_columns(qk_head_dim, v_head_dim))
         ring = self.stages * self.block_kv * (qk_head_dim + v_head_dim)
-        return (q_and_o + ring) * 2 + 1024
+        return (q_and_o + ring) * 2 + 4096
 
     def __post_init__(self):
         if self.block_q != 64:

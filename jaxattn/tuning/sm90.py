@@ -6,7 +6,7 @@ Keys (normalised by `jaxattn.tuning`'s lookups):
   * EXTEND: the head-dim family: "64", "128", "256" (plain heads, the larger head dim rounded up to a power of 2, at
     least 64) and "576/512", "288/256", "192/128" (qk/v head dims with a rope part in a second dot). Configs are for
     16-bit inputs; fp32 and custom masks adapt them (`jaxattn.tuning.extend_config`).
-  * EXTEND_MGPU: the head-dim family, as EXTEND ("64", "128", "192/128").
+  * EXTEND_MGPU: the head-dim family, as EXTEND ("64", "128", "192/128", "256").
 """
 
 from __future__ import annotations
@@ -76,6 +76,8 @@ EXTEND_MGPU: dict[str, MgpuExtendConfig] = {
     "64": MgpuExtendConfig(block_q=64, block_kv=128, stages=2),
     "128": MgpuExtendConfig(block_q=64, block_kv=128, stages=2),
     "192/128": MgpuExtendConfig(block_q=64, block_kv=64, stages=2),
+    # The only tile that fits at 256: Q 64 KB + the 2-stage 64-key ring 128 KB + 16 KB of O chunk buffers.
+    "256": MgpuExtendConfig(block_q=64, block_kv=64, stages=2),
 }
 
 TABLES = {"decode": DECODE, "decode_fp8": DECODE_FP8, "extend": EXTEND, "extend_mgpu": EXTEND_MGPU}

@@ -166,6 +166,47 @@ def row_sources(kv_indices, from_pool, first, count, *, block_kv: int, pool_rows
     return run(kv_indices, from_pool, first, count)
 
 
+def custom_mask_tile(mask, mask_indptr, seq, row0, width, column0, *, block_q: int, block_kv: int):
+    """The custom-mask entries of one score tile, gathered from GMEM into the wgmma accumulator's layout: an
+    i32[block_q, block_kv] (WGMMA layout) of 0/1, entry (r, c) = mask[mask_indptr[seq] + (row0 + r) * width +
+    column0 + c] != 0 (SGLang's flat row-major [q_len, kv_len] per sequence), 0 where that index is outside the mask.
+
+    mask: u8[mask_len] (mask_len >= 1; entries past the real mask are never read as visible: `mask_len` is the
+    memref's length), mask_indptr: i32/i64[batch + 1]; seq, row0 (the tile's row 0 as a row of the sequence's
+    mask, < 0 for rows of the previous sequence), width (the sequence's mask row length), column0 (the mask column
+    of tile column 0): i32 scalars. Indices are computed in int64 (row * width passes 2^31 on long sequences) and
+    clamped into the mask before the load, so no metadata can make it read outside the buffer.
+    """
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()) + (_SCALAR,) * 4,
+                       return_type=plgpu.ShapeDtypeStruct((block_q, block_kv), jnp.int32, layout=plgpu.Layout.WGMMA))
+    def run(ctx, mask, indptr, seq, row0, width, column0):
+        del ctx
+        i8, i32, i64 = (ir.IntegerType.get_signless(w) for w in (8, 32, 64))
+        mask_len = ir.MemRefType(mask.type).shape[0]
+        seq, row0, width, column0 = (arith.extsi(i64, _scalar(x)) for x in (seq, row0, width, column0))
+        index_type = ir.MemRefType(indptr.type).element_type
+        start = llvm.load(index_type, mgpu_utils.getelementptr(
+            llvm.inttoptr(llvm.PointerType.get(1), _global_address(indptr)), [seq], index_type))
+        if ir.IntegerType(index_type).width == 32:
+            start = arith.extsi(i64, start)
+        bytes_ = llvm.inttoptr(llvm.PointerType.get(1), _global_address(mask))
+        zeros = mgpu.FragmentedArray.splat(_i32(0), (block_q, block_kv), layout=mgpu.WGMMA_LAYOUT, is_signed=True)
+
+        def entry(_, index):
+            r, c = (arith.index_cast(i64, x) for x in index)
+            at = arith.addi(arith.addi(start, arith.muli(arith.addi(row0, r), width)), arith.addi(column0, c))
+            inside = arith.andi(arith.cmpi(arith.CmpIPredicate.sge, at, _i64(0)),
+                                arith.cmpi(arith.CmpIPredicate.slt, at, _i64(mask_len)))
+            value = llvm.load(i8, mgpu_utils.getelementptr(bytes_, [arith.select(inside, at, _i64(0))], i8))
+            visible = arith.andi(inside, arith.cmpi(arith.CmpIPredicate.ne, value, arith.constant(i8, 0)))
+            return arith.extui(i32, visible)
+
+        return zeros.foreach(entry, create_array=True, is_signed=True)
+
+    return run(mask, mask_indptr, seq, row0, width, column0)
+
+
 def issue_rows(new_ref, pool_ref, smem, bars, sources, from_pool, slot, barrier, kv_head, *, block_kv: int, head_dim: int):
     """Starts the cp.async copies of one K or V tile into ring slot `slot` of `smem` ([stages, block_kv, head_dim],
     (8, 64)-tiled, 128-byte swizzled): tile row r <- row sources[r] (as `row_sources` lays them out) of pool_ref
@@ -291,7 +332,8 @@ def warpgroup_window_steps(wg_row, q_start, q_end, prefix_len, lead, pre_steps, 
 def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo_indptr, kv_indptr, out_ref, *,
                                  max_extend_len, sm_scale, block_q, block_kv, stages, tma_new_tiles, o_rows_columns,
                                  causal=True, sliding_window=-1, logit_cap=0.0, sinks=None, xai_temperature_len=-1,
-                                 kv_start_pos=None, prefix_lens=None):
+                                 kv_start_pos=None, prefix_lens=None, custom_mask=None, mask_indptr=None,
+                                 skip_prefix_custom_mask=True):
     """Runs the kernel; writes `out_ref` in place (rows it does not own are left as they were).
 
     q: [q_rows, q_heads, qk_dim] (q_rows a multiple of 8, >= block_q: Q/O move by TMA in 8-row tiles);
@@ -317,6 +359,11 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
       multiply by cap * log2(e) is folded into the exponent's FMA as sm_scale * log2(e) is without a cap.
     sinks: f32[q_heads], natural-log logits joining each row's denominator only (folded in at the end, in base 2
       at the common max).
+    custom_mask: u8[mask_len] (mask_len >= 1), SGLang's flat mask: sequence b's rows at mask_indptr[b] (i32/i64[batch +
+      1]), row-major [q_len, kv_start_pos + prefix_len + q_len] (the columns of keys dropped from the list first).
+      It replaces causal: the CTA takes the sequence's whole prefix and all its new keys, as non-causal, and every
+      new-key tile (with skip_prefix_custom_mask=False every prefix tile too) is masked by entries gathered per tile
+      (`custom_mask_tile`). Two-stage form without a window only; needs kv_start_pos.
     """
     q_rows, q_heads, qk_dim = q.shape
     v_dim = v_pool.shape[2]
@@ -337,6 +384,12 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
     window = int(sliding_window) if sliding_window is not None and sliding_window >= 0 else None
     if window is not None and (unified or not causal):
         raise ValueError("a sliding window is taken with causal two-stage calls only")
+    custom = custom_mask is not None
+    if custom and (unified or window is not None or mask_indptr is None or kv_start_pos is None):
+        raise ValueError("a custom mask is taken by two-stage calls without a window, with mask_indptr and kv_start_pos")
+    if custom:
+        causal = False  # the mask decides alone (as in SGLang's kernels); the schedule is the non-causal one
+    mask_prefix = custom and not skip_prefix_custom_mask
     logit_cap = float(logit_cap) if logit_cap and logit_cap > 0 else None
     # The exponent's scale: scores (or with a soft cap their tanh, in [-1, 1]) times this are log2 units.
     scale_log2 = float(sm_scale) * LOG2E if logit_cap is None else logit_cap * LOG2E
@@ -348,7 +401,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
         tma_new_tiles = False  # every tile comes from the pool by cp.async
 
     def body(qo_indptr_ref, kv_indptr_ref, kv_indices_ref, q_ref, k_new_ref, v_new_ref, k_pool_ref, v_pool_ref,
-             sinks_ref, start_pos_ref, prefix_lens_ref, out_gmem, scoped):
+             sinks_ref, start_pos_ref, prefix_lens_ref, mask_ref, mask_indptr_ref, out_gmem, scoped):
         (qo_smem2, o_rows_smem2, k_smem, v_smem, kv_bars), (k_ready, v_ready, q_ready), (k_free, v_free), schedule = scoped
         head = lax.axis_index("heads")
         seq = lax.axis_index("seq")
@@ -443,12 +496,19 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                 else:
                     wg_steps = cta_steps
                 new_steps = wg_steps - pre_steps
-                full_pre = lax.div(prefix_len, jnp.int32(block_kv))  # prefix tiles with no key past the prefix
+                # Prefix tiles with no key past the prefix (none run unmasked when the mask covers the prefix).
+                full_pre = 0 if mask_prefix else lax.div(prefix_len, jnp.int32(block_kv))
                 # New-key tiles every row sees whole: none of the previous sequence's keys (tile 0 when lead > 0),
                 # last key <= the warpgroup's first row (causal) or before the sequence's end (non-causal).
                 first_full = jnp.where(lead > 0, 1, 0)
                 last_seen = wg_rel + 1 if causal else key_end - base
                 end_full = jnp.maximum(jnp.minimum(lax.div(last_seen, jnp.int32(block_kv)), new_steps), first_full)
+                if custom:
+                    end_full = first_full  # every new-key tile is masked
+                    # The sequence's mask rows: [q_len, start + prefix + q_len] (unclamped lengths, as SGLang lays
+                    # them out); this warpgroup's row 0 is mask row t0.
+                    mask_start_pos = start_pos_ref[seq]
+                    mask_width = mask_start_pos + prefix_len + (qo_indptr_ref[seq + 1] - q_start)
 
                 plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(wg_row, block_q), head], qo_smem, q_ready.at[wg])
                 plgpu.barrier_wait(q_ready.at[wg])
@@ -456,7 +516,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                 # Under a window a valid row's first tiles may hold none of its keys (they straddle another row's
                 # window edge): a finite start keeps exp2(m_i - m_new) at 1 there, never exp2(-inf + inf) = NaN. The
                 # unified form starts finite too, so a row that sees no key (bad metadata) ends with l = 0, not NaN.
-                m_init = -jnp.inf if window is None and not unified else -1e30
+                m_init = -jnp.inf if window is None and not unified and not custom else -1e30
                 m_i = plgpu.layout_cast(jnp.full((block_q,), m_init, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
                 l_i = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
                 acc = plgpu.layout_cast(jnp.full((block_q, v_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
@@ -491,6 +551,14 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                 def kv_step(step, carry, mask_kind=None):
                     acc, m_i, l_i = carry
                     slot = lax.rem(step, jnp.int32(stages))
+                    if mask_kind in ("custom", "custom_prefix"):
+                        # Gathered before the QK^T wgmma is issued: the loads' latency overlaps it.
+                        if mask_kind == "custom_prefix":
+                            column0 = mask_start_pos + step * block_kv
+                        else:
+                            column0 = mask_start_pos + prefix_len + (step - pre_steps) * block_kv - lead
+                        tile_mask = custom_mask_tile(mask_ref, mask_indptr_ref, seq, t0, mask_width, column0,
+                                                     block_q=block_q, block_kv=block_kv)
 
                     def qk(s_ref):
                         plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
@@ -528,6 +596,11 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                         elif mask_kind == "new":  # non-causal: key k (from base) is the sequence's iff lead <= k < end
                             key = (step - pre_steps) * block_kv + cols
                             visible = (key >= lead) & (key < key_end - base)
+                        elif mask_kind == "custom":  # the sequence's new keys, where its mask rows say so
+                            key = (step - pre_steps) * block_kv + cols
+                            visible = (key >= lead) & (key < key_end - base) & (tile_mask != 0)
+                        elif mask_kind == "custom_prefix":  # listed prefix keys, where the mask rows say so
+                            visible = (step * block_kv + cols < prefix_len) & (tile_mask != 0)
                         else:  # "causal": key k (from base) is visible to row r iff lead <= k <= wg_rel + r
                             key = (step - pre_steps) * block_kv + cols
                             visible = (key >= lead) & (key <= wg_rel + rows())
@@ -583,7 +656,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     plgpu.barrier_arrive(v_free.at[slot])
                     schedule_sync()
 
-                new_kind = "causal" if causal else "new"
+                new_kind = "custom" if custom else "causal" if causal else "new"
                 masked = functools.partial(kv_step, mask_kind=new_kind)
                 carry = (acc, m_i, l_i)
                 if unified:
@@ -605,7 +678,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                         carry = lax.fori_loop(wg_first, win_full, functools.partial(kv_step, mask_kind="window"), carry)
                         bound = lambda x: jnp.maximum(x, win_full)  # noqa: E731  the steps below are done
                     carry = lax.fori_loop(bound(0), bound(full_pre), kv_step, carry)
-                    carry = lax.fori_loop(bound(full_pre), bound(pre_steps), functools.partial(kv_step, mask_kind="prefix"),
+                    prefix_kind = "custom_prefix" if mask_prefix else "prefix"
+                    carry = lax.fori_loop(bound(full_pre), bound(pre_steps), functools.partial(kv_step, mask_kind=prefix_kind),
                                           carry)
                     carry = lax.fori_loop(bound(pre_steps), bound(pre_steps + first_full), masked, carry)
                     carry = lax.fori_loop(bound(pre_steps + first_full), bound(pre_steps + end_full), kv_step, carry)
@@ -621,7 +695,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     alpha = jnp.exp2(m_i - m_f)
                     l_i = l_i * alpha + jnp.exp2(sink - m_f)
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                if unified:  # a row that saw no key (only bad metadata makes one) gives 0; NaN stays NaN
+                if unified or custom:  # a row that saw no key (bad metadata, or its mask's choice) gives 0; NaN stays NaN
                     l_i = jnp.where(l_i == 0.0, 1.0, l_i)
                 out = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
                 # This warpgroup's rows of the sequence: [lo, hi) of its block_q.
@@ -704,8 +778,9 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                 lax.fori_loop(first_step, cta_steps, step_body, sources_of(jnp.int32(first_step)))
 
     # Operands: the optional ones only when their feature is on (a plain call's kernel is unchanged).
-    optional = {"sinks": sinks if has_sinks else None, "start_pos": kv_start_pos if xai is not None else None,
-                "prefix_lens": prefix_lens}
+    optional = {"sinks": sinks if has_sinks else None,
+                "start_pos": kv_start_pos if xai is not None or custom else None, "prefix_lens": prefix_lens,
+                "mask": custom_mask, "mask_indptr": mask_indptr if custom else None}
     present = tuple(name for name, value in optional.items() if value is not None)
     new_operands = () if unified else (k_new, v_new)
 
@@ -726,8 +801,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
         )
         pl.run_scoped(
             lambda *scoped: body(qo_indptr_ref, kv_indptr_ref, kv_indices_ref, q_ref, k_new_ref, v_new_ref, k_pool_ref,
-                                 v_pool_ref, refs.get("sinks"), refs.get("start_pos"), refs.get("prefix_lens"), out_gmem,
-                                 scoped),
+                                 v_pool_ref, refs.get("sinks"), refs.get("start_pos"), refs.get("prefix_lens"),
+                                 refs.get("mask"), refs.get("mask_indptr"), out_gmem, scoped),
             smem,
             (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
              plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS)),

@@ -41,6 +41,10 @@ SHAPES = [  # label, tokens, q heads, kv heads, head dim, dtype, config, feature
     ("gqa-256-bf16", 300, 8, 4, 256, jnp.bfloat16, None, {}),
     ("gqa-256-f16-tma-window-cap", 512, 8, 4, 256, jnp.float16, None, dict(sliding_window=100, logit_cap=50.0)),
     ("unified-256-bf16-sinks", 300, 8, 4, 256, jnp.bfloat16, None, dict(unified=True, causal=False, sinks=True)),
+    # Custom masks (tree verify): gathered per masked tile; new tiles only (skip prefix) or every tile; with features.
+    ("mask-128-bf16-tma", 512, 8, 2, 128, jnp.bfloat16, None, dict(mask=True)),
+    ("mask-prefix-64-f16-cap-sinks-xai", 300, 4, 2, 64, jnp.float16, None,
+     dict(mask=True, skip_prefix_custom_mask=False, logit_cap=5.0, sinks=True, xai_temperature_len=16)),
 ]
 
 
@@ -52,6 +56,8 @@ def lower(tokens, hq, hkv, d, dtype, config, features=None, batch=3, slots=1000,
     window = features.pop("sliding_window", -1)
     cut = window if features.pop("cut", False) else -1  # prefix lists cut for the window, or full ones
     sinks = S((hq,), jnp.float32) if features.pop("sinks", False) else None
+    if features.pop("mask", False):
+        features["custom_mask"] = S((5000,), jnp.bool_)
     dv = features.pop("dv", d)
     pool = (S((slots, hkv, d), dtype), S((slots, hkv, dv), dtype))
     if unified:
@@ -63,7 +69,10 @@ def lower(tokens, hq, hkv, d, dtype, config, features=None, batch=3, slots=1000,
         meta = jax.eval_shape(lambda: extend_metadata(idx(4, 600), idx(batch), idx(batch), idx(batch), max_extend_len=256,
                                                       kv_capacity=capacity, sliding_window=cut))
         args = (S((tokens, hq, d), dtype), S((tokens, hkv, d), dtype), S((tokens, hkv, dv), dtype), *pool, meta, sinks)
-        call = lambda *a: extend_attention_mgpu(*a[:-1], sinks=a[-1], sliding_window=window, config=config, **features)  # noqa: E731
+        mask = features.pop("custom_mask", None)
+        args += (mask,)
+        call = lambda *a: extend_attention_mgpu(*a[:-2], sinks=a[-2], custom_mask=a[-1], sliding_window=window,  # noqa: E731
+                                                config=config, **features)
     exported = jax.export.export(jax.jit(call), platforms=["cuda"])(*args)
     if "mosaic_gpu" not in exported.mlir_module():
         raise AssertionError("no Mosaic GPU custom call in the lowered module")

@@ -303,6 +303,52 @@ def test_head_dim_256_matches_reference(rng, feature, whole_tiles):
         np.testing.assert_array_equal(np.float32(extend_attention_unified(*args, **kw)), np.float32(o))
 
 
+CUSTOM_MASKS = [
+    ("tree", dict()),
+    ("tree-prefix-columns", dict(skip_prefix_custom_mask=False)),
+    ("tree-prefix-columns-cap-sinks-xai", dict(skip_prefix_custom_mask=False, logit_cap=3.0, sinks=True,
+                                               xai_temperature_len=20)),
+]
+
+
+@pytest.mark.parametrize("feature", CUSTOM_MASKS, ids=lambda f: f[0])
+@pytest.mark.parametrize("whole_tiles", [False, True], ids=["tokens-odd", "tokens-x8"])
+@pytest.mark.gpu
+@needs_hopper
+def test_custom_masks_match_reference(rng, feature, whole_tiles):
+    # Speculative tree verify (SGLang's flat mask): the new-key tiles masked by gathered entries, prefix columns read
+    # or skipped; a row whose mask hides every key gives 0.
+    prefix_lens, extend_lens = [0, 37, 128, 300], [130, 5, 64, 257]
+    batch = make_batch(rng, prefix_lens, extend_lens, hq=8, hkv=2, dqk=128, dtype=jnp.bfloat16, max_extend_len=266)
+    kw = _more_kwargs(rng, 8, feature[1])
+    blind = None if kw.get("skip_prefix_custom_mask", True) else (2, 10)
+    kw["custom_mask"] = _tree_masks(rng, prefix_lens, extend_lens, blind_row=blind)
+    q, k_new, v_new = _new_tokens(batch, whole_tiles)
+    o = extend_attention_mgpu(q, k_new, v_new, batch.k_pool, batch.v_pool, batch.meta, **kw)
+    assert_output(o, ref_two_stage(batch, **kw), batch, jnp.bfloat16)
+    if blind is not None:
+        np.testing.assert_array_equal(np.float32(o[130 + 5 + 10]), 0.0)
+    np.testing.assert_array_equal(  # the default route takes these calls
+        np.float32(extend_attention(q, k_new, v_new, batch.k_pool, batch.v_pool, batch.meta, **kw)), np.float32(o))
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_custom_mask_verify_step_matches_triton_kernel(rng):
+    # A verify step's shape: long prefixes, 64 drafts per sequence under a random tree (one 128-key tile or two
+    # 64-key tiles of drafts per CTA), beside the Triton kernel with the same mask.
+    prefix_lens, extend_lens = [1500, 700, 2048, 3], [64, 64, 64, 64]
+    batch = make_batch(rng, prefix_lens, extend_lens, hq=8, hkv=2, dqk=128, dtype=jnp.bfloat16, scale=0.5)
+    mask = _tree_masks(rng, prefix_lens, extend_lens)
+    for config in (None, MgpuExtendConfig(block_kv=64, stages=3)):
+        o = extend_attention_mgpu(batch.q, batch.k_new, batch.v_new, batch.k_pool, batch.v_pool, batch.meta,
+                                  custom_mask=mask, config=config)
+        o_triton = extend_attention(batch.q, batch.k_new, batch.v_new, batch.k_pool, batch.v_pool, batch.meta,
+                                    custom_mask=mask, impl="triton")
+        assert_output(o, o_triton, batch, jnp.bfloat16)
+        assert_output(o, ref_two_stage(batch, custom_mask=mask), batch, jnp.bfloat16)
+
+
 def test_head_dim_256_tiles_fit_shared_memory():
     # The rule the kernel's buffers follow (MgpuExtendConfig.o_rows_columns): at 256/256 only partial tiles use the O
     # buffer, 64 columns wide; the table's tile then fits sm_90's 227 KB, a 128-key tile does not.
@@ -752,9 +798,10 @@ class _RowScale:
 
 
 def _kernel_model(q, k_new, v_new, k_pool, v_pool, meta, *, window, logit_cap, sinks, block_kv, block_q=64, causal=True,
-                  xai=-1):
+                  xai=-1, custom_mask=None, skip_prefix_custom_mask=True):
     """numpy model of the kernel's consumer warpgroups, f32: the CTA and warpgroup step ranges from the kernel's own
-    helpers, its loop order and mask kinds (`kv_step`), base-2 online softmax from m_init, sinks at the end."""
+    helpers, its loop order and mask kinds (`kv_step`), base-2 online softmax from m_init, sinks at the end. A
+    custom mask is gathered per tile as `custom_mask_tile` reads it (flat index, entries outside the mask hidden)."""
     from jaxattn.kernels.extend_attention_mgpu import cta_window_first_step, warpgroup_window_steps
 
     cdiv = lambda x, d: -(-x // d)  # noqa: E731
@@ -773,6 +820,18 @@ def _kernel_model(q, k_new, v_new, k_pool, v_pool, meta, *, window, logit_cap, s
     out = np.zeros((len(q_pad), hq, d_v), np.float32)
     token_end = min(qo[-1], tokens)
     cols, rows = np.arange(block_kv)[None, :], np.arange(block_q)[:, None]
+    custom = custom_mask is not None
+    mask_prefix = custom and not skip_prefix_custom_mask
+    if custom:
+        causal = False  # the mask replaces causal; the non-causal schedule
+        flat_mask = np.asarray(custom_mask).astype(bool)
+        mask_indptr = np.asarray(meta.mask_indptr).astype(np.int64)
+
+    def gathered(seq, row0, width, column0):  # custom_mask_tile
+        at = mask_indptr[seq] + (row0 + rows) * np.int64(width) + column0 + cols
+        inside = (at >= 0) & (at < len(flat_mask))
+        return inside & flat_mask[np.where(inside, at, 0)]
+
     for seq in range(len(qo) - 1):
         q_start, q_end = qo[seq], min(qo[seq + 1], qo[seq] + meta.max_extend_len)
         key_end = min(qo[seq + 1], token_end)  # non-causal: every new key of the sequence
@@ -806,11 +865,15 @@ def _kernel_model(q, k_new, v_new, k_pool, v_pool, meta, *, window, logit_cap, s
                 t0 = wg_row - q_start
                 wg_steps = pre_steps + cdiv(min(wg_row + block_q, q_end) - base, block_kv) if causal else cta_steps
                 new_steps = wg_steps - pre_steps
-                full_pre = prefix_len // block_kv
+                full_pre = 0 if mask_prefix else prefix_len // block_kv
                 first_full = int(lead > 0)
                 last_seen = wg_rel + 1 if causal else key_end - base
                 end_full = max(min(last_seen // block_kv, new_steps), first_full)
-                new_kind = "causal" if causal else "new"
+                if custom:
+                    end_full = first_full
+                    width = start_pos[seq] + prefix_len + (qo[seq + 1] - q_start)
+                new_kind = "custom" if custom else "causal" if causal else "new"
+                prefix_kind = "custom_prefix" if mask_prefix else "prefix"
                 plan, bound = [], lambda x: x  # noqa: E731
                 if window >= 0:
                     wg_first, win_full = (int(x) for x in warpgroup_window_steps(
@@ -818,7 +881,7 @@ def _kernel_model(q, k_new, v_new, k_pool, v_pool, meta, *, window, logit_cap, s
                         block_q=block_q, block_kv=block_kv))
                     plan += [(step, "window") for step in range(wg_first, win_full)]
                     bound = lambda x, w=win_full: max(x, w)  # noqa: E731
-                for lo, hi, kind in ((0, full_pre, None), (full_pre, pre_steps, "prefix"),
+                for lo, hi, kind in ((0, full_pre, None), (full_pre, pre_steps, prefix_kind),
                                      (pre_steps, pre_steps + first_full, new_kind),
                                      (pre_steps + first_full, pre_steps + end_full, None)):
                     plan += [(step, kind) for step in range(bound(lo), bound(hi))]
@@ -832,6 +895,13 @@ def _kernel_model(q, k_new, v_new, k_pool, v_pool, meta, *, window, logit_cap, s
                         return None
                     if kind == "prefix":
                         return step * block_kv + cols < prefix_len
+                    if kind == "custom_prefix":
+                        return (step * block_kv + cols < prefix_len) & gathered(
+                            seq, t0, width, start_pos[seq] + step * block_kv)
+                    if kind == "custom":
+                        key = (step - pre_steps) * block_kv + cols
+                        column0 = start_pos[seq] + prefix_len + (step - pre_steps) * block_kv - lead
+                        return (key >= lead) & (key < key_end - base) & gathered(seq, t0, width, column0)
                     if kind == "causal":
                         key = (step - pre_steps) * block_kv + cols
                         return (key >= lead) & (key <= wg_rel + rows)
@@ -847,7 +917,8 @@ def _kernel_model(q, k_new, v_new, k_pool, v_pool, meta, *, window, logit_cap, s
                 scale = _RowScale(sm_scale=sm_scale, logit_cap=logit_cap, xai=xai,
                                   positions=start_pos[seq] + prefix_len + t0 + np.arange(block_q))
                 o = _softmax_steps(q_pad[wg_row : wg_row + block_q].transpose(1, 0, 2), plan, tile, mask, c_rows=scale,
-                                   m_init=-np.inf if window < 0 else -1e30, sinks=sinks, hq=hq, block_q=block_q, d_v=d_v)
+                                   m_init=-np.inf if window < 0 and not custom else -1e30, sinks=sinks, hq=hq,
+                                   block_q=block_q, d_v=d_v)
                 lo, hi = np.clip(q_start - wg_row, 0, block_q), np.clip(q_end - wg_row, 0, block_q)
                 out[wg_row + lo : wg_row + hi] = o.transpose(1, 0, 2)[lo:hi]
     return out[:tokens]
@@ -955,6 +1026,41 @@ def test_kernel_model_of_the_new_features_matches_reference(rng, shape):
         np.testing.assert_allclose(o[: batch.tokens], ref[: batch.tokens], atol=2e-5, rtol=2e-5, err_msg=f"unified {label}")
 
 
+def _tree_masks(rng, prefix_lens, extend_lens, *, blind_row=None):
+    """SGLang's flat custom mask of a verify-like batch: per sequence rows [extend, prefix + extend], each token
+    seeing random earlier drafts and itself, random prefix columns (read only with skip_prefix_custom_mask=False).
+    blind_row (sequence, row): that row sees nothing, prefix included (its output is 0)."""
+    rows = []
+    for seq, (p, e) in enumerate(zip(prefix_lens, extend_lens)):
+        m = rng.random((e, p + e)) < 0.5
+        new = np.tril(rng.random((e, e)) < 0.3)
+        np.fill_diagonal(new, True)
+        m[:, p:] = new
+        if blind_row is not None and blind_row[0] == seq:
+            m[blind_row[1]] = False
+        rows.append(m.reshape(-1))
+    return jnp.asarray(np.concatenate(rows))
+
+
+def test_kernel_model_with_custom_masks_matches_reference(rng):
+    # CPU: custom masks (tree verify) through the kernel's schedule: the non-causal step ranges, every new-key tile
+    # (and with the prefix columns every prefix tile) masked by entries gathered at the kernel's flat indices.
+    prefix_lens, extend_lens = [0, 37, 128, 300, 5], [130, 5, 64, 0, 77]
+    for block_kv in (64, 128):
+        for skip_prefix in (True, False):
+            batch = make_batch(rng, prefix_lens, extend_lens, hq=4, hkv=2, dqk=64, dtype=jnp.float32,
+                               max_extend_len=140)
+            mask = _tree_masks(rng, prefix_lens, extend_lens, blind_row=None if skip_prefix else (2, 3))
+            kw = dict(custom_mask=mask, skip_prefix_custom_mask=skip_prefix)
+            o = _kernel_model(batch.q, batch.k_new, batch.v_new, batch.k_pool, batch.v_pool, batch.meta, window=-1,
+                              logit_cap=0.0, sinks=None, block_kv=block_kv, **kw)
+            ref = np.float32(ref_two_stage(batch, **kw))
+            np.testing.assert_allclose(o[: batch.tokens], ref[: batch.tokens], atol=2e-5, rtol=2e-5,
+                                       err_msg=f"kv{block_kv} skip_prefix={skip_prefix}")
+            if not skip_prefix:  # the blind row (sequence 2 starts at row 130 + 5) is 0, not NaN
+                np.testing.assert_array_equal(o[130 + 5 + 3], 0.0)
+
+
 def test_kernel_model_on_random_batches(rng):
     # CPU: random ragged batches (empty prefixes and extends, sequences off the 8-row grid, several CTAs) with a random
     # mix of features, both forms, both tile sizes: the kernel's schedule gives the reference's output.
@@ -1045,18 +1151,19 @@ def test_says_why_it_cannot_take_a_call():
     q192, k192, v128 = S((8, 4, 192), jnp.bfloat16), S((32, 2, 192), jnp.bfloat16), S((32, 2, 128), jnp.bfloat16)
     assert "head dims" not in (mgpu_unsupported(q192, k192, v128) or "")  # DeepSeek's 192/128 is taken
     assert "head dims 96/96" in mgpu_unsupported(S((8, 4, 96), jnp.bfloat16), S((32, 2, 96), jnp.bfloat16), S((32, 2, 96), jnp.bfloat16))
-    for feature, why in ((dict(custom_mask=jnp.ones(4, bool)), "custom mask"),
+    for feature, why in ((dict(custom_mask=jnp.ones(4, bool), sliding_window=8), "a custom mask with a sliding window"),
                          (dict(causal=False, sliding_window=8), "a sliding window with non-causal attention"),
                          (dict(sliding_window=8, form="unified"), "a sliding window in the unified form"),
                          (dict(custom_mask=jnp.ones(4, bool), form="unified"), "a custom mask in the unified form")):
         assert why in mgpu_unsupported(q, pool, pool, **feature), feature
     assert "interpreted" in mgpu_unsupported(q, pool, pool, mode="interpret")
-    # A window, a soft cap, sinks, xai temperature and non-causal calls are taken, alone or together: only the device
+    # A window, a soft cap, sinks, xai temperature, non-causal calls and custom masks are taken, alone or together: only the device
     # can decline them.
     for feature in (dict(), dict(sliding_window=0), dict(logit_cap=1.0), dict(sinks=jnp.zeros(4)),
                     dict(sliding_window=100, logit_cap=30.0, sinks=jnp.zeros(4)), dict(xai_temperature_len=16),
                     dict(causal=False, logit_cap=3.0, sinks=jnp.zeros(4), xai_temperature_len=8),
-                    dict(form="unified"), dict(form="unified", causal=False, logit_cap=1.0, xai_temperature_len=4)):
+                    dict(form="unified"), dict(form="unified", causal=False, logit_cap=1.0, xai_temperature_len=4),
+                    dict(custom_mask=jnp.ones(4, bool)), dict(custom_mask=jnp.ones(4, bool), logit_cap=3.0, sinks=jnp.zeros(4))):
         why = mgpu_unsupported(q, pool, pool, **feature)
         device_reasons = ("no GPU", "sm_90", "CUDA runtime")
         assert (why is None or "CUDA runtime" in why) if _is_hopper() else any(r in why for r in device_reasons), (feature, why)
@@ -1097,4 +1204,4 @@ def test_lowers_for_cuda_on_cpu():
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     from tests.lower_mgpu_kernel import SHAPES as LOWERED
 
-    assert run.stdout.count("ok ") == len(LOWERED) == 20, run.stdout
+    assert run.stdout.count("ok ") == len(LOWERED) == 22, run.stdout

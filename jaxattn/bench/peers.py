@@ -230,12 +230,11 @@ def extend_mgpu(inp: Inputs, config=None):
         raise Skip(f"the Mosaic GPU kernel takes head dims {HEAD_DIMS_TEXT}")
     if case.fp8:
         raise Skip("fp8 pools reach the kernel through extend_attention (row 'jaxattn')")
-    if case.tree:
-        raise Skip("the Mosaic GPU kernel takes no custom mask")
     meta = extend_meta(inp)
     features = case.features
-    fn = jax.jit(lambda q, kn, vn, k, v, m, s: extend_attention_mgpu(q, kn, vn, k, v, m, sinks=s, config=config, **features))
-    return lambda: fn(inp.q, inp.k_new, inp.v_new, inp.k_pool, inp.v_pool, meta, inp.sinks)
+    fn = jax.jit(lambda q, kn, vn, k, v, m, s, c: extend_attention_mgpu(q, kn, vn, k, v, m, sinks=s, custom_mask=c,
+                                                                         config=config, **features))
+    return lambda: fn(inp.q, inp.k_new, inp.v_new, inp.k_pool, inp.v_pool, meta, inp.sinks, inp.custom_mask)
 
 
 def extend_reference(inp: Inputs):

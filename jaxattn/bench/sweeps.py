@@ -64,7 +64,7 @@ def sweep_variants(op: str, case: Case):
         from jaxattn.impl.mgpu_extend import MGPU_HEAD_DIMS
         from jaxattn.tuning import MgpuExtendConfig
 
-        if (case.head_dim, case.dv) in MGPU_HEAD_DIMS and not case.tree:
+        if (case.head_dim, case.dv) in MGPU_HEAD_DIMS:
             for block_kv in (64, 128):
                 for stages in (2, 3, 4):
                     config = MgpuExtendConfig(block_kv=block_kv, stages=stages)

@@ -62,7 +62,7 @@ HEAD_DIMS_TEXT = ", ".join(f"{qk}/{v}" for qk, v in MGPU_HEAD_DIMS)  # for messa
 
 # The score features of `ExtendCall.features` the kernel takes, per form (static flags; off, the plain kernel is
 # unchanged). The unified form's tiles sit at fixed listed-key offsets; a window would move them with the list's start.
-MGPU_FEATURES = {"two_stage": ("sliding window", "soft cap", "sinks", "xai temperature", "non-causal"),
+MGPU_FEATURES = {"two_stage": ("sliding window", "soft cap", "sinks", "xai temperature", "non-causal", "custom mask"),
                  "unified": ("soft cap", "sinks", "xai temperature", "non-causal")}
 _FEATURE_NAMES = {"custom mask": "a custom mask", "sliding window": "a sliding window"}
 
@@ -78,6 +78,8 @@ def _unsupported(dtype, qk_head_dim, v_head_dim, features, launch_mode, form="tw
         return ", ".join(declined) + (" in the unified form" if form == "unified" else "")
     if "sliding window" in features and "non-causal" in features:
         return "a sliding window with non-causal attention"
+    if "sliding window" in features and "custom mask" in features:
+        return "a custom mask with a sliding window"
     if launch_mode != "gpu":
         return "no GPU (or an interpreted launch mode)"
     if not hardware.is_sm90():
@@ -140,7 +142,8 @@ def _run(call: ExtendCall):
     return _run_kernel(call.q, call.k_new, call.v_new, k_pool, v_pool, meta, call.sm_scale, config,
                        causal=call.causal, sliding_window=call.sliding_window, logit_cap=call.logit_cap, sinks=call.sinks,
                        xai_temperature_len=call.xai_temperature_len, kv_start_pos=call.kv_start_pos,
-                       prefix_lens=meta.prefix_lens if call.form == "unified" else None)
+                       prefix_lens=meta.prefix_lens if call.form == "unified" else None, custom_mask=call.custom_mask,
+                       skip_prefix_custom_mask=call.skip_prefix_custom_mask)
 
 
 def dequantised_prefix(k_pool, v_pool, meta: ExtendMetadata | ExtendUnifiedMetadata, kv_scales, dtype):
@@ -163,8 +166,8 @@ IMPLEMENTATION = Implementation("mgpu", _declines_form("two_stage"), _run)
 UNIFIED = Implementation("mgpu-unified", _declines_form("unified"), _run)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "sliding_window", "logit_cap", "xai_temperature_len", "sm_scale",
-                                             "config"))
+@functools.partial(jax.jit, static_argnames=("causal", "skip_prefix_custom_mask", "sliding_window", "logit_cap",
+                                             "xai_temperature_len", "sm_scale", "config"))
 def extend_attention_mgpu(
     q: jax.Array,
     k_new: jax.Array,
@@ -174,6 +177,8 @@ def extend_attention_mgpu(
     meta: ExtendMetadata,
     *,
     causal: bool = True,
+    custom_mask: jax.Array | None = None,
+    skip_prefix_custom_mask: bool = True,
     sliding_window: int = -1,
     logit_cap: float = 0.0,
     sinks: jax.Array | None = None,
@@ -191,6 +196,10 @@ def extend_attention_mgpu(
         lists each sequence's prefix slots.
       meta: `ExtendMetadata` from `jaxattn.metadata.extend_metadata`, its prefix lists cut for a window or full.
       causal: False: every query sees its whole prefix and all its sequence's new tokens (encoder tokens).
+      custom_mask: bool/u8 flat, sequence b's rows at meta.mask_indptr[b], row-major [q_len, prefix_len + q_len]
+        (speculative tree verify); replaces causal. The kernel gathers the entries of the tiles it masks: the new-key
+        tiles, and with skip_prefix_custom_mask=False the prefix tiles too (True: prefix columns read as visible,
+        as SGLang's backend does). Not with a sliding window.
       sliding_window: W >= 0 (causal only): a query sees keys with q_pos - k_pos <= W (W + 1 keys); <=
         meta.sliding_window when the lists were cut for a window. The kernel loads and computes only the K/V tiles
         the window reaches.
@@ -206,8 +215,8 @@ def extend_attention_mgpu(
       qo_indptr[-1], and rows of a sequence past meta.max_extend_len, are 0.
     """
     check_array("q", q, ndim=3, dtypes=MGPU_DTYPES, what="[tokens, q_heads, qk_head_dim] bf16/f16")
-    check_extend_args(q, k_pool, v_pool, meta, meta_type=ExtendMetadata, builder="extend_metadata", custom_mask=None,
-                      sinks=sinks, sliding_window=sliding_window, logit_cap=logit_cap,
+    check_extend_args(q, k_pool, v_pool, meta, meta_type=ExtendMetadata, builder="extend_metadata",
+                      custom_mask=custom_mask, sinks=sinks, sliding_window=sliding_window, logit_cap=logit_cap,
                       xai_temperature_len=xai_temperature_len, sm_scale=sm_scale)
     check_new_tokens(q, k_new, v_new, k_pool, v_pool)
     if is_fp8(k_pool.dtype) or is_fp8(v_pool.dtype):
@@ -217,11 +226,15 @@ def extend_attention_mgpu(
     if sliding_window >= 0 and not causal:
         raise ValueError("extend_attention_mgpu takes a sliding_window with causal=True only (use "
                          "jaxattn.extend.extend_attention)")
+    if sliding_window >= 0 and custom_mask is not None:
+        raise ValueError("extend_attention_mgpu takes a custom_mask without a sliding_window only (use "
+                         "jaxattn.extend.extend_attention)")
     config = _config(config, q.shape[2], v_pool.shape[2])
     sm_scale = 1.0 / math.sqrt(q.shape[2]) if sm_scale is None else float(sm_scale)
     return _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale, config, causal=causal,
                        sliding_window=sliding_window, logit_cap=logit_cap, sinks=sinks,
-                       xai_temperature_len=xai_temperature_len, kv_start_pos=meta.kv_start_pos)
+                       xai_temperature_len=xai_temperature_len, kv_start_pos=meta.kv_start_pos, custom_mask=custom_mask,
+                       skip_prefix_custom_mask=skip_prefix_custom_mask)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "logit_cap", "xai_temperature_len", "sm_scale", "config"))
@@ -274,9 +287,11 @@ def extend_attention_unified_mgpu(
 
 
 def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: MgpuExtendConfig, *, causal: bool,
-                sliding_window: int, logit_cap: float, sinks, xai_temperature_len: int, kv_start_pos, prefix_lens=None):
+                sliding_window: int, logit_cap: float, sinks, xai_temperature_len: int, kv_start_pos, prefix_lens=None,
+                custom_mask=None, skip_prefix_custom_mask=True):
     """The kernel launch on checked arguments (the registry's routes and `extend_attention_mgpu` share it).
-    prefix_lens (i32[batch]): the unified form (k_new, v_new unused: every key from the pool)."""
+    prefix_lens (i32[batch]): the unified form (k_new, v_new unused: every key from the pool). custom_mask: flat
+    bool/u8 at meta.mask_indptr (two-stage form)."""
     from jaxattn.kernels.extend_attention_mgpu import extend_attention_mgpu_kernel
     tokens, q_heads = q.shape[:2]
     v_dim = v_pool.shape[2]
@@ -295,6 +310,10 @@ def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: 
     if kv_indices.shape[0] == 0:  # a kernel operand needs an address; no row of it is listed
         kv_indices = jnp.zeros((1,), kv_indices.dtype)
     xai = int(xai_temperature_len) if xai_temperature_len > 0 else -1
+    if custom_mask is not None:
+        # u8 (a bool mask is copied: its bytes are 0/1 already, but XLA does not bitcast bool). An empty mask hides
+        # every key: one 0 entry stands in for it (the kernel never reads past an operand's length).
+        custom_mask = custom_mask.astype(jnp.uint8) if custom_mask.shape[0] else jnp.zeros((1,), jnp.uint8)
     extend_attention_mgpu_kernel(
         q, None if unified else k_new, None if unified else v_new, k_pool, v_pool, kv_indices,
         meta.qo_indptr.astype(jnp.int32), meta.kv_indptr.astype(jnp.int32), out_ref,
@@ -306,8 +325,10 @@ def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: 
         logit_cap=float(logit_cap) if logit_cap > 0 else 0.0,
         sinks=None if sinks is None else sinks.astype(jnp.float32),
         xai_temperature_len=xai,
-        kv_start_pos=kv_start_pos.astype(jnp.int32) if xai > 0 else None,
+        kv_start_pos=kv_start_pos.astype(jnp.int32) if xai > 0 or custom_mask is not None else None,
         prefix_lens=prefix_lens.astype(jnp.int32) if unified else None,
+        custom_mask=custom_mask, mask_indptr=None if custom_mask is None else meta.mask_indptr,
+        skip_prefix_custom_mask=bool(skip_prefix_custom_mask),
         # Whole new-key tiles by TMA where Mosaic allows it (an array of whole 8-row tiles, no shorter than a box).
         tma_new_tiles=not unified and tokens % 8 == 0 and tokens >= config.block_kv,
     )

@@ -1,7 +1,8 @@
 """Extend attention for Hopper as a Pallas Mosaic GPU kernel: warp-specialised, paged K/V by cp.async, wgmma.
 
 The FlashAttention-3 schedule (the structure of JAX's `pallas/ops/gpu/attention_mgpu.py`), made ragged and paged
-for serving: one CTA = 2 * block_q new tokens of one sequence x one q head, three warpgroups:
+for serving: one CTA = 2 * block_q new tokens of one sequence x one q head (for short extends block_q tokens x two
+q heads of one kv head, `heads_per_cta`), three warpgroups:
 
 * warpgroup 2 (producer, 40 registers) streams the sequence's K/V tiles into a `stages`-deep ring of shared memory:
   first the cached prefix, row by row from the pool through kv_indices, then the new tokens (k_new/v_new rows
@@ -333,7 +334,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                                  max_extend_len, sm_scale, block_q, block_kv, stages, tma_new_tiles, o_rows_columns,
                                  causal=True, sliding_window=-1, logit_cap=0.0, sinks=None, xai_temperature_len=-1,
                                  kv_start_pos=None, prefix_lens=None, custom_mask=None, mask_indptr=None,
-                                 skip_prefix_custom_mask=True):
+                                 skip_prefix_custom_mask=True, heads_per_cta=1):
     """Runs the kernel; writes `out_ref` in place (rows it does not own are left as they were).
 
     q: [q_rows, q_heads, qk_dim] (q_rows a multiple of 8, >= block_q: Q/O move by TMA in 8-row tiles);
@@ -346,6 +347,9 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
     o_rows_columns: the width of the row-sliceable O buffer a partial q tile is stored through, in column chunks
       (v_dim, or a divisor of it when v_dim == qk_dim: at 256/256 a [block_q, 256] buffer per warpgroup would not fit
       beside Q and the ring; `MgpuExtendConfig.o_rows_columns` is the rule).
+    heads_per_cta: 1, or 2 (two q heads of one kv head per CTA, each consumer warpgroup taking the same block_q
+      rows of its own head: for short extends, e.g. a verify step's drafts, where a 2 * block_q-row tile of one
+      head would be mostly empty; needs (q_heads // kv_heads) % 2 == 0).
     tma_new_tiles: load new-key tiles that lie wholly before the batch's last token by TMA (needs tokens a multiple
       of 8 and >= block_kv: Mosaic's TMA moves whole 8-row tiles, no taller than the array); the others by cp.async.
 
@@ -379,7 +383,10 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
     batch = qo_indptr.shape[0] - 1
     group = q_heads // kv_heads
     dtype = q.dtype
-    cta_rows = COMPUTE_WARPGROUPS * block_q
+    if heads_per_cta not in (1, COMPUTE_WARPGROUPS) or group % heads_per_cta:
+        raise ValueError(f"heads_per_cta must be 1, or 2 with an even q/kv head group; got {heads_per_cta} at group {group}")
+    packed = heads_per_cta > 1
+    cta_rows = COMPUTE_WARPGROUPS * block_q // heads_per_cta
     q_tiles = -(-(max_extend_len + 7) // cta_rows)  # + 7: tiles start up to 7 rows before a sequence
     window = int(sliding_window) if sliding_window is not None and sliding_window >= 0 else None
     if window is not None and (unified or not causal):
@@ -403,7 +410,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
     def body(qo_indptr_ref, kv_indptr_ref, kv_indices_ref, q_ref, k_new_ref, v_new_ref, k_pool_ref, v_pool_ref,
              sinks_ref, start_pos_ref, prefix_lens_ref, mask_ref, mask_indptr_ref, out_gmem, scoped):
         (qo_smem2, o_rows_smem2, k_smem, v_smem, kv_bars), (k_ready, v_ready, q_ready), (k_free, v_free), schedule = scoped
-        head = lax.axis_index("heads")
+        cta_head = lax.axis_index("heads") * heads_per_cta  # the CTA's (first) q head
         seq = lax.axis_index("seq")
         # Reversed: the q tiles with the most causal work start first, the short ones fill the tail.
         tile = (q_tiles - 1) - lax.axis_index("q_tiles")
@@ -485,7 +492,10 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
             def _consumer():
                 plgpu.set_max_registers(232, action="increase")
                 qo_smem = qo_smem2.at[wg]
-                wg_row = cta_row + wg * block_q  # this warpgroup's first query row (it may hold no valid row)
+                # This warpgroup's q head and first query row (it may hold no valid row): packed, the CTA's rows of
+                # head cta_head + wg; else rows wg * block_q on of the CTA's head.
+                head = cta_head + wg if packed else cta_head
+                wg_row = cta_row if packed else cta_row + wg * block_q
                 wg_rel = wg_row - base  # ... counted from base, as key tile offsets are
                 t0 = wg_row - q_start  # its row 0, from the sequence's first new token (< 0: previous sequence)
                 wg_last_row = jnp.minimum(wg_row + block_q, q_end) - 1
@@ -737,7 +747,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
             @pl.when(wg == COMPUTE_WARPGROUPS)
             def _producer():
                 plgpu.set_max_registers(40, action="decrease")
-                kv_head = lax.div(head, jnp.int32(group))
+                kv_head = lax.div(cta_head, jnp.int32(group))  # packed heads share it (an even group)
 
                 def sources_of(step):
                     # Prefix tiles: slots kv_indices[kv_start + step * block_kv + r]; new-key tiles: rows from base.
@@ -814,7 +824,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
     plgpu.kernel(
         entry,
         out_type=(),
-        grid=(q_heads, q_tiles, batch),
+        grid=(q_heads // heads_per_cta, q_tiles, batch),
         grid_names=("heads", "q_tiles", "seq"),
         num_threads=COMPUTE_WARPGROUPS + 1,
         thread_name="wg",

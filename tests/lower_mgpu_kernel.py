@@ -45,6 +45,9 @@ SHAPES = [  # label, tokens, q heads, kv heads, head dim, dtype, config, feature
     ("mask-128-bf16-tma", 512, 8, 2, 128, jnp.bfloat16, None, dict(mask=True)),
     ("mask-prefix-64-f16-cap-sinks-xai", 300, 4, 2, 64, jnp.float16, None,
      dict(mask=True, skip_prefix_custom_mask=False, logit_cap=5.0, sinks=True, xai_temperature_len=16)),
+    # Short extends (max_extend_len <= 64, an even group): two q heads per CTA; a verify step's mask, a window.
+    ("packed-mask-128-bf16-tma", 256, 8, 2, 128, jnp.bfloat16, None, dict(mask=True, max_extend_len=64)),
+    ("packed-window-64-f16", 300, 8, 4, 64, jnp.float16, None, dict(sliding_window=20, max_extend_len=40)),
 ]
 
 
@@ -59,14 +62,15 @@ def lower(tokens, hq, hkv, d, dtype, config, features=None, batch=3, slots=1000,
     if features.pop("mask", False):
         features["custom_mask"] = S((5000,), jnp.bool_)
     dv = features.pop("dv", d)
+    max_extend_len = features.pop("max_extend_len", 256)
     pool = (S((slots, hkv, d), dtype), S((slots, hkv, dv), dtype))
     if unified:
         meta = jax.eval_shape(lambda: extend_unified_metadata(idx(4, 600), idx(batch), idx(batch), idx(batch), idx(tokens),
-                                                              max_extend_len=256, kv_capacity=capacity))
+                                                              max_extend_len=max_extend_len, kv_capacity=capacity))
         args = (S((tokens, hq, d), dtype), *pool, meta, sinks)
         call = lambda *a: extend_attention_unified_mgpu(*a[:-1], sinks=a[-1], config=config, **features)  # noqa: E731
     else:
-        meta = jax.eval_shape(lambda: extend_metadata(idx(4, 600), idx(batch), idx(batch), idx(batch), max_extend_len=256,
+        meta = jax.eval_shape(lambda: extend_metadata(idx(4, 600), idx(batch), idx(batch), idx(batch), max_extend_len=max_extend_len,
                                                       kv_capacity=capacity, sliding_window=cut))
         args = (S((tokens, hq, d), dtype), S((tokens, hkv, d), dtype), S((tokens, hkv, dv), dtype), *pool, meta, sinks)
         mask = features.pop("custom_mask", None)

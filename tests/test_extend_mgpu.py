@@ -17,6 +17,7 @@ from jaxattn.extend import (
     extend_unified_metadata,
 )
 from jaxattn.extend_mgpu import MgpuExtendConfig, extend_attention_mgpu, extend_attention_unified_mgpu, mgpu_unsupported
+from jaxattn.impl.mgpu_extend import heads_per_cta
 from jaxattn.reference import xai_temperature_scale
 from tests.helpers import HAS_GPU, random_normal, tolerance
 from tests.test_extend import assert_output, make_batch, ref_two_stage, ref_unified
@@ -349,6 +350,35 @@ def test_custom_mask_verify_step_matches_triton_kernel(rng):
         assert_output(o, ref_two_stage(batch, custom_mask=mask), batch, jnp.bfloat16)
 
 
+SHORT_EXTENDS = [
+    ("plain", dict()),
+    ("window-cap-sinks", dict(sliding_window=20, logit_cap=3.0, sinks=True)),
+    ("noncausal-xai", dict(causal=False, xai_temperature_len=20)),
+    ("tree-mask", dict(mask=True)),
+]
+
+
+@pytest.mark.parametrize("feature", SHORT_EXTENDS, ids=lambda f: f[0])
+@pytest.mark.parametrize("whole_tiles", [False, True], ids=["tokens-odd", "tokens-x8"])
+@pytest.mark.gpu
+@needs_hopper
+def test_two_heads_per_cta_match_reference(rng, feature, whole_tiles):
+    # Short extends (max_extend_len <= 64, group 4): each CTA runs two q heads of one kv head on the same rows, both
+    # forms; lengths 1-64 starting off the 8-row grid, empty ones, rows past max_extend_len absent.
+    prefix_lens, extend_lens = [0, 37, 128, 300, 5, 9], [1, 5, 64, 17, 0, 63]
+    batch = make_batch(rng, prefix_lens, extend_lens, hq=8, hkv=2, dqk=128, dtype=jnp.bfloat16, max_extend_len=64)
+    assert heads_per_cta(batch.meta.max_extend_len, 4, MgpuExtendConfig()) == 2
+    kw = _more_kwargs(rng, 8, feature[1])
+    if kw.pop("mask", False):
+        kw["custom_mask"] = _tree_masks(rng, prefix_lens, extend_lens)
+    q, k_new, v_new = _new_tokens(batch, whole_tiles)
+    o = extend_attention_mgpu(q, k_new, v_new, batch.k_pool, batch.v_pool, batch.meta, **kw)
+    assert_output(o, ref_two_stage(batch, **kw), batch, jnp.bfloat16)
+    if "sliding_window" not in kw and "custom_mask" not in kw:
+        args = (batch.q, batch.k_pool_unified, batch.v_pool_unified, batch.meta_unified)
+        assert_output(extend_attention_unified_mgpu(*args, **kw), ref_unified(batch, **kw), batch, jnp.bfloat16)
+
+
 def test_head_dim_256_tiles_fit_shared_memory():
     # The rule the kernel's buffers follow (MgpuExtendConfig.o_rows_columns): at 256/256 only partial tiles use the O
     # buffer, 64 columns wide; the table's tile then fits sm_90's 227 KB, a 128-key tile does not.
@@ -656,11 +686,13 @@ def test_barrier_protocol_never_hangs(tma_new_tiles):
     import random
 
     rng = random.Random(0)
-    block_q, cta_rows = 64, 128
+    block_q = 64
     cdiv = lambda x, d: -(-x // d)  # noqa: E731
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     cases = 0
-    for block_kv, stages in ((128, 2), (64, 3), (64, 2)):
+    # (tile, stages, heads per CTA): two heads per CTA (short extends) give both warpgroups the CTA's block_q rows.
+    for block_kv, stages, packed in ((128, 2, False), (64, 3, False), (64, 2, False), (128, 2, True), (64, 3, True)):
+        cta_rows = block_q if packed else 2 * block_q
         for q_start, prefix_len, q_len in ((5, 300, 257), (0, 0, 130), (13, 1000, 70), (8, 64, 700)):
             base, lead = q_start // 8 * 8, q_start % 8
             q_end = q_start + q_len
@@ -676,7 +708,7 @@ def test_barrier_protocol_never_hangs(tma_new_tiles):
                                                           window=window, block_kv=block_kv))
                     ranges = []
                     for wg in (0, 1):
-                        wg_row = cta_row + wg * block_q
+                        wg_row = cta_row if packed else cta_row + wg * block_q
                         wg_steps = pre_steps + cdiv(min(wg_row + block_q, q_end) - base, block_kv)
                         wg_first = first
                         if window >= 0:
@@ -798,10 +830,11 @@ class _RowScale:
 
 
 def _kernel_model(q, k_new, v_new, k_pool, v_pool, meta, *, window, logit_cap, sinks, block_kv, block_q=64, causal=True,
-                  xai=-1, custom_mask=None, skip_prefix_custom_mask=True):
+                  xai=-1, custom_mask=None, skip_prefix_custom_mask=True, heads_per_cta=1):
     """numpy model of the kernel's consumer warpgroups, f32: the CTA and warpgroup step ranges from the kernel's own
     helpers, its loop order and mask kinds (`kv_step`), base-2 online softmax from m_init, sinks at the end. A
-    custom mask is gathered per tile as `custom_mask_tile` reads it (flat index, entries outside the mask hidden)."""
+    custom mask is gathered per tile as `custom_mask_tile` reads it (flat index, entries outside the mask hidden).
+    heads_per_cta=2: block_q-row CTAs, both warpgroups on the same rows (the model runs every head at once)."""
     from jaxattn.kernels.extend_attention_mgpu import cta_window_first_step, warpgroup_window_steps
 
     cdiv = lambda x, d: -(-x // d)  # noqa: E731
@@ -814,8 +847,8 @@ def _kernel_model(q, k_new, v_new, k_pool, v_pool, meta, *, window, logit_cap, s
     sm_scale = 1 / np.sqrt(d)
     qo, kvp, kvi = (np.asarray(x) for x in (meta.qo_indptr, meta.kv_indptr, meta.kv_indices))
     start_pos = np.asarray(meta.kv_start_pos)
-    cta_rows = 2 * block_q
-    q_pad = np.zeros((cdiv(tokens, 8) * 8 + 2 * cta_rows, hq, d), np.float32)
+    cta_rows = 2 * block_q // heads_per_cta
+    q_pad = np.zeros((cdiv(tokens, 8) * 8 + 4 * block_q, hq, d), np.float32)
     q_pad[:tokens] = q
     out = np.zeros((len(q_pad), hq, d_v), np.float32)
     token_end = min(qo[-1], tokens)
@@ -859,7 +892,7 @@ def _kernel_model(q, k_new, v_new, k_pool, v_pool, meta, *, window, logit_cap, s
             if window >= 0:
                 first_step = int(cta_window_first_step(cta_row, q_start, prefix_len, lead, pre_steps, cta_steps,
                                                        window=window, block_kv=block_kv))
-            for wg in range(2):
+            for wg in range(2 // heads_per_cta):
                 wg_row = cta_row + wg * block_q
                 wg_rel = wg_row - base
                 t0 = wg_row - q_start
@@ -1052,11 +1085,12 @@ def test_kernel_model_with_custom_masks_matches_reference(rng):
                                max_extend_len=140)
             mask = _tree_masks(rng, prefix_lens, extend_lens, blind_row=None if skip_prefix else (2, 3))
             kw = dict(custom_mask=mask, skip_prefix_custom_mask=skip_prefix)
-            o = _kernel_model(batch.q, batch.k_new, batch.v_new, batch.k_pool, batch.v_pool, batch.meta, window=-1,
-                              logit_cap=0.0, sinks=None, block_kv=block_kv, **kw)
             ref = np.float32(ref_two_stage(batch, **kw))
-            np.testing.assert_allclose(o[: batch.tokens], ref[: batch.tokens], atol=2e-5, rtol=2e-5,
-                                       err_msg=f"kv{block_kv} skip_prefix={skip_prefix}")
+            for packed in (1, 2):  # two heads per CTA as a verify step's short extends take them
+                o = _kernel_model(batch.q, batch.k_new, batch.v_new, batch.k_pool, batch.v_pool, batch.meta, window=-1,
+                                  logit_cap=0.0, sinks=None, block_kv=block_kv, heads_per_cta=packed, **kw)
+                np.testing.assert_allclose(o[: batch.tokens], ref[: batch.tokens], atol=2e-5, rtol=2e-5,
+                                           err_msg=f"kv{block_kv} skip_prefix={skip_prefix} heads_per_cta {packed}")
             if not skip_prefix:  # the blind row (sequence 2 starts at row 130 + 5) is 0, not NaN
                 np.testing.assert_array_equal(o[130 + 5 + 3], 0.0)
 
@@ -1080,8 +1114,11 @@ def test_kernel_model_on_random_batches(rng):
                            max_extend_len=max(max(extend_lens), 1))
         model = dict(logit_cap=kw["logit_cap"], sinks=kw.get("sinks"), block_kv=block_kv, causal=causal,
                      xai=kw["xai_temperature_len"])
-        context = f"trial {trial}: {prefix_lens} {extend_lens} {block_kv} {kw}"
-        o = _kernel_model(batch.q, batch.k_new, batch.v_new, batch.k_pool, batch.v_pool, batch.meta, window=window, **model)
+        # Two heads per CTA where the kernel's rule packs them (short extends; hq=2 over one kv head).
+        packed = heads_per_cta(batch.meta.max_extend_len, 2, MgpuExtendConfig(block_kv=block_kv))
+        context = f"trial {trial}: {prefix_lens} {extend_lens} {block_kv} {kw} heads_per_cta {packed}"
+        o = _kernel_model(batch.q, batch.k_new, batch.v_new, batch.k_pool, batch.v_pool, batch.meta, window=window,
+                          heads_per_cta=packed, **model)
         np.testing.assert_allclose(o[: batch.tokens], np.float32(ref_two_stage(batch, **kw))[: batch.tokens], atol=2e-5,
                                    rtol=2e-5, err_msg=context)
         if window < 0:
@@ -1204,4 +1241,4 @@ def test_lowers_for_cuda_on_cpu():
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     from tests.lower_mgpu_kernel import SHAPES as LOWERED
 
-    assert run.stdout.count("ok ") == len(LOWERED) == 22, run.stdout
+    assert run.stdout.count("ok ") == len(LOWERED) == 24, run.stdout

@@ -286,6 +286,13 @@ def extend_attention_unified_mgpu(
                        kv_start_pos=meta.kv_start_pos, prefix_lens=meta.prefix_lens)
 
 
+def heads_per_cta(max_extend_len: int, group: int, config: MgpuExtendConfig) -> int:
+    """Q heads per CTA: 2 (each consumer warpgroup its own head's block_q rows, one K/V stream for both) when no
+    sequence has more new tokens than one warpgroup's rows and the group is even, as in a verify step (64 drafts
+    per sequence: a one-head CTA's second warpgroup would compute rows of the next sequence); else 1."""
+    return 2 if max_extend_len <= config.block_q and group % 2 == 0 else 1
+
+
 def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: MgpuExtendConfig, *, causal: bool,
                 sliding_window: int, logit_cap: float, sinks, xai_temperature_len: int, kv_start_pos, prefix_lens=None,
                 custom_mask=None, skip_prefix_custom_mask=True):
@@ -329,6 +336,7 @@ def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: 
         prefix_lens=prefix_lens.astype(jnp.int32) if unified else None,
         custom_mask=custom_mask, mask_indptr=None if custom_mask is None else meta.mask_indptr,
         skip_prefix_custom_mask=bool(skip_prefix_custom_mask),
+        heads_per_cta=heads_per_cta(meta.max_extend_len, q_heads // k_pool.shape[1], config),
         # Whole new-key tiles by TMA where Mosaic allows it (an array of whole 8-row tiles, no shorter than a box).
         tma_new_tiles=not unified and tokens % 8 == 0 and tokens >= config.block_kv,
     )

@@ -26,10 +26,12 @@ Features, each a static flag that adds code only when on: a sliding window (the 
 its first query row's window reaches, `window_first_step`; producer and consumers count ring uses and cp.async
 phases from that step; tiles reaching below a warpgroup's window are masked per row), a soft cap (tanh.approx.f32
 before the mask, cap * log2(e) folded into the exponent's FMA), attention sinks (folded into the denominator at
-the end), xai temperature (a per-row factor of the exponent's scale, computed once per warpgroup) and non-causal
+the end), xai temperature (a per-row factor of the exponent's scale, computed once per warpgroup), non-causal
 calls (every CTA takes the sequence's whole prefix and all its new keys; tiles holding another sequence's keys are
-masked). q/k and v head dims may differ (192/128): O then goes through its own buffer. At 256/256 a partial q tile
-is stored through a 64-column buffer in four chunks (a whole-width one would not fit beside Q and the ring).
+masked) and custom masks (SGLang's flat byte mask, e.g. a speculative draft tree: the non-causal schedule, each
+masked tile's entries gathered into the accumulator's layout by `custom_mask_tile`). q/k and v head dims may differ
+(192/128): O then goes through its own buffer. At 256/256 a partial q tile is stored through a 64-column buffer in
+four chunks (a whole-width one would not fit beside Q and the ring).
 
 The unified form (`prefix_lens` given; no k_new/v_new): every key comes from the pool through one list per sequence,
 all tiles by cp.async at fixed listed-key offsets from step 0, the CTA taking the tiles up to its last row's listed
@@ -493,7 +495,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                 plgpu.set_max_registers(232, action="increase")
                 qo_smem = qo_smem2.at[wg]
                 # This warpgroup's q head and first query row (it may hold no valid row): packed, the CTA's rows of
-                # head cta_head + wg; else rows wg * block_q on of the CTA's head.
+                # head cta_head + wg; else the CTA's head, rows from cta_row + wg * block_q.
                 head = cta_head + wg if packed else cta_head
                 wg_row = cta_row if packed else cta_row + wg * block_q
                 wg_rel = wg_row - base  # ... counted from base, as key tile offsets are

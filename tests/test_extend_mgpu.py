@@ -245,6 +245,22 @@ def test_unified_rows_with_no_key_are_zero(rng):
     np.testing.assert_allclose(o[20:29], want[20:29], **tolerance(jnp.bfloat16))
 
 
+def _assert_both_forms_match_reference(batch, kw, whole_tiles):
+    """A bf16 batch through the two-stage kernel (also what `extend_attention` picks) and, without a window, the
+    unified one, each against the reference."""
+    q, k_new, v_new = _new_tokens(batch, whole_tiles)
+    o = extend_attention_mgpu(q, k_new, v_new, batch.k_pool, batch.v_pool, batch.meta, **kw)
+    assert o.shape == q.shape[:2] + batch.v_pool.shape[2:] and o.dtype == jnp.bfloat16
+    assert_output(o, ref_two_stage(batch, **kw), batch, jnp.bfloat16)
+    np.testing.assert_array_equal(  # the default route takes these calls
+        np.float32(extend_attention(q, k_new, v_new, batch.k_pool, batch.v_pool, batch.meta, **kw)), np.float32(o))
+    if "sliding_window" not in kw:
+        args = (batch.q, batch.k_pool_unified, batch.v_pool_unified, batch.meta_unified)
+        o = extend_attention_unified_mgpu(*args, **kw)
+        assert_output(o, ref_unified(batch, **kw), batch, jnp.bfloat16)
+        np.testing.assert_array_equal(np.float32(extend_attention_unified(*args, **kw)), np.float32(o))
+
+
 # DeepSeek's non-absorbed prefill: q/k head dim 192, v 128 (its own O buffer, 64-key tiles), both forms, features.
 HEAD_DIMS_192 = [
     ("plain", dict()),
@@ -261,17 +277,7 @@ def test_head_dims_192_128_match_reference(rng, feature, whole_tiles):
     batch = make_batch(rng, [0, 37, 128, 300], [130, 5, 64, 257], hq=4, hkv=4, dqk=192, dv=128, dtype=jnp.bfloat16,
                        max_extend_len=266)
     kw = _more_kwargs(rng, 4, feature[1])
-    q, k_new, v_new = _new_tokens(batch, whole_tiles)
-    o = extend_attention_mgpu(q, k_new, v_new, batch.k_pool, batch.v_pool, batch.meta, **kw)
-    assert o.shape == q.shape[:2] + (128,) and o.dtype == jnp.bfloat16
-    assert_output(o, ref_two_stage(batch, **kw), batch, jnp.bfloat16)
-    np.testing.assert_array_equal(  # the default route takes these calls
-        np.float32(extend_attention(q, k_new, v_new, batch.k_pool, batch.v_pool, batch.meta, **kw)), np.float32(o))
-    if "sliding_window" not in kw:
-        args = (batch.q, batch.k_pool_unified, batch.v_pool_unified, batch.meta_unified)
-        o = extend_attention_unified_mgpu(*args, **kw)
-        assert_output(o, ref_unified(batch, **kw), batch, jnp.bfloat16)
-        np.testing.assert_array_equal(np.float32(extend_attention_unified(*args, **kw)), np.float32(o))
+    _assert_both_forms_match_reference(batch, kw, whole_tiles)
 
 
 # Gemma's head dim 256 (64-key tiles; a partial q tile stored in four 64-column chunks), both forms, its features.
@@ -291,17 +297,7 @@ def test_head_dim_256_matches_reference(rng, feature, whole_tiles):
     batch = make_batch(rng, [0, 37, 128, 300], [130, 5, 64, 257], hq=8, hkv=4, dqk=256, dtype=jnp.bfloat16,
                        max_extend_len=266)
     kw = _more_kwargs(rng, 8, feature[1])
-    q, k_new, v_new = _new_tokens(batch, whole_tiles)
-    o = extend_attention_mgpu(q, k_new, v_new, batch.k_pool, batch.v_pool, batch.meta, **kw)
-    assert o.shape == q.shape and o.dtype == jnp.bfloat16
-    assert_output(o, ref_two_stage(batch, **kw), batch, jnp.bfloat16)
-    np.testing.assert_array_equal(  # the default route takes these calls
-        np.float32(extend_attention(q, k_new, v_new, batch.k_pool, batch.v_pool, batch.meta, **kw)), np.float32(o))
-    if "sliding_window" not in kw:
-        args = (batch.q, batch.k_pool_unified, batch.v_pool_unified, batch.meta_unified)
-        o = extend_attention_unified_mgpu(*args, **kw)
-        assert_output(o, ref_unified(batch, **kw), batch, jnp.bfloat16)
-        np.testing.assert_array_equal(np.float32(extend_attention_unified(*args, **kw)), np.float32(o))
+    _assert_both_forms_match_reference(batch, kw, whole_tiles)
 
 
 CUSTOM_MASKS = [
@@ -1167,8 +1163,8 @@ def test_extend_attention_picks_the_kernel(rng):
     if _is_hopper():
         mgpu = extend_attention_mgpu(*args)
         np.testing.assert_array_equal(np.float32(extend_attention(*args)), np.float32(mgpu))  # the default
-        with pytest.raises(ValueError, match="impl='mgpu'.*a custom mask"):
-            extend_attention(*args, custom_mask=jnp.ones(8 * 12 + 5 * 14, bool), impl="mgpu")
+        with pytest.raises(ValueError, match="impl='mgpu'.*a custom mask with a sliding window"):
+            extend_attention(*args, custom_mask=jnp.ones(8 * 12 + 5 * 14, bool), sliding_window=4, impl="mgpu")
     else:
         with pytest.raises(ValueError, match="impl='mgpu'.*no GPU"):
             extend_attention(*args, impl="mgpu")

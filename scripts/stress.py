@@ -77,6 +77,7 @@ class Profile:
     per_head_scales: bool = False  # fp8: one scale per kv head instead of one per layer
     tokens: int = 1  # decode only: query tokens per sequence (a verify step: the last `tokens` keys are theirs)
     tree: bool = False  # decode with tokens > 1: a random draft tree (draft_mask) instead of causal
+    ext_bucket: int = 0  # extend only: max_extend_len when not the shapes' (<= 64: a verify step's short extends)
 
     def pool_dtype(self):
         return jnp.dtype(self.kv_dtype or self.dtype)
@@ -137,6 +138,8 @@ def profiles(shapes: str) -> list[Profile]:
         Profile("deepseek-mha-192", 16, 16, 192, 128, "bfloat16", window=0),
         Profile("mqa-group32-fp16", 32, 1, 128, 128, "float16", sinks=True),
         Profile("tree-mask", 32, 8, 128, 128, "bfloat16", mask=True),
+        # A verify step's short extends (max_extend_len 64): two q heads per CTA on the Mosaic GPU kernel.
+        Profile("verify-tree-64", 32, 8, 128, 128, "bfloat16", mask=True, ext_bucket=64, sinks=True),
         Profile("noncausal", 8, 8, 64, 64, "float16", causal=False, logit_cap=20.0),
         # fp8 pools read by the kernels (issue 26): per-layer and per-head scales, both formats, GQA / MLA / sinks.
         Profile("llama-gqa4-fp8", 32, 8, 128, 128, "bfloat16", kv_dtype="float8_e4m3fn"),
@@ -300,11 +303,12 @@ class ExtendRunner:
     def __init__(self, profile: Profile, shapes: Shapes, mode: str, seed: int):
         self.p, self.s, self.mode = profile, shapes, mode
         self.dtype = jnp.dtype(profile.dtype)
-        self.ctx = shapes.ext_max_prefix + shapes.ext_bucket
+        self.bucket = profile.ext_bucket or shapes.ext_bucket
+        self.ctx = shapes.ext_max_prefix + self.bucket
         self.slots = shapes.ext_batch * self.ctx + 64
         self.capacity = shapes.ext_batch * self.ctx
-        self.tokens = shapes.ext_batch * shapes.ext_bucket
-        self.mask_len = shapes.ext_batch * shapes.ext_bucket * self.ctx
+        self.tokens = shapes.ext_batch * self.bucket
+        self.mask_len = shapes.ext_batch * self.bucket * self.ctx
         key = jax.random.PRNGKey(seed)
         k1, k2, self.key = jax.random.split(key, 3)
         self.k_pool = scaled_pool(jax.random.normal(k1, (self.slots, profile.kv_heads, profile.qk_dim)), profile, "k").at[0].set(jnp.nan)
@@ -316,7 +320,7 @@ class ExtendRunner:
         self.uni = functools.partial(extend_attention_unified, mode=mode, **kw)
         self.two_ref = jax.jit(functools.partial(extend_attention_reference, skip_prefix_custom_mask=False, **kw))
         self.uni_ref = jax.jit(functools.partial(extend_attention_unified_reference, **kw))
-        common = dict(max_extend_len=shapes.ext_bucket, kv_capacity=self.capacity, sliding_window=p.window, mode=mode)
+        common = dict(max_extend_len=self.bucket, kv_capacity=self.capacity, sliding_window=p.window, mode=mode)
         self.meta = jax.jit(functools.partial(extend_metadata, **common))
         self.meta_u = jax.jit(functools.partial(extend_unified_metadata, **common))
         self.write = jax.jit(write_kv, donate_argnums=(0, 1))
@@ -324,7 +328,7 @@ class ExtendRunner:
     def run(self, rng, index):
         p, s = self.p, self.s
         prefix = random_lengths(rng, s.ext_batch, s.ext_max_prefix)
-        extend = random_lengths(rng, s.ext_batch, s.ext_bucket)
+        extend = random_lengths(rng, s.ext_batch, self.bucket)
         seq = prefix + extend
         tokens = int(extend.sum())
         slots = rng.permutation(np.arange(1, self.slots))[: int(seq.sum())].astype(np.int32)

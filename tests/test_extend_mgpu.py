@@ -1218,6 +1218,11 @@ def test_rejects_what_the_kernel_cannot_take(rng):
         MgpuExtendConfig(stages=1)
     with pytest.raises(ValueError, match="shared memory"):
         extend_attention_mgpu(batch.q, *args, config=MgpuExtendConfig(block_kv=128, stages=8))
+    mask = jnp.ones(8 * 12, bool)  # one sequence: [8 new, 4 + 8 keys]
+    with pytest.raises(ValueError, match="custom_mask must have dtype"):
+        extend_attention_mgpu(batch.q, *args, custom_mask=mask.astype(jnp.float32))
+    with pytest.raises(ValueError, match="custom_mask without a sliding_window"):
+        extend_attention_mgpu(batch.q, *args, custom_mask=mask, sliding_window=4)
 
 
 # This environment's own copy of jax's CUDA plugin (scripts/setup.sh puts one in each venv), else the pinned .venv's.

@@ -82,10 +82,7 @@ FEATURES = [
 
 
 def _feature_kwargs(rng, hq, window, logit_cap, sinks):
-    kw = dict(sliding_window=window, logit_cap=logit_cap)
-    if sinks:
-        kw["sinks"] = jnp.asarray(rng.standard_normal(hq) * 2.0, jnp.float32)
-    return kw
+    return _more_kwargs(rng, hq, dict(sliding_window=window, logit_cap=logit_cap, sinks=sinks))
 
 
 @pytest.mark.parametrize("feature", FEATURES, ids=lambda f: f[0])
@@ -672,19 +669,38 @@ def _cta_programs(first_step, cta_steps, wg_ranges, pre_steps, tail_step, uses, 
     return programs
 
 
+def _check_cta(first_step, cta_steps, wg_ranges, pre_steps, tail_step, *, stages, tma_new_tiles, windowed, rng,
+               interleavings=3):
+    """One CTA's barrier programs (cp.async parities from the kernel's `cp_async_uses`, counted from first_step when
+    windowed) run in `interleavings` random interleavings on fresh barriers; returns how many ran."""
+    from jaxattn.kernels.extend_attention_mgpu import cp_async_uses
+
+    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+    steps = np.arange(cta_steps + 1)
+    uses = np.asarray(cp_async_uses(i32(steps), i32(steps % stages), pre_steps=i32(pre_steps), tail_step=i32(tail_step),
+                                    stages=stages, first_step=i32(first_step) if windowed else None))
+    programs = _cta_programs(first_step, cta_steps, wg_ranges, pre_steps, tail_step, uses, stages=stages,
+                             tma_new_tiles=tma_new_tiles)
+    for _ in range(interleavings):
+        barriers = {("free", w, s): _Barrier(2) for w in (0, 1) for s in range(stages)}
+        barriers |= {(kind, w, s): _Barrier(1) for kind in ("ready", "kv") for w in (0, 1) for s in range(stages)}
+        barriers["schedule"] = _Barrier(2)
+        _run_protocol(programs, barriers, rng)
+    return interleavings
+
+
 @pytest.mark.parametrize("tma_new_tiles", [False, True], ids=["cp-async", "tma"])
 def test_barrier_protocol_never_hangs(tma_new_tiles):
     # CPU: every CTA's producer and consumers (their barrier operations in the kernel's order, step ranges and
     # cp.async parities from the kernel's own helpers) in random interleavings with loads landing late: no deadlock,
     # no wait passing early or on another tile's phase, with and without a window (head flushes included).
-    from jaxattn.kernels.extend_attention_mgpu import cp_async_uses, cta_window_first_step, warpgroup_window_steps
+    from jaxattn.kernels.extend_attention_mgpu import cta_window_first_step, warpgroup_window_steps
 
     import random
 
     rng = random.Random(0)
     block_q = 64
     cdiv = lambda x, d: -(-x // d)  # noqa: E731
-    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     cases = 0
     # (tile, stages, heads per CTA): two heads per CTA (short extends) give both warpgroups the CTA's block_q rows.
     for block_kv, stages, packed in ((128, 2, False), (64, 3, False), (64, 2, False), (128, 2, True), (64, 3, True)):
@@ -712,18 +728,8 @@ def test_barrier_protocol_never_hangs(tma_new_tiles):
                                 wg_row, q_start, q_end, prefix_len, lead, pre_steps, first, wg_steps, window=window,
                                 block_q=block_q, block_kv=block_kv)[0])
                         ranges.append((wg_first, wg_steps))
-                    steps = np.arange(cta_steps + 1)
-                    uses = np.asarray(cp_async_uses(i32(steps), i32(steps % stages), pre_steps=i32(pre_steps),
-                                                    tail_step=i32(tail_step), stages=stages,
-                                                    first_step=i32(first) if window >= 0 else None))
-                    programs = _cta_programs(first, cta_steps, ranges, pre_steps, tail_step, uses, stages=stages,
-                                             tma_new_tiles=tma_new_tiles)
-                    for _ in range(3):
-                        barriers = {("free", w, s): _Barrier(2) for w in (0, 1) for s in range(stages)}
-                        barriers |= {(kind, w, s): _Barrier(1) for kind in ("ready", "kv") for w in (0, 1) for s in range(stages)}
-                        barriers["schedule"] = _Barrier(2)
-                        _run_protocol(programs, barriers, rng)
-                        cases += 1
+                    cases += _check_cta(first, cta_steps, ranges, pre_steps, tail_step, stages=stages,
+                                        tma_new_tiles=tma_new_tiles, windowed=window >= 0, rng=rng)
     assert cases > 100
 
 
@@ -731,14 +737,11 @@ def test_barrier_protocol_never_hangs_unified_and_noncausal():
     # CPU: as above for the unified form (every step by cp.async, each warpgroup's causal step count from its last
     # row's listed position, the CTA's from its last row's; empty lists included) and for non-causal two-stage CTAs
     # (both warpgroups take every step of the sequence).
-    from jaxattn.kernels.extend_attention_mgpu import cp_async_uses
-
     import random
 
     rng = random.Random(1)
     block_q, cta_rows = 64, 128
     cdiv = lambda x, d: -(-x // d)  # noqa: E731
-    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     cases = 0
     for block_kv, stages in ((128, 2), (64, 3)):
         for q_start, q_prefix, q_len, listed in ((5, 300, 257, 557), (0, 0, 130, 130), (13, 1000, 70, 1070),
@@ -763,17 +766,8 @@ def test_barrier_protocol_never_hangs_unified_and_noncausal():
                     tail = two_pre + max((key_end - base) // block_kv, 0)
                     layouts.append((nc_steps, [(0, nc_steps)] * 2, two_pre, tail, True))
                 for steps_total, wg_ranges, pre, tail_step, tma in layouts:
-                    steps = np.arange(steps_total + 1)
-                    uses = np.asarray(cp_async_uses(i32(steps), i32(steps % stages), pre_steps=i32(pre),
-                                                    tail_step=i32(tail_step), stages=stages))
-                    programs = _cta_programs(0, steps_total, wg_ranges, pre, tail_step, uses, stages=stages,
-                                             tma_new_tiles=tma)
-                    for _ in range(3):
-                        barriers = {("free", w, s): _Barrier(2) for w in (0, 1) for s in range(stages)}
-                        barriers |= {(kind, w, s): _Barrier(1) for kind in ("ready", "kv") for w in (0, 1) for s in range(stages)}
-                        barriers["schedule"] = _Barrier(2)
-                        _run_protocol(programs, barriers, rng)
-                        cases += 1
+                    cases += _check_cta(0, steps_total, wg_ranges, pre, tail_step, stages=stages, tma_new_tiles=tma,
+                                        windowed=False, rng=rng)
     assert cases > 50
 
 

@@ -176,6 +176,7 @@ def decode_stage1_kernel(
     V_IN_REGISTERS: tl.constexpr,  # fp8 pool: V (times v_scale) converted in registers before the p.v dot (docstring)
     Q_TOKENS: tl.constexpr,  # query tokens per sequence (module docstring)
     HAS_DRAFT_MASK: tl.constexpr,  # Q_TOKENS > 1: DRAFT_MASK gives each token's drafts; else causal
+    KEYS_AS_ROWS: tl.constexpr,  # the dots with keys as their M dimension (module docstring)
 ):
     tl.static_assert(BLOCK_H >= 16, "tl.dot needs at least 16 rows")
     if Q_TOKENS > 1:
@@ -239,7 +240,10 @@ def decode_stage1_kernel(
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, log2 domain
     l_i = tl.full([BLOCK_H], 0.0, tl.float32)
-    acc = tl.full([BLOCK_H, BLOCK_DV], 0.0, tl.float32)
+    if KEYS_AS_ROWS:
+        acc = tl.full([BLOCK_DV, BLOCK_H], 0.0, tl.float32)  # the output transposed
+    else:
+        acc = tl.full([BLOCK_H, BLOCK_DV], 0.0, tl.float32)
     k_head = K_POOL + kv_head.to(tl.int64) * STRIDE_K_HEAD
     v_head = V_POOL + kv_head.to(tl.int64) * STRIDE_V_HEAD
     kv_base = KV_INDICES + kv_first
@@ -251,10 +255,17 @@ def decode_stage1_kernel(
         k_rows = k_head + slots[:, None] * STRIDE_K_SLOT
         k_stored = tl.load(k_rows + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         k = k_stored.to(q.dtype)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N] f32
-        if BLOCK_DPE > 0:
-            k_pe = tl.load(k_rows + offs_dpe[None, :], mask=mask_n[:, None] & mask_dpe[None, :], other=0.0)
-            qk += tl.dot(q_pe, tl.trans(k_pe.to(q_pe.dtype)), input_precision=DOT_PRECISION)
+        if KEYS_AS_ROWS:
+            qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_H] f32
+            if BLOCK_DPE > 0:
+                k_pe = tl.load(k_rows + offs_dpe[None, :], mask=mask_n[:, None] & mask_dpe[None, :], other=0.0)
+                qk_t += tl.dot(k_pe.to(q_pe.dtype), tl.trans(q_pe), input_precision=DOT_PRECISION)
+            qk = tl.trans(qk_t)
+        else:
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N] f32
+            if BLOCK_DPE > 0:
+                k_pe = tl.load(k_rows + offs_dpe[None, :], mask=mask_n[:, None] & mask_dpe[None, :], other=0.0)
+                qk += tl.dot(q_pe, tl.trans(k_pe.to(q_pe.dtype)), input_precision=DOT_PRECISION)
         if LOGIT_CAP > 0:
             qk = _soft_cap(qk, sm_scale, LOGIT_CAP)
         qk = qk * post_scale
@@ -288,13 +299,19 @@ def decode_stage1_kernel(
             v = k
         else:
             v = v_stored.to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+        if KEYS_AS_ROWS:
+            acc = acc * alpha[None, :] + tl.dot(tl.trans(v), tl.trans(p.to(q.dtype)), input_precision=DOT_PRECISION)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     # "No keys" is l == 0 exactly; a NaN l (NaN in q, a visited K/V or the scale) is not hidden: it stays NaN.
     has_keys = l_i != 0
     safe_l = tl.where(has_keys, l_i, 1.0)
-    out = acc / safe_l[:, None]
+    if KEYS_AS_ROWS:
+        out = tl.trans(acc) / safe_l[:, None]
+    else:
+        out = acc / safe_l[:, None]
     if HAS_KV_SCALES and not V_IN_REGISTERS:
         out = out * v_scale
     lse = tl.where(has_keys, (m_i + tl.log2(safe_l)) * LN2, float("-inf"))

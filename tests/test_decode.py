@@ -105,6 +105,43 @@ def test_matches_reference(rng, mode, case):
     assert np.all(np.asarray(lse[2]) == -np.inf)
 
 
+# (q_heads, kv_heads, qk_dim, v_dim, dtype, v_from_k, block_h): MLA's latent head (V inside K, and V a pool of its own),
+# 288/256 in fp32, GQA 4, group 20 in two 16-row head blocks (the second partly masked), MLA at 64 rows.
+KEYS_AS_ROWS_CASES = [
+    (2, 1, 576, 512, jnp.bfloat16, True, 16),
+    (2, 1, 576, 512, jnp.float16, False, 16),
+    (4, 1, 288, 256, jnp.float32, True, 16),
+    (8, 2, 128, 128, jnp.bfloat16, False, 16),
+    (20, 1, 64, 64, jnp.float32, False, 16),
+    (16, 1, 576, 512, jnp.bfloat16, True, 64),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("features", [{}, dict(logit_cap=5.0, sinks=True, sliding_window=40, xai_temperature_len=16)],
+                         ids=["plain", "cap+sinks+window+xai"])
+@pytest.mark.parametrize("case", KEYS_AS_ROWS_CASES,
+                         ids=lambda c: f"h{c[0]}-{c[1]}_d{c[2]}-{c[3]}_{jnp.dtype(c[4]).name}{'_vfromk' if c[5] else ''}_bh{c[6]}")
+def test_keys_as_rows_matches_reference(rng, mode, features, case):
+    """DecodeConfig(keys_as_rows=True): both dots transposed (keys as M), the output transposed back; the same
+    lengths and splits as test_matches_reference (empty and past-the-end splits NaN-poisoned), with every feature."""
+    q_heads, kv_heads, qk_dim, v_dim, dtype, v_from_k, block_h = case
+    kv_lens = [1, 37, 0, 161, 128]
+    q, k_pool, v_pool, kv_indptr, kv_indices = make_pools(rng, kv_lens, q_heads, kv_heads, qk_dim, v_dim, dtype, v_from_k=v_from_k)
+    meta = decode_metadata_from_indptr(
+        kv_indptr, kv_indices, q_heads=q_heads, kv_heads=kv_heads, max_kv_splits=4, min_split_len=32, programs_per_sm=10**6
+    )
+    meta = dataclasses.replace(meta, num_kv_splits=jnp.asarray([1, 2, 1, 4, 3], jnp.int32))
+    sinks = random_normal(rng, (q_heads,), jnp.float32) if features.get("sinks") else None
+    kwargs = dict(return_lse=True, v_head_dim=v_dim if v_from_k else None, sinks=sinks,
+                  **{k: v for k, v in features.items() if k != "sinks"})
+    config = DecodeConfig(block_n=32, block_h=block_h, num_warps=8 if block_h == 64 else 4, keys_as_rows=True)
+    o, lse = decode_attention(q, k_pool, v_pool, meta, mode=mode, config=config, **kwargs)
+    ref_o, ref_lse = decode_attention_reference(q, k_pool, v_pool, meta, **kwargs)
+    assert_close(o, lse, ref_o, ref_lse, dtype)
+    np.testing.assert_array_equal(np.float32(o[2]), 0.0)  # the padding row
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(
     "config",

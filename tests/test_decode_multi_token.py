@@ -76,14 +76,17 @@ IDS = ["mla-t4", "gqa-t3", "gqa-t5-two-blocks"]
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("keys_as_rows", [False, True], ids=["table", "keys-as-rows"])
 @pytest.mark.parametrize("tree", [False, True], ids=["causal", "tree"])
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_matches_reference(rng, mode, tree, case):
+def test_matches_reference(rng, mode, keys_as_rows, tree, case):
     q_heads, kv_heads, qk_dim, v_dim, tokens, dtype, v_from_k = case
     q, k_pool, v_pool, meta = make_case(rng, q_heads, kv_heads, qk_dim, v_dim, tokens, dtype, v_from_k=v_from_k)
     draft_mask = random_trees(rng, len(KV_LENS), tokens)[0] if tree else None
     kwargs = dict(return_lse=True, v_head_dim=v_dim if v_from_k else None, draft_mask=draft_mask)
-    o, lse = decode_attention(q, k_pool, v_pool, meta, mode=mode, **kwargs)
+    # keys_as_rows: the dots transposed (DecodeConfig.keys_as_rows), the (token, head) rows as their N.
+    config = DecodeConfig(block_n=32, keys_as_rows=True) if keys_as_rows else None
+    o, lse = decode_attention(q, k_pool, v_pool, meta, mode=mode, config=config, **kwargs)
     assert o.shape == (len(KV_LENS), tokens, q_heads, v_dim) and o.dtype == dtype
     assert lse.shape == (len(KV_LENS), tokens, q_heads)
     ref_o, ref_lse = decode_attention_reference(q, k_pool, v_pool, meta, **kwargs)

@@ -58,6 +58,9 @@ DECODE_CASES = [
     # V dequantised in registers before the p.v dot (DecodeConfig.fp8_v_in_registers): v_scale moves into V.
     pytest.param((8, 2, 128, 128, False, DecodeConfig(block_n=32, fp8_v_in_registers=True)), id="gqa4-128-v-in-registers"),
     pytest.param((4, 1, 576, 512, True, DecodeConfig(block_n=32, fp8_v_in_registers=True)), id="mla-576-v-in-registers"),
+    # Keys as the dots' M (DecodeConfig.keys_as_rows): the fp8 tiles convert in registers and feed wgmma.
+    pytest.param((8, 2, 128, 128, False, DecodeConfig(block_n=32, keys_as_rows=True)), id="gqa4-128-keys-as-rows"),
+    pytest.param((4, 1, 576, 512, True, DecodeConfig(block_n=32, keys_as_rows=True)), id="mla-576-keys-as-rows"),
 ]
 
 
@@ -105,7 +108,8 @@ def test_decode_f16_dots_keep_large_scores(rng, mode, logit_cap):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("config", [None, DecodeConfig(block_n=32, fp8_v_in_registers=True)], ids=["table", "v-in-registers"])
+@pytest.mark.parametrize("config", [None, DecodeConfig(block_n=32, fp8_v_in_registers=True), DecodeConfig(block_n=32, keys_as_rows=True)],
+                         ids=["table", "v-in-registers", "keys-as-rows"])
 def test_fp8_decode_nan_reaches_exactly_the_rows_that_see_it(rng, mode, config):
     """NaN in one sequence's q (through the f16 dots) and in one listed fp8 V entry of another sequence (through the
     V dequantisation): exactly those rows come out NaN, the others stay finite and correct."""

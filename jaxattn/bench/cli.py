@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 from .cases import CASES, case_named, paged_case
@@ -44,9 +45,12 @@ def _progress(total: int, desc: str):
     return tqdm(total=total, desc=desc, unit="item", leave=False, dynamic_ncols=True)
 
 
-def run(op: str, cases: list, backends: list[str] | None = None, sweep: bool = False, log=print,
+def run(op: str, cases: list, backends: list[str] | None = None, sweep: bool | str = False, log=print,
         progress: bool = True, page_sizes=(1,)) -> list[dict]:
     """Times every (case, page size, backend or config) work item; returns one row per timed item.
+
+    `sweep`: True times every candidate configuration (`sweep_variants`) too; a string, those whose label it matches
+    (a regular expression, searched).
 
     `cases` are names (of CASES, or paged ones like D1-P16) or `Case` objects; each runs at every one of
     `page_sizes` (`paged_case`). A failing or skipped item is logged, never fatal.
@@ -64,8 +68,10 @@ def run(op: str, cases: list, backends: list[str] | None = None, sweep: bool = F
             raise SystemExit(f"case {case.name} is a {case.op} case, not {op}")
         chosen = BACKENDS[op] if backends is None else {b: BACKENDS[op][b] for b in backends}
         work += [(case, backend, maker, sync) for backend, (maker, sync) in chosen.items()]
-        if sweep:
-            work += [(case, f"sweep[{label}]", maker, jax_sync) for label, maker in sweep_variants(op, case)]
+        if sweep is not False:
+            pattern = re.compile("" if sweep is True else sweep)
+            work += [(case, f"sweep[{label}]", maker, jax_sync) for label, maker in sweep_variants(op, case)
+                     if pattern.search(label)]
     bar = _progress(len(work), f"bench {op}") if progress else None
     say = log if bar is None else (lambda line: bar.write(line))
     inp = None
@@ -119,7 +125,8 @@ def main(argv=None) -> int:
         p.add_argument("--backends", default=None, help="comma-separated backends (default: all)")
         p.add_argument("--json", default=None, help="write the rows to this JSON file")
         p.add_argument("--plot", default=None, help="write a PNG of %% of floor per case and backend (needs matplotlib)")
-        p.add_argument("--sweep", action="store_true", help="also time every candidate kernel configuration")
+        p.add_argument("--sweep", nargs="?", const=True, default=False, metavar="REGEX",
+                       help="also time every candidate kernel configuration (with REGEX: those whose label it matches)")
         p.add_argument("--page-sizes", default="1", help="comma-separated KV page sizes to run each case at (default: 1)")
         p.add_argument("--no-progress", action="store_true", help="no progress bar; one line per item instead")
     p = sub.add_parser("plot", help="plot saved JSON records")

@@ -40,6 +40,22 @@ def sweep_variants(op: str, case: Case):
                 label = f"h64 n{block_n} w8 s{num_stages}"
                 variants.append((label, lambda inp, c=config: decode_jaxattn(inp, config=c)))
                 variants.append((f"{label} pps2", lambda inp, c=config: decode_jaxattn(inp, config=c, programs_per_sm=2)))
+        # Keys as the dots' M dimension (DecodeConfig.keys_as_rows): wgmma without padding the heads to 64 rows.
+        rows = case.new * case.q_heads // case.kv_heads  # (token, q head) rows per kv head
+        if mla and rows > 16:
+            tiles = ((32, 8, 2), (32, 8, 3), (64, 8, 2), (16, 8, 2))
+        elif mla:
+            tiles = ((32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 8, 2), (32, 8, 2))
+        else:
+            tiles = ((32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (64, 8, 3))
+        for block_n, num_warps, num_stages in tiles:
+            config = DecodeConfig(block_n=block_n, block_h=64 if rows > 16 else 16, num_warps=num_warps,
+                                  num_stages=num_stages, keys_as_rows=True)
+            label = f"keys-as-rows h{config.block_h} n{block_n} w{num_warps} s{num_stages}"
+            variants.append((label, lambda inp, c=config: decode_jaxattn(inp, config=c)))
+            if mla:
+                variants.append((f"{label} pps2", lambda inp, c=config: decode_jaxattn(inp, config=c, programs_per_sm=2)))
+                variants.append((f"{label} pps4", lambda inp, c=config: decode_jaxattn(inp, config=c, programs_per_sm=4)))
         if case.q_heads == case.kv_heads:  # MHA: the vector kernel's tiles beside the grouped kernel's above
             for block_n in (32, 64, 128):
                 for num_warps in (2, 4, 8):

@@ -78,7 +78,7 @@ def stage1_constexprs(*, q_heads, kv_heads, qk_head_dim, v_head_dim, config, sm_
     if config.block_h != 1:  # the grouped kernel's extra constexprs (the vector kernel has none)
         constexprs.update(V_FROM_K=v_from_k, BLOCK_H=config.block_h, DOT_PRECISION=dot_precision,
                           F16_DOTS=bool(f16_dots), V_IN_REGISTERS=bool(has_kv_scales) and config.fp8_v_in_registers,
-                          Q_TOKENS=int(q_tokens), HAS_DRAFT_MASK=bool(has_draft_mask))
+                          Q_TOKENS=int(q_tokens), HAS_DRAFT_MASK=bool(has_draft_mask), KEYS_AS_ROWS=config.keys_as_rows)
     return constexprs
 
 

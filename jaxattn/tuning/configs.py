@@ -22,10 +22,17 @@ class DecodeConfig:
     # fp8 pools, grouped kernel: dequantise V to 16 bits in registers before the p.v dot (kernels/decode_attention.py,
     # V_IN_REGISTERS). Compile-checked, not yet timed on the GPU: off in the tables.
     fp8_v_in_registers: bool = False
+    # Grouped kernel: both dots with the keys as their M dimension (K q^T and V^T p^T; kernels/decode_attention.py,
+    # KEYS_AS_ROWS): block_h q rows become the dots' N (16 is a whole wgmma N), so a few heads take wgmma without
+    # padding them to 64 rows.
+    keys_as_rows: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.fp8_v_in_registers, bool):
-            raise ValueError(f"DecodeConfig.fp8_v_in_registers must be a bool; got {self.fp8_v_in_registers!r}")
+        for name in ("fp8_v_in_registers", "keys_as_rows"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"DecodeConfig.{name} must be a bool; got {getattr(self, name)!r}")
+        if self.keys_as_rows and self.block_h == 1:
+            raise ValueError("DecodeConfig.keys_as_rows takes the grouped kernel (block_h >= 16), not block_h=1")
         for name in ("block_n", "block_h", "num_warps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0 or value & (value - 1):

@@ -414,6 +414,31 @@ def test_out_of_range_slots_read_inside_the_pool(rng):
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("skip_prefix", [True, False], ids=["draft-columns", "prefix-columns"])
+def test_short_custom_mask_reads_inside_it(rng, skip_prefix):
+    # A mask cut short (the last sequence's rows run past its end) and one sequence's rows placed past it
+    # (mask_indptr[1] + 10**6): the kernel gathers only entries inside the buffer (compute-sanitizer checks the
+    # reads), entries past the end count as hidden, so the result is the reference's on the zero-padded mask.
+    prefix_lens, extend_lens = [40, 150, 7], [20, 30, 64]
+    batch = make_batch(rng, prefix_lens, extend_lens, hq=4, hkv=2, dqk=128, dtype=jnp.bfloat16)
+    mask = np.asarray(_tree_masks(rng, prefix_lens, extend_lens))
+    cut = len(mask) - 64 * 30  # the last sequence keeps its first 34 rows
+    mask_indptr = np.asarray(batch.meta.mask_indptr).astype(np.int64)
+    mask_indptr[1] += 10**6
+    meta = dataclasses.replace(batch.meta, mask_indptr=jnp.asarray(mask_indptr, jnp.int32))
+    padded = np.zeros(int(mask_indptr[1]) + len(mask) + 1, bool)
+    padded[:cut] = mask[:cut]
+    kw = dict(skip_prefix_custom_mask=skip_prefix)
+    o = extend_attention_mgpu(batch.q, batch.k_new, batch.v_new, batch.k_pool, batch.v_pool, meta,
+                              custom_mask=jnp.asarray(mask[:cut]), **kw)
+    ref = ref_two_stage(dataclasses.replace(batch, meta=meta), custom_mask=jnp.asarray(padded), **kw)
+    assert_output(o, ref, batch, jnp.bfloat16)
+    if not skip_prefix:  # sequence 1's rows see nothing: 0
+        np.testing.assert_array_equal(np.float32(o[20:50]), 0.0)
+
+
+@pytest.mark.gpu
+@needs_hopper
 def test_matches_triton_kernel_on_a_larger_batch(rng):
     # 1-2k tokens per sequence, GQA 4:1: several CTAs per sequence, long prefix loops, the schedule barrier's steady state.
     batch = make_batch(rng, [1500, 0, 700, 2048], [1024, 2000, 777, 300], hq=8, hkv=2, dqk=128, dtype=jnp.bfloat16, scale=0.5)

@@ -29,7 +29,8 @@ before the mask, cap * log2(e) folded into the exponent's FMA), attention sinks 
 the end), xai temperature (a per-row factor of the exponent's scale, computed once per warpgroup), non-causal
 calls (every CTA takes the sequence's whole prefix and all its new keys; tiles holding another sequence's keys are
 masked) and custom masks (SGLang's flat byte mask, e.g. a speculative draft tree: the non-causal schedule, each
-masked tile's entries gathered into the accumulator's layout by `custom_mask_tile`). q/k and v head dims may differ
+masked tile's entries gathered into the accumulator's layout by `custom_mask_tile`; with a window too). q/k and v
+head dims may differ
 (192/128): O then goes through its own buffer. At 256/256 a partial q tile is stored through a 64-column buffer in
 four chunks (a whole-width one would not fit beside Q and the ring).
 
@@ -369,7 +370,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
       1]), row-major [q_len, kv_start_pos + prefix_len + q_len] (the columns of keys dropped from the list first).
       It replaces causal: the CTA takes the sequence's whole prefix and all its new keys, as non-causal, and every
       new-key tile (with skip_prefix_custom_mask=False every prefix tile too) is masked by entries gathered per tile
-      (`custom_mask_tile`). Two-stage form without a window only; needs kv_start_pos.
+      (`custom_mask_tile`). With a sliding window (verify on a sliding-window layer) the window bounds each row's
+      keys from below and the tiles reaching below it are masked by both. Two-stage form only; needs kv_start_pos.
     """
     q_rows, q_heads, qk_dim = q.shape
     v_dim = v_pool.shape[2]
@@ -391,11 +393,11 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
     cta_rows = COMPUTE_WARPGROUPS * block_q // heads_per_cta
     q_tiles = -(-(max_extend_len + 7) // cta_rows)  # + 7: tiles start up to 7 rows before a sequence
     window = int(sliding_window) if sliding_window is not None and sliding_window >= 0 else None
-    if window is not None and (unified or not causal):
-        raise ValueError("a sliding window is taken with causal two-stage calls only")
     custom = custom_mask is not None
-    if custom and (unified or window is not None or mask_indptr is None or kv_start_pos is None):
-        raise ValueError("a custom mask is taken by two-stage calls without a window, with mask_indptr and kv_start_pos")
+    if window is not None and (unified or not (causal or custom)):
+        raise ValueError("a sliding window is taken with causal two-stage calls (or a custom mask) only")
+    if custom and (unified or mask_indptr is None or kv_start_pos is None):
+        raise ValueError("a custom mask is taken by two-stage calls, with mask_indptr and kv_start_pos")
     if custom:
         causal = False  # the mask decides alone (as in SGLang's kernels); the schedule is the non-causal one
     mask_prefix = custom and not skip_prefix_custom_mask
@@ -563,12 +565,16 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                 def kv_step(step, carry, mask_kind=None):
                     acc, m_i, l_i = carry
                     slot = lax.rem(step, jnp.int32(stages))
-                    if mask_kind in ("custom", "custom_prefix"):
+                    if mask_kind in ("custom", "custom_prefix") or (mask_kind == "window" and custom):
                         # Gathered before the QK^T wgmma is issued: the loads' latency overlaps it.
+                        prefix_column0 = mask_start_pos + step * block_kv
+                        new_column0 = mask_start_pos + prefix_len + (step - pre_steps) * block_kv - lead
                         if mask_kind == "custom_prefix":
-                            column0 = mask_start_pos + step * block_kv
-                        else:
-                            column0 = mask_start_pos + prefix_len + (step - pre_steps) * block_kv - lead
+                            column0 = prefix_column0
+                        elif mask_kind == "custom":
+                            column0 = new_column0
+                        else:  # a window tile may hold prefix or new keys
+                            column0 = jnp.where(step < pre_steps, prefix_column0, new_column0)
                         tile_mask = custom_mask_tile(mask_ref, mask_indptr_ref, seq, t0, mask_width, column0,
                                                      block_q=block_q, block_kv=block_kv)
 
@@ -597,14 +603,25 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                             # Any tile (prefix or new) reaching below the window: key at position k (see
                             # window_first_step) is visible to row t iff max(t - W, lo) <= k <= min(t, hi), lo/hi
                             # the tile's in-sequence keys: prefix keys up to -1 (not its padding), new keys from 0
-                            # (not the lead rows of the previous sequence); causal for new keys.
+                            # (not the lead rows of the previous sequence); causal for new keys. With a custom mask
+                            # the mask replaces causal (the window still bounds from below, as in the reference):
+                            # k <= hi, new keys up to the sequence's last, and the mask's entry (prefix keys with
+                            # skip_prefix_custom_mask are visible).
                             from_pool = step < pre_steps
                             key = jnp.where(from_pool, step * block_kv - prefix_len,
                                             (step - pre_steps) * block_kv - lead) + cols
                             t = t0 + rows()
                             lo = jnp.where(from_pool, -prefix_len, 0)
-                            hi = jnp.where(from_pool, -1, jnp.int32(2**30))
-                            visible = (key >= jnp.maximum(t - window, lo)) & (key <= jnp.minimum(t, hi))
+                            if custom:
+                                hi = jnp.where(from_pool, -1, key_end - q_start - 1)
+                                visible = (key >= jnp.maximum(t - window, lo)) & (key <= hi)
+                                entry = tile_mask != 0
+                                if not mask_prefix:
+                                    entry = entry | from_pool
+                                visible = visible & entry
+                            else:
+                                hi = jnp.where(from_pool, -1, jnp.int32(2**30))
+                                visible = (key >= jnp.maximum(t - window, lo)) & (key <= jnp.minimum(t, hi))
                         elif mask_kind == "new":  # non-causal: key k (from base) is the sequence's iff lead <= k < end
                             key = (step - pre_steps) * block_kv + cols
                             visible = (key >= lead) & (key < key_end - base)

@@ -30,6 +30,7 @@ import functools
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -140,6 +141,9 @@ def profiles(shapes: str) -> list[Profile]:
         Profile("tree-mask", 32, 8, 128, 128, "bfloat16", mask=True),
         # A verify step's short extends (max_extend_len 64): two q heads per CTA on the Mosaic GPU kernel.
         Profile("verify-tree-64", 32, 8, 128, 128, "bfloat16", mask=True, ext_bucket=64, sinks=True),
+        # Verify on sliding-window layers (Gemma, GPT-OSS): a custom mask under a window, both tilings.
+        Profile("verify-tree-window", 16, 8, 128, 128, "bfloat16", mask=True, window=127, logit_cap=30.0),
+        Profile("verify-tree-window-64", 64, 8, 64, 64, "bfloat16", mask=True, window=100, ext_bucket=64, sinks=True),
         Profile("noncausal", 8, 8, 64, 64, "float16", causal=False, logit_cap=20.0),
         # fp8 pools read by the kernels (issue 26): per-layer and per-head scales, both formats, GQA / MLA / sinks.
         Profile("llama-gqa4-fp8", 32, 8, 128, 128, "bfloat16", kv_dtype="float8_e4m3fn"),
@@ -456,6 +460,8 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the figures here")
     parser.add_argument("--workers", type=int, default=1, help="processes to split the profiles over")
+    parser.add_argument("--profiles", default=None, metavar="REGEX",
+                        help="only the profiles whose name this regular expression finds (default: all)")
     parser.add_argument("--shard", default=None, help=argparse.SUPPRESS)  # "w/N": set by --workers for its children
     args = parser.parse_args(argv)
     if args.workers < 1:
@@ -465,6 +471,10 @@ def main(argv=None):
     shapes_name = args.shapes or ("h200" if mode == "gpu" else "tiny")
     shapes = SHAPES[shapes_name]
     profs = profiles(shapes_name)
+    if args.profiles is not None:
+        profs = [p for p in profs if re.search(args.profiles, p.name)]
+        if not profs:
+            parser.error(f"--profiles {args.profiles!r} names none of {[p.name for p in profiles(shapes_name)]}")
     shard, workers = (0, 1) if args.shard is None else tuple(int(x) for x in args.shard.split("/"))
     tallies = {}
     start = time.time()
@@ -492,6 +502,8 @@ def main(argv=None):
     if args.workers > 1 and args.shard is None:
         # The children get the parent's resolved settings; --shard and --json are added per child.
         child_argv = ["--batches", str(args.batches), "--ops", *args.ops, "--mode", mode, "--shapes", shapes_name, "--seed", str(args.seed)]
+        if args.profiles is not None:
+            child_argv += ["--profiles", args.profiles]
         records = run_workers(child_argv, args.workers, args.json)
         complete = all(r["complete"] for r in records)
         for r in records:

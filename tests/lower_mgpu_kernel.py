@@ -48,6 +48,11 @@ SHAPES = [  # label, tokens, q heads, kv heads, head dim, dtype, config, feature
     # Short extends (max_extend_len <= 64, an even group): two q heads per CTA; a verify step's mask, a window.
     ("packed-mask-128-bf16-tma", 256, 8, 2, 128, jnp.bfloat16, None, dict(mask=True, max_extend_len=64)),
     ("packed-window-64-f16", 300, 8, 4, 64, jnp.float16, None, dict(sliding_window=20, max_extend_len=40)),
+    # A custom mask under a window (verify on a sliding-window layer): on a cut list with the prefix columns read, and
+    # two heads per CTA on a full list.
+    ("mask-window-cut-128-bf16-tma", 512, 8, 2, 128, jnp.bfloat16, None,
+     dict(mask=True, sliding_window=100, cut=True, skip_prefix_custom_mask=False)),
+    ("packed-mask-window-64-f16", 300, 8, 4, 64, jnp.float16, None, dict(mask=True, sliding_window=30, max_extend_len=64)),
 ]
 
 

@@ -1,5 +1,6 @@
 """The benchmark machinery on tiny cases (CPU: the kernels run in Triton's interpreter, each timed once)."""
 
+import dataclasses
 import json
 
 import jax.numpy as jnp
@@ -76,7 +77,7 @@ def test_mla_tuning_cases_run_only_by_name(monkeypatch):
     assert bench.main(["extend", "--no-progress"]) == 0
     assert bench.main(["extend", "--cases", "T64,T576", "--no-progress"]) == 0
     assert ran == [["E1", "E2", "E3", "E1-W1024", "E1-CAP50", "E1-W1024-CAP50", "E1-SINKS", "E2-NC", "E1-XAI-CAP30",
-                    "V-TREE64", "E1-FP8", "E3-FP8", "T64", "T256", "T192"], ["T64", "T576"]]
+                    "V-TREE64", "V-TREE64-W128", "E1-FP8", "E3-FP8", "T64", "T256", "T192"], ["T64", "T576"]]
 
 
 def test_tree_verify_case(one_call):
@@ -98,6 +99,15 @@ def test_tree_verify_case(one_call):
     causal = bench.make_inputs(bench.Case("TC", "extend", batch=2, prefix=20, new=9, q_heads=4, kv_heads=2, head_dim=64))
     assert bench.peers.extend_reference(causal)().shape == want.shape
     assert not np.allclose(np.asarray(bench.peers.extend_reference(causal)(), np.float32), want, atol=1e-3)  # the mask matters
+    # Under a window (a sliding-window layer's verify step): the floor's pairs are the brute-force count, and the
+    # rows still agree with the reference.
+    windowed = dataclasses.replace(case, sliding_window=12)
+    q_pos, k_pos = 20 + np.arange(9)[:, None], np.arange(29)[None, :]
+    sees = np.concatenate([np.ones((9, 20), bool), mask], axis=1) & (q_pos - k_pos <= 12)
+    assert windowed.visible_pairs() == sees.sum() < case.visible_pairs()
+    rows = bench.run("extend", [windowed], backends=["jaxattn", "reference"], log=lambda _: None, progress=False)
+    assert [r["backend"] for r in rows] == ["jaxattn", "reference"]
+    np.testing.assert_allclose(one_call[-2], one_call[-1], atol=2e-2, rtol=2e-2)
 
 
 def test_commit_falls_back_to_the_environment(monkeypatch):

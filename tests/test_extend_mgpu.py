@@ -302,6 +302,10 @@ CUSTOM_MASKS = [
     ("tree-prefix-columns", dict(skip_prefix_custom_mask=False)),
     ("tree-prefix-columns-cap-sinks-xai", dict(skip_prefix_custom_mask=False, logit_cap=3.0, sinks=True,
                                                xai_temperature_len=20)),
+    # Verify on a sliding-window layer: full lists with the kernel's window, and lists cut for it ("cut").
+    ("tree-window", dict(sliding_window=40)),
+    ("tree-prefix-columns-window-cut-cap", dict(skip_prefix_custom_mask=False, sliding_window=100, cut=True,
+                                                logit_cap=3.0)),
 ]
 
 
@@ -313,8 +317,10 @@ def test_custom_masks_match_reference(rng, feature, whole_tiles):
     # Speculative tree verify (SGLang's flat mask): the new-key tiles masked by gathered entries, prefix columns read
     # or skipped; a row whose mask hides every key gives 0.
     prefix_lens, extend_lens = [0, 37, 128, 300], [130, 5, 64, 257]
-    batch = make_batch(rng, prefix_lens, extend_lens, hq=8, hkv=2, dqk=128, dtype=jnp.bfloat16, max_extend_len=266)
     kw = _more_kwargs(rng, 8, feature[1])
+    cut = kw["sliding_window"] if kw.pop("cut", False) else -1
+    batch = make_batch(rng, prefix_lens, extend_lens, hq=8, hkv=2, dqk=128, dtype=jnp.bfloat16, max_extend_len=266,
+                       window=cut)
     blind = None if kw.get("skip_prefix_custom_mask", True) else (2, 10)
     kw["custom_mask"] = _tree_masks(rng, prefix_lens, extend_lens, blind_row=blind)
     q, k_new, v_new = _new_tokens(batch, whole_tiles)
@@ -348,6 +354,7 @@ SHORT_EXTENDS = [
     ("window-cap-sinks", dict(sliding_window=20, logit_cap=3.0, sinks=True)),
     ("noncausal-xai", dict(causal=False, xai_temperature_len=20)),
     ("tree-mask", dict(mask=True)),
+    ("tree-mask-window-sinks", dict(mask=True, sliding_window=20, sinks=True)),
 ]
 
 
@@ -718,10 +725,12 @@ def _check_cta(first_step, cta_steps, wg_ranges, pre_steps, tail_step, *, stages
 def test_barrier_protocol_never_hangs(tma_new_tiles):
     # CPU: every CTA's producer and consumers (their barrier operations in the kernel's order, step ranges and
     # cp.async parities from the kernel's own helpers) in random interleavings with loads landing late: no deadlock,
-    # no wait passing early or on another tile's phase, with and without a window (head flushes included).
-    from jaxattn.kernels.extend_attention_mgpu import cta_window_first_step, warpgroup_window_steps
-
+    # no wait passing early or on another tile's phase, with and without a window (head flushes included), causal
+    # and with a custom mask's non-causal schedule.
+    import itertools
     import random
+
+    from jaxattn.kernels.extend_attention_mgpu import cta_window_first_step, warpgroup_window_steps
 
     rng = random.Random(0)
     block_q = 64
@@ -736,9 +745,12 @@ def test_barrier_protocol_never_hangs(tma_new_tiles):
             pre_steps = cdiv(prefix_len, block_kv)
             token_end = q_end + 3  # a batch's last sequence, a few padding rows
             tail_step = pre_steps + (max((token_end - base) // block_kv, 0) if tma_new_tiles else 0)
-            for window in (-1, 0, 37, 100, 5000):
+            # A custom mask (with or without a window) takes the non-causal schedule: every warpgroup every new key.
+            for window, custom in itertools.product((-1, 0, 37, 100, 5000), (False, True)):
                 for cta_row in range(base, q_end, cta_rows):
                     cta_steps = pre_steps + cdiv(min(cta_row + cta_rows, q_end) - base, block_kv)
+                    if custom:
+                        cta_steps = pre_steps + max(cdiv(q_end - base, block_kv), 1)
                     first = 0
                     if window >= 0:
                         first = int(cta_window_first_step(cta_row, q_start, prefix_len, lead, pre_steps, cta_steps,
@@ -746,7 +758,7 @@ def test_barrier_protocol_never_hangs(tma_new_tiles):
                     ranges = []
                     for wg in (0, 1):
                         wg_row = cta_row if packed else cta_row + wg * block_q
-                        wg_steps = pre_steps + cdiv(min(wg_row + block_q, q_end) - base, block_kv)
+                        wg_steps = cta_steps if custom else pre_steps + cdiv(min(wg_row + block_q, q_end) - base, block_kv)
                         wg_first = first
                         if window >= 0:
                             wg_first = int(warpgroup_window_steps(
@@ -959,6 +971,12 @@ def _kernel_model(q, k_new, v_new, k_pool, v_pool, meta, *, window, logit_cap, s
                     from_pool = step < pre_steps  # "window"
                     key = (step * block_kv - prefix_len if from_pool else (step - pre_steps) * block_kv - lead) + cols
                     t = t0 + rows
+                    if custom:  # the mask replaces causal; prefix columns read only with skip_prefix_custom_mask=False
+                        lo, hi = (-prefix_len, -1) if from_pool else (0, key_end - q_start - 1)
+                        column0 = start_pos[seq] + (step * block_kv if from_pool else
+                                                    prefix_len + (step - pre_steps) * block_kv - lead)
+                        entry = gathered(seq, t0, width, column0) | (from_pool and not mask_prefix)
+                        return (key >= np.maximum(t - window, lo)) & (key <= hi) & entry
                     lo, hi = (-prefix_len, -1) if from_pool else (0, 2**30)
                     return (key >= np.maximum(t - window, lo)) & (key <= np.minimum(t, hi))
 
@@ -1093,21 +1111,27 @@ def _tree_masks(rng, prefix_lens, extend_lens, *, blind_row=None):
 def test_kernel_model_with_custom_masks_matches_reference(rng):
     # CPU: custom masks (tree verify) through the kernel's schedule: the non-causal step ranges, every new-key tile
     # (and with the prefix columns every prefix tile) masked by entries gathered at the kernel's flat indices.
+    # With a window (verify on a sliding-window layer): lists cut to the window, tiles below a row's window masked by
+    # both the window and the gathered entries (window 0: a row sees only its own key, where its mask row has it).
     prefix_lens, extend_lens = [0, 37, 128, 300, 5], [130, 5, 64, 0, 77]
     for block_kv in (64, 128):
         for skip_prefix in (True, False):
-            batch = make_batch(rng, prefix_lens, extend_lens, hq=4, hkv=2, dqk=64, dtype=jnp.float32,
-                               max_extend_len=140)
-            mask = _tree_masks(rng, prefix_lens, extend_lens, blind_row=None if skip_prefix else (2, 3))
-            kw = dict(custom_mask=mask, skip_prefix_custom_mask=skip_prefix)
-            ref = np.float32(ref_two_stage(batch, **kw))
-            for packed in (1, 2):  # two heads per CTA as a verify step's short extends take them
-                o = _kernel_model(batch.q, batch.k_new, batch.v_new, batch.k_pool, batch.v_pool, batch.meta, window=-1,
-                                  logit_cap=0.0, sinks=None, block_kv=block_kv, heads_per_cta=packed, **kw)
-                np.testing.assert_allclose(o[: batch.tokens], ref[: batch.tokens], atol=2e-5, rtol=2e-5,
-                                           err_msg=f"kv{block_kv} skip_prefix={skip_prefix} heads_per_cta {packed}")
-            if not skip_prefix:  # the blind row (sequence 2 starts at row 130 + 5) is 0, not NaN
-                np.testing.assert_array_equal(o[130 + 5 + 3], 0.0)
+            for window in (-1, 0, 40, 100):
+                batch = make_batch(rng, prefix_lens, extend_lens, hq=4, hkv=2, dqk=64, dtype=jnp.float32,
+                                   max_extend_len=140, window=window)
+                blind = None if skip_prefix or window >= 0 else (2, 3)
+                mask = _tree_masks(rng, prefix_lens, extend_lens, blind_row=blind)
+                kw = dict(custom_mask=mask, skip_prefix_custom_mask=skip_prefix)
+                ref = np.float32(ref_two_stage(batch, sliding_window=window, **kw))
+                for packed in (1, 2):  # two heads per CTA as a verify step's short extends take them
+                    o = _kernel_model(batch.q, batch.k_new, batch.v_new, batch.k_pool, batch.v_pool, batch.meta,
+                                      window=window, logit_cap=0.0, sinks=None, block_kv=block_kv, heads_per_cta=packed,
+                                      **kw)
+                    np.testing.assert_allclose(o[: batch.tokens], ref[: batch.tokens], atol=2e-5, rtol=2e-5,
+                                               err_msg=f"kv{block_kv} skip_prefix={skip_prefix} window {window} "
+                                                       f"heads_per_cta {packed}")
+                if blind is not None:  # the blind row (sequence 2 starts at row 130 + 5) is 0, not NaN
+                    np.testing.assert_array_equal(o[130 + 5 + 3], 0.0)
 
 
 def test_kernel_model_on_random_batches(rng):
@@ -1182,8 +1206,8 @@ def test_extend_attention_picks_the_kernel(rng):
     if _is_hopper():
         mgpu = extend_attention_mgpu(*args)
         np.testing.assert_array_equal(np.float32(extend_attention(*args)), np.float32(mgpu))  # the default
-        with pytest.raises(ValueError, match="impl='mgpu'.*a custom mask with a sliding window"):
-            extend_attention(*args, custom_mask=jnp.ones(8 * 12 + 5 * 14, bool), sliding_window=4, impl="mgpu")
+        with pytest.raises(ValueError, match="impl='mgpu'.*a sliding window with non-causal attention"):
+            extend_attention(*args, causal=False, sliding_window=4, impl="mgpu")
     else:
         with pytest.raises(ValueError, match="impl='mgpu'.*no GPU"):
             extend_attention(*args, impl="mgpu")
@@ -1203,8 +1227,7 @@ def test_says_why_it_cannot_take_a_call():
     q192, k192, v128 = S((8, 4, 192), jnp.bfloat16), S((32, 2, 192), jnp.bfloat16), S((32, 2, 128), jnp.bfloat16)
     assert "head dims" not in (mgpu_unsupported(q192, k192, v128) or "")  # DeepSeek's 192/128 is taken
     assert "head dims 96/96" in mgpu_unsupported(S((8, 4, 96), jnp.bfloat16), S((32, 2, 96), jnp.bfloat16), S((32, 2, 96), jnp.bfloat16))
-    for feature, why in ((dict(custom_mask=jnp.ones(4, bool), sliding_window=8), "a custom mask with a sliding window"),
-                         (dict(causal=False, sliding_window=8), "a sliding window with non-causal attention"),
+    for feature, why in ((dict(causal=False, sliding_window=8), "a sliding window with non-causal attention"),
                          (dict(sliding_window=8, form="unified"), "a sliding window in the unified form"),
                          (dict(custom_mask=jnp.ones(4, bool), form="unified"), "a custom mask in the unified form")):
         assert why in mgpu_unsupported(q, pool, pool, **feature), feature
@@ -1215,7 +1238,8 @@ def test_says_why_it_cannot_take_a_call():
                     dict(sliding_window=100, logit_cap=30.0, sinks=jnp.zeros(4)), dict(xai_temperature_len=16),
                     dict(causal=False, logit_cap=3.0, sinks=jnp.zeros(4), xai_temperature_len=8),
                     dict(form="unified"), dict(form="unified", causal=False, logit_cap=1.0, xai_temperature_len=4),
-                    dict(custom_mask=jnp.ones(4, bool)), dict(custom_mask=jnp.ones(4, bool), logit_cap=3.0, sinks=jnp.zeros(4))):
+                    dict(custom_mask=jnp.ones(4, bool)), dict(custom_mask=jnp.ones(4, bool), logit_cap=3.0, sinks=jnp.zeros(4)),
+                    dict(custom_mask=jnp.ones(4, bool), sliding_window=8)):
         why = mgpu_unsupported(q, pool, pool, **feature)
         device_reasons = ("no GPU", "sm_90", "CUDA runtime")
         assert (why is None or "CUDA runtime" in why) if _is_hopper() else any(r in why for r in device_reasons), (feature, why)
@@ -1240,8 +1264,8 @@ def test_rejects_what_the_kernel_cannot_take(rng):
     mask = jnp.ones(8 * 12, bool)  # one sequence: [8 new, 4 + 8 keys]
     with pytest.raises(ValueError, match="custom_mask must have dtype"):
         extend_attention_mgpu(batch.q, *args, custom_mask=mask.astype(jnp.float32))
-    with pytest.raises(ValueError, match="custom_mask without a sliding_window"):
-        extend_attention_mgpu(batch.q, *args, custom_mask=mask, sliding_window=4)
+    with pytest.raises(ValueError, match="sliding_window with causal=True only"):
+        extend_attention_mgpu(batch.q, *args, causal=False, sliding_window=4)
 
 
 # This environment's own copy of jax's CUDA plugin (scripts/setup.sh puts one in each venv), else the pinned .venv's.
@@ -1261,4 +1285,4 @@ def test_lowers_for_cuda_on_cpu():
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     from tests.lower_mgpu_kernel import SHAPES as LOWERED
 
-    assert run.stdout.count("ok ") == len(LOWERED) == 24, run.stdout
+    assert run.stdout.count("ok ") == len(LOWERED) == 26, run.stdout

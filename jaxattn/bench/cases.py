@@ -64,7 +64,14 @@ class Case:
         if not self.causal:
             return float(self.new * (self.prefix + self.new))
         if self.tree:
-            return float(self.new * self.prefix + draft_tree(self.new).sum())
+            tree = draft_tree(self.new)
+            if self.sliding_window < 0:
+                return float(self.new * self.prefix + tree.sum())
+            # Draft i sits at list position prefix + i: it sees prefix keys p >= prefix + i - W and its ancestors j
+            # with i - j <= W.
+            i = np.arange(self.new)
+            prefix_seen = np.minimum(self.prefix, np.maximum(self.sliding_window - i, 0))
+            return float(prefix_seen.sum() + (tree & (i[:, None] - i[None, :] <= self.sliding_window)).sum())
         if self.sliding_window < 0:
             return self.new * (self.prefix + (self.new + 1) / 2)
         return float(sum(min(self.prefix + i + 1, self.sliding_window + 1) for i in range(self.new)))
@@ -122,6 +129,8 @@ CASES = {
     # Speculative tree verify: 64 draft tokens per sequence over a 4096-token prefix, a random tree as a custom mask
     # (FlashInfer fa2 takes it; fa3 takes no custom mask).
     "V-TREE64": Case("V-TREE64", "extend", 32, 4096, 64, tree=True),
+    # The same verify step on a sliding-window layer (GPT-OSS's window of 128): the window bounds each draft's prefix.
+    "V-TREE64-W128": Case("V-TREE64-W128", "extend", 32, 4096, 64, tree=True, sliding_window=128),
     "E1-FP8": Case("E1-FP8", "extend", 8, 2048, 2048, kv_dtype="float8_e4m3fn"),
     "E3-FP8": Case("E3-FP8", "extend", 32, 4096, 128, kv_dtype="float8_e4m3fn"),  # E2 has no cached prefix to read
     # Tuning cases: one per head-dim family of jaxattn.extend.SM90_CONFIGS other than "128" (E1-E3), E1's lengths

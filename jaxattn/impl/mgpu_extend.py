@@ -3,8 +3,8 @@
 Two implementations of `jaxattn.extend`'s contract on one kernel:
 
 * "mgpu" (`IMPLEMENTATION`, and `extend_attention_mgpu`): the two-stage form (prefix from the pool, new tokens
-  contiguous), causal or not, with a sliding window (causal only), a soft cap, sinks and xai temperature, alone or
-  together.
+  contiguous), causal or not, with a sliding window (causal, or with a custom mask), a soft cap, sinks, xai
+  temperature and custom masks (speculative tree verify), alone or together.
 * "mgpu-unified" (`UNIFIED`, and `extend_attention_unified_mgpu`): the deterministic unified form (every key through
   the pool, one list per sequence): tiles at fixed listed-key offsets (multiples of block_kv); a masked tile only
   replaces invisible scores, so a token's row is bit-identical however its sequence is split into prefix and new
@@ -78,8 +78,6 @@ def _unsupported(dtype, qk_head_dim, v_head_dim, features, launch_mode, form="tw
         return ", ".join(declined) + (" in the unified form" if form == "unified" else "")
     if "sliding window" in features and "non-causal" in features:
         return "a sliding window with non-causal attention"
-    if "sliding window" in features and "custom mask" in features:
-        return "a custom mask with a sliding window"
     if launch_mode != "gpu":
         return "no GPU (or an interpreted launch mode)"
     if not hardware.is_sm90():
@@ -199,8 +197,8 @@ def extend_attention_mgpu(
       custom_mask: bool/u8 flat, sequence b's rows at meta.mask_indptr[b], row-major [q_len, prefix_len + q_len]
         (speculative tree verify); replaces causal. The kernel gathers the entries of the tiles it masks: the new-key
         tiles, and with skip_prefix_custom_mask=False the prefix tiles too (True: prefix columns read as visible,
-        as SGLang's backend does). Not with a sliding window.
-      sliding_window: W >= 0 (causal only): a query sees keys with q_pos - k_pos <= W (W + 1 keys); <=
+        as SGLang's backend does). With a sliding window the window bounds each row's keys from below too.
+      sliding_window: W >= 0 (causal, or with a custom mask): a query sees keys with q_pos - k_pos <= W; <=
         meta.sliding_window when the lists were cut for a window. The kernel loads and computes only the K/V tiles
         the window reaches.
       logit_cap: > 0 caps scores with cap * tanh(s / cap) (s already scaled). sinks: f32[q_heads] natural-log
@@ -225,9 +223,6 @@ def extend_attention_mgpu(
     _check_head_dims("extend_attention_mgpu", q, v_pool, "jaxattn.extend.extend_attention")
     if sliding_window >= 0 and not causal:
         raise ValueError("extend_attention_mgpu takes a sliding_window with causal=True only (use "
-                         "jaxattn.extend.extend_attention)")
-    if sliding_window >= 0 and custom_mask is not None:
-        raise ValueError("extend_attention_mgpu takes a custom_mask without a sliding_window only (use "
                          "jaxattn.extend.extend_attention)")
     config = _config(config, q.shape[2], v_pool.shape[2])
     sm_scale = 1.0 / math.sqrt(q.shape[2]) if sm_scale is None else float(sm_scale)

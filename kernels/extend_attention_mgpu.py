@@ -565,16 +565,14 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                 def kv_step(step, carry, mask_kind=None):
                     acc, m_i, l_i = carry
                     slot = lax.rem(step, jnp.int32(stages))
-                    if mask_kind in ("custom", "custom_prefix") or (mask_kind == "window" and custom):
+                    gathers = mask_kind in ("custom", "window_new") or (mask_prefix and mask_kind in (
+                        "custom_prefix", "window_prefix"))
+                    if gathers:
                         # Gathered before the QK^T wgmma is issued: the loads' latency overlaps it.
-                        prefix_column0 = mask_start_pos + step * block_kv
-                        new_column0 = mask_start_pos + prefix_len + (step - pre_steps) * block_kv - lead
-                        if mask_kind == "custom_prefix":
-                            column0 = prefix_column0
-                        elif mask_kind == "custom":
-                            column0 = new_column0
-                        else:  # a window tile may hold prefix or new keys
-                            column0 = jnp.where(step < pre_steps, prefix_column0, new_column0)
+                        if mask_kind in ("custom_prefix", "window_prefix"):
+                            column0 = mask_start_pos + step * block_kv
+                        else:
+                            column0 = mask_start_pos + prefix_len + (step - pre_steps) * block_kv - lead
                         tile_mask = custom_mask_tile(mask_ref, mask_indptr_ref, seq, t0, mask_width, column0,
                                                      block_q=block_q, block_kv=block_kv)
 
@@ -603,25 +601,28 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                             # Any tile (prefix or new) reaching below the window: key at position k (see
                             # window_first_step) is visible to row t iff max(t - W, lo) <= k <= min(t, hi), lo/hi
                             # the tile's in-sequence keys: prefix keys up to -1 (not its padding), new keys from 0
-                            # (not the lead rows of the previous sequence); causal for new keys. With a custom mask
-                            # the mask replaces causal (the window still bounds from below, as in the reference):
-                            # k <= hi, new keys up to the sequence's last, and the mask's entry (prefix keys with
-                            # skip_prefix_custom_mask are visible).
+                            # (not the lead rows of the previous sequence); causal for new keys.
                             from_pool = step < pre_steps
                             key = jnp.where(from_pool, step * block_kv - prefix_len,
                                             (step - pre_steps) * block_kv - lead) + cols
                             t = t0 + rows()
                             lo = jnp.where(from_pool, -prefix_len, 0)
-                            if custom:
-                                hi = jnp.where(from_pool, -1, key_end - q_start - 1)
-                                visible = (key >= jnp.maximum(t - window, lo)) & (key <= hi)
-                                entry = tile_mask != 0
-                                if not mask_prefix:
-                                    entry = entry | from_pool
-                                visible = visible & entry
-                            else:
-                                hi = jnp.where(from_pool, -1, jnp.int32(2**30))
-                                visible = (key >= jnp.maximum(t - window, lo)) & (key <= jnp.minimum(t, hi))
+                            hi = jnp.where(from_pool, -1, jnp.int32(2**30))
+                            visible = (key >= jnp.maximum(t - window, lo)) & (key <= jnp.minimum(t, hi))
+                        elif mask_kind == "window_prefix":
+                            # With a custom mask (which replaces causal; the window still bounds each row from below,
+                            # as in the reference), a prefix tile reaching below the window: listed prefix keys at
+                            # -prefix_len..-1, where the mask rows say so (visible with skip_prefix_custom_mask).
+                            key = step * block_kv - prefix_len + cols
+                            visible = (key >= jnp.maximum(t0 + rows() - window, -prefix_len)) & (key <= -1)
+                            if mask_prefix:
+                                visible = visible & (tile_mask != 0)
+                        elif mask_kind == "window_new":
+                            # ... and a new-key tile: the sequence's new keys from 0 (not the previous sequence's lead
+                            # rows) to its last, where the mask rows say so.
+                            key = (step - pre_steps) * block_kv - lead + cols
+                            visible = ((key >= jnp.maximum(t0 + rows() - window, 0)) & (key < key_end - q_start)
+                                       & (tile_mask != 0))
                         elif mask_kind == "new":  # non-causal: key k (from base) is the sequence's iff lead <= k < end
                             key = (step - pre_steps) * block_kv + cols
                             visible = (key >= lead) & (key < key_end - base)
@@ -704,7 +705,15 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     else:
                         lax.fori_loop(first_step, wg_first, head_flush_step, None)
                         pl.when(wg_first < wg_steps)(lambda: wait_ready(0, wg_first, k_ready))
-                        carry = lax.fori_loop(wg_first, win_full, functools.partial(kv_step, mask_kind="window"), carry)
+                        if custom:  # prefix and new-key tiles apart: only the mask's columns are gathered
+                            split = jnp.clip(pre_steps, wg_first, win_full)
+                            carry = lax.fori_loop(wg_first, split, functools.partial(kv_step, mask_kind="window_prefix"),
+                                                  carry)
+                            carry = lax.fori_loop(split, win_full, functools.partial(kv_step, mask_kind="window_new"),
+                                                  carry)
+                        else:
+                            carry = lax.fori_loop(wg_first, win_full, functools.partial(kv_step, mask_kind="window"),
+                                                  carry)
                         bound = lambda x: jnp.maximum(x, win_full)  # noqa: E731  the steps below are done
                     carry = lax.fori_loop(bound(0), bound(full_pre), kv_step, carry)
                     prefix_kind = "custom_prefix" if mask_prefix else "prefix"

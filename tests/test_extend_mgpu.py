@@ -939,7 +939,11 @@ def _kernel_model(q, k_new, v_new, k_pool, v_pool, meta, *, window, logit_cap, s
                     wg_first, win_full = (int(x) for x in warpgroup_window_steps(
                         wg_row, q_start, q_end, prefix_len, lead, pre_steps, first_step, wg_steps, window=window,
                         block_q=block_q, block_kv=block_kv))
-                    plan += [(step, "window") for step in range(wg_first, win_full)]
+                    if custom:  # the kernel's two loops: prefix tiles, then new-key tiles
+                        plan += [(step, "window_prefix" if step < pre_steps else "window_new")
+                                 for step in range(wg_first, win_full)]
+                    else:
+                        plan += [(step, "window") for step in range(wg_first, win_full)]
                     bound = lambda x, w=win_full: max(x, w)  # noqa: E731
                 for lo, hi, kind in ((0, full_pre, None), (full_pre, pre_steps, prefix_kind),
                                      (pre_steps, pre_steps + first_full, new_kind),
@@ -968,15 +972,18 @@ def _kernel_model(q, k_new, v_new, k_pool, v_pool, meta, *, window, logit_cap, s
                     if kind == "new":
                         key = (step - pre_steps) * block_kv + cols
                         return (key >= lead) & (key < key_end - base)
+                    t = t0 + rows
+                    if kind == "window_prefix":  # a custom mask replaces causal; prefix columns read if mask_prefix
+                        key = step * block_kv - prefix_len + cols
+                        entry = gathered(seq, t0, width, start_pos[seq] + step * block_kv) if mask_prefix else True
+                        return (key >= np.maximum(t - window, -prefix_len)) & (key <= -1) & entry
+                    if kind == "window_new":
+                        key = (step - pre_steps) * block_kv - lead + cols
+                        column0 = start_pos[seq] + prefix_len + (step - pre_steps) * block_kv - lead
+                        return ((key >= np.maximum(t - window, 0)) & (key < key_end - q_start)
+                                & gathered(seq, t0, width, column0))
                     from_pool = step < pre_steps  # "window"
                     key = (step * block_kv - prefix_len if from_pool else (step - pre_steps) * block_kv - lead) + cols
-                    t = t0 + rows
-                    if custom:  # the mask replaces causal; prefix columns read only with skip_prefix_custom_mask=False
-                        lo, hi = (-prefix_len, -1) if from_pool else (0, key_end - q_start - 1)
-                        column0 = start_pos[seq] + (step * block_kv if from_pool else
-                                                    prefix_len + (step - pre_steps) * block_kv - lead)
-                        entry = gathered(seq, t0, width, column0) | (from_pool and not mask_prefix)
-                        return (key >= np.maximum(t - window, lo)) & (key <= hi) & entry
                     lo, hi = (-prefix_len, -1) if from_pool else (0, 2**30)
                     return (key >= np.maximum(t - window, lo)) & (key <= np.minimum(t, hi))
 

@@ -379,6 +379,20 @@ def test_two_heads_per_cta_match_reference(rng, feature, whole_tiles):
         assert_output(extend_attention_unified_mgpu(*args, **kw), ref_unified(batch, **kw), batch, jnp.bfloat16)
 
 
+def test_short_windows_over_short_extends_take_64_key_tiles():
+    # tuning.sm90.EXTEND_MGPU_SHORT_WINDOW: a verify step on a window of <= 128 keys (V-TREE64-W128) takes 64-key
+    # tiles; a longer window, a longer extend, no window, or a family without a measured entry keep the table's.
+    from jaxattn import hardware, tuning
+    pick = lambda qk, **kw: tuning.mgpu_extend_config(qk, family=hardware.SM90.name, **kw)  # noqa: E731
+    assert pick(128).block_kv == 128
+    assert pick(128, sliding_window=128, max_extend_len=64) == MgpuExtendConfig(block_kv=64, stages=2)
+    assert pick(128, sliding_window=0, max_extend_len=1).block_kv == 64
+    for kw in (dict(sliding_window=129, max_extend_len=64), dict(sliding_window=128, max_extend_len=65),
+               dict(sliding_window=-1, max_extend_len=64), dict(sliding_window=128)):
+        assert pick(128, **kw) == pick(128), kw
+    assert pick(64, sliding_window=128, max_extend_len=64) == pick(64)
+
+
 def test_head_dim_256_tiles_fit_shared_memory():
     # The rule the kernel's buffers follow (MgpuExtendConfig.o_rows_columns): at 256/256 only partial tiles use the O
     # buffer, 64 columns wide; the table's tile then fits sm_90's 227 KB, a 128-key tile does not.

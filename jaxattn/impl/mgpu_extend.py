@@ -112,9 +112,12 @@ def _declines_form(form: str):
     return declines
 
 
-def _config(config: MgpuExtendConfig | None, qk_head_dim: int, v_head_dim: int) -> MgpuExtendConfig:
-    """`config`, or the tuned one for these head dims; checked against sm_90's shared memory."""
-    config = config or tuning.mgpu_extend_config(qk_head_dim, v_head_dim)
+def _config(config: MgpuExtendConfig | None, qk_head_dim: int, v_head_dim: int, *, sliding_window: int = -1,
+            max_extend_len: int | None = None) -> MgpuExtendConfig:
+    """`config`, or the tuned one for these head dims (and window, extend length); checked against sm_90's shared
+    memory."""
+    config = config or tuning.mgpu_extend_config(qk_head_dim, v_head_dim, sliding_window=sliding_window,
+                                                 max_extend_len=max_extend_len)
     if not isinstance(config, MgpuExtendConfig):
         raise ValueError(f"config must be an MgpuExtendConfig or None; got {type(config).__name__}")
     limit = hardware.SM90.shared_memory_bytes
@@ -133,7 +136,8 @@ def _check_head_dims(op: str, q, v_pool, fallback: str) -> None:
 
 
 def _run(call: ExtendCall):
-    config = _config(call.config, call.qk_head_dim, call.v_head_dim)
+    config = _config(call.config, call.qk_head_dim, call.v_head_dim, sliding_window=call.sliding_window,
+                     max_extend_len=call.meta.max_extend_len)
     k_pool, v_pool, meta = call.k_pool, call.v_pool, call.meta
     if call.kv_scales is not None or is_fp8(k_pool.dtype) or is_fp8(v_pool.dtype):
         k_pool, v_pool, meta = dequantised_prefix(k_pool, v_pool, meta, call.kv_scales, call.q.dtype)
@@ -224,7 +228,8 @@ def extend_attention_mgpu(
     if sliding_window >= 0 and not causal:
         raise ValueError("extend_attention_mgpu takes a sliding_window with causal=True only (use "
                          "jaxattn.extend.extend_attention)")
-    config = _config(config, q.shape[2], v_pool.shape[2])
+    config = _config(config, q.shape[2], v_pool.shape[2], sliding_window=sliding_window,
+                     max_extend_len=meta.max_extend_len)
     sm_scale = 1.0 / math.sqrt(q.shape[2]) if sm_scale is None else float(sm_scale)
     return _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale, config, causal=causal,
                        sliding_window=sliding_window, logit_cap=logit_cap, sinks=sinks,

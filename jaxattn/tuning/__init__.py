@@ -43,7 +43,8 @@ def _warn_once(message: str) -> None:
 
 
 def table(op: str, family: str | None = None) -> dict:
-    """The `op` table ("decode", "decode_fp8", "extend", "extend_mgpu") of `family` (default: the visible GPU's family)."""
+    """The `op` table ("decode", "decode_fp8", "extend", "extend_mgpu", "extend_mgpu_short_window") of `family`
+    (default: the visible GPU's family)."""
     if family is None:
         family = hardware.gpu_family_name() or hardware.REFERENCE_FAMILY.name
     tables = TABLES.get(family)
@@ -178,13 +179,19 @@ def pack_heads(config: ExtendConfig, q_heads: int, kv_heads: int) -> ExtendConfi
 # Extend (Mosaic GPU kernel)
 
 
-def mgpu_extend_config(qk_head_dim: int, v_head_dim: int | None = None, family: str | None = None) -> MgpuExtendConfig:
+def mgpu_extend_config(qk_head_dim: int, v_head_dim: int | None = None, family: str | None = None, *,
+                       sliding_window: int = -1, max_extend_len: int | None = None) -> MgpuExtendConfig:
     """The Mosaic GPU extend kernel's tiles for these head dims (v_head_dim default: qk_head_dim), keyed as the
-    Triton extend table (`head_dim_family`); the default config on a miss, warning once."""
+    Triton extend table (`head_dim_family`); the default config on a miss, warning once. A window of at most the
+    "extend_mgpu_short_window" table's W over extends of at most block_q new tokens takes that table's tile."""
     v_head_dim = qk_head_dim if v_head_dim is None else v_head_dim
     key = head_dim_family(qk_head_dim, v_head_dim)
     config = table("extend_mgpu", family).get(key)
     if config is None:
         _warn_once(f"jaxattn.tuning: no tuned config for the Mosaic GPU extend kernel at head dims {key}; using the default")
         config = MgpuExtendConfig()
+    short = table("extend_mgpu_short_window", family).get(key)
+    if short is not None and 0 <= sliding_window <= short[0] and max_extend_len is not None \
+            and max_extend_len <= short[1].block_q:
+        config = short[1]
     return config

@@ -6,7 +6,8 @@ Keys (normalised by `jaxattn.tuning`'s lookups):
   * EXTEND: the head-dim family: "64", "128", "256" (plain heads, the larger head dim rounded up to a power of 2, at
     least 64) and "576/512", "288/256", "192/128" (qk/v head dims with a rope part in a second dot). Configs are for
     16-bit inputs; fp32 and custom masks adapt them (`jaxattn.tuning.extend_config`).
-  * EXTEND_MGPU: the head-dim family, as EXTEND ("64", "128", "192/128", "256").
+  * EXTEND_MGPU: the head-dim family, as EXTEND ("64", "128", "192/128", "256"); EXTEND_MGPU_SHORT_WINDOW: the same
+    keys, the tile for short windows over short extends (where measured).
 """
 
 from __future__ import annotations
@@ -80,4 +81,14 @@ EXTEND_MGPU: dict[str, MgpuExtendConfig] = {
     "256": MgpuExtendConfig(block_q=64, block_kv=64, stages=2),
 }
 
-TABLES = {"decode": DECODE, "decode_fp8": DECODE_FP8, "extend": EXTEND, "extend_mgpu": EXTEND_MGPU}
+# Short windows over short extends (a verify step on a sliding-window layer, GPT-OSS's window of 128): a CTA's rows
+# see about W + 64 keys, where 64-key tiles compute fewer masked columns than 128-key ones. Family: (the largest
+# window W, the tile for max_extend_len <= block_q). V-TREE64-W128 (32 x (4096 + 64 drafts), window 128) on the
+# H200 (8061b2b, one run): 0.071 ms at kv64 s2 against 0.085 at the table's kv128 s2 (FlashInfer fa2 0.074 ms); without
+# the window (V-TREE64) kv128 stays ahead (0.331 vs 0.363 ms).
+EXTEND_MGPU_SHORT_WINDOW: dict[str, tuple[int, MgpuExtendConfig]] = {
+    "128": (128, MgpuExtendConfig(block_q=64, block_kv=64, stages=2)),
+}
+
+TABLES = {"decode": DECODE, "decode_fp8": DECODE_FP8, "extend": EXTEND, "extend_mgpu": EXTEND_MGPU,
+          "extend_mgpu_short_window": EXTEND_MGPU_SHORT_WINDOW}

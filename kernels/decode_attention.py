@@ -32,6 +32,12 @@ V_IN_REGISTERS the tile is dequantised (times v_scale) to q's dot dtype in regis
 range must hold |V| (the dequantised value), which real activations do. Timed on the H200 (d3464cf) it was slower at
 every tile (D1-FP8 0.198 ms against 0.177 ms): off in the tables.
 
+KEYS_AS_ROWS (the grouped kernel; `DecodeConfig.keys_as_rows`): both dots transposed, keys as their M dimension
+(S^T = K q^T, O^T += V^T p^T; the output transposed back at the end), so BLOCK_H rows are the dots' N: 16 head rows
+take wgmma without padding to 64, and an fp8 V tile is converted in registers before it becomes the dot's operand
+(no byte-wise shared-memory reads). Timed on the H200 (ba2dcea) it was slower on every MLA and fp8 case but the
+4-token MLA verify (with fewer splits than the heuristic gives): off in the tables.
+
 Several query tokens per sequence (Q_TOKENS > 1, the grouped kernel; speculative verify, multi-token prediction): the
 last Q_TOKENS listed keys of a sequence are its query tokens' own keys (the "drafts"). A program's BLOCK_H rows are
 (token, q head) pairs of one kv head, token-major (row r: token r // GROUP, head r % GROUP), so each K/V tile is read

@@ -299,6 +299,10 @@ def test_config_table():
         assert get_config(80, 80, 2).block_n == 64
     with pytest.raises(ValueError, match="block_n"):
         DecodeConfig(block_n=48)
+    with pytest.raises(ValueError, match="keys_as_rows takes the grouped kernel"):
+        DecodeConfig(block_h=1, keys_as_rows=True)
+    with pytest.raises(ValueError, match="keys_as_rows must be a bool"):
+        DecodeConfig(keys_as_rows=1)
 
 
 def test_clear_errors(rng):

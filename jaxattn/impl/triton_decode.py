@@ -277,6 +277,24 @@ def kernel_builds():
                     expects_pipelining=config.num_stages > 1,
                     label=f"{dtype} q, {pool_dtype} pool {qk_dim}/{v_dim}{' v in registers' if v_in_registers else ''}",
                 ))
+        # Keys as the dots' M (opt-in `DecodeConfig.keys_as_rows`): MLA's 16 heads on a bf16/f16 latent cache and
+        # GQA on an fp8 pool; both dots are wgmma with the heads as N.
+        for (qk_dim, v_dim, q_heads, kv_heads, v_from_k), pool_dtype in (
+                ((576, 512, 16, 1, True), dtype), ((128, 128, 32, 8, False), "fp8e4nv")):
+            config = DecodeConfig(block_n=32 if qk_dim == 576 else 64, block_h=16, num_warps=4, num_stages=2,
+                                  keys_as_rows=True)
+            fp8 = pool_dtype != dtype
+            constexprs = stage1_constexprs(
+                q_heads=q_heads, kv_heads=kv_heads, qk_head_dim=qk_dim, v_head_dim=v_dim, config=config,
+                sm_scale=1.0 / math.sqrt(qk_dim), logit_cap=0.0, xai_temperature_len=-1, sliding_window=-1,
+                max_kv_splits=_BUILD_MAX_SPLITS, v_in_k=v_from_k, v_from_k=v_from_k, dot_precision="tf32",
+                has_kv_scales=fp8, f16_dots=uses_f16_dots({"bf16": jnp.bfloat16, "fp16": jnp.float16}[dtype], fp8),
+                **_BUILD_BOUNDS)
+            builds.append(build(
+                "decode_attention", stage1_kernel(config), stage1_signature(dtype, pool_dtype), constexprs,
+                num_warps=config.num_warps, num_stages=config.num_stages, expects_wgmma=True, expects_pipelining=True,
+                label=f"{dtype} q, {pool_dtype} pool {qk_dim}/{v_dim} keys as rows",
+            ))
         for v_dim in sorted({v for _, v in SUPPORTED_HEAD_DIMS}):
             builds.append(build(
                 "decode_attention", "decode_stage2_kernel",

@@ -20,11 +20,12 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 2
     # fp8 pools, grouped kernel: dequantise V to 16 bits in registers before the p.v dot (kernels/decode_attention.py,
-    # V_IN_REGISTERS). Compile-checked, not yet timed on the GPU: off in the tables.
+    # V_IN_REGISTERS). Timed on the H200 (d3464cf): slower at every tile; off in the tables.
     fp8_v_in_registers: bool = False
     # Grouped kernel: both dots with the keys as their M dimension (K q^T and V^T p^T; kernels/decode_attention.py,
     # KEYS_AS_ROWS): block_h q rows become the dots' N (16 is a whole wgmma N), so a few heads take wgmma without
-    # padding them to 64 rows.
+    # padding them to 64 rows. Timed on the H200 (benchmarks/RESULTS.md, eleventh session): slower except for the
+    # 4-token MLA verify with fewer splits; off in the tables.
     keys_as_rows: bool = False
 
     def __post_init__(self):

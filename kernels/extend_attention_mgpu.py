@@ -30,15 +30,16 @@ the end), xai temperature (a per-row factor of the exponent's scale, computed on
 calls (every CTA takes the sequence's whole prefix and all its new keys; tiles holding another sequence's keys are
 masked) and custom masks (SGLang's flat byte mask, e.g. a speculative draft tree: the non-causal schedule, each
 masked tile's entries gathered into the accumulator's layout by `custom_mask_tile`; with a window too). q/k and v
-head dims may differ
-(192/128): O then goes through its own buffer. At 256/256 a partial q tile is stored through a 64-column buffer in
-four chunks (a whole-width one would not fit beside Q and the ring).
+head dims may differ (192/128): O then goes through its own buffer. At 256/256 a partial q tile is stored through a
+64-column buffer in four chunks (a whole-width one would not fit beside Q and the ring).
 
 The unified form (`prefix_lens` given; no k_new/v_new): every key comes from the pool through one list per sequence,
 all tiles by cp.async at fixed listed-key offsets from step 0, the CTA taking the tiles up to its last row's listed
 position. Tiles every valid row of a warpgroup sees whole run unmasked, the others masked; the mask only replaces
 invisible scores, and tiles past a row's last key are exact no-ops (p = 0, alpha = 1, from a finite m_init), so a
-row's bits do not depend on where its sequence's prefix/new split falls, nor on its neighbours.
+row's bits do not depend on where its sequence's prefix/new split falls, nor on its neighbours. Under a sliding
+window (on uncut lists) the steps start at the tile the CTA's first row's window reaches: the tiles skipped hold no key
+its rows see, so skipping them equals the exact no-ops they would be.
 """
 
 from __future__ import annotations
@@ -333,6 +334,20 @@ def warpgroup_window_steps(wg_row, q_start, q_end, prefix_len, lead, pre_steps, 
     return wg_first, win_full
 
 
+def unified_window_first_step(first_t, q_prefix, *, window: int, block_kv: int):
+    """The unified form's first step under a sliding window W for queries t >= first_t (query t sits at listed
+    position q_prefix + t and sees keys at listed positions >= q_prefix + t - W): the tile holding q_prefix +
+    first_t - W (tiles sit at fixed listed offsets, step s holding keys s * block_kv ...). Keys before it are outside
+    the window of every query >= first_t."""
+    return lax.div(jnp.maximum(q_prefix + first_t - window, 0), jnp.int32(block_kv))
+
+
+def unified_window_full_step(last_t, q_prefix, *, window: int, block_kv: int):
+    """The unified form's first step from which no tile holds a key below the window of the query at last_t: tiles
+    from here on need no window mask for any query <= last_t."""
+    return _cdiv(jnp.maximum(q_prefix + last_t - window, 0), block_kv)
+
+
 def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo_indptr, kv_indptr, out_ref, *,
                                  max_extend_len, sm_scale, block_q, block_kv, stages, tma_new_tiles, o_rows_columns,
                                  causal=True, sliding_window=-1, logit_cap=0.0, sinks=None, xai_temperature_len=-1,
@@ -361,7 +376,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
       shifts query and key positions alike). The CTA loads and consumes only steps from `window_first_step` of its
       first query; a warpgroup whose own range starts later releases the tiles before it (a head flush that waits
       each tile's barriers, so every mbarrier phase is still waited in order); tiles that reach below a
-      warpgroup's window (`window_full_step` of its last valid row) are masked per row.
+      warpgroup's window (`window_full_step` of its last valid row) are masked per row. The unified form takes a
+      window on uncut lists (tiles at fixed listed offsets: `unified_window_first_step`, `unified_window_full_step`).
     logit_cap > 0: s = cap * tanh(s * sm_scale / cap) (tanh.approx.f32 under approx_math) before the mask; the
       multiply by cap * log2(e) is folded into the exponent's FMA as sm_scale * log2(e) is without a cap.
     sinks: f32[q_heads], natural-log logits joining each row's denominator only (folded in at the end, in base 2
@@ -394,8 +410,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
     q_tiles = -(-(max_extend_len + 7) // cta_rows)  # + 7: tiles start up to 7 rows before a sequence
     window = int(sliding_window) if sliding_window is not None and sliding_window >= 0 else None
     custom = custom_mask is not None
-    if window is not None and (unified or not (causal or custom)):
-        raise ValueError("a sliding window is taken with causal two-stage calls (or a custom mask) only")
+    if window is not None and not (causal or custom):
+        raise ValueError("a sliding window is taken with causal calls (or a custom mask) only")
     if custom and (unified or mask_indptr is None or kv_start_pos is None):
         raise ValueError("a custom mask is taken by two-stage calls, with mask_indptr and kv_start_pos")
     if custom:
@@ -458,6 +474,9 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
         # consumers start their bookkeeping (ring slots' first uses, cp.async phases) from this one value.
         if window is None:
             first_step = 0
+        elif unified:
+            first_step = jnp.minimum(unified_window_first_step(jnp.maximum(cta_row, q_start) - q_start, q_prefix,
+                                                               window=window, block_kv=block_kv), cta_steps)
         else:
             first_step = cta_window_first_step(cta_row, q_start, prefix_len, lead, pre_steps, cta_steps,
                                                window=window, block_kv=block_kv)
@@ -557,9 +576,15 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                 else:
                     # This warpgroup's query rows are t0..; its steps: [wg_first, wg_steps), masked for the window up
                     # to win_full; the CTA's steps from first_step before wg_first are released unused (head flush).
-                    wg_first, win_full = warpgroup_window_steps(
-                        wg_row, q_start, q_end, prefix_len, lead, pre_steps, first_step, wg_steps, window=window,
-                        block_q=block_q, block_kv=block_kv)
+                    if unified:
+                        wg_first = jnp.clip(unified_window_first_step(jnp.maximum(t0, 0), q_prefix, window=window,
+                                                                      block_kv=block_kv), first_step, wg_steps)
+                        win_full = jnp.clip(unified_window_full_step(wg_last_row - q_start, q_prefix, window=window,
+                                                                     block_kv=block_kv), wg_first, wg_steps)
+                    else:
+                        wg_first, win_full = warpgroup_window_steps(
+                            wg_row, q_start, q_end, prefix_len, lead, pre_steps, first_step, wg_steps, window=window,
+                            block_q=block_q, block_kv=block_kv)
                     pl.when(wg == 1)(schedule_sync)
 
                 def kv_step(step, carry, mask_kind=None):
@@ -592,11 +617,14 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                         if mask_kind == "prefix":  # the prefix's last tile: keys past the prefix are padding
                             visible = step * block_kv + cols < prefix_len
                         elif mask_kind == "unified":
-                            # Listed key j: inside the list, and (causal) at or before the row's listed position.
+                            # Listed key j: inside the list, (causal) at or before the row's listed position and
+                            # (a window) at or after that position - W.
                             key = step * block_kv + cols
                             visible = key < prefix_len
                             if causal:
                                 visible = visible & (key <= q_pos0 + rows())
+                            if window is not None:
+                                visible = visible & (key >= q_pos0 + rows() - window)
                         elif mask_kind == "window":
                             # Any tile (prefix or new) reaching below the window: key at position k (see
                             # window_first_step) is visible to row t iff max(t - W, lo) <= k <= min(t, hi), lo/hi
@@ -695,10 +723,21 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     # starts, i.e. on the prefix/new split; the mask only replaces invisible scores by -inf, so a
                     # visible score's arithmetic is the same on both paths, and tiles past a row's last key are exact
                     # no-ops (p = 0, alpha = 1): a row's bits do not depend on the split (tested on the GPU).
+                    # Under a window the steps start at wg_first (those before it hold no key a row sees, so skipping
+                    # them equals the exact no-ops they would be), and [wg_first, win_full) is masked too.
                     seen_by_all = q_prefix + jnp.maximum(t0, 0) + 1 if causal else prefix_len
                     full_end = jnp.clip(lax.div(jnp.minimum(prefix_len, seen_by_all), jnp.int32(block_kv)), 0, wg_steps)
-                    carry = lax.fori_loop(0, full_end, kv_step, carry)
-                    carry = lax.fori_loop(full_end, wg_steps, functools.partial(kv_step, mask_kind="unified"), carry)
+                    unified_masked = functools.partial(kv_step, mask_kind="unified")
+                    if window is None:
+                        carry = lax.fori_loop(0, full_end, kv_step, carry)
+                        carry = lax.fori_loop(full_end, wg_steps, unified_masked, carry)
+                    else:
+                        lax.fori_loop(first_step, wg_first, head_flush_step, None)
+                        pl.when(wg_first < wg_steps)(lambda: wait_ready(0, wg_first, k_ready))
+                        masked_from = jnp.maximum(full_end, win_full)
+                        carry = lax.fori_loop(wg_first, win_full, unified_masked, carry)
+                        carry = lax.fori_loop(win_full, masked_from, kv_step, carry)
+                        carry = lax.fori_loop(masked_from, wg_steps, unified_masked, carry)
                 else:
                     if window is None:
                         bound = lambda x: x  # noqa: E731

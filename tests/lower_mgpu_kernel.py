@@ -53,6 +53,11 @@ SHAPES = [  # label, tokens, q heads, kv heads, head dim, dtype, config, feature
     ("mask-window-cut-128-bf16-tma", 512, 8, 2, 128, jnp.bfloat16, None,
      dict(mask=True, sliding_window=100, cut=True, skip_prefix_custom_mask=False)),
     ("packed-mask-window-64-f16", 300, 8, 4, 64, jnp.float16, None, dict(mask=True, sliding_window=30, max_extend_len=64)),
+    # The unified form under a window (uncut lists): with a soft cap and sinks, and at 64-key tiles.
+    ("unified-window-128-bf16-cap-sinks", 512, 8, 2, 128, jnp.bfloat16, None,
+     dict(unified=True, sliding_window=100, logit_cap=30.0, sinks=True)),
+    ("unified-window-64-f16-kv64", 300, 4, 1, 64, jnp.float16, MgpuExtendConfig(block_kv=64, stages=3),
+     dict(unified=True, sliding_window=0)),
 ]
 
 
@@ -73,7 +78,8 @@ def lower(tokens, hq, hkv, d, dtype, config, features=None, batch=3, slots=1000,
         meta = jax.eval_shape(lambda: extend_unified_metadata(idx(4, 600), idx(batch), idx(batch), idx(batch), idx(tokens),
                                                               max_extend_len=max_extend_len, kv_capacity=capacity))
         args = (S((tokens, hq, d), dtype), *pool, meta, sinks)
-        call = lambda *a: extend_attention_unified_mgpu(*a[:-1], sinks=a[-1], config=config, **features)  # noqa: E731
+        call = lambda *a: extend_attention_unified_mgpu(*a[:-1], sinks=a[-1], config=config,  # noqa: E731
+                                                        sliding_window=window, **features)
     else:
         meta = jax.eval_shape(lambda: extend_metadata(idx(4, 600), idx(batch), idx(batch), idx(batch), max_extend_len=max_extend_len,
                                                       kv_capacity=capacity, sliding_window=cut))

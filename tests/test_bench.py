@@ -110,6 +110,26 @@ def test_tree_verify_case(one_call):
     np.testing.assert_allclose(one_call[-2], one_call[-1], atol=2e-2, rtol=2e-2)
 
 
+def test_sweep_takes_a_label_regex(one_call, monkeypatch):
+    # --sweep REGEX times only the candidate configurations whose label it finds (here the keys-as-rows decode tiles,
+    # run through the interpreter); --sweep alone parses to True (all of them).
+    case = TINY[0]
+    labels = [label for label, _ in bench.sweep_variants("decode", case)]
+    wanted = [label for label in labels if label.startswith("keys-as-rows h16 n32")]
+    assert wanted and len(wanted) < len(labels)
+    rows = bench.run("decode", [case], backends=["reference"], sweep="^keys-as-rows h16 n32", log=lambda _: None,
+                     progress=False)
+    assert [r["backend"] for r in rows] == ["reference"] + [f"sweep[{label}]" for label in wanted]
+    for out in one_call[1:]:  # each config's output is the reference's
+        np.testing.assert_allclose(out, one_call[0], atol=2e-2, rtol=2e-2)
+    sweeps = []
+    monkeypatch.setattr(cli, "run", lambda op, cases, backends, sweep=False, **_: sweeps.append(sweep) or [])
+    monkeypatch.setattr(cli, "commit", lambda: "abc1234")
+    for extra in (["--sweep"], ["--sweep", "mgpu"], []):
+        assert bench.main(["decode", "--cases", "D1", "--no-progress", *extra]) == 0
+    assert sweeps == [True, "mgpu", False]
+
+
 def test_commit_falls_back_to_the_environment(monkeypatch):
     def no_git(*args, **kwargs):
         raise OSError("git: not found")

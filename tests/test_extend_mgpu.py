@@ -181,11 +181,25 @@ def test_unified_matches_reference(rng, shape, feature):
     np.testing.assert_array_equal(np.float32(extend_attention_unified(*args, config=config, **kw)), np.float32(o))
 
 
+@pytest.mark.parametrize("window", [0, 40, 300])
+@pytest.mark.parametrize("shape", SHAPES[:3], ids=lambda s: f"{jnp.dtype(s[0]).name}-{s[1]}x{s[2]}-{s[3]}-{len(s[4])}seq")
+@pytest.mark.gpu
+@needs_hopper
+def test_unified_windows_match_reference(rng, shape, window):
+    # The unified form under a window, on uncut lists (extend_attention_unified_mgpu only: the default route keeps
+    # windowed unified calls on the Triton kernel until this test has run on the GPU), with a soft cap and sinks.
+    dtype, hq, hkv, d, prefix_lens, extend_lens, config = shape
+    batch = make_batch(rng, prefix_lens, extend_lens, hq=hq, hkv=hkv, dqk=d, dtype=dtype, max_extend_len=max(extend_lens) + 9)
+    kw = _more_kwargs(rng, hq, dict(sliding_window=window, logit_cap=2.0, sinks=True))
+    args = (batch.q, batch.k_pool_unified, batch.v_pool_unified, batch.meta_unified)
+    assert_output(extend_attention_unified_mgpu(*args, config=config, **kw), ref_unified(batch, **kw), batch, dtype)
+
+
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("config", [MgpuExtendConfig(), MgpuExtendConfig(block_kv=64, stages=3)], ids=["kv128", "kv64"])
-@pytest.mark.parametrize("features", [dict(), dict(logit_cap=3.0, xai_temperature_len=100, sinks=True)],
-                         ids=["plain", "cap-xai-sinks"])
+@pytest.mark.parametrize("features", [dict(), dict(logit_cap=3.0, xai_temperature_len=100, sinks=True),
+                                      dict(sliding_window=100, sinks=True)], ids=["plain", "cap-xai-sinks", "window"])
 def test_unified_is_bitwise_split_invariant(rng, config, features):
     # One 700-token sequence split as (prefix p, new 700 - p), beside a second sequence that moves its q rows: every
     # token computed in two splits gets the same bits (its tiles sit at fixed listed-key offsets; a tile a row sees
@@ -786,9 +800,11 @@ def test_barrier_protocol_never_hangs(tma_new_tiles):
 
 def test_barrier_protocol_never_hangs_unified_and_noncausal():
     # CPU: as above for the unified form (every step by cp.async, each warpgroup's causal step count from its last
-    # row's listed position, the CTA's from its last row's; empty lists included) and for non-causal two-stage CTAs
-    # (both warpgroups take every step of the sequence).
+    # row's listed position, the CTA's from its last row's; empty lists included; with and without a window) and for
+    # non-causal two-stage CTAs (both warpgroups take every step of the sequence).
     import random
+
+    from jaxattn.kernels.extend_attention_mgpu import unified_window_first_step
 
     rng = random.Random(1)
     block_q, cta_rows = 64, 128
@@ -808,18 +824,27 @@ def test_barrier_protocol_never_hangs_unified_and_noncausal():
                 # Unified: all steps from the pool (tail_step = pre_steps: no TMA tiles).
                 cta_steps = unified_steps(min(cta_row + cta_rows, q_end) - 1)
                 ranges = [(0, unified_steps(min(cta_row + wg * block_q + block_q, q_end) - 1)) for wg in (0, 1)]
-                layouts = [(cta_steps, ranges, pre_steps, pre_steps, False)]
+                layouts = [(0, cta_steps, ranges, pre_steps, pre_steps, False)]
+                # Unified under a window: the CTA's steps from its first row's window tile, each warpgroup's from its
+                # own (head flushes between).
+                for window in (0, 37, 100, 5000):
+                    step_of = lambda t, w=window: int(unified_window_first_step(t, q_prefix, window=w,  # noqa: E731
+                                                                                block_kv=block_kv))
+                    first = min(step_of(max(cta_row, q_start) - q_start), cta_steps)
+                    windowed = [(int(np.clip(step_of(max(cta_row + wg * block_q - q_start, 0)), first, wg_steps)),
+                                 wg_steps) for wg, (_, wg_steps) in enumerate(ranges)]
+                    layouts.append((first, cta_steps, windowed, pre_steps, pre_steps, False))
                 # Non-causal two-stage (prefix of q_prefix keys, new keys to the sequence's end, some by TMA), and
                 # with bad metadata whose keys end before the sequence's first row (still one new-key step).
                 two_pre = cdiv(q_prefix, block_kv)
                 for key_end in (q_end, q_start - 1):
                     nc_steps = two_pre + max(cdiv(key_end - base, block_kv), 1)
                     tail = two_pre + max((key_end - base) // block_kv, 0)
-                    layouts.append((nc_steps, [(0, nc_steps)] * 2, two_pre, tail, True))
-                for steps_total, wg_ranges, pre, tail_step, tma in layouts:
-                    cases += _check_cta(0, steps_total, wg_ranges, pre, tail_step, stages=stages, tma_new_tiles=tma,
-                                        windowed=False, rng=rng)
-    assert cases > 50
+                    layouts.append((0, nc_steps, [(0, nc_steps)] * 2, two_pre, tail, True))
+                for first, steps_total, wg_ranges, pre, tail_step, tma in layouts:
+                    cases += _check_cta(first, steps_total, wg_ranges, pre, tail_step, stages=stages, tma_new_tiles=tma,
+                                        windowed=first > 0, rng=rng)
+    assert cases > 150
 
 
 def _softmax_steps(qt, plan, tile, mask, *, c_rows, m_init, sinks, hq, block_q, d_v):
@@ -1011,10 +1036,15 @@ def _kernel_model(q, k_new, v_new, k_pool, v_pool, meta, *, window, logit_cap, s
     return out[:tokens]
 
 
-def _unified_kernel_model(q, k_pool, v_pool, meta, *, logit_cap, sinks, block_kv, block_q=64, causal=True, xai=-1):
+def _unified_kernel_model(q, k_pool, v_pool, meta, *, logit_cap, sinks, block_kv, block_q=64, causal=True, xai=-1,
+                          window=-1):
     """numpy model of the unified form's consumers: tiles at listed-key offsets from step 0, [0, full_end) unmasked and
     the rest masked (key in the list and, causal, at or before the row's listed position), m_init finite, rows that
-    saw nothing divided by 1. Also checks the producer's step count covers every warpgroup's."""
+    saw nothing divided by 1. Also checks the producer's step count covers every warpgroup's. A window: the steps
+    from the kernel's `unified_window_first_step` of the CTA's / warpgroup's first row, [wg_first, win_full) masked
+    too, keys below a row's position - W hidden."""
+    from jaxattn.kernels.extend_attention_mgpu import unified_window_first_step, unified_window_full_step
+
     cdiv = lambda x, d: -(-x // d)  # noqa: E731
     q = np.float32(q)
     k_pool, v_pool = (np.nan_to_num(np.float32(x)) for x in (k_pool, v_pool))
@@ -1053,14 +1083,30 @@ def _unified_kernel_model(q, k_pool, v_pool, meta, *, logit_cap, sinks, block_kv
                 assert wg_steps <= cta_steps
                 seen_by_all = q_prefix + max(t0, 0) + 1 if causal else listed
                 full_end = int(np.clip(min(listed, seen_by_all) // block_kv, 0, wg_steps))
-                plan = [(step, None) for step in range(full_end)] + [(step, "unified") for step in range(full_end, wg_steps)]
+                if window < 0:
+                    plan = [(step, None) for step in range(full_end)]
+                    plan += [(step, "unified") for step in range(full_end, wg_steps)]
+                else:
+                    step_of = lambda f, t: int(f(t, q_prefix, window=window, block_kv=block_kv))  # noqa: E731
+                    first_step = min(step_of(unified_window_first_step, max(cta_row, q_start) - q_start), cta_steps)
+                    wg_first = int(np.clip(step_of(unified_window_first_step, max(t0, 0)), first_step, wg_steps))
+                    t_last = min(wg_row + block_q, q_end) - 1 - q_start
+                    win_full = int(np.clip(step_of(unified_window_full_step, t_last), wg_first, wg_steps))
+                    masked_from = max(full_end, win_full)
+                    plan = [(step, "unified") for step in range(wg_first, win_full)]
+                    plan += [(step, None) for step in range(win_full, masked_from)]
+                    plan += [(step, "unified") for step in range(masked_from, wg_steps)]
 
                 def mask(step, kind, t0=t0):
                     if kind is None:
                         return None
                     key = step * block_kv + cols
                     visible = np.broadcast_to(key < listed, (block_q, block_kv))
-                    return visible & (key <= q_prefix + t0 + rows) if causal else visible
+                    if causal:
+                        visible = visible & (key <= q_prefix + t0 + rows)
+                    if window >= 0:
+                        visible = visible & (key >= q_prefix + t0 + rows - window)
+                    return visible
 
                 scale = _RowScale(sm_scale=1 / np.sqrt(d), logit_cap=logit_cap, xai=xai,
                                   positions=start_pos[seq] + q_prefix + t0 + np.arange(block_q))
@@ -1181,10 +1227,13 @@ def test_kernel_model_on_random_batches(rng):
                           heads_per_cta=packed, **model)
         np.testing.assert_allclose(o[: batch.tokens], np.float32(ref_two_stage(batch, **kw))[: batch.tokens], atol=2e-5,
                                    rtol=2e-5, err_msg=context)
-        if window < 0:
-            o = _unified_kernel_model(batch.q, batch.k_pool_unified, batch.v_pool_unified, batch.meta_unified, **model)
-            np.testing.assert_allclose(o[: batch.tokens], np.float32(ref_unified(batch, **kw))[: batch.tokens], atol=2e-5,
-                                       rtol=2e-5, err_msg="unified " + context)
+        if window >= 0:  # the unified form takes a window on uncut lists
+            batch = make_batch(rng, prefix_lens, extend_lens, hq=2, hkv=1, dqk=64, dtype=jnp.float32,
+                               max_extend_len=max(max(extend_lens), 1))
+        o = _unified_kernel_model(batch.q, batch.k_pool_unified, batch.v_pool_unified, batch.meta_unified, window=window,
+                                  **model)
+        np.testing.assert_allclose(o[: batch.tokens], np.float32(ref_unified(batch, **kw))[: batch.tokens], atol=2e-5,
+                                   rtol=2e-5, err_msg="unified " + context)
 
 
 def test_kernel_model_at_head_dims_192_128(rng):
@@ -1199,9 +1248,10 @@ def test_kernel_model_at_head_dims_192_128(rng):
     np.testing.assert_allclose(o[: batch.tokens], np.float32(ref_unified(batch))[: batch.tokens], atol=2e-5, rtol=2e-5)
 
 
-def test_unified_kernel_model_is_split_invariant(rng):
-    # CPU: the unified schedule (which tiles run unmasked depends on the split) gives the same values for a token
-    # whatever its split, as the GPU test checks bit for bit on the kernel.
+@pytest.mark.parametrize("window", [-1, 0, 37, 100])
+def test_unified_kernel_model_is_split_invariant(rng, window):
+    # CPU: the unified schedule (which tiles run unmasked depends on the split; under a window also where the steps
+    # start) gives the same values for a token whatever its split, as the GPU test checks bit for bit on the kernel.
     length, hq, d = 300, 2, 64
     slots = rng.permutation(np.arange(1, 400))[:length].astype(np.int32)
     k_pool, v_pool = (random_normal(rng, (400, 1, d), jnp.float32) for _ in range(2))
@@ -1212,7 +1262,8 @@ def test_unified_kernel_model_is_split_invariant(rng):
         meta = extend_unified_metadata(table, jnp.asarray([0], jnp.int32), jnp.asarray([p], jnp.int32),
                                        jnp.asarray([length - p], jnp.int32), jnp.asarray(slots[p:]),
                                        max_extend_len=length, kv_capacity=length)
-        outputs[p] = _unified_kernel_model(q_all[p:], k_pool, v_pool, meta, logit_cap=0.0, sinks=None, block_kv=64)
+        outputs[p] = _unified_kernel_model(q_all[p:], k_pool, v_pool, meta, logit_cap=0.0, sinks=None, block_kv=64,
+                                           window=window)
     for p1 in outputs:
         for p2 in outputs:
             if p1 < p2:
@@ -1287,6 +1338,14 @@ def test_rejects_what_the_kernel_cannot_take(rng):
         extend_attention_mgpu(batch.q, *args, custom_mask=mask.astype(jnp.float32))
     with pytest.raises(ValueError, match="sliding_window with causal=True only"):
         extend_attention_mgpu(batch.q, *args, causal=False, sliding_window=4)
+    # The unified form takes a window on lists not cut for one (its tiles sit at fixed listed-key offsets).
+    uargs = (batch.q, batch.k_pool_unified, batch.v_pool_unified)
+    with pytest.raises(ValueError, match="sliding_window with causal=True only"):
+        extend_attention_unified_mgpu(*uargs, batch.meta_unified, causal=False, sliding_window=4)
+    cut = make_batch(rng, [4], [8], hq=2, hkv=1, dqk=64, dtype=jnp.bfloat16, window=2)
+    assert cut.meta_unified.sliding_window == 2
+    with pytest.raises(ValueError, match="lists not cut for a window.*sliding_window=2"):
+        extend_attention_unified_mgpu(*uargs, cut.meta_unified, sliding_window=2)
 
 
 # This environment's own copy of jax's CUDA plugin (scripts/setup.sh puts one in each venv), else the pinned .venv's.
@@ -1306,4 +1365,4 @@ def test_lowers_for_cuda_on_cpu():
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     from tests.lower_mgpu_kernel import SHAPES as LOWERED
 
-    assert run.stdout.count("ok ") == len(LOWERED) == 26, run.stdout
+    assert run.stdout.count("ok ") == len(LOWERED) == 28, run.stdout

@@ -1,7 +1,7 @@
 """Benchmarks: jaxattn beside its peers and the physical floor, on the shapes of benchmarks/ANCHORS.md.
 
-    python -m jaxattn.bench decode [--cases D1,D2] [--json out.json] [--plot out.png] [--sweep]
-    python -m jaxattn.bench extend [--cases E1] [--json out.json] [--plot out.png] [--sweep]
+    python -m jaxattn.bench decode [--cases D1,D2] [--json out.json] [--plot out.png] [--sweep [REGEX]]
+    python -m jaxattn.bench extend [--cases E1] [--json out.json] [--plot out.png] [--sweep [REGEX]]
     python -m jaxattn.bench decode --page-sizes 1,16,64     # each case also over KV pages of 16 and 64 tokens
     python -m jaxattn.bench plot results/decode.json results/extend.json -o plot.png
 

@@ -8,7 +8,8 @@ Two implementations of `jaxattn.extend`'s contract on one kernel:
 * "mgpu-unified" (`UNIFIED`, and `extend_attention_unified_mgpu`): the deterministic unified form (every key through
   the pool, one list per sequence): tiles at fixed listed-key offsets (multiples of block_kv); a masked tile only
   replaces invisible scores, so a token's row is bit-identical however its sequence is split into prefix and new
-  tokens. Causal or not, soft cap, sinks, xai temperature; no window.
+  tokens. Causal or not, soft cap, sinks, xai temperature; a sliding window (causal, on uncut lists) through
+  `extend_attention_unified_mgpu` only, until its GPU tests have run.
 
 Both exist for speed: the FlashAttention-3 schedule (a producer warpgroup, two consumer warpgroups with wgmma from
 registers) that the Triton kernels cannot express on this stack. The producer reads pool rows straight through the
@@ -237,7 +238,8 @@ def extend_attention_mgpu(
                        skip_prefix_custom_mask=skip_prefix_custom_mask)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "logit_cap", "xai_temperature_len", "sm_scale", "config"))
+@functools.partial(jax.jit, static_argnames=("causal", "sliding_window", "logit_cap", "xai_temperature_len", "sm_scale",
+                                             "config"))
 def extend_attention_unified_mgpu(
     q: jax.Array,
     k_pool: jax.Array,
@@ -245,6 +247,7 @@ def extend_attention_unified_mgpu(
     meta: ExtendUnifiedMetadata,
     *,
     causal: bool = True,
+    sliding_window: int = -1,
     logit_cap: float = 0.0,
     sinks: jax.Array | None = None,
     xai_temperature_len: int = -1,
@@ -259,6 +262,9 @@ def extend_attention_unified_mgpu(
         `MGPU_HEAD_DIMS`), the new tokens' K/V already written at the slots meta lists for them
         (`jaxattn.serving.write_kv`).
       meta: `ExtendUnifiedMetadata` from `jaxattn.metadata.extend_unified_metadata` (built without a window).
+      sliding_window: W >= 0 (causal only): a query sees the listed keys at positions q_pos - W..q_pos; the kernel
+        starts at the tile the window reaches, the tiles stay at fixed listed offsets. Taken here only:
+        `extend_attention_unified` keeps windowed calls on the Triton kernel until this route's GPU tests have run.
       causal, logit_cap, sinks, xai_temperature_len (absolute positions from meta.kv_start_pos), sm_scale, config:
         as `extend_attention_mgpu`.
 
@@ -269,19 +275,22 @@ def extend_attention_unified_mgpu(
     """
     check_array("q", q, ndim=3, dtypes=MGPU_DTYPES, what="[tokens, q_heads, qk_head_dim] bf16/f16")
     check_extend_args(q, k_pool, v_pool, meta, meta_type=ExtendUnifiedMetadata, builder="extend_unified_metadata",
-                      custom_mask=None, sinks=sinks, sliding_window=-1, logit_cap=logit_cap,
+                      custom_mask=None, sinks=sinks, sliding_window=sliding_window, logit_cap=logit_cap,
                       xai_temperature_len=xai_temperature_len, sm_scale=sm_scale)
     if is_fp8(k_pool.dtype) or is_fp8(v_pool.dtype) or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
         raise ValueError("extend_attention_unified_mgpu takes pools of q's dtype; fp8 pools go through "
                          "jaxattn.extend.extend_attention_unified(..., k_scale=, v_scale=)")
     _check_head_dims("extend_attention_unified_mgpu", q, v_pool, "jaxattn.extend.extend_attention_unified")
     if meta.sliding_window >= 0:
-        raise ValueError("extend_attention_unified_mgpu takes no sliding window (its tiles sit at fixed listed-key "
-                         "offsets); meta was built with sliding_window="
-                         f"{meta.sliding_window} (use jaxattn.extend.extend_attention_unified)")
+        raise ValueError("extend_attention_unified_mgpu takes lists not cut for a window (its tiles sit at fixed "
+                         f"listed-key offsets); meta was built with sliding_window={meta.sliding_window}: build it "
+                         "without one and pass sliding_window here (or use jaxattn.extend.extend_attention_unified)")
+    if sliding_window >= 0 and not causal:
+        raise ValueError("extend_attention_unified_mgpu takes a sliding_window with causal=True only")
     config = _config(config, q.shape[2], v_pool.shape[2])
     sm_scale = 1.0 / math.sqrt(q.shape[2]) if sm_scale is None else float(sm_scale)
-    return _run_kernel(q, None, None, k_pool, v_pool, meta, sm_scale, config, causal=causal, sliding_window=-1,
+    return _run_kernel(q, None, None, k_pool, v_pool, meta, sm_scale, config, causal=causal,
+                       sliding_window=sliding_window,
                        logit_cap=logit_cap, sinks=sinks, xai_temperature_len=xai_temperature_len,
                        kv_start_pos=meta.kv_start_pos, prefix_lens=meta.prefix_lens)
 

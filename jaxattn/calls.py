@@ -81,6 +81,9 @@ class ExtendCall:
     config: Any
     launch_mode: str
     kv_scales: jax.Array | None = None  # f32[2, kv_heads]: K and V scales of the pool (`jaxattn.fp8`), None: 1
+    # i32/u32[tokens, words] (two-stage): a compact tree mask, row r's bit j % 32 of word j // 32 = it sees its
+    # sequence's new token j; the listed prefix is visible. Replaces causal; never with custom_mask.
+    draft_mask: jax.Array | None = None
 
     @property
     def tokens(self) -> int:
@@ -110,11 +113,14 @@ class ExtendCall:
     def features(self) -> tuple[str, ...]:
         """The score features this call uses beyond plain causal attention (`score_features`)."""
         return score_features(causal=self.causal, custom_mask=self.custom_mask, sliding_window=self.sliding_window,
-                              logit_cap=self.logit_cap, sinks=self.sinks, xai_temperature_len=self.xai_temperature_len)
+                              logit_cap=self.logit_cap, sinks=self.sinks, xai_temperature_len=self.xai_temperature_len,
+                              draft_mask=self.draft_mask)
 
 
-def score_features(*, causal, custom_mask, sliding_window, logit_cap, sinks, xai_temperature_len) -> tuple[str, ...]:
+def score_features(*, causal, custom_mask, sliding_window, logit_cap, sinks, xai_temperature_len,
+                   draft_mask=None) -> tuple[str, ...]:
     """Names of the score features an extend call uses beyond plain causal attention (the decline reasons' names)."""
     used = (("non-causal", not causal), ("custom mask", custom_mask is not None), ("sliding window", sliding_window >= 0),
-            ("soft cap", logit_cap > 0), ("sinks", sinks is not None), ("xai temperature", xai_temperature_len > 0))
+            ("soft cap", logit_cap > 0), ("sinks", sinks is not None), ("xai temperature", xai_temperature_len > 0),
+            ("draft mask", draft_mask is not None))
     return tuple(name for name, on in used if on)

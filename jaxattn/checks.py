@@ -304,6 +304,20 @@ def check_extend_args(q, k_pool, v_pool, meta, *, meta_type, builder, custom_mas
     return batch
 
 
+def check_extend_draft_mask(q, draft_mask, custom_mask) -> None:
+    """The two-stage form's compact tree mask: i32/u32[tokens, words], one row per query row, never beside a
+    custom mask."""
+    if draft_mask is None:
+        return
+    if custom_mask is not None:
+        raise ValueError("give custom_mask or draft_mask, not both (draft_mask is the compact form of a tree mask)")
+    check_array("draft_mask", draft_mask, ndim=2, dtypes=(jnp.int32, jnp.uint32),
+                what="[tokens, words] (row r: bit j % 32 of word j // 32 = it sees its sequence's new token j)")
+    if draft_mask.shape[0] != q.shape[0] or draft_mask.shape[1] < 1:
+        raise ValueError(f"draft_mask must have q's {q.shape[0]} rows and at least one word per row; got shape "
+                         f"{tuple(draft_mask.shape)}")
+
+
 def check_new_tokens(q, k_new, v_new, k_pool, v_pool) -> None:
     """The two-stage form's contiguous new-token K/V: the rows of q, the pool's heads and dims, q's dtype."""
     tokens, _, qk_dim = q.shape

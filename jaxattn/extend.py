@@ -14,11 +14,13 @@ rest, `impl=` forces one):
 
   ================  ==========  ==================================================================================
   "mgpu"            two-stage   Pallas Mosaic GPU kernel, FlashAttention-3's schedule (`jaxattn.impl.mgpu_extend`):
-                                sm_90, bf16/f16, head dims 64, 128, 192/128, 256, causal or not, window (causal), soft
-                                cap, sinks, xai temperature, custom masks (not with a window).
-  "triton"          two-stage   SGLang's two-stage Triton kernel, every feature (`jaxattn.impl.triton_extend`).
+                                sm_90, bf16/f16, head dims 64, 128, 192/128, 256, causal or not, window (causal or with
+                                a custom mask), soft cap, sinks, xai temperature, custom masks.
+  "triton"          two-stage   SGLang's two-stage Triton kernel, every feature (`jaxattn.impl.triton_extend`), and
+                                draft masks (a tree as per-row bits).
   "mgpu-unified"    unified     The Mosaic GPU kernel over one list per sequence, tiles at fixed listed-key
-                                offsets (deterministic): as "mgpu" less the window and custom masks.
+                                offsets (deterministic): as "mgpu" less custom masks; a window only through
+                                `extend_attention_unified_mgpu` until its GPU tests run.
   "triton-unified"  unified     SGLang's deterministic unified Triton kernel, every feature.
   ================  ==========  ==================================================================================
 
@@ -46,6 +48,7 @@ from jaxattn.checks import (
     INDEX_DTYPES,
     check_array,
     check_extend_args,
+    check_extend_draft_mask,
     check_new_tokens,
     checks_float_kv_scales,
     launch_mode_argument,
@@ -81,7 +84,8 @@ _STATIC = ("causal", "skip_prefix_custom_mask", "sliding_window", "logit_cap", "
 
 
 def _call(form, q, k_new, v_new, k_pool, v_pool, meta, kv_start_pos, *, causal, custom_mask, skip_prefix_custom_mask,
-          sliding_window, logit_cap, sinks, xai_temperature_len, sm_scale, config, launch_mode, k_scale, v_scale):
+          sliding_window, logit_cap, sinks, xai_temperature_len, sm_scale, config, launch_mode, k_scale, v_scale,
+          draft_mask=None):
     return ExtendCall(
         form=form, q=q, k_new=k_new, v_new=v_new, k_pool=k_pool, v_pool=v_pool, meta=meta, kv_start_pos=kv_start_pos,
         causal=bool(causal), custom_mask=custom_mask, skip_prefix_custom_mask=bool(skip_prefix_custom_mask),
@@ -89,6 +93,7 @@ def _call(form, q, k_new, v_new, k_pool, v_pool, meta, kv_start_pos, *, causal, 
         xai_temperature_len=int(xai_temperature_len),
         sm_scale=1.0 / math.sqrt(q.shape[2]) if sm_scale is None else float(sm_scale), config=config,
         launch_mode=resolve_launch_mode(launch_mode), kv_scales=kv_scale_table(k_scale, v_scale, v_pool.shape[1]),
+        draft_mask=draft_mask,
     )
 
 
@@ -116,12 +121,13 @@ def extend_attention(
     mode: str | None = None,
     k_scale=None,
     v_scale=None,
+    draft_mask: jax.Array | None = None,
 ) -> jax.Array:
     """Two-stage extend attention (SGLang's extend_attention_fwd): cached prefix from the pool, new tokens contiguous.
 
     Runs the first of `IMPLEMENTATIONS` that takes the call: on an H200/H100 (sm_90), bf16/f16 calls with head dims
     64, 128, 192/128 or 256 (causal or not; a sliding window, soft cap, sinks, xai temperature and a custom mask are
-    taken, a custom mask not with a window) run the Mosaic GPU kernel (FlashAttention-3's schedule, 1.5x faster at E1;
+    taken, alone or together) run the Mosaic GPU kernel (FlashAttention-3's schedule, 1.5x faster at E1;
     3.5x FlashInfer fa2 on a tree-verify step); everything else runs SGLang's two-stage Triton kernel.
 
     Args:
@@ -146,10 +152,15 @@ def extend_attention(
         implementation cannot take the call.
       k_scale, v_scale: the pools hold K / k_scale and V / v_scale: None (1), a float > 0 or a float array [] /
         [kv_heads] (traced). They scale the cached prefix only: k_new / v_new are the step's own values.
+      draft_mask: i32/u32[tokens, words], the compact form of a tree mask (speculative verify): row r, new token t of
+        its sequence, sees the sequence's new token j iff bit j % 32 of word j // 32 is set (`jaxattn.decode.
+        draft_mask_bits` packs boolean rows, 32 drafts a word), and its whole listed prefix (a window still applies).
+        Replaces causal; not with custom_mask. No [q_len, kv_len] mask is built or read. The Triton kernel takes it.
 
     Returns:
       o: [tokens, q_heads, v_head_dim] in q's dtype; rows past qo_indptr[-1] are 0.
     """
+    check_extend_draft_mask(q, draft_mask, custom_mask)
     check_extend_args(q, k_pool, v_pool, meta, meta_type=ExtendMetadata, builder="extend_metadata", custom_mask=custom_mask,
                       sinks=sinks, sliding_window=sliding_window, config=config, config_types=CONFIG_TYPES,
                       logit_cap=logit_cap, xai_temperature_len=xai_temperature_len, sm_scale=sm_scale,
@@ -158,7 +169,8 @@ def extend_attention(
     call = _call("two_stage", q, k_new, v_new, k_pool, v_pool, meta, meta.kv_start_pos, causal=causal,
                  custom_mask=custom_mask, skip_prefix_custom_mask=skip_prefix_custom_mask, sliding_window=sliding_window,
                  logit_cap=logit_cap, sinks=sinks, xai_temperature_len=xai_temperature_len, sm_scale=sm_scale,
-                 config=config, launch_mode=launch_mode_argument(launch_mode, mode), k_scale=k_scale, v_scale=v_scale)
+                 config=config, launch_mode=launch_mode_argument(launch_mode, mode), k_scale=k_scale, v_scale=v_scale,
+                 draft_mask=draft_mask)
     return select(IMPLEMENTATIONS, call, impl).run(call)
 
 
@@ -240,7 +252,7 @@ def _unified_start_pos(q, k_pool, v_pool, meta, custom_mask, sinks, sliding_wind
 def extend_attention_reference(
     q, k_new, v_new, k_pool, v_pool, meta, *, causal=True, custom_mask=None, skip_prefix_custom_mask=True, sliding_window=-1,
     logit_cap=0.0, sinks=None, xai_temperature_len=-1, sm_scale=None, config=None, launch_mode=None, impl=None, mode=None,
-    k_scale=None, v_scale=None,
+    k_scale=None, v_scale=None, draft_mask=None,
 ):
     """Pure-jnp twin of `extend_attention` (`config`, `launch_mode`, `impl` ignored).
 
@@ -249,6 +261,7 @@ def extend_attention_reference(
     prefix then its new rows, and the custom mask is re-cut to those listed columns. No pool-sized copy.
     """
     del config, launch_mode, impl, mode
+    check_extend_draft_mask(q, draft_mask, custom_mask)
     check_extend_args(q, k_pool, v_pool, meta, meta_type=ExtendMetadata, builder="extend_metadata", custom_mask=custom_mask,
                       sinks=sinks, sliding_window=sliding_window, logit_cap=logit_cap,
                       xai_temperature_len=xai_temperature_len, k_scale=k_scale, v_scale=v_scale)
@@ -274,7 +287,7 @@ def extend_attention_reference(
         q, k_all, v_all, qo_indptr, kv_indptr, kv_indices, causal=causal, custom_mask=mask, mask_indptr=mask_indptr,
         sliding_window=sliding_window, logit_cap=logit_cap, sinks=sinks, xai_temperature_len=xai_temperature_len,
         sm_scale=sm_scale, kv_start_pos=meta.kv_start_pos, max_q_len=meta.max_extend_len,
-        max_kv_len=meta.kv_capacity + meta.max_extend_len,
+        max_kv_len=meta.kv_capacity + meta.max_extend_len, draft_mask=draft_mask,
     )
 
 

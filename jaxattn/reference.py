@@ -18,7 +18,8 @@ Score pipeline (SGLang's order): ``s = (q . k) * sm_scale``; ``s = logit_cap * t
   * custom mask: ``custom_mask[mask_indptr[b] + i * kv_len + j]`` is true (row-major ``[q_len, kv_len]``
     per sequence, the columns being the listed keys);
   * draft mask (a tree over the queries, compact): with ``d = j - prefix_len``, key j is visible when ``d < 0``
-    (before the queries' own keys) or bit d of ``draft_mask[q_row]`` is set (replaces causal, as a custom mask does);
+    (before the queries' own keys) or bit d % 32 of word d // 32 of ``draft_mask[q_row]`` is set (replaces causal,
+    as a custom mask does);
   * sliding window W >= 0: ``q_pos - k_pos <= W``, i.e. W + 1 keys including itself. jaxattn uses this one
     rule for decode too (SGLang's Triton decode keeps only W keys; FlashInfer and Triton extend keep W + 1).
 
@@ -100,8 +101,9 @@ def ragged_paged_attention_reference(
       return_lse: also return the natural-log LSE.
       k_scale, v_scale: the pools hold K / k_scale and V / v_scale (fp8 pools, `jaxattn.fp8`): None (1), a float or
         a float array [] / [kv_heads]. Only the listed rows are scaled (in float32), never the whole pool.
-      draft_mask: optional i32/u32[tokens]: per query row, bit d = sees the d-th of its sequence's last q_len listed
-        keys (q_len <= 32; see the module docstring). Not with custom_mask.
+      draft_mask: optional i32/u32[tokens] or [tokens, words]: per query row, bit d % 32 of word d // 32 = sees the
+        d-th of its sequence's last q_len listed keys (its drafts; 32 * words of them at most; see the module
+        docstring). Not with custom_mask.
 
     Returns:
       o: [tokens, q_heads, v_head_dim] in q's dtype (rows past qo_indptr[-1] are 0), and with return_lse
@@ -114,9 +116,10 @@ def ragged_paged_attention_reference(
     if draft_mask is not None:
         if custom_mask is not None:
             raise ValueError("give custom_mask or draft_mask, not both")
-        if draft_mask.shape != (tokens,) or draft_mask.dtype not in (jnp.int32, jnp.uint32):
-            raise ValueError(f"draft_mask must be i32/u32[{tokens}] (a bit mask per query row); got "
+        if draft_mask.ndim not in (1, 2) or draft_mask.shape[0] != tokens or draft_mask.dtype not in (jnp.int32, jnp.uint32):
+            raise ValueError(f"draft_mask must be i32/u32[{tokens}] or [{tokens}, words] (bit masks per query row); got "
                              f"{draft_mask.dtype}{list(draft_mask.shape)}")
+        draft_mask = draft_mask.reshape(tokens, -1)
     max_q_len = _static_max_len(qo_indptr, max_q_len, "max_q_len")
     max_kv_len = _static_max_len(kv_indptr, max_kv_len, "max_kv_len")
     sm_scale = 1.0 / math.sqrt(qk_dim) if sm_scale is None else float(sm_scale)
@@ -161,10 +164,12 @@ def ragged_paged_attention_reference(
             flat = jnp.clip(flat, 0, custom_mask.shape[0] - 1)
             visible &= custom_mask[flat].astype(bool)
         elif draft_mask is not None:
-            bits = draft_mask[q_rows].astype(jnp.uint32)  # [Q]
+            bits = draft_mask[q_rows].astype(jnp.uint32)  # [Q, words]
+            words = bits.shape[1]
             draft = j - (kv_len - q_len)  # [K]: negative before the queries' own keys
-            bit = jnp.right_shift(bits[:, None], jnp.clip(draft, 0, 31).astype(jnp.uint32)[None, :]) & 1
-            visible &= (draft < 0)[None, :] | ((draft < 32)[None, :] & (bit != 0))
+            word = bits[:, jnp.clip(draft // 32, 0, words - 1)]  # [Q, K]
+            bit = jnp.right_shift(word, (jnp.maximum(draft, 0) % 32).astype(jnp.uint32)[None, :]) & 1
+            visible &= (draft < 0)[None, :] | ((draft < 32 * words)[None, :] & (bit != 0))
         elif causal:
             visible &= k_pos[None, :] <= q_pos[:, None]
         if sliding_window >= 0:

@@ -61,12 +61,14 @@ def _fwd_inner(
     qpe,  # [BLOCK_M, BLOCK_DPE] (rope part) or a dummy when BLOCK_DPE == 0
     row_scale,  # f32[BLOCK_M]: xai temperature per row (1 when off)
     q_pos,  # i32[BLOCK_M]: query positions, listed coordinates
-    mask_rows,  # i64[BLOCK_M]: flat custom-mask offset of each row's column 0 (listed coordinates)
-    mask_cols,  # i32[BLOCK_M] (APPLY_MASK only): custom-mask columns of each row inside the mask (0: row past q_len)
+    mask_rows,  # i64[BLOCK_M]: flat custom-mask offset of each row's column 0 (listed coordinates); with MASK_BITS,
+    #             the offset of the row's draft words
+    mask_cols,  # i32[BLOCK_M] (APPLY_MASK only): custom-mask columns of each row inside the mask (0: row past q_len);
+    #             with MASK_BITS, the drafts the row's words cover (0: row past q_len)
     K,
     V,  # [rows, KV_HEADS, D]: the pool (GATHER) or the contiguous new tokens
     KV_INDICES,  # slots when GATHER
-    MASK,  # u8 custom mask
+    MASK,  # u8 custom mask, or i32 draft words (MASK_BITS)
     idx_base,  # i64: first source row (contiguous) or first kv_indices entry (GATHER)
     k_pos_base,  # position (listed coordinates) of source key 0
     k_limit,  # number of source keys
@@ -91,6 +93,7 @@ def _fwd_inner(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     NUM_SLOTS: tl.constexpr,  # pool rows (GATHER): a slot outside [0, NUM_SLOTS) reads the padding slot 0
+    MASK_BITS: tl.constexpr = 0,  # > 0: MASK holds MASK_BITS i32 draft words per row; source key n is draft n
 ):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -153,13 +156,23 @@ def _fwd_inner(
             k_pos = k_pos_base + n
             visible = k_valid[None, :]
             if APPLY_MASK:
-                # Bounded by the mask's length through the per-row column count (one compare per element, as the
-                # row-valid test it replaces): entries past the mask's end read "not visible", never beyond it.
-                custom = tl.load(
-                    MASK + mask_rows[:, None] + k_pos[None, :],
-                    mask=(k_pos[None, :] < mask_cols[:, None]) & k_valid[None, :],
-                    other=0,
-                )
+                if MASK_BITS > 0:
+                    # Draft words (the new tokens' stage: source key n is draft n): bit n % 32 of word n // 32, read
+                    # for drafts the row's words cover only.
+                    word = tl.load(
+                        MASK + mask_rows[:, None] + (n // 32)[None, :],
+                        mask=(n[None, :] < mask_cols[:, None]) & k_valid[None, :],
+                        other=0,
+                    )
+                    custom = (word >> (n % 32)[None, :]) & 1
+                else:
+                    # Bounded by the mask's length through the per-row column count (one compare per element, as the
+                    # row-valid test it replaces): entries past the mask's end read "not visible", never beyond it.
+                    custom = tl.load(
+                        MASK + mask_rows[:, None] + k_pos[None, :],
+                        mask=(k_pos[None, :] < mask_cols[:, None]) & k_valid[None, :],
+                        other=0,
+                    )
                 visible = visible & (custom != 0)
             elif APPLY_CAUSAL:
                 visible = visible & (k_pos[None, :] <= q_pos[:, None])
@@ -322,8 +335,9 @@ def extend_attention_kernel(
     KV_INDPTR,  # i32[batch + 1]: CSR of the listed (cached, possibly windowed) prefix
     KV_INDICES,  # i32/i64[kv_capacity]: prefix slots
     KV_START_POS,  # i32[batch]: absolute position of the first listed prefix key (prefix keys dropped by a window)
-    MASK,  # u8[mask_len]: custom mask, per sequence row-major [q_len, KV_START_POS + P + q_len] (dummy if unused)
-    MASK_INDPTR,  # i32/i64[batch + 1] (dummy if unused)
+    MASK,  # u8[mask_len]: custom mask, per sequence row-major [q_len, KV_START_POS + P + q_len] (dummy if unused);
+    #        with MASK_BITS, i32[tokens, MASK_BITS]: row r's bit j % 32 of word j // 32 = it sees its sequence's new token j
+    MASK_INDPTR,  # i32/i64[batch + 1] (dummy if unused or MASK_BITS)
     SINKS,  # f32[Q_HEADS] (dummy if unused)
     KV_SCALES,  # f32[2, KV_HEADS]: the pool's K and V scales (read only if HAS_KV_SCALES)
     O,  # out: [tokens, Q_HEADS, D_V]
@@ -352,9 +366,11 @@ def extend_attention_kernel(
     KV_CAPACITY: tl.constexpr,  # length of KV_INDICES: KV_INDPTR is clamped into it
     MASK_LEN: tl.constexpr,  # length of MASK (1 when unused)
     HAS_KV_SCALES: tl.constexpr,  # fp8 pool: the pool's keys and values are scaled (the new tokens' are not)
+    MASK_BITS: tl.constexpr,  # > 0: MASK holds per-row draft words (a compact tree mask; needs USE_MASK, SKIP_PREFIX_MASK)
 ):
     tl.static_assert(Q_HEADS % KV_HEADS == 0)
     tl.static_assert((Q_HEADS // KV_HEADS) % HEAD_PACK == 0)
+    tl.static_assert(MASK_BITS == 0 or (USE_MASK and SKIP_PREFIX_MASK))
     ROWS: tl.constexpr = BLOCK_M // HEAD_PACK  # tokens per block
     seq = tl.program_id(1)
     qo_start, q_len = _csr_range(QO_INDPTR, seq, TOKENS)
@@ -373,7 +389,11 @@ def extend_attention_kernel(
         row_scale = _xai_scale(start_pos + q_pos, XAI_LEN, XAI_INV_LOG2_LEN)
     else:
         row_scale = tl.full([BLOCK_M], 1.0, tl.float32)
-    if USE_MASK:
+    if MASK_BITS > 0:
+        # Each row's draft words (q rows are inside TOKENS: the range is clamped), covering its sequence's new tokens.
+        mask_rows = q_rows * MASK_BITS
+        mask_cols = tl.where(row_valid, tl.minimum(q_len, 32 * MASK_BITS), 0)
+    elif USE_MASK:
         # Full-width rows: the window-dropped prefix columns come first, then the listed prefix, then the new tokens.
         # The row stride is the sequence's own (unclamped) width, so a range cut by the clamps keeps its rows' columns.
         mask_start = tl.load(MASK_INDPTR + seq).to(tl.int64)
@@ -443,7 +463,7 @@ def extend_attention_kernel(
         acc, l_i, m_i, q, qpe, row_scale, q_pos, mask_rows, mask_cols, K_NEW, V_NEW, KV_INDICES, MASK,
         qo_start.to(tl.int64), prefix_len, q_len, 0, mid, hi, kv_head,
         True, False, IS_CAUSAL, USE_MASK, WINDOW, QK_SCALE, LOGIT_CAP, XAI_LEN > 0,
-        KV_HEADS, D_QK, D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, BLOCK_N, DOT_PRECISION, NUM_SLOTS,
+        KV_HEADS, D_QK, D_V, BLOCK_D, BLOCK_DPE, BLOCK_DV, BLOCK_N, DOT_PRECISION, NUM_SLOTS, MASK_BITS,
     )
     _finish_and_store(acc, l_i, m_i, SINKS, O, head, q_rows, row_valid, Q_HEADS, D_V, BLOCK_DV, HAS_SINK, HEAD_PACK)
 

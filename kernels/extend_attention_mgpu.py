@@ -212,6 +212,43 @@ def custom_mask_tile(mask, mask_indptr, seq, row0, width, column0, *, block_q: i
     return run(mask, mask_indptr, seq, row0, width, column0)
 
 
+def draft_bits_tile(bits, row0, draft0, *, block_q: int, block_kv: int):
+    """A compact tree mask's entries of one score tile, in the wgmma accumulator's layout: an i32[block_q, block_kv]
+    (WGMMA layout) of 0/1, entry (r, c) = bit d % 32 of bits[row0 + r, d // 32] with d = draft0 + c (the new key's
+    index among its sequence's new tokens); 0 where row0 + r is outside bits' rows or d outside [0, 32 * words).
+
+    bits: i32[rows, words] (row r: the query row r's draft words); row0 (the tile's row 0 as a query row), draft0: i32
+    scalars. The word index is clamped into the buffer before the load, so no argument makes it read outside.
+    """
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) + (_SCALAR,) * 2,
+                       return_type=plgpu.ShapeDtypeStruct((block_q, block_kv), jnp.int32, layout=plgpu.Layout.WGMMA))
+    def run(ctx, bits, row0, draft0):
+        del ctx
+        i32, i64 = (ir.IntegerType.get_signless(w) for w in (32, 64))
+        rows, words = ir.MemRefType(bits.type).shape
+        row0, draft0 = (arith.extsi(i64, _scalar(x)) for x in (row0, draft0))
+        base = llvm.inttoptr(llvm.PointerType.get(1), _global_address(bits))
+        zeros = mgpu.FragmentedArray.splat(_i32(0), (block_q, block_kv), layout=mgpu.WGMMA_LAYOUT, is_signed=True)
+
+        def entry(_, index):
+            r, c = (arith.index_cast(i64, x) for x in index)
+            row, draft = arith.addi(row0, r), arith.addi(draft0, c)
+            inside = arith.andi(
+                arith.andi(arith.cmpi(arith.CmpIPredicate.sge, row, _i64(0)), arith.cmpi(arith.CmpIPredicate.slt, row, _i64(rows))),
+                arith.andi(arith.cmpi(arith.CmpIPredicate.sge, draft, _i64(0)),
+                           arith.cmpi(arith.CmpIPredicate.slt, draft, _i64(32 * words))))
+            at = arith.addi(arith.muli(row, _i64(words)), arith.divsi(draft, _i64(32)))
+            word = llvm.load(i32, mgpu_utils.getelementptr(base, [arith.select(inside, at, _i64(0))], i32))
+            shift = arith.trunci(i32, arith.remsi(arith.maxsi(draft, _i64(0)), _i64(32)))
+            bit = arith.andi(arith.shrui(word, shift), _i32(1))
+            return arith.select(inside, bit, _i32(0))
+
+        return zeros.foreach(entry, create_array=True, is_signed=True)
+
+    return run(bits, row0, draft0)
+
+
 def issue_rows(new_ref, pool_ref, smem, bars, sources, from_pool, slot, barrier, kv_head, *, block_kv: int, head_dim: int):
     """Starts the cp.async copies of one K or V tile into ring slot `slot` of `smem` ([stages, block_kv, head_dim],
     (8, 64)-tiled, 128-byte swizzled): tile row r <- row sources[r] (as `row_sources` lays them out) of pool_ref
@@ -352,7 +389,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                                  max_extend_len, sm_scale, block_q, block_kv, stages, tma_new_tiles, o_rows_columns,
                                  causal=True, sliding_window=-1, logit_cap=0.0, sinks=None, xai_temperature_len=-1,
                                  kv_start_pos=None, prefix_lens=None, custom_mask=None, mask_indptr=None,
-                                 skip_prefix_custom_mask=True, heads_per_cta=1):
+                                 skip_prefix_custom_mask=True, heads_per_cta=1, draft_mask=None):
     """Runs the kernel; writes `out_ref` in place (rows it does not own are left as they were).
 
     q: [q_rows, q_heads, qk_dim] (q_rows a multiple of 8, >= block_q: Q/O move by TMA in 8-row tiles);
@@ -388,6 +425,9 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
       new-key tile (with skip_prefix_custom_mask=False every prefix tile too) is masked by entries gathered per tile
       (`custom_mask_tile`). With a sliding window (verify on a sliding-window layer) the window bounds each row's
       keys from below and the tiles reaching below it are masked by both. Two-stage form only; needs kv_start_pos.
+    draft_mask: i32[rows, words], the compact form of a tree mask (instead of custom_mask): query row r sees its
+      sequence's new token j iff bit j % 32 of word j // 32 of row r is set, and every listed prefix key (as
+      skip_prefix_custom_mask). The custom mask's schedule, the new-key tiles' entries from `draft_bits_tile`.
     """
     q_rows, q_heads, qk_dim = q.shape
     v_dim = v_pool.shape[2]
@@ -409,14 +449,20 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
     cta_rows = COMPUTE_WARPGROUPS * block_q // heads_per_cta
     q_tiles = -(-(max_extend_len + 7) // cta_rows)  # + 7: tiles start up to 7 rows before a sequence
     window = int(sliding_window) if sliding_window is not None and sliding_window >= 0 else None
-    custom = custom_mask is not None
+    byte_mask = custom_mask is not None
+    bits = draft_mask is not None
+    custom = byte_mask or bits  # a mask replacing causal: the non-causal schedule, every new-key tile masked
+    if byte_mask and bits:
+        raise ValueError("give custom_mask or draft_mask, not both")
     if window is not None and not (causal or custom):
         raise ValueError("a sliding window is taken with causal calls (or a custom mask) only")
-    if custom and (unified or mask_indptr is None or kv_start_pos is None):
+    if byte_mask and (unified or mask_indptr is None or kv_start_pos is None):
         raise ValueError("a custom mask is taken by two-stage calls, with mask_indptr and kv_start_pos")
+    if bits and unified:
+        raise ValueError("a draft mask is taken by two-stage calls")
     if custom:
         causal = False  # the mask decides alone (as in SGLang's kernels); the schedule is the non-causal one
-    mask_prefix = custom and not skip_prefix_custom_mask
+    mask_prefix = byte_mask and not skip_prefix_custom_mask
     logit_cap = float(logit_cap) if logit_cap and logit_cap > 0 else None
     # The exponent's scale: scores (or with a soft cap their tanh, in [-1, 1]) times this are log2 units.
     scale_log2 = float(sm_scale) * LOG2E if logit_cap is None else logit_cap * LOG2E
@@ -428,7 +474,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
         tma_new_tiles = False  # every tile comes from the pool by cp.async
 
     def body(qo_indptr_ref, kv_indptr_ref, kv_indices_ref, q_ref, k_new_ref, v_new_ref, k_pool_ref, v_pool_ref,
-             sinks_ref, start_pos_ref, prefix_lens_ref, mask_ref, mask_indptr_ref, out_gmem, scoped):
+             sinks_ref, start_pos_ref, prefix_lens_ref, mask_ref, mask_indptr_ref, bits_ref, out_gmem, scoped):
         (qo_smem2, o_rows_smem2, k_smem, v_smem, kv_bars), (k_ready, v_ready, q_ready), (k_free, v_free), schedule = scoped
         cta_head = lax.axis_index("heads") * heads_per_cta  # the CTA's (first) q head
         seq = lax.axis_index("seq")
@@ -538,6 +584,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                 end_full = jnp.maximum(jnp.minimum(lax.div(last_seen, jnp.int32(block_kv)), new_steps), first_full)
                 if custom:
                     end_full = first_full  # every new-key tile is masked
+                if byte_mask:
                     # The sequence's mask rows: [q_len, start + prefix + q_len] (unclamped lengths, as SGLang lays
                     # them out); this warpgroup's row 0 is mask row t0.
                     mask_start_pos = start_pos_ref[seq]
@@ -592,7 +639,11 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     slot = lax.rem(step, jnp.int32(stages))
                     gathers = mask_kind in ("custom", "window_new") or (mask_prefix and mask_kind in (
                         "custom_prefix", "window_prefix"))
-                    if gathers:
+                    if gathers and bits:
+                        # The new keys' draft bits of the warpgroup's rows (before the QK^T wgmma, as below).
+                        tile_mask = draft_bits_tile(bits_ref, wg_row, (step - pre_steps) * block_kv - lead,
+                                                    block_q=block_q, block_kv=block_kv)
+                    elif gathers:
                         # Gathered before the QK^T wgmma is issued: the loads' latency overlaps it.
                         if mask_kind in ("custom_prefix", "window_prefix"):
                             column0 = mask_start_pos + step * block_kv
@@ -856,8 +907,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
 
     # Operands: the optional ones only when their feature is on (a plain call's kernel is unchanged).
     optional = {"sinks": sinks if has_sinks else None,
-                "start_pos": kv_start_pos if xai is not None or custom else None, "prefix_lens": prefix_lens,
-                "mask": custom_mask, "mask_indptr": mask_indptr if custom else None}
+                "start_pos": kv_start_pos if xai is not None or byte_mask else None, "prefix_lens": prefix_lens,
+                "mask": custom_mask, "mask_indptr": mask_indptr if byte_mask else None, "bits": draft_mask}
     present = tuple(name for name, value in optional.items() if value is not None)
     new_operands = () if unified else (k_new, v_new)
 
@@ -879,7 +930,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
         pl.run_scoped(
             lambda *scoped: body(qo_indptr_ref, kv_indptr_ref, kv_indices_ref, q_ref, k_new_ref, v_new_ref, k_pool_ref,
                                  v_pool_ref, refs.get("sinks"), refs.get("start_pos"), refs.get("prefix_lens"),
-                                 refs.get("mask"), refs.get("mask_indptr"), out_gmem, scoped),
+                                 refs.get("mask"), refs.get("mask_indptr"), refs.get("bits"), out_gmem, scoped),
             smem,
             (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
              plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS)),

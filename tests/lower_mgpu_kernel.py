@@ -53,6 +53,10 @@ SHAPES = [  # label, tokens, q heads, kv heads, head dim, dtype, config, feature
     ("mask-window-cut-128-bf16-tma", 512, 8, 2, 128, jnp.bfloat16, None,
      dict(mask=True, sliding_window=100, cut=True, skip_prefix_custom_mask=False)),
     ("packed-mask-window-64-f16", 300, 8, 4, 64, jnp.float16, None, dict(mask=True, sliding_window=30, max_extend_len=64)),
+    # A tree as per-row draft words: alone (TMA new tiles), and two heads per CTA under a window with sinks.
+    ("draft-128-bf16-tma", 512, 8, 2, 128, jnp.bfloat16, None, dict(draft=True)),
+    ("packed-draft-window-64-f16", 300, 8, 4, 64, jnp.float16, None,
+     dict(draft=True, sliding_window=30, sinks=True, max_extend_len=64)),
     # The unified form under a window (uncut lists): with a soft cap and sinks, and at 64-key tiles.
     ("unified-window-128-bf16-cap-sinks", 512, 8, 2, 128, jnp.bfloat16, None,
      dict(unified=True, sliding_window=100, logit_cap=30.0, sinks=True)),
@@ -85,9 +89,10 @@ def lower(tokens, hq, hkv, d, dtype, config, features=None, batch=3, slots=1000,
                                                       kv_capacity=capacity, sliding_window=cut))
         args = (S((tokens, hq, d), dtype), S((tokens, hkv, d), dtype), S((tokens, hkv, dv), dtype), *pool, meta, sinks)
         mask = features.pop("custom_mask", None)
-        args += (mask,)
-        call = lambda *a: extend_attention_mgpu(*a[:-2], sinks=a[-2], custom_mask=a[-1], sliding_window=window,  # noqa: E731
-                                                config=config, **features)
+        draft = S((tokens, 3), jnp.int32) if features.pop("draft", False) else None
+        args += (mask, draft)
+        call = lambda *a: extend_attention_mgpu(*a[:-3], sinks=a[-3], custom_mask=a[-2], draft_mask=a[-1],  # noqa: E731
+                                                sliding_window=window, config=config, **features)
     exported = jax.export.export(jax.jit(call), platforms=["cuda"])(*args)
     if "mosaic_gpu" not in exported.mlir_module():
         raise AssertionError("no Mosaic GPU custom call in the lowered module")

@@ -203,6 +203,67 @@ def test_features(rng, mode, feature):
         np.testing.assert_allclose(np.float32(o_full), np.float32(o), atol=2e-5, rtol=2e-5)
 
 
+def draft_words(rng, extend_lens, words, *, blind_row=None, stray_bits=False):
+    """(draft_mask u32[tokens, words], the same trees as SGLang's full-width custom mask rows for `prefix_lens`):
+    each token sees itself and random earlier new tokens; blind_row (sequence, row) sees no new token (only its
+    prefix); stray_bits sets bits past each sequence's new tokens, which must be ignored."""
+    rows = []
+    for seq, e in enumerate(extend_lens):
+        m = np.tril(rng.random((e, e)) < 0.4)
+        np.fill_diagonal(m, True)
+        if blind_row is not None and blind_row[0] == seq:
+            m[blind_row[1]] = False
+        rows.append(m)
+    bits = np.zeros((sum(extend_lens), words), np.uint32)
+    r = 0
+    for m in rows:
+        e = len(m)
+        for t in range(e):
+            columns = np.flatnonzero(m[t])
+            if stray_bits:
+                columns = np.concatenate([columns, np.arange(e, 32 * words, 7)])
+            for j in columns[columns < 32 * words]:
+                bits[r + t, j // 32] |= np.uint32(1 << (j % 32))
+        r += e
+    return bits, rows
+
+
+def full_width_mask(trees, prefix_lens, words):
+    """SGLang's flat custom mask of draft trees (the prefix columns all visible; drafts past 32 * words hidden)."""
+    flat = []
+    for m, p in zip(trees, prefix_lens):
+        e = len(m)
+        m = m & (np.arange(e) < 32 * words)[None, :]
+        flat.append(np.concatenate([np.ones((e, p), bool), m], axis=1).reshape(-1))
+    return jnp.asarray(np.concatenate(flat))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("variant", ["plain", "window-sinks-cap", "stray-bits-i32", "one-word-of-70-drafts"])
+def test_draft_mask_is_the_compact_custom_mask(rng, mode, variant):
+    # extend_attention(draft_mask=) (per-row draft words, no [q_len, kv_len] mask) gives what the same trees as a
+    # full-width custom mask give, on the Triton kernel (interpreted here; compiled on the GPU) and in the reference:
+    # sequences of 70 new tokens (three words), a row that sees only its prefix, an empty sequence, bits set past a
+    # sequence's drafts (ignored), and a mask of one word for 70 drafts (drafts 32.. hidden).
+    prefix_lens, extend_lens = [26, 0, 9, 40], [70, 6, 0, 33]
+    words = 1 if variant == "one-word-of-70-drafts" else 3
+    window = 12 if variant == "window-sinks-cap" else -1
+    batch = make_batch(rng, prefix_lens, extend_lens, hq=4, hkv=2, dqk=32, dtype=jnp.float32, window=window, scale=0.7)
+    bits, trees = draft_words(rng, extend_lens, words, blind_row=(0, 5), stray_bits=variant == "stray-bits-i32")
+    bits = np.pad(bits, ((0, batch.q.shape[0] - len(bits)), (0, 0)), constant_values=0xFFFFFFFF)  # padding rows
+    draft_mask = jnp.asarray(bits.view(np.int32) if variant == "stray-bits-i32" else bits)
+    kw = dict(config=ExtendConfig(block_m=32, block_n=16, num_warps=4, num_stages=1))
+    if variant == "window-sinks-cap":
+        kw.update(sliding_window=window, sinks=random_normal(rng, (4,), jnp.float32), logit_cap=3.0)
+    want = ref_two_stage(batch, custom_mask=full_width_mask(trees, prefix_lens, words), **kw)
+    assert_output(ref_two_stage(batch, draft_mask=draft_mask, **kw), want, batch, jnp.float32)
+    o = run_two_stage(batch, mode, draft_mask=draft_mask, **kw)
+    assert_output(o, want, batch, jnp.float32)
+    # The blind row (sequence 0, row 5) sees its 26 prefix keys only: not the causal result.
+    causal = np.float32(ref_two_stage(batch, **kw))
+    assert not np.allclose(np.float32(o)[5], causal[5], atol=1e-3)
+
+
 PACKED_FEATURES = {  # feature -> (spec, head_pack): 4 heads x 8 tokens or 2 heads x 16 tokens per 32-row block
     "causal": ({}, 4),
     "window-sinks-softcap-xai": (dict(window=9, sinks="random", logit_cap=3.0, xai_temperature_len=12), 2),
@@ -356,6 +417,12 @@ def test_rejects_bad_arguments(rng):
         extend_attention(q, kn, vn, kp, vp, dataclasses.replace(meta, mask_indptr=None), custom_mask=jnp.ones(10, bool))
     with pytest.raises(ValueError, match="custom_mask must have dtype"):
         extend_attention(q, kn, vn, kp, vp, meta, custom_mask=jnp.ones(10, jnp.float32))
+    with pytest.raises(ValueError, match="custom_mask or draft_mask, not both"):
+        extend_attention(q, kn, vn, kp, vp, meta, custom_mask=jnp.ones(10, bool), draft_mask=jnp.ones((2, 1), jnp.int32))
+    with pytest.raises(ValueError, match=rf"draft_mask must have q's {q.shape[0]} rows .* got shape \({q.shape[0] + 1}, 1\)"):
+        extend_attention(q, kn, vn, kp, vp, meta, draft_mask=jnp.ones((q.shape[0] + 1, 1), jnp.int32))
+    with pytest.raises(ValueError, match="draft_mask must have dtype"):
+        extend_attention(q, kn, vn, kp, vp, meta, draft_mask=jnp.ones((2, 1), jnp.float32))
     with pytest.raises(ValueError, match=r"sinks must have shape \(2,\)"):
         extend_attention(q, kn, vn, kp, vp, meta, sinks=jnp.zeros(3))
     with pytest.raises(ValueError, match="config must be an ExtendConfig"):

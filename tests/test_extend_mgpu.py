@@ -20,7 +20,7 @@ from jaxattn.extend_mgpu import MgpuExtendConfig, extend_attention_mgpu, extend_
 from jaxattn.impl.mgpu_extend import heads_per_cta
 from jaxattn.reference import xai_temperature_scale
 from tests.helpers import HAS_GPU, random_normal, tolerance
-from tests.test_extend import assert_output, make_batch, ref_two_stage, ref_unified
+from tests.test_extend import assert_output, draft_words, make_batch, ref_two_stage, ref_unified
 
 
 def _is_hopper():
@@ -344,6 +344,36 @@ def test_custom_masks_match_reference(rng, feature, whole_tiles):
         np.testing.assert_array_equal(np.float32(o[130 + 5 + 10]), 0.0)
     np.testing.assert_array_equal(  # the default route takes these calls
         np.float32(extend_attention(q, k_new, v_new, batch.k_pool, batch.v_pool, batch.meta, **kw)), np.float32(o))
+
+
+DRAFT_MASKS = [
+    ("plain", dict()),
+    ("window-cap-sinks", dict(sliding_window=40, logit_cap=3.0, sinks=True)),
+    ("short-two-heads-per-cta", dict(short=True)),
+]
+
+
+@pytest.mark.parametrize("feature", DRAFT_MASKS, ids=lambda f: f[0])
+@pytest.mark.parametrize("whole_tiles", [False, True], ids=["tokens-odd", "tokens-x8"])
+@pytest.mark.gpu
+@needs_hopper
+def test_draft_masks_match_reference(rng, feature, whole_tiles):
+    # A tree as per-row draft words (extend_attention_mgpu(draft_mask=); the default route keeps them on the Triton
+    # kernel until this test has run): five words for up to 160 drafts, a row that sees only its prefix, stray bits
+    # past a sequence's drafts; short extends run two heads per CTA.
+    kw = _more_kwargs(rng, 8, feature[1])
+    short = kw.pop("short", False)
+    prefix_lens, extend_lens = ([0, 37, 128, 300], [130, 5, 64, 157]) if not short else ([40, 0, 700, 9], [64, 5, 33, 64])
+    batch = make_batch(rng, prefix_lens, extend_lens, hq=8, hkv=2, dqk=128, dtype=jnp.bfloat16,
+                       max_extend_len=max(extend_lens) + (0 if short else 9))
+    q, k_new, v_new = _new_tokens(batch, whole_tiles)
+    bits, _ = draft_words(rng, extend_lens, 5, blind_row=(0, 3), stray_bits=True)
+    kw["draft_mask"] = jnp.asarray(np.pad(bits, ((0, q.shape[0] - len(bits)), (0, 0)), constant_values=0xFFFFFFFF))
+    o = extend_attention_mgpu(q, k_new, v_new, batch.k_pool, batch.v_pool, batch.meta, **kw)
+    want = ref_two_stage(batch, **dict(kw, draft_mask=kw["draft_mask"][: batch.q.shape[0]]))
+    assert_output(o, want, batch, jnp.bfloat16)
+    triton = extend_attention(q, k_new, v_new, batch.k_pool, batch.v_pool, batch.meta, impl="triton", **kw)
+    assert_output(o, triton, batch, jnp.bfloat16)
 
 
 @pytest.mark.gpu
@@ -896,10 +926,11 @@ class _RowScale:
 
 
 def _kernel_model(q, k_new, v_new, k_pool, v_pool, meta, *, window, logit_cap, sinks, block_kv, block_q=64, causal=True,
-                  xai=-1, custom_mask=None, skip_prefix_custom_mask=True, heads_per_cta=1):
+                  xai=-1, custom_mask=None, skip_prefix_custom_mask=True, heads_per_cta=1, draft_mask=None):
     """numpy model of the kernel's consumer warpgroups, f32: the CTA and warpgroup step ranges from the kernel's own
     helpers, its loop order and mask kinds (`kv_step`), base-2 online softmax from m_init, sinks at the end. A
-    custom mask is gathered per tile as `custom_mask_tile` reads it (flat index, entries outside the mask hidden).
+    custom mask is gathered per tile as `custom_mask_tile` reads it (flat index, entries outside the mask hidden), a
+    draft mask as `draft_bits_tile` reads it (the warpgroup's rows, the tile's draft indices).
     heads_per_cta=2: block_q-row CTAs, both warpgroups on the same rows (the model runs every head at once)."""
     from jaxattn.kernels.extend_attention_mgpu import cta_window_first_step, warpgroup_window_steps
 
@@ -919,12 +950,21 @@ def _kernel_model(q, k_new, v_new, k_pool, v_pool, meta, *, window, logit_cap, s
     out = np.zeros((len(q_pad), hq, d_v), np.float32)
     token_end = min(qo[-1], tokens)
     cols, rows = np.arange(block_kv)[None, :], np.arange(block_q)[:, None]
-    custom = custom_mask is not None
-    mask_prefix = custom and not skip_prefix_custom_mask
+    custom = custom_mask is not None or draft_mask is not None
+    mask_prefix = custom_mask is not None and not skip_prefix_custom_mask
     if custom:
         causal = False  # the mask replaces causal; the non-causal schedule
+    if custom_mask is not None:
         flat_mask = np.asarray(custom_mask).astype(bool)
         mask_indptr = np.asarray(meta.mask_indptr).astype(np.int64)
+    if draft_mask is not None:
+        words = np.asarray(draft_mask).view(np.uint32)
+
+    def draft_bits(row0, draft0):  # draft_bits_tile
+        row, draft = row0 + rows, draft0 + cols
+        inside = (row >= 0) & (row < len(words)) & (draft >= 0) & (draft < 32 * words.shape[1])
+        word = words[np.where(inside, row, 0), np.where(inside, draft // 32, 0)]
+        return inside & ((word >> np.where(inside, draft % 32, 0).astype(np.uint32)) & 1).astype(bool)
 
     def gathered(seq, row0, width, column0):  # custom_mask_tile
         at = mask_indptr[seq] + (row0 + rows) * np.int64(width) + column0 + cols
@@ -993,7 +1033,7 @@ def _kernel_model(q, k_new, v_new, k_pool, v_pool, meta, *, window, logit_cap, s
                 assert steps == list(range(steps[0], steps[0] + len(steps))) if steps else True, plan  # in order
                 assert all(step < cta_steps for step in steps), plan  # only tiles the producer loads
 
-                def mask(step, kind, wg_rel=wg_rel, t0=t0):
+                def mask(step, kind, wg_rel=wg_rel, t0=t0, wg_row=wg_row):
                     if kind is None:
                         return None
                     if kind == "prefix":
@@ -1004,7 +1044,9 @@ def _kernel_model(q, k_new, v_new, k_pool, v_pool, meta, *, window, logit_cap, s
                     if kind == "custom":
                         key = (step - pre_steps) * block_kv + cols
                         column0 = start_pos[seq] + prefix_len + (step - pre_steps) * block_kv - lead
-                        return (key >= lead) & (key < key_end - base) & gathered(seq, t0, width, column0)
+                        entry = (draft_bits(wg_row, (step - pre_steps) * block_kv - lead) if draft_mask is not None
+                                 else gathered(seq, t0, width, column0))
+                        return (key >= lead) & (key < key_end - base) & entry
                     if kind == "causal":
                         key = (step - pre_steps) * block_kv + cols
                         return (key >= lead) & (key <= wg_rel + rows)
@@ -1019,8 +1061,9 @@ def _kernel_model(q, k_new, v_new, k_pool, v_pool, meta, *, window, logit_cap, s
                     if kind == "window_new":
                         key = (step - pre_steps) * block_kv - lead + cols
                         column0 = start_pos[seq] + prefix_len + (step - pre_steps) * block_kv - lead
-                        return ((key >= np.maximum(t - window, 0)) & (key < key_end - q_start)
-                                & gathered(seq, t0, width, column0))
+                        entry = (draft_bits(wg_row, (step - pre_steps) * block_kv - lead) if draft_mask is not None
+                                 else gathered(seq, t0, width, column0))
+                        return (key >= np.maximum(t - window, 0)) & (key < key_end - q_start) & entry
                     from_pool = step < pre_steps  # "window"
                     key = (step * block_kv - prefix_len if from_pool else (step - pre_steps) * block_kv - lead) + cols
                     lo, hi = (-prefix_len, -1) if from_pool else (0, 2**30)
@@ -1201,6 +1244,26 @@ def test_kernel_model_with_custom_masks_matches_reference(rng):
                     np.testing.assert_array_equal(o[130 + 5 + 3], 0.0)
 
 
+def test_kernel_model_with_draft_masks_matches_reference(rng):
+    # CPU: a tree as per-row draft words (extend_attention's draft_mask) through the custom-mask schedule, the new-key
+    # tiles masked by the bits `draft_bits_tile` reads (the warpgroup's rows, the tile's draft indices from the lead);
+    # three words for 130 drafts, a row that sees only its prefix, stray bits past a sequence's drafts, windows.
+    prefix_lens, extend_lens = [0, 37, 128, 300, 5], [130, 5, 64, 0, 77]
+    for block_kv in (64, 128):
+        for window in (-1, 0, 40):
+            batch = make_batch(rng, prefix_lens, extend_lens, hq=4, hkv=2, dqk=64, dtype=jnp.float32,
+                               max_extend_len=140, window=window)
+            bits, _ = draft_words(rng, extend_lens, 5, blind_row=(0, 9), stray_bits=True)
+            bits = np.pad(bits, ((0, batch.q.shape[0] - len(bits)), (0, 0)), constant_values=0xFFFFFFFF)
+            kw = dict(draft_mask=jnp.asarray(bits))
+            ref = np.float32(ref_two_stage(batch, sliding_window=window, **kw))
+            for packed in (1, 2):
+                o = _kernel_model(batch.q, batch.k_new, batch.v_new, batch.k_pool, batch.v_pool, batch.meta,
+                                  window=window, logit_cap=0.0, sinks=None, block_kv=block_kv, heads_per_cta=packed, **kw)
+                np.testing.assert_allclose(o[: batch.tokens], ref[: batch.tokens], atol=2e-5, rtol=2e-5,
+                                           err_msg=f"kv{block_kv} window {window} heads_per_cta {packed}")
+
+
 def test_kernel_model_on_random_batches(rng):
     # CPU: random ragged batches (empty prefixes and extends, sequences off the 8-row grid, several CTAs) with a random
     # mix of features, both forms, both tile sizes: the kernel's schedule gives the reference's output.
@@ -1300,6 +1363,7 @@ def test_says_why_it_cannot_take_a_call():
     assert "head dims" not in (mgpu_unsupported(q192, k192, v128) or "")  # DeepSeek's 192/128 is taken
     assert "head dims 96/96" in mgpu_unsupported(S((8, 4, 96), jnp.bfloat16), S((32, 2, 96), jnp.bfloat16), S((32, 2, 96), jnp.bfloat16))
     for feature, why in ((dict(causal=False, sliding_window=8), "a sliding window with non-causal attention"),
+                         (dict(draft_mask=jnp.ones((8, 1), jnp.int32)), "a draft mask (per-row bits; the Triton kernel"),
                          (dict(sliding_window=8, form="unified"), "a sliding window in the unified form"),
                          (dict(custom_mask=jnp.ones(4, bool), form="unified"), "a custom mask in the unified form")):
         assert why in mgpu_unsupported(q, pool, pool, **feature), feature
@@ -1365,4 +1429,4 @@ def test_lowers_for_cuda_on_cpu():
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     from tests.lower_mgpu_kernel import SHAPES as LOWERED
 
-    assert run.stdout.count("ok ") == len(LOWERED) == 28, run.stdout
+    assert run.stdout.count("ok ") == len(LOWERED) == 30, run.stdout

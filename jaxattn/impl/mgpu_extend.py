@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from jaxattn import hardware, tuning
 from jaxattn.calls import ExtendCall, score_features
-from jaxattn.checks import check_array, check_extend_args, check_new_tokens
+from jaxattn.checks import check_array, check_extend_args, check_extend_draft_mask, check_new_tokens
 from jaxattn.fp8 import dequantised_rows, is_fp8
 from jaxattn.launch import launch_mode as resolve_launch_mode
 from jaxattn.metadata import ExtendMetadata, ExtendUnifiedMetadata
@@ -63,9 +63,12 @@ HEAD_DIMS_TEXT = ", ".join(f"{qk}/{v}" for qk, v in MGPU_HEAD_DIMS)  # for messa
 
 # The score features of `ExtendCall.features` the kernel takes, per form (static flags; off, the plain kernel is
 # unchanged). The unified form's tiles sit at fixed listed-key offsets; a window would move them with the list's start.
+# The kernel also takes a draft mask (two-stage) and, in the unified form, a window on uncut lists, through its own
+# entries (`extend_attention_mgpu`, `extend_attention_unified_mgpu`); they join these lists once their GPU tests ran.
 MGPU_FEATURES = {"two_stage": ("sliding window", "soft cap", "sinks", "xai temperature", "non-causal", "custom mask"),
                  "unified": ("soft cap", "sinks", "xai temperature", "non-causal")}
-_FEATURE_NAMES = {"custom mask": "a custom mask", "sliding window": "a sliding window"}
+_FEATURE_NAMES = {"custom mask": "a custom mask", "sliding window": "a sliding window",
+                  "draft mask": "a draft mask (per-row bits; the Triton kernel takes it)"}
 
 
 def _unsupported(dtype, qk_head_dim, v_head_dim, features, launch_mode, form="two_stage") -> str | None:
@@ -91,11 +94,11 @@ def _unsupported(dtype, qk_head_dim, v_head_dim, features, launch_mode, form="tw
 
 
 def mgpu_unsupported(q, k_pool, v_pool, *, causal=True, custom_mask=None, sliding_window=-1, logit_cap=0.0, sinks=None,
-                     xai_temperature_len=-1, mode=None, form="two_stage") -> str | None:
+                     xai_temperature_len=-1, mode=None, form="two_stage", draft_mask=None) -> str | None:
     """Why the Mosaic GPU kernel cannot take this `extend_attention` call (form "two_stage") or
     `extend_attention_unified` call (form "unified"), or None when it can (trace time)."""
     features = score_features(causal=causal, custom_mask=custom_mask, sliding_window=sliding_window, logit_cap=logit_cap,
-                              sinks=sinks, xai_temperature_len=xai_temperature_len)
+                              sinks=sinks, xai_temperature_len=xai_temperature_len, draft_mask=draft_mask)
     mode_name = mode if mode not in (None, "gpu") else resolve_launch_mode(mode)
     return _unsupported(q.dtype, q.shape[2], v_pool.shape[2], features, mode_name, form)
 
@@ -146,7 +149,7 @@ def _run(call: ExtendCall):
                        causal=call.causal, sliding_window=call.sliding_window, logit_cap=call.logit_cap, sinks=call.sinks,
                        xai_temperature_len=call.xai_temperature_len, kv_start_pos=call.kv_start_pos,
                        prefix_lens=meta.prefix_lens if call.form == "unified" else None, custom_mask=call.custom_mask,
-                       skip_prefix_custom_mask=call.skip_prefix_custom_mask)
+                       skip_prefix_custom_mask=call.skip_prefix_custom_mask, draft_mask=call.draft_mask)
 
 
 def dequantised_prefix(k_pool, v_pool, meta: ExtendMetadata | ExtendUnifiedMetadata, kv_scales, dtype):
@@ -188,6 +191,7 @@ def extend_attention_mgpu(
     xai_temperature_len: int = -1,
     sm_scale: float | None = None,
     config: MgpuExtendConfig | None = None,
+    draft_mask: jax.Array | None = None,
 ) -> jax.Array:
     """Two-stage extend attention (prefix from the pool, new tokens contiguous) with the Hopper Mosaic GPU kernel.
 
@@ -210,6 +214,9 @@ def extend_attention_mgpu(
         logits that join each row's softmax denominator only. xai_temperature_len: L > 0 multiplies scores by
         log2(pos) / log2(L) for absolute positions pos > L (meta.kv_start_pos + prefix + token).
       sm_scale: default 1 / sqrt(qk_head_dim). config: `MgpuExtendConfig` (default: `tuning.mgpu_extend_config`).
+      draft_mask: i32/u32[tokens, words], a tree as per-row draft bits (`jaxattn.extend.extend_attention`'s); the
+        kernel reads the words of the new-key tiles it masks. Taken here only: `extend_attention` keeps draft masks
+        on the Triton kernel until this route's GPU tests have run.
       Slots past the pool (or negative) are clamped into it: a bad index reads a wrong row, never outside the pool
       (`jaxattn.checked` reports them).
 
@@ -218,6 +225,7 @@ def extend_attention_mgpu(
       qo_indptr[-1], and rows of a sequence past meta.max_extend_len, are 0.
     """
     check_array("q", q, ndim=3, dtypes=MGPU_DTYPES, what="[tokens, q_heads, qk_head_dim] bf16/f16")
+    check_extend_draft_mask(q, draft_mask, custom_mask)
     check_extend_args(q, k_pool, v_pool, meta, meta_type=ExtendMetadata, builder="extend_metadata",
                       custom_mask=custom_mask, sinks=sinks, sliding_window=sliding_window, logit_cap=logit_cap,
                       xai_temperature_len=xai_temperature_len, sm_scale=sm_scale)
@@ -235,7 +243,7 @@ def extend_attention_mgpu(
     return _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale, config, causal=causal,
                        sliding_window=sliding_window, logit_cap=logit_cap, sinks=sinks,
                        xai_temperature_len=xai_temperature_len, kv_start_pos=meta.kv_start_pos, custom_mask=custom_mask,
-                       skip_prefix_custom_mask=skip_prefix_custom_mask)
+                       skip_prefix_custom_mask=skip_prefix_custom_mask, draft_mask=draft_mask)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "sliding_window", "logit_cap", "xai_temperature_len", "sm_scale",
@@ -304,10 +312,10 @@ def heads_per_cta(max_extend_len: int, group: int, config: MgpuExtendConfig) -> 
 
 def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: MgpuExtendConfig, *, causal: bool,
                 sliding_window: int, logit_cap: float, sinks, xai_temperature_len: int, kv_start_pos, prefix_lens=None,
-                custom_mask=None, skip_prefix_custom_mask=True):
+                custom_mask=None, skip_prefix_custom_mask=True, draft_mask=None):
     """The kernel launch on checked arguments (the registry's routes and `extend_attention_mgpu` share it).
     prefix_lens (i32[batch]): the unified form (k_new, v_new unused: every key from the pool). custom_mask: flat
-    bool/u8 at meta.mask_indptr (two-stage form)."""
+    bool/u8 at meta.mask_indptr (two-stage form). draft_mask: i32/u32[tokens, words] (two-stage form)."""
     from jaxattn.kernels.extend_attention_mgpu import extend_attention_mgpu_kernel
     tokens, q_heads = q.shape[:2]
     v_dim = v_pool.shape[2]
@@ -330,6 +338,8 @@ def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: 
         # u8 (a bool mask is copied: its bytes are 0/1 already, but XLA does not bitcast bool). An empty mask hides
         # every key: one 0 entry stands in for it (the kernel never reads past an operand's length).
         custom_mask = custom_mask.astype(jnp.uint8) if custom_mask.shape[0] else jnp.zeros((1,), jnp.uint8)
+    if draft_mask is not None:
+        draft_mask = jax.lax.bitcast_convert_type(draft_mask, jnp.int32)  # bit 31 survives (no value conversion)
     extend_attention_mgpu_kernel(
         q, None if unified else k_new, None if unified else v_new, k_pool, v_pool, kv_indices,
         meta.qo_indptr.astype(jnp.int32), meta.kv_indptr.astype(jnp.int32), out_ref,
@@ -344,7 +354,7 @@ def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: 
         kv_start_pos=kv_start_pos.astype(jnp.int32) if xai > 0 or custom_mask is not None else None,
         prefix_lens=prefix_lens.astype(jnp.int32) if unified else None,
         custom_mask=custom_mask, mask_indptr=None if custom_mask is None else meta.mask_indptr,
-        skip_prefix_custom_mask=bool(skip_prefix_custom_mask),
+        skip_prefix_custom_mask=bool(skip_prefix_custom_mask), draft_mask=draft_mask,
         heads_per_cta=heads_per_cta(meta.max_extend_len, q_heads // k_pool.shape[1], config),
         # Whole new-key tiles by TMA where Mosaic allows it (an array of whole 8-row tiles, no shorter than a box).
         tma_new_tiles=not unified and tokens % 8 == 0 and tokens >= config.block_kv,

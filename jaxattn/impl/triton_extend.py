@@ -29,11 +29,13 @@ def _block_dims(qk_head_dim: int, v_head_dim: int):
 
 def kernel_constexprs(*, q_heads, kv_heads, qk_head_dim, v_head_dim, dtype, config, sm_scale, logit_cap, xai_temperature_len,
                       sliding_window, causal, use_mask, has_sink, tokens, num_slots, kv_capacity, mask_len,
-                      skip_prefix_mask=None, has_kv_scales=False):
+                      skip_prefix_mask=None, has_kv_scales=False, mask_bits=0):
     """The constexprs of one launch (shared by the launches and kernel_builds, so the AOT check compiles what runs).
 
     tokens, num_slots, kv_capacity, mask_len: the q/o rows, pool slots, kv_indices and custom mask lengths (static
     shapes) that the kernels clamp every index into. has_kv_scales: the pool carries K/V scales (fp8).
+    skip_prefix_mask, mask_bits: the two-stage kernel's (None for the unified one): the prefix columns are not read;
+    mask_bits > 0: the mask is per-row draft words, that many per row (`extend_attention(draft_mask=)`).
     """
     block_d, block_dpe, block_dv = _block_dims(qk_head_dim, v_head_dim)
     logit_cap = float(logit_cap)
@@ -65,7 +67,7 @@ def kernel_constexprs(*, q_heads, kv_heads, qk_head_dim, v_head_dim, dtype, conf
         HAS_KV_SCALES=bool(has_kv_scales),
     )
     if skip_prefix_mask is not None:
-        constexprs["SKIP_PREFIX_MASK"] = bool(skip_prefix_mask)
+        constexprs.update(SKIP_PREFIX_MASK=bool(skip_prefix_mask), MASK_BITS=int(mask_bits))
     return constexprs
 
 
@@ -88,24 +90,32 @@ def _launch(call: ExtendCall, kernel: str, arrays: tuple, two_stage: bool):
     q, meta = call.q, call.meta
     tokens, q_heads, qk_dim = q.shape
     kv_heads, v_dim = call.kv_heads, call.v_head_dim
-    config = call.config or tuning.extend_config(qk_dim, v_dim, q.dtype, meta.max_extend_len, custom_mask=call.custom_mask is not None)
+    bits = call.draft_mask  # [tokens, words] (two-stage only): the kernel reads them through its mask operand
+    masked = call.custom_mask is not None or bits is not None
+    config = call.config or tuning.extend_config(qk_dim, v_dim, q.dtype, meta.max_extend_len, custom_mask=masked)
     config = tuning.pack_heads(config, q_heads, kv_heads)
+    if bits is not None:
+        mask, mask_indptr = jax.lax.bitcast_convert_type(bits, jnp.int32).reshape(-1), _dummy(jnp.int32)
+    elif call.custom_mask is not None:
+        mask, mask_indptr = call.custom_mask.astype(jnp.uint8), meta.mask_indptr
+    else:
+        mask, mask_indptr = _dummy(jnp.uint8), _dummy(jnp.int32)
     constexprs = kernel_constexprs(
         q_heads=q_heads, kv_heads=kv_heads, qk_head_dim=qk_dim, v_head_dim=v_dim, dtype=q.dtype, config=config,
         sm_scale=call.sm_scale, logit_cap=call.logit_cap, xai_temperature_len=call.xai_temperature_len,
-        sliding_window=call.sliding_window, causal=call.causal, use_mask=call.custom_mask is not None,
+        sliding_window=call.sliding_window, causal=call.causal, use_mask=masked,
         has_sink=call.sinks is not None, tokens=tokens, num_slots=call.k_pool.shape[0],
-        kv_capacity=meta.kv_indices.shape[0], mask_len=1 if call.custom_mask is None else call.custom_mask.shape[0],
-        skip_prefix_mask=call.skip_prefix_custom_mask if two_stage else None, has_kv_scales=call.kv_scales is not None,
+        kv_capacity=meta.kv_indices.shape[0], mask_len=mask.shape[0] if masked else 1,
+        skip_prefix_mask=(call.skip_prefix_custom_mask or bits is not None) if two_stage else None,
+        has_kv_scales=call.kv_scales is not None, mask_bits=0 if bits is None else bits.shape[1],
     )
     if call.batch == 0 or tokens == 0:
         return jnp.zeros((tokens, q_heads, v_dim), q.dtype)
-    mask = call.custom_mask
     return launch(
         ("extend_attention", kernel),
         *arrays,
-        _dummy(jnp.uint8) if mask is None else mask.astype(jnp.uint8),
-        _dummy(jnp.int32) if mask is None else meta.mask_indptr,
+        mask,
+        mask_indptr,
         _dummy(jnp.float32) if call.sinks is None else call.sinks.astype(jnp.float32),
         _dummy(jnp.float32) if call.kv_scales is None else call.kv_scales,
         out_shape=jax.ShapeDtypeStruct((tokens, q_heads, v_dim), q.dtype),
@@ -157,7 +167,7 @@ _BUILD_HEADS = {"64": (64, 64), "128": (128, 128), "256": (256, 256), "576/512":
 _TIMED_MAX_REGISTERS = {"64": 128}
 
 
-def _build(kernel, family, dtype, *, label_extra="", causal=True, use_mask=False, skip_prefix_mask=True, window=-1, logit_cap=0.0, has_sink=False, xai=-1, max_registers=None, pool_dtype=None):
+def _build(kernel, family, dtype, *, label_extra="", causal=True, use_mask=False, skip_prefix_mask=True, window=-1, logit_cap=0.0, has_sink=False, xai=-1, max_registers=None, pool_dtype=None, mask_bits=0):
     qk_dim, v_dim = _BUILD_HEADS[family]
     q_heads, kv_heads = (16, 1) if qk_dim in (576, 288) else (32, 8)  # MLA absorbed: one latent KV head
     config = tuning.sm90.EXTEND[family]
@@ -170,7 +180,7 @@ def _build(kernel, family, dtype, *, label_extra="", causal=True, use_mask=False
         sm_scale=1.0 / math.sqrt(qk_dim), logit_cap=logit_cap, xai_temperature_len=xai, sliding_window=window,
         causal=causal, use_mask=use_mask, has_sink=has_sink, skip_prefix_mask=skip_prefix_mask if two_stage else None,
         tokens=1 << 16, num_slots=1 << 20, kv_capacity=1 << 22, mask_len=1 << 28 if use_mask else 1,  # sizes: no code change
-        has_kv_scales=pool_dtype is not None,
+        has_kv_scales=pool_dtype is not None, mask_bits=mask_bits,
     )
     t = f"*{dtype}"
     p = f"*{pool_dtype or dtype}"
@@ -178,7 +188,8 @@ def _build(kernel, family, dtype, *, label_extra="", causal=True, use_mask=False
         signature = {"Q": t, "K_NEW": t, "V_NEW": t, "K_POOL": p, "V_POOL": p, "QO_INDPTR": "*i32", "KV_INDPTR": "*i32", "KV_INDICES": "*i32", "KV_START_POS": "*i32"}
     else:
         signature = {"Q": t, "K_POOL": p, "V_POOL": p, "QO_INDPTR": "*i32", "KV_INDPTR": "*i32", "KV_INDICES": "*i32", "PREFIX_LENS": "*i32", "KV_START_POS": "*i32"}
-    signature.update({"MASK": "*u8", "MASK_INDPTR": "*i32", "SINKS": "*fp32", "KV_SCALES": "*fp32", "O": t})
+    signature.update({"MASK": "*i32" if mask_bits else "*u8", "MASK_INDPTR": "*i32", "SINKS": "*fp32", "KV_SCALES": "*fp32",
+                      "O": t})
     return build(
         "extend_attention", kernel, signature, constexprs, num_warps=config.num_warps, num_stages=config.num_stages,
         expects_wgmma=config.block_m >= 64, expects_pipelining=config.num_stages > 1, max_registers=max_registers, label=f"{dtype} {family}{label_extra} {config.block_m}x{config.block_n}",
@@ -200,4 +211,5 @@ def kernel_builds():
         builds.append(_build(kernel, "128", "bf16", label_extra=" fp8e4nv pool", pool_dtype="fp8e4nv"))
     builds.append(_build("extend_attention_kernel", "128", "bf16", label_extra=" mask+prefix", use_mask=True, skip_prefix_mask=False))
     builds.append(_build("extend_attention_kernel", "576/512", "bf16", label_extra=" mask", use_mask=True))
+    builds.append(_build("extend_attention_kernel", "128", "bf16", label_extra=" draft words", use_mask=True, mask_bits=2))
     return builds

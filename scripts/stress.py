@@ -73,6 +73,7 @@ class Profile:
     sinks: bool = False
     xai: int = -1
     mask: bool = False  # extend only: a random custom mask (fully masked rows included)
+    draft: bool = False  # extend only: random trees as per-row draft words (draft_mask; the unified form: as a mask)
     causal: bool = True
     kv_dtype: str = ""  # the pools' dtype when it is not q's: "float8_e4m3fn" / "float8_e5m2" (read with k/v scales)
     per_head_scales: bool = False  # fp8: one scale per kv head instead of one per layer
@@ -144,6 +145,9 @@ def profiles(shapes: str) -> list[Profile]:
         # Verify on sliding-window layers (Gemma, GPT-OSS): a custom mask under a window, both tilings.
         Profile("verify-tree-window", 16, 8, 128, 128, "bfloat16", mask=True, window=127, logit_cap=30.0),
         Profile("verify-tree-window-64", 64, 8, 64, 64, "bfloat16", mask=True, window=100, ext_bucket=64, sinks=True),
+        # The compact tree form (extend_attention(draft_mask=)): up to 256 drafts in 8 words, and a verify step's 64.
+        Profile("verify-draft-words", 32, 8, 128, 128, "bfloat16", draft=True, logit_cap=30.0),
+        Profile("verify-draft-words-64", 32, 8, 128, 128, "float16", draft=True, ext_bucket=64, sinks=True, window=300),
         Profile("noncausal", 8, 8, 64, 64, "float16", causal=False, logit_cap=20.0),
         # fp8 pools read by the kernels (issue 26): per-layer and per-head scales, both formats, GQA / MLA / sinks.
         Profile("llama-gqa4-fp8", 32, 8, 128, 128, "bfloat16", kv_dtype="float8_e4m3fn"),
@@ -354,8 +358,24 @@ class ExtendRunner:
         meta = self.meta(*args)
         meta_u = self.meta_u(*args, jnp.asarray(loc))
         # Two-stage: the prefix from the pool, the new tokens contiguous (their pool slots are not read).
-        mask = mask_u = None
+        mask = mask_u = draft_mask = None
         listed = np.minimum(prefix, p.window) if p.window >= 0 else prefix
+        if p.draft:
+            # Each token sees itself and random earlier drafts (a tree-like lower triangle), some only their prefix;
+            # the unified form gets the same rows as a mask over the listed keys (prefix columns visible).
+            words = -(-self.bucket // 32)
+            bits, cut = np.zeros((self.tokens, words), np.uint32), []
+            row = 0
+            for b in range(s.ext_batch):
+                n = int(extend[b])
+                m = np.tril(rng.random((n, n)) < 0.3)
+                np.fill_diagonal(m, rng.random(n) > 0.1)
+                for t, j in zip(*np.nonzero(m)):
+                    bits[row + t, j // 32] |= np.uint32(1 << (j % 32))
+                cut.append(np.concatenate([np.ones((n, int(listed[b])), bool), m], axis=1).reshape(-1))
+                row += n
+            draft_mask = jnp.asarray(bits)
+            mask_u = jnp.asarray(np.pad(np.concatenate(cut), (0, self.mask_len - sum(map(len, cut)))))
         if p.mask:
             full, cut = [], []
             for b in range(s.ext_batch):
@@ -367,9 +387,10 @@ class ExtendRunner:
             mask = jnp.asarray(np.pad(np.concatenate(full), (0, self.mask_len - sum(map(len, full)))))
             mask_u = jnp.asarray(np.pad(np.concatenate(cut), (0, self.mask_len - sum(map(len, cut)))))
         sc = self.scales
-        o_two = self.two(q, k_new, v_new, self.k_pool, self.v_pool, meta, custom_mask=mask, sinks=sinks, **sc)
+        o_two = self.two(q, k_new, v_new, self.k_pool, self.v_pool, meta, custom_mask=mask, sinks=sinks,
+                         draft_mask=draft_mask, **sc)
         r_two = self.two_ref(q, k_new, v_new, jnp.nan_to_num(self.k_pool), jnp.nan_to_num(self.v_pool), meta, custom_mask=mask,
-                             sinks=sinks, **sc)
+                             sinks=sinks, draft_mask=draft_mask, **sc)
         # Unified: write the new tokens into the pool first (slot 0 takes the padding tokens), then read all from it.
         self.k_pool, self.v_pool = self.write(self.k_pool, self.v_pool, jnp.asarray(loc), k_new, v_new, **sc)
         o_uni = self.uni(q, self.k_pool, self.v_pool, meta_u, custom_mask=mask_u, sinks=sinks, **sc)

@@ -52,3 +52,16 @@ def test_verify_profile_runs_against_the_reference():
     for i in range(2):
         ok, ratio, reason, case, _ = runner.run(stress.batch_rng(0, "decode", i), i)
         assert ok, (reason, ratio, case)
+
+
+def test_draft_words_profile_runs_against_the_reference():
+    # The compact tree form on the extend ops (draft words for the two-stage form, the same rows as a mask for the
+    # unified one), under a window: two batches through the interpreter, no mismatch.
+    stress = load_stress_script()
+    profile = stress.Profile("tiny-draft", 4, 2, 32, 32, "float32", draft=True, window=5, sinks=True)
+    runner = stress.ExtendRunner(profile, stress.SHAPES["tiny"], "interpret", seed=0)
+    for i in range(2):
+        results, _ = runner.run(stress.batch_rng(0, "extend", i), i)
+        assert [case["op"] for *_, case in results] == ["extend", "extend_unified"]
+        for ok, ratio, reason, case in results:
+            assert ok, (reason, ratio, case)

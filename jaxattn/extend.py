@@ -60,6 +60,7 @@ from jaxattn.launch import launch_mode as resolve_launch_mode
 from jaxattn.metadata import (  # noqa: F401  (re-exported: the builders' documented home before jaxattn.metadata)
     ExtendMetadata,
     ExtendUnifiedMetadata,
+    draft_mask_words,
     extend_metadata,
     extend_unified_metadata,
     listed_columns_mask,
@@ -153,8 +154,8 @@ def extend_attention(
       k_scale, v_scale: the pools hold K / k_scale and V / v_scale: None (1), a float > 0 or a float array [] /
         [kv_heads] (traced). They scale the cached prefix only: k_new / v_new are the step's own values.
       draft_mask: i32/u32[tokens, words], the compact form of a tree mask (speculative verify): row r, new token t of
-        its sequence, sees the sequence's new token j iff bit j % 32 of word j // 32 is set (`jaxattn.decode.
-        draft_mask_bits` packs boolean rows, 32 drafts a word), and its whole listed prefix (a window still applies).
+        its sequence, sees the sequence's new token j iff bit j % 32 of word j // 32 is set (`draft_mask_words` packs
+        boolean rows), and its whole listed prefix (a window still applies).
         Replaces causal; not with custom_mask. No [q_len, kv_len] mask is built or read. The Triton kernel takes it.
 
     Returns:

@@ -85,6 +85,21 @@ def draft_mask_bits(mask) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.int32)
 
 
+def draft_mask_words(mask) -> jax.Array:
+    """Boolean draft rows as the words `extend_attention(draft_mask=)` takes: mask bool[..., rows, drafts] (row r:
+    which of its sequence's new tokens it sees) -> u32[..., rows, ceil(drafts / 32)], bit j % 32 of word j // 32 set
+    iff mask[..., r, j]. Any number of drafts; works inside jit."""
+    mask = jnp.asarray(mask).astype(bool)
+    if mask.ndim < 2 or mask.shape[-1] < 1:
+        raise ValueError(f"mask must be bool[..., rows, drafts] with drafts >= 1; got shape {tuple(mask.shape)}")
+    drafts = mask.shape[-1]
+    words = -(-drafts // 32)
+    padded = jnp.pad(mask, [(0, 0)] * (mask.ndim - 1) + [(0, 32 * words - drafts)])
+    grouped = padded.reshape(*mask.shape[:-1], words, 32)
+    weights = jnp.left_shift(jnp.uint32(1), jnp.arange(32, dtype=jnp.uint32))
+    return jnp.sum(jnp.where(grouped, weights, jnp.uint32(0)), axis=-1, dtype=jnp.uint32)  # distinct bits: sum = or
+
+
 def custom_mask_from_draft_bits(draft_mask, extend_lens, seq_lens, capacity: int) -> jax.Array:
     """The full TARGET_VERIFY custom mask of a verify step given as per-row bit masks (for the paths that take the
     boolean form: window layers, the reference and FlashInfer).

@@ -99,6 +99,11 @@ def test_tree_verify_case(one_call):
     causal = bench.make_inputs(bench.Case("TC", "extend", batch=2, prefix=20, new=9, q_heads=4, kv_heads=2, head_dim=64))
     assert bench.peers.extend_reference(causal)().shape == want.shape
     assert not np.allclose(np.asarray(bench.peers.extend_reference(causal)(), np.float32), want, atol=1e-3)  # the mask matters
+    # The same tree as per-row draft words (extend_attention(draft_mask=): the Triton kernel here) gives the same rows.
+    rows = bench.run("extend", [case], backends=["jaxattn-draft-words", "reference"], log=lambda _: None, progress=False)
+    assert [r["backend"] for r in rows] == ["jaxattn-draft-words", "reference"]
+    np.testing.assert_allclose(one_call[-2], one_call[-1], atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(one_call[-1], want, atol=1e-5, rtol=1e-5)  # the reference saw the same mask
     # Under a window (a sliding-window layer's verify step): the floor's pairs are the brute-force count, and the
     # rows still agree with the reference.
     windowed = dataclasses.replace(case, sliding_window=12)

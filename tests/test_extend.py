@@ -238,6 +238,20 @@ def full_width_mask(trees, prefix_lens, words):
     return jnp.asarray(np.concatenate(flat))
 
 
+def test_draft_mask_words_packs_rows_of_any_width(rng):
+    # jaxattn.metadata.draft_mask_words: bool[..., rows, drafts] -> u32[..., rows, ceil(drafts / 32)], bit j % 32 of
+    # word j // 32 (checked by unpacking), inside jit too.
+    from jaxattn.metadata import draft_mask_words
+    for shape in ((5, 70), (2, 3, 32), (4, 1)):
+        mask = rng.random(shape) < 0.5
+        words = np.asarray(jax.jit(draft_mask_words)(jnp.asarray(mask)))
+        assert words.dtype == np.uint32 and words.shape == shape[:-1] + (-(-shape[-1] // 32),)
+        unpacked = (words[..., np.arange(shape[-1]) // 32] >> (np.arange(shape[-1]) % 32).astype(np.uint32)) & 1
+        np.testing.assert_array_equal(unpacked.astype(bool), mask)
+    with pytest.raises(ValueError, match="rows, drafts"):
+        draft_mask_words(jnp.ones(4, bool))
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("variant", ["plain", "window-sinks-cap", "stray-bits-i32", "one-word-of-70-drafts"])
 def test_draft_mask_is_the_compact_custom_mask(rng, mode, variant):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .cases import draft_tree
 from .inputs import Inputs
 from .timing import PerCall, jax_sync, torch_sync
 
@@ -220,6 +221,31 @@ def extend_jaxattn(inp: Inputs, config=None, unified=False, impl="triton"):
     return lambda: fn(inp.q, inp.k_new, inp.v_new, inp.k_pool, inp.v_pool, meta, inp.sinks, inp.custom_mask)
 
 
+def extend_draft_words(inp: Inputs, mgpu: bool = False):
+    """A tree-verify case's mask in its compact form (`extend_attention(draft_mask=)`: per-row draft words, no [new,
+    prefix + new] mask): what extend_attention picks for it, or (mgpu) the Mosaic GPU kernel's own entry."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxattn import extend
+    from jaxattn.impl.mgpu_extend import extend_attention_mgpu
+    from jaxattn.metadata import draft_mask_words
+
+    case = inp.case
+    if not case.tree:
+        raise Skip("a tree-verify case's mask (the compact form of its custom mask)")
+    draft_mask = jnp.tile(draft_mask_words(draft_tree(case.new)), (case.batch, 1))  # u32[batch * new, words]
+    meta = extend_meta(inp)
+    features = dict(case.features, **scales(inp))
+    if mgpu:
+        fn = jax.jit(lambda q, kn, vn, k, v, m, s, d: extend_attention_mgpu(q, kn, vn, k, v, m, sinks=s, draft_mask=d,
+                                                                             **case.features))
+    else:
+        fn = jax.jit(lambda q, kn, vn, k, v, m, s, d: extend.extend_attention(q, kn, vn, k, v, m, sinks=s, draft_mask=d,
+                                                                              **features))
+    return lambda: fn(inp.q, inp.k_new, inp.v_new, inp.k_pool, inp.v_pool, meta, inp.sinks, draft_mask)
+
+
 def extend_mgpu(inp: Inputs, config=None):
     import jax
 
@@ -321,6 +347,8 @@ BACKENDS = {
         "jaxattn-triton": (extend_jaxattn, jax_sync),
         "jaxattn-unified": (lambda inp: extend_jaxattn(inp, unified=True, impl=None), jax_sync),  # what it picks
         "jaxattn-unified-triton": (lambda inp: extend_jaxattn(inp, unified=True, impl="triton-unified"), jax_sync),
+        "jaxattn-draft-words": (extend_draft_words, jax_sync),  # tree cases: the mask as per-row draft words
+        "jaxattn-mgpu-draft-words": (lambda inp: extend_draft_words(inp, mgpu=True), jax_sync),
         "flashinfer-fa2": (lambda inp: extend_flashinfer(inp, "fa2"), torch_sync),
         "flashinfer-fa3": (lambda inp: extend_flashinfer(inp, "fa3"), torch_sync),
         "flashinfer-fa3-in-jit": (lambda inp: extend_flashinfer(inp, "fa3", through_jax=True), jax_sync),

@@ -65,3 +65,17 @@ def test_draft_words_profile_runs_against_the_reference():
         assert [case["op"] for *_, case in results] == ["extend", "extend_unified"]
         for ok, ratio, reason, case in results:
             assert ok, (reason, ratio, case)
+
+
+def test_profiles_filter_runs_only_the_profiles_it_names(tmp_path):
+    # --profiles REGEX keeps the profiles whose name it finds (one batch of tiny-mask here); one that finds none is
+    # refused.
+    stress = load_stress_script()
+    out = tmp_path / "stress.json"
+    assert stress.main(["--batches", "1", "--ops", "extend", "--mode", "interpret", "--shapes", "tiny",
+                        "--profiles", "^tiny-mask$", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert [p["name"] for p in record["settings"]["profiles"]] == ["tiny-mask"]
+    assert record["results"]["extend"]["batches"] == 1 and record["total_mismatches"] == 0
+    with pytest.raises(SystemExit):
+        stress.main(["--batches", "1", "--mode", "interpret", "--shapes", "tiny", "--profiles", "no-such-profile"])

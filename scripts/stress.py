@@ -44,6 +44,7 @@ import numpy as np  # noqa: E402
 
 from jaxattn.batch import tree_mask_for_verify  # noqa: E402
 from jaxattn.decode import decode_attention, decode_attention_reference, decode_metadata, draft_mask_bits  # noqa: E402
+from jaxattn.metadata import draft_mask_words  # noqa: E402
 from jaxattn.extend import (  # noqa: E402
     extend_attention,
     extend_attention_reference,
@@ -363,18 +364,16 @@ class ExtendRunner:
         if p.draft:
             # Each token sees itself and random earlier drafts (a tree-like lower triangle), some only their prefix;
             # the unified form gets the same rows as a mask over the listed keys (prefix columns visible).
-            words = -(-self.bucket // 32)
-            bits, cut = np.zeros((self.tokens, words), np.uint32), []
+            rows, cut = np.zeros((self.tokens, self.bucket), bool), []
             row = 0
             for b in range(s.ext_batch):
                 n = int(extend[b])
                 m = np.tril(rng.random((n, n)) < 0.3)
                 np.fill_diagonal(m, rng.random(n) > 0.1)
-                for t, j in zip(*np.nonzero(m)):
-                    bits[row + t, j // 32] |= np.uint32(1 << (j % 32))
+                rows[row : row + n, :n] = m
                 cut.append(np.concatenate([np.ones((n, int(listed[b])), bool), m], axis=1).reshape(-1))
                 row += n
-            draft_mask = jnp.asarray(bits)
+            draft_mask = draft_mask_words(rows)  # u32[tokens, ceil(bucket / 32)]
             mask_u = jnp.asarray(np.pad(np.concatenate(cut), (0, self.mask_len - sum(map(len, cut)))))
         if p.mask:
             full, cut = [], []

@@ -768,6 +768,9 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                 new_kind = "custom" if custom else "causal" if causal else "new"
                 masked = functools.partial(kv_step, mask_kind=new_kind)
                 carry = (acc, m_i, l_i)
+                if window is not None:  # the CTA's steps before this warpgroup's first, released unused (head flush)
+                    lax.fori_loop(first_step, wg_first, head_flush_step, None)
+                    pl.when(wg_first < wg_steps)(lambda: wait_ready(0, wg_first, k_ready))
                 if unified:
                     # Tiles in key order at fixed listed offsets: [0, full_end) hold only keys every valid row sees
                     # (unmasked), the rest are masked. Which path a tile takes for a row depends on where its q tile
@@ -783,8 +786,6 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                         carry = lax.fori_loop(0, full_end, kv_step, carry)
                         carry = lax.fori_loop(full_end, wg_steps, unified_masked, carry)
                     else:
-                        lax.fori_loop(first_step, wg_first, head_flush_step, None)
-                        pl.when(wg_first < wg_steps)(lambda: wait_ready(0, wg_first, k_ready))
                         masked_from = jnp.maximum(full_end, win_full)
                         carry = lax.fori_loop(wg_first, win_full, unified_masked, carry)
                         carry = lax.fori_loop(win_full, masked_from, kv_step, carry)
@@ -793,8 +794,6 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     if window is None:
                         bound = lambda x: x  # noqa: E731
                     else:
-                        lax.fori_loop(first_step, wg_first, head_flush_step, None)
-                        pl.when(wg_first < wg_steps)(lambda: wait_ready(0, wg_first, k_ready))
                         if custom:  # prefix and new-key tiles apart: only the mask's columns are gathered
                             split = jnp.clip(pre_steps, wg_first, win_full)
                             carry = lax.fori_loop(wg_first, split, functools.partial(kv_step, mask_kind="window_prefix"),

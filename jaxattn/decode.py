@@ -40,7 +40,7 @@ import numpy as np
 from jaxattn.calls import DecodeCall
 from jaxattn.checks import check_decode_args, checks_float_kv_scales, launch_mode_argument
 from jaxattn.fp8 import kv_scale_table
-from jaxattn.impl import triton_decode
+from jaxattn.impl import mgpu_decode, triton_decode
 from jaxattn.launch import launch_mode as resolve_launch_mode
 from jaxattn.metadata import (  # noqa: F401  (re-exported: the builders' documented home before jaxattn.metadata)
     MIN_BLOCK_KV,
@@ -62,8 +62,9 @@ from jaxattn.tuning import (  # noqa: F401  (re-exported)
 )
 from jaxattn.tuning.sm90 import DECODE as SM90_CONFIGS  # noqa: F401  (re-exported)
 
-# In order of preference: the first that takes a call runs it.
-IMPLEMENTATIONS = (triton_decode.IMPLEMENTATION,)
+# In order of preference: the first that takes a call runs it. The Mosaic GPU MLA kernel ("mgpu") is reached by
+# impl="mgpu" only until its GPU tests have run.
+IMPLEMENTATIONS = (triton_decode.IMPLEMENTATION, mgpu_decode.IMPLEMENTATION)
 
 
 def _effective_window(meta, sliding_window):

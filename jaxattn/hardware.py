@@ -60,3 +60,24 @@ def sm_count() -> int:
     device = _first_gpu()
     count = getattr(device, "core_count", None) if device is not None else None
     return int(count) if count else REFERENCE_FAMILY.sm_count
+
+
+def _cuda_runtime_version() -> int | None:
+    try:
+        from jax._src.lib import cuda_versions  # private: the version JAX's CUDA plugin was loaded with
+    except ImportError:
+        return None
+    return None if cuda_versions is None else cuda_versions.cuda_runtime_get_version()
+
+
+def mosaic_gpu_unavailable(launch_mode: str) -> str | None:
+    """Why this process cannot run jaxattn's Mosaic GPU kernels in `launch_mode` ("gpu" / "interpret"), or None."""
+    if launch_mode != "gpu":
+        return "no GPU (or an interpreted launch mode)"
+    if not is_sm90():
+        return f"device {gpu_family_name()} is not sm_90 (the kernel uses Hopper's wgmma and TMA)"
+    version = _cuda_runtime_version()
+    if version is not None and 12080 <= version < 12091:
+        # JAX's own FlashAttention-3 Mosaic GPU kernel refuses causal masks for these versions (a ptxas miscompile).
+        return f"CUDA runtime {version} (12.8.0-12.9.0 miscompile causal masks in Mosaic GPU kernels)"
+    return None

@@ -63,7 +63,7 @@ WARPGROUP = 128
 SWIZZLE_BYTES = 128  # one swizzle atom row: 8 x 16-byte chunks; a tile of 8 rows is 1024 bytes
 _SCALAR = plgpu.Layout.WG_SPLAT(())
 _ROW_SOURCES = plgpu.Layout.WG_STRIDED((WARPGROUP,), vec_size=1)  # one i32 per producer thread
-_SWIZZLED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(SWIZZLE_BYTES))  # the K/V/Q tiles wgmma reads
+SWIZZLED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(SWIZZLE_BYTES))  # the K/V/Q tiles wgmma reads
 
 
 def _cdiv(x, d: int):
@@ -96,7 +96,7 @@ def _lane_ids():
     return arith.divui(t, _i32(32)), arith.remui(t, _i32(32))
 
 
-def _global_address(memref_value):
+def global_address(memref_value):
     """The global-space address of a GMEM memref's first element, as an i64."""
     pointer = llvm.addrspacecast(llvm.PointerType.get(1), mgpu_utils.memref_ptr(memref_value))
     return llvm.ptrtoint(ir.IntegerType.get_signless(64), pointer)
@@ -108,16 +108,20 @@ def _barrier_ptr(bars, index):
     return mgpu_utils.getelementptr(mgpu_utils.memref_ptr(bars), [index], i64)
 
 
-def init_barriers(bars, count: int):
-    """One thread initialises every mbarrier of `bars` to expect `count` arrivals; then the whole CTA syncs."""
+def init_barriers(bars, count):
+    """One thread initialises every mbarrier of `bars` to expect `count` arrivals (an int, or one per barrier);
+    then the whole CTA syncs."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
     def run(ctx, bars):
         del ctx
         n = ir.MemRefType(bars.type).shape[0] // 2
+        counts = [count] * n if isinstance(count, int) else list(count)
+        if len(counts) != n:
+            raise ValueError(f"{len(counts)} arrival counts for {n} mbarriers")
         first = mgpu_utils.single_thread_predicate(mgpu_utils.ThreadSubset.BLOCK)
-        for i in range(n):
-            nvvm.mbarrier_init(_barrier_ptr(bars, _i32(i)), _i32(count), predicate=first)
+        for i, expected in enumerate(counts):
+            nvvm.mbarrier_init(_barrier_ptr(bars, _i32(i)), _i32(expected), predicate=first)
         nvvm.fence_mbarrier_init()
         mgpu_utils.inline_ptx("bar.sync 0;", has_side_effects=True, convergent=True)  # every warpgroup passes here
 
@@ -133,6 +137,18 @@ def wait_barrier(bars, index, parity):
         nvvm.mbarrier_try_wait_parity(_barrier_ptr(bars, _scalar(index)), _scalar(parity), _i32(10_000_000))
 
     run(bars, index, parity)
+
+
+def arrive_barrier(bars, index):
+    """This thread arrives (release) on mbarrier `index` of `bars` (one arrival of the count it was set up with)."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SCALAR))
+    def run(ctx, bars, index):
+        del ctx
+        mgpu_utils.inline_ptx("mbarrier.arrive.release.cta.shared::cta.b64 _, [$0];",
+                              _barrier_ptr(bars, _scalar(index)), has_side_effects=True)
+
+    run(bars, index)
 
 
 def row_sources(kv_indices, from_pool, first, count, *, block_kv: int, pool_rows: int):
@@ -156,7 +172,7 @@ def row_sources(kv_indices, from_pool, first, count, *, block_kv: int, pool_rows
         # Always a valid address: the load happens for new-token tiles too (its value is then unused).
         safe = arith.maxsi(arith.minsi(position, _i32(capacity - 1)), _i32(0))
         index_type = ir.MemRefType(indices.type).element_type
-        pointer = llvm.inttoptr(llvm.PointerType.get(1), _global_address(indices))
+        pointer = llvm.inttoptr(llvm.PointerType.get(1), global_address(indices))
         slot = llvm.load(index_type, mgpu_utils.getelementptr(pointer, [safe], index_type))
         if ir.IntegerType(index_type).width == 64:  # clamp before narrowing: an out-of-range slot reads a pool row
             slot = arith.trunci(i32, arith.maxsi(arith.minsi(slot, _i64(pool_rows - 1)), _i64(0)))
@@ -192,10 +208,10 @@ def custom_mask_tile(mask, mask_indptr, seq, row0, width, column0, *, block_q: i
         seq, row0, width, column0 = (arith.extsi(i64, _scalar(x)) for x in (seq, row0, width, column0))
         index_type = ir.MemRefType(indptr.type).element_type
         start = llvm.load(index_type, mgpu_utils.getelementptr(
-            llvm.inttoptr(llvm.PointerType.get(1), _global_address(indptr)), [seq], index_type))
+            llvm.inttoptr(llvm.PointerType.get(1), global_address(indptr)), [seq], index_type))
         if ir.IntegerType(index_type).width == 32:
             start = arith.extsi(i64, start)
-        bytes_ = llvm.inttoptr(llvm.PointerType.get(1), _global_address(mask))
+        bytes_ = llvm.inttoptr(llvm.PointerType.get(1), global_address(mask))
         zeros = mgpu.FragmentedArray.splat(_i32(0), (block_q, block_kv), layout=mgpu.WGMMA_LAYOUT, is_signed=True)
 
         def entry(_, index):
@@ -228,7 +244,7 @@ def draft_bits_tile(bits, row0, draft0, *, block_q: int, block_kv: int):
         i32, i64 = (ir.IntegerType.get_signless(w) for w in (32, 64))
         rows, words = ir.MemRefType(bits.type).shape
         row0, draft0 = (arith.extsi(i64, _scalar(x)) for x in (row0, draft0))
-        base = llvm.inttoptr(llvm.PointerType.get(1), _global_address(bits))
+        base = llvm.inttoptr(llvm.PointerType.get(1), global_address(bits))
         zeros = mgpu.FragmentedArray.splat(_i32(0), (block_q, block_kv), layout=mgpu.WGMMA_LAYOUT, is_signed=True)
 
         def entry(_, index):
@@ -264,7 +280,7 @@ def issue_rows(new_ref, pool_ref, smem, bars, sources, from_pool, slot, barrier,
     row_bytes = kv_heads * head_dim * 2
     slot_bytes = block_kv * head_dim * 2
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(_SWIZZLED), plgpu.RefType(), _ROW_SOURCES)
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(SWIZZLED), plgpu.RefType(), _ROW_SOURCES)
                        + (_SCALAR,) * 4)
     def run(ctx, new, pool, smem, bars, sources, from_pool, slot, barrier, kv_head):
         del ctx
@@ -274,7 +290,7 @@ def issue_rows(new_ref, pool_ref, smem, bars, sources, from_pool, slot, barrier,
         warp, lane = _lane_ids()
         chunk = arith.remui(lane, _i32(8))
         lane_row = arith.divui(lane, _i32(8))
-        base = arith.select(from_pool, _global_address(pool), _global_address(new))
+        base = arith.select(from_pool, global_address(pool), global_address(new))
         head_offset = arith.extui(i64, arith.addi(arith.muli(kv_head, _i32(head_dim * 2)), arith.muli(chunk, _i32(16))))
         base = arith.addi(base, head_offset)
         smem_base = mgpu_utils.getelementptr(
@@ -920,10 +936,10 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
         refs = dict(zip(present, rest[:len(present)]))
         (out_gmem,) = rest[len(present):]
         smem = (
-            plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, qk_dim), dtype, transforms=_SWIZZLED),  # Q, then O (o_in_q)
+            plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, qk_dim), dtype, transforms=SWIZZLED),  # Q, then O (o_in_q)
             plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, o_rows_columns), dtype),  # O of a partial tile (row-sliceable)
-            plgpu.SMEM((stages, block_kv, qk_dim), dtype, transforms=_SWIZZLED),
-            plgpu.SMEM((stages, block_kv, v_dim), dtype, transforms=_SWIZZLED),
+            plgpu.SMEM((stages, block_kv, qk_dim), dtype, transforms=SWIZZLED),
+            plgpu.SMEM((stages, block_kv, v_dim), dtype, transforms=SWIZZLED),
             plgpu.SMEM((2 * stages * 2,), jnp.int32),  # mbarriers (8 bytes each): K ready, V ready per slot
         )
         pl.run_scoped(

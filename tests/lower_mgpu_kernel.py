@@ -1,4 +1,5 @@
-"""Lowers (does not run) `extend_attention_mgpu` for CUDA on a CPU machine; run by tests/test_extend_mgpu.py.
+"""Lowers (does not run) `extend_attention_mgpu` and the MLA decode kernel for CUDA on a CPU machine; run by
+tests/test_extend_mgpu.py.
 
 Needs jax's CUDA plugin module on sys.path (scripts/setup.sh puts it in .venv/mosaic_gpu_lowering). Lowering runs
 Pallas' Mosaic GPU lowering and Mosaic's layout inference, which reject what the kernel cannot express (e.g. a TMA
@@ -11,8 +12,11 @@ import warnings
 import jax
 import jax.numpy as jnp
 
+from jaxattn.calls import DecodeCall
+from jaxattn.decode import DecodeMetadata
 from jaxattn.extend import extend_metadata, extend_unified_metadata
 from jaxattn.extend_mgpu import MgpuExtendConfig, extend_attention_mgpu, extend_attention_unified_mgpu
+from jaxattn.impl.mgpu_decode import mla_decode_partials
 
 
 SHAPES = [  # label, tokens, q heads, kv heads, head dim, dtype, config, features
@@ -98,12 +102,47 @@ def lower(tokens, hq, hkv, d, dtype, config, features=None, batch=3, slots=1000,
         raise AssertionError("no Mosaic GPU custom call in the lowered module")
 
 
+# The MLA decode kernel (stage 1): label, batch, tokens, q heads, dtype, features.
+DECODE_SHAPES = [
+    ("mla-decode-16-bf16", 8, 1, 16, jnp.bfloat16, {}),  # 16 rows padded to 64
+    ("mla-verify-4x16-bf16-draft", 4, 4, 16, jnp.bfloat16, dict(draft=True)),  # 64 rows, a draft tree
+    ("mla-verify-2x16-f16-causal-i64", 3, 2, 16, jnp.float16, dict(index_dtype=jnp.int64)),
+    ("mla-decode-128-bf16-window-deterministic", 2, 1, 128, jnp.bfloat16, dict(sliding_window=100, deterministic=True)),
+]
+
+
+def lower_decode(batch, tokens, q_heads, dtype, features, slots=3000, capacity=5000):
+    S = jax.ShapeDtypeStruct
+    features = dict(features)
+    index_dtype = features.pop("index_dtype", jnp.int32)
+    q_shape = (batch, q_heads, 576) if tokens == 1 else (batch, tokens, q_heads, 576)
+    args = (S(q_shape, dtype), S((slots, 1, 576), dtype), S((batch + 1,), jnp.int32), S((capacity,), index_dtype),
+            S((batch,), jnp.int32), S((batch, tokens), jnp.int32) if features.pop("draft", False) else None)
+
+    def call(q, k_pool, kv_indptr, kv_indices, splits, draft_mask):
+        meta = DecodeMetadata(kv_indptr, kv_indices, splits, splits, max_kv_splits=4, kv_capacity=capacity,
+                              sliding_window=features.get("sliding_window", -1),
+                              deterministic=features.get("deterministic", False))
+        decode_call = DecodeCall(q=q, k_pool=k_pool, v_pool=None, meta=meta, sinks=None, sm_scale=0.07, logit_cap=0.0,
+                                 xai_temperature_len=-1, sliding_window=features.get("sliding_window", -1),
+                                 v_head_dim=512, return_lse=False, config=None, launch_mode="gpu",
+                                 draft_mask=draft_mask)
+        return mla_decode_partials(decode_call)[:3]
+
+    exported = jax.export.export(jax.jit(call), platforms=["cuda"])(*args)
+    if "mosaic_gpu" not in exported.mlir_module():
+        raise AssertionError("no Mosaic GPU custom call in the lowered module")
+
+
 if __name__ == "__main__":
     warnings.simplefilter("ignore")
     failed = 0
-    for label, *shape in SHAPES:
+    for label, *shape in SHAPES + [(label, "decode", *rest) for label, *rest in DECODE_SHAPES]:
         try:
-            lower(*shape)
+            if shape[0] == "decode":
+                lower_decode(*shape[1:])
+            else:
+                lower(*shape)
             print(f"ok {label}", flush=True)
         except Exception as error:  # report every shape, then fail
             failed += 1

@@ -22,7 +22,7 @@ class Skip(Exception):
     pass
 
 
-def decode_jaxattn(inp: Inputs, config=None, programs_per_sm=None):
+def decode_jaxattn(inp: Inputs, config=None, programs_per_sm=None, impl=None):
     import jax
 
     from jaxattn import decode, metadata
@@ -36,10 +36,17 @@ def decode_jaxattn(inp: Inputs, config=None, programs_per_sm=None):
     q = inp.q if case.new == 1 else inp.q.reshape(case.batch, case.new, case.q_heads, case.head_dim)
     if case.v_in_k:  # MLA: V is the first Dv dims of the latent K; the kernel reads the pool once
         fn = jax.jit(lambda q, k, m: decode.decode_attention(q, k, None, m, v_head_dim=case.dv, config=config,
-                                                             k_scale=inp.k_scale))
+                                                             k_scale=inp.k_scale, impl=impl))
         return lambda: fn(q, inp.k_pool, meta)
-    fn = jax.jit(lambda q, k, v, m: decode.decode_attention(q, k, v, m, config=config, **scales(inp)))
+    fn = jax.jit(lambda q, k, v, m: decode.decode_attention(q, k, v, m, config=config, impl=impl, **scales(inp)))
     return lambda: fn(q, inp.k_pool, inp.v_pool, meta)
+
+
+def decode_mgpu(inp: Inputs):
+    """The Mosaic GPU MLA kernel (`impl="mgpu"`), MLA cases only."""
+    if not inp.case.v_in_k or inp.case.fp8:
+        raise Skip("the Mosaic GPU decode kernel takes MLA's 16-bit latent cache only")
+    return decode_jaxattn(inp, impl="mgpu")
 
 
 def decode_as_extend(inp: Inputs):
@@ -333,6 +340,8 @@ def extend_cudnn(inp: Inputs):
 BACKENDS = {
     "decode": {
         "jaxattn": (decode_jaxattn, jax_sync),
+        "jaxattn-triton": (lambda inp: decode_jaxattn(inp, impl="triton"), jax_sync),
+        "jaxattn-mgpu": (decode_mgpu, jax_sync),  # MLA on the Mosaic GPU kernel
         "jaxattn-extend": (decode_as_extend, jax_sync),
         "flashinfer": (lambda inp: decode_flashinfer(inp, False), torch_sync),
         "flashinfer-tc": (lambda inp: decode_flashinfer(inp, True), torch_sync),

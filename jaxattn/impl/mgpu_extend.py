@@ -46,14 +46,6 @@ MGPU_DTYPES = (jnp.bfloat16, jnp.float16)
 MGPU_HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
 
 
-def _cuda_runtime_version() -> int | None:
-    try:
-        from jax._src.lib import cuda_versions  # private: the version JAX's CUDA plugin was loaded with
-    except ImportError:
-        return None
-    return None if cuda_versions is None else cuda_versions.cuda_runtime_get_version()
-
-
 def _head_dims_supported(qk_head_dim: int, v_head_dim: int) -> bool:
     return (qk_head_dim, v_head_dim) in MGPU_HEAD_DIMS
 
@@ -82,15 +74,7 @@ def _unsupported(dtype, qk_head_dim, v_head_dim, features, launch_mode, form="tw
         return ", ".join(declined) + (" in the unified form" if form == "unified" else "")
     if "sliding window" in features and "non-causal" in features:
         return "a sliding window with non-causal attention"
-    if launch_mode != "gpu":
-        return "no GPU (or an interpreted launch mode)"
-    if not hardware.is_sm90():
-        return f"device {hardware.gpu_family_name()} is not sm_90 (the kernel uses Hopper's wgmma and TMA)"
-    version = _cuda_runtime_version()
-    if version is not None and 12080 <= version < 12091:
-        # JAX's own FlashAttention-3 Mosaic GPU kernel refuses causal masks for these versions (a ptxas miscompile).
-        return f"CUDA runtime {version} (12.8.0-12.9.0 miscompile causal masks in Mosaic GPU kernels)"
-    return None
+    return hardware.mosaic_gpu_unavailable(launch_mode)
 
 
 def mgpu_unsupported(q, k_pool, v_pool, *, causal=True, custom_mask=None, sliding_window=-1, logit_cap=0.0, sinks=None,

@@ -158,20 +158,30 @@ def run(call: DecodeCall):
         name=f"decode_stage1_BLOCK_H={config.block_h}_BLOCK_N={config.block_n}",
         **constexprs,
     )
+    return merge_splits(call, mid_o, mid_lse, meta.num_kv_splits.astype(jnp.int32), max_splits)
+
+
+def merge_splits(call: DecodeCall, mid_o, mid_lse, num_kv_splits, max_splits: int):
+    """Stage 2 (the Triton merge) of any stage 1 that writes `decode_stage1_kernel`'s partial buffers: mid_o
+    f32[batch * tokens, q_heads, max_splits, v_dim], mid_lse f32[batch * tokens, q_heads, max_splits] (natural log),
+    split s of a sequence covering the keys `kernels/decode_attention.py`'s split geometry gives for num_kv_splits
+    (i32[batch]) and max_splits; entries of empty splits are never read. Adds the sink; returns the op's result."""
+    batch, q_heads, v_dim, tokens = call.batch, call.q_heads, call.v_head_dim, call.tokens_per_seq
+    meta = call.meta
     sink_arg = jnp.zeros((q_heads,), jnp.float32) if call.sinks is None else call.sinks.astype(jnp.float32)
     o, lse = launch(
         ("decode_attention", "decode_stage2_kernel"),
         mid_o,
         mid_lse,
         meta.kv_indptr.astype(jnp.int32),
-        meta.num_kv_splits.astype(jnp.int32),
+        num_kv_splits,
         sink_arg,
-        out_shape=(jax.ShapeDtypeStruct((batch * tokens, q_heads, v_dim), q.dtype),
+        out_shape=(jax.ShapeDtypeStruct((batch * tokens, q_heads, v_dim), call.q.dtype),
                    jax.ShapeDtypeStruct((batch * tokens, q_heads), jnp.float32)),
         grid=(batch * tokens, q_heads),
         num_warps=4,
         num_stages=2,
-        mode=mode,
+        mode=call.launch_mode,
         name="decode_stage2",
         **stage2_constexprs(q_heads=q_heads, v_head_dim=v_dim, sliding_window=call.sliding_window,
                             has_sink=call.sinks is not None, max_kv_splits=max_splits,

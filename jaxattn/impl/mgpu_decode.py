@@ -1,0 +1,125 @@
+"""MLA decode on Hopper through a Pallas Mosaic GPU kernel (`kernels/mla_decode_mgpu.py`) and the Triton merge.
+
+The "mgpu" implementation of `jaxattn.decode`'s contract for DeepSeek's absorbed attention: one 576-wide latent head
+(`v_pool=None`: V is each row's first 512 dims), bf16/f16, one query token per sequence (sliding window allowed) or
+several (speculative verify / multi-token prediction, causal or a draft mask), sinks (added by the merge). Stage 1
+packs (token, q head) rows of a sequence into 64-row wgmma tiles and reads each latent row once for all of them;
+stage 2 is the Triton merge of the split partials (`jaxattn.impl.triton_decode.merge_splits`).
+
+Its split count is its own (static: enough CTAs to fill the GPU once, `kernel_splits`; per sequence no more than one
+split per `MIN_SPLIT_KEYS` keys), not the metadata's, unless the metadata is deterministic (then the metadata's, so a
+sequence's result does not depend on the batch). It needs an sm_90 GPU and jax's CUDA plugin; the reference is
+`jaxattn.decode.decode_attention_reference`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxattn import hardware
+from jaxattn.calls import DecodeCall
+from jaxattn.impl import triton_decode
+from jaxattn.metadata import MIN_BLOCK_KV
+from jaxattn.registry import Implementation
+
+MLA_HEAD_DIMS = (576, 512)
+MGPU_DTYPES = (jnp.bfloat16, jnp.float16)
+BLOCK_ROWS = 64  # (token, q head) rows per CTA: one wgmma M tile (kernels/mla_decode_mgpu.py)
+# A split shorter than this costs more in fixed work (Q load, pipeline fill, partial stores, merge) than it spreads.
+MIN_SPLIT_KEYS = 256
+
+
+def rows_unsupported(tokens: int, q_heads: int) -> str | None:
+    """Why the kernel cannot pack `tokens` x `q_heads` rows per sequence into its 64-row blocks, or None."""
+    rows = tokens * q_heads
+    if rows % 8 or (rows > BLOCK_ROWS and rows % BLOCK_ROWS):
+        return (f"tokens x q heads = {rows} rows per sequence (the kernel takes multiples of 8 up to {BLOCK_ROWS}, "
+                f"or multiples of {BLOCK_ROWS})")
+    return None
+
+
+def declines(call: DecodeCall) -> str | None:
+    if call.config is not None:
+        return "a DecodeConfig (the Triton kernels' tiles)"
+    if (call.qk_head_dim, call.v_head_dim) != MLA_HEAD_DIMS:
+        return f"head dims {call.qk_head_dim}/{call.v_head_dim} (MLA's 576/512 only)"
+    if call.v_pool is not None:
+        return "a separate V pool (the kernel reads V as the first 512 dims of each latent row: v_pool=None)"
+    if call.kv_heads != 1:
+        return f"{call.kv_heads} kv heads (MLA's one latent head only)"
+    if jnp.dtype(call.q.dtype) not in map(jnp.dtype, MGPU_DTYPES):
+        return f"dtype {jnp.dtype(call.q.dtype).name} (bf16/f16 only)"
+    if call.k_pool.dtype != call.q.dtype or call.kv_scales is not None:
+        return f"a {jnp.dtype(call.k_pool.dtype).name} pool with {jnp.dtype(call.q.dtype).name} q, or K/V scales"
+    if call.logit_cap > 0 or call.xai_temperature_len > 0:
+        return "a soft cap or xai temperature"
+    reason = rows_unsupported(call.tokens_per_seq, call.q_heads)
+    if reason is not None:
+        return reason
+    return hardware.mosaic_gpu_unavailable(call.launch_mode)
+
+
+def kernel_splits(batch: int, head_blocks: int, num_sms: int | None = None) -> int:
+    """The static split bound: as many splits as fill every multiprocessor once with batch x head_blocks x splits
+    CTAs (one CTA per SM fits: the kernel takes all of sm_90's shared memory), at least 1."""
+    num_sms = hardware.sm_count() if num_sms is None else num_sms
+    return max(1, num_sms // max(1, batch * head_blocks))
+
+
+def effective_lengths(kv_indptr, kv_capacity: int, sliding_window: int):
+    """i32[batch]: each sequence's visible keys as both stages count them (ranges cut into kv_indices; a window keeps
+    the last W + 1)."""
+    begin = jnp.clip(kv_indptr[:-1], 0, kv_capacity)
+    end = jnp.clip(kv_indptr[1:], begin, kv_capacity)
+    length = end - begin
+    return jnp.minimum(length, sliding_window + 1) if sliding_window >= 0 else length
+
+
+def causal_draft_words(tokens: int):
+    """i32[tokens]: token t sees drafts 0..t (bits 0..t set)."""
+    t = jnp.arange(tokens, dtype=jnp.uint32)
+    words = jnp.where(t >= 31, jnp.uint32(0xFFFFFFFF), (jnp.uint32(1) << (t + 1)) - 1)
+    return jax.lax.bitcast_convert_type(words, jnp.int32)
+
+
+def mla_decode_partials(call: DecodeCall):
+    """Stage 1 on the kernel: (mid_o f32[batch * tokens, q_heads, splits, 512], mid_lse f32[batch * tokens, q_heads,
+    splits], num_kv_splits i32[batch], splits), the partial buffers `triton_decode.merge_splits` takes."""
+    from jaxattn.kernels.mla_decode_mgpu import mla_decode_mgpu_kernel
+
+    meta = call.meta
+    batch, tokens, q_heads = call.batch, call.tokens_per_seq, call.q_heads
+    kv_indptr = meta.kv_indptr.astype(jnp.int32)
+    kv_indices = meta.kv_indices
+    if kv_indices.shape[0] == 0:  # a kernel operand needs an address; no row of it is listed
+        kv_indices = jnp.zeros((1,), kv_indices.dtype)
+    if meta.deterministic:
+        splits, num_kv_splits = meta.max_kv_splits, meta.num_kv_splits.astype(jnp.int32)
+    else:
+        rows = tokens * q_heads
+        splits = kernel_splits(batch, max(1, rows // BLOCK_ROWS))
+        lengths = effective_lengths(kv_indptr, meta.kv_indices.shape[0], call.sliding_window)
+        num_kv_splits = jnp.clip(-(-lengths // MIN_SPLIT_KEYS), 1, splits).astype(jnp.int32)
+    draft_words = None
+    if tokens > 1:
+        words = causal_draft_words(tokens)[None, :] if call.draft_mask is None else call.draft_mask
+        words = jax.lax.bitcast_convert_type(words, jnp.int32) if words.dtype == jnp.uint32 else words
+        draft_words = jnp.broadcast_to(words[:, :, None], (batch, tokens, q_heads)).reshape(-1, 1)
+    mid_o, mid_lse = mla_decode_mgpu_kernel(
+        call.q.reshape(batch * tokens * q_heads, 1, call.qk_head_dim), call.k_pool, kv_indptr, kv_indices,
+        num_kv_splits, draft_words, tokens=tokens, q_heads=q_heads, sm_scale=call.sm_scale, max_kv_splits=splits,
+        sliding_window=call.sliding_window if call.sliding_window >= 0 else -1, min_block_kv=MIN_BLOCK_KV)
+    mid_o = mid_o.reshape(batch * tokens, q_heads, splits, call.v_head_dim)
+    mid_lse = mid_lse.reshape(batch * tokens, q_heads, splits)
+    return mid_o, mid_lse, num_kv_splits, splits
+
+
+def run(call: DecodeCall):
+    if call.batch == 0:
+        return triton_decode.run(call)
+    mid_o, mid_lse, num_kv_splits, splits = mla_decode_partials(call)
+    return triton_decode.merge_splits(call, mid_o, mid_lse, num_kv_splits, splits)
+
+
+IMPLEMENTATION = Implementation("mgpu", declines, run)

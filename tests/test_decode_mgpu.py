@@ -1,0 +1,189 @@
+"""The Mosaic GPU MLA decode kernel (`decode_attention(..., impl="mgpu")`) against the reference.
+
+The kernel needs an sm_90 GPU: its numerics run under `-m gpu`; CI lowers it for CUDA (tests/lower_mgpu_kernel.py,
+from tests/test_extend_mgpu.py) and checks here what runs without a GPU (which calls it takes, its split rule).
+Pools are bigger than the batch, slots scattered, every unused row (slot 0 included) NaN, so a wrong gather shows.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxattn.calls import DecodeCall
+from jaxattn.decode import decode_attention, decode_attention_reference, decode_metadata_from_indptr, draft_mask_bits
+from jaxattn.impl import mgpu_decode
+from tests.helpers import HAS_GPU, random_normal, random_pool_batch, tolerance
+from tests.test_decode import LSE_TOL
+
+needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU (sm_90)")
+
+
+def make_case(rng, kv_lens, q_heads, tokens, dtype, *, window=-1, deterministic=False):
+    kv_indptr, kv_indices, slots = random_pool_batch(rng, kv_lens, num_slots=int(np.sum(kv_lens)) + 1 + int(rng.integers(3, 40)))
+    used = np.zeros(slots, bool)
+    used[np.asarray(kv_indices)] = True
+    k_pool = jnp.where(jnp.asarray(~used)[:, None, None], jnp.nan,
+                       random_normal(rng, (slots, 1, 576), jnp.float32)).astype(dtype)
+    shape = (len(kv_lens), q_heads, 576) if tokens == 1 else (len(kv_lens), tokens, q_heads, 576)
+    q = random_normal(rng, shape, dtype)
+    meta = decode_metadata_from_indptr(kv_indptr, kv_indices, q_heads=q_heads, kv_heads=1, max_kv_splits=8,
+                                       sliding_window=window, deterministic=deterministic)
+    return q, k_pool, meta
+
+
+def run_both(q, k_pool, meta, **kwargs):
+    o, lse = decode_attention(q, k_pool, None, meta, impl="mgpu", return_lse=True, **kwargs)
+    ref_o, ref_lse = decode_attention_reference(q, k_pool, None, meta, return_lse=True, **kwargs)
+    return o, lse, ref_o, ref_lse
+
+
+def assert_close(o, lse, ref_o, ref_lse, dtype):
+    assert not np.isnan(np.float32(o)).any()
+    np.testing.assert_allclose(np.float32(o), np.float32(ref_o), **tolerance(dtype))
+    finite = np.isfinite(np.asarray(ref_lse))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
+    np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(ref_lse)[finite], atol=LSE_TOL[jnp.dtype(dtype)],
+                               rtol=LSE_TOL[jnp.dtype(dtype)])
+
+
+# Lengths: 1, odd, 0 (padding), one tile, a split's tail mid-tile, long ones in many splits.
+KV_LENS = [1, 37, 0, 64, 161, 1000, 4097, 300]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("q_heads", [16, 128], ids=["16-heads", "128-heads"])
+def test_decode_matches_reference(rng, dtype, q_heads):
+    q, k_pool, meta = make_case(rng, KV_LENS, q_heads, 1, dtype)
+    o, lse, ref_o, ref_lse = run_both(q, k_pool, meta)
+    assert o.shape == (len(KV_LENS), q_heads, 512) and o.dtype == dtype
+    assert_close(o, lse, ref_o, ref_lse, dtype)
+    np.testing.assert_array_equal(np.float32(o[2]), 0.0)  # padding row
+    assert np.all(np.asarray(lse[2]) == -np.inf)
+
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("tokens,tree", [(4, False), (4, True), (2, True), (3, False)],
+                         ids=["t4-causal", "t4-tree", "t2-tree", "t3-causal"])
+def test_verify_matches_reference(rng, tokens, tree):
+    # Lengths below the token count (the first tokens see nothing), a split of drafts only (long lists).
+    kv_lens = [2, 37, 0, 130, 97, 4096, 700]
+    q, k_pool, meta = make_case(rng, kv_lens, 16, tokens, jnp.bfloat16)
+    draft_mask = None
+    if tree:
+        parents = [[int(rng.integers(-1, t)) for t in range(tokens)] for _ in kv_lens]
+        masks = np.zeros((len(kv_lens), tokens, tokens), bool)
+        for b, tree_parents in enumerate(parents):
+            for t in range(tokens):
+                node = t
+                while node >= 0:
+                    masks[b, t, node] = True
+                    node = tree_parents[node]
+        draft_mask = draft_mask_bits(masks)
+    o, lse, ref_o, ref_lse = run_both(q, k_pool, meta, draft_mask=draft_mask)
+    np.testing.assert_allclose(np.float32(o), np.float32(ref_o), **tolerance(jnp.bfloat16))
+    finite = np.isfinite(np.asarray(ref_lse))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
+    np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(ref_lse)[finite], atol=2e-3, rtol=2e-3)
+    assert not np.isnan(np.float32(o)).any()
+
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_window_sinks_and_deterministic(rng):
+    q, k_pool, meta = make_case(rng, KV_LENS, 16, 1, jnp.bfloat16, window=200)
+    sinks = jnp.asarray(rng.standard_normal(16).astype(np.float32))
+    assert_close(*run_both(q, k_pool, meta, sinks=sinks), jnp.bfloat16)
+    # Deterministic metadata: the metadata's splits (length only), so a sequence's bits do not depend on its batch.
+    q, k_pool, meta = make_case(rng, KV_LENS, 16, 1, jnp.bfloat16, deterministic=True)
+    o, lse, ref_o, ref_lse = run_both(q, k_pool, meta)
+    assert_close(o, lse, ref_o, ref_lse, jnp.bfloat16)
+    alone = decode_metadata_from_indptr(jnp.asarray([0, KV_LENS[6]], jnp.int32),
+                                        meta.kv_indices[int(meta.kv_indptr[6]):int(meta.kv_indptr[7])],
+                                        q_heads=16, kv_heads=1, max_kv_splits=8, deterministic=True)
+    o_alone = decode_attention(q[6:7], k_pool, None, alone, impl="mgpu")
+    np.testing.assert_array_equal(np.float32(o_alone[0]), np.float32(o[6]))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_nan_stays_in_its_row(rng):
+    q, k_pool, meta = make_case(rng, KV_LENS, 16, 1, jnp.bfloat16)
+    q = q.at[4, 3, 100].set(jnp.nan)
+    o = np.float32(decode_attention(q, k_pool, None, meta, impl="mgpu"))
+    assert np.isnan(o[4, 3]).all()
+    finite = np.ones(o.shape[:2], bool)
+    finite[4, 3] = False
+    assert np.isfinite(o[finite]).all()
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_hostile_indices_stay_inside(rng):
+    # Slots past the pool and negative ones, and an indptr past kv_indices: clamped, no fault, finite where the
+    # reference is (the clamped rows are NaN rows of the pool here, so only the shape and a clean run are checked).
+    q, k_pool, meta = make_case(rng, KV_LENS, 16, 1, jnp.bfloat16)
+    bad = meta.kv_indices.at[5].set(10**9).at[40].set(-7)
+    meta = dataclasses.replace(meta, kv_indices=bad, kv_indptr=meta.kv_indptr.at[-1].set(10**6))
+    o = decode_attention(q, k_pool, None, meta, impl="mgpu")
+    jax.block_until_ready(o)
+    assert o.shape == (len(KV_LENS), 16, 512)
+
+
+# What runs without a GPU.
+
+def _call(q_heads=16, tokens=1, dtype=jnp.bfloat16, qk=576, v_pool=False, kv_heads=1, **fields):
+    q = jax.ShapeDtypeStruct((4, q_heads, qk) if tokens == 1 else (4, tokens, q_heads, qk), dtype)
+    k_pool = jax.ShapeDtypeStruct((100, kv_heads, qk), fields.pop("pool_dtype", dtype))
+    base = dict(q=q, k_pool=k_pool, v_pool=k_pool if v_pool else None, meta=None, sinks=None, sm_scale=0.1,
+                logit_cap=0.0, xai_temperature_len=-1, sliding_window=-1, v_head_dim=512 if qk == 576 else qk,
+                return_lse=False, config=None, launch_mode="gpu")
+    base.update(fields)
+    return DecodeCall(**base)
+
+
+def test_declines_name_the_reason():
+    assert "576/512" in mgpu_decode.declines(_call(qk=128))
+    assert "separate V pool" in mgpu_decode.declines(_call(v_pool=True))
+    assert "kv heads" in mgpu_decode.declines(_call(kv_heads=2, q_heads=16))
+    assert "float32" in mgpu_decode.declines(_call(dtype=jnp.float32))
+    assert "pool" in mgpu_decode.declines(_call(pool_dtype=jnp.float8_e4m3fn))
+    assert "soft cap" in mgpu_decode.declines(_call(logit_cap=30.0))
+    assert "rows per sequence" in mgpu_decode.declines(_call(q_heads=20))  # 20 rows: not a multiple of 8
+    assert "rows per sequence" in mgpu_decode.declines(_call(q_heads=16, tokens=5))  # 80 rows
+    assert "interpreted" in mgpu_decode.declines(_call(launch_mode="interpret"))
+    if not HAS_GPU:
+        assert "sm_90" in mgpu_decode.declines(_call())
+
+
+def test_rows_rule():
+    for tokens, heads in ((1, 16), (4, 16), (3, 16), (1, 128), (8, 16), (2, 64)):
+        assert mgpu_decode.rows_unsupported(tokens, heads) is None
+    for tokens, heads in ((1, 4), (5, 16), (3, 32)):
+        assert mgpu_decode.rows_unsupported(tokens, heads) is not None
+
+
+def test_split_rule_fills_the_gpu_once():
+    assert mgpu_decode.kernel_splits(64, 1, num_sms=132) == 2
+    assert mgpu_decode.kernel_splits(128, 1, num_sms=132) == 1
+    assert mgpu_decode.kernel_splits(8, 1, num_sms=132) == 16
+    assert mgpu_decode.kernel_splits(4, 2, num_sms=132) == 16
+    assert mgpu_decode.kernel_splits(1000, 2, num_sms=132) == 1
+
+
+def test_causal_draft_words():
+    words = np.asarray(mgpu_decode.causal_draft_words(32)).view(np.uint32)
+    assert words[0] == 1 and words[3] == 0b1111 and words[31] == 0xFFFFFFFF
+
+
+def test_effective_lengths_cut_like_the_kernels():
+    indptr = jnp.asarray([0, 5, 3, 900, 1000], jnp.int32)  # a decreasing pair and one past the capacity
+    np.testing.assert_array_equal(np.asarray(mgpu_decode.effective_lengths(indptr, 950, -1)), [5, 0, 897, 50])
+    np.testing.assert_array_equal(np.asarray(mgpu_decode.effective_lengths(indptr, 950, 9)), [5, 0, 10, 10])

@@ -10,7 +10,8 @@ token, q head) pair (16 heads x 1 token pad to 64 wgmma rows; 16 heads x 4 token
   wgmma reads (`issue_rows` of the extend kernel), rows past the split zero-filled.
 * warpgroup 0 computes S = Q K^T over all 576 dims (Q: the block's rows, in shared memory), the online softmax
   (base 2, the scale folded into the exponent's FMA), and O[:, :256] += P V with P from registers; it hands P (bf16
-  or f16) and each row's rescale factor alpha to warpgroup 1 through shared memory.
+  or f16) to warpgroup 1 through the tile's rope columns (read by nothing after S) and each row's rescale factor
+  alpha through shared memory.
 * warpgroup 1 rescales its O[:, 256:] by alpha and adds P V from the same K tile's columns 256..511.
 
 So each key's 1152 bytes cross HBM once for every row of the block, S is computed once, and the two 64 x 256 f32
@@ -53,9 +54,12 @@ from jaxattn.kernels.extend_attention_mgpu import (
 BLOCK_ROWS = 64  # wgmma's M: (token, head) rows per CTA
 V_SPLIT = 256  # each consumer warpgroup's share of the 512 V columns
 # The ring: 64-key tiles (P V's reduction axis; Mosaic's wgmma takes multiples of 64 at a 128-byte swizzle), two of
-# them: Q (72 KB) + 2 x 72 KB + P (8 KB) + 1 KB of rows and mbarriers = 232448 bytes, sm_90's limit exactly.
+# them: Q (72 KB) + 2 x 72 KB + 1 KB of rows and mbarriers = 217 KB of sm_90's 227. P has no buffer of its own: it
+# goes through the K tile's rope columns (512..575), which only warpgroup 0's S = Q K^T reads (a separate 8 KB P
+# buffer made the kernel exactly 227 KB, which failed to launch on the H200).
 BLOCK_KV = 64
 STAGES = 2
+ROPE_COLUMNS = pl.ds(2 * V_SPLIT, 64)  # the latent row's last 64 dims (K only; V is the first 512)
 LN2 = 0.6931471805599453
 
 
@@ -133,14 +137,14 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
     # mbarriers (one 8-byte word each, after the 64 alpha floats): the ring's "tile landed" (128 producer cp.async
     # arrivals) and "slot free" (256: every consumer thread, after its wgmma on the slot completed), Q landed (128),
     # P ready (128: every thread of warpgroup 0, after its stores) and P free (128: warpgroup 1, after its loads).
-    # Plain mbarriers with per-thread arrivals and explicit phases, not Pallas barriers: the kernel is at sm_90's
-    # shared-memory limit to the byte, and Pallas allocates its barriers apart.
+    # Plain mbarriers with per-thread arrivals and explicit phases, in the 1 KB block the alpha rows take anyway
+    # (Pallas allocates its barriers apart).
     ready, free = 0, stages
     q_bar, p_ready, p_free = 2 * stages, 2 * stages + 1, 2 * stages + 2
     counts = (WARPGROUP,) * stages + (2 * WARPGROUP,) * stages + (WARPGROUP,) * 3
 
     def body(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, words_ref, mid_o_ref, mid_lse_ref, scoped):
-        q_smem, k_smem, p_smem, rows_and_bars = scoped
+        q_smem, k_smem, rows_and_bars = scoped
         alpha_smem = rows_and_bars.at[pl.ds(0, BLOCK_ROWS)]
         bars = rows_and_bars.at[pl.ds(BLOCK_ROWS, 2 * len(counts))]
         split = lax.axis_index("splits")
@@ -215,7 +219,7 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
                     p16 = p.astype(dtype)
                     # Warpgroup 1 has loaded the previous P and alpha (its arrival #step - 1 on p_free).
                     pl.when(step > 0)(lambda: wait_barrier(bars, p_free, lax.rem(step - 1, 2)))
-                    p_smem[...] = p16
+                    k_smem.at[slot, :, ROPE_COLUMNS][...] = p16  # S = Q K^T has completed: the rope columns are free
                     alpha_smem[...] = alpha
                     arrive_barrier(bars, p_ready)
 
@@ -244,10 +248,10 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
 
                 def step_fn(step, acc):
                     wait_barrier(bars, p_ready, lax.rem(step, 2))
-                    alpha = plgpu.load(alpha_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))
-                    p16 = plgpu.load(p_smem, (), layout=plgpu.Layout.WGMMA)
-                    arrive_barrier(bars, p_free)
                     slot = wait_tile(step)
+                    alpha = plgpu.load(alpha_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))
+                    p16 = plgpu.load(k_smem.at[slot, :, ROPE_COLUMNS], (), layout=plgpu.Layout.WGMMA)
+                    arrive_barrier(bars, p_free)
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
                     def pv(acc_ref):
@@ -298,7 +302,6 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
         smem = (
             plgpu.SMEM((1, BLOCK_ROWS, qk_dim), dtype, transforms=SWIZZLED),  # Q (a ring of one, for issue_rows)
             plgpu.SMEM((stages, block_kv, qk_dim), dtype, transforms=SWIZZLED),  # the latent rows' ring
-            plgpu.SMEM((BLOCK_ROWS, block_kv), dtype, transforms=SWIZZLED),  # P, warpgroup 0 -> 1
             # alpha per row (then the denominators), warpgroup 0 -> 1, and the mbarriers: one allocation (each is
             # aligned to 1 KB).
             plgpu.SMEM((BLOCK_ROWS + 2 * len(counts),), jnp.float32),

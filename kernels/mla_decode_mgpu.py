@@ -67,27 +67,27 @@ def _cdiv(x, d):
     return lax.div(x + (d - 1), d)
 
 
-def store_rows(values, out, first_row, *, valid_rows: int, row_stride: int, column0: int):
+def store_rows(values, out, first, *, valid_rows: int, row_stride: int, first_scale: int, column0: int = 0):
     """Stores rows r < valid_rows of `values` (f32[rows, cols], WGMMA layout, or f32[rows] in its row layout) to the
-    flat f32 GMEM buffer `out` at element (first_row + r) * row_stride + column0 + c (int64 offsets), from registers.
-    first_row: i32 scalar. No other element of `out` is written."""
+    flat f32 GMEM buffer `out`, row r column c at element first * first_scale + r * row_stride + column0 + c (int64
+    arithmetic), from registers. first: i32 scalar. No other element of `out` is written."""
     two_d = len(values.shape) == 2
     layout = plgpu.Layout.WGMMA if two_d else plgpu.Layout.WGMMA.reduce(1)
 
     @plgpu.inline_mgpu(arg_types=(layout, plgpu.RefType(), plgpu.Layout.WG_SPLAT(())))
-    def run(ctx, values, out, first_row):
+    def run(ctx, values, out, first):
         del ctx
         f32, i64 = ir.F32Type.get(), ir.IntegerType.get_signless(64)
-        first_row = first_row.registers.item() if isinstance(first_row, mgpu.FragmentedArray) else first_row
-        first_row = arith.extsi(i64, first_row)
+        first = first.registers.item() if isinstance(first, mgpu.FragmentedArray) else first
+        start = arith.addi(arith.muli(arith.extsi(i64, first), arith.constant(i64, first_scale)),
+                           arith.constant(i64, column0))
         base = llvm.inttoptr(llvm.PointerType.get(1), global_address(out))
 
         def store(value, index):
             r = arith.index_cast(i64, index[0])
             c = arith.index_cast(i64, index[1]) if two_d else arith.constant(i64, 0)
             valid = arith.cmpi(arith.CmpIPredicate.slt, r, arith.constant(i64, valid_rows))
-            at = arith.addi(arith.muli(arith.addi(first_row, r), arith.constant(i64, row_stride)),
-                            arith.addi(c, arith.constant(i64, column0)))
+            at = arith.addi(start, arith.addi(arith.muli(r, arith.constant(i64, row_stride)), c))
             branch = scf.IfOp(valid)
             with ir.InsertionPoint(branch.then_block):
                 llvm.store(value, mgpu_utils.getelementptr(base, [at], f32))
@@ -95,7 +95,7 @@ def store_rows(values, out, first_row, *, valid_rows: int, row_stride: int, colu
 
         values.foreach(store)
 
-    run(values, out, first_row)
+    run(values, out, first)
 
 
 def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draft_words, *, tokens, q_heads, sm_scale,
@@ -236,10 +236,11 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
                 alpha_smem[...] = l_i  # the denominators, for warpgroup 1's half
                 arrive_barrier(bars, p_ready)
                 lse = jnp.where(l_i == 0.0, -jnp.inf, (m_i + jnp.log2(jnp.where(l_i == 0.0, 1.0, l_i))) * LN2)
+                # Row g's split s sits at g * max_kv_splits + s; the block's first such entry:
                 first_out = row0 * max_kv_splits + split
                 store_rows(normalised(acc, l_i), mid_o_ref, first_out, valid_rows=block_rows,
-                           row_stride=max_kv_splits * v_dim, column0=0)
-                store_rows(lse, mid_lse_ref, first_out, valid_rows=block_rows, row_stride=max_kv_splits, column0=0)
+                           row_stride=max_kv_splits * v_dim, first_scale=v_dim)
+                store_rows(lse, mid_lse_ref, first_out, valid_rows=block_rows, row_stride=max_kv_splits, first_scale=1)
 
             @pl.when(wg == 1)
             def _second_half():
@@ -265,7 +266,7 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
                 wait_barrier(bars, p_ready, lax.rem(steps, 2))
                 l_i = plgpu.load(alpha_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))
                 store_rows(normalised(acc, l_i), mid_o_ref, row0 * max_kv_splits + split, valid_rows=block_rows,
-                           row_stride=max_kv_splits * v_dim, column0=V_SPLIT)
+                           row_stride=max_kv_splits * v_dim, first_scale=v_dim, column0=V_SPLIT)
 
             @pl.when(wg == 2)
             def _producer():

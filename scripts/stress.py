@@ -80,6 +80,7 @@ class Profile:
     per_head_scales: bool = False  # fp8: one scale per kv head instead of one per layer
     tokens: int = 1  # decode only: query tokens per sequence (a verify step: the last `tokens` keys are theirs)
     tree: bool = False  # decode with tokens > 1: a random draft tree (draft_mask) instead of causal
+    v_in_k: bool = False  # decode only: V is the first v_dim dims of K (MLA's latent cache, v_pool=None)
     ext_bucket: int = 0  # extend only: max_extend_len when not the shapes' (<= 64: a verify step's short extends)
 
     def pool_dtype(self):
@@ -157,6 +158,9 @@ def profiles(shapes: str) -> list[Profile]:
                 per_head_scales=True),
         # Several query tokens per sequence on the decode kernel (speculative verify, MTP): causal, and random trees.
         Profile("mla-verify-4", 16, 1, 576, 512, "bfloat16", tokens=4),
+        # MLA's latent cache as served (V = K's first 512 dims): the Mosaic GPU decode kernel on sm_90.
+        Profile("mla-latent", 16, 1, 576, 512, "bfloat16", v_in_k=True, sinks=True),
+        Profile("mla-latent-verify-tree-4", 16, 1, 576, 512, "float16", v_in_k=True, tokens=4, tree=True),
         Profile("llama-verify-tree-6", 32, 8, 128, 128, "bfloat16", logit_cap=30.0, tokens=6, tree=True),
         Profile("llama-verify-tree-fp8", 32, 8, 128, 128, "bfloat16", sinks=True, tokens=5, tree=True,
                 kv_dtype="float8_e4m3fn"),
@@ -293,8 +297,9 @@ class DecodeRunner:
         self.v_pool = self.v_pool.at[0].set(jnp.nan)
         sinks = jax.random.normal(ks, (p.q_heads,)) * 2 if p.sinks else None
         meta = self.meta(jnp.asarray(table), jnp.asarray(rows), jnp.asarray(lens))
-        o = self.attn(q, self.k_pool, self.v_pool, meta, sinks=sinks, draft_mask=draft_mask, **self.scales)
-        ref = self.ref(q, self.k_pool, self.v_pool, meta, sinks=sinks, draft_mask=draft_mask, **self.scales)
+        v_pool, v_kw = (None, dict(v_head_dim=p.v_dim)) if p.v_in_k else (self.v_pool, {})
+        o = self.attn(q, self.k_pool, v_pool, meta, sinks=sinks, draft_mask=draft_mask, **v_kw, **self.scales)
+        ref = self.ref(q, self.k_pool, v_pool, meta, sinks=sinks, draft_mask=draft_mask, **v_kw, **self.scales)
         # Rows with no key: padding sequences, and (causal, no sinks) the tokens placed before a short list's start.
         empty = np.broadcast_to((lens == 0)[:, None], (s.dec_batch, t)).copy()
         if not p.tree and not p.sinks:

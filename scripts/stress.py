@@ -257,8 +257,11 @@ class DecodeRunner:
                                             jax.random.normal(k2, (self.slots, profile.kv_heads, profile.v_dim))), profile, "v")
         self.scales = profile.scales()
         p = profile
-        self.attn = functools.partial(decode_attention, sliding_window=p.window, logit_cap=p.logit_cap, xai_temperature_len=p.xai, mode=mode)
-        self.ref = jax.jit(functools.partial(decode_attention_reference, sliding_window=p.window, logit_cap=p.logit_cap, xai_temperature_len=p.xai))
+        v_kw = dict(v_head_dim=p.v_dim) if p.v_in_k else {}  # MLA's latent cache: v_pool=None, V = K[..., :v_dim]
+        self.attn = functools.partial(decode_attention, sliding_window=p.window, logit_cap=p.logit_cap, xai_temperature_len=p.xai,
+                                      mode=mode, **v_kw)
+        self.ref = jax.jit(functools.partial(decode_attention_reference, sliding_window=p.window, logit_cap=p.logit_cap,
+                                             xai_temperature_len=p.xai, **v_kw))
         self.meta = jax.jit(functools.partial(decode_metadata, kv_capacity=self.capacity, q_heads=p.q_heads, kv_heads=p.kv_heads,
                                               sliding_window=p.window, mode=mode))
 
@@ -297,9 +300,9 @@ class DecodeRunner:
         self.v_pool = self.v_pool.at[0].set(jnp.nan)
         sinks = jax.random.normal(ks, (p.q_heads,)) * 2 if p.sinks else None
         meta = self.meta(jnp.asarray(table), jnp.asarray(rows), jnp.asarray(lens))
-        v_pool, v_kw = (None, dict(v_head_dim=p.v_dim)) if p.v_in_k else (self.v_pool, {})
-        o = self.attn(q, self.k_pool, v_pool, meta, sinks=sinks, draft_mask=draft_mask, **v_kw, **self.scales)
-        ref = self.ref(q, self.k_pool, v_pool, meta, sinks=sinks, draft_mask=draft_mask, **v_kw, **self.scales)
+        v_pool = None if p.v_in_k else self.v_pool
+        o = self.attn(q, self.k_pool, v_pool, meta, sinks=sinks, draft_mask=draft_mask, **self.scales)
+        ref = self.ref(q, self.k_pool, v_pool, meta, sinks=sinks, draft_mask=draft_mask, **self.scales)
         # Rows with no key: padding sequences, and (causal, no sinks) the tokens placed before a short list's start.
         empty = np.broadcast_to((lens == 0)[:, None], (s.dec_batch, t)).copy()
         if not p.tree and not p.sinks:

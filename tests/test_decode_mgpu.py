@@ -29,8 +29,10 @@ def make_case(rng, kv_lens, q_heads, tokens, dtype, *, window=-1, deterministic=
                        random_normal(rng, (slots, 1, 576), jnp.float32)).astype(dtype)
     shape = (len(kv_lens), q_heads, 576) if tokens == 1 else (len(kv_lens), tokens, q_heads, 576)
     q = random_normal(rng, shape, dtype)
-    meta = decode_metadata_from_indptr(kv_indptr, kv_indices, q_heads=q_heads, kv_heads=1, max_kv_splits=8,
-                                       sliding_window=window, deterministic=deterministic)
+    # Deterministic: ceil(len / 256) splits per sequence, so the bound must cover the whole pool's worth.
+    meta = decode_metadata_from_indptr(kv_indptr, kv_indices, q_heads=q_heads, kv_heads=1,
+                                       max_kv_splits=32 if deterministic else 8, sliding_window=window,
+                                       deterministic=deterministic)
     return q, k_pool, meta
 
 
@@ -107,7 +109,7 @@ def test_window_sinks_and_deterministic(rng):
     assert_close(o, lse, ref_o, ref_lse, jnp.bfloat16)
     alone = decode_metadata_from_indptr(jnp.asarray([0, KV_LENS[6]], jnp.int32),
                                         meta.kv_indices[int(meta.kv_indptr[6]):int(meta.kv_indptr[7])],
-                                        q_heads=16, kv_heads=1, max_kv_splits=8, deterministic=True)
+                                        q_heads=16, kv_heads=1, max_kv_splits=32, deterministic=True)
     o_alone = decode_attention(q[6:7], k_pool, None, alone, impl="mgpu")
     np.testing.assert_array_equal(np.float32(o_alone[0]), np.float32(o[6]))
 

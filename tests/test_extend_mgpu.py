@@ -186,8 +186,8 @@ def test_unified_matches_reference(rng, shape, feature):
 @pytest.mark.gpu
 @needs_hopper
 def test_unified_windows_match_reference(rng, shape, window):
-    # The unified form under a window, on uncut lists (extend_attention_unified_mgpu only: the default route keeps
-    # windowed unified calls on the Triton kernel until this test has run on the GPU), with a soft cap and sinks.
+    # The unified form under a window, on uncut lists (the default route's since this passed on the H200), with a
+    # soft cap and sinks.
     dtype, hq, hkv, d, prefix_lens, extend_lens, config = shape
     batch = make_batch(rng, prefix_lens, extend_lens, hq=hq, hkv=hkv, dqk=d, dtype=dtype, max_extend_len=max(extend_lens) + 9)
     kw = _more_kwargs(rng, hq, dict(sliding_window=window, logit_cap=2.0, sinks=True))
@@ -358,9 +358,9 @@ DRAFT_MASKS = [
 @pytest.mark.gpu
 @needs_hopper
 def test_draft_masks_match_reference(rng, feature, whole_tiles):
-    # A tree as per-row draft words (extend_attention_mgpu(draft_mask=); the default route keeps them on the Triton
-    # kernel until this test has run): five words for up to 160 drafts, a row that sees only its prefix, stray bits
-    # past a sequence's drafts; short extends run two heads per CTA.
+    # A tree as per-row draft words (extend_attention_mgpu(draft_mask=), the default route's since this passed on the
+    # H200): five words for up to 160 drafts, a row that sees only its prefix, stray bits past a sequence's drafts;
+    # short extends run two heads per CTA.
     kw = _more_kwargs(rng, 8, feature[1])
     short = kw.pop("short", False)
     prefix_lens, extend_lens = ([0, 37, 128, 300], [130, 5, 64, 157]) if not short else ([40, 0, 700, 9], [64, 5, 33, 64])
@@ -1363,19 +1363,20 @@ def test_says_why_it_cannot_take_a_call():
     assert "head dims" not in (mgpu_unsupported(q192, k192, v128) or "")  # DeepSeek's 192/128 is taken
     assert "head dims 96/96" in mgpu_unsupported(S((8, 4, 96), jnp.bfloat16), S((32, 2, 96), jnp.bfloat16), S((32, 2, 96), jnp.bfloat16))
     for feature, why in ((dict(causal=False, sliding_window=8), "a sliding window with non-causal attention"),
-                         (dict(draft_mask=jnp.ones((8, 1), jnp.int32)), "a draft mask (per-row bits; the Triton kernel"),
-                         (dict(sliding_window=8, form="unified"), "a sliding window in the unified form"),
+                         (dict(draft_mask=jnp.ones((8, 1), jnp.int32), form="unified"), "a draft mask"),
                          (dict(custom_mask=jnp.ones(4, bool), form="unified"), "a custom mask in the unified form")):
         assert why in mgpu_unsupported(q, pool, pool, **feature), feature
     assert "interpreted" in mgpu_unsupported(q, pool, pool, mode="interpret")
-    # A window, a soft cap, sinks, xai temperature, non-causal calls and custom masks are taken, alone or together: only the device
-    # can decline them.
+    # A window, a soft cap, sinks, xai temperature, non-causal calls, custom masks and draft masks are taken, alone or
+    # together, and in the unified form a window: only the device can decline them.
     for feature in (dict(), dict(sliding_window=0), dict(logit_cap=1.0), dict(sinks=jnp.zeros(4)),
                     dict(sliding_window=100, logit_cap=30.0, sinks=jnp.zeros(4)), dict(xai_temperature_len=16),
                     dict(causal=False, logit_cap=3.0, sinks=jnp.zeros(4), xai_temperature_len=8),
                     dict(form="unified"), dict(form="unified", causal=False, logit_cap=1.0, xai_temperature_len=4),
                     dict(custom_mask=jnp.ones(4, bool)), dict(custom_mask=jnp.ones(4, bool), logit_cap=3.0, sinks=jnp.zeros(4)),
-                    dict(custom_mask=jnp.ones(4, bool), sliding_window=8)):
+                    dict(custom_mask=jnp.ones(4, bool), sliding_window=8), dict(draft_mask=jnp.ones((8, 1), jnp.int32)),
+                    dict(draft_mask=jnp.ones((8, 1), jnp.int32), sliding_window=8, sinks=jnp.zeros(4)),
+                    dict(sliding_window=8, form="unified"), dict(sliding_window=0, form="unified", logit_cap=2.0)):
         why = mgpu_unsupported(q, pool, pool, **feature)
         device_reasons = ("no GPU", "sm_90", "CUDA runtime")
         assert (why is None or "CUDA runtime" in why) if _is_hopper() else any(r in why for r in device_reasons), (feature, why)

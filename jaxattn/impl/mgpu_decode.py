@@ -22,6 +22,7 @@ from jaxattn.calls import DecodeCall
 from jaxattn.impl import triton_decode
 from jaxattn.metadata import MIN_BLOCK_KV
 from jaxattn.registry import Implementation
+from jaxattn.tuning import MgpuDecodeConfig
 
 MLA_HEAD_DIMS = (576, 512)
 MGPU_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -40,8 +41,8 @@ def rows_unsupported(tokens: int, q_heads: int) -> str | None:
 
 
 def declines(call: DecodeCall) -> str | None:
-    if call.config is not None:
-        return "a DecodeConfig (the Triton kernels' tiles)"
+    if call.config is not None and not isinstance(call.config, MgpuDecodeConfig):
+        return f"config is a {type(call.config).__name__} (this kernel takes an MgpuDecodeConfig or none)"
     if (call.qk_head_dim, call.v_head_dim) != MLA_HEAD_DIMS:
         return f"head dims {call.qk_head_dim}/{call.v_head_dim} (MLA's 576/512 only)"
     if call.v_pool is not None:
@@ -99,6 +100,8 @@ def mla_decode_partials(call: DecodeCall):
     else:
         rows = tokens * q_heads
         splits = kernel_splits(batch, max(1, rows // BLOCK_ROWS))
+        if call.config is not None and call.config.splits is not None:
+            splits = call.config.splits
         lengths = effective_lengths(kv_indptr, meta.kv_indices.shape[0], call.sliding_window)
         num_kv_splits = jnp.clip(-(-lengths // MIN_SPLIT_KEYS), 1, splits).astype(jnp.int32)
     draft_words = None

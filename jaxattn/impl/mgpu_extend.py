@@ -4,12 +4,11 @@ Two implementations of `jaxattn.extend`'s contract on one kernel:
 
 * "mgpu" (`IMPLEMENTATION`, and `extend_attention_mgpu`): the two-stage form (prefix from the pool, new tokens
   contiguous), causal or not, with a sliding window (causal, or with a custom mask), a soft cap, sinks, xai
-  temperature and custom masks (speculative tree verify), alone or together.
+  temperature, custom masks (speculative tree verify) and draft masks (per-row draft words), alone or together.
 * "mgpu-unified" (`UNIFIED`, and `extend_attention_unified_mgpu`): the deterministic unified form (every key through
   the pool, one list per sequence): tiles at fixed listed-key offsets (multiples of block_kv); a masked tile only
   replaces invisible scores, so a token's row is bit-identical however its sequence is split into prefix and new
-  tokens. Causal or not, soft cap, sinks, xai temperature; a sliding window (causal, on uncut lists) through
-  `extend_attention_unified_mgpu` only, until its GPU tests have run.
+  tokens. Causal or not, soft cap, sinks, xai temperature, a sliding window (causal, on uncut lists).
 
 Both exist for speed: the FlashAttention-3 schedule (a producer warpgroup, two consumer warpgroups with wgmma from
 registers) that the Triton kernels cannot express on this stack. The producer reads pool rows straight through the
@@ -54,11 +53,12 @@ HEAD_DIMS_TEXT = ", ".join(f"{qk}/{v}" for qk, v in MGPU_HEAD_DIMS)  # for messa
 
 
 # The score features of `ExtendCall.features` the kernel takes, per form (static flags; off, the plain kernel is
-# unchanged). The unified form's tiles sit at fixed listed-key offsets; a window would move them with the list's start.
-# The kernel also takes a draft mask (two-stage) and, in the unified form, a window on uncut lists, through its own
-# entries (`extend_attention_mgpu`, `extend_attention_unified_mgpu`); they join these lists once their GPU tests ran.
-MGPU_FEATURES = {"two_stage": ("sliding window", "soft cap", "sinks", "xai temperature", "non-causal", "custom mask"),
-                 "unified": ("soft cap", "sinks", "xai temperature", "non-causal")}
+# unchanged). The unified form's tiles sit at fixed listed-key offsets, so it takes a window on uncut lists only (a
+# window-cut list moves them with the list's start: `_declines_form`). Draft masks and unified windows joined after
+# their GPU tests (2026-12-04, e1003ed / 4d7ea2d: 21 passed).
+MGPU_FEATURES = {"two_stage": ("sliding window", "soft cap", "sinks", "xai temperature", "non-causal", "custom mask",
+                               "draft mask"),
+                 "unified": ("sliding window", "soft cap", "sinks", "xai temperature", "non-causal")}
 _FEATURE_NAMES = {"custom mask": "a custom mask", "sliding window": "a sliding window",
                   "draft mask": "a draft mask (per-row bits; the Triton kernel takes it)"}
 

@@ -22,10 +22,10 @@ import triton
 from jaxattn import hardware
 from jaxattn.metadata import rope_split
 from jaxattn.tuning import sm90
-from jaxattn.tuning.configs import DecodeConfig, ExtendConfig, MgpuExtendConfig
+from jaxattn.tuning.configs import DecodeConfig, ExtendConfig, MgpuDecodeConfig, MgpuExtendConfig
 
 __all__ = [
-    "DecodeConfig", "ExtendConfig", "MgpuExtendConfig", "TABLES", "table", "decode_config", "float32_decode_config", "clamp_decode_config",
+    "DecodeConfig", "ExtendConfig", "MgpuDecodeConfig", "MgpuExtendConfig", "TABLES", "table", "decode_config", "float32_decode_config", "clamp_decode_config",
     "heuristic_decode_config", "vector_config", "head_dim_family", "extend_config", "with_custom_mask", "pack_heads",
     "mgpu_extend_config",
 ]

@@ -114,3 +114,16 @@ class MgpuExtendConfig:
             raise ValueError(f"MgpuExtendConfig.block_kv must be 64 or 128; got {self.block_kv!r}")
         if not isinstance(self.stages, int) or self.stages < 2:
             raise ValueError(f"MgpuExtendConfig.stages must be an int >= 2; got {self.stages!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuDecodeConfig:
+    """The Mosaic GPU MLA decode kernel's one choice (its tiles are fixed by sm_90's shared memory): the static split
+    bound, None for `jaxattn.impl.mgpu_decode.kernel_splits` (enough CTAs to fill every multiprocessor once)."""
+
+    splits: int | None = None
+
+    def __post_init__(self):
+        if self.splits is not None and (not isinstance(self.splits, int) or self.splits < 1):
+            raise ValueError(f"MgpuDecodeConfig.splits must be None or an int >= 1; got {self.splits!r}")
+

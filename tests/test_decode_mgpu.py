@@ -183,9 +183,3 @@ def test_split_rule_fills_the_gpu_once():
 def test_causal_draft_words():
     words = np.asarray(mgpu_decode.causal_draft_words(32)).view(np.uint32)
     assert words[0] == 1 and words[3] == 0b1111 and words[31] == 0xFFFFFFFF
-
-
-def test_effective_lengths_cut_like_the_kernels():
-    indptr = jnp.asarray([0, 5, 3, 900, 1000], jnp.int32)  # a decreasing pair and one past the capacity
-    np.testing.assert_array_equal(np.asarray(mgpu_decode.effective_lengths(indptr, 950, -1)), [5, 0, 897, 50])
-    np.testing.assert_array_equal(np.asarray(mgpu_decode.effective_lengths(indptr, 950, 9)), [5, 0, 10, 10])

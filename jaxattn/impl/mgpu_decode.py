@@ -6,9 +6,9 @@ several (speculative verify / multi-token prediction, causal or a draft mask), s
 packs (token, q head) rows of a sequence into 64-row wgmma tiles and reads each latent row once for all of them;
 stage 2 is the Triton merge of the split partials (`jaxattn.impl.triton_decode.merge_splits`).
 
-Its split count is its own (static: enough CTAs to fill the GPU once, `kernel_splits`; per sequence no more than one
-split per `MIN_SPLIT_KEYS` keys), not the metadata's, unless the metadata is deterministic (then the metadata's, so a
-sequence's result does not depend on the batch). It needs an sm_90 GPU and jax's CUDA plugin; the reference is
+Its split bound is its own (static: enough CTAs to fill the GPU once, `kernel_splits`), each sequence taking the
+metadata's split count under it; deterministic metadata keeps its own bound (splits by length only, so a sequence's
+result does not depend on its batch). It needs an sm_90 GPU and jax's CUDA plugin; the reference is
 `jaxattn.decode.decode_attention_reference`.
 """
 
@@ -27,8 +27,6 @@ from jaxattn.tuning import MgpuDecodeConfig
 MLA_HEAD_DIMS = (576, 512)
 MGPU_DTYPES = (jnp.bfloat16, jnp.float16)
 BLOCK_ROWS = 64  # (token, q head) rows per CTA: one wgmma M tile (kernels/mla_decode_mgpu.py)
-# A split shorter than this costs more in fixed work (Q load, pipeline fill, partial stores, merge) than it spreads.
-MIN_SPLIT_KEYS = 256
 
 
 def rows_unsupported(tokens: int, q_heads: int) -> str | None:
@@ -68,15 +66,6 @@ def kernel_splits(batch: int, head_blocks: int, num_sms: int | None = None) -> i
     return max(1, num_sms // max(1, batch * head_blocks))
 
 
-def effective_lengths(kv_indptr, kv_capacity: int, sliding_window: int):
-    """i32[batch]: each sequence's visible keys as both stages count them (ranges cut into kv_indices; a window keeps
-    the last W + 1)."""
-    begin = jnp.clip(kv_indptr[:-1], 0, kv_capacity)
-    end = jnp.clip(kv_indptr[1:], begin, kv_capacity)
-    length = end - begin
-    return jnp.minimum(length, sliding_window + 1) if sliding_window >= 0 else length
-
-
 def causal_draft_words(tokens: int):
     """i32[tokens]: token t sees drafts 0..t (bits 0..t set)."""
     t = jnp.arange(tokens, dtype=jnp.uint32)
@@ -95,15 +84,15 @@ def mla_decode_partials(call: DecodeCall):
     kv_indices = meta.kv_indices
     if kv_indices.shape[0] == 0:  # a kernel operand needs an address; no row of it is listed
         kv_indices = jnp.zeros((1,), kv_indices.dtype)
+    # The metadata's splits per sequence (its heuristic keeps every split >= 256 keys; deterministic: by length only),
+    # under this kernel's own static bound: both stages clamp them to it alike, so no per-call work computes them.
+    num_kv_splits = meta.num_kv_splits.astype(jnp.int32)
     if meta.deterministic:
-        splits, num_kv_splits = meta.max_kv_splits, meta.num_kv_splits.astype(jnp.int32)
+        splits = meta.max_kv_splits
+    elif call.config is not None and call.config.splits is not None:
+        splits = call.config.splits
     else:
-        rows = tokens * q_heads
-        splits = kernel_splits(batch, max(1, rows // BLOCK_ROWS))
-        if call.config is not None and call.config.splits is not None:
-            splits = call.config.splits
-        lengths = effective_lengths(kv_indptr, meta.kv_indices.shape[0], call.sliding_window)
-        num_kv_splits = jnp.clip(-(-lengths // MIN_SPLIT_KEYS), 1, splits).astype(jnp.int32)
+        splits = kernel_splits(batch, max(1, tokens * q_heads // BLOCK_ROWS))
     draft_words = None
     if tokens > 1:
         words = causal_draft_words(tokens)[None, :] if call.draft_mask is None else call.draft_mask

@@ -124,3 +124,30 @@ def score_features(*, causal, custom_mask, sliding_window, logit_cap, sinks, xai
             ("soft cap", logit_cap > 0), ("sinks", sinks is not None), ("xai temperature", xai_temperature_len > 0),
             ("draft mask", draft_mask is not None))
     return tuple(name for name, on in used if on)
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaExtendCall:
+    """`jaxattn.mla.mla_extend_attention`'s arguments: absorbed MLA extend, V = the first v_head_dim dims of K."""
+
+    q: jax.Array  # [tokens, q_heads, qk_head_dim]
+    k_new: jax.Array  # [tokens, 1, qk_head_dim]: the new tokens' latent rows
+    k_pool: jax.Array  # [slots, 1, qk_head_dim]
+    meta: Any  # ExtendMetadata
+    v_head_dim: int
+    sinks: jax.Array | None  # f32[q_heads]
+    sm_scale: float
+    launch_mode: str  # "gpu" | "interpret"
+
+    @property
+    def tokens(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def q_heads(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.q.shape[2]
+

@@ -7,7 +7,7 @@ The query of sequence b is the last token of its KV list, its K/V already writte
   * `decode_metadata` / `decode_metadata_from_indptr` (`jaxattn.metadata`; jit-friendly, no host sync) build a
     `DecodeMetadata` pytree once per batch: the CSR KV lists and the number of KV splits of every sequence.
   * `decode_attention(q, k_pool, v_pool, meta, ...)` runs an implementation from `IMPLEMENTATIONS`: on sm_90 the
-    Mosaic GPU MLA kernel (`jaxattn.impl.mgpu_decode`) for MLA's latent cache (576/512, V inside K, 16-bit), else
+    Mosaic GPU MLA kernel (`jaxattn.impl.mgpu_mla`) for MLA's latent cache (576/512, V inside K, 16-bit), else
     SGLang's split-KV Triton kernels (`jaxattn.impl.triton_decode`).
   * `decode_attention_reference(q, k_pool, v_pool, meta, ...)`: the same call on the pure-jnp reference.
 
@@ -41,7 +41,7 @@ import numpy as np
 from jaxattn.calls import DecodeCall
 from jaxattn.checks import check_decode_args, checks_float_kv_scales, launch_mode_argument
 from jaxattn.fp8 import kv_scale_table
-from jaxattn.impl import mgpu_decode, triton_decode
+from jaxattn.impl import mgpu_mla, triton_decode
 from jaxattn.launch import launch_mode as resolve_launch_mode
 from jaxattn.metadata import (  # noqa: F401  (re-exported: the builders' documented home before jaxattn.metadata)
     MIN_BLOCK_KV,
@@ -65,7 +65,7 @@ from jaxattn.tuning.sm90 import DECODE as SM90_CONFIGS  # noqa: F401  (re-export
 
 # In order of preference: the first that takes a call runs it (on sm_90, MLA's latent cache takes the Mosaic GPU
 # kernel; everything else, and every call off Hopper, the Triton kernels).
-IMPLEMENTATIONS = (mgpu_decode.IMPLEMENTATION, triton_decode.IMPLEMENTATION)
+IMPLEMENTATIONS = (mgpu_mla.DECODE, triton_decode.IMPLEMENTATION)
 
 
 def _effective_window(meta, sliding_window):

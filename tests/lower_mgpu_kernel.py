@@ -12,11 +12,11 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from jaxattn.calls import DecodeCall
+from jaxattn.calls import DecodeCall, MlaExtendCall
 from jaxattn.decode import DecodeMetadata
 from jaxattn.extend import extend_metadata, extend_unified_metadata
 from jaxattn.extend_mgpu import MgpuExtendConfig, extend_attention_mgpu, extend_attention_unified_mgpu
-from jaxattn.impl.mgpu_decode import mla_decode_partials
+from jaxattn.impl.mgpu_mla import mla_decode_partials, run_extend
 
 
 SHAPES = [  # label, tokens, q heads, kv heads, head dim, dtype, config, features
@@ -102,8 +102,12 @@ def lower(tokens, hq, hkv, d, dtype, config, features=None, batch=3, slots=1000,
         raise AssertionError("no Mosaic GPU custom call in the lowered module")
 
 
-# The MLA decode kernel (stage 1): label, batch, tokens, q heads, dtype, features.
+# The MLA kernel's two forms. Decode (stage 1): label, batch, tokens, q heads, dtype, features; extend: label,
+# "extend", tokens, q heads, dtype, features.
 DECODE_SHAPES = [
+    ("mla-extend-16-bf16", "extend", 300, 16, jnp.bfloat16, {}),
+    ("mla-extend-16-f16-sinks-i64", "extend", 256, 16, jnp.float16, dict(sinks=True, index_dtype=jnp.int64)),
+    ("mla-extend-128-bf16", "extend", 64, 128, jnp.bfloat16, {}),
     ("mla-decode-16-bf16", 8, 1, 16, jnp.bfloat16, {}),  # 16 rows padded to 64
     ("mla-verify-4x16-bf16-draft", 4, 4, 16, jnp.bfloat16, dict(draft=True)),  # 64 rows, a draft tree
     ("mla-verify-2x16-f16-causal-i64", 3, 2, 16, jnp.float16, dict(index_dtype=jnp.int64)),
@@ -113,6 +117,8 @@ DECODE_SHAPES = [
 
 def lower_decode(batch, tokens, q_heads, dtype, features, slots=3000, capacity=5000):
     S = jax.ShapeDtypeStruct
+    if batch == "extend":
+        return lower_mla_extend(tokens, q_heads, dtype, features, slots=slots, capacity=capacity)
     features = dict(features)
     index_dtype = features.pop("index_dtype", jnp.int32)
     q_shape = (batch, q_heads, 576) if tokens == 1 else (batch, tokens, q_heads, 576)
@@ -128,6 +134,25 @@ def lower_decode(batch, tokens, q_heads, dtype, features, slots=3000, capacity=5
                                  v_head_dim=512, return_lse=False, config=None, launch_mode="gpu",
                                  draft_mask=draft_mask)
         return mla_decode_partials(decode_call)[:3]
+
+    exported = jax.export.export(jax.jit(call), platforms=["cuda"])(*args)
+    if "mosaic_gpu" not in exported.mlir_module():
+        raise AssertionError("no Mosaic GPU custom call in the lowered module")
+
+
+def lower_mla_extend(tokens, q_heads, dtype, features, *, slots, capacity, batch=3):
+    S = jax.ShapeDtypeStruct
+    index_dtype = features.get("index_dtype", jnp.int32)
+    idx = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
+    meta = jax.eval_shape(lambda: extend_metadata(idx(4, 600), idx(batch), idx(batch), idx(batch), max_extend_len=128,
+                                                  kv_capacity=capacity))
+    meta = jax.tree.map(lambda x: S(x.shape, index_dtype) if x.dtype == jnp.int32 and x.shape == (capacity,) else x, meta)
+    args = (S((tokens, q_heads, 576), dtype), S((tokens, 1, 576), dtype), S((slots, 1, 576), dtype), meta,
+            S((q_heads,), jnp.float32) if features.get("sinks") else None)
+
+    def call(q, k_new, k_pool, meta, sinks):
+        return run_extend(MlaExtendCall(q=q, k_new=k_new, k_pool=k_pool, meta=meta, v_head_dim=512, sinks=sinks,
+                                        sm_scale=0.07, launch_mode="gpu"))
 
     exported = jax.export.export(jax.jit(call), platforms=["cuda"])(*args)
     if "mosaic_gpu" not in exported.mlir_module():

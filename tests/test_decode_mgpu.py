@@ -14,7 +14,7 @@ import pytest
 
 from jaxattn.calls import DecodeCall
 from jaxattn.decode import decode_attention, decode_attention_reference, decode_metadata_from_indptr, draft_mask_bits
-from jaxattn.impl import mgpu_decode
+from jaxattn.impl import mgpu_mla
 from tests.helpers import HAS_GPU, random_normal, random_pool_batch, tolerance
 from tests.test_decode import LSE_TOL
 
@@ -152,34 +152,34 @@ def _call(q_heads=16, tokens=1, dtype=jnp.bfloat16, qk=576, v_pool=False, kv_hea
 
 
 def test_declines_name_the_reason():
-    assert "576/512" in mgpu_decode.declines(_call(qk=128))
-    assert "separate V pool" in mgpu_decode.declines(_call(v_pool=True))
-    assert "kv heads" in mgpu_decode.declines(_call(kv_heads=2, q_heads=16))
-    assert "float32" in mgpu_decode.declines(_call(dtype=jnp.float32))
-    assert "pool" in mgpu_decode.declines(_call(pool_dtype=jnp.float8_e4m3fn))
-    assert "soft cap" in mgpu_decode.declines(_call(logit_cap=30.0))
-    assert "rows per sequence" in mgpu_decode.declines(_call(q_heads=20))  # 20 rows: not a multiple of 8
-    assert "rows per sequence" in mgpu_decode.declines(_call(q_heads=16, tokens=5))  # 80 rows
-    assert "interpreted" in mgpu_decode.declines(_call(launch_mode="interpret"))
+    assert "576/512" in mgpu_mla.declines(_call(qk=128))
+    assert "separate V pool" in mgpu_mla.declines(_call(v_pool=True))
+    assert "kv heads" in mgpu_mla.declines(_call(kv_heads=2, q_heads=16))
+    assert "float32" in mgpu_mla.declines(_call(dtype=jnp.float32))
+    assert "pool" in mgpu_mla.declines(_call(pool_dtype=jnp.float8_e4m3fn))
+    assert "soft cap" in mgpu_mla.declines(_call(logit_cap=30.0))
+    assert "rows per sequence" in mgpu_mla.declines(_call(q_heads=20))  # 20 rows: not a multiple of 8
+    assert "rows per sequence" in mgpu_mla.declines(_call(q_heads=16, tokens=5))  # 80 rows
+    assert "interpreted" in mgpu_mla.declines(_call(launch_mode="interpret"))
     if not HAS_GPU:
-        assert "sm_90" in mgpu_decode.declines(_call())
+        assert "sm_90" in mgpu_mla.declines(_call())
 
 
 def test_rows_rule():
     for tokens, heads in ((1, 16), (4, 16), (3, 16), (1, 128), (8, 16), (2, 64)):
-        assert mgpu_decode.rows_unsupported(tokens, heads) is None
+        assert mgpu_mla.rows_unsupported(tokens, heads) is None
     for tokens, heads in ((1, 4), (5, 16), (3, 32)):
-        assert mgpu_decode.rows_unsupported(tokens, heads) is not None
+        assert mgpu_mla.rows_unsupported(tokens, heads) is not None
 
 
 def test_split_rule_fills_the_gpu_once():
-    assert mgpu_decode.kernel_splits(64, 1, num_sms=132) == 2
-    assert mgpu_decode.kernel_splits(128, 1, num_sms=132) == 1
-    assert mgpu_decode.kernel_splits(8, 1, num_sms=132) == 16
-    assert mgpu_decode.kernel_splits(4, 2, num_sms=132) == 16
-    assert mgpu_decode.kernel_splits(1000, 2, num_sms=132) == 1
+    assert mgpu_mla.kernel_splits(64, 1, num_sms=132) == 2
+    assert mgpu_mla.kernel_splits(128, 1, num_sms=132) == 1
+    assert mgpu_mla.kernel_splits(8, 1, num_sms=132) == 16
+    assert mgpu_mla.kernel_splits(4, 2, num_sms=132) == 16
+    assert mgpu_mla.kernel_splits(1000, 2, num_sms=132) == 1
 
 
 def test_causal_draft_words():
-    words = np.asarray(mgpu_decode.causal_draft_words(32)).view(np.uint32)
+    words = np.asarray(mgpu_mla.causal_draft_words(32)).view(np.uint32)
     assert words[0] == 1 and words[3] == 0b1111 and words[31] == 0xFFFFFFFF

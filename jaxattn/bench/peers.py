@@ -228,6 +228,19 @@ def extend_jaxattn(inp: Inputs, config=None, unified=False, impl="triton"):
     return lambda: fn(inp.q, inp.k_new, inp.v_new, inp.k_pool, inp.v_pool, meta, inp.sinks, inp.custom_mask)
 
 
+def extend_mla(inp: Inputs):
+    """Absorbed-MLA cases through `jaxattn.mla.mla_extend_attention` (V read from the latent rows, no V arrays)."""
+    import jax
+
+    from jaxattn.mla import mla_extend_attention
+
+    if not inp.case.v_in_k or inp.case.fp8:
+        raise Skip("absorbed MLA cases (one latent head, V inside K) with a 16-bit cache")
+    meta = extend_meta(inp)
+    fn = jax.jit(lambda q, kn, k, m: mla_extend_attention(q, kn, k, m, v_head_dim=inp.case.dv))
+    return lambda: fn(inp.q, inp.k_new, inp.k_pool, meta)
+
+
 def extend_draft_words(inp: Inputs, mgpu: bool = False):
     """A tree-verify case's mask in its compact form (`extend_attention(draft_mask=)`: per-row draft words, no [new,
     prefix + new] mask): what extend_attention picks for it, or (mgpu) the Mosaic GPU kernel's own entry."""
@@ -356,6 +369,7 @@ BACKENDS = {
         "jaxattn-triton": (extend_jaxattn, jax_sync),
         "jaxattn-unified": (lambda inp: extend_jaxattn(inp, unified=True, impl=None), jax_sync),  # what it picks
         "jaxattn-unified-triton": (lambda inp: extend_jaxattn(inp, unified=True, impl="triton-unified"), jax_sync),
+        "jaxattn-mla": (extend_mla, jax_sync),  # absorbed MLA: mla_extend_attention (V inside the latent rows)
         "jaxattn-draft-words": (extend_draft_words, jax_sync),  # tree cases: the mask as per-row draft words
         "jaxattn-mgpu-draft-words": (lambda inp: extend_draft_words(inp, mgpu=True), jax_sync),
         "flashinfer-fa2": (lambda inp: extend_flashinfer(inp, "fa2"), torch_sync),

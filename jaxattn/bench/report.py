@@ -60,6 +60,7 @@ LABELS = {
     "jaxattn-unified-triton": "jaxattn unified (deterministic), Triton kernel",
     "jaxattn-triton": "jaxattn, Triton kernels (extend: two-stage)",
     "jaxattn-mgpu": "jaxattn MLA decode, Mosaic GPU kernel",
+    "jaxattn-mla": "jaxattn mla_extend_attention (V inside the latent rows)",
     "flashinfer": "FlashInfer",
     "flashinfer-tc": "FlashInfer, tensor cores",
     "flashinfer-mla": "FlashInfer MLA (BatchMLAPagedAttentionWrapper)",

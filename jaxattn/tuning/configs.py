@@ -119,7 +119,7 @@ class MgpuExtendConfig:
 @dataclasses.dataclass(frozen=True)
 class MgpuDecodeConfig:
     """The Mosaic GPU MLA decode kernel's one choice (its tiles are fixed by sm_90's shared memory): the static split
-    bound, None for `jaxattn.impl.mgpu_decode.kernel_splits` (enough CTAs to fill every multiprocessor once)."""
+    bound, None for `jaxattn.impl.mgpu_mla.kernel_splits` (enough CTAs to fill every multiprocessor once)."""
 
     splits: int | None = None
 

@@ -1,6 +1,8 @@
-"""MLA decode on Hopper through a Pallas Mosaic GPU kernel (`kernels/mla_decode_mgpu.py`) and the Triton merge.
+"""Absorbed MLA on Hopper through a Pallas Mosaic GPU kernel (`kernels/mla_attention_mgpu.py`): decode (with the
+Triton merge) and extend.
 
-The "mgpu" implementation of `jaxattn.decode`'s contract for DeepSeek's absorbed attention: one 576-wide latent head
+`DECODE`, the "mgpu" implementation of `jaxattn.decode`'s contract for DeepSeek's absorbed attention: one 576-wide
+latent head
 (`v_pool=None`: V is each row's first 512 dims), bf16/f16, one query token per sequence (sliding window allowed) or
 several (speculative verify / multi-token prediction, causal or a draft mask), sinks (added by the merge). Stage 1
 packs (token, q head) rows of a sequence into 64-row wgmma tiles and reads each latent row once for all of them;
@@ -8,8 +10,13 @@ stage 2 is the Triton merge of the split partials (`jaxattn.impl.triton_decode.m
 
 Its split bound is its own (static: enough CTAs to fill the GPU once, `kernel_splits`), each sequence taking the
 metadata's split count under it; deterministic metadata keeps its own bound (splits by length only, so a sequence's
-result does not depend on its batch). It needs an sm_90 GPU and jax's CUDA plugin; the reference is
-`jaxattn.decode.decode_attention_reference`.
+result does not depend on its batch).
+
+`EXTEND`, the "mgpu" implementation of `jaxattn.mla.mla_extend_attention` (two-stage, causal, sinks allowed): one
+pass, 64 (token, head) rows per CTA over the sequence's prefix and its new tokens up to the block's last.
+
+Both need an sm_90 GPU and jax's CUDA plugin; the references are `jaxattn.decode.decode_attention_reference` and
+`jaxattn.mla.mla_extend_attention_reference`.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxattn import hardware
-from jaxattn.calls import DecodeCall
+from jaxattn.calls import DecodeCall, MlaExtendCall
 from jaxattn.impl import triton_decode
 from jaxattn.metadata import MIN_BLOCK_KV
 from jaxattn.registry import Implementation
@@ -26,11 +33,12 @@ from jaxattn.tuning import MgpuDecodeConfig
 
 MLA_HEAD_DIMS = (576, 512)
 MGPU_DTYPES = (jnp.bfloat16, jnp.float16)
-BLOCK_ROWS = 64  # (token, q head) rows per CTA: one wgmma M tile (kernels/mla_decode_mgpu.py)
 
 
 def rows_unsupported(tokens: int, q_heads: int) -> str | None:
-    """Why the kernel cannot pack `tokens` x `q_heads` rows per sequence into its 64-row blocks, or None."""
+    """Why the decode kernel cannot pack `tokens` x `q_heads` rows per sequence into its 64-row blocks, or None."""
+    from jaxattn.kernels.mla_attention_mgpu import BLOCK_ROWS
+
     rows = tokens * q_heads
     if rows % 8 or (rows > BLOCK_ROWS and rows % BLOCK_ROWS):
         return (f"tokens x q heads = {rows} rows per sequence (the kernel takes multiples of 8 up to {BLOCK_ROWS}, "
@@ -38,7 +46,7 @@ def rows_unsupported(tokens: int, q_heads: int) -> str | None:
     return None
 
 
-def declines(call: DecodeCall) -> str | None:
+def declines_decode(call: DecodeCall) -> str | None:
     if call.config is not None and not isinstance(call.config, MgpuDecodeConfig):
         return f"config is a {type(call.config).__name__} (this kernel takes an MgpuDecodeConfig or none)"
     if (call.qk_head_dim, call.v_head_dim) != MLA_HEAD_DIMS:
@@ -76,7 +84,7 @@ def causal_draft_words(tokens: int):
 def mla_decode_partials(call: DecodeCall):
     """Stage 1 on the kernel: (mid_o f32[batch * tokens, q_heads, splits, 512], mid_lse f32[batch * tokens, q_heads,
     splits], num_kv_splits i32[batch], splits), the partial buffers `triton_decode.merge_splits` takes."""
-    from jaxattn.kernels.mla_decode_mgpu import mla_decode_mgpu_kernel
+    from jaxattn.kernels.mla_attention_mgpu import BLOCK_ROWS, mla_decode_mgpu_kernel
 
     meta = call.meta
     batch, tokens, q_heads = call.batch, call.tokens_per_seq, call.q_heads
@@ -92,7 +100,7 @@ def mla_decode_partials(call: DecodeCall):
     elif call.config is not None and call.config.splits is not None:
         splits = call.config.splits
     else:
-        splits = kernel_splits(batch, max(1, tokens * q_heads // BLOCK_ROWS))
+        splits = kernel_splits(batch, max(1, tokens * q_heads // BLOCK_ROWS))  # head blocks: the kernel's rule
     draft_words = None
     if tokens > 1:
         words = causal_draft_words(tokens)[None, :] if call.draft_mask is None else call.draft_mask
@@ -107,11 +115,44 @@ def mla_decode_partials(call: DecodeCall):
     return mid_o, mid_lse, num_kv_splits, splits
 
 
-def run(call: DecodeCall):
+def run_decode(call: DecodeCall):
     if call.batch == 0:
         return triton_decode.run(call)
     mid_o, mid_lse, num_kv_splits, splits = mla_decode_partials(call)
     return triton_decode.merge_splits(call, mid_o, mid_lse, num_kv_splits, splits)
 
 
-IMPLEMENTATION = Implementation("mgpu", declines, run)
+DECODE = Implementation("mgpu", declines_decode, run_decode)
+
+
+def declines_extend(call: MlaExtendCall) -> str | None:
+    if (call.qk_head_dim, call.v_head_dim) != MLA_HEAD_DIMS:
+        return f"head dims {call.qk_head_dim}/{call.v_head_dim} (576/512 only)"
+    if jnp.dtype(call.q.dtype) not in map(jnp.dtype, MGPU_DTYPES):
+        return f"dtype {jnp.dtype(call.q.dtype).name} (bf16/f16 only)"
+    if call.k_pool.dtype != call.q.dtype:
+        return f"a {jnp.dtype(call.k_pool.dtype).name} pool with {jnp.dtype(call.q.dtype).name} q"
+    if call.q_heads % 8 and 64 % call.q_heads:
+        return f"{call.q_heads} q heads (a multiple of 8, or a divisor of 64)"
+    return hardware.mosaic_gpu_unavailable(call.launch_mode)
+
+
+def run_extend(call: MlaExtendCall):
+    from jaxattn.kernels.mla_attention_mgpu import mla_extend_mgpu_kernel
+
+    tokens, q_heads, dim = call.q.shape
+    meta = call.meta
+    if tokens == 0 or call.meta.qo_indptr.shape[0] == 1:
+        return jnp.zeros((tokens, q_heads, call.v_head_dim), call.q.dtype)
+    kv_indices = meta.kv_indices if meta.kv_indices.shape[0] else jnp.zeros((1,), meta.kv_indices.dtype)
+    # Zeros the kernel overwrites in place: rows it does not compute (padding tokens, past max_extend_len) stay 0.
+    out_ref = jax.new_ref(jnp.zeros((tokens * q_heads, call.v_head_dim), call.q.dtype))
+    mla_extend_mgpu_kernel(
+        call.q.reshape(tokens * q_heads, 1, dim), call.k_new, call.k_pool, meta.qo_indptr.astype(jnp.int32),
+        meta.kv_indptr.astype(jnp.int32), kv_indices, out_ref, q_heads=q_heads, sm_scale=call.sm_scale,
+        max_extend_len=meta.max_extend_len, sinks=None if call.sinks is None else call.sinks.astype(jnp.float32))
+    return out_ref[...].reshape(tokens, q_heads, call.v_head_dim)
+
+
+EXTEND = Implementation("mgpu", declines_extend, run_extend)
+

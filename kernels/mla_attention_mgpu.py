@@ -1,0 +1,477 @@
+"""Absorbed MLA attention for Hopper as a Pallas Mosaic GPU kernel: the latent row read once, heads packed into
+wgmma tiles. Two entry points on one CTA body: split-KV decode (stage 1; stage 2 is the Triton merge of
+`kernels/decode_attention.py`, whose partial buffers it writes) and two-stage extend (prefix from the pool, new tokens
+contiguous, causal, one pass).
+
+DeepSeek's absorbed attention reads one 576-wide latent head per key (K = all 576 dims, V = its first 512) for every
+q head. One CTA = one sequence x (decode) one split of its keys x one block of up to 64 rows, a row being a (query
+token, q head) pair, token-major (16 heads x 1 token pad to 64 wgmma rows; 16 heads x 4 tokens fill them), three
+warpgroups:
+
+* warpgroup 2 (producer, 40 registers) copies the block's Q rows (rows past them zero-filled), then gathers the
+  CTA's latent rows into a 2-deep ring of [64, 576] tiles, from the pool through kv_indices or (extend) from the
+  new tokens' rows: 16-byte `cp.async` copies straight into the 128-byte-swizzled layout wgmma reads (`issue_rows`
+  of the extend kernel), rows past the range zero-filled.
+* warpgroup 0 computes S = Q K^T over all 576 dims, the online softmax (base 2, the scale folded into the exponent's
+  FMA), and O[:, :256] += P V with P from registers; it hands P (bf16 or f16) to warpgroup 1 through the tile's rope
+  columns (read by nothing after S) and each row's rescale factor alpha through shared memory.
+* warpgroup 1 rescales its O[:, 256:] by alpha and adds P V from the same K tile's columns 256..511.
+
+So each key's 1152 bytes cross HBM once for every row of the block, S is computed once, and the two 64 x 256 f32
+accumulators live in the two consumers' registers. Both consumers release a ring slot (two warpgroups' arrivals)
+when their P V on it has completed; warpgroup 0 waits for warpgroup 1 to have read P and alpha before it writes the
+next ones. At the end warpgroup 0 passes each row's output factor (1 / denominator, the sink folded in) the same way,
+and each consumer stores its half of the output straight from registers to global memory (only the block's real
+rows: the padding rows of a 16-row block are computed but never stored); decode's warpgroup 0 also stores the LSE.
+
+Decode's split geometry, index checks and empty rows follow `kernels/decode_attention.py` (the effective range under
+a window, `per_split` keys per split in multiples of MIN_BLOCK_KV, ranges cut into kv_indices, slots clamped into the
+pool, an empty split stores nothing, a row that sees no key of a split stores 0 and LSE -inf, NaN stays NaN).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, llvm, scf
+
+from jaxattn.kernels.extend_attention_mgpu import (
+    LOG2E,
+    SWIZZLED,
+    WARPGROUP,
+    draft_bits_tile,
+    global_address,
+    arrive_barrier,
+    init_barriers,
+    issue_rows,
+    row_sources,
+    wait_barrier,
+)
+
+BLOCK_ROWS = 64  # wgmma's M: (token, head) rows per CTA
+V_SPLIT = 256  # each consumer warpgroup's share of the 512 V columns
+# The ring: 64-key tiles (P V's reduction axis; Mosaic's wgmma takes multiples of 64 at a 128-byte swizzle), two of
+# them: Q (72 KB) + 2 x 72 KB + 1 KB of rows and mbarriers = 217 KB of sm_90's 227. P has no buffer of its own: it
+# goes through the K tile's rope columns (512..575), which only warpgroup 0's S = Q K^T reads (a separate 8 KB P
+# buffer made the kernel exactly 227 KB, which failed to launch on the H200).
+BLOCK_KV = 64
+STAGES = 2
+ROPE_COLUMNS = pl.ds(2 * V_SPLIT, 64)  # the latent row's last 64 dims (K only; V is the first 512)
+LN2 = 0.6931471805599453
+
+
+def _cdiv(x, d):
+    return lax.div(x + (d - 1), d)
+
+
+def store_rows(values, out, first, valid_rows, *, row_stride: int, first_scale: int, column0: int = 0):
+    """Stores rows r < valid_rows of `values` ([rows, cols] in the WGMMA layout, or [rows] in its row layout) to the
+    flat GMEM buffer `out` (values' dtype), row r column c at element first * first_scale + r * row_stride + column0
+    + c (int64 arithmetic), from registers. first, valid_rows: i32 scalars. No other element of `out` is written."""
+    two_d = len(values.shape) == 2
+    layout = plgpu.Layout.WGMMA if two_d else plgpu.Layout.WGMMA.reduce(1)
+
+    @plgpu.inline_mgpu(arg_types=(layout, plgpu.RefType(), plgpu.Layout.WG_SPLAT(()), plgpu.Layout.WG_SPLAT(())))
+    def run(ctx, values, out, first, valid_rows):
+        del ctx
+        i64 = ir.IntegerType.get_signless(64)
+        first, valid_rows = (x.registers.item() if isinstance(x, mgpu.FragmentedArray) else x for x in (first, valid_rows))
+        start = arith.addi(arith.muli(arith.extsi(i64, first), arith.constant(i64, first_scale)),
+                           arith.constant(i64, column0))
+        valid_rows = arith.extsi(i64, valid_rows)
+        base = llvm.inttoptr(llvm.PointerType.get(1), global_address(out))
+
+        def store(value, index):
+            r = arith.index_cast(i64, index[0])
+            c = arith.index_cast(i64, index[1]) if two_d else arith.constant(i64, 0)
+            valid = arith.cmpi(arith.CmpIPredicate.slt, r, valid_rows)
+            at = arith.addi(start, arith.addi(arith.muli(r, arith.constant(i64, row_stride)), c))
+            branch = scf.IfOp(valid)
+            with ir.InsertionPoint(branch.then_block):
+                llvm.store(value, mgpu_utils.getelementptr(base, [at], value.type))
+                scf.yield_([])
+
+        values.foreach(store)
+
+    run(values, out, first, valid_rows)
+
+
+def head_values(values, r0, *, q_heads: int):
+    """f32[64] in the WGMMA row layout: row r's entry values[(r0 + r) % q_heads] ((token, head) rows, token-major,
+    from row r0). values: f32[q_heads] in GMEM; r0: i32 scalar >= 0."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT(())),
+                       return_type=plgpu.ShapeDtypeStruct((BLOCK_ROWS,), jnp.float32,
+                                                          layout=plgpu.Layout.WGMMA.reduce(1)))
+    def run(ctx, values, r0):
+        del ctx
+        f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
+        r0 = r0.registers.item() if isinstance(r0, mgpu.FragmentedArray) else r0
+        base = llvm.inttoptr(llvm.PointerType.get(1), global_address(values))
+        zeros = mgpu.FragmentedArray.splat(arith.constant(f32, 0.0), (BLOCK_ROWS,),
+                                           layout=mgpu.WGMMA_LAYOUT.reduce((1,)))
+
+        def entry(_, index):
+            row = arith.addi(r0, arith.index_cast(i32, index[0]))
+            head = arith.remui(row, arith.constant(i32, q_heads))
+            return llvm.load(f32, mgpu_utils.getelementptr(base, [head], f32))
+
+        return zeros.foreach(entry, create_array=True)
+
+    return run(values, r0)
+
+
+# mbarriers (one 8-byte word each, after the 64 alpha floats): the ring's "tile landed" (128 producer cp.async
+# arrivals) and "slot free" (256: every consumer thread, after its wgmma on the slot completed), Q landed (128), P
+# ready (128: every thread of warpgroup 0, after its stores) and P free (128: warpgroup 1, after its loads). Plain
+# mbarriers with per-thread arrivals and explicit phases, in the 1 KB block the alpha rows take anyway (Pallas
+# allocates its barriers apart).
+_READY, _FREE = 0, STAGES
+_Q_BAR, _P_READY, _P_FREE = 2 * STAGES, 2 * STAGES + 1, 2 * STAGES + 2
+_COUNTS = (WARPGROUP,) * STAGES + (2 * WARPGROUP,) * STAGES + (WARPGROUP,) * 3
+
+
+def _scratch(dtype):
+    return (
+        plgpu.SMEM((1, BLOCK_ROWS, 576), dtype, transforms=SWIZZLED),  # Q (a ring of one, for issue_rows)
+        plgpu.SMEM((STAGES, BLOCK_KV, 576), dtype, transforms=SWIZZLED),  # the latent rows' ring
+        # alpha per row (then the output factors), warpgroup 0 -> 1, and the mbarriers: one allocation (each is
+        # aligned to 1 KB).
+        plgpu.SMEM((BLOCK_ROWS + 2 * len(_COUNTS),), jnp.float32),
+    )
+
+
+def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, scale_log2, steps, loops, tile_source, q_row0, q_count,
+         store_out, store_lse=None, sink=None):
+    """One CTA's work (call inside `pl.when` of a non-empty CTA; every warpgroup runs it).
+
+    q_ref: [rows, 1, 576]; new_ref / pool_ref: [*, 1, 576] (the producer's two row sources); steps: the K tiles;
+    loops: ((start, end, mask), ...) covering [0, steps) in order, mask None (every key of the tile visible to every
+    row) or mask(step) -> bool[64, 64] (WGMMA layout, visible scores); tile_source(step) -> (from_pool, first, count):
+    the tile's rows first + r (r < count) of pool (through kv_indices) or new, zeros past count; q_row0, q_count: the
+    block's Q rows of q_ref; store_out(wg, out): warpgroup wg's [64, 256] f32 output (normalised; wg 0: columns
+    0..255); store_lse(lse): f32[64] natural-log LSE rows (warpgroup 0); sink: a scalar (natural-log logit, every
+    row's) joining the denominators, or None.
+    """
+    q_smem, k_smem, rows_and_bars = scoped
+    alpha_smem = rows_and_bars.at[pl.ds(0, BLOCK_ROWS)]
+    bars = rows_and_bars.at[pl.ds(BLOCK_ROWS, 2 * len(_COUNTS))]
+    wg = lax.axis_index("wg")
+    dtype = q_smem.dtype
+    init_barriers(bars, _COUNTS)
+
+    def wait_tile(step):
+        slot = lax.rem(step, STAGES)
+        wait_barrier(bars, _READY + slot, lax.rem(lax.div(step, STAGES), 2))
+        return slot
+
+    @pl.when(wg == 0)
+    def _scores():
+        plgpu.set_max_registers(232, action="increase")
+        # Finite start: a row that sees no key of the CTA (later drafts only) keeps p = 0, alpha = 1.
+        m_i = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), -1e30, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        l_i = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        acc = plgpu.layout_cast(jnp.full((BLOCK_ROWS, V_SPLIT), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+        wait_barrier(bars, _Q_BAR, 0)
+
+        def step_fn(step, carry, mask=None):
+            acc, m_i, l_i = carry
+            visible = None if mask is None else mask(step)  # gathers (draft bits) overlap the wgmma below
+            slot = wait_tile(step)
+
+            def qk(s_ref):
+                plgpu.wgmma(s_ref, q_smem.at[0], k_smem.at[slot].transpose((1, 0)))
+                return s_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, BLOCK_KV), jnp.float32))
+            if visible is not None:
+                s = jnp.where(visible, s, -jnp.inf)
+            m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            l_i = l_i * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p16 = p.astype(dtype)
+            # Warpgroup 1 has read the previous P and alpha (its arrival #step - 1 on P free).
+            pl.when(step > 0)(lambda: wait_barrier(bars, _P_FREE, lax.rem(step - 1, 2)))
+            k_smem.at[slot, :, ROPE_COLUMNS][...] = p16  # S = Q K^T has completed: the rope columns are free
+            alpha_smem[...] = alpha
+            arrive_barrier(bars, _P_READY)
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p16, k_smem.at[slot, :, pl.ds(0, V_SPLIT)])
+
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            arrive_barrier(bars, _FREE + slot)
+            return acc, m_new, l_i
+
+        carry = (acc, m_i, l_i)
+        for start, end, mask in loops:
+            carry = lax.fori_loop(start, end, lambda i, c, mask=mask: step_fn(i, c, mask), carry)
+        acc, m_i, l_i = carry
+        if sink is not None:  # the sink joins the denominator only, in base 2 at the common max
+            sink2 = sink * LOG2E
+            m_f = jnp.maximum(m_i, sink2)
+            alpha = jnp.exp2(m_i - m_f)
+            l_i = l_i * alpha + jnp.exp2(sink2 - m_f)
+            m_i = m_f
+            factor = alpha / jnp.where(l_i == 0.0, 1.0, l_i)
+        else:
+            factor = 1.0 / jnp.where(l_i == 0.0, 1.0, l_i)  # "no keys" is l == 0 exactly (acc is 0); NaN stays NaN
+        wait_barrier(bars, _P_FREE, lax.rem(steps - 1, 2))
+        alpha_smem[...] = factor  # for warpgroup 1's half
+        arrive_barrier(bars, _P_READY)
+        store_out(0, acc * lax.broadcast_in_dim(factor, acc.shape, [0]))
+        if store_lse is not None:
+            store_lse(jnp.where(l_i == 0.0, -jnp.inf, (m_i + jnp.log2(jnp.where(l_i == 0.0, 1.0, l_i))) * LN2))
+
+    @pl.when(wg == 1)
+    def _second_half():
+        plgpu.set_max_registers(232, action="increase")
+        acc = plgpu.layout_cast(jnp.full((BLOCK_ROWS, V_SPLIT), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+        def step_fn(step, acc):
+            wait_barrier(bars, _P_READY, lax.rem(step, 2))
+            slot = wait_tile(step)
+            alpha = plgpu.load(alpha_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))
+            p16 = plgpu.load(k_smem.at[slot, :, ROPE_COLUMNS], (), layout=plgpu.Layout.WGMMA)
+            arrive_barrier(bars, _P_FREE)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p16, k_smem.at[slot, :, pl.ds(V_SPLIT, V_SPLIT)])
+
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            arrive_barrier(bars, _FREE + slot)
+            return acc
+
+        acc = lax.fori_loop(0, steps, step_fn, acc)
+        wait_barrier(bars, _P_READY, lax.rem(steps, 2))
+        factor = plgpu.load(alpha_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))
+        store_out(1, acc * lax.broadcast_in_dim(factor, acc.shape, [0]))
+
+    @pl.when(wg == 2)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+        # Q's rows by cp.async too (rows past q_count zero-filled), then the CTA's latent rows.
+        from_q = q_count < 0  # a traced False: rows first + r of q
+        q_rows = row_sources(kv_indices_ref, from_q, q_row0, q_count, block_kv=BLOCK_ROWS, pool_rows=q_ref.shape[0])
+        issue_rows(q_ref, q_ref, q_smem, bars, q_rows, from_q, jnp.int32(0), jnp.int32(_Q_BAR), jnp.int32(0),
+                   block_kv=BLOCK_ROWS, head_dim=576)
+
+        def sources_of(step):
+            from_pool, first, count = tile_source(step)
+            return row_sources(kv_indices_ref, from_pool, first, count, block_kv=BLOCK_KV, pool_rows=pool_ref.shape[0])
+
+        def step_body(step, sources):
+            next_sources = sources_of(step + 1)  # its loads overlap this tile's wait and copies
+            slot = lax.rem(step, STAGES)
+            # The slot's previous tile (step - STAGES) released by all 256 consumer threads.
+            pl.when(step >= STAGES)(lambda: wait_barrier(bars, _FREE + slot, lax.rem(lax.div(step, STAGES) - 1, 2)))
+            from_pool = tile_source(step)[0]
+            issue_rows(new_ref, pool_ref, k_smem, bars, sources, from_pool, slot, _READY + slot, jnp.int32(0),
+                       block_kv=BLOCK_KV, head_dim=576)
+            return next_sources
+
+        lax.fori_loop(0, steps, step_body, sources_of(jnp.int32(0)))
+
+
+def _check_shapes(q, k_pool, k_new=None):
+    for name, array in (("q", q), ("k_pool", k_pool)) + ((("k_new", k_new),) if k_new is not None else ()):
+        if array.ndim != 3 or array.shape[1:] != (1, 576):
+            raise ValueError(f"{name} must be [rows, 1, 576]; got {array.shape}")
+    if k_pool.dtype != q.dtype or (k_new is not None and k_new.dtype != q.dtype):
+        raise ValueError("q, k_pool (and k_new) must have one dtype")
+
+
+def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draft_words, *, tokens, q_heads, sm_scale,
+                           max_kv_splits, sliding_window=-1, min_block_kv=32):
+    """Stage 1 of split-KV MLA decode. Returns (mid_o f32[rows * max_kv_splits, 512], mid_lse f32[rows * max_kv_splits])
+    with rows = batch * tokens * q_heads in (sequence, token, head) order: row g's split s at g * max_kv_splits + s, the
+    layout of `decode_stage1_kernel`'s MID_O / MID_LSE (f32[batch * tokens, q_heads, max_kv_splits, ...]) flattened.
+    Entries of empty splits and of splits past a sequence's count are not written.
+
+    q: [batch * tokens * q_heads, 1, 576] bf16/f16 (rows in that order); k_pool: [slots, 1, 576], q's dtype (V = each
+    row's first 512 dims); kv_indptr: i32[batch + 1]; kv_indices: i32/i64[capacity]; num_kv_splits: i32[batch]
+    (clamped to [1, max_kv_splits]); draft_words: None (tokens == 1) or i32[batch * tokens * q_heads, 1]: row g sees
+    draft j (the sequence's last `tokens` keys are its drafts) iff bit j of its word is set; keys before the drafts
+    are always visible. tokens * q_heads must be a multiple of 8 and at most 64 or a multiple of 64.
+    sliding_window W >= 0 (tokens == 1): only the last W + 1 listed keys. min_block_kv: split lengths are multiples
+    of it (`jaxattn.metadata.MIN_BLOCK_KV`, as in the Triton stages).
+    """
+    _check_shapes(q, k_pool)
+    rows_total = q.shape[0]
+    rows_per_seq = tokens * q_heads
+    if rows_per_seq % 8 or (rows_per_seq > BLOCK_ROWS and rows_per_seq % BLOCK_ROWS):
+        raise ValueError(f"tokens * q_heads ({rows_per_seq}) must be a multiple of 8, at most {BLOCK_ROWS} or a "
+                         f"multiple of {BLOCK_ROWS}")
+    if (draft_words is None) != (tokens == 1):
+        raise ValueError("draft_words is given exactly when tokens > 1")
+    if sliding_window >= 0 and tokens > 1:
+        raise ValueError("a sliding window takes one query token per sequence")
+    batch = kv_indptr.shape[0] - 1
+    if batch * rows_per_seq != rows_total:
+        raise ValueError(f"q has {rows_total} rows; batch {batch} x tokens {tokens} x q_heads {q_heads} = "
+                         f"{batch * rows_per_seq}")
+    block_rows = min(rows_per_seq, BLOCK_ROWS)  # the CTA's real rows (static)
+    capacity = kv_indices.shape[0]
+    v_dim = 2 * V_SPLIT
+
+    def body(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, words_ref, mid_o_ref, mid_lse_ref, scoped):
+        split = lax.axis_index("splits")
+        block = lax.axis_index("head_blocks")
+        seq = lax.axis_index("seq")
+        # The sequence's effective range, cut into kv_indices (as both Triton stages cut it).
+        kv_begin = jnp.clip(kv_indptr_ref[seq], 0, capacity)
+        kv_end = jnp.clip(kv_indptr_ref[seq + 1], kv_begin, capacity)
+        kv_len = kv_end - kv_begin
+        if sliding_window >= 0:
+            skipped = jnp.maximum(kv_len - (sliding_window + 1), 0)
+            kv_begin, kv_len = kv_begin + skipped, kv_len - skipped
+        n_splits = jnp.clip(splits_ref[seq], 1, max_kv_splits)
+        per_split = _cdiv(_cdiv(kv_len, n_splits), min_block_kv) * min_block_kv
+        split_start = split * per_split
+        split_len = jnp.maximum(jnp.minimum(split_start + per_split, kv_len) - split_start, 0)
+        steps = _cdiv(split_len, BLOCK_KV)
+        # Tiles whose every key is in the split and (several tokens) before the drafts run unmasked.
+        full_steps = lax.div(split_len, BLOCK_KV)
+        if tokens > 1:
+            before_drafts = jnp.maximum(kv_len - tokens - split_start, 0)
+            full_steps = jnp.minimum(full_steps, lax.div(before_drafts, BLOCK_KV))
+        row0 = seq * rows_per_seq + block * block_rows  # the block's first row among all rows
+
+        def mask(step):
+            cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
+            visible = step * BLOCK_KV + cols < split_len
+            if tokens > 1:
+                first_draft = split_start + step * BLOCK_KV - (kv_len - tokens)
+                bits = draft_bits_tile(words_ref, row0, first_draft, block_q=BLOCK_ROWS, block_kv=BLOCK_KV)
+                visible = visible & ((first_draft + cols < 0) | (bits != 0))
+            return visible
+
+        first_out = row0 * max_kv_splits + split  # row g's split s sits at g * max_kv_splits + s
+
+        def store_out(wg, out):
+            store_rows(out, mid_o_ref, first_out, jnp.int32(block_rows), row_stride=max_kv_splits * v_dim,
+                       first_scale=v_dim, column0=wg * V_SPLIT)
+
+        def store_lse(lse):
+            store_rows(lse, mid_lse_ref, first_out, jnp.int32(block_rows), row_stride=max_kv_splits, first_scale=1)
+
+        @pl.when(split_len > 0)
+        def _():
+            _cta(q_ref, k_pool_ref, k_pool_ref, kv_indices_ref, scoped, scale_log2=float(sm_scale) * LOG2E,
+                 steps=steps, loops=((0, full_steps, None), (full_steps, steps, mask)),
+                 tile_source=lambda step: (split_len > 0, kv_begin + split_start + step * BLOCK_KV,
+                                           split_len - step * BLOCK_KV),
+                 q_row0=row0, q_count=jnp.int32(block_rows), store_out=store_out, store_lse=store_lse)
+
+    def entry(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, *rest):
+        if tokens > 1:
+            words_ref, mid_o_ref, mid_lse_ref = rest
+        else:
+            (mid_o_ref, mid_lse_ref), words_ref = rest, None
+        pl.run_scoped(lambda *scoped: body(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, words_ref,
+                                           mid_o_ref, mid_lse_ref, scoped),
+                      *_scratch(q.dtype), collective_axes="wg")
+
+    return plgpu.kernel(
+        entry,
+        out_type=(jax.ShapeDtypeStruct((rows_total * max_kv_splits, v_dim), jnp.float32),
+                  jax.ShapeDtypeStruct((rows_total * max_kv_splits,), jnp.float32)),
+        grid=(max_kv_splits, rows_per_seq // block_rows, batch),
+        grid_names=("splits", "head_blocks", "seq"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(kv_indptr, kv_indices, num_kv_splits, q, k_pool, *(() if draft_words is None else (draft_words,)))
+
+
+def mla_extend_mgpu_kernel(q, k_new, k_pool, qo_indptr, kv_indptr, kv_indices, out_ref, *, q_heads, sm_scale,
+                           max_extend_len, sinks=None):
+    """Causal two-stage MLA extend in one pass; writes `out_ref` in place (rows it does not compute stay as they were).
+
+    q: [tokens * q_heads, 1, 576] bf16/f16 ((token, head) rows, token-major); k_new: [tokens, 1, 576] (the new tokens'
+    latent rows, q's dtype); k_pool: [slots, 1, 576]; qo_indptr, kv_indptr: i32[batch + 1] (sequence b's new tokens
+    and listed prefix slots; its token t sees the whole prefix and its new tokens 0..t); kv_indices: i32/i64[capacity];
+    out_ref: a Ref [tokens * q_heads, 512] of q's dtype. Tokens past max_extend_len of a sequence are not computed
+    (as in the Triton kernels). sinks: f32[q_heads] natural-log logits joining the denominators, or None.
+    Ranges are cut into kv_indices and the token rows, slots clamped into the pool.
+    """
+    _check_shapes(q, k_pool, k_new)
+    tokens = k_new.shape[0]
+    if q.shape[0] != tokens * q_heads:
+        raise ValueError(f"q has {q.shape[0]} rows; tokens {tokens} x q_heads {q_heads} = {tokens * q_heads}")
+    if q_heads % 8 and BLOCK_ROWS % q_heads:
+        raise ValueError(f"q_heads ({q_heads}) must be a multiple of 8 or divide {BLOCK_ROWS}")
+    batch = kv_indptr.shape[0] - 1
+    capacity = kv_indices.shape[0]
+    blocks = -(-max_extend_len * q_heads // BLOCK_ROWS)
+
+    def body(qo_indptr_ref, kv_indptr_ref, kv_indices_ref, q_ref, k_new_ref, k_pool_ref, sinks_ref, out_gmem, scoped):
+        block = lax.axis_index("blocks")
+        seq = lax.axis_index("seq")
+        q_start = jnp.clip(qo_indptr_ref[seq], 0, tokens)
+        new = jnp.clip(jnp.minimum(qo_indptr_ref[seq + 1], tokens) - q_start, 0, max_extend_len)
+        kv_begin = jnp.clip(kv_indptr_ref[seq], 0, capacity)
+        prefix = jnp.clip(kv_indptr_ref[seq + 1], kv_begin, capacity) - kv_begin
+        r0 = block * BLOCK_ROWS  # the block's first row among the sequence's (token, head) rows
+        count = jnp.clip(new * q_heads - r0, 0, BLOCK_ROWS)
+        t_lo = lax.div(r0, q_heads)  # the block's first and last tokens
+        t_hi = lax.div(r0 + count - 1, q_heads)
+        pre_steps = _cdiv(prefix, BLOCK_KV)
+        steps = pre_steps + _cdiv(t_hi + 1, BLOCK_KV)  # prefix tiles, then new tiles up to the last token
+        full_new = pre_steps + lax.div(t_lo + 1, BLOCK_KV)  # new tiles every row sees whole
+
+        def prefix_mask(step):  # the prefix's last, partial tile
+            cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
+            return step * BLOCK_KV + cols < prefix
+
+        def causal_mask(step):  # new key i is visible to the row of token t iff i <= t
+            cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
+            rows = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, BLOCK_KV), 0, layout=plgpu.Layout.WGMMA)
+            return (step - pre_steps) * BLOCK_KV + cols <= lax.div(r0 + rows, q_heads)
+
+        def tile_source(step):
+            from_pool = step < pre_steps
+            first = jnp.where(from_pool, kv_begin + step * BLOCK_KV, q_start + (step - pre_steps) * BLOCK_KV)
+            end = jnp.where(from_pool, prefix - step * BLOCK_KV, t_hi + 1 - (step - pre_steps) * BLOCK_KV)
+            return from_pool, first, end
+
+        q_row0 = q_start * q_heads + r0
+
+        def store_out(wg, out):
+            store_rows(out.astype(out_gmem.dtype), out_gmem, q_row0, count, row_stride=2 * V_SPLIT,
+                       first_scale=2 * V_SPLIT, column0=wg * V_SPLIT)
+
+        # Each row's sink: its head's, sinks[(r0 + r) % q_heads].
+        sink = None if sinks_ref is None else head_values(sinks_ref, r0, q_heads=q_heads)
+
+        @pl.when(count > 0)
+        def _():
+            _cta(q_ref, k_new_ref, k_pool_ref, kv_indices_ref, scoped, scale_log2=float(sm_scale) * LOG2E, steps=steps,
+                 loops=((0, lax.div(prefix, BLOCK_KV), None), (lax.div(prefix, BLOCK_KV), pre_steps, prefix_mask),
+                        (pre_steps, full_new, None), (full_new, steps, causal_mask)),
+                 tile_source=tile_source, q_row0=q_row0, q_count=count, store_out=store_out, sink=sink)
+
+    def entry(qo_indptr_ref, kv_indptr_ref, kv_indices_ref, q_ref, k_new_ref, k_pool_ref, *rest):
+        (sinks_ref, out_gmem) = rest if sinks is not None else (None, rest[0])
+        pl.run_scoped(lambda *scoped: body(qo_indptr_ref, kv_indptr_ref, kv_indices_ref, q_ref, k_new_ref, k_pool_ref,
+                                           sinks_ref, out_gmem, scoped),
+                      *_scratch(q.dtype), collective_axes="wg")
+
+    plgpu.kernel(
+        entry,
+        out_type=(),
+        grid=(blocks, batch),
+        grid_names=("blocks", "seq"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(qo_indptr, kv_indptr, kv_indices, q, k_new, k_pool, *(() if sinks is None else (sinks,)), out_ref)

@@ -1,0 +1,106 @@
+"""`jaxattn.mla.mla_extend_attention`: absorbed MLA extend, V = the first v_head_dim dims of the latent rows.
+
+The Triton route (V sliced from K) runs under the interpreter on CPU; the Mosaic GPU kernel's numerics run under
+`-m gpu` on an sm_90 GPU (CI lowers it: tests/lower_mgpu_kernel.py). Pools are bigger than the batch, slots scattered,
+unused rows NaN.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxattn.mla import IMPLEMENTATIONS, mla_extend_attention, mla_extend_attention_reference
+from jaxattn.registry import declined
+from tests.helpers import HAS_GPU, tolerance
+from tests.test_extend import _clean, make_batch
+
+needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU (sm_90)")
+
+
+def check(batch, dtype, impl, mode=None, **kw):
+    o = mla_extend_attention(batch.q, batch.k_new, batch.k_pool, batch.meta, impl=impl, launch_mode=mode, **kw)
+    ref = mla_extend_attention_reference(batch.q, batch.k_new, _clean(batch.k_pool), batch.meta, **kw)
+    assert o.shape == batch.q.shape[:2] + (kw.get("v_head_dim") or {576: 512, 288: 256}[batch.q.shape[2]],)
+    o, ref = np.float32(o), np.float32(ref)
+    assert not np.isnan(o).any()
+    np.testing.assert_array_equal(o[batch.tokens:], 0.0)  # padding tokens
+    np.testing.assert_allclose(o[: batch.tokens], ref[: batch.tokens], **tolerance(dtype))
+
+
+def test_triton_route_matches_reference(rng):
+    batch = make_batch(rng, [9, 0], [7, 12], hq=2, hkv=1, dqk=576, dtype=jnp.float16)
+    check(batch, jnp.float16, "triton", "interpret")
+
+
+def test_arguments_are_checked(rng):
+    batch = make_batch(rng, [3], [4], hq=2, hkv=1, dqk=576, dtype=jnp.float16)
+    with pytest.raises(ValueError, match="k_new must have shape"):
+        mla_extend_attention(batch.q, batch.k_new[:, :, :512], batch.k_pool, batch.meta)
+    with pytest.raises(ValueError, match="k_pool must be"):
+        mla_extend_attention(batch.q, batch.k_new, jnp.concatenate([batch.k_pool] * 2, axis=1), batch.meta)
+    with pytest.raises(ValueError, match="v_head_dim"):
+        mla_extend_attention(batch.q[..., :100], batch.k_new[..., :100], batch.k_pool[..., :100], batch.meta)
+    with pytest.raises(ValueError, match="sinks must have shape"):
+        mla_extend_attention(batch.q, batch.k_new, batch.k_pool, batch.meta, sinks=jnp.zeros(3))
+    windowed = make_batch(rng, [3], [4], hq=2, hkv=1, dqk=576, dtype=jnp.float16, window=2)
+    with pytest.raises(ValueError, match="sliding window"):
+        mla_extend_attention(windowed.q, windowed.k_new, windowed.k_pool, windowed.meta)
+
+
+def test_declines_name_the_reason(rng):
+    batch = make_batch(rng, [3], [4], hq=2, hkv=1, dqk=288, dtype=jnp.float32)
+    from jaxattn.calls import MlaExtendCall
+
+    call = MlaExtendCall(q=batch.q, k_new=batch.k_new, k_pool=batch.k_pool, meta=batch.meta, v_head_dim=256, sinks=None,
+                         sm_scale=0.1, launch_mode="interpret")
+    reasons = declined(IMPLEMENTATIONS, call)
+    assert "576/512" in reasons["mgpu"] and reasons["triton"] is None
+
+
+# (dtype, q heads, prefix lens, extend lens): 16 heads (4 tokens per 64-row block), 128 heads (two blocks per token),
+# 4 heads (16 tokens per block); empty prefixes and extends, prefixes ending mid-tile, long extends.
+GPU_CASES = [
+    (jnp.bfloat16, 16, [0, 100, 1000, 37, 5], [1, 5, 70, 300, 0]),
+    (jnp.float16, 128, [64, 3], [9, 40]),
+    (jnp.bfloat16, 4, [200, 0], [33, 130]),
+]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=["16-heads-bf16", "128-heads-f16", "4-heads-bf16"])
+def test_kernel_matches_reference(rng, case, sinks):
+    dtype, hq, prefix_lens, extend_lens = case
+    batch = make_batch(rng, prefix_lens, extend_lens, hq=hq, hkv=1, dqk=576, dtype=dtype,
+                       max_extend_len=max(extend_lens) + 3)
+    kw = dict(sinks=jnp.asarray(rng.standard_normal(hq).astype(np.float32))) if sinks else {}
+    check(batch, dtype, "mgpu", **kw)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_kernel_nan_stays_in_its_row(rng):
+    batch = make_batch(rng, [50, 7], [20, 9], hq=16, hkv=1, dqk=576, dtype=jnp.bfloat16)
+    q = batch.q.at[3, 5, 10].set(jnp.nan)
+    o = np.float32(mla_extend_attention(q, batch.k_new, batch.k_pool, batch.meta, impl="mgpu"))
+    assert np.isnan(o[3, 5]).all()
+    others = np.ones(o.shape[:2], bool)
+    others[3, 5] = False
+    assert np.isfinite(o[others]).all()
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_kernel_under_hostile_metadata(rng):
+    # An indptr past the index list and the tokens, slots outside the pool: no fault, the shape the op promises.
+    batch = make_batch(rng, [50, 7], [20, 9], hq=16, hkv=1, dqk=576, dtype=jnp.bfloat16)
+    meta = dataclasses.replace(batch.meta, kv_indices=batch.meta.kv_indices.at[3].set(10**9).at[10].set(-5),
+                               qo_indptr=batch.meta.qo_indptr.at[-1].set(10**6),
+                               kv_indptr=batch.meta.kv_indptr.at[-1].set(10**7))
+    o = mla_extend_attention(batch.q, batch.k_new, batch.k_pool, meta, impl="mgpu")
+    jax.block_until_ready(o)
+    assert o.shape == batch.q.shape[:2] + (512,)

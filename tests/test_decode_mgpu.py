@@ -152,17 +152,17 @@ def _call(q_heads=16, tokens=1, dtype=jnp.bfloat16, qk=576, v_pool=False, kv_hea
 
 
 def test_declines_name_the_reason():
-    assert "576/512" in mgpu_mla.declines(_call(qk=128))
-    assert "separate V pool" in mgpu_mla.declines(_call(v_pool=True))
-    assert "kv heads" in mgpu_mla.declines(_call(kv_heads=2, q_heads=16))
-    assert "float32" in mgpu_mla.declines(_call(dtype=jnp.float32))
-    assert "pool" in mgpu_mla.declines(_call(pool_dtype=jnp.float8_e4m3fn))
-    assert "soft cap" in mgpu_mla.declines(_call(logit_cap=30.0))
-    assert "rows per sequence" in mgpu_mla.declines(_call(q_heads=20))  # 20 rows: not a multiple of 8
-    assert "rows per sequence" in mgpu_mla.declines(_call(q_heads=16, tokens=5))  # 80 rows
-    assert "interpreted" in mgpu_mla.declines(_call(launch_mode="interpret"))
+    assert "576/512" in mgpu_mla.declines_decode(_call(qk=128))
+    assert "separate V pool" in mgpu_mla.declines_decode(_call(v_pool=True))
+    assert "kv heads" in mgpu_mla.declines_decode(_call(kv_heads=2, q_heads=16))
+    assert "float32" in mgpu_mla.declines_decode(_call(dtype=jnp.float32))
+    assert "pool" in mgpu_mla.declines_decode(_call(pool_dtype=jnp.float8_e4m3fn))
+    assert "soft cap" in mgpu_mla.declines_decode(_call(logit_cap=30.0))
+    assert "rows per sequence" in mgpu_mla.declines_decode(_call(q_heads=20))  # 20 rows: not a multiple of 8
+    assert "rows per sequence" in mgpu_mla.declines_decode(_call(q_heads=16, tokens=5))  # 80 rows
+    assert "interpreted" in mgpu_mla.declines_decode(_call(launch_mode="interpret"))
     if not HAS_GPU:
-        assert "sm_90" in mgpu_mla.declines(_call())
+        assert "sm_90" in mgpu_mla.declines_decode(_call())
 
 
 def test_rows_rule():

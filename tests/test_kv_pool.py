@@ -133,3 +133,17 @@ def test_fp8_round_trip_with_scales(rng, fp8):
         np.testing.assert_array_equal(back[untouched], 0.0)
     # Non-fp8 buffers ignore the scales on both sides.
     assert read_scaled(jnp.ones(3), 5.0, jnp.float32) is not None and float(read_scaled(jnp.ones(3), 5.0, jnp.float32)[0]) == 1.0
+
+
+def test_latent_pool_writes_k_only():
+    # A latent (MLA) pool: V is part of K, so v_pool and v are None together and only K is written.
+    pool = jnp.zeros((6, 1, 8), jnp.float32)
+    k = jnp.arange(16, dtype=jnp.float32).reshape(2, 1, 8)
+    k_pool, v_pool = write_kv(pool, None, jnp.asarray([4, 2], jnp.int32), k, None)
+    assert v_pool is None
+    np.testing.assert_array_equal(np.asarray(k_pool)[[4, 2]], np.asarray(k))
+    np.testing.assert_array_equal(np.asarray(k_pool)[[0, 1, 3, 5]], 0)
+    with pytest.raises(ValueError, match="v_pool and v are None together"):
+        write_kv(pool, None, jnp.asarray([1], jnp.int32), k[:1], k[:1])
+    with pytest.raises(ValueError, match="v_pool and v are None together"):
+        write_kv(pool, pool, jnp.asarray([1], jnp.int32), k[:1], None)

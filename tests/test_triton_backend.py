@@ -420,3 +420,70 @@ def test_draft_mask_batch_checks(rng):
         dataclasses.replace(batch, custom_mask=None, draft_mask=jnp.zeros((2, 4), jnp.float32))
     with pytest.raises(ValueError, match="TARGET_VERIFY field"):
         dataclasses.replace(batch, custom_mask=None, draft_mask=bits, mode=ForwardMode.EXTEND)
+
+
+# Latent (MLA) pools: v_pool None, V = the first 512 dims of each 576-wide K row (DeepSeek's cache). A full layer
+# (decode, decode-route verify and plain extend take the latent paths) and a window layer (the extend ops on V sliced
+# from the pool).
+LATENT = AttentionLayer(5, 2, 1, 576, v_head_dim=512)
+LATENT_WINDOW = AttentionLayer(6, 2, 1, 576, v_head_dim=512, sliding_window=WINDOW)
+
+
+@pytest.mark.parametrize(
+    "kind, mode",
+    [
+        pytest.param(dict(), ForwardMode.EXTEND, id="extend"),
+        pytest.param(dict(deterministic=True), ForwardMode.EXTEND, id="extend-deterministic"),
+        pytest.param(dict(), ForwardMode.DECODE, id="decode"),
+        pytest.param(dict(), ForwardMode.TARGET_VERIFY, id="verify-draft-bits"),
+    ],
+)
+def test_latent_pools_match_reference_and_separate_pools(rng, kind, mode):
+    from jaxattn.metadata import draft_mask_bits
+
+    if mode == ForwardMode.DECODE:
+        batch, req_to_token = make_batch(rng, [7, 0, 12], [1, 1, 1], mode=mode, token_bucket=4)
+    elif mode == ForwardMode.TARGET_VERIFY:
+        parents = [[-1, 0, 0, 1], [-1, -1, 1, 2]]
+        batch, req_to_token = make_batch(rng, [6, 2], [4, 4], mode=mode, token_bucket=12, batch_bucket=3,
+                                         parents=parents)
+        bits = np.zeros((3, 4), np.int32)
+        bits[:2] = np.asarray(draft_mask_bits(np.stack([tree_mask_for_verify(p, 0) for p in parents])))
+        batch = dataclasses.replace(batch, custom_mask=None, draft_mask=jnp.asarray(bits))
+    else:
+        batch, req_to_token = make_batch(rng, [0, 9, 2], [5, 3, 2], mode=mode, token_bucket=12)
+    tokens = batch.out_cache_loc.shape[0]
+    normal = lambda shape: jnp.asarray(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
+    q, k, k_pool = normal((tokens, 2, 576)), normal((tokens, 1, 576)), normal((NUM_SLOTS, 1, 576))
+    sinks = normal((2,))
+
+    def step(backend, latent):
+        meta = backend.init_forward_metadata(batch, req_to_token)
+        out = []
+        for layer in (LATENT, LATENT_WINDOW):
+            if latent:
+                out.append(backend.forward(q, k, None, k_pool, None, layer, meta, sinks=sinks))
+            else:  # the same layer on a separate V pool holding the latent rows' first 512 dims
+                out.append(backend.forward(q, k, k[..., :512], k_pool, k_pool[..., :512], layer, meta, sinks=sinks))
+        return out
+
+    got = jax.jit(lambda: step(TritonBackend(sliding_windows=(WINDOW,), **kind), True))()
+    want = jax.jit(lambda: step(ReferenceBackend(), True))()
+    separate = jax.jit(lambda: step(ReferenceBackend(), False))()
+    for layer, (o, kb, vb), (o_ref, kb_ref, vb_ref), (o_sep, _, _) in zip((LATENT, LATENT_WINDOW), got, want, separate):
+        assert vb is None and vb_ref is None
+        assert o.shape == (tokens, 2, 512)
+        np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), atol=3e-5, rtol=3e-5, err_msg=f"layer {layer}")
+        np.testing.assert_allclose(np.asarray(o_ref), np.asarray(o_sep), atol=1e-6, rtol=1e-6, err_msg=f"layer {layer}")
+        np.testing.assert_array_equal(np.asarray(kb)[1:], np.asarray(kb_ref)[1:])
+        np.testing.assert_array_equal(np.asarray(kb)[np.asarray(batch.out_cache_loc)[: int(batch.extend_lens.sum())]],
+                                      np.asarray(k)[: int(batch.extend_lens.sum())])
+
+
+def test_latent_pool_argument_errors(rng):
+    batch, req_to_token = make_batch(rng, [3], [1], mode=ForwardMode.DECODE, token_bucket=2, batch_bucket=2)
+    backend = TritonBackend()
+    meta = backend.init_forward_metadata(batch, req_to_token)
+    q, k, pool = jnp.zeros((2, 2, 576)), jnp.zeros((2, 1, 576)), jnp.zeros((NUM_SLOTS, 1, 576))
+    with pytest.raises(ValueError, match="v must be None with a latent pool"):
+        backend.forward(q, k, k[..., :512], pool, None, LATENT, meta)

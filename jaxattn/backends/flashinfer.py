@@ -329,6 +329,9 @@ class FlashInferBackend:
             raise NotImplementedError("FlashInfer's fa2/fa3 paths ignore attention sinks: use TritonBackend for sink models")
         if layer.xai_temperature_len > 0:
             raise NotImplementedError("FlashInfer has no xai temperature: use TritonBackend")
+        if v_pool is None:
+            raise NotImplementedError("latent (MLA) pools (v_pool None): FlashInfer's MLA wrapper is not wired; use "
+                                      "TritonBackend or ReferenceBackend")
         q = split_heads(q, layer.q_heads, layer.head_dim, "q")
         if meta.mode == ForwardMode.IDLE:
             out = jnp.zeros((q.shape[0], layer.q_heads, layer.dv), q.dtype)

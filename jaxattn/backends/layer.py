@@ -58,11 +58,11 @@ class AttentionLayer:
 
     def pool_scales(self, k_pool, v_pool) -> dict:
         """The ops' k_scale / v_scale for this layer's pools: its scales for fp8 pools, none for 16/32-bit pools
-        (they hold the values themselves, as `write_kv` stores them)."""
+        (they hold the values themselves, as `write_kv` stores them). A latent pool (v_pool None) has K's scale only."""
         scales = {}
         if is_fp8(k_pool.dtype):
             scales["k_scale"] = self.k_scale
-        if is_fp8(v_pool.dtype):
+        if v_pool is not None and is_fp8(v_pool.dtype):
             scales["v_scale"] = self.v_scale
         return scales
 

@@ -74,31 +74,40 @@ class ReferenceBackend:
 
         Args:
           q: [T, q_heads, head_dim] or [T, q_heads * head_dim]. k, v: [T, kv_heads, head_dim / v_head_dim] (or flat).
-          k_pool, v_pool: this layer's pool. sinks: optional f32[q_heads].
+          k_pool, v_pool: this layer's pool; v_pool None (with v None): a latent (MLA) pool, V = the first
+            layer.v_head_dim dims of each K row. sinks: optional f32[q_heads].
 
         Returns:
           (o [T, q_heads, v_head_dim], k_pool, v_pool).
         """
         q = split_heads(q, layer.q_heads, layer.head_dim, "q")
+        latent = v_pool is None  # MLA's latent cache: V is the first layer.dv dims of each K row
+        if latent and v is not None:
+            raise ValueError("v must be None with a latent pool (v_pool None): V is part of K")
         if meta.mode == ForwardMode.IDLE:
             return jnp.zeros((q.shape[0], layer.q_heads, layer.dv), q.dtype), k_pool, v_pool
         if save_kv and k is not None:
             k = split_heads(k, layer.kv_heads, layer.head_dim, "k")
-            v = split_heads(v, layer.kv_heads, layer.dv, "v")
+            v = None if latent else split_heads(v, layer.kv_heads, layer.dv, "v")
             k_pool, v_pool = write_kv(k_pool, v_pool, meta.out_cache_loc, k, v, k_scale=layer.k_scale, v_scale=layer.v_scale)
         # fp8 pools are read with the layer's scales, row by row as they are gathered; 16-bit pools as they are.
         scales = layer.pool_scales(k_pool, v_pool)
+        pools = (k_pool, v_pool)
+        if latent:  # the reference reads V as an array: the latent rows' first dv dims, scaled like K
+            pools = (k_pool, k_pool[..., :layer.dv])
+            if "k_scale" in scales:
+                scales["v_scale"] = scales["k_scale"]
         if layer.is_cross_attention:
             if meta.cross_kv_indptr is None:
                 raise ValueError(f"layer {layer.layer_id} is cross attention but the batch has no encoder_lens")
             o = ragged_paged_attention_reference(
-                q, k_pool, v_pool, meta.qo_indptr, meta.cross_kv_indptr, meta.cross_kv_indices, causal=False,
+                q, *pools, meta.qo_indptr, meta.cross_kv_indptr, meta.cross_kv_indices, causal=False,
                 logit_cap=layer.logit_cap, sinks=sinks, sm_scale=layer.scale,
                 max_q_len=meta.max_q_len, max_kv_len=meta.max_kv_len, **scales,
             )
             return o, k_pool, v_pool
         o = ragged_paged_attention_reference(
-            q, k_pool, v_pool, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
+            q, *pools, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
             custom_mask=meta.custom_mask, mask_indptr=meta.mask_indptr, sliding_window=layer.sliding_window,
             logit_cap=layer.logit_cap, sinks=sinks, xai_temperature_len=layer.xai_temperature_len, sm_scale=layer.scale,
             max_q_len=meta.max_q_len, max_kv_len=meta.max_kv_len, **scales,

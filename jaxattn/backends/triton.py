@@ -23,7 +23,8 @@
                        as bit masks (`batch.draft_mask`, D drafts per sequence) full attention layers run the
                        several-token decode kernel over `verify_decode` (each sequence's keys, drafts last): K/V
                        read once for all D drafts and no [D, seq_len] mask; window and xai-temperature layers
-                       take the extend lists with the bits expanded to the boolean mask.
+                       take the extend lists with the bits as per-row draft words (`extend_attention(draft_mask=)`;
+                       deterministic: expanded to the boolean mask, which the unified kernel reads).
   deterministic        Extend-like modes use `ExtendUnifiedMetadata` (prefix slots then out_cache_loc, one key
                        loop in absolute order: bitwise identical whatever the prefix/new split); decode splits are
                        ceil(len / split_tile_size), a function of the sequence's own length only.
@@ -52,6 +53,12 @@ kernels read fp8 rows and apply the scales, so a step's work does not grow with 
 extend reads the new tokens' K/V from the step's k/v (not their fp8 copy in the pool), so with fp8 pools it differs
 from ReferenceBackend by the quantisation error of the new tokens; decode and the deterministic path read the pool only.
 
+Latent (MLA) pools: pass v_pool=None (and v=None): V is the first `layer.v_head_dim` dims of each K row, as in
+DeepSeek's latent cache, so only K is written. Decode and decode-route verify read the latent rows once (on sm_90 the
+MLA Mosaic GPU kernel); plain causal two-stage extend runs `jaxattn.mla.mla_extend_attention` (the same kernel's
+extend form on sm_90); other extend-like calls (masks, windows, soft caps, the deterministic unified path) run the
+extend ops on V sliced from the pool, a copy of its first v_head_dim dims per call.
+
 Limits: TARGET_VERIFY on a window layer windows over the *listed* order (prefix, then the drafts in list order),
 exactly like ReferenceBackend, not over tree depth; SGLang has the same limit.
 """
@@ -70,6 +77,7 @@ from jaxattn.decode import decode_attention
 from jaxattn.extend import extend_attention, extend_attention_unified
 from jaxattn.fp8 import dequantised_rows
 from jaxattn.kv_indices import build_unified_kv_indices, create_kv_indices
+from jaxattn.mla import mla_extend_attention
 from jaxattn.metadata import (
     DecodeMetadata,
     ExtendMetadata,
@@ -116,6 +124,9 @@ class TritonMetadata:
     # TARGET_VERIFY with `batch.draft_mask` (i32[B, D]): decode lists over each sequence's keys, for full layers.
     verify_decode: DecodeMetadata | None = None
     draft_mask: jax.Array | None = None
+    # ... and for two-stage window / xai layers the same tree as per-row draft words (`ForwardBatch.verify_draft_words`,
+    # i32[B * D, 1]): extend_attention(draft_mask=) reads no [D, seq_len] mask.
+    draft_words: jax.Array | None = None
 
     def takes_verify_decode(self, layer: AttentionLayer) -> bool:
         """Whether `layer` runs this verify step on the several-token decode kernel (see the module doc)."""
@@ -261,7 +272,7 @@ class TritonBackend:
             window_attn.append(self._extend_lists(batch, req_to_token, column0, window=w,
                                                   capacity=max(1, min(batch.kv_capacity, bound))))
         window_attn = tuple(window_attn)
-        mask, window_masks, verify_decode = None, (None,) * len(windows), None
+        mask, window_masks, verify_decode, draft_words = None, (None,) * len(windows), None, None
         if mode == ForwardMode.TARGET_VERIFY:
             # rows [extend_len, seq_len]: full width = listed width without a window. From draft bits, the expansion
             # is computed only if a layer reads it (XLA drops it otherwise).
@@ -269,6 +280,8 @@ class TritonBackend:
             if batch.draft_mask is not None:
                 verify_decode = self._decode_lists(batch, req_to_token, seq_lens, column0, capacity=batch.kv_capacity,
                                                    max_len=batch.max_seq_len, window=-1, heads=heads)
+                if not self.deterministic:  # the unified kernel takes masks only
+                    draft_words = batch.verify_draft_words()
             if self.deterministic:
                 extend_lens = jnp.maximum(batch.extend_lens.astype(jnp.int32), 0)
                 window_masks = tuple(
@@ -288,7 +301,7 @@ class TritonBackend:
                                              launch_mode=self.launch_mode)
         return TritonMetadata(attn=attn, window_attn=window_attn, cross_attn=cross, custom_mask=mask,
                               window_custom_masks=window_masks, verify_decode=verify_decode,
-                              draft_mask=batch.draft_mask, **common)
+                              draft_mask=batch.draft_mask, draft_words=draft_words, **common)
 
     def draft_step_metadata(self, draft: "DraftDecodeMetadata", step) -> TritonMetadata:
         """The forward metadata of draft step `step` (an int or a traced int) of `draft_decode_metadata`'s result.
@@ -309,7 +322,8 @@ class TritonBackend:
           q: [T, q_heads, head_dim] or [T, q_heads * head_dim] (T = B in DECODE). k, v: [T, kv_heads, head_dim /
             v_head_dim] (or flat), or None when the new K/V are already in the pool.
           k_pool, v_pool: this layer's pool [slots, kv_heads, head_dim / v_head_dim]; fp8 pools are read directly
-            with the layer's scales (see the module doc).
+            with the layer's scales (see the module doc). v_pool None (with v None): a latent (MLA) pool, V = the
+            first layer.v_head_dim dims of each K row.
           layer: the `AttentionLayer`. meta: this step's `TritonMetadata`. sinks: optional f32[q_heads].
 
         Returns:
@@ -318,11 +332,14 @@ class TritonBackend:
         if not isinstance(meta, TritonMetadata):
             raise ValueError(f"meta must be a TritonMetadata (see TritonBackend.init_forward_metadata); got {type(meta).__name__}")
         q = split_heads(q, layer.q_heads, layer.head_dim, "q")
+        latent = v_pool is None  # MLA's latent cache: V is the first layer.dv dims of each K row
+        if latent and v is not None:
+            raise ValueError("v must be None with a latent pool (v_pool None): V is part of K")
         if meta.mode == ForwardMode.IDLE:
             return jnp.zeros((q.shape[0], layer.q_heads, layer.dv), q.dtype), k_pool, v_pool
         if k is not None:
             k = split_heads(k, layer.kv_heads, layer.head_dim, "k")
-            v = split_heads(v, layer.kv_heads, layer.dv, "v")
+            v = None if latent else split_heads(v, layer.kv_heads, layer.dv, "v")
         if save_kv and k is not None:
             k_pool, v_pool = write_kv(k_pool, v_pool, meta.out_cache_loc, k, v, k_scale=layer.k_scale, v_scale=layer.v_scale)
         scales = layer.pool_scales(k_pool, v_pool)
@@ -331,22 +348,41 @@ class TritonBackend:
         if not layer.is_cross_attention:
             common["xai_temperature_len"] = layer.xai_temperature_len
         window = -1 if layer.is_cross_attention else layer.sliding_window
+        latent_v = dict(v_head_dim=layer.dv) if latent else {}
         if meta.mode == ForwardMode.DECODE:
-            o = decode_attention(q, k_pool, v_pool, lists, sliding_window=window, **common)
-        elif meta.mode == ForwardMode.TARGET_VERIFY and meta.takes_verify_decode(layer):
+            return decode_attention(q, k_pool, v_pool, lists, sliding_window=window, **latent_v, **common), k_pool, v_pool
+        if meta.mode == ForwardMode.TARGET_VERIFY and meta.takes_verify_decode(layer):
             batch, drafts = meta.draft_mask.shape
             o = decode_attention(q.reshape(batch, drafts, *q.shape[1:]), k_pool, v_pool, meta.verify_decode,
-                                 draft_mask=meta.draft_mask, **common)
-            o = o.reshape(q.shape[0], *o.shape[2:])
-        elif isinstance(lists, ExtendUnifiedMetadata):
-            o = extend_attention_unified(q, k_pool, v_pool, lists, causal=not layer.is_cross_attention, custom_mask=mask,
+                                 draft_mask=meta.draft_mask, **latent_v, **common)
+            return o.reshape(q.shape[0], *o.shape[2:]), k_pool, v_pool
+        if k is None and not isinstance(lists, ExtendUnifiedMetadata):
+            # The new tokens' K/V are in the pool already: their rows, dequantised.
+            k = dequantised_rows(k_pool, meta.out_cache_loc, scales.get("k_scale"), q.dtype)
+            if not latent:
+                v = dequantised_rows(v_pool, meta.out_cache_loc, scales.get("v_scale"), q.dtype)
+        plain_causal = (mask is None and window < 0 and layer.logit_cap <= 0 and not layer.is_cross_attention
+                        and layer.xai_temperature_len <= 0)
+        if latent and plain_causal and not isinstance(lists, ExtendUnifiedMetadata) and k_pool.dtype == q.dtype:
+            o = mla_extend_attention(q, k.astype(q.dtype), k_pool, lists, v_head_dim=layer.dv, sinks=sinks,
+                                     sm_scale=layer.scale, launch_mode=self.launch_mode)
+            return o, k_pool, v_pool
+        pool_v = v_pool
+        if latent:  # the extend ops read V as an array of its own: a slice of the latent rows (a copy)
+            pool_v = k_pool[..., :layer.dv]
+            if "k_scale" in common:
+                common["v_scale"] = common["k_scale"]
+        if isinstance(lists, ExtendUnifiedMetadata):
+            o = extend_attention_unified(q, k_pool, pool_v, lists, causal=not layer.is_cross_attention, custom_mask=mask,
                                          sliding_window=window, **common)
         else:
-            if k is None:  # the new tokens' K/V are in the pool already: their rows, dequantised
-                k = dequantised_rows(k_pool, meta.out_cache_loc, scales.get("k_scale"), q.dtype)
-                v = dequantised_rows(v_pool, meta.out_cache_loc, scales.get("v_scale"), q.dtype)
-            o = extend_attention(q, k.astype(q.dtype), v.astype(q.dtype), k_pool, v_pool, lists, causal=True,
-                                 custom_mask=mask, skip_prefix_custom_mask=True, sliding_window=window, **common)
+            v = k[..., :layer.dv] if latent else v
+            # A verify step's tree as draft words where the batch has them (cross layers have no mask).
+            tree = dict(custom_mask=mask)
+            if mask is not None and meta.draft_words is not None:
+                tree = dict(draft_mask=meta.draft_words)
+            o = extend_attention(q, k.astype(q.dtype), v.astype(q.dtype), k_pool, pool_v, lists, causal=True,
+                                 skip_prefix_custom_mask=True, sliding_window=window, **tree, **common)
         return o, k_pool, v_pool
 
 

@@ -129,6 +129,18 @@ class ForwardBatch:
                                            batch * drafts * self.max_seq_len)
 
 
+    def verify_draft_words(self) -> jax.Array:
+        """TARGET_VERIFY's tree as `extend_attention(draft_mask=)` takes it: i32[B * D, 1], row b * D + t holding
+        `draft_mask[b, t]` with the bits of drafts past the sequence's extend_len cleared (a padding sequence's rows
+        see nothing, as in the expanded mask)."""
+        batch, drafts = self.draft_mask.shape
+        words = jax.lax.bitcast_convert_type(self.draft_mask, jnp.uint32) if self.draft_mask.dtype == jnp.int32 \
+            else self.draft_mask
+        listed = jnp.clip(self.extend_lens.astype(jnp.int32), 0, 32).astype(jnp.uint32)
+        keep = jnp.where(listed >= 32, jnp.uint32(0xFFFFFFFF), (jnp.uint32(1) << listed) - 1)
+        return jax.lax.bitcast_convert_type(words & keep[:, None], jnp.int32).reshape(batch * drafts, 1)
+
+
 def tree_mask_for_verify(parents, prefix_len: int):
     """Builds the TARGET_VERIFY mask rows of one sequence from a draft tree (host helper, numpy).
 

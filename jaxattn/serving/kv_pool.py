@@ -31,7 +31,8 @@ def write_kv(k_pool, v_pool, out_cache_loc, k, v, *, k_scale: float | None = Non
     """Stores new tokens' K and V at their slots; returns the updated (k_pool, v_pool).
 
     Args:
-      k_pool: [slots, kv_heads, head_dim]. v_pool: [slots, kv_heads, v_head_dim].
+      k_pool: [slots, kv_heads, head_dim]. v_pool: [slots, kv_heads, v_head_dim], or None for a latent (MLA) pool
+        whose V is the first dims of each K row (then v must be None too, and None is returned in its place).
       out_cache_loc: i32[tokens], the slot of each token. Slot 0 is the padding slot: padding tokens write there,
         as often as they like. Slots outside ``[0, slots)`` (negative ones included) are dropped, never written
         elsewhere. Duplicates: when several tokens name one slot, that slot ends up holding, element by element,
@@ -45,11 +46,16 @@ def write_kv(k_pool, v_pool, out_cache_loc, k, v, *, k_scale: float | None = Non
     """
     check_array("k_pool", k_pool, ndim=3, dtypes=BUFFER_DTYPES, what="[slots, kv_heads, head_dim]")
     slots, kv_heads, head_dim = k_pool.shape
-    check_array("v_pool", v_pool, shape=(slots, kv_heads, None), dtypes=BUFFER_DTYPES, what="[slots, kv_heads, v_head_dim]")
+    latent = v_pool is None
+    if latent != (v is None):
+        raise ValueError("v_pool and v are None together (a latent pool: V is part of K) or neither")
+    if not latent:
+        check_array("v_pool", v_pool, shape=(slots, kv_heads, None), dtypes=BUFFER_DTYPES, what="[slots, kv_heads, v_head_dim]")
     check_array("out_cache_loc", out_cache_loc, ndim=1, dtypes=INDEX_DTYPES, what="[tokens]")
     tokens = out_cache_loc.shape[0]
     check_array("k", k, shape=(tokens, kv_heads, head_dim), dtypes=FLOAT_DTYPES, what="[tokens, kv_heads, head_dim]")
-    check_array("v", v, shape=(tokens, kv_heads, v_pool.shape[2]), dtypes=FLOAT_DTYPES, what="[tokens, kv_heads, v_head_dim]")
+    if not latent:
+        check_array("v", v, shape=(tokens, kv_heads, v_pool.shape[2]), dtypes=FLOAT_DTYPES, what="[tokens, kv_heads, v_head_dim]")
     check_kv_scale("k_scale", k_scale, kv_heads)
     check_kv_scale("v_scale", v_scale, kv_heads)
     if isinstance(out_cache_loc, np.ndarray):
@@ -57,11 +63,13 @@ def write_kv(k_pool, v_pool, out_cache_loc, k, v, *, k_scale: float | None = Non
         # out-of-range slot becomes -1 first (dropped), so 2**32 + 3 cannot wrap onto slot 3.
         in_pool = (out_cache_loc >= 0) & (out_cache_loc < slots)
         out_cache_loc = np.where(in_pool, out_cache_loc, -1).astype(np.int32)
-    k = _quantised(k, k_pool.dtype, k_scale)
-    v = _quantised(v, v_pool.dtype, v_scale)
     # wrap_negative_indices=False: a negative slot is out of range and dropped (NumPy-style wrapping would write
     # slot -1 into the last slot of the pool).
+    k = _quantised(k, k_pool.dtype, k_scale)
     k_pool = k_pool.at[out_cache_loc].set(k.astype(k_pool.dtype), mode="drop", wrap_negative_indices=False)
+    if latent:
+        return k_pool, None
+    v = _quantised(v, v_pool.dtype, v_scale)
     v_pool = v_pool.at[out_cache_loc].set(v.astype(v_pool.dtype), mode="drop", wrap_negative_indices=False)
     return k_pool, v_pool
 

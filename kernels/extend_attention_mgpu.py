@@ -273,12 +273,15 @@ def issue_rows(new_ref, pool_ref, smem, bars, sources, from_pool, slot, barrier,
 
     Thread (warp w, lane l) copies the 16-byte chunk l % 8 of each 128-byte segment of rows w * rows_per_warp +
     4p + l // 8: 8 threads per contiguous segment, so each warp instruction reads 4 whole 128-byte lines.
+    A head_dim that is not a multiple of 64 (MLA's 288) fills its last column tile partly: `smem`'s rows are
+    head_dim rounded up to 64 wide, and the chunks past head_dim are written as zeros (nothing read for them).
     """
     rows_per_warp = block_kv // 4
-    segments = head_dim * 2 // SWIZZLE_BYTES  # (8, 64) column tiles per row (16-bit elements)
+    segments = -(-head_dim * 2 // SWIZZLE_BYTES)  # (8, 64) column tiles per row (16-bit elements)
+    last_chunks = head_dim * 2 % SWIZZLE_BYTES // 16  # chunks of the last, partial tile (0: it is whole)
     kv_heads = new_ref.shape[1]
     row_bytes = kv_heads * head_dim * 2
-    slot_bytes = block_kv * head_dim * 2
+    slot_bytes = block_kv * segments * SWIZZLE_BYTES
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(SWIZZLED), plgpu.RefType(), _ROW_SOURCES)
                        + (_SCALAR,) * 4)
@@ -311,8 +314,14 @@ def issue_rows(new_ref, pool_ref, smem, bars, sources, from_pool, slot, barrier,
                 tile = arith.addi(arith.muli(arith.divui(row, _i32(8)), _i32(segments)), _i32(s))
                 dst = mgpu_utils.getelementptr(smem_base, [arith.addi(arith.muli(tile, _i32(8 * SWIZZLE_BYTES)), in_atom)],
                                                ir.IntegerType.get_signless(8))
-                src = llvm.inttoptr(llvm.PointerType.get(1), arith.addi(gmem, _i64(s * SWIZZLE_BYTES)))
-                nvvm.cp_async_shared_global(dst, src, 16, nvvm.LoadCacheModifierKind.CG, cp_size=size)
+                at = arith.addi(gmem, _i64(s * SWIZZLE_BYTES))
+                chunk_size = size
+                if last_chunks and s == segments - 1:  # past the row's end: zeros, from the row's own start
+                    inside = arith.cmpi(arith.CmpIPredicate.ult, chunk, _i32(last_chunks))
+                    chunk_size = arith.select(inside, size, _i32(0))
+                    at = arith.select(inside, at, gmem)
+                src = llvm.inttoptr(llvm.PointerType.get(1), at)
+                nvvm.cp_async_shared_global(dst, src, 16, nvvm.LoadCacheModifierKind.CG, cp_size=chunk_size)
         nvvm.cp_async_mbarrier_arrive(_barrier_ptr(bars, barrier), noinc=True)
 
     run(new_ref, pool_ref, smem, bars, sources, from_pool, slot, barrier, kv_head)

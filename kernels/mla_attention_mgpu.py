@@ -3,22 +3,23 @@ wgmma tiles. Two entry points on one CTA body: split-KV decode (stage 1; stage 2
 `kernels/decode_attention.py`, whose partial buffers it writes) and two-stage extend (prefix from the pool, new tokens
 contiguous, causal, one pass).
 
-DeepSeek's absorbed attention reads one 576-wide latent head per key (K = all 576 dims, V = its first 512) for every
-q head. One CTA = one sequence x (decode) one split of its keys x one block of up to 64 rows, a row being a (query
-token, q head) pair, token-major (16 heads x 1 token pad to 64 wgmma rows; 16 heads x 4 tokens fill them), three
-warpgroups:
+DeepSeek's absorbed attention reads one 576-wide latent head per key (K = all 576 dims, V = its first 512; the
+half-size variant 288 / 256) for every q head. One CTA = one sequence x (decode) one split of its keys x one block of
+up to 64 rows, a row being a (query token, q head) pair, token-major (16 heads x 1 token pad to 64 wgmma rows; 16
+heads x 4 tokens fill them), three warpgroups:
 
 * warpgroup 2 (producer, 40 registers) copies the block's Q rows (rows past them zero-filled), then gathers the
-  CTA's latent rows into a 2-deep ring of [64, 576] tiles, from the pool through kv_indices or (extend) from the
-  new tokens' rows: 16-byte `cp.async` copies straight into the 128-byte-swizzled layout wgmma reads (`issue_rows`
-  of the extend kernel), rows past the range zero-filled.
-* warpgroup 0 computes S = Q K^T over all 576 dims, the online softmax (base 2, the scale folded into the exponent's
-  FMA), and O[:, :256] += P V with P from registers; it hands P (bf16 or f16) to warpgroup 1 through the tile's rope
-  columns (read by nothing after S) and each row's rescale factor alpha through shared memory.
-* warpgroup 1 rescales its O[:, 256:] by alpha and adds P V from the same K tile's columns 256..511.
+  CTA's latent rows into a ring of [64, width] tiles (`LatentShape`: 2 deep at 576, 4 at 288), from the pool through
+  kv_indices or (extend) from the new tokens' rows: 16-byte `cp.async` copies straight into the 128-byte-swizzled
+  layout wgmma reads (`issue_rows` of the extend kernel), rows past the range zero-filled.
+* warpgroup 0 computes S = Q K^T over all the latent dims, the online softmax (base 2, the scale folded into the
+  exponent's FMA), and O's first half of V's columns += P V with P from registers; it hands P (bf16 or f16) to
+  warpgroup 1 through the tile's rope columns (read by nothing after S) and each row's rescale factor alpha through
+  shared memory.
+* warpgroup 1 rescales its half of O by alpha and adds P V from the same K tile's other V columns.
 
-So each key's 1152 bytes cross HBM once for every row of the block, S is computed once, and the two 64 x 256 f32
-accumulators live in the two consumers' registers. Both consumers release a ring slot (two warpgroups' arrivals)
+So each key's latent row crosses HBM once for every row of the block, S is computed once, and the two 64 x 256 (or
+128) f32 accumulators live in the two consumers' registers. Both consumers release a ring slot (two warpgroups' arrivals)
 when their P V on it has completed; warpgroup 0 waits for warpgroup 1 to have read P and alpha before it writes the
 next ones. At the end warpgroup 0 passes each row's output factor (1 / denominator, the sink folded in) the same way,
 and each consumer stores its half of the output straight from registers to global memory (only the block's real
@@ -30,6 +31,8 @@ pool, an empty split stores nothing, a row that sees no key of a split stores 0 
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -55,14 +58,39 @@ from jaxattn.kernels.extend_attention_mgpu import (
 )
 
 BLOCK_ROWS = 64  # wgmma's M: (token, head) rows per CTA
-V_SPLIT = 256  # each consumer warpgroup's share of the 512 V columns
-# The ring: 64-key tiles (P V's reduction axis; Mosaic's wgmma takes multiples of 64 at a 128-byte swizzle), two of
-# them: Q (72 KB) + 2 x 72 KB + 1 KB of rows and mbarriers = 217 KB of sm_90's 227. P has no buffer of its own: it
-# goes through the K tile's rope columns (512..575), which only warpgroup 0's S = Q K^T reads (a separate 8 KB P
-# buffer made the kernel exactly 227 KB, which failed to launch on the H200).
+# 64-key tiles (P V's reduction axis; Mosaic's wgmma takes multiples of 64 at a 128-byte swizzle).
 BLOCK_KV = 64
-STAGES = 2
-ROPE_COLUMNS = pl.ds(2 * V_SPLIT, 64)  # the latent row's last 64 dims (K only; V is the first 512)
+
+
+@dataclasses.dataclass(frozen=True)
+class LatentShape:
+    """One latent head shape the kernel takes: qk_dim = v_dim + a rope part of at most 64 dims.
+
+    Rows sit in shared memory `width` wide (qk_dim rounded up to the 64-column swizzled tiles, the rest zeros). P has
+    no buffer of its own: it goes through the K tile's columns v_dim..v_dim + 63 (the rope part and its zero
+    padding), which only warpgroup 0's S = Q K^T reads (at 576 a separate 8 KB P buffer made the kernel exactly 227 KB,
+    which failed to launch on the H200). `stages`: the ring's depth that fits beside Q in sm_90's 227 KB (576: Q 72 KB
+    + 2 x 72 KB + 1 KB of rows and mbarriers = 217 KB; 288, 320 wide: 40 KB + 4 x 40 KB + 1 KB = 201 KB).
+    """
+
+    qk_dim: int
+    v_dim: int
+    stages: int
+
+    @property
+    def width(self) -> int:
+        return -(-self.qk_dim // 64) * 64
+
+    @property
+    def v_split(self) -> int:  # each consumer warpgroup's share of the V columns
+        return self.v_dim // 2
+
+    @property
+    def rope_columns(self):
+        return pl.ds(self.v_dim, 64)
+
+
+SHAPES = {576: LatentShape(576, 512, stages=2), 288: LatentShape(288, 256, stages=4)}  # by qk_dim
 LN2 = 0.6931471805599453
 
 
@@ -132,43 +160,47 @@ def head_values(values, r0, *, q_heads: int):
 # ready (128: every thread of warpgroup 0, after its stores) and P free (128: warpgroup 1, after its loads). Plain
 # mbarriers with per-thread arrivals and explicit phases, in the 1 KB block the alpha rows take anyway (Pallas
 # allocates its barriers apart).
-_READY, _FREE = 0, STAGES
-_Q_BAR, _P_READY, _P_FREE = 2 * STAGES, 2 * STAGES + 1, 2 * STAGES + 2
-_COUNTS = (WARPGROUP,) * STAGES + (2 * WARPGROUP,) * STAGES + (WARPGROUP,) * 3
+def _barriers(stages: int):
+    """(ready, free, q, p_ready, p_free, counts): the first index of each kind and every barrier's arrival count."""
+    counts = (WARPGROUP,) * stages + (2 * WARPGROUP,) * stages + (WARPGROUP,) * 3
+    return 0, stages, 2 * stages, 2 * stages + 1, 2 * stages + 2, counts
 
 
-def _scratch(dtype):
+def _scratch(dtype, shape: LatentShape):
+    counts = _barriers(shape.stages)[-1]
     return (
-        plgpu.SMEM((1, BLOCK_ROWS, 576), dtype, transforms=SWIZZLED),  # Q (a ring of one, for issue_rows)
-        plgpu.SMEM((STAGES, BLOCK_KV, 576), dtype, transforms=SWIZZLED),  # the latent rows' ring
+        plgpu.SMEM((1, BLOCK_ROWS, shape.width), dtype, transforms=SWIZZLED),  # Q (a ring of one, for issue_rows)
+        plgpu.SMEM((shape.stages, BLOCK_KV, shape.width), dtype, transforms=SWIZZLED),  # the latent rows' ring
         # alpha per row (then the output factors), warpgroup 0 -> 1, and the mbarriers: one allocation (each is
         # aligned to 1 KB).
-        plgpu.SMEM((BLOCK_ROWS + 2 * len(_COUNTS),), jnp.float32),
+        plgpu.SMEM((BLOCK_ROWS + 2 * len(counts),), jnp.float32),
     )
 
 
-def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, scale_log2, steps, loops, tile_source, q_row0, q_count,
-         store_out, store_lse=None, sink=None):
+def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, shape: LatentShape, scale_log2, steps, loops, tile_source,
+         q_row0, q_count, store_out, store_lse=None, sink=None):
     """One CTA's work (call inside `pl.when` of a non-empty CTA; every warpgroup runs it).
 
-    q_ref: [rows, 1, 576]; new_ref / pool_ref: [*, 1, 576] (the producer's two row sources); steps: the K tiles;
+    q_ref: [rows, 1, qk_dim]; new_ref / pool_ref: [*, 1, qk_dim] (the producer's two row sources); steps: the K tiles;
     loops: ((start, end, mask), ...) covering [0, steps) in order, mask None (every key of the tile visible to every
     row) or mask(step) -> bool[64, 64] (WGMMA layout, visible scores); tile_source(step) -> (from_pool, first, count):
     the tile's rows first + r (r < count) of pool (through kv_indices) or new, zeros past count; q_row0, q_count: the
-    block's Q rows of q_ref; store_out(wg, out): warpgroup wg's [64, 256] f32 output (normalised; wg 0: columns
-    0..255); store_lse(lse): f32[64] natural-log LSE rows (warpgroup 0); sink: a scalar (natural-log logit, every
+    block's Q rows of q_ref; store_out(wg, out): warpgroup wg's [64, v_dim / 2] f32 output (normalised; wg 0: the
+    first half of the columns); store_lse(lse): f32[64] natural-log LSE rows (warpgroup 0); sink: a scalar (natural-log logit, every
     row's) joining the denominators, or None.
     """
     q_smem, k_smem, rows_and_bars = scoped
     alpha_smem = rows_and_bars.at[pl.ds(0, BLOCK_ROWS)]
-    bars = rows_and_bars.at[pl.ds(BLOCK_ROWS, 2 * len(_COUNTS))]
+    ready, free, q_bar, p_ready, p_free, counts = _barriers(shape.stages)
+    stages, v_split, rope = shape.stages, shape.v_split, shape.rope_columns
+    bars = rows_and_bars.at[pl.ds(BLOCK_ROWS, 2 * len(counts))]
     wg = lax.axis_index("wg")
     dtype = q_smem.dtype
-    init_barriers(bars, _COUNTS)
+    init_barriers(bars, counts)
 
     def wait_tile(step):
-        slot = lax.rem(step, STAGES)
-        wait_barrier(bars, _READY + slot, lax.rem(lax.div(step, STAGES), 2))
+        slot = lax.rem(step, stages)
+        wait_barrier(bars, ready + slot, lax.rem(lax.div(step, stages), 2))
         return slot
 
     @pl.when(wg == 0)
@@ -177,8 +209,8 @@ def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, scale_log2, steps,
         # Finite start: a row that sees no key of the CTA (later drafts only) keeps p = 0, alpha = 1.
         m_i = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), -1e30, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         l_i = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        acc = plgpu.layout_cast(jnp.full((BLOCK_ROWS, V_SPLIT), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-        wait_barrier(bars, _Q_BAR, 0)
+        acc = plgpu.layout_cast(jnp.full((BLOCK_ROWS, v_split), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+        wait_barrier(bars, q_bar, 0)
 
         def step_fn(step, carry, mask=None):
             acc, m_i, l_i = carry
@@ -199,16 +231,16 @@ def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, scale_log2, steps,
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             p16 = p.astype(dtype)
             # Warpgroup 1 has read the previous P and alpha (its arrival #step - 1 on P free).
-            pl.when(step > 0)(lambda: wait_barrier(bars, _P_FREE, lax.rem(step - 1, 2)))
-            k_smem.at[slot, :, ROPE_COLUMNS][...] = p16  # S = Q K^T has completed: the rope columns are free
+            pl.when(step > 0)(lambda: wait_barrier(bars, p_free, lax.rem(step - 1, 2)))
+            k_smem.at[slot, :, rope][...] = p16  # S = Q K^T has completed: the rope columns are free
             alpha_smem[...] = alpha
-            arrive_barrier(bars, _P_READY)
+            arrive_barrier(bars, p_ready)
 
             def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p16, k_smem.at[slot, :, pl.ds(0, V_SPLIT)])
+                plgpu.wgmma(acc_ref, p16, k_smem.at[slot, :, pl.ds(0, v_split)])
 
             acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-            arrive_barrier(bars, _FREE + slot)
+            arrive_barrier(bars, free + slot)
             return acc, m_new, l_i
 
         carry = (acc, m_i, l_i)
@@ -224,9 +256,9 @@ def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, scale_log2, steps,
             factor = alpha / jnp.where(l_i == 0.0, 1.0, l_i)
         else:
             factor = 1.0 / jnp.where(l_i == 0.0, 1.0, l_i)  # "no keys" is l == 0 exactly (acc is 0); NaN stays NaN
-        wait_barrier(bars, _P_FREE, lax.rem(steps - 1, 2))
+        wait_barrier(bars, p_free, lax.rem(steps - 1, 2))
         alpha_smem[...] = factor  # for warpgroup 1's half
-        arrive_barrier(bars, _P_READY)
+        arrive_barrier(bars, p_ready)
         store_out(0, acc * lax.broadcast_in_dim(factor, acc.shape, [0]))
         if store_lse is not None:
             store_lse(jnp.where(l_i == 0.0, -jnp.inf, (m_i + jnp.log2(jnp.where(l_i == 0.0, 1.0, l_i))) * LN2))
@@ -234,25 +266,25 @@ def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, scale_log2, steps,
     @pl.when(wg == 1)
     def _second_half():
         plgpu.set_max_registers(232, action="increase")
-        acc = plgpu.layout_cast(jnp.full((BLOCK_ROWS, V_SPLIT), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+        acc = plgpu.layout_cast(jnp.full((BLOCK_ROWS, v_split), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
         def step_fn(step, acc):
-            wait_barrier(bars, _P_READY, lax.rem(step, 2))
+            wait_barrier(bars, p_ready, lax.rem(step, 2))
             slot = wait_tile(step)
             alpha = plgpu.load(alpha_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))
-            p16 = plgpu.load(k_smem.at[slot, :, ROPE_COLUMNS], (), layout=plgpu.Layout.WGMMA)
-            arrive_barrier(bars, _P_FREE)
+            p16 = plgpu.load(k_smem.at[slot, :, rope], (), layout=plgpu.Layout.WGMMA)
+            arrive_barrier(bars, p_free)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
             def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p16, k_smem.at[slot, :, pl.ds(V_SPLIT, V_SPLIT)])
+                plgpu.wgmma(acc_ref, p16, k_smem.at[slot, :, pl.ds(v_split, v_split)])
 
             acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-            arrive_barrier(bars, _FREE + slot)
+            arrive_barrier(bars, free + slot)
             return acc
 
         acc = lax.fori_loop(0, steps, step_fn, acc)
-        wait_barrier(bars, _P_READY, lax.rem(steps, 2))
+        wait_barrier(bars, p_ready, lax.rem(steps, 2))
         factor = plgpu.load(alpha_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))
         store_out(1, acc * lax.broadcast_in_dim(factor, acc.shape, [0]))
 
@@ -262,8 +294,8 @@ def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, scale_log2, steps,
         # Q's rows by cp.async too (rows past q_count zero-filled), then the CTA's latent rows.
         from_q = q_count < 0  # a traced False: rows first + r of q
         q_rows = row_sources(kv_indices_ref, from_q, q_row0, q_count, block_kv=BLOCK_ROWS, pool_rows=q_ref.shape[0])
-        issue_rows(q_ref, q_ref, q_smem, bars, q_rows, from_q, jnp.int32(0), jnp.int32(_Q_BAR), jnp.int32(0),
-                   block_kv=BLOCK_ROWS, head_dim=576)
+        issue_rows(q_ref, q_ref, q_smem, bars, q_rows, from_q, jnp.int32(0), jnp.int32(q_bar), jnp.int32(0),
+                   block_kv=BLOCK_ROWS, head_dim=shape.qk_dim)
 
         def sources_of(step):
             from_pool, first, count = tile_source(step)
@@ -271,23 +303,28 @@ def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, scale_log2, steps,
 
         def step_body(step, sources):
             next_sources = sources_of(step + 1)  # its loads overlap this tile's wait and copies
-            slot = lax.rem(step, STAGES)
-            # The slot's previous tile (step - STAGES) released by all 256 consumer threads.
-            pl.when(step >= STAGES)(lambda: wait_barrier(bars, _FREE + slot, lax.rem(lax.div(step, STAGES) - 1, 2)))
+            slot = lax.rem(step, stages)
+            # The slot's previous tile (step - stages) released by all 256 consumer threads.
+            pl.when(step >= stages)(lambda: wait_barrier(bars, free + slot, lax.rem(lax.div(step, stages) - 1, 2)))
             from_pool = tile_source(step)[0]
-            issue_rows(new_ref, pool_ref, k_smem, bars, sources, from_pool, slot, _READY + slot, jnp.int32(0),
-                       block_kv=BLOCK_KV, head_dim=576)
+            issue_rows(new_ref, pool_ref, k_smem, bars, sources, from_pool, slot, ready + slot, jnp.int32(0),
+                       block_kv=BLOCK_KV, head_dim=shape.qk_dim)
             return next_sources
 
         lax.fori_loop(0, steps, step_body, sources_of(jnp.int32(0)))
 
 
-def _check_shapes(q, k_pool, k_new=None):
+def _latent_shape(q, k_pool, k_new=None) -> LatentShape:
+    """The shape of the call's latent head (q [rows, 1, qk_dim] with qk_dim a key of SHAPES), checked."""
+    qk_dim = q.shape[-1]
+    if qk_dim not in SHAPES:
+        raise ValueError(f"the latent head must be {sorted(SHAPES)} wide; got q {q.shape}")
     for name, array in (("q", q), ("k_pool", k_pool)) + ((("k_new", k_new),) if k_new is not None else ()):
-        if array.ndim != 3 or array.shape[1:] != (1, 576):
-            raise ValueError(f"{name} must be [rows, 1, 576]; got {array.shape}")
+        if array.ndim != 3 or array.shape[1:] != (1, qk_dim):
+            raise ValueError(f"{name} must be [rows, 1, {qk_dim}]; got {array.shape}")
     if k_pool.dtype != q.dtype or (k_new is not None and k_new.dtype != q.dtype):
         raise ValueError("q, k_pool (and k_new) must have one dtype")
+    return SHAPES[qk_dim]
 
 
 def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draft_words, *, tokens, q_heads, sm_scale,
@@ -297,15 +334,15 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
     layout of `decode_stage1_kernel`'s MID_O / MID_LSE (f32[batch * tokens, q_heads, max_kv_splits, ...]) flattened.
     Entries of empty splits and of splits past a sequence's count are not written.
 
-    q: [batch * tokens * q_heads, 1, 576] bf16/f16 (rows in that order); k_pool: [slots, 1, 576], q's dtype (V = each
-    row's first 512 dims); kv_indptr: i32[batch + 1]; kv_indices: i32/i64[capacity]; num_kv_splits: i32[batch]
+    q: [batch * tokens * q_heads, 1, qk_dim] bf16/f16 (rows in that order; qk_dim 576 or 288); k_pool: [slots, 1,
+    qk_dim], q's dtype (V = each row's first 512 / 256 dims: mid_o's width); kv_indptr: i32[batch + 1]; kv_indices: i32/i64[capacity]; num_kv_splits: i32[batch]
     (clamped to [1, max_kv_splits]); draft_words: None (tokens == 1) or i32[batch * tokens * q_heads, 1]: row g sees
     draft j (the sequence's last `tokens` keys are its drafts) iff bit j of its word is set; keys before the drafts
     are always visible. tokens * q_heads must be a multiple of 8 and at most 64 or a multiple of 64.
     sliding_window W >= 0 (tokens == 1): only the last W + 1 listed keys. min_block_kv: split lengths are multiples
     of it (`jaxattn.metadata.MIN_BLOCK_KV`, as in the Triton stages).
     """
-    _check_shapes(q, k_pool)
+    shape = _latent_shape(q, k_pool)
     rows_total = q.shape[0]
     rows_per_seq = tokens * q_heads
     if rows_per_seq % 8 or (rows_per_seq > BLOCK_ROWS and rows_per_seq % BLOCK_ROWS):
@@ -321,7 +358,7 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
                          f"{batch * rows_per_seq}")
     block_rows = min(rows_per_seq, BLOCK_ROWS)  # the CTA's real rows (static)
     capacity = kv_indices.shape[0]
-    v_dim = 2 * V_SPLIT
+    v_dim, v_split = shape.v_dim, shape.v_split
 
     def body(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, words_ref, mid_o_ref, mid_lse_ref, scoped):
         split = lax.axis_index("splits")
@@ -359,14 +396,14 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
 
         def store_out(wg, out):
             store_rows(out, mid_o_ref, first_out, jnp.int32(block_rows), row_stride=max_kv_splits * v_dim,
-                       first_scale=v_dim, column0=wg * V_SPLIT)
+                       first_scale=v_dim, column0=wg * v_split)
 
         def store_lse(lse):
             store_rows(lse, mid_lse_ref, first_out, jnp.int32(block_rows), row_stride=max_kv_splits, first_scale=1)
 
         @pl.when(split_len > 0)
         def _():
-            _cta(q_ref, k_pool_ref, k_pool_ref, kv_indices_ref, scoped, scale_log2=float(sm_scale) * LOG2E,
+            _cta(q_ref, k_pool_ref, k_pool_ref, kv_indices_ref, scoped, shape=shape, scale_log2=float(sm_scale) * LOG2E,
                  steps=steps, loops=((0, full_steps, None), (full_steps, steps, mask)),
                  tile_source=lambda step: (split_len > 0, kv_begin + split_start + step * BLOCK_KV,
                                            split_len - step * BLOCK_KV),
@@ -379,7 +416,7 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
             (mid_o_ref, mid_lse_ref), words_ref = rest, None
         pl.run_scoped(lambda *scoped: body(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, words_ref,
                                            mid_o_ref, mid_lse_ref, scoped),
-                      *_scratch(q.dtype), collective_axes="wg")
+                      *_scratch(q.dtype, shape), collective_axes="wg")
 
     return plgpu.kernel(
         entry,
@@ -397,14 +434,15 @@ def mla_extend_mgpu_kernel(q, k_new, k_pool, qo_indptr, kv_indptr, kv_indices, o
                            max_extend_len, sinks=None):
     """Causal two-stage MLA extend in one pass; writes `out_ref` in place (rows it does not compute stay as they were).
 
-    q: [tokens * q_heads, 1, 576] bf16/f16 ((token, head) rows, token-major); k_new: [tokens, 1, 576] (the new tokens'
-    latent rows, q's dtype); k_pool: [slots, 1, 576]; qo_indptr, kv_indptr: i32[batch + 1] (sequence b's new tokens
+    q: [tokens * q_heads, 1, qk_dim] bf16/f16 ((token, head) rows, token-major; qk_dim 576 or 288); k_new: [tokens,
+    1, qk_dim] (the new tokens' latent rows, q's dtype); k_pool: [slots, 1, qk_dim]; qo_indptr, kv_indptr: i32[batch + 1] (sequence b's new tokens
     and listed prefix slots; its token t sees the whole prefix and its new tokens 0..t); kv_indices: i32/i64[capacity];
-    out_ref: a Ref [tokens * q_heads, 512] of q's dtype. Tokens past max_extend_len of a sequence are not computed
+    out_ref: a Ref [tokens * q_heads, v_dim] of q's dtype (512 / 256). Tokens past max_extend_len of a sequence are not computed
     (as in the Triton kernels). sinks: f32[q_heads] natural-log logits joining the denominators, or None.
     Ranges are cut into kv_indices and the token rows, slots clamped into the pool.
     """
-    _check_shapes(q, k_pool, k_new)
+    shape = _latent_shape(q, k_pool, k_new)
+    v_dim, v_split = shape.v_dim, shape.v_split
     tokens = k_new.shape[0]
     if q.shape[0] != tokens * q_heads:
         raise ValueError(f"q has {q.shape[0]} rows; tokens {tokens} x q_heads {q_heads} = {tokens * q_heads}")
@@ -447,15 +485,16 @@ def mla_extend_mgpu_kernel(q, k_new, k_pool, qo_indptr, kv_indptr, kv_indices, o
         q_row0 = q_start * q_heads + r0
 
         def store_out(wg, out):
-            store_rows(out.astype(out_gmem.dtype), out_gmem, q_row0, count, row_stride=2 * V_SPLIT,
-                       first_scale=2 * V_SPLIT, column0=wg * V_SPLIT)
+            store_rows(out.astype(out_gmem.dtype), out_gmem, q_row0, count, row_stride=v_dim, first_scale=v_dim,
+                       column0=wg * v_split)
 
         # Each row's sink: its head's, sinks[(r0 + r) % q_heads].
         sink = None if sinks_ref is None else head_values(sinks_ref, r0, q_heads=q_heads)
 
         @pl.when(count > 0)
         def _():
-            _cta(q_ref, k_new_ref, k_pool_ref, kv_indices_ref, scoped, scale_log2=float(sm_scale) * LOG2E, steps=steps,
+            _cta(q_ref, k_new_ref, k_pool_ref, kv_indices_ref, scoped, shape=shape, scale_log2=float(sm_scale) * LOG2E,
+                 steps=steps,
                  loops=((0, lax.div(prefix, BLOCK_KV), None), (lax.div(prefix, BLOCK_KV), pre_steps, prefix_mask),
                         (pre_steps, full_new, None), (full_new, steps, causal_mask)),
                  tile_source=tile_source, q_row0=q_row0, q_count=count, store_out=store_out, sink=sink)
@@ -464,7 +503,7 @@ def mla_extend_mgpu_kernel(q, k_new, k_pool, qo_indptr, kv_indptr, kv_indices, o
         (sinks_ref, out_gmem) = rest if sinks is not None else (None, rest[0])
         pl.run_scoped(lambda *scoped: body(qo_indptr_ref, kv_indptr_ref, kv_indices_ref, q_ref, k_new_ref, k_pool_ref,
                                            sinks_ref, out_gmem, scoped),
-                      *_scratch(q.dtype), collective_axes="wg")
+                      *_scratch(q.dtype, shape), collective_axes="wg")
 
     plgpu.kernel(
         entry,

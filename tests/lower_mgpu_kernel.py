@@ -108,6 +108,9 @@ DECODE_SHAPES = [
     ("mla-extend-16-bf16", "extend", 300, 16, jnp.bfloat16, {}),
     ("mla-extend-16-f16-sinks-i64", "extend", 256, 16, jnp.float16, dict(sinks=True, index_dtype=jnp.int64)),
     ("mla-extend-128-bf16", "extend", 64, 128, jnp.bfloat16, {}),
+    ("mla-extend-288-16-bf16-sinks", "extend", 200, 16, jnp.bfloat16, dict(dim=288, sinks=True)),
+    ("mla-decode-288-16-f16", 8, 1, 16, jnp.float16, dict(dim=288)),
+    ("mla-verify-288-4x16-bf16-draft", 4, 4, 16, jnp.bfloat16, dict(dim=288, draft=True)),
     ("mla-decode-16-bf16", 8, 1, 16, jnp.bfloat16, {}),  # 16 rows padded to 64
     ("mla-verify-4x16-bf16-draft", 4, 4, 16, jnp.bfloat16, dict(draft=True)),  # 64 rows, a draft tree
     ("mla-verify-2x16-f16-causal-i64", 3, 2, 16, jnp.float16, dict(index_dtype=jnp.int64)),
@@ -121,8 +124,9 @@ def lower_decode(batch, tokens, q_heads, dtype, features, slots=3000, capacity=5
         return lower_mla_extend(tokens, q_heads, dtype, features, slots=slots, capacity=capacity)
     features = dict(features)
     index_dtype = features.pop("index_dtype", jnp.int32)
-    q_shape = (batch, q_heads, 576) if tokens == 1 else (batch, tokens, q_heads, 576)
-    args = (S(q_shape, dtype), S((slots, 1, 576), dtype), S((batch + 1,), jnp.int32), S((capacity,), index_dtype),
+    dim = features.pop("dim", 576)
+    q_shape = (batch, q_heads, dim) if tokens == 1 else (batch, tokens, q_heads, dim)
+    args = (S(q_shape, dtype), S((slots, 1, dim), dtype), S((batch + 1,), jnp.int32), S((capacity,), index_dtype),
             S((batch,), jnp.int32), S((batch, tokens), jnp.int32) if features.pop("draft", False) else None)
 
     def call(q, k_pool, kv_indptr, kv_indices, splits, draft_mask):
@@ -131,7 +135,8 @@ def lower_decode(batch, tokens, q_heads, dtype, features, slots=3000, capacity=5
                               deterministic=features.get("deterministic", False))
         decode_call = DecodeCall(q=q, k_pool=k_pool, v_pool=None, meta=meta, sinks=None, sm_scale=0.07, logit_cap=0.0,
                                  xai_temperature_len=-1, sliding_window=features.get("sliding_window", -1),
-                                 v_head_dim=512, return_lse=False, config=None, launch_mode="gpu",
+                                 v_head_dim={576: 512, 288: 256}[dim], return_lse=False, config=None,
+                                 launch_mode="gpu",
                                  draft_mask=draft_mask)
         return mla_decode_partials(decode_call)[:3]
 
@@ -147,12 +152,13 @@ def lower_mla_extend(tokens, q_heads, dtype, features, *, slots, capacity, batch
     meta = jax.eval_shape(lambda: extend_metadata(idx(4, 600), idx(batch), idx(batch), idx(batch), max_extend_len=128,
                                                   kv_capacity=capacity))
     meta = jax.tree.map(lambda x: S(x.shape, index_dtype) if x.dtype == jnp.int32 and x.shape == (capacity,) else x, meta)
-    args = (S((tokens, q_heads, 576), dtype), S((tokens, 1, 576), dtype), S((slots, 1, 576), dtype), meta,
+    dim = features.get("dim", 576)
+    args = (S((tokens, q_heads, dim), dtype), S((tokens, 1, dim), dtype), S((slots, 1, dim), dtype), meta,
             S((q_heads,), jnp.float32) if features.get("sinks") else None)
 
     def call(q, k_new, k_pool, meta, sinks):
-        return run_extend(MlaExtendCall(q=q, k_new=k_new, k_pool=k_pool, meta=meta, v_head_dim=512, sinks=sinks,
-                                        sm_scale=0.07, launch_mode="gpu"))
+        return run_extend(MlaExtendCall(q=q, k_new=k_new, k_pool=k_pool, meta=meta, v_head_dim={576: 512, 288: 256}[dim],
+                                        sinks=sinks, sm_scale=0.07, launch_mode="gpu"))
 
     exported = jax.export.export(jax.jit(call), platforms=["cuda"])(*args)
     if "mosaic_gpu" not in exported.mlir_module():

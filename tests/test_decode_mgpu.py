@@ -21,13 +21,13 @@ from tests.test_decode import LSE_TOL
 needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU (sm_90)")
 
 
-def make_case(rng, kv_lens, q_heads, tokens, dtype, *, window=-1, deterministic=False):
+def make_case(rng, kv_lens, q_heads, tokens, dtype, *, window=-1, deterministic=False, dim=576):
     kv_indptr, kv_indices, slots = random_pool_batch(rng, kv_lens, num_slots=int(np.sum(kv_lens)) + 1 + int(rng.integers(3, 40)))
     used = np.zeros(slots, bool)
     used[np.asarray(kv_indices)] = True
     k_pool = jnp.where(jnp.asarray(~used)[:, None, None], jnp.nan,
-                       random_normal(rng, (slots, 1, 576), jnp.float32)).astype(dtype)
-    shape = (len(kv_lens), q_heads, 576) if tokens == 1 else (len(kv_lens), tokens, q_heads, 576)
+                       random_normal(rng, (slots, 1, dim), jnp.float32)).astype(dtype)
+    shape = (len(kv_lens), q_heads, dim) if tokens == 1 else (len(kv_lens), tokens, q_heads, dim)
     q = random_normal(rng, shape, dtype)
     # Deterministic: ceil(len / 256) splits per sequence, so the bound must cover the whole pool's worth.
     meta = decode_metadata_from_indptr(kv_indptr, kv_indices, q_heads=q_heads, kv_heads=1,
@@ -99,6 +99,21 @@ def test_verify_matches_reference(rng, tokens, tree):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("tokens", [1, 4], ids=["decode", "verify-4"])
+def test_half_size_latent_head_288(rng, tokens):
+    # 288 = 256 + 32: rows 320 wide in shared memory (the last tile half zeros), a 4-deep ring, V 256 wide.
+    q, k_pool, meta = make_case(rng, KV_LENS if tokens == 1 else [2, 37, 0, 130, 4096], 16, tokens, jnp.bfloat16,
+                                dim=288)
+    o, lse, ref_o, ref_lse = run_both(q, k_pool, meta)
+    assert o.shape[-1] == 256
+    np.testing.assert_allclose(np.float32(o), np.float32(ref_o), **tolerance(jnp.bfloat16))
+    finite = np.isfinite(np.asarray(ref_lse))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
+    np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(ref_lse)[finite], atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_window_sinks_and_deterministic(rng):
     q, k_pool, meta = make_case(rng, KV_LENS, 16, 1, jnp.bfloat16, window=200)
     sinks = jnp.asarray(rng.standard_normal(16).astype(np.float32))
@@ -152,7 +167,7 @@ def _call(q_heads=16, tokens=1, dtype=jnp.bfloat16, qk=576, v_pool=False, kv_hea
 
 
 def test_declines_name_the_reason():
-    assert "576/512" in mgpu_mla.declines_decode(_call(qk=128))
+    assert "576/512 and 288/256" in mgpu_mla.declines_decode(_call(qk=128))
     assert "separate V pool" in mgpu_mla.declines_decode(_call(v_pool=True))
     assert "kv heads" in mgpu_mla.declines_decode(_call(kv_heads=2, q_heads=16))
     assert "float32" in mgpu_mla.declines_decode(_call(dtype=jnp.float32))

@@ -51,31 +51,39 @@ def test_arguments_are_checked(rng):
 
 
 def test_declines_name_the_reason(rng):
-    batch = make_batch(rng, [3], [4], hq=2, hkv=1, dqk=288, dtype=jnp.float32)
     from jaxattn.calls import MlaExtendCall
 
-    call = MlaExtendCall(q=batch.q, k_new=batch.k_new, k_pool=batch.k_pool, meta=batch.meta, v_head_dim=256, sinks=None,
-                         sm_scale=0.1, launch_mode="interpret")
-    reasons = declined(IMPLEMENTATIONS, call)
-    assert "576/512" in reasons["mgpu"] and reasons["triton"] is None
+    def reasons(dim, v_dim, dtype, heads=16):
+        batch = make_batch(rng, [3], [4], hq=heads, hkv=1, dqk=dim, dtype=dtype)
+        call = MlaExtendCall(q=batch.q, k_new=batch.k_new, k_pool=batch.k_pool, meta=batch.meta, v_head_dim=v_dim,
+                             sinks=None, sm_scale=0.1, launch_mode="interpret")
+        return declined(IMPLEMENTATIONS, call)
+
+    assert "head dims 576/448" in reasons(576, 448, jnp.bfloat16)["mgpu"]
+    assert "float32" in reasons(288, 256, jnp.float32)["mgpu"]
+    assert "q heads" in reasons(576, 512, jnp.bfloat16, heads=12)["mgpu"]
+    for dim, v_dim in ((576, 512), (288, 256)):  # taken: only the device declines them here
+        got = reasons(dim, v_dim, jnp.bfloat16)
+        assert "interpreted" in got["mgpu"] and got["triton"] is None
 
 
 # (dtype, q heads, prefix lens, extend lens): 16 heads (4 tokens per 64-row block), 128 heads (two blocks per token),
 # 4 heads (16 tokens per block); empty prefixes and extends, prefixes ending mid-tile, long extends.
 GPU_CASES = [
-    (jnp.bfloat16, 16, [0, 100, 1000, 37, 5], [1, 5, 70, 300, 0]),
-    (jnp.float16, 128, [64, 3], [9, 40]),
-    (jnp.bfloat16, 4, [200, 0], [33, 130]),
+    (jnp.bfloat16, 16, [0, 100, 1000, 37, 5], [1, 5, 70, 300, 0], 576),
+    (jnp.float16, 128, [64, 3], [9, 40], 576),
+    (jnp.bfloat16, 4, [200, 0], [33, 130], 576),
+    (jnp.bfloat16, 16, [0, 100, 1000, 37], [1, 70, 300, 9], 288),  # the half-size head: 320-wide rows, 4 stages
 ]
 
 
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
-@pytest.mark.parametrize("case", GPU_CASES, ids=["16-heads-bf16", "128-heads-f16", "4-heads-bf16"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=["16-heads-bf16", "128-heads-f16", "4-heads-bf16", "288-16-heads-bf16"])
 def test_kernel_matches_reference(rng, case, sinks):
-    dtype, hq, prefix_lens, extend_lens = case
-    batch = make_batch(rng, prefix_lens, extend_lens, hq=hq, hkv=1, dqk=576, dtype=dtype,
+    dtype, hq, prefix_lens, extend_lens, dim = case
+    batch = make_batch(rng, prefix_lens, extend_lens, hq=hq, hkv=1, dqk=dim, dtype=dtype,
                        max_extend_len=max(extend_lens) + 3)
     kw = dict(sinks=jnp.asarray(rng.standard_normal(hq).astype(np.float32))) if sinks else {}
     check(batch, dtype, "mgpu", **kw)

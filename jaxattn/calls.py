@@ -53,8 +53,24 @@ class DecodeCall:
         return self.q.shape[-1]
 
 
+class _TokenRows:
+    """Shape accessors of a call whose q is [tokens, q_heads, qk_head_dim] (the extend-like ops)."""
+
+    @property
+    def tokens(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def q_heads(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.q.shape[2]
+
+
 @dataclasses.dataclass(frozen=True)
-class ExtendCall:
+class ExtendCall(_TokenRows):
     """An extend call in one of two forms.
 
     form "two_stage" (`extend_attention`): the prefix through `meta.kv_indices` (an ExtendMetadata), the new tokens'
@@ -86,20 +102,8 @@ class ExtendCall:
     draft_mask: jax.Array | None = None
 
     @property
-    def tokens(self) -> int:
-        return self.q.shape[0]
-
-    @property
-    def q_heads(self) -> int:
-        return self.q.shape[1]
-
-    @property
     def kv_heads(self) -> int:
         return self.v_pool.shape[1]
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.q.shape[2]
 
     @property
     def v_head_dim(self) -> int:
@@ -127,7 +131,7 @@ def score_features(*, causal, custom_mask, sliding_window, logit_cap, sinks, xai
 
 
 @dataclasses.dataclass(frozen=True)
-class MlaExtendCall:
+class MlaExtendCall(_TokenRows):
     """`jaxattn.mla.mla_extend_attention`'s arguments: absorbed MLA extend, V = the first v_head_dim dims of K."""
 
     q: jax.Array  # [tokens, q_heads, qk_head_dim]
@@ -138,16 +142,4 @@ class MlaExtendCall:
     sinks: jax.Array | None  # f32[q_heads]
     sm_scale: float
     launch_mode: str  # "gpu" | "interpret"
-
-    @property
-    def tokens(self) -> int:
-        return self.q.shape[0]
-
-    @property
-    def q_heads(self) -> int:
-        return self.q.shape[1]
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.q.shape[2]
 

@@ -38,3 +38,14 @@ def random_pool_batch(rng, kv_lens, *, num_slots=None, reserve_slot0=True):
 
 def random_normal(rng, shape, dtype, scale=1.0):
     return jnp.asarray(rng.standard_normal(shape).astype(np.float32) * scale).astype(dtype)
+
+
+def assert_nan_confined(o, index):
+    """o (tokens/rows x heads x dim) is NaN throughout row `index` (a (row, head) pair) and finite everywhere else:
+    a NaN input spreads to its own output row only."""
+    o = np.float32(o)
+    assert np.isnan(o[index]).all()
+    others = np.ones(o.shape[:2], bool)
+    others[index] = False
+    assert np.isfinite(o[others]).all()
+

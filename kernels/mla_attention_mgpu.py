@@ -33,6 +33,7 @@ pool, an empty split stores nothing, a row that sees no key of a split stores 0 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -160,6 +161,109 @@ def head_values(values, r0, *, q_heads: int):
 # ready (128: every thread of warpgroup 0, after its stores) and P free (128: warpgroup 1, after its loads). Plain
 # mbarriers with per-thread arrivals and explicit phases, in the 1 KB block the alpha rows take anyway (Pallas
 # allocates its barriers apart).
+# --- A CTA's geometry: scalar arithmetic (jnp / lax on traced or concrete ints), shared with the CPU model of the
+# kernel (tests/test_mla_kernel_model.py), which runs these functions on numpy values.
+
+class DecodeCta(NamedTuple):
+    kv_begin: Any  # the split's sequence: its first effective entry of kv_indices, and its effective length
+    kv_len: Any
+    split_start: Any  # the split's first key (in the effective range) and its key count
+    split_len: Any
+    steps: Any  # K tiles of the split
+    full_steps: Any  # tiles [0, full_steps) run unmasked; [full_steps, steps) masked (`decode_visible`)
+
+
+def decode_cta(kv_indptr, num_kv_splits, seq, split, *, capacity: int, sliding_window: int, max_kv_splits: int,
+               min_block_kv: int, tokens: int) -> DecodeCta:
+    """Split `split` of sequence `seq` (kv_indptr, num_kv_splits: refs in the kernel, arrays in the model; both
+    unchecked), as `kernels/decode_attention.py` cuts it: the range clamped into [0, capacity], a window's last W + 1
+    keys, splits of per_split keys (a multiple of min_block_kv)."""
+    kv_begin = jnp.clip(kv_indptr[seq], 0, capacity)
+    kv_end = jnp.clip(kv_indptr[seq + 1], kv_begin, capacity)
+    kv_len = kv_end - kv_begin
+    if sliding_window >= 0:
+        skipped = jnp.maximum(kv_len - (sliding_window + 1), 0)
+        kv_begin, kv_len = kv_begin + skipped, kv_len - skipped
+    n_splits = jnp.clip(num_kv_splits[seq], 1, max_kv_splits)
+    per_split = _cdiv(_cdiv(kv_len, n_splits), min_block_kv) * min_block_kv
+    split_start = split * per_split
+    split_len = jnp.maximum(jnp.minimum(split_start + per_split, kv_len) - split_start, 0)
+    steps = _cdiv(split_len, BLOCK_KV)
+    # Tiles whose every key is in the split and (several tokens) before the drafts run unmasked.
+    full_steps = lax.div(split_len, BLOCK_KV)
+    if tokens > 1:
+        before_drafts = jnp.maximum(kv_len - tokens - split_start, 0)
+        full_steps = jnp.minimum(full_steps, lax.div(before_drafts, BLOCK_KV))
+    return DecodeCta(kv_begin, kv_len, split_start, split_len, steps, full_steps)
+
+
+def decode_visible(cta: DecodeCta, step, cols, tokens: int, draft_bits_of=None):
+    """Tile `step`'s visible scores (cols: each score's column): keys inside the split and, with several tokens,
+    keys before the drafts or drafts whose bit is set (draft_bits_of(first_draft): the tile's bits, whose first
+    column is draft first_draft: `draft_bits_tile`)."""
+    visible = step * BLOCK_KV + cols < cta.split_len
+    if tokens > 1:
+        first_draft = cta.split_start + step * BLOCK_KV - (cta.kv_len - tokens)  # < 0: a key before the drafts
+        bits = draft_bits_of(first_draft)
+        visible = visible & ((first_draft + cols < 0) | (bits != 0))
+    return visible
+
+
+class ExtendCta(NamedTuple):
+    q_start: Any  # the sequence's first new token; the block's first row and its rows (<= 64) among the sequence's
+    r0: Any  # (token, head) rows
+    count: Any
+    kv_begin: Any  # its listed prefix: first entry of kv_indices, length
+    prefix: Any
+    t_lo: Any  # the block's first and last tokens (of the sequence's new tokens)
+    t_hi: Any
+    pre_steps: Any  # tiles: [0, prefix // 64) whole prefix, [.., pre_steps) the partial one, then new-token tiles:
+    full_new: Any  # [pre_steps, full_new) seen whole by every row, [full_new, steps) causal-masked
+    steps: Any
+
+
+def extend_cta(qo_indptr, kv_indptr, seq, block, *, tokens: int, capacity: int, max_extend_len: int,
+               q_heads: int) -> ExtendCta:
+    """Row block `block` of sequence `seq` (qo_indptr, kv_indptr: refs in the kernel, arrays in the model; unchecked):
+    ranges clamped into the token rows and kv_indices, new tokens past max_extend_len not computed."""
+    q_start = jnp.clip(qo_indptr[seq], 0, tokens)
+    new = jnp.clip(jnp.minimum(qo_indptr[seq + 1], tokens) - q_start, 0, max_extend_len)
+    kv_begin = jnp.clip(kv_indptr[seq], 0, capacity)
+    prefix = jnp.clip(kv_indptr[seq + 1], kv_begin, capacity) - kv_begin
+    r0 = block * BLOCK_ROWS  # the block's first row among the sequence's (token, head) rows
+    count = jnp.clip(new * q_heads - r0, 0, BLOCK_ROWS)
+    t_lo = lax.div(r0, q_heads)
+    t_hi = lax.div(r0 + count - 1, q_heads)
+    pre_steps = _cdiv(prefix, BLOCK_KV)
+    steps = pre_steps + _cdiv(t_hi + 1, BLOCK_KV)  # prefix tiles, then new tiles up to the last token
+    full_new = pre_steps + lax.div(t_lo + 1, BLOCK_KV)  # new tiles every row sees whole
+    return ExtendCta(q_start, r0, count, kv_begin, prefix, t_lo, t_hi, pre_steps, full_new, steps)
+
+
+def extend_tile_source(cta: ExtendCta, step):
+    """(from_pool, first, count) of tile `step`: prefix keys kv_indices[first + r], or new tokens' rows first + r."""
+    from_pool = step < cta.pre_steps
+    first = jnp.where(from_pool, cta.kv_begin + step * BLOCK_KV, cta.q_start + (step - cta.pre_steps) * BLOCK_KV)
+    count = jnp.where(from_pool, cta.prefix - step * BLOCK_KV, cta.t_hi + 1 - (step - cta.pre_steps) * BLOCK_KV)
+    return from_pool, first, count
+
+
+def extend_loops(cta: ExtendCta, prefix_mask, causal_mask):
+    """The extend CTA's tile ranges in order, with the mask each takes (None: unmasked)."""
+    return ((0, lax.div(cta.prefix, BLOCK_KV), None), (lax.div(cta.prefix, BLOCK_KV), cta.pre_steps, prefix_mask),
+            (cta.pre_steps, cta.full_new, None), (cta.full_new, cta.steps, causal_mask))
+
+
+def extend_prefix_visible(cta: ExtendCta, step, cols):
+    """The prefix's last, partial tile: keys before the prefix's end."""
+    return step * BLOCK_KV + cols < cta.prefix
+
+
+def extend_causal_visible(cta: ExtendCta, step, cols, rows, q_heads: int):
+    """A new-token tile: new key i is visible to the row (of token t) iff i <= t; rows: the tile's row indices."""
+    return (step - cta.pre_steps) * BLOCK_KV + cols <= lax.div(cta.r0 + rows, q_heads)
+
+
 def _barriers(stages: int):
     """(ready, free, q, p_ready, p_free, counts): the first index of each kind and every barrier's arrival count."""
     counts = (WARPGROUP,) * stages + (2 * WARPGROUP,) * stages + (WARPGROUP,) * 3
@@ -364,33 +468,14 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
         split = lax.axis_index("splits")
         block = lax.axis_index("head_blocks")
         seq = lax.axis_index("seq")
-        # The sequence's effective range, cut into kv_indices (as both Triton stages cut it).
-        kv_begin = jnp.clip(kv_indptr_ref[seq], 0, capacity)
-        kv_end = jnp.clip(kv_indptr_ref[seq + 1], kv_begin, capacity)
-        kv_len = kv_end - kv_begin
-        if sliding_window >= 0:
-            skipped = jnp.maximum(kv_len - (sliding_window + 1), 0)
-            kv_begin, kv_len = kv_begin + skipped, kv_len - skipped
-        n_splits = jnp.clip(splits_ref[seq], 1, max_kv_splits)
-        per_split = _cdiv(_cdiv(kv_len, n_splits), min_block_kv) * min_block_kv
-        split_start = split * per_split
-        split_len = jnp.maximum(jnp.minimum(split_start + per_split, kv_len) - split_start, 0)
-        steps = _cdiv(split_len, BLOCK_KV)
-        # Tiles whose every key is in the split and (several tokens) before the drafts run unmasked.
-        full_steps = lax.div(split_len, BLOCK_KV)
-        if tokens > 1:
-            before_drafts = jnp.maximum(kv_len - tokens - split_start, 0)
-            full_steps = jnp.minimum(full_steps, lax.div(before_drafts, BLOCK_KV))
+        cta = decode_cta(kv_indptr_ref, splits_ref, seq, split, capacity=capacity, sliding_window=sliding_window,
+                         max_kv_splits=max_kv_splits, min_block_kv=min_block_kv, tokens=tokens)
         row0 = seq * rows_per_seq + block * block_rows  # the block's first row among all rows
 
         def mask(step):
             cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
-            visible = step * BLOCK_KV + cols < split_len
-            if tokens > 1:
-                first_draft = split_start + step * BLOCK_KV - (kv_len - tokens)
-                bits = draft_bits_tile(words_ref, row0, first_draft, block_q=BLOCK_ROWS, block_kv=BLOCK_KV)
-                visible = visible & ((first_draft + cols < 0) | (bits != 0))
-            return visible
+            return decode_visible(cta, step, cols, tokens, lambda first_draft: draft_bits_tile(
+                words_ref, row0, first_draft, block_q=BLOCK_ROWS, block_kv=BLOCK_KV))
 
         first_out = row0 * max_kv_splits + split  # row g's split s sits at g * max_kv_splits + s
 
@@ -401,12 +486,12 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
         def store_lse(lse):
             store_rows(lse, mid_lse_ref, first_out, jnp.int32(block_rows), row_stride=max_kv_splits, first_scale=1)
 
-        @pl.when(split_len > 0)
+        @pl.when(cta.split_len > 0)
         def _():
             _cta(q_ref, k_pool_ref, k_pool_ref, kv_indices_ref, scoped, shape=shape, scale_log2=float(sm_scale) * LOG2E,
-                 steps=steps, loops=((0, full_steps, None), (full_steps, steps, mask)),
-                 tile_source=lambda step: (split_len > 0, kv_begin + split_start + step * BLOCK_KV,
-                                           split_len - step * BLOCK_KV),
+                 steps=cta.steps, loops=((0, cta.full_steps, None), (cta.full_steps, cta.steps, mask)),
+                 tile_source=lambda step: (cta.split_len > 0, cta.kv_begin + cta.split_start + step * BLOCK_KV,
+                                           cta.split_len - step * BLOCK_KV),
                  q_row0=row0, q_count=jnp.int32(block_rows), store_out=store_out, store_lse=store_lse)
 
     def entry(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, *rest):
@@ -455,49 +540,33 @@ def mla_extend_mgpu_kernel(q, k_new, k_pool, qo_indptr, kv_indptr, kv_indices, o
     def body(qo_indptr_ref, kv_indptr_ref, kv_indices_ref, q_ref, k_new_ref, k_pool_ref, sinks_ref, out_gmem, scoped):
         block = lax.axis_index("blocks")
         seq = lax.axis_index("seq")
-        q_start = jnp.clip(qo_indptr_ref[seq], 0, tokens)
-        new = jnp.clip(jnp.minimum(qo_indptr_ref[seq + 1], tokens) - q_start, 0, max_extend_len)
-        kv_begin = jnp.clip(kv_indptr_ref[seq], 0, capacity)
-        prefix = jnp.clip(kv_indptr_ref[seq + 1], kv_begin, capacity) - kv_begin
-        r0 = block * BLOCK_ROWS  # the block's first row among the sequence's (token, head) rows
-        count = jnp.clip(new * q_heads - r0, 0, BLOCK_ROWS)
-        t_lo = lax.div(r0, q_heads)  # the block's first and last tokens
-        t_hi = lax.div(r0 + count - 1, q_heads)
-        pre_steps = _cdiv(prefix, BLOCK_KV)
-        steps = pre_steps + _cdiv(t_hi + 1, BLOCK_KV)  # prefix tiles, then new tiles up to the last token
-        full_new = pre_steps + lax.div(t_lo + 1, BLOCK_KV)  # new tiles every row sees whole
+        cta = extend_cta(qo_indptr_ref, kv_indptr_ref, seq, block, tokens=tokens, capacity=capacity,
+                         max_extend_len=max_extend_len, q_heads=q_heads)
 
-        def prefix_mask(step):  # the prefix's last, partial tile
+        def prefix_mask(step):
             cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
-            return step * BLOCK_KV + cols < prefix
+            return extend_prefix_visible(cta, step, cols)
 
-        def causal_mask(step):  # new key i is visible to the row of token t iff i <= t
+        def causal_mask(step):
             cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
             rows = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, BLOCK_KV), 0, layout=plgpu.Layout.WGMMA)
-            return (step - pre_steps) * BLOCK_KV + cols <= lax.div(r0 + rows, q_heads)
+            return extend_causal_visible(cta, step, cols, rows, q_heads)
 
-        def tile_source(step):
-            from_pool = step < pre_steps
-            first = jnp.where(from_pool, kv_begin + step * BLOCK_KV, q_start + (step - pre_steps) * BLOCK_KV)
-            end = jnp.where(from_pool, prefix - step * BLOCK_KV, t_hi + 1 - (step - pre_steps) * BLOCK_KV)
-            return from_pool, first, end
-
-        q_row0 = q_start * q_heads + r0
+        q_row0 = cta.q_start * q_heads + cta.r0
 
         def store_out(wg, out):
-            store_rows(out.astype(out_gmem.dtype), out_gmem, q_row0, count, row_stride=v_dim, first_scale=v_dim,
+            store_rows(out.astype(out_gmem.dtype), out_gmem, q_row0, cta.count, row_stride=v_dim, first_scale=v_dim,
                        column0=wg * v_split)
 
         # Each row's sink: its head's, sinks[(r0 + r) % q_heads].
-        sink = None if sinks_ref is None else head_values(sinks_ref, r0, q_heads=q_heads)
+        sink = None if sinks_ref is None else head_values(sinks_ref, cta.r0, q_heads=q_heads)
 
-        @pl.when(count > 0)
+        @pl.when(cta.count > 0)
         def _():
             _cta(q_ref, k_new_ref, k_pool_ref, kv_indices_ref, scoped, shape=shape, scale_log2=float(sm_scale) * LOG2E,
-                 steps=steps,
-                 loops=((0, lax.div(prefix, BLOCK_KV), None), (lax.div(prefix, BLOCK_KV), pre_steps, prefix_mask),
-                        (pre_steps, full_new, None), (full_new, steps, causal_mask)),
-                 tile_source=tile_source, q_row0=q_row0, q_count=count, store_out=store_out, sink=sink)
+                 steps=cta.steps, loops=extend_loops(cta, prefix_mask, causal_mask),
+                 tile_source=lambda step: extend_tile_source(cta, step), q_row0=q_row0, q_count=cta.count,
+                 store_out=store_out, sink=sink)
 
     def entry(qo_indptr_ref, kv_indptr_ref, kv_indices_ref, q_ref, k_new_ref, k_pool_ref, *rest):
         (sinks_ref, out_gmem) = rest if sinks is not None else (None, rest[0])

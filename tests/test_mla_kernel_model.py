@@ -1,0 +1,221 @@
+"""A numpy model of the MLA Mosaic GPU kernel's schedule, run on CPU against the references.
+
+The kernel cannot run on CPU (CI lowers it: tests/lower_mgpu_kernel.py); its numerics run on the H200. This model
+replays, CTA by CTA, what the kernel's warpgroups do with the kernel module's own geometry functions (`decode_cta`,
+`decode_visible`, `extend_cta`, `extend_tile_source`, `extend_loops`, ...): which tiles a CTA visits in which order,
+which rows each tile gathers (zeros past its count, slots clamped into the pool), which scores it masks, the online
+softmax in base 2, the sink fold, and where `store_rows` puts each output row (the flat offsets the kernel computes).
+An index or geometry slip in those functions shows here as a mismatch with the reference, without a GPU.
+"""
+
+import numpy as np
+import pytest
+
+import jax.numpy as jnp
+
+from jaxattn.decode import decode_attention_reference, decode_metadata_from_indptr, draft_mask_bits
+from jaxattn.kernels import mla_attention_mgpu as K
+from jaxattn.mla import mla_extend_attention_reference
+from jaxattn.serving.batch import tree_mask_for_verify
+from tests.helpers import random_pool_batch
+from tests.test_extend import _clean, make_batch
+
+LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
+
+
+def _int(x):
+    return int(np.asarray(x))
+
+
+def gather_tile(source, first, count, *, indices=None, pool_rows):
+    """`row_sources` + `issue_rows`: tile row r <- source row (indices[first + r] clamped into the pool, or first + r),
+    zeros for r >= count."""
+    tile = np.zeros((K.BLOCK_KV, source.shape[-1]), np.float32)
+    for r in range(K.BLOCK_KV):
+        if r >= count:
+            continue
+        if indices is None:
+            row = first + r
+        else:
+            row = int(np.clip(indices[int(np.clip(first + r, 0, len(indices) - 1))], 0, pool_rows - 1))
+        tile[r] = source[row, 0]
+    return tile
+
+
+def attend(q_block, tiles, v_dim, scale, sink=None):
+    """`_cta`'s consumers: tiles = [(keys [64, qk], visible bool[64, 64] or None)] in the kernel's order; returns
+    (out [64, v_dim] normalised, lse [64])."""
+    rows = q_block.shape[0]
+    m, l, acc = np.full(rows, -1e30, np.float32), np.zeros(rows, np.float32), np.zeros((rows, v_dim), np.float32)
+    scale_log2 = np.float32(scale * LOG2E)
+    for keys, visible in tiles:
+        s = q_block @ keys.T
+        if visible is not None:
+            s = np.where(visible, s, -np.inf)
+        m_new = np.maximum(m, s.max(axis=1) * scale_log2)
+        alpha = np.exp2(m - m_new)
+        p = np.exp2(s * scale_log2 - m_new[:, None])
+        l = l * alpha + p.sum(axis=1)
+        acc = acc * alpha[:, None] + p @ keys[:, :v_dim]
+        m = m_new
+    if sink is not None:
+        sink2 = sink * LOG2E
+        m_f = np.maximum(m, sink2)
+        alpha = np.exp2(m - m_f)
+        l = l * alpha + np.exp2(sink2 - m_f)
+        m = m_f
+        factor = alpha / np.where(l == 0, 1, l)
+    else:
+        factor = 1 / np.where(l == 0, 1, l)
+    lse = np.where(l == 0, -np.inf, (m + np.log2(np.where(l == 0, 1, l))) * LN2)
+    return acc * factor[:, None], lse
+
+
+def store(out_flat, values, first, valid_rows, *, row_stride, first_scale, column0=0):
+    """`store_rows`: row r < valid_rows, column c at first * first_scale + r * row_stride + column0 + c."""
+    values = values.reshape(values.shape[0], -1)
+    for r in range(valid_rows):
+        at = first * first_scale + r * row_stride + column0
+        out_flat[at:at + values.shape[1]] = values[r]
+
+
+def model_decode(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draft_words, *, tokens, q_heads, sm_scale,
+                 max_kv_splits, window=-1):
+    """mla_decode_mgpu_kernel's partial buffers (mid_o, mid_lse), unwritten entries NaN."""
+    shape = K.SHAPES[q.shape[-1]]
+    rows_total, batch = q.shape[0], len(kv_indptr) - 1
+    rows_per_seq = tokens * q_heads
+    block_rows = min(rows_per_seq, K.BLOCK_ROWS)
+    mid_o = np.full(rows_total * max_kv_splits * shape.v_dim, np.nan, np.float32)
+    mid_lse = np.full(rows_total * max_kv_splits, np.nan, np.float32)
+    cols = np.broadcast_to(np.arange(K.BLOCK_KV)[None, :], (K.BLOCK_ROWS, K.BLOCK_KV))
+    for seq in range(batch):
+        for block in range(rows_per_seq // block_rows):
+            row0 = seq * rows_per_seq + block * block_rows
+            q_block = gather_tile(q, row0, block_rows, pool_rows=rows_total)  # 64 rows, zeros past the block's
+            for split in range(max_kv_splits):
+                cta = K.decode_cta(kv_indptr, num_kv_splits, seq, split, capacity=len(kv_indices),
+                                   sliding_window=window, max_kv_splits=max_kv_splits, min_block_kv=32, tokens=tokens)
+                if _int(cta.split_len) <= 0:
+                    continue
+
+                def bits_of(first_draft):  # draft_bits_tile
+                    rows = row0 + np.arange(K.BLOCK_ROWS)[:, None]
+                    draft = _int(first_draft) + cols
+                    inside = (rows < len(draft_words)) & (draft >= 0) & (draft < 32)
+                    words = np.asarray(draft_words)[np.where(rows < len(draft_words), rows, 0), 0].view(np.uint32)
+                    return np.where(inside, (words >> np.clip(draft, 0, 31).astype(np.uint32)) & 1, 0)
+
+                tiles = []
+                loops = ((0, cta.full_steps, False), (cta.full_steps, cta.steps, True))
+                assert _int(loops[0][0]) == 0 and _int(loops[0][1]) == _int(loops[1][0]) <= _int(loops[1][1])
+                for start, end, masked in loops:
+                    for step in range(_int(start), _int(end)):
+                        first = _int(cta.kv_begin + cta.split_start + step * K.BLOCK_KV)
+                        keys = gather_tile(k_pool, first, _int(cta.split_len) - step * K.BLOCK_KV,
+                                           indices=np.asarray(kv_indices), pool_rows=k_pool.shape[0])
+                        visible = np.asarray(K.decode_visible(cta, step, cols, tokens, bits_of)) if masked else None
+                        tiles.append((keys[:, :shape.qk_dim], visible))
+                out, lse = attend(q_block[:, :shape.qk_dim], tiles, shape.v_dim, sm_scale)
+                first_out = row0 * max_kv_splits + split
+                store(mid_o, out, first_out, block_rows, row_stride=max_kv_splits * shape.v_dim, first_scale=shape.v_dim)
+                store(mid_lse, lse[:, None], first_out, block_rows, row_stride=max_kv_splits, first_scale=1)
+    return mid_o.reshape(rows_total, max_kv_splits, shape.v_dim), mid_lse.reshape(rows_total, max_kv_splits)
+
+
+def merge(mid_o, mid_lse):
+    """Stage 2 over the written (non-NaN-LSE) splits: the LSE-weighted sum."""
+    out = np.zeros((mid_o.shape[0], mid_o.shape[2]), np.float32)
+    for g in range(mid_o.shape[0]):
+        written = ~np.isnan(mid_lse[g])
+        lse = mid_lse[g][written]
+        if not written.any() or np.all(lse == -np.inf):
+            continue
+        w = np.exp(lse - lse.max())
+        out[g] = (w[:, None] * mid_o[g][written]).sum(0) / w.sum()
+    return out
+
+
+@pytest.mark.parametrize("dim", [576, 288])
+@pytest.mark.parametrize("tokens,tree", [(1, False), (4, False), (4, True)], ids=["decode", "verify-causal", "verify-tree"])
+def test_decode_model_matches_reference(rng, dim, tokens, tree):
+    # Verify: lists shorter than the tokens, drafts in a whole 64-key tile (128 in splits of 64) and in a partial one.
+    kv_lens = [2, 37, 0, 200, 128, 97] if tokens > 1 else [1, 37, 0, 64, 161, 300]
+    batch, q_heads, v_dim = len(kv_lens), 16, dim - (64 if dim == 576 else 32)
+    kv_indptr, kv_indices, slots = random_pool_batch(rng, kv_lens, num_slots=sum(kv_lens) + 9)
+    k_pool = rng.standard_normal((slots, 1, dim)).astype(np.float32)
+    q = rng.standard_normal((batch, tokens, q_heads, dim)).astype(np.float32)
+    meta = decode_metadata_from_indptr(kv_indptr, kv_indices, q_heads=q_heads, kv_heads=1, max_kv_splits=3,
+                                       min_split_len=32, programs_per_sm=10**6)
+    draft_mask = None
+    words = None
+    if tokens > 1:
+        if tree:
+            parents = [[int(rng.integers(-1, t)) for t in range(tokens)] for _ in kv_lens]
+            draft_mask = draft_mask_bits(np.stack([tree_mask_for_verify(p, 0) for p in parents]))
+            words = np.asarray(draft_mask)
+        else:  # causal_draft_words, as the implementation expands it
+            words = np.tile((1 << (np.arange(tokens) + 1)) - 1, (batch, 1)).astype(np.int32)
+        words = np.repeat(words[:, :, None], q_heads, axis=2).reshape(-1, 1)
+    scale = dim ** -0.5
+    mid_o, mid_lse = model_decode(q.reshape(-1, 1, dim), k_pool, np.asarray(kv_indptr), np.asarray(kv_indices),
+                                  np.asarray(meta.num_kv_splits), words, tokens=tokens, q_heads=q_heads, sm_scale=scale,
+                                  max_kv_splits=3)
+    o = merge(mid_o, mid_lse).reshape(batch, tokens, q_heads, v_dim)
+    qq = q[:, 0] if tokens == 1 else q
+    ref = decode_attention_reference(jnp.asarray(qq), jnp.asarray(k_pool), None, meta, v_head_dim=v_dim,
+                                     sm_scale=scale, draft_mask=draft_mask)
+    np.testing.assert_allclose(o.reshape(np.asarray(ref).shape), np.asarray(ref), atol=2e-5, rtol=2e-5)
+
+
+def model_extend(q, k_new, k_pool, qo_indptr, kv_indptr, kv_indices, *, q_heads, sm_scale, max_extend_len, sinks=None):
+    """mla_extend_mgpu_kernel's output rows [tokens * q_heads, v_dim] (zeros where it writes nothing)."""
+    shape = K.SHAPES[q.shape[-1]]
+    tokens, batch = k_new.shape[0], len(qo_indptr) - 1
+    out = np.zeros(tokens * q_heads * shape.v_dim, np.float32)
+    cols = np.broadcast_to(np.arange(K.BLOCK_KV)[None, :], (K.BLOCK_ROWS, K.BLOCK_KV))
+    rows = np.broadcast_to(np.arange(K.BLOCK_ROWS)[:, None], (K.BLOCK_ROWS, K.BLOCK_KV))
+    for seq in range(batch):
+        for block in range(-(-max_extend_len * q_heads // K.BLOCK_ROWS)):
+            cta = K.extend_cta(qo_indptr, kv_indptr, seq, block, tokens=tokens, capacity=len(kv_indices),
+                               max_extend_len=max_extend_len, q_heads=q_heads)
+            count = _int(cta.count)
+            if count <= 0:
+                continue
+            q_row0 = _int(cta.q_start) * q_heads + _int(cta.r0)
+            q_block = gather_tile(q, q_row0, count, pool_rows=q.shape[0])
+            prefix_mask = lambda step: np.asarray(K.extend_prefix_visible(cta, step, cols))  # noqa: E731
+            causal_mask = lambda step: np.asarray(K.extend_causal_visible(cta, step, cols, rows, q_heads))  # noqa: E731
+            loops = K.extend_loops(cta, prefix_mask, causal_mask)
+            bounds = [(_int(a), _int(b)) for a, b, _ in loops]
+            assert bounds[0][0] == 0 and all(bounds[i][1] == bounds[i + 1][0] for i in range(3))
+            assert bounds[-1][1] == _int(cta.steps) and all(a <= b for a, b in bounds)
+            tiles = []
+            for (start, end), (_, _, mask) in zip(bounds, loops):
+                for step in range(start, end):
+                    from_pool, first, n = (_int(x) for x in K.extend_tile_source(cta, step))
+                    keys = (gather_tile(k_pool, first, n, indices=np.asarray(kv_indices), pool_rows=k_pool.shape[0])
+                            if from_pool else gather_tile(k_new, first, n, pool_rows=tokens))
+                    tiles.append((keys, None if mask is None else mask(step)))
+            sink = None if sinks is None else np.asarray(sinks)[(_int(cta.r0) + np.arange(K.BLOCK_ROWS)) % q_heads]
+            o, _ = attend(q_block, tiles, shape.v_dim, sm_scale, sink)
+            store(out, o, q_row0, count, row_stride=shape.v_dim, first_scale=shape.v_dim)
+    return out.reshape(tokens, q_heads, shape.v_dim)
+
+
+@pytest.mark.parametrize("dim,q_heads", [(576, 16), (576, 4), (288, 16)])
+@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
+def test_extend_model_matches_reference(rng, dim, q_heads, sinks):
+    # Empty prefixes and extends, prefixes ending mid-tile, an extend longer than a tile and one past max_extend_len.
+    batch = make_batch(rng, [0, 100, 37, 5], [1, 70, 9, 0], hq=q_heads, hkv=1, dqk=dim, dtype=jnp.float32,
+                       max_extend_len=75)
+    v_dim = dim - (64 if dim == 576 else 32)
+    sink_values = rng.standard_normal(q_heads).astype(np.float32) if sinks else None
+    k_pool = np.asarray(_clean(batch.k_pool))
+    out = model_extend(np.asarray(batch.q).reshape(-1, 1, dim), np.asarray(batch.k_new), k_pool,
+                       np.asarray(batch.meta.qo_indptr), np.asarray(batch.meta.kv_indptr), np.asarray(batch.meta.kv_indices),
+                       q_heads=q_heads, sm_scale=dim ** -0.5, max_extend_len=batch.meta.max_extend_len, sinks=sink_values)
+    ref = mla_extend_attention_reference(batch.q, batch.k_new, jnp.asarray(k_pool), batch.meta, v_head_dim=v_dim,
+                                         sinks=None if sink_values is None else jnp.asarray(sink_values))
+    np.testing.assert_allclose(out[: batch.tokens], np.asarray(ref)[: batch.tokens], atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(out[batch.tokens:], 0.0)

@@ -375,8 +375,8 @@ def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, shape: LatentShape
         def step_fn(step, acc):
             wait_barrier(bars, p_ready, lax.rem(step, 2))
             slot = wait_tile(step)
-            alpha = plgpu.load(alpha_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))
-            p16 = plgpu.load(k_smem.at[slot, :, rope], (), layout=plgpu.Layout.WGMMA)
+            alpha = plgpu.load(alpha_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+            p16 = plgpu.load(k_smem.at[slot, :, rope], layout=plgpu.Layout.WGMMA)
             arrive_barrier(bars, p_free)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
@@ -389,7 +389,7 @@ def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, shape: LatentShape
 
         acc = lax.fori_loop(0, steps, step_fn, acc)
         wait_barrier(bars, p_ready, lax.rem(steps, 2))
-        factor = plgpu.load(alpha_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))
+        factor = plgpu.load(alpha_smem, layout=plgpu.Layout.WGMMA.reduce(1))
         store_out(1, acc * lax.broadcast_in_dim(factor, acc.shape, [0]))
 
     @pl.when(wg == 2)

@@ -9,7 +9,8 @@ Implementations (`IMPLEMENTATIONS`, in order of preference):
     once for 64 (token, head) rows (16 heads x 4 tokens) and computes S = Q K^T once for all 512 V columns.
   * "triton": `extend_attention` on V sliced from K. The Triton kernels read V as an array of its own, so this route
     copies the first v_head_dim dims of k_pool and k_new on every call (a pool-sized copy): it is the fallback (other
-    head dims such as 288/256, fp32, fp8 pools, off Hopper), not a fast path.
+    head dims such as 288/256, fp32, off Hopper), not a fast path. The cache is q's dtype: an fp8 latent cache goes
+    through `extend_attention` with its scales (on a V slice).
 
 Decode over the same cache is `jaxattn.decode.decode_attention(q, k_pool, None, meta, v_head_dim=512)`.
 """

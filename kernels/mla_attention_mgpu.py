@@ -264,6 +264,17 @@ def extend_causal_visible(cta: ExtendCta, step, cols, rows, q_heads: int):
     return (step - cta.pre_steps) * BLOCK_KV + cols <= lax.div(cta.r0 + rows, q_heads)
 
 
+def decode_rows_supported(rows_per_seq: int) -> bool:
+    """Whether a sequence's tokens x q_heads rows pack into 64-row blocks: a multiple of 8 (Q's 8-row tiles), at most
+    64 or a multiple of 64 (whole blocks)."""
+    return rows_per_seq % 8 == 0 and (rows_per_seq <= BLOCK_ROWS or rows_per_seq % BLOCK_ROWS == 0)
+
+
+def extend_heads_supported(q_heads: int) -> bool:
+    """Whether the extend form takes q_heads heads: a multiple of 8, or a divisor of 64 (blocks of whole tokens)."""
+    return q_heads % 8 == 0 or BLOCK_ROWS % q_heads == 0
+
+
 def _barriers(stages: int):
     """(ready, free, q, p_ready, p_free, counts): the first index of each kind and every barrier's arrival count."""
     counts = (WARPGROUP,) * stages + (2 * WARPGROUP,) * stages + (WARPGROUP,) * 3
@@ -449,7 +460,7 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
     shape = _latent_shape(q, k_pool)
     rows_total = q.shape[0]
     rows_per_seq = tokens * q_heads
-    if rows_per_seq % 8 or (rows_per_seq > BLOCK_ROWS and rows_per_seq % BLOCK_ROWS):
+    if not decode_rows_supported(rows_per_seq):
         raise ValueError(f"tokens * q_heads ({rows_per_seq}) must be a multiple of 8, at most {BLOCK_ROWS} or a "
                          f"multiple of {BLOCK_ROWS}")
     if (draft_words is None) != (tokens == 1):
@@ -531,7 +542,7 @@ def mla_extend_mgpu_kernel(q, k_new, k_pool, qo_indptr, kv_indptr, kv_indices, o
     tokens = k_new.shape[0]
     if q.shape[0] != tokens * q_heads:
         raise ValueError(f"q has {q.shape[0]} rows; tokens {tokens} x q_heads {q_heads} = {tokens * q_heads}")
-    if q_heads % 8 and BLOCK_ROWS % q_heads:
+    if not extend_heads_supported(q_heads):
         raise ValueError(f"q_heads ({q_heads}) must be a multiple of 8 or divide {BLOCK_ROWS}")
     batch = kv_indptr.shape[0] - 1
     capacity = kv_indices.shape[0]

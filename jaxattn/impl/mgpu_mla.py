@@ -2,18 +2,17 @@
 Triton merge) and extend.
 
 `DECODE`, the "mgpu" implementation of `jaxattn.decode`'s contract for DeepSeek's absorbed attention: one 576-wide
-latent head
-(`v_pool=None`: V is each row's first 512 dims), bf16/f16, one query token per sequence (sliding window allowed) or
-several (speculative verify / multi-token prediction, causal or a draft mask), sinks (added by the merge). Stage 1
-packs (token, q head) rows of a sequence into 64-row wgmma tiles and reads each latent row once for all of them;
-stage 2 is the Triton merge of the split partials (`jaxattn.impl.triton_decode.merge_splits`).
+latent head (`v_pool=None`: V is each row's first 512 dims), bf16/f16, one query token per sequence (sliding window
+allowed) or several (speculative verify / multi-token prediction, causal or a draft mask), sinks (added by the merge).
+Stage 1 packs (token, q head) rows of a sequence into 64-row wgmma tiles and reads each latent row once for all of
+them; stage 2 is the Triton merge of the split partials (`jaxattn.impl.triton_decode.merge_splits`).
 
 Its split bound is its own (static: enough CTAs to fill the GPU once, `kernel_splits`), each sequence taking the
 metadata's split count under it; deterministic metadata keeps its own bound (splits by length only, so a sequence's
 result does not depend on its batch).
 
-Both take DeepSeek's 576/512 latent head (the kernel builds 288/256 too: see MLA_HEAD_DIMS). `EXTEND`, the "mgpu" implementation of
-`jaxattn.mla.mla_extend_attention` (two-stage, causal, sinks allowed): one pass, 64 (token, head) rows per CTA over
+Both take DeepSeek's 576/512 latent head (the kernel builds 288/256 too: see MLA_HEAD_DIMS). `EXTEND`, the "mgpu"
+implementation of `jaxattn.mla.mla_extend_attention` (two-stage, causal, sinks allowed): one pass, 64 (token, head) rows per CTA over
 the sequence's prefix and its new tokens up to the block's last.
 
 Both need an sm_90 GPU and jax's CUDA plugin; the references are `jaxattn.decode.decode_attention_reference` and
@@ -21,6 +20,8 @@ Both need an sm_90 GPU and jax's CUDA plugin; the references are `jaxattn.decode
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -41,10 +42,10 @@ MGPU_DTYPES = (jnp.bfloat16, jnp.float16)
 
 def rows_unsupported(tokens: int, q_heads: int) -> str | None:
     """Why the decode kernel cannot pack `tokens` x `q_heads` rows per sequence into its 64-row blocks, or None."""
-    from jaxattn.kernels.mla_attention_mgpu import BLOCK_ROWS
+    from jaxattn.kernels.mla_attention_mgpu import BLOCK_ROWS, decode_rows_supported
 
     rows = tokens * q_heads
-    if rows % 8 or (rows > BLOCK_ROWS and rows % BLOCK_ROWS):
+    if not decode_rows_supported(rows):
         return (f"tokens x q heads = {rows} rows per sequence (the kernel takes multiples of 8 up to {BLOCK_ROWS}, "
                 f"or multiples of {BLOCK_ROWS})")
     return None
@@ -73,7 +74,7 @@ def declines_decode(call: DecodeCall) -> str | None:
 
 def kernel_splits(batch: int, head_blocks: int, num_sms: int | None = None) -> int:
     """The static split bound: as many splits as fill every multiprocessor once with batch x head_blocks x splits
-    CTAs (one CTA per SM fits: the kernel takes all of sm_90's shared memory), at least 1."""
+    CTAs (one CTA per SM fits: the kernel takes 201-217 KB of sm_90's 227 KB of shared memory), at least 1."""
     num_sms = hardware.sm_count() if num_sms is None else num_sms
     return max(1, num_sms // max(1, batch * head_blocks))
 
@@ -120,8 +121,8 @@ def mla_decode_partials(call: DecodeCall):
 
 
 def run_decode(call: DecodeCall):
-    if call.batch == 0:
-        return triton_decode.run(call)
+    if call.batch == 0:  # nothing to launch: the Triton path's empty result (its tiles by default)
+        return triton_decode.run(dataclasses.replace(call, config=None))
     mid_o, mid_lse, num_kv_splits, splits = mla_decode_partials(call)
     return triton_decode.merge_splits(call, mid_o, mid_lse, num_kv_splits, splits)
 
@@ -136,7 +137,9 @@ def declines_extend(call: MlaExtendCall) -> str | None:
         return f"dtype {jnp.dtype(call.q.dtype).name} (bf16/f16 only)"
     if call.k_pool.dtype != call.q.dtype:
         return f"a {jnp.dtype(call.k_pool.dtype).name} pool with {jnp.dtype(call.q.dtype).name} q"
-    if call.q_heads % 8 and 64 % call.q_heads:
+    from jaxattn.kernels.mla_attention_mgpu import extend_heads_supported
+
+    if not extend_heads_supported(call.q_heads):
         return f"{call.q_heads} q heads (a multiple of 8, or a divisor of 64)"
     return hardware.mosaic_gpu_unavailable(call.launch_mode)
 

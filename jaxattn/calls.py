@@ -142,4 +142,3 @@ class MlaExtendCall(_TokenRows):
     sinks: jax.Array | None  # f32[q_heads]
     sm_scale: float
     launch_mode: str  # "gpu" | "interpret"
-

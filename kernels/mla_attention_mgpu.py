@@ -301,8 +301,8 @@ def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, shape: LatentShape
     row) or mask(step) -> bool[64, 64] (WGMMA layout, visible scores); tile_source(step) -> (from_pool, first, count):
     the tile's rows first + r (r < count) of pool (through kv_indices) or new, zeros past count; q_row0, q_count: the
     block's Q rows of q_ref; store_out(wg, out): warpgroup wg's [64, v_dim / 2] f32 output (normalised; wg 0: the
-    first half of the columns); store_lse(lse): f32[64] natural-log LSE rows (warpgroup 0); sink: a scalar (natural-log logit, every
-    row's) joining the denominators, or None.
+    first half of the columns); store_lse(lse): f32[64] natural-log LSE rows (warpgroup 0); sink: f32[64] (WGMMA row
+    layout), each row's natural-log sink logit joining its denominator, or None.
     """
     q_smem, k_smem, rows_and_bars = scoped
     alpha_smem = rows_and_bars.at[pl.ds(0, BLOCK_ROWS)]

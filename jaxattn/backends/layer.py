@@ -66,6 +66,13 @@ class AttentionLayer:
             scales["v_scale"] = self.v_scale
         return scales
 
+    def latent_v(self, k_pool, scales: dict):
+        """(v_pool, scales) for ops that read V as an array of its own, from a latent pool: its rows' first v_head_dim
+        dims (a copy of that slice of the pool) and K's scale as V's."""
+        if "k_scale" in scales:
+            scales = dict(scales, v_scale=scales["k_scale"])
+        return k_pool[..., :self.dv], scales
+
 
 def split_heads(x, heads, dim, name):
     if x.ndim == 2:

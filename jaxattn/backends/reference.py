@@ -93,10 +93,9 @@ class ReferenceBackend:
         # fp8 pools are read with the layer's scales, row by row as they are gathered; 16-bit pools as they are.
         scales = layer.pool_scales(k_pool, v_pool)
         pools = (k_pool, v_pool)
-        if latent:  # the reference reads V as an array: the latent rows' first dv dims, scaled like K
-            pools = (k_pool, k_pool[..., :layer.dv])
-            if "k_scale" in scales:
-                scales["v_scale"] = scales["k_scale"]
+        if latent:  # the reference reads V as an array of its own
+            v_view, scales = layer.latent_v(k_pool, scales)
+            pools = (k_pool, v_view)
         if layer.is_cross_attention:
             if meta.cross_kv_indptr is None:
                 raise ValueError(f"layer {layer.layer_id} is cross attention but the batch has no encoder_lens")

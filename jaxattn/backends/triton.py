@@ -368,10 +368,8 @@ class TritonBackend:
                                      sm_scale=layer.scale, launch_mode=self.launch_mode)
             return o, k_pool, v_pool
         pool_v = v_pool
-        if latent:  # the extend ops read V as an array of its own: a slice of the latent rows (a copy)
-            pool_v = k_pool[..., :layer.dv]
-            if "k_scale" in common:
-                common["v_scale"] = common["k_scale"]
+        if latent:  # the extend ops read V as an array of its own
+            pool_v, common = layer.latent_v(k_pool, common)
         if isinstance(lists, ExtendUnifiedMetadata):
             o = extend_attention_unified(q, k_pool, pool_v, lists, causal=not layer.is_cross_attention, custom_mask=mask,
                                          sliding_window=window, **common)

@@ -60,7 +60,7 @@ MGPU_FEATURES = {"two_stage": ("sliding window", "soft cap", "sinks", "xai tempe
                                "draft mask"),
                  "unified": ("sliding window", "soft cap", "sinks", "xai temperature", "non-causal")}
 _FEATURE_NAMES = {"custom mask": "a custom mask", "sliding window": "a sliding window",
-                  "draft mask": "a draft mask (per-row bits; the Triton kernel takes it)"}
+                  "draft mask": "a draft mask (per-row bits)"}
 
 
 def _unsupported(dtype, qk_head_dim, v_head_dim, features, launch_mode, form="two_stage") -> str | None:

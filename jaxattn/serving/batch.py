@@ -128,7 +128,6 @@ class ForwardBatch:
         return custom_mask_from_draft_bits(self.draft_mask, self.extend_lens, self.seq_lens,
                                            batch * drafts * self.max_seq_len)
 
-
     def verify_draft_words(self) -> jax.Array:
         """TARGET_VERIFY's tree as `extend_attention(draft_mask=)` takes it: i32[B * D, 1], row b * D + t holding
         `draft_mask[b, t]` with the bits of drafts past the sequence's extend_len cleared (a padding sequence's rows

@@ -41,7 +41,7 @@ import numpy as np
 from jaxattn.calls import DecodeCall
 from jaxattn.checks import check_decode_args, checks_float_kv_scales, launch_mode_argument
 from jaxattn.fp8 import kv_scale_table
-from jaxattn.impl import mgpu_mla, triton_decode
+from jaxattn.impl import mgpu_decode, mgpu_mla, triton_decode
 from jaxattn.launch import launch_mode as resolve_launch_mode
 from jaxattn.metadata import (  # noqa: F401  (re-exported: the builders' documented home before jaxattn.metadata)
     MIN_BLOCK_KV,
@@ -65,7 +65,7 @@ from jaxattn.tuning.sm90 import DECODE as SM90_CONFIGS  # noqa: F401  (re-export
 
 # In order of preference: the first that takes a call runs it (on sm_90, MLA's latent cache takes the Mosaic GPU
 # kernel; everything else, and every call off Hopper, the Triton kernels).
-IMPLEMENTATIONS = (mgpu_mla.DECODE, triton_decode.IMPLEMENTATION)
+IMPLEMENTATIONS = (mgpu_mla.DECODE, triton_decode.IMPLEMENTATION, mgpu_decode.DECODE)
 
 
 def _effective_window(meta, sliding_window):

@@ -64,6 +64,7 @@ SWIZZLE_BYTES = 128  # one swizzle atom row: 8 x 16-byte chunks; a tile of 8 row
 _SCALAR = plgpu.Layout.WG_SPLAT(())
 _ROW_SOURCES = plgpu.Layout.WG_STRIDED((WARPGROUP,), vec_size=1)  # one i32 per producer thread
 SWIZZLED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(SWIZZLE_BYTES))  # the K/V/Q tiles wgmma reads
+SWIZZLED_8BIT = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(SWIZZLE_BYTES))  # fp8 rows, the same bytes
 
 
 def _cdiv(x, d: int):
@@ -265,11 +266,14 @@ def draft_bits_tile(bits, row0, draft0, *, block_q: int, block_kv: int):
     return run(bits, row0, draft0)
 
 
-def issue_rows(new_ref, pool_ref, smem, bars, sources, from_pool, slot, barrier, kv_head, *, block_kv: int, head_dim: int):
+def issue_rows(new_ref, pool_ref, smem, bars, sources, from_pool, slot, barrier, kv_head, *, block_kv: int, head_dim: int,
+               itemsize: int = 2):
     """Starts the cp.async copies of one K or V tile into ring slot `slot` of `smem` ([stages, block_kv, head_dim],
-    (8, 64)-tiled, 128-byte swizzled): tile row r <- row sources[r] (as `row_sources` lays them out) of pool_ref
+    tiled into 128-byte rows ((8, 64) for 16-bit elements, `SWIZZLED`; (8, 128) for 8-bit ones, `SWIZZLED_8BIT`),
+    128-byte swizzled): tile row r <- row sources[r] (as `row_sources` lays them out) of pool_ref
     when from_pool, else of new_ref, head kv_head; zeros where the source is -1. Then each thread's
     `cp.async.mbarrier.arrive.noinc` on mbarrier `barrier` (which expects 128 arrivals) fires when its copies land.
+    itemsize: bytes per element of the rows and of `smem` (2, or 1 for fp8 pools).
 
     Thread (warp w, lane l) copies the 16-byte chunk l % 8 of each 128-byte segment of rows w * rows_per_warp +
     4p + l // 8: 8 threads per contiguous segment, so each warp instruction reads 4 whole 128-byte lines.
@@ -277,14 +281,16 @@ def issue_rows(new_ref, pool_ref, smem, bars, sources, from_pool, slot, barrier,
     head_dim rounded up to 64 wide, and the chunks past head_dim are written as zeros (nothing read for them).
     """
     rows_per_warp = block_kv // 4
-    segments = -(-head_dim * 2 // SWIZZLE_BYTES)  # (8, 64) column tiles per row (16-bit elements)
-    last_chunks = head_dim * 2 % SWIZZLE_BYTES // 16  # chunks of the last, partial tile (0: it is whole)
+    head_bytes = head_dim * itemsize
+    segments = -(-head_bytes // SWIZZLE_BYTES)  # 128-byte column tiles per row
+    last_chunks = head_bytes % SWIZZLE_BYTES // 16  # chunks of the last, partial tile (0: it is whole)
     kv_heads = new_ref.shape[1]
-    row_bytes = kv_heads * head_dim * 2
+    row_bytes = kv_heads * head_bytes
     slot_bytes = block_kv * segments * SWIZZLE_BYTES
+    transforms = {2: SWIZZLED, 1: SWIZZLED_8BIT}[itemsize]
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(SWIZZLED), plgpu.RefType(), _ROW_SOURCES)
-                       + (_SCALAR,) * 4)
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(transforms), plgpu.RefType(),
+                                  _ROW_SOURCES) + (_SCALAR,) * 4)
     def run(ctx, new, pool, smem, bars, sources, from_pool, slot, barrier, kv_head):
         del ctx
         i64 = ir.IntegerType.get_signless(64)
@@ -294,7 +300,7 @@ def issue_rows(new_ref, pool_ref, smem, bars, sources, from_pool, slot, barrier,
         chunk = arith.remui(lane, _i32(8))
         lane_row = arith.divui(lane, _i32(8))
         base = arith.select(from_pool, global_address(pool), global_address(new))
-        head_offset = arith.extui(i64, arith.addi(arith.muli(kv_head, _i32(head_dim * 2)), arith.muli(chunk, _i32(16))))
+        head_offset = arith.extui(i64, arith.addi(arith.muli(kv_head, _i32(head_bytes)), arith.muli(chunk, _i32(16))))
         base = arith.addi(base, head_offset)
         smem_base = mgpu_utils.getelementptr(
             mgpu_utils.memref_ptr(smem), [arith.muli(slot, _i32(slot_bytes))], ir.IntegerType.get_signless(8))

@@ -1,4 +1,4 @@
-"""Lowers (does not run) `extend_attention_mgpu` and the MLA decode kernel for CUDA on a CPU machine; run by
+"""Lowers (does not run) `extend_attention_mgpu`, the MLA decode kernel and the GQA decode kernel for CUDA on a CPU machine; run by
 tests/test_extend_mgpu.py.
 
 Needs jax's CUDA plugin module on sys.path (scripts/setup.sh puts it in .venv/mosaic_gpu_lowering). Lowering runs
@@ -16,7 +16,9 @@ from jaxattn.calls import DecodeCall, MlaExtendCall
 from jaxattn.decode import DecodeMetadata
 from jaxattn.extend import extend_metadata, extend_unified_metadata
 from jaxattn.extend_mgpu import MgpuExtendConfig, extend_attention_mgpu, extend_attention_unified_mgpu
+from jaxattn.impl.mgpu_decode import gqa_decode_partials
 from jaxattn.impl.mgpu_mla import mla_decode_partials, run_extend
+from jaxattn.tuning import MgpuDecodeConfig
 
 
 SHAPES = [  # label, tokens, q heads, kv heads, head dim, dtype, config, features
@@ -115,6 +117,12 @@ DECODE_SHAPES = [
     ("mla-verify-4x16-bf16-draft", 4, 4, 16, jnp.bfloat16, dict(draft=True)),  # 64 rows, a draft tree
     ("mla-verify-2x16-f16-causal-i64", 3, 2, 16, jnp.float16, dict(index_dtype=jnp.int64)),
     ("mla-decode-128-bf16-window-deterministic", 2, 1, 128, jnp.bfloat16, dict(sliding_window=100, deterministic=True)),
+    # The GQA decode kernel (batch "gqa"; then: batch, q heads, q dtype, features): fp8 and 16-bit pools.
+    ("gqa-decode-e4m3-32x8-bf16", "gqa", 4, 32, jnp.bfloat16, dict(kv_heads=8, pool=jnp.float8_e4m3fn)),
+    ("gqa-decode-e5m2-8x1-f16-window-i64", "gqa", 3, 8, jnp.float16,
+     dict(kv_heads=1, pool=jnp.float8_e5m2, sliding_window=50, index_dtype=jnp.int64)),
+    ("gqa-decode-bf16-32x8", "gqa", 4, 32, jnp.bfloat16, dict(kv_heads=8)),
+    ("gqa-decode-f16-64-64x1-stages4", "gqa", 2, 64, jnp.float16, dict(kv_heads=1, dim=64, stages=4)),
 ]
 
 
@@ -122,6 +130,8 @@ def lower_decode(batch, tokens, q_heads, dtype, features, slots=3000, capacity=5
     S = jax.ShapeDtypeStruct
     if batch == "extend":
         return lower_mla_extend(tokens, q_heads, dtype, features, slots=slots, capacity=capacity)
+    if batch == "gqa":
+        return lower_gqa_decode(tokens, q_heads, dtype, features, slots=slots, capacity=capacity)
     features = dict(features)
     index_dtype = features.pop("index_dtype", jnp.int32)
     dim = features.pop("dim", 576)
@@ -139,6 +149,30 @@ def lower_decode(batch, tokens, q_heads, dtype, features, slots=3000, capacity=5
                                  launch_mode="gpu",
                                  draft_mask=draft_mask)
         return mla_decode_partials(decode_call)[:3]
+
+    exported = jax.export.export(jax.jit(call), platforms=["cuda"])(*args)
+    if "mosaic_gpu" not in exported.mlir_module():
+        raise AssertionError("no Mosaic GPU custom call in the lowered module")
+
+
+def lower_gqa_decode(batch, q_heads, dtype, features, *, slots, capacity):
+    S = jax.ShapeDtypeStruct
+    features = dict(features)
+    kv_heads, dim = features.pop("kv_heads"), features.pop("dim", 128)
+    pool = features.pop("pool", dtype)
+    window = features.pop("sliding_window", -1)
+    args = (S((batch, q_heads, dim), dtype), S((slots, kv_heads, dim), pool), S((slots, kv_heads, dim), pool),
+            S((batch + 1,), jnp.int32), S((capacity,), features.pop("index_dtype", jnp.int32)), S((batch,), jnp.int32),
+            S((2, kv_heads), jnp.float32) if pool != dtype else None)
+
+    def call(q, k_pool, v_pool, kv_indptr, kv_indices, splits, kv_scales):
+        meta = DecodeMetadata(kv_indptr, kv_indices, splits, splits, max_kv_splits=4, kv_capacity=capacity,
+                              sliding_window=window)
+        decode_call = DecodeCall(q=q, k_pool=k_pool, v_pool=v_pool, meta=meta, sinks=None, sm_scale=0.07, logit_cap=0.0,
+                                 xai_temperature_len=-1, sliding_window=window, v_head_dim=dim, return_lse=False,
+                                 config=MgpuDecodeConfig(stages=features.pop("stages", None)), launch_mode="gpu",
+                                 kv_scales=kv_scales)
+        return gqa_decode_partials(decode_call)[:3]
 
     exported = jax.export.export(jax.jit(call), platforms=["cuda"])(*args)
     if "mosaic_gpu" not in exported.mlir_module():

@@ -49,6 +49,13 @@ def decode_mgpu(inp: Inputs):
     return decode_jaxattn(inp, impl="mgpu")
 
 
+def decode_mgpu_gqa(inp: Inputs, config=None):
+    """The Mosaic GPU GQA kernel (`impl="mgpu-gqa"`): separate K/V pools, fp8 or 16-bit, one token per sequence."""
+    if inp.case.v_in_k or inp.case.new != 1:
+        raise Skip("the Mosaic GPU GQA decode kernel takes separate K/V pools and one token per sequence")
+    return decode_jaxattn(inp, config=config, impl="mgpu-gqa")
+
+
 def decode_as_extend(inp: Inputs):
     """A verify step (several new tokens per sequence) through extend_attention, what it would run without the
     several-token decode form."""
@@ -355,6 +362,7 @@ BACKENDS = {
         "jaxattn": (decode_jaxattn, jax_sync),
         "jaxattn-triton": (lambda inp: decode_jaxattn(inp, impl="triton"), jax_sync),
         "jaxattn-mgpu": (decode_mgpu, jax_sync),  # MLA on the Mosaic GPU kernel
+        "jaxattn-mgpu-gqa": (decode_mgpu_gqa, jax_sync),  # GQA (fp8 or 16-bit pools) on the Mosaic GPU kernel
         "jaxattn-extend": (decode_as_extend, jax_sync),
         "flashinfer": (lambda inp: decode_flashinfer(inp, False), torch_sync),
         "flashinfer-tc": (lambda inp: decode_flashinfer(inp, True), torch_sync),

@@ -54,6 +54,8 @@ def rows_unsupported(tokens: int, q_heads: int) -> str | None:
 def declines_decode(call: DecodeCall) -> str | None:
     if call.config is not None and not isinstance(call.config, MgpuDecodeConfig):
         return f"config is a {type(call.config).__name__} (this kernel takes an MgpuDecodeConfig or none)"
+    if call.config is not None and call.config.stages is not None:
+        return "MgpuDecodeConfig(stages=) (the MLA kernel's ring depth is fixed by its shared memory)"
     if (call.qk_head_dim, call.v_head_dim) not in MLA_HEAD_DIMS:
         return f"head dims {call.qk_head_dim}/{call.v_head_dim} (MLA's 576/512 only; 288/256 awaits its GPU tests)"
     if call.v_pool is not None:

@@ -1,0 +1,56 @@
+"""The Mosaic GPU GQA decode kernel's ring depth and split bound (issue 26), beside the Triton kernel, one GPU run.
+
+For each case (D1-D3, with fp8 and bf16 pools): jaxattn's default route, the Triton kernel, and the Mosaic GPU kernel
+at ring depths 2-4 at its rule's split bound and depth 3 at twice that bound (`mgpu_decode.kernel_splits`); ms and % of the case's
+floor (its own: one byte per element for fp8).
+
+    python benchmarks/experiments/gqa_decode_mgpu.py --cases D1-FP8,D2-FP8,D3-FP8,D1,D2,D3 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", default="D1-FP8,D2-FP8,D3-FP8,D1,D2,D3")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+
+    from jaxattn import bench
+    from jaxattn.bench.timing import jax_sync, time_calls
+    from jaxattn.impl import mgpu_decode
+    from jaxattn.tuning import MgpuDecodeConfig
+
+    rows = []
+    for name in args.cases.split(","):
+        case = bench.CASES[name]
+        inp = bench.make_inputs(case)
+        rule = mgpu_decode.kernel_splits(case.batch, case.kv_heads)
+        variants = [("default route", dict(impl=None)), ("triton", dict(impl="triton"))]
+        for stages, splits in ((2, rule), (3, rule), (4, rule), (3, 2 * rule)):
+            variants.append((f"mgpu s{stages} splits{splits}",
+                             dict(impl="mgpu-gqa", config=MgpuDecodeConfig(splits=splits, stages=stages))))
+        for label, kw in variants:
+            try:
+                ms = time_calls(bench.decode_jaxattn(inp, **kw), jax_sync)
+            except Exception as error:  # noqa: BLE001  (a variant that fails must not hide the others)
+                print(f"{name:7s} {label:24s} FAILED {type(error).__name__}: {error}"[:300], flush=True)
+                continue
+            floor = case.floor_ms()
+            rows.append(dict(case=name, variant=label, ms=ms, floor_ms=floor))
+            print(f"{name:7s} {label:24s} {ms:.4f} ms  {100 * floor / ms:5.1f}% of its floor", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=bench.device_name(), commit=bench.commit(), rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Grouped-query decode on Hopper through a Pallas Mosaic GPU kernel (`kernels/decode_attention_mgpu.py`), written
+for fp8 KV pools (issue 26): stage 1 on the kernel, stage 2 the Triton merge (`triton_decode.merge_splits`).
+
+`DECODE`, the "mgpu-gqa" implementation of `jaxattn.decode`'s contract: separate K and V pools of q's dtype or fp8
+(e4m3fn / e5m2 with per-layer or per-head scales), bf16/f16 q, head dim 128 (and 64 for 16-bit pools), at most 64 q
+heads per kv head, one query token per sequence, a sliding window and sinks allowed. It declines soft caps, xai
+temperature, several query tokens and latent (MLA) pools, which the Triton kernels take.
+
+Its split bound is its own (static: enough CTAs to fill every multiprocessor once at two CTAs per SM,
+`kernel_splits`), each sequence taking the metadata's split count under it; deterministic metadata keeps its own bound.
+Needs an sm_90 GPU and jax's CUDA plugin; the reference is `jaxattn.decode.decode_attention_reference`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from jaxattn import hardware
+from jaxattn.calls import DecodeCall
+from jaxattn.impl import triton_decode
+from jaxattn.metadata import MIN_BLOCK_KV
+from jaxattn.registry import Implementation
+from jaxattn.tuning import MgpuDecodeConfig
+
+MGPU_DTYPES = (jnp.bfloat16, jnp.float16)
+CTAS_PER_SM = 2  # the default ring (98 KB at fp8 / head dim 128) lets two CTAs share a multiprocessor
+
+
+def declines(call: DecodeCall) -> str | None:
+    from jaxattn.kernels.decode_attention_mgpu import BLOCK_ROWS, FP8_DTYPES, HEAD_DIMS
+
+    if call.config is not None and not isinstance(call.config, MgpuDecodeConfig):
+        return f"config is a {type(call.config).__name__} (this kernel takes an MgpuDecodeConfig or none)"
+    if call.v_pool is None:
+        return "a latent pool (V inside K: the MLA kernel's)"
+    if jnp.dtype(call.q.dtype) not in map(jnp.dtype, MGPU_DTYPES):
+        return f"dtype {jnp.dtype(call.q.dtype).name} (bf16/f16 only)"
+    pool = jnp.dtype(call.k_pool.dtype)
+    if pool != jnp.dtype(call.q.dtype) and pool not in map(jnp.dtype, FP8_DTYPES):
+        return f"a {pool.name} pool with {jnp.dtype(call.q.dtype).name} q (q's dtype or fp8 only)"
+    if call.qk_head_dim != call.v_head_dim or call.qk_head_dim not in HEAD_DIMS[pool.itemsize]:
+        return (f"head dims {call.qk_head_dim}/{call.v_head_dim} (equal, one of {HEAD_DIMS[pool.itemsize]} for a "
+                f"{pool.name} pool)")
+    if call.q_heads // call.kv_heads > BLOCK_ROWS:
+        return f"{call.q_heads // call.kv_heads} q heads per kv head (at most {BLOCK_ROWS})"
+    if call.tokens_per_seq > 1:
+        return "several query tokens per sequence"
+    if call.logit_cap > 0 or call.xai_temperature_len > 0:
+        return "a soft cap or xai temperature"
+    return hardware.mosaic_gpu_unavailable(call.launch_mode)
+
+
+def kernel_splits(batch: int, kv_heads: int, num_sms: int | None = None) -> int:
+    """The static split bound: as many splits as fill every multiprocessor once with batch x kv_heads x splits CTAs
+    at CTAS_PER_SM each, at least 1 (more CTAs than that run in waves without splitting)."""
+    num_sms = hardware.sm_count() if num_sms is None else num_sms
+    return max(1, CTAS_PER_SM * num_sms // max(1, batch * kv_heads))
+
+
+def gqa_decode_partials(call: DecodeCall):
+    """Stage 1 on the kernel: (mid_o f32[batch, q_heads, splits, head_dim], mid_lse f32[batch, q_heads, splits],
+    num_kv_splits i32[batch], splits), the partial buffers `triton_decode.merge_splits` takes."""
+    from jaxattn.kernels.decode_attention_mgpu import DEFAULT_STAGES, gqa_decode_mgpu_kernel
+
+    meta = call.meta
+    config = call.config or MgpuDecodeConfig()
+    if meta.deterministic:
+        splits = meta.max_kv_splits
+    elif config.splits is not None:
+        splits = config.splits
+    else:
+        splits = kernel_splits(call.batch, call.kv_heads)
+    kv_indices = meta.kv_indices if meta.kv_indices.shape[0] else jnp.zeros((1,), meta.kv_indices.dtype)
+    # The metadata's splits per sequence under this kernel's static bound: both stages clamp them to it alike.
+    num_kv_splits = meta.num_kv_splits.astype(jnp.int32)
+    fp8 = call.k_pool.dtype != call.q.dtype
+    kv_scales = None
+    if fp8:  # f32[2 * kv_heads]: K scales, then V scales
+        kv_scales = (jnp.ones((2 * call.kv_heads,), jnp.float32) if call.kv_scales is None
+                     else call.kv_scales.astype(jnp.float32).reshape(-1))
+    mid_o, mid_lse = gqa_decode_mgpu_kernel(
+        call.q, call.k_pool, call.v_pool, meta.kv_indptr.astype(jnp.int32), kv_indices, num_kv_splits, kv_scales,
+        sm_scale=call.sm_scale, max_kv_splits=splits,
+        sliding_window=call.sliding_window if call.sliding_window >= 0 else -1, min_block_kv=MIN_BLOCK_KV,
+        stages=config.stages or DEFAULT_STAGES)
+    mid_o = mid_o.reshape(call.batch, call.q_heads, splits, call.v_head_dim)
+    mid_lse = mid_lse.reshape(call.batch, call.q_heads, splits)
+    return mid_o, mid_lse, num_kv_splits, splits
+
+
+def run(call: DecodeCall):
+    if call.batch == 0:  # nothing to launch: the Triton path's empty result (its tiles by default)
+        return triton_decode.run(dataclasses.replace(call, config=None))
+    mid_o, mid_lse, num_kv_splits, splits = gqa_decode_partials(call)
+    return triton_decode.merge_splits(call, mid_o, mid_lse, num_kv_splits, splits)
+
+
+DECODE = Implementation("mgpu-gqa", declines, run)

@@ -1,0 +1,177 @@
+"""The Mosaic GPU GQA decode kernel (`decode_attention(..., impl="mgpu-gqa")`) against the reference.
+
+The kernel needs an sm_90 GPU: its numerics run under `-m gpu`; CI lowers it for CUDA (tests/lower_mgpu_kernel.py,
+from tests/test_extend_mgpu.py) and checks here what runs without a GPU (which calls it takes, its split rule).
+Pools are bigger than the batch, slots scattered, every unused row (slot 0 included) NaN, so a wrong gather shows.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxattn import testing
+from jaxattn.calls import DecodeCall
+from jaxattn.decode import decode_attention, decode_attention_reference, decode_metadata_from_indptr
+from jaxattn.impl import mgpu_decode
+from jaxattn.tuning import MgpuDecodeConfig
+from tests.helpers import HAS_GPU, assert_nan_confined
+from tests.test_decode import LSE_TOL, make_pools
+from tests.test_fp8 import per_head, quantised
+
+needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU (sm_90)")
+
+# Lengths: 1, odd, 0 (padding), one tile, a split's tail mid-tile, long ones in many splits.
+KV_LENS = [1, 37, 0, 64, 161, 1000, 4097, 300]
+
+
+def make_case(rng, q_heads, kv_heads, dim, dtype, pool, *, kv_lens=KV_LENS, window=-1, deterministic=False):
+    """q, the pools (fp8: quantised with per-head K scales and a float V scale), the metadata, and the scale kwargs."""
+    q, k_pool, v_pool, kv_indptr, kv_indices = make_pools(rng, kv_lens, q_heads, kv_heads, dim, dim, dtype)
+    kwargs = {}
+    if pool != dtype:
+        kwargs = dict(k_scale=per_head(kv_heads), v_scale=1.5)
+        k_pool, v_pool = quantised(k_pool, kwargs["k_scale"], pool), quantised(v_pool, 1.5, pool)
+    meta = decode_metadata_from_indptr(kv_indptr, kv_indices, q_heads=q_heads, kv_heads=kv_heads,
+                                       max_kv_splits=32 if deterministic else 8, sliding_window=window,
+                                       deterministic=deterministic, min_split_len=32, programs_per_sm=10**6)
+    return q, k_pool, v_pool, meta, kwargs
+
+
+def run_both(q, k_pool, v_pool, meta, **kwargs):
+    o, lse = decode_attention(q, k_pool, v_pool, meta, impl="mgpu-gqa", return_lse=True, **kwargs)
+    reference_kwargs = {name: value for name, value in kwargs.items() if name != "config"}
+    ref_o, ref_lse = decode_attention_reference(q, k_pool, v_pool, meta, return_lse=True, **reference_kwargs)
+    return o, lse, ref_o, ref_lse
+
+
+def assert_close(o, lse, ref_o, ref_lse, dtype):
+    assert not np.isnan(np.float32(o)).any()  # unused NaN rows never leak
+    np.testing.assert_allclose(np.float32(o), np.float32(ref_o), **testing.tolerance(dtype))
+    finite = np.isfinite(np.asarray(ref_lse))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
+    tol = LSE_TOL[jnp.dtype(dtype)]
+    np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(ref_lse)[finite], atol=tol, rtol=tol)
+
+
+POOLS = [
+    pytest.param((jnp.bfloat16, jnp.float8_e4m3fn), id="bf16-q-e4m3"),
+    pytest.param((jnp.float16, jnp.float8_e5m2), id="f16-q-e5m2"),
+    pytest.param((jnp.bfloat16, jnp.bfloat16), id="bf16"),
+    pytest.param((jnp.float16, jnp.float16), id="f16"),
+]
+# (q heads, kv heads, head dim): Llama's group of 4, MHA, a group of 8 on one kv head, the most rows a CTA takes.
+SHAPES = [pytest.param((32, 8, 128), id="32x8"), pytest.param((4, 4, 128), id="mha"),
+          pytest.param((8, 1, 128), id="8x1"), pytest.param((64, 1, 128), id="64x1")]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtypes", POOLS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_decode_matches_reference(rng, dtypes, shape):
+    dtype, pool = dtypes
+    q_heads, kv_heads, dim = shape
+    q, k_pool, v_pool, meta, kwargs = make_case(rng, q_heads, kv_heads, dim, dtype, pool)
+    o, lse, ref_o, ref_lse = run_both(q, k_pool, v_pool, meta, **kwargs)
+    assert o.shape == (len(KV_LENS), q_heads, dim) and o.dtype == dtype
+    assert_close(o, lse, ref_o, ref_lse, dtype)
+    np.testing.assert_array_equal(np.float32(o[2]), 0.0)  # padding row
+    assert np.all(np.asarray(lse[2]) == -np.inf)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("config", [MgpuDecodeConfig(splits=1), MgpuDecodeConfig(splits=5, stages=2),
+                                    MgpuDecodeConfig(stages=4)], ids=["1-split", "5-splits-2-stages", "4-stages"])
+def test_configs_and_head_dim_64(rng, config):
+    q, k_pool, v_pool, meta, kwargs = make_case(rng, 32, 8, 128, jnp.bfloat16, jnp.float8_e4m3fn)
+    assert_close(*run_both(q, k_pool, v_pool, meta, config=config, **kwargs), jnp.bfloat16)
+    # 16-bit pools at head dim 64 (fp8 takes 128 only)
+    q, k_pool, v_pool, meta, kwargs = make_case(rng, 16, 2, 64, jnp.float16, jnp.float16)
+    assert_close(*run_both(q, k_pool, v_pool, meta, config=config, **kwargs), jnp.float16)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_window_sinks_and_deterministic(rng):
+    q, k_pool, v_pool, meta, kwargs = make_case(rng, 32, 8, 128, jnp.bfloat16, jnp.float8_e4m3fn, window=200)
+    sinks = jnp.asarray(rng.standard_normal(32).astype(np.float32))
+    assert_close(*run_both(q, k_pool, v_pool, meta, sinks=sinks, **kwargs), jnp.bfloat16)
+    # Deterministic metadata: the metadata's splits (length only), so a sequence's bits do not depend on its batch.
+    q, k_pool, v_pool, meta, kwargs = make_case(rng, 32, 8, 128, jnp.bfloat16, jnp.float8_e4m3fn, deterministic=True)
+    o, lse, ref_o, ref_lse = run_both(q, k_pool, v_pool, meta, **kwargs)
+    assert_close(o, lse, ref_o, ref_lse, jnp.bfloat16)
+    alone = decode_metadata_from_indptr(jnp.asarray([0, KV_LENS[6]], jnp.int32),
+                                        meta.kv_indices[int(meta.kv_indptr[6]):int(meta.kv_indptr[7])],
+                                        q_heads=32, kv_heads=8, max_kv_splits=32, deterministic=True)
+    o_alone = decode_attention(q[6:7], k_pool, v_pool, alone, impl="mgpu-gqa", **kwargs)
+    np.testing.assert_array_equal(np.float32(o_alone[0]), np.float32(o[6]))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("pool", [jnp.float8_e4m3fn, jnp.bfloat16], ids=["e4m3", "bf16"])
+def test_nan_stays_in_its_row(rng, pool):
+    q, k_pool, v_pool, meta, kwargs = make_case(rng, 32, 8, 128, jnp.bfloat16, pool)
+    q = q.at[4, 3, 100].set(jnp.nan)
+    assert_nan_confined(decode_attention(q, k_pool, v_pool, meta, impl="mgpu-gqa", **kwargs), (4, 3))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_hostile_indices_stay_inside(rng):
+    # Slots past the pool and negative ones, and an indptr past kv_indices: clamped, no fault, the shape intact.
+    q, k_pool, v_pool, meta, kwargs = make_case(rng, 32, 8, 128, jnp.bfloat16, jnp.float8_e4m3fn)
+    bad = meta.kv_indices.at[5].set(10**9).at[40].set(-7)
+    meta = dataclasses.replace(meta, kv_indices=bad, kv_indptr=meta.kv_indptr.at[-1].set(10**6))
+    o = decode_attention(q, k_pool, v_pool, meta, impl="mgpu-gqa", **kwargs)
+    jax.block_until_ready(o)
+    assert o.shape == (len(KV_LENS), 32, 128)
+
+
+# What runs without a GPU.
+
+def _call(q_heads=32, kv_heads=8, tokens=1, dtype=jnp.bfloat16, dim=128, latent=False, **fields):
+    q = jax.ShapeDtypeStruct((4, q_heads, dim) if tokens == 1 else (4, tokens, q_heads, dim), dtype)
+    k_pool = jax.ShapeDtypeStruct((100, kv_heads, dim), fields.pop("pool_dtype", dtype))
+    base = dict(q=q, k_pool=k_pool, v_pool=None if latent else k_pool, meta=None, sinks=None, sm_scale=0.1,
+                logit_cap=0.0, xai_temperature_len=-1, sliding_window=-1, v_head_dim=fields.pop("v_head_dim", dim),
+                return_lse=False, config=None, launch_mode="gpu")
+    base.update(fields)
+    return DecodeCall(**base)
+
+
+def test_declines_name_the_reason():
+    declines = mgpu_decode.declines
+    assert "latent pool" in declines(_call(latent=True))
+    assert "float32" in declines(_call(dtype=jnp.float32))
+    assert "q's dtype or fp8" in declines(_call(pool_dtype=jnp.float16))
+    assert "head dims 64/64" in declines(_call(dim=64, pool_dtype=jnp.float8_e4m3fn))  # fp8 rows of 64 bytes
+    assert "head dims 256/256" in declines(_call(dim=256))
+    assert "head dims 128/64" in declines(_call(v_head_dim=64))
+    assert "q heads per kv head" in declines(_call(q_heads=128, kv_heads=1))
+    assert "several query tokens" in declines(_call(tokens=2))
+    assert "soft cap" in declines(_call(logit_cap=30.0))
+    assert "MgpuDecodeConfig" in declines(_call(config=object()))
+    assert "interpreted" in declines(_call(launch_mode="interpret"))
+    if not HAS_GPU:
+        assert "sm_90" in declines(_call())
+        assert "sm_90" in declines(_call(dim=64))  # 16-bit pools take head dim 64
+
+
+def test_split_rule_fills_the_gpu_twice_over():
+    assert mgpu_decode.kernel_splits(64, 8, num_sms=132) == 1  # 512 CTAs: waves without splits
+    assert mgpu_decode.kernel_splits(8, 8, num_sms=132) == 4  # D2: 256 CTAs at two per SM
+    assert mgpu_decode.kernel_splits(1, 1, num_sms=132) == 264
+
+
+def test_stages_is_the_gqa_kernels_own():
+    from jaxattn.impl import mgpu_mla
+
+    call = _call(q_heads=16, kv_heads=1, dim=576, v_head_dim=512, latent=True, config=MgpuDecodeConfig(stages=3))
+    assert "ring depth" in mgpu_mla.declines_decode(call)
+    with pytest.raises(ValueError, match="stages"):
+        MgpuDecodeConfig(stages=1)

@@ -13,11 +13,11 @@ most 64), padded to wgmma's 64 rows with zero rows that are computed and never s
 * warpgroup 1 (producer, 40 registers) copies the group's Q rows once (rows past them zero-filled), then gathers
   the split's K and V rows of its kv head by 16-byte `cp.async` (`issue_rows`) into two rings of [64, head_dim]
   tiles in the pool's dtype, with one "landed" mbarrier per ring slot for K and one for V.
-* warpgroup 0 (consumer) per 64-key tile: converts K into an f16 tile (fp8 pools), issues S = Q K^T (Q in registers;
-  for fp8 pools pre-scaled by sm_scale in f32 and rounded to f16 once, as the Triton kernel's f16 dots), converts V
-  while the wgmma runs, releases the ring slot, then the online softmax (base 2, k_scale folded into the exponent's
-  scale) and O += P V with P from registers. 16-bit pools take no conversion: wgmma reads the ring's tiles, and the
-  slot is released after P V.
+* warpgroup 0 (consumer) per 64-key tile: issues S = Q K^T (Q in registers; for fp8 pools pre-scaled by sm_scale in
+  f32 and rounded to f16 once, as the Triton kernel's f16 dots; K from its f16 tile), converts V to f16 while the
+  wgmma runs, releases the ring slot, then the online softmax (base 2, k_scale folded into the exponent's scale) and
+  O += P V with P from registers, converting the next tile's K while that runs. 16-bit pools take no conversion:
+  wgmma reads the ring's tiles, and the slot is released after P V.
 
 At the end the consumer stores the group's rows of the split's normalised output (times v_scale) and natural-log LSE
 into the partial buffers of `kernels/decode_attention.py`'s stage 1, which its stage 2 merges (sinks added there).
@@ -128,21 +128,29 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
                     v_scale = None
                 k16, v16 = converted if fp8 else (None, None)
 
+                def convert(ring, tile, step, ready):
+                    """Waits for ring tile `step` and writes it to `tile` as f16, visible to wgmma. The 8-bit load
+                    takes 4 elements per 32-bit access (the layout made for upcasting into wgmma's)."""
+                    slot = lax.rem(step, stages)
+                    wait_barrier(bars, ready + slot, lax.rem(lax.div(step, stages), 2))
+                    tile[...] = plgpu.load(ring.at[slot], layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.float16)
+
+                if fp8:  # tile 0's K; each step converts the next tile's K while its P V runs
+                    convert(k_ring, k16, jnp.int32(0), k_ready)
+                    plgpu.commit_smem()
+
                 def step_fn(step, carry, masked):
                     acc, m_i, l_i = carry
                     slot = lax.rem(step, stages)
                     parity = lax.rem(lax.div(step, stages), 2)
-                    wait_barrier(bars, k_ready + slot, parity)
-                    if fp8:
-                        k16[...] = plgpu.load(k_ring.at[slot], layout=plgpu.Layout.WGMMA).astype(jnp.float16)
-                        plgpu.commit_smem()
+                    if not fp8:
+                        wait_barrier(bars, k_ready + slot, parity)
                     k_tile = k16 if fp8 else k_ring.at[slot]
 
                     def qk(s_ref):
                         plgpu.wgmma(s_ref, q_regs, k_tile.transpose((1, 0)))
                         if fp8:  # V's conversion overlaps the wgmma; then both fp8 tiles are read: release the slot
-                            wait_barrier(bars, v_ready + slot, parity)
-                            v16[...] = plgpu.load(v_ring.at[slot], layout=plgpu.Layout.WGMMA).astype(jnp.float16)
+                            convert(v_ring, v16, step, v_ready)
                             arrive_barrier(bars, free + slot)
                             plgpu.commit_smem()
                         return s_ref[...]
@@ -163,6 +171,11 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
 
                     def pv(acc_ref):
                         plgpu.wgmma(acc_ref, p16, v_tile)
+                        if fp8:  # S = Q K^T has completed: K's f16 tile takes the next tile
+                            @pl.when(step + 1 < cta.steps)
+                            def _():
+                                convert(k_ring, k16, step + 1, k_ready)
+                                plgpu.commit_smem()
 
                     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                     if not fp8:

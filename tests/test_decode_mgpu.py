@@ -104,12 +104,7 @@ def test_half_size_latent_head_288(rng, tokens):
     # 288 = 256 + 32: rows 320 wide in shared memory (the last tile half zeros), a 4-deep ring, V 256 wide.
     q, k_pool, meta = make_case(rng, KV_LENS if tokens == 1 else [2, 37, 0, 130, 4096], 16, tokens, jnp.bfloat16,
                                 dim=288)
-    # The route takes 576/512 only until this test has run on the GPU: the implementation's run directly.
-    call = DecodeCall(q=q, k_pool=k_pool, v_pool=None, meta=meta, sinks=None, sm_scale=1 / 288 ** 0.5, logit_cap=0.0,
-                      xai_temperature_len=-1, sliding_window=-1, v_head_dim=256, return_lse=True, config=None,
-                      launch_mode="gpu")
-    o, lse = mgpu_mla.run_decode(call)  # a call is no pytree: run eagerly
-    ref_o, ref_lse = decode_attention_reference(q, k_pool, None, meta, return_lse=True)
+    o, lse, ref_o, ref_lse = run_both(q, k_pool, meta)
     assert o.shape[-1] == 256
     np.testing.assert_allclose(np.float32(o), np.float32(ref_o), **tolerance(jnp.bfloat16))
     finite = np.isfinite(np.asarray(ref_lse))
@@ -168,7 +163,7 @@ def _call(q_heads=16, tokens=1, dtype=jnp.bfloat16, qk=576, v_pool=False, kv_hea
 
 
 def test_declines_name_the_reason():
-    assert "576/512 only" in mgpu_mla.declines_decode(_call(qk=128))
+    assert "latent heads" in mgpu_mla.declines_decode(_call(qk=128))
     assert "separate V pool" in mgpu_mla.declines_decode(_call(v_pool=True))
     assert "kv heads" in mgpu_mla.declines_decode(_call(kv_heads=2, q_heads=16))
     assert "float32" in mgpu_mla.declines_decode(_call(dtype=jnp.float32))

@@ -62,7 +62,7 @@ def test_declines_name_the_reason(rng):
     assert "head dims 576/448" in reasons(576, 448, jnp.bfloat16)["mgpu"]
     assert "float32" in reasons(576, 512, jnp.float32)["mgpu"]
     assert "q heads" in reasons(576, 512, jnp.bfloat16, heads=12)["mgpu"]
-    assert "288/256 awaits its GPU tests" in reasons(288, 256, jnp.bfloat16)["mgpu"]
+    assert "interpreted" in reasons(288, 256, jnp.bfloat16)["mgpu"]  # the half-size head is taken too
     got = reasons(576, 512, jnp.bfloat16)  # taken: only the device declines it here
     assert "interpreted" in got["mgpu"] and got["triton"] is None
 
@@ -91,16 +91,10 @@ def test_kernel_matches_reference(rng, case, sinks):
 @pytest.mark.gpu
 @needs_gpu
 def test_kernel_half_size_latent_head_288(rng):
-    # 288 = 256 + 32: rows 320 wide in shared memory (the last tile half zeros), a 4-deep ring, V 256 wide. The route
-    # takes 576/512 only until this test has run on the GPU: the implementation's run directly.
-    from jaxattn.calls import MlaExtendCall
-    from jaxattn.impl.mgpu_mla import run_extend
-
+    # 288 = 256 + 32: rows 320 wide in shared memory (the last tile half zeros), a 4-deep ring, V 256 wide.
     batch = make_batch(rng, [0, 100, 1000, 37], [1, 70, 300, 9], hq=16, hkv=1, dqk=288, dtype=jnp.bfloat16)
     sinks = jnp.asarray(rng.standard_normal(16).astype(np.float32))
-    call = MlaExtendCall(q=batch.q, k_new=batch.k_new, k_pool=batch.k_pool, meta=batch.meta, v_head_dim=256,
-                         sinks=sinks, sm_scale=1 / 288 ** 0.5, launch_mode="gpu")
-    o = np.float32(run_extend(call))  # a call is no pytree: run eagerly
+    o = np.float32(mla_extend_attention(batch.q, batch.k_new, batch.k_pool, batch.meta, sinks=sinks, impl="mgpu"))
     ref = np.float32(mla_extend_attention_reference(batch.q, batch.k_new, _clean(batch.k_pool), batch.meta, sinks=sinks))
     np.testing.assert_array_equal(o[batch.tokens:], 0.0)
     np.testing.assert_allclose(o[: batch.tokens], ref[: batch.tokens], **tolerance(jnp.bfloat16))

@@ -11,7 +11,7 @@ Its split bound is its own (static: enough CTAs to fill the GPU once, `kernel_sp
 metadata's split count under it; deterministic metadata keeps its own bound (splits by length only, so a sequence's
 result does not depend on its batch).
 
-Both take DeepSeek's 576/512 latent head (the kernel builds 288/256 too: see MLA_HEAD_DIMS). `EXTEND`, the "mgpu"
+Both take DeepSeek's 576/512 latent head and the half-size 288/256 (`MLA_HEAD_DIMS`). `EXTEND`, the "mgpu"
 implementation of `jaxattn.mla.mla_extend_attention` (two-stage, causal, sinks allowed): one pass, 64 (token, head) rows per CTA over
 the sequence's prefix and its new tokens up to the block's last.
 
@@ -33,10 +33,8 @@ from jaxattn.metadata import MIN_BLOCK_KV
 from jaxattn.registry import Implementation
 from jaxattn.tuning import MgpuDecodeConfig
 
-# What the routes take: DeepSeek's latent head. The kernel also builds the half-size 288/256 head (`SHAPES` of
-# kernels/mla_attention_mgpu.py; lowered on CPU), reachable through `run_decode` / `run_extend` directly until its GPU
-# tests (tests/test_decode_mgpu.py, tests/test_mla_extend.py: "288") have run.
-MLA_HEAD_DIMS = ((576, 512),)
+# The latent head shapes the kernel builds (`SHAPES` of kernels/mla_attention_mgpu.py), each tested on the H200.
+MLA_HEAD_DIMS = ((576, 512), (288, 256))
 MGPU_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
@@ -57,7 +55,7 @@ def declines_decode(call: DecodeCall) -> str | None:
     if call.config is not None and call.config.stages is not None:
         return "MgpuDecodeConfig(stages=) (the MLA kernel's ring depth is fixed by its shared memory)"
     if (call.qk_head_dim, call.v_head_dim) not in MLA_HEAD_DIMS:
-        return f"head dims {call.qk_head_dim}/{call.v_head_dim} (MLA's 576/512 only; 288/256 awaits its GPU tests)"
+        return f"head dims {call.qk_head_dim}/{call.v_head_dim} (MLA's latent heads {MLA_HEAD_DIMS} only)"
     if call.v_pool is not None:
         return "a separate V pool (the kernel reads V as the first 512 dims of each latent row: v_pool=None)"
     if call.kv_heads != 1:
@@ -134,7 +132,7 @@ DECODE = Implementation("mgpu", declines_decode, run_decode)
 
 def declines_extend(call: MlaExtendCall) -> str | None:
     if (call.qk_head_dim, call.v_head_dim) not in MLA_HEAD_DIMS:
-        return f"head dims {call.qk_head_dim}/{call.v_head_dim} (576/512 only; 288/256 awaits its GPU tests)"
+        return f"head dims {call.qk_head_dim}/{call.v_head_dim} (MLA's latent heads {MLA_HEAD_DIMS} only)"
     if jnp.dtype(call.q.dtype) not in map(jnp.dtype, MGPU_DTYPES):
         return f"dtype {jnp.dtype(call.q.dtype).name} (bf16/f16 only)"
     if call.k_pool.dtype != call.q.dtype:

@@ -161,6 +161,8 @@ def profiles(shapes: str) -> list[Profile]:
         # MLA's latent cache as served (V = K's first 512 dims): the Mosaic GPU decode kernel on sm_90.
         Profile("mla-latent", 16, 1, 576, 512, "bfloat16", v_in_k=True, sinks=True),
         Profile("mla-latent-verify-tree-4", 16, 1, 576, 512, "float16", v_in_k=True, tokens=4, tree=True),
+        Profile("mla-latent-288", 16, 1, 288, 256, "bfloat16", v_in_k=True, sinks=True),  # the half-size head
+        Profile("mla-latent-288-verify-4", 16, 1, 288, 256, "float16", v_in_k=True, tokens=4),
         Profile("llama-verify-tree-6", 32, 8, 128, 128, "bfloat16", logit_cap=30.0, tokens=6, tree=True),
         Profile("llama-verify-tree-fp8", 32, 8, 128, 128, "bfloat16", sinks=True, tokens=5, tree=True,
                 kv_dtype="float8_e4m3fn"),

@@ -7,20 +7,22 @@ warps per program: on the H200 it issues at IPC 2.1 with DRAM at 69% (Nsight Com
 converts a whole fp8 tile with 16-bit shared-memory loads and f16x2 conversions, and wgmma reads f16 V in its
 transposed (MN-major) form, which needs no byte shuffles.
 
-One CTA = one sequence x one kv head x one split of its keys; its rows are the kv head's q heads (GQA's group, at
-most 64), padded to wgmma's 64 rows with zero rows that are computed and never stored. Two warpgroups:
+One CTA = one sequence x two kv heads x one split of its keys. Each kv head's rows are its q heads (GQA's group, at
+most 64), padded to wgmma's 64 rows with zero rows that are computed and never stored. Three warpgroups:
 
-* warpgroup 1 (producer, 40 registers) copies the group's Q rows once (rows past them zero-filled), then gathers
-  the split's K and V rows of its kv head by 16-byte `cp.async` (`issue_rows`) into two rings of [64, head_dim]
-  tiles in the pool's dtype, with one "landed" mbarrier per ring slot for K and one for V.
-* warpgroup 0 (consumer) per 64-key tile: issues S = Q K^T (Q in registers; for fp8 pools pre-scaled by sm_scale in
-  f32 and rounded to f16 once, as the Triton kernel's f16 dots; K from its f16 tile), converts V to f16 while the
-  wgmma runs, releases the ring slot, then the online softmax (base 2, k_scale folded into the exponent's scale) and
-  O += P V with P from registers, converting the next tile's K while that runs. 16-bit pools take no conversion:
-  wgmma reads the ring's tiles, and the slot is released after P V.
+* warpgroups 0 and 1 (consumers, one kv head each; the second idles when the kv head count is odd) per 64-key tile:
+  S = Q K^T (Q in registers; for fp8 pools pre-scaled by sm_scale in f32 and rounded to f16 once, as the Triton
+  kernel's f16 dots; K from its f16 tile), V converted to f16 while the wgmma runs, the ring slot released, the
+  online softmax (base 2, k_scale folded into the exponent's scale), O += P V with P from registers, and the next
+  tile's K converted while that runs. 16-bit pools take no conversion: wgmma reads the ring's tiles and the slot is
+  released after P V. Two consumers per SM keep one's conversions and softmax beside the other's wgmmas (a CTA of
+  one consumer ran at 41-45% of the fp8 floor: `benchmarks/RESULTS.md`).
+* warpgroup 2 (producer, 40 registers) copies each kv head's Q rows once (rows past the group zero-filled), then
+  gathers the split's K and V rows of both kv heads (the same slots) by 16-byte `cp.async` (`issue_rows`) into each
+  consumer's two rings of [64, head_dim] tiles in the pool's dtype, one "landed" mbarrier per ring slot.
 
-At the end the consumer stores the group's rows of the split's normalised output (times v_scale) and natural-log LSE
-into the partial buffers of `kernels/decode_attention.py`'s stage 1, which its stage 2 merges (sinks added there).
+At the end each consumer stores its group's rows of the split's normalised output (times v_scale) and natural-log
+LSE into the partial buffers of `kernels/decode_attention.py`'s stage 1, which its stage 2 merges (sinks added there).
 Split geometry, index checks and empty rows are the MLA kernel's (`decode_cta`, `decode_visible`): ranges clamped
 into kv_indices, slots into the pool, an empty split stores nothing, NaN in q or a visited K/V row stays NaN.
 """
@@ -49,31 +51,41 @@ from jaxattn.kernels.mla_attention_mgpu import BLOCK_KV, BLOCK_ROWS, LN2, decode
 FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 # q/k = v head dims the kernel takes: rows of whole 128-byte swizzle columns (fp8 at 64 would need a 64-byte swizzle).
 HEAD_DIMS = {1: (128,), 2: (64, 128)}  # by the pool's bytes per element
-DEFAULT_STAGES = 3  # the ring's depth: fp8 at head dim 128 takes 98 KB, so two CTAs share an SM
+CONSUMERS = 2  # kv heads per CTA, one consumer warpgroup each
+SHARED_LIMIT = 232448  # sm_90's opt-in shared memory per block (`jaxattn.hardware`'s SM90 holds the same figure)
+
+
+def default_stages(head_dim: int, pool_itemsize: int) -> int:
+    """The deepest ring that fits (at most 3): fp8 at head dim 128 takes 3 (196 KB), 16-bit at 128 takes 2."""
+    return max((s for s in (2, 3) if shared_bytes(head_dim, pool_itemsize, s) <= SHARED_LIMIT), default=2)
 
 
 def shared_bytes(head_dim: int, pool_itemsize: int, stages: int) -> int:
-    """A CTA's shared memory: Q, the two rings, the f16 K/V tiles of fp8 pools, 1 KB of mbarriers."""
+    """A CTA's shared memory: per consumer Q, its K and V rings and (fp8) its f16 K/V tiles; 4 KB for the mbarriers
+    and Pallas' alignment padding (a kernel within 2 KB of the limit failed to launch: `MgpuExtendConfig`'s rule)."""
     tile = BLOCK_KV * head_dim
     converted = 2 * tile * 2 if pool_itemsize == 1 else 0
-    return BLOCK_ROWS * head_dim * 2 + 2 * stages * tile * pool_itemsize + converted + 1024
+    return CONSUMERS * (BLOCK_ROWS * head_dim * 2 + 2 * stages * tile * pool_itemsize + converted) + 4096
 
 
 def _barriers(stages: int):
-    """(k_ready, v_ready, free, q) first indices, and every barrier's arrival count (128 threads each)."""
-    return 0, stages, 2 * stages, 3 * stages, (WARPGROUP,) * (3 * stages + 1)
+    """First indices of the (k_ready, v_ready, free) rings (consumer c's slot i: first + c * stages + i) and of the
+    Q barriers (+ c), and every barrier's arrival count (128 threads each)."""
+    ring = CONSUMERS * stages
+    return 0, ring, 2 * ring, 3 * ring, (WARPGROUP,) * (3 * ring + CONSUMERS)
 
 
 def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_splits, kv_scales, *, sm_scale,
-                           max_kv_splits, sliding_window=-1, min_block_kv=32, stages=DEFAULT_STAGES):
+                           max_kv_splits, sliding_window=-1, min_block_kv=32, stages=None):
     """Stage 1 of split-KV decode, one query token per sequence. Returns (mid_o f32[batch * q_heads * max_kv_splits,
     head_dim], mid_lse f32[batch * q_heads * max_kv_splits]): row g = b * q_heads + h, split s at g * max_kv_splits + s
     (`decode_stage1_kernel`'s MID_O / MID_LSE flattened). Entries of empty splits are not written.
 
     q: [batch, q_heads, head_dim] bf16/f16; k_pool, v_pool: [slots, kv_heads, head_dim], q's dtype or fp8 (e4m3fn /
     e5m2; then kv_scales f32[2 * kv_heads]: K scales then V scales, else None); q_heads a multiple of kv_heads with at
-    most 64 q heads per kv head; head_dim in HEAD_DIMS[pool itemsize]. kv_indptr: i32[batch + 1]; kv_indices: i32/i64[capacity];
-    num_kv_splits: i32[batch] (clamped to [1, max_kv_splits]). sliding_window W >= 0: only the last W + 1 listed keys.
+    most 64 q heads per kv head; head_dim in HEAD_DIMS[pool itemsize]. kv_indptr: i32[batch + 1]; kv_indices:
+    i32/i64[capacity]; num_kv_splits: i32[batch] (clamped to [1, max_kv_splits]). sliding_window W >= 0: only the
+    last W + 1 listed keys. stages: the rings' depth (None: `default_stages`).
     """
     batch, q_heads, head_dim = q.shape
     slots, kv_heads, _ = k_pool.shape
@@ -90,145 +102,162 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
         raise ValueError(f"the pools must be q's dtype or fp8; got {k_pool.dtype} with q {q.dtype}")
     if fp8 != (kv_scales is not None):
         raise ValueError("kv_scales is given exactly when the pools are fp8")
+    itemsize = k_pool.dtype.itemsize
+    stages = default_stages(head_dim, itemsize) if stages is None else stages
+    if shared_bytes(head_dim, itemsize, stages) > SHARED_LIMIT:
+        raise ValueError(f"stages={stages} needs {shared_bytes(head_dim, itemsize, stages)} bytes of shared memory at "
+                         f"head dim {head_dim} over a {k_pool.dtype} pool (sm_90 has {SHARED_LIMIT})")
     group = q_heads // kv_heads
     capacity = kv_indices.shape[0]
-    itemsize = k_pool.dtype.itemsize
     ring_transforms = SWIZZLED_8BIT if fp8 else SWIZZLED
     k_ready, v_ready, free, q_bar, counts = _barriers(stages)
 
     def body(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_ref, v_ref, scales_ref, mid_o_ref, mid_lse_ref,
              scoped):
-        q_smem, k_ring, v_ring, converted, bars = scoped
+        q_smem, k_rings, v_rings, converted, bars = scoped
         split = lax.axis_index("splits")
-        kv_head = lax.axis_index("kv_heads")
+        head_pair = lax.axis_index("kv_head_pairs")
         seq = lax.axis_index("seq")
         wg = lax.axis_index("wg")
         cta = decode_cta(kv_indptr_ref, splits_ref, seq, split, capacity=capacity, sliding_window=sliding_window,
                          max_kv_splits=max_kv_splits, min_block_kv=min_block_kv, tokens=1)
-        q_row0 = seq * q_heads + kv_head * group  # the group's first row of q (and of the outputs)
+
+        def consumer(c):
+            """Consumer warpgroup c (a traced index) on kv head CONSUMERS * head_pair + c."""
+            kv_head = CONSUMERS * head_pair + c
+            q_row0 = seq * q_heads + kv_head * group  # the group's first row of q (and of the outputs)
+            k16, v16 = (converted[0].at[c], converted[1].at[c]) if fp8 else (None, None)
+            ring0 = c * stages  # consumer c's slots of the rings, and of their barriers
+            plgpu.set_max_registers(232, action="increase")
+            m_i = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), -1e30, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l_i = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.full((BLOCK_ROWS, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+            wait_barrier(bars, q_bar + c, 0)
+            q_regs = plgpu.load(q_smem.at[c], layout=plgpu.Layout.WGMMA)
+            if fp8:  # f16 dots (f16 holds fp8 exactly); sm_scale applied before the rounding, k_scale after
+                q_regs = (q_regs.astype(jnp.float32) * sm_scale).astype(jnp.float16)
+                scale_log2 = scales_ref[kv_head] * LOG2E
+                v_scale = scales_ref[kv_heads + kv_head]
+            else:
+                scale_log2 = float(sm_scale) * LOG2E
+                v_scale = None
+
+            def convert(ring, tile, step, ready):
+                """Waits for ring tile `step` and writes it to `tile` as f16. The 8-bit load takes 4 elements per
+                32-bit access (the layout made for upcasting into wgmma's)."""
+                slot = ring0 + lax.rem(step, stages)
+                wait_barrier(bars, ready + slot, lax.rem(lax.div(step, stages), 2))
+                tile[...] = plgpu.load(ring.at[slot], layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.float16)
+
+            if fp8:  # tile 0's K; each step converts the next tile's K while its P V runs
+                convert(k_rings, k16, jnp.int32(0), k_ready)
+                plgpu.commit_smem()
+
+            def step_fn(step, carry, masked):
+                acc, m_i, l_i = carry
+                slot = ring0 + lax.rem(step, stages)
+                parity = lax.rem(lax.div(step, stages), 2)
+                if not fp8:
+                    wait_barrier(bars, k_ready + slot, parity)
+                k_tile = k16 if fp8 else k_rings.at[slot]
+
+                def qk(s_ref):
+                    plgpu.wgmma(s_ref, q_regs, k_tile.transpose((1, 0)))
+                    if fp8:  # V's conversion overlaps the wgmma; then both fp8 tiles are read: release the slot
+                        convert(v_rings, v16, step, v_ready)
+                        arrive_barrier(bars, free + slot)
+                        plgpu.commit_smem()
+                    return s_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, BLOCK_KV), jnp.float32))
+                if masked:
+                    cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
+                    s = jnp.where(decode_visible(cta, step, cols, 1), s, -jnp.inf)
+                m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                l_i = l_i * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p16 = p.astype(jnp.float16 if fp8 else q_regs.dtype)
+                if not fp8:
+                    wait_barrier(bars, v_ready + slot, parity)
+                v_tile = v16 if fp8 else v_rings.at[slot]
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_tile)
+                    if fp8:  # S = Q K^T has completed: K's f16 tile takes the next tile
+                        @pl.when(step + 1 < cta.steps)
+                        def _():
+                            convert(k_rings, k16, step + 1, k_ready)
+                            plgpu.commit_smem()
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                if not fp8:
+                    arrive_barrier(bars, free + slot)
+                return acc, m_new, l_i
+
+            carry = (acc, m_i, l_i)
+            carry = lax.fori_loop(0, cta.full_steps, lambda i, c: step_fn(i, c, False), carry)
+            carry = lax.fori_loop(cta.full_steps, cta.steps, lambda i, c: step_fn(i, c, True), carry)
+            acc, m_i, l_i = carry
+            factor = 1.0 / jnp.where(l_i == 0.0, 1.0, l_i)  # "no keys" is l == 0 exactly (acc is 0); NaN stays NaN
+            if v_scale is not None:
+                factor = factor * v_scale
+            first_out = q_row0 * max_kv_splits + split  # row g's split s sits at g * max_kv_splits + s
+            store_rows(acc * lax.broadcast_in_dim(factor, acc.shape, [0]), mid_o_ref, first_out, jnp.int32(group),
+                       row_stride=max_kv_splits * head_dim, first_scale=head_dim)
+            lse = jnp.where(l_i == 0.0, -jnp.inf, (m_i + jnp.log2(jnp.where(l_i == 0.0, 1.0, l_i))) * LN2)
+            store_rows(lse, mid_lse_ref, first_out, jnp.int32(group), row_stride=max_kv_splits, first_scale=1)
+
+        def producer():
+            plgpu.set_max_registers(40, action="decrease")
+            heads = [CONSUMERS * head_pair + c for c in range(CONSUMERS)]
+            from_q = cta.split_len < 0  # a traced False: rows first + r of q
+            for c, kv_head in enumerate(heads):
+                @pl.when(kv_head < kv_heads)
+                def _():
+                    q_rows = row_sources(kv_indices_ref, from_q, seq * q_heads + kv_head * group, jnp.int32(group),
+                                         block_kv=BLOCK_ROWS, pool_rows=q_ref.shape[0])
+                    issue_rows(q_ref, q_ref, q_smem, bars, q_rows, from_q, jnp.int32(c), jnp.int32(q_bar + c),
+                               jnp.int32(0), block_kv=BLOCK_ROWS, head_dim=head_dim)
+
+            from_pool = cta.split_len > 0  # a traced True
+
+            def sources_of(step):
+                return row_sources(kv_indices_ref, from_pool, cta.kv_begin + cta.split_start + step * BLOCK_KV,
+                                   cta.split_len - step * BLOCK_KV, block_kv=BLOCK_KV, pool_rows=slots)
+
+            def step_body(step, sources):
+                next_sources = sources_of(step + 1)  # its loads overlap this tile's wait and copies
+                for c, kv_head in enumerate(heads):  # both kv heads read the same slots
+                    @pl.when(kv_head < kv_heads)
+                    def _():
+                        slot = c * stages + lax.rem(step, stages)
+                        # The slot's previous tile (step - stages) released by consumer c's 128 threads.
+                        pl.when(step >= stages)(lambda: wait_barrier(
+                            bars, free + slot, lax.rem(lax.div(step, stages) - 1, 2)))
+                        for rings, pool, ready in ((k_rings, k_ref, k_ready), (v_rings, v_ref, v_ready)):
+                            issue_rows(pool, pool, rings, bars, sources, from_pool, slot, ready + slot, kv_head,
+                                       block_kv=BLOCK_KV, head_dim=head_dim, itemsize=itemsize)
+                return next_sources
+
+            lax.fori_loop(0, cta.steps, step_body, sources_of(jnp.int32(0)))
 
         @pl.when(cta.split_len > 0)
         def _():
             init_barriers(bars, counts)
-
-            @pl.when(wg == 0)
-            def _consumer():
-                plgpu.set_max_registers(232, action="increase")
-                m_i = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), -1e30, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-                l_i = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-                acc = plgpu.layout_cast(jnp.full((BLOCK_ROWS, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-                wait_barrier(bars, q_bar, 0)
-                q_regs = plgpu.load(q_smem.at[0], layout=plgpu.Layout.WGMMA)
-                if fp8:  # f16 dots (f16 holds fp8 exactly); sm_scale applied before the rounding, k_scale after
-                    q_regs = (q_regs.astype(jnp.float32) * sm_scale).astype(jnp.float16)
-                    scale_log2 = scales_ref[kv_head] * LOG2E
-                    v_scale = scales_ref[kv_heads + kv_head]
-                else:
-                    scale_log2 = float(sm_scale) * LOG2E
-                    v_scale = None
-                k16, v16 = converted if fp8 else (None, None)
-
-                def convert(ring, tile, step, ready):
-                    """Waits for ring tile `step` and writes it to `tile` as f16, visible to wgmma. The 8-bit load
-                    takes 4 elements per 32-bit access (the layout made for upcasting into wgmma's)."""
-                    slot = lax.rem(step, stages)
-                    wait_barrier(bars, ready + slot, lax.rem(lax.div(step, stages), 2))
-                    tile[...] = plgpu.load(ring.at[slot], layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.float16)
-
-                if fp8:  # tile 0's K; each step converts the next tile's K while its P V runs
-                    convert(k_ring, k16, jnp.int32(0), k_ready)
-                    plgpu.commit_smem()
-
-                def step_fn(step, carry, masked):
-                    acc, m_i, l_i = carry
-                    slot = lax.rem(step, stages)
-                    parity = lax.rem(lax.div(step, stages), 2)
-                    if not fp8:
-                        wait_barrier(bars, k_ready + slot, parity)
-                    k_tile = k16 if fp8 else k_ring.at[slot]
-
-                    def qk(s_ref):
-                        plgpu.wgmma(s_ref, q_regs, k_tile.transpose((1, 0)))
-                        if fp8:  # V's conversion overlaps the wgmma; then both fp8 tiles are read: release the slot
-                            convert(v_ring, v16, step, v_ready)
-                            arrive_barrier(bars, free + slot)
-                            plgpu.commit_smem()
-                        return s_ref[...]
-
-                    s = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, BLOCK_KV), jnp.float32))
-                    if masked:
-                        cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
-                        s = jnp.where(decode_visible(cta, step, cols, 1), s, -jnp.inf)
-                    m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
-                    alpha = jnp.exp2(m_i - m_new)
-                    p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                    l_i = l_i * alpha + p.sum(axis=1)
-                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                    p16 = p.astype(jnp.float16 if fp8 else q_regs.dtype)
-                    if not fp8:
-                        wait_barrier(bars, v_ready + slot, parity)
-                    v_tile = v16 if fp8 else v_ring.at[slot]
-
-                    def pv(acc_ref):
-                        plgpu.wgmma(acc_ref, p16, v_tile)
-                        if fp8:  # S = Q K^T has completed: K's f16 tile takes the next tile
-                            @pl.when(step + 1 < cta.steps)
-                            def _():
-                                convert(k_ring, k16, step + 1, k_ready)
-                                plgpu.commit_smem()
-
-                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                    if not fp8:
-                        arrive_barrier(bars, free + slot)
-                    return acc, m_new, l_i
-
-                carry = (acc, m_i, l_i)
-                carry = lax.fori_loop(0, cta.full_steps, lambda i, c: step_fn(i, c, False), carry)
-                carry = lax.fori_loop(cta.full_steps, cta.steps, lambda i, c: step_fn(i, c, True), carry)
-                acc, m_i, l_i = carry
-                factor = 1.0 / jnp.where(l_i == 0.0, 1.0, l_i)  # "no keys" is l == 0 exactly (acc is 0); NaN stays
-                if v_scale is not None:
-                    factor = factor * v_scale
-                first_out = q_row0 * max_kv_splits + split  # row g's split s sits at g * max_kv_splits + s
-                store_rows(acc * lax.broadcast_in_dim(factor, acc.shape, [0]), mid_o_ref, first_out, jnp.int32(group),
-                           row_stride=max_kv_splits * head_dim, first_scale=head_dim)
-                lse = jnp.where(l_i == 0.0, -jnp.inf, (m_i + jnp.log2(jnp.where(l_i == 0.0, 1.0, l_i))) * LN2)
-                store_rows(lse, mid_lse_ref, first_out, jnp.int32(group), row_stride=max_kv_splits, first_scale=1)
-
-            @pl.when(wg == 1)
-            def _producer():
-                plgpu.set_max_registers(40, action="decrease")
-                from_q = cta.split_len < 0  # a traced False: rows first + r of q
-                q_rows = row_sources(kv_indices_ref, from_q, q_row0, jnp.int32(group), block_kv=BLOCK_ROWS,
-                                     pool_rows=q_ref.shape[0])
-                issue_rows(q_ref, q_ref, q_smem, bars, q_rows, from_q, jnp.int32(0), jnp.int32(q_bar), jnp.int32(0),
-                           block_kv=BLOCK_ROWS, head_dim=head_dim)
-                from_pool = cta.split_len > 0  # a traced True
-
-                def sources_of(step):
-                    return row_sources(kv_indices_ref, from_pool, cta.kv_begin + cta.split_start + step * BLOCK_KV,
-                                       cta.split_len - step * BLOCK_KV, block_kv=BLOCK_KV, pool_rows=slots)
-
-                def step_body(step, sources):
-                    next_sources = sources_of(step + 1)  # its loads overlap this tile's wait and copies
-                    slot = lax.rem(step, stages)
-                    # The slot's previous tile (step - stages) released by the consumer's 128 threads.
-                    pl.when(step >= stages)(
-                        lambda: wait_barrier(bars, free + slot, lax.rem(lax.div(step, stages) - 1, 2)))
-                    for ring, pool, ready in ((k_ring, k_ref, k_ready), (v_ring, v_ref, v_ready)):
-                        issue_rows(pool, pool, ring, bars, sources, from_pool, slot, ready + slot, kv_head,
-                                   block_kv=BLOCK_KV, head_dim=head_dim, itemsize=itemsize)
-                    return next_sources
-
-                lax.fori_loop(0, cta.steps, step_body, sources_of(jnp.int32(0)))
+            pl.when((wg < CONSUMERS) & (CONSUMERS * head_pair + wg < kv_heads))(lambda: consumer(wg))
+            pl.when(wg == CONSUMERS)(producer)
 
     def entry(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_ref, v_ref, *rest):
         scales_ref, (mid_o_ref, mid_lse_ref) = (rest[0], rest[1:]) if fp8 else (None, rest)
+        tiles = (CONSUMERS, BLOCK_KV, head_dim)
         scratch = [
-            plgpu.SMEM((1, BLOCK_ROWS, head_dim), q.dtype, transforms=SWIZZLED),  # Q (a ring of one, for issue_rows)
-            plgpu.SMEM((stages, BLOCK_KV, head_dim), k_pool.dtype, transforms=ring_transforms),
-            plgpu.SMEM((stages, BLOCK_KV, head_dim), k_pool.dtype, transforms=ring_transforms),
-            [plgpu.SMEM((BLOCK_KV, head_dim), jnp.float16, transforms=SWIZZLED)] * 2 if fp8 else [],
+            plgpu.SMEM((CONSUMERS, BLOCK_ROWS, head_dim), q.dtype, transforms=SWIZZLED),  # Q per consumer
+            # K and V rings, consumer c's slots at [c * stages, (c + 1) * stages)
+            plgpu.SMEM((CONSUMERS * stages, BLOCK_KV, head_dim), k_pool.dtype, transforms=ring_transforms),
+            plgpu.SMEM((CONSUMERS * stages, BLOCK_KV, head_dim), k_pool.dtype, transforms=ring_transforms),
+            [plgpu.SMEM(tiles, jnp.float16, transforms=SWIZZLED)] * 2 if fp8 else [],  # f16 K and V per consumer
             plgpu.SMEM((2 * len(counts),), jnp.int32),  # the mbarriers, 8 bytes each
         ]
         pl.run_scoped(lambda *scoped: body(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_ref, v_ref, scales_ref,
@@ -240,9 +269,9 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
         entry,
         out_type=(jax.ShapeDtypeStruct((rows * max_kv_splits, head_dim), jnp.float32),
                   jax.ShapeDtypeStruct((rows * max_kv_splits,), jnp.float32)),
-        grid=(max_kv_splits, kv_heads, batch),
-        grid_names=("splits", "kv_heads", "seq"),
-        num_threads=2,
+        grid=(max_kv_splits, -(-kv_heads // CONSUMERS), batch),
+        grid_names=("splits", "kv_head_pairs", "seq"),
+        num_threads=CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(kv_indptr, kv_indices, num_kv_splits, q.reshape(rows, 1, head_dim), k_pool, v_pool,

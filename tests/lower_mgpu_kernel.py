@@ -122,7 +122,8 @@ DECODE_SHAPES = [
     ("gqa-decode-e5m2-8x1-f16-window-i64", "gqa", 3, 8, jnp.float16,
      dict(kv_heads=1, pool=jnp.float8_e5m2, sliding_window=50, index_dtype=jnp.int64)),
     ("gqa-decode-bf16-32x8", "gqa", 4, 32, jnp.bfloat16, dict(kv_heads=8)),
-    ("gqa-decode-f16-64-64x1-stages4", "gqa", 2, 64, jnp.float16, dict(kv_heads=1, dim=64, stages=4)),
+    ("gqa-decode-f16-64-64x1-stages2", "gqa", 2, 64, jnp.float16, dict(kv_heads=1, dim=64, stages=2)),
+    ("gqa-decode-e4m3-12x3-bf16", "gqa", 2, 12, jnp.bfloat16, dict(kv_heads=3, pool=jnp.float8_e4m3fn)),
 ]
 
 

@@ -62,9 +62,11 @@ POOLS = [
     pytest.param((jnp.bfloat16, jnp.bfloat16), id="bf16"),
     pytest.param((jnp.float16, jnp.float16), id="f16"),
 ]
-# (q heads, kv heads, head dim): Llama's group of 4, MHA, a group of 8 on one kv head, the most rows a CTA takes.
+# (q heads, kv heads, head dim): Llama's group of 4, MHA, a group of 8 on one kv head (the CTA's second consumer
+# idles), an odd kv head count, the most rows a consumer takes.
 SHAPES = [pytest.param((32, 8, 128), id="32x8"), pytest.param((4, 4, 128), id="mha"),
-          pytest.param((8, 1, 128), id="8x1"), pytest.param((64, 1, 128), id="64x1")]
+          pytest.param((8, 1, 128), id="8x1"), pytest.param((12, 3, 128), id="12x3"),
+          pytest.param((64, 1, 128), id="64x1")]
 
 
 @pytest.mark.gpu
@@ -85,7 +87,8 @@ def test_decode_matches_reference(rng, dtypes, shape):
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("config", [MgpuDecodeConfig(splits=1), MgpuDecodeConfig(splits=5, stages=2),
-                                    MgpuDecodeConfig(stages=4)], ids=["1-split", "5-splits-2-stages", "4-stages"])
+                                    MgpuDecodeConfig(splits=2, stages=3)], ids=["1-split", "5-splits-2-stages",
+                                                                                "2-splits-3-stages"])
 def test_configs_and_head_dim_64(rng, config):
     q, k_pool, v_pool, meta, kwargs = make_case(rng, 32, 8, 128, jnp.bfloat16, jnp.float8_e4m3fn)
     assert_close(*run_both(q, k_pool, v_pool, meta, config=config, **kwargs), jnp.bfloat16)
@@ -162,10 +165,23 @@ def test_declines_name_the_reason():
         assert "sm_90" in declines(_call(dim=64))  # 16-bit pools take head dim 64
 
 
-def test_split_rule_fills_the_gpu_twice_over():
-    assert mgpu_decode.kernel_splits(64, 8, num_sms=132) == 1  # 512 CTAs: waves without splits
-    assert mgpu_decode.kernel_splits(8, 8, num_sms=132) == 4  # D2: 256 CTAs at two per SM
-    assert mgpu_decode.kernel_splits(1, 1, num_sms=132) == 264
+def test_split_rule_fills_the_gpu_once():
+    assert mgpu_decode.kernel_splits(64, 8, num_sms=132) == 1  # D1: 256 CTAs (two kv heads each), in waves
+    assert mgpu_decode.kernel_splits(8, 8, num_sms=132) == 4  # D2: 128 CTAs
+    assert mgpu_decode.kernel_splits(2, 3, num_sms=132) == 33  # an odd kv head count: 2 pairs per sequence
+    assert mgpu_decode.kernel_splits(1, 1, num_sms=132) == 132
+
+
+def test_stages_that_do_not_fit_are_refused():
+    from jaxattn.kernels.decode_attention_mgpu import default_stages, gqa_decode_mgpu_kernel, shared_bytes
+
+    assert default_stages(128, 1) == 3 and default_stages(128, 2) == 2 and default_stages(64, 2) == 3
+    assert shared_bytes(128, 1, 3) <= 232448 < shared_bytes(128, 2, 3)
+    S = jax.ShapeDtypeStruct
+    args = (S((2, 8, 128), jnp.bfloat16), S((50, 2, 128), jnp.bfloat16), S((50, 2, 128), jnp.bfloat16),
+            S((3,), jnp.int32), S((40,), jnp.int32), S((2,), jnp.int32), None)
+    with pytest.raises(ValueError, match="stages=3 needs .* bytes of shared memory"):
+        gqa_decode_mgpu_kernel(*args, sm_scale=0.1, max_kv_splits=2, stages=3)
 
 
 def test_stages_is_the_gqa_kernels_own():

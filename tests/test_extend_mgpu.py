@@ -1430,4 +1430,4 @@ def test_lowers_for_cuda_on_cpu():
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     from tests.lower_mgpu_kernel import DECODE_SHAPES, SHAPES
 
-    assert run.stdout.count("ok ") == len(SHAPES) + len(DECODE_SHAPES) == 44, run.stdout
+    assert run.stdout.count("ok ") == len(SHAPES) + len(DECODE_SHAPES) == 45, run.stdout

@@ -6,8 +6,7 @@ for fp8 KV pools (issue 26): stage 1 on the kernel, stage 2 the Triton merge (`t
 heads per kv head, one query token per sequence, a sliding window and sinks allowed. It declines soft caps, xai
 temperature, several query tokens and latent (MLA) pools, which the Triton kernels take.
 
-Its split bound is its own (static: enough CTAs to fill every multiprocessor once at two CTAs per SM,
-`kernel_splits`), each sequence taking the metadata's split count under it; deterministic metadata keeps its own bound.
+Its split bound is its own (static: enough CTAs to fill every multiprocessor once, `kernel_splits`), each sequence taking the metadata's split count under it; deterministic metadata keeps its own bound.
 Needs an sm_90 GPU and jax's CUDA plugin; the reference is `jaxattn.decode.decode_attention_reference`.
 """
 
@@ -25,7 +24,6 @@ from jaxattn.registry import Implementation
 from jaxattn.tuning import MgpuDecodeConfig
 
 MGPU_DTYPES = (jnp.bfloat16, jnp.float16)
-CTAS_PER_SM = 2  # the default ring (98 KB at fp8 / head dim 128) lets two CTAs share a multiprocessor
 
 
 def declines(call: DecodeCall) -> str | None:
@@ -53,16 +51,19 @@ def declines(call: DecodeCall) -> str | None:
 
 
 def kernel_splits(batch: int, kv_heads: int, num_sms: int | None = None) -> int:
-    """The static split bound: as many splits as fill every multiprocessor once with batch x kv_heads x splits CTAs
-    at CTAS_PER_SM each, at least 1 (more CTAs than that run in waves without splitting)."""
+    """The static split bound: as many splits as fill every multiprocessor once with batch x kv head pairs x splits
+    CTAs (one CTA per SM: two kv heads, 196 KB of shared memory at fp8), at least 1 (more CTAs than that run in
+    waves without splitting)."""
+    from jaxattn.kernels.decode_attention_mgpu import CONSUMERS
+
     num_sms = hardware.sm_count() if num_sms is None else num_sms
-    return max(1, CTAS_PER_SM * num_sms // max(1, batch * kv_heads))
+    return max(1, num_sms // max(1, batch * -(-kv_heads // CONSUMERS)))
 
 
 def gqa_decode_partials(call: DecodeCall):
     """Stage 1 on the kernel: (mid_o f32[batch, q_heads, splits, head_dim], mid_lse f32[batch, q_heads, splits],
     num_kv_splits i32[batch], splits), the partial buffers `triton_decode.merge_splits` takes."""
-    from jaxattn.kernels.decode_attention_mgpu import DEFAULT_STAGES, gqa_decode_mgpu_kernel
+    from jaxattn.kernels.decode_attention_mgpu import gqa_decode_mgpu_kernel
 
     meta = call.meta
     config = call.config or MgpuDecodeConfig()
@@ -84,7 +85,7 @@ def gqa_decode_partials(call: DecodeCall):
         call.q, call.k_pool, call.v_pool, meta.kv_indptr.astype(jnp.int32), kv_indices, num_kv_splits, kv_scales,
         sm_scale=call.sm_scale, max_kv_splits=splits,
         sliding_window=call.sliding_window if call.sliding_window >= 0 else -1, min_block_kv=MIN_BLOCK_KV,
-        stages=config.stages or DEFAULT_STAGES)
+        stages=config.stages)
     mid_o = mid_o.reshape(call.batch, call.q_heads, splits, call.v_head_dim)
     mid_lse = mid_lse.reshape(call.batch, call.q_heads, splits)
     return mid_o, mid_lse, num_kv_splits, splits

@@ -8,8 +8,9 @@ The query of sequence b is the last token of its KV list, its K/V already writte
     `DecodeMetadata` pytree once per batch: the CSR KV lists and the number of KV splits of every sequence.
   * `decode_attention(q, k_pool, v_pool, meta, ...)` runs an implementation from `IMPLEMENTATIONS`: on sm_90 the
     Mosaic GPU MLA kernel (`jaxattn.impl.mgpu_mla`) for MLA's latent cache (576/512 or 288/256, V inside K,
-    16-bit), else SGLang's split-KV Triton kernels (`jaxattn.impl.triton_decode`); `impl="mgpu-gqa"` picks the
-    opt-in Mosaic GPU GQA kernel (`jaxattn.impl.mgpu_decode`).
+    16-bit), the Mosaic GPU GQA kernel (`jaxattn.impl.mgpu_decode`) for separate 16-bit K/V pools (head dim 64/128,
+    one token, no soft cap), else SGLang's split-KV Triton kernels (`jaxattn.impl.triton_decode`);
+    `impl="mgpu-gqa-fp8"` runs the GQA kernel on fp8 pools (opt-in: slower than Triton there so far).
   * `decode_attention_reference(q, k_pool, v_pool, meta, ...)`: the same call on the pure-jnp reference.
 
 Several query tokens per sequence (speculative verify, multi-token prediction): q ``[batch, tokens, q_heads, dim]``,
@@ -64,10 +65,10 @@ from jaxattn.tuning import (  # noqa: F401  (re-exported)
 )
 from jaxattn.tuning.sm90 import DECODE as SM90_CONFIGS  # noqa: F401  (re-exported)
 
-# In order of preference: the first that takes a call runs it (on sm_90, MLA's latent cache takes the Mosaic GPU
-# kernel; everything else, and every call off Hopper, the Triton kernels). The Mosaic GPU GQA kernel comes after
-# Triton, which takes every call, so it runs only by name (`impl="mgpu-gqa"`): slower than Triton in its H200 runs.
-IMPLEMENTATIONS = (mgpu_mla.DECODE, triton_decode.IMPLEMENTATION, mgpu_decode.DECODE)
+# In order of preference: the first that takes a call runs it (on sm_90, MLA's latent cache and GQA over 16-bit
+# pools take the Mosaic GPU kernels; everything else, and every call off Hopper, the Triton kernels). The Mosaic GPU
+# kernel's fp8 entry comes after Triton, which takes every call, so it runs only by name (`impl="mgpu-gqa-fp8"`).
+IMPLEMENTATIONS = (mgpu_mla.DECODE, mgpu_decode.DECODE, triton_decode.IMPLEMENTATION, mgpu_decode.DECODE_FP8)
 
 
 def _effective_window(meta, sliding_window):
@@ -120,8 +121,8 @@ def decode_attention(
       v_head_dim: with v_pool None: how many leading dims of K are V (default 512 for 576, 256 for 288).
       config: a `DecodeConfig` overriding the tuned table (for sweeps).
       launch_mode: "gpu", "interpret" or None (automatic); `mode` is its old name.
-      impl: None (the first of `IMPLEMENTATIONS` that takes the call) or an implementation's name ("mgpu", "triton",
-        "mgpu-gqa").
+      impl: None (the first of `IMPLEMENTATIONS` that takes the call) or an implementation's name ("mgpu", "mgpu-gqa",
+        "triton", "mgpu-gqa-fp8").
       k_scale, v_scale: the pools hold K / k_scale and V / v_scale: None (1), a float > 0 or a float array [] /
         [kv_heads] (traced). k_scale joins the score scale, v_scale the output.
       draft_mask: with several tokens, optional i32/u32[batch, tokens]: bit j of [b, t] = token t sees draft j

@@ -1,4 +1,5 @@
-"""The Mosaic GPU GQA decode kernel (`decode_attention(..., impl="mgpu-gqa")`) against the reference.
+"""The Mosaic GPU GQA decode kernel (`decode_attention(..., impl="mgpu-gqa")`, fp8 pools "mgpu-gqa-fp8") against the
+reference.
 
 The kernel needs an sm_90 GPU: its numerics run under `-m gpu`; CI lowers it for CUDA (tests/lower_mgpu_kernel.py,
 from tests/test_extend_mgpu.py) and checks here what runs without a GPU (which calls it takes, its split rule).
@@ -40,8 +41,12 @@ def make_case(rng, q_heads, kv_heads, dim, dtype, pool, *, kv_lens=KV_LENS, wind
     return q, k_pool, v_pool, meta, kwargs
 
 
+def impl_for(q, k_pool):
+    return "mgpu-gqa" if k_pool.dtype == q.dtype else "mgpu-gqa-fp8"
+
+
 def run_both(q, k_pool, v_pool, meta, **kwargs):
-    o, lse = decode_attention(q, k_pool, v_pool, meta, impl="mgpu-gqa", return_lse=True, **kwargs)
+    o, lse = decode_attention(q, k_pool, v_pool, meta, impl=impl_for(q, k_pool), return_lse=True, **kwargs)
     reference_kwargs = {name: value for name, value in kwargs.items() if name != "config"}
     ref_o, ref_lse = decode_attention_reference(q, k_pool, v_pool, meta, return_lse=True, **reference_kwargs)
     return o, lse, ref_o, ref_lse
@@ -110,7 +115,7 @@ def test_window_sinks_and_deterministic(rng):
     alone = decode_metadata_from_indptr(jnp.asarray([0, KV_LENS[6]], jnp.int32),
                                         meta.kv_indices[int(meta.kv_indptr[6]):int(meta.kv_indptr[7])],
                                         q_heads=32, kv_heads=8, max_kv_splits=32, deterministic=True)
-    o_alone = decode_attention(q[6:7], k_pool, v_pool, alone, impl="mgpu-gqa", **kwargs)
+    o_alone = decode_attention(q[6:7], k_pool, v_pool, alone, impl="mgpu-gqa-fp8", **kwargs)
     np.testing.assert_array_equal(np.float32(o_alone[0]), np.float32(o[6]))
 
 
@@ -120,7 +125,7 @@ def test_window_sinks_and_deterministic(rng):
 def test_nan_stays_in_its_row(rng, pool):
     q, k_pool, v_pool, meta, kwargs = make_case(rng, 32, 8, 128, jnp.bfloat16, pool)
     q = q.at[4, 3, 100].set(jnp.nan)
-    assert_nan_confined(decode_attention(q, k_pool, v_pool, meta, impl="mgpu-gqa", **kwargs), (4, 3))
+    assert_nan_confined(decode_attention(q, k_pool, v_pool, meta, impl=impl_for(q, k_pool), **kwargs), (4, 3))
 
 
 @pytest.mark.gpu
@@ -130,7 +135,7 @@ def test_hostile_indices_stay_inside(rng):
     q, k_pool, v_pool, meta, kwargs = make_case(rng, 32, 8, 128, jnp.bfloat16, jnp.float8_e4m3fn)
     bad = meta.kv_indices.at[5].set(10**9).at[40].set(-7)
     meta = dataclasses.replace(meta, kv_indices=bad, kv_indptr=meta.kv_indptr.at[-1].set(10**6))
-    o = decode_attention(q, k_pool, v_pool, meta, impl="mgpu-gqa", **kwargs)
+    o = decode_attention(q, k_pool, v_pool, meta, impl="mgpu-gqa-fp8", **kwargs)
     jax.block_until_ready(o)
     assert o.shape == (len(KV_LENS), 32, 128)
 
@@ -148,11 +153,13 @@ def _call(q_heads=32, kv_heads=8, tokens=1, dtype=jnp.bfloat16, dim=128, latent=
 
 
 def test_declines_name_the_reason():
-    declines = mgpu_decode.declines
+    declines, declines_fp8 = mgpu_decode.declines, mgpu_decode.declines_fp8
+    assert "fp8 pools: impl=\"mgpu-gqa-fp8\"" in declines(_call(pool_dtype=jnp.float8_e4m3fn))
+    assert "fp8 only" in declines_fp8(_call())
     assert "latent pool" in declines(_call(latent=True))
     assert "float32" in declines(_call(dtype=jnp.float32))
     assert "q's dtype or fp8" in declines(_call(pool_dtype=jnp.float16))
-    assert "head dims 64/64" in declines(_call(dim=64, pool_dtype=jnp.float8_e4m3fn))  # fp8 rows of 64 bytes
+    assert "head dims 64/64" in declines_fp8(_call(dim=64, pool_dtype=jnp.float8_e4m3fn))  # fp8 rows of 64 bytes
     assert "head dims 256/256" in declines(_call(dim=256))
     assert "head dims 128/64" in declines(_call(v_head_dim=64))
     assert "q heads per kv head" in declines(_call(q_heads=128, kv_heads=1))

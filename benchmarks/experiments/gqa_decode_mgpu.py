@@ -1,6 +1,7 @@
 """The Mosaic GPU GQA decode kernel's ring depth and split bound (issue 26), beside the Triton kernel, one GPU run.
 
 For each case (D1-D3, with fp8 and bf16 pools): jaxattn's default route, the Triton kernel, and the Mosaic GPU kernel
+(its fp8 entry for fp8 pools; runs before 0052c73 named both "mgpu-gqa")
 at ring depths 2 and 3 at its rule's split bound and at twice that bound (`mgpu_decode.kernel_splits`); ms and % of the case's
 floor (its own: one byte per element for fp8).
 
@@ -33,10 +34,11 @@ def main(argv=None) -> int:
         case = bench.CASES[name]
         inp = bench.make_inputs(case)
         rule = mgpu_decode.kernel_splits(case.batch, case.kv_heads)
-        variants = [("default route", dict(impl=None)), ("triton", dict(impl="triton"))]
+        variants = [("default route", dict(impl=None)), ("triton", dict(impl="triton"))]  # fp8: Triton is the default
         for stages, splits in ((2, rule), (3, rule), (2, 2 * rule), (3, 2 * rule)):  # 16-bit at 128 fits 2 only
             variants.append((f"mgpu s{stages} splits{splits}",
-                             dict(impl="mgpu-gqa", config=MgpuDecodeConfig(splits=splits, stages=stages))))
+                             dict(impl="mgpu-gqa-fp8" if case.fp8 else "mgpu-gqa",
+                                  config=MgpuDecodeConfig(splits=splits, stages=stages))))
         for label, kw in variants:
             try:
                 ms = time_calls(bench.decode_jaxattn(inp, **kw), jax_sync)

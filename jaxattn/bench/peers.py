@@ -50,10 +50,11 @@ def decode_mgpu(inp: Inputs):
 
 
 def decode_mgpu_gqa(inp: Inputs, config=None):
-    """The Mosaic GPU GQA kernel (`impl="mgpu-gqa"`): separate K/V pools, fp8 or 16-bit, one token per sequence."""
+    """The Mosaic GPU GQA kernel (`impl="mgpu-gqa"`, fp8 pools "mgpu-gqa-fp8"): separate K/V pools, one token per
+    sequence."""
     if inp.case.v_in_k or inp.case.new != 1:
         raise Skip("the Mosaic GPU GQA decode kernel takes separate K/V pools and one token per sequence")
-    return decode_jaxattn(inp, config=config, impl="mgpu-gqa")
+    return decode_jaxattn(inp, config=config, impl="mgpu-gqa-fp8" if inp.case.fp8 else "mgpu-gqa")
 
 
 def decode_as_extend(inp: Inputs):

@@ -52,12 +52,6 @@ FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 # q/k = v head dims the kernel takes: rows of whole 128-byte swizzle columns (fp8 at 64 would need a 64-byte swizzle).
 HEAD_DIMS = {1: (128,), 2: (64, 128)}  # by the pool's bytes per element
 CONSUMERS = 2  # kv heads per CTA, one consumer warpgroup each
-SHARED_LIMIT = 232448  # sm_90's opt-in shared memory per block (`jaxattn.hardware`'s SM90 holds the same figure)
-
-
-def default_stages(head_dim: int, pool_itemsize: int) -> int:
-    """The deepest ring that fits (at most 3): fp8 at head dim 128 takes 3 (196 KB), 16-bit at 128 takes 2."""
-    return max((s for s in (2, 3) if shared_bytes(head_dim, pool_itemsize, s) <= SHARED_LIMIT), default=2)
 
 
 def shared_bytes(head_dim: int, pool_itemsize: int, stages: int) -> int:
@@ -76,7 +70,7 @@ def _barriers(stages: int):
 
 
 def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_splits, kv_scales, *, sm_scale,
-                           max_kv_splits, sliding_window=-1, min_block_kv=32, stages=None):
+                           max_kv_splits, stages, sliding_window=-1, min_block_kv=32):
     """Stage 1 of split-KV decode, one query token per sequence. Returns (mid_o f32[batch * q_heads * max_kv_splits,
     head_dim], mid_lse f32[batch * q_heads * max_kv_splits]): row g = b * q_heads + h, split s at g * max_kv_splits + s
     (`decode_stage1_kernel`'s MID_O / MID_LSE flattened). Entries of empty splits are not written.
@@ -84,8 +78,8 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
     q: [batch, q_heads, head_dim] bf16/f16; k_pool, v_pool: [slots, kv_heads, head_dim], q's dtype or fp8 (e4m3fn /
     e5m2; then kv_scales f32[2 * kv_heads]: K scales then V scales, else None); q_heads a multiple of kv_heads with at
     most 64 q heads per kv head; head_dim in HEAD_DIMS[pool itemsize]. kv_indptr: i32[batch + 1]; kv_indices:
-    i32/i64[capacity]; num_kv_splits: i32[batch] (clamped to [1, max_kv_splits]). sliding_window W >= 0: only the
-    last W + 1 listed keys. stages: the rings' depth (None: `default_stages`).
+    i32/i64[capacity]; num_kv_splits: i32[batch] (clamped to [1, max_kv_splits]). stages: the rings' depth (>= 2;
+    the caller checks `shared_bytes` against the device). sliding_window W >= 0: only the last W + 1 listed keys.
     """
     batch, q_heads, head_dim = q.shape
     slots, kv_heads, _ = k_pool.shape
@@ -103,10 +97,6 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
     if fp8 != (kv_scales is not None):
         raise ValueError("kv_scales is given exactly when the pools are fp8")
     itemsize = k_pool.dtype.itemsize
-    stages = default_stages(head_dim, itemsize) if stages is None else stages
-    if shared_bytes(head_dim, itemsize, stages) > SHARED_LIMIT:
-        raise ValueError(f"stages={stages} needs {shared_bytes(head_dim, itemsize, stages)} bytes of shared memory at "
-                         f"head dim {head_dim} over a {k_pool.dtype} pool (sm_90 has {SHARED_LIMIT})")
     group = q_heads // kv_heads
     capacity = kv_indices.shape[0]
     ring_transforms = SWIZZLED_8BIT if fp8 else SWIZZLED

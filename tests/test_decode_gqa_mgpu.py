@@ -180,15 +180,13 @@ def test_split_rule_fills_the_gpu_once():
 
 
 def test_stages_that_do_not_fit_are_refused():
-    from jaxattn.kernels.decode_attention_mgpu import default_stages, gqa_decode_mgpu_kernel, shared_bytes
+    from jaxattn.kernels.decode_attention_mgpu import shared_bytes
 
-    assert default_stages(128, 1) == 3 and default_stages(128, 2) == 2 and default_stages(64, 2) == 3
+    assert mgpu_decode.ring_stages(128, 1) == 3 and mgpu_decode.ring_stages(128, 2) == 2
+    assert mgpu_decode.ring_stages(64, 2) == 3 and mgpu_decode.ring_stages(128, 1, 2) == 2
     assert shared_bytes(128, 1, 3) <= 232448 < shared_bytes(128, 2, 3)
-    S = jax.ShapeDtypeStruct
-    args = (S((2, 8, 128), jnp.bfloat16), S((50, 2, 128), jnp.bfloat16), S((50, 2, 128), jnp.bfloat16),
-            S((3,), jnp.int32), S((40,), jnp.int32), S((2,), jnp.int32), None)
-    with pytest.raises(ValueError, match="stages=3 needs .* bytes of shared memory"):
-        gqa_decode_mgpu_kernel(*args, sm_scale=0.1, max_kv_splits=2, stages=3)
+    with pytest.raises(ValueError, match=r"stages=3\) needs 233472 bytes of shared memory"):
+        mgpu_decode.ring_stages(128, 2, 3)
 
 
 def test_stages_is_the_gqa_kernels_own():

@@ -72,6 +72,21 @@ def declines_fp8(call: DecodeCall) -> str | None:
     return _declines(call)
 
 
+def ring_stages(head_dim: int, pool_itemsize: int, stages: int | None = None) -> int:
+    """The kernel's ring depth: `stages` if it fits in sm_90's shared memory (else ValueError with the byte count),
+    by default the deepest that fits, at most 3 (fp8 at head dim 128: 3, 196 KB; 16-bit at 128: 2)."""
+    from jaxattn.kernels.decode_attention_mgpu import shared_bytes
+
+    limit = hardware.SM90.shared_memory_bytes
+    if stages is None:
+        return max((s for s in (2, 3) if shared_bytes(head_dim, pool_itemsize, s) <= limit), default=2)
+    needed = shared_bytes(head_dim, pool_itemsize, stages)
+    if needed > limit:
+        raise ValueError(f"MgpuDecodeConfig(stages={stages}) needs {needed} bytes of shared memory at head dim "
+                         f"{head_dim} over {pool_itemsize}-byte rows (sm_90 has {limit})")
+    return stages
+
+
 def kernel_splits(batch: int, kv_heads: int, num_sms: int | None = None) -> int:
     """The static split bound: as many splits as fill every multiprocessor once with batch x kv head pairs x splits
     CTAs (one CTA per SM: two kv heads, 196 KB of shared memory at fp8), at least 1 (more CTAs than that run in
@@ -106,8 +121,8 @@ def gqa_decode_partials(call: DecodeCall):
     mid_o, mid_lse = gqa_decode_mgpu_kernel(
         call.q, call.k_pool, call.v_pool, meta.kv_indptr.astype(jnp.int32), kv_indices, num_kv_splits, kv_scales,
         sm_scale=call.sm_scale, max_kv_splits=splits,
-        sliding_window=call.sliding_window if call.sliding_window >= 0 else -1, min_block_kv=MIN_BLOCK_KV,
-        stages=config.stages)
+        stages=ring_stages(call.qk_head_dim, jnp.dtype(call.k_pool.dtype).itemsize, config.stages),
+        sliding_window=call.sliding_window if call.sliding_window >= 0 else -1, min_block_kv=MIN_BLOCK_KV)
     mid_o = mid_o.reshape(call.batch, call.q_heads, splits, call.v_head_dim)
     mid_lse = mid_lse.reshape(call.batch, call.q_heads, splits)
     return mid_o, mid_lse, num_kv_splits, splits

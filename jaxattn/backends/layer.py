@@ -74,6 +74,14 @@ class AttentionLayer:
         return k_pool[..., :self.dv], scales
 
 
+def is_latent_pool(v_pool, v) -> bool:
+    """Whether this layer's pool is latent (MLA's: v_pool None, V the first v_head_dim dims of each K row); a latent
+    pool takes no separate new V (ValueError otherwise)."""
+    if v_pool is None and v is not None:
+        raise ValueError("v must be None with a latent pool (v_pool None): V is part of K")
+    return v_pool is None
+
+
 def split_heads(x, heads, dim, name):
     if x.ndim == 2:
         if x.shape[1] != heads * dim:

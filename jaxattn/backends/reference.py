@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxattn.backends.layer import AttentionLayer, split_heads
+from jaxattn.backends.layer import AttentionLayer, is_latent_pool, split_heads
 from jaxattn.kv_indices import create_kv_indices_reference
 from jaxattn.paging import PageTable, create_kv_indices_from_pages
 from jaxattn.reference import ragged_paged_attention_reference
@@ -81,9 +81,7 @@ class ReferenceBackend:
           (o [T, q_heads, v_head_dim], k_pool, v_pool).
         """
         q = split_heads(q, layer.q_heads, layer.head_dim, "q")
-        latent = v_pool is None  # MLA's latent cache: V is the first layer.dv dims of each K row
-        if latent and v is not None:
-            raise ValueError("v must be None with a latent pool (v_pool None): V is part of K")
+        latent = is_latent_pool(v_pool, v)  # MLA's latent cache: V is the first layer.dv dims of each K row
         if meta.mode == ForwardMode.IDLE:
             return jnp.zeros((q.shape[0], layer.q_heads, layer.dv), q.dtype), k_pool, v_pool
         if save_kv and k is not None:

@@ -71,7 +71,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxattn.backends.layer import AttentionLayer, split_heads
+from jaxattn.backends.layer import AttentionLayer, is_latent_pool, split_heads
 from jaxattn.checks import INDEX_DTYPES, check_array, check_positive_int, launch_mode_argument
 from jaxattn.decode import decode_attention
 from jaxattn.extend import extend_attention, extend_attention_unified
@@ -332,9 +332,7 @@ class TritonBackend:
         if not isinstance(meta, TritonMetadata):
             raise ValueError(f"meta must be a TritonMetadata (see TritonBackend.init_forward_metadata); got {type(meta).__name__}")
         q = split_heads(q, layer.q_heads, layer.head_dim, "q")
-        latent = v_pool is None  # MLA's latent cache: V is the first layer.dv dims of each K row
-        if latent and v is not None:
-            raise ValueError("v must be None with a latent pool (v_pool None): V is part of K")
+        latent = is_latent_pool(v_pool, v)  # MLA's latent cache: V is the first layer.dv dims of each K row
         if meta.mode == ForwardMode.IDLE:
             return jnp.zeros((q.shape[0], layer.q_heads, layer.dv), q.dtype), k_pool, v_pool
         if k is not None:

@@ -255,8 +255,9 @@ class DecodeRunner:
         poison = (jnp.arange(self.slots) == 0) | (jnp.arange(self.slots) >= self.slots - 8)
         self.k_pool = scaled_pool(jnp.where(poison[:, None, None], jnp.nan,
                                             jax.random.normal(k1, (self.slots, profile.kv_heads, profile.qk_dim))), profile, "k")
-        self.v_pool = scaled_pool(jnp.where(poison[:, None, None], jnp.nan,
-                                            jax.random.normal(k2, (self.slots, profile.kv_heads, profile.v_dim))), profile, "v")
+        self.v_pool = None if profile.v_in_k else scaled_pool(
+            jnp.where(poison[:, None, None], jnp.nan, jax.random.normal(k2, (self.slots, profile.kv_heads, profile.v_dim))),
+            profile, "v")  # a latent pool has no V of its own
         self.scales = profile.scales()
         p = profile
         v_kw = dict(v_head_dim=p.v_dim) if p.v_in_k else {}  # MLA's latent cache: v_pool=None, V = K[..., :v_dim]
@@ -289,7 +290,7 @@ class DecodeRunner:
         cols = np.arange(t) - t + lens[:, None]  # [batch, t]
         cur = np.where(cols >= 0, table[rows[:, None], np.maximum(cols, 0)], 0).reshape(-1).astype(np.int32)
         k_cur = jax.random.normal(kk, (s.dec_batch * t, p.kv_heads, p.qk_dim)).astype(self.dtype)
-        v_cur = jax.random.normal(kv, (s.dec_batch * t, p.kv_heads, p.v_dim)).astype(self.dtype)
+        v_cur = None if p.v_in_k else jax.random.normal(kv, (s.dec_batch * t, p.kv_heads, p.v_dim)).astype(self.dtype)
         draft_mask = None
         if p.tree:  # each token sees itself and its ancestors (a random tree in topological order)
             masks = np.zeros((s.dec_batch, t, t), bool)
@@ -299,12 +300,12 @@ class DecodeRunner:
             draft_mask = draft_mask_bits(masks)
         self.k_pool, self.v_pool = write_kv(self.k_pool, self.v_pool, jnp.asarray(cur), k_cur, v_cur, **self.scales)
         self.k_pool = self.k_pool.at[0].set(jnp.nan)  # padding rows wrote slot 0: poison it again
-        self.v_pool = self.v_pool.at[0].set(jnp.nan)
+        if self.v_pool is not None:
+            self.v_pool = self.v_pool.at[0].set(jnp.nan)
         sinks = jax.random.normal(ks, (p.q_heads,)) * 2 if p.sinks else None
         meta = self.meta(jnp.asarray(table), jnp.asarray(rows), jnp.asarray(lens))
-        v_pool = None if p.v_in_k else self.v_pool
-        o = self.attn(q, self.k_pool, v_pool, meta, sinks=sinks, draft_mask=draft_mask, **self.scales)
-        ref = self.ref(q, self.k_pool, v_pool, meta, sinks=sinks, draft_mask=draft_mask, **self.scales)
+        o = self.attn(q, self.k_pool, self.v_pool, meta, sinks=sinks, draft_mask=draft_mask, **self.scales)
+        ref = self.ref(q, self.k_pool, self.v_pool, meta, sinks=sinks, draft_mask=draft_mask, **self.scales)
         # Rows with no key: padding sequences, and (causal, no sinks) the tokens placed before a short list's start.
         empty = np.broadcast_to((lens == 0)[:, None], (s.dec_batch, t)).copy()
         if not p.tree and not p.sinks:

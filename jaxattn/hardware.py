@@ -27,6 +27,8 @@ class GpuFamily:
 SM90 = GpuFamily(name="sm_90", compute_capability="9.0", shared_memory_bytes=227 * 1024, sm_count=132,
                  aot_target=("cuda", 90, 32))
 FAMILIES = {SM90.name: SM90}
+# CUDA's bound on a launch grid's second and third dimensions (the first takes up to 2**31 - 1).
+GRID_YZ_LIMIT = 65535
 # The family whose tables serve where no GPU is visible (the CPU interpreter) and as the fallback elsewhere.
 REFERENCE_FAMILY = SM90
 

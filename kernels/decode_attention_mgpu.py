@@ -1,11 +1,12 @@
-"""Split-KV decode for grouped-query attention on Hopper as a Pallas Mosaic GPU kernel, written for fp8 pools
-(issue 26): K/V rows cross HBM as one byte per element and become f16 in shared memory, where wgmma reads them.
+"""Split-KV decode for grouped-query attention on Hopper as a Pallas Mosaic GPU kernel, over 16-bit or fp8 pools.
 
-Why not Triton: its fp8 decode (kernels/decode_attention.py) reads the fp8 V operand from shared memory a byte at a
-time (sm_90 has no 8-bit transposing ldmatrix), ~1080 instructions per warp per 64-key tile at 254 registers, two
-warps per program: on the H200 it issues at IPC 2.1 with DRAM at 69% (Nsight Compute, D1-FP8). Here a warpgroup
-converts a whole fp8 tile with 16-bit shared-memory loads and f16x2 conversions, and wgmma reads f16 V in its
-transposed (MN-major) form, which needs no byte shuffles.
+Over 16-bit pools it is sm_90's default decode kernel (95-97% of the memory floor at D1/D2 on the H200, where the
+Triton kernel reaches 91-92%: `benchmarks/RESULTS.md`). It was written for fp8 pools (issue 26), where Triton's
+kernel (kernels/decode_attention.py) reads the fp8 V operand from shared memory a byte at a time (sm_90 has no 8-bit
+transposing ldmatrix) and is bound by instruction issue (Nsight Compute at D1-FP8: IPC 2.1, DRAM 69%). Here a
+consumer converts each fp8 tile to f16 in shared memory (32-bit loads, packed f16x2 conversions) and wgmma reads V
+in its transposed (MN-major) form, which needs no byte shuffles; so far that runs 1.3x slower than Triton over fp8
+pools (the conversions and the softmax sit on each consumer's critical path), so fp8 pools take it by name only.
 
 One CTA = one sequence x two kv heads x one split of its keys. Each kv head's rows are its q heads (GQA's group, at
 most 64), padded to wgmma's 64 rows with zero rows that are computed and never stored. Three warpgroups:

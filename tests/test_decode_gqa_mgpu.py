@@ -142,8 +142,8 @@ def test_hostile_indices_stay_inside(rng):
 
 # What runs without a GPU.
 
-def _call(q_heads=32, kv_heads=8, tokens=1, dtype=jnp.bfloat16, dim=128, latent=False, **fields):
-    q = jax.ShapeDtypeStruct((4, q_heads, dim) if tokens == 1 else (4, tokens, q_heads, dim), dtype)
+def _call(q_heads=32, kv_heads=8, tokens=1, dtype=jnp.bfloat16, dim=128, latent=False, batch=4, **fields):
+    q = jax.ShapeDtypeStruct((batch, q_heads, dim) if tokens == 1 else (batch, tokens, q_heads, dim), dtype)
     k_pool = jax.ShapeDtypeStruct((100, kv_heads, dim), fields.pop("pool_dtype", dtype))
     base = dict(q=q, k_pool=k_pool, v_pool=None if latent else k_pool, meta=None, sinks=None, sm_scale=0.1,
                 logit_cap=0.0, xai_temperature_len=-1, sliding_window=-1, v_head_dim=fields.pop("v_head_dim", dim),
@@ -165,6 +165,7 @@ def test_declines_name_the_reason():
     assert "q heads per kv head" in declines(_call(q_heads=128, kv_heads=1))
     assert "several query tokens" in declines(_call(tokens=2))
     assert "soft cap" in declines(_call(logit_cap=30.0))
+    assert "grid's third dimension" in declines(_call(batch=70000))
     assert "MgpuDecodeConfig" in declines(_call(config=object()))
     assert "interpreted" in declines(_call(launch_mode="interpret"))
     if not HAS_GPU:

@@ -152,8 +152,8 @@ def test_hostile_indices_stay_inside(rng):
 
 # What runs without a GPU.
 
-def _call(q_heads=16, tokens=1, dtype=jnp.bfloat16, qk=576, v_pool=False, kv_heads=1, **fields):
-    q = jax.ShapeDtypeStruct((4, q_heads, qk) if tokens == 1 else (4, tokens, q_heads, qk), dtype)
+def _call(q_heads=16, tokens=1, dtype=jnp.bfloat16, qk=576, v_pool=False, kv_heads=1, batch=4, **fields):
+    q = jax.ShapeDtypeStruct((batch, q_heads, qk) if tokens == 1 else (batch, tokens, q_heads, qk), dtype)
     k_pool = jax.ShapeDtypeStruct((100, kv_heads, qk), fields.pop("pool_dtype", dtype))
     base = dict(q=q, k_pool=k_pool, v_pool=k_pool if v_pool else None, meta=None, sinks=None, sm_scale=0.1,
                 logit_cap=0.0, xai_temperature_len=-1, sliding_window=-1, v_head_dim=512 if qk == 576 else qk,
@@ -169,6 +169,7 @@ def test_declines_name_the_reason():
     assert "float32" in mgpu_mla.declines_decode(_call(dtype=jnp.float32))
     assert "pool" in mgpu_mla.declines_decode(_call(pool_dtype=jnp.float8_e4m3fn))
     assert "soft cap" in mgpu_mla.declines_decode(_call(logit_cap=30.0))
+    assert "grid's third dimension" in mgpu_mla.declines_decode(_call(batch=70000))
     assert "rows per sequence" in mgpu_mla.declines_decode(_call(q_heads=20))  # 20 rows: not a multiple of 8
     assert "rows per sequence" in mgpu_mla.declines_decode(_call(q_heads=16, tokens=5))  # 80 rows
     assert "interpreted" in mgpu_mla.declines_decode(_call(launch_mode="interpret"))

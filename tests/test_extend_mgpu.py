@@ -1431,3 +1431,13 @@ def test_lowers_for_cuda_on_cpu():
     from tests.lower_mgpu_kernel import DECODE_SHAPES, SHAPES
 
     assert run.stdout.count("ok ") == len(SHAPES) + len(DECODE_SHAPES) == 45, run.stdout
+
+
+def test_batches_past_the_grid_limit_are_declined():
+    # The batch is the launch grid's third dimension (at most 65535): larger batches take the Triton kernels.
+    from types import SimpleNamespace
+
+    from jaxattn.impl import mgpu_extend
+
+    call = SimpleNamespace(form="two_stage", config=None, meta=SimpleNamespace(sliding_window=-1), batch=65536)
+    assert "grid's third dimension" in mgpu_extend.IMPLEMENTATION.declines(call)

@@ -119,3 +119,15 @@ def test_kernel_under_hostile_metadata(rng):
     o = mla_extend_attention(batch.q, batch.k_new, batch.k_pool, meta, impl="mgpu")
     jax.block_until_ready(o)
     assert o.shape == batch.q.shape[:2] + (512,)
+
+
+def test_batches_past_the_grid_limit_are_declined():
+    # The batch is the MLA extend kernel's second grid dimension (at most 65535): larger batches take Triton.
+    from types import SimpleNamespace
+
+    from jaxattn.impl import mgpu_mla
+
+    call = SimpleNamespace(qk_head_dim=576, v_head_dim=512, q=jax.ShapeDtypeStruct((8, 16, 576), jnp.bfloat16),
+                           k_pool=jax.ShapeDtypeStruct((9, 1, 576), jnp.bfloat16), q_heads=16,
+                           meta=SimpleNamespace(qo_indptr=jax.ShapeDtypeStruct((65537,), jnp.int32)), launch_mode="gpu")
+    assert "grid's second dimension" in mgpu_mla.declines_extend(call)

@@ -50,6 +50,8 @@ def _declines(call: DecodeCall) -> str | None:
         return "several query tokens per sequence"
     if call.logit_cap > 0 or call.xai_temperature_len > 0:
         return "a soft cap or xai temperature"
+    if call.batch > hardware.GRID_YZ_LIMIT:  # the batch is the grid's third dimension
+        return f"batch {call.batch} (at most {hardware.GRID_YZ_LIMIT}: the launch grid's third dimension)"
     return hardware.mosaic_gpu_unavailable(call.launch_mode)
 
 

@@ -95,6 +95,8 @@ def _declines_form(form: str):
             return "config is a Triton ExtendConfig (pass an MgpuExtendConfig, or none, for this kernel)"
         if form == "unified" and call.meta.sliding_window >= 0:
             return "a window-cut key list in the unified form"
+        if call.batch > hardware.GRID_YZ_LIMIT:  # the batch is the grid's third dimension
+            return f"batch {call.batch} (at most {hardware.GRID_YZ_LIMIT}: the launch grid's third dimension)"
         return _unsupported(call.q.dtype, call.qk_head_dim, call.v_head_dim, call.features, call.launch_mode, form)
 
     return declines

@@ -69,6 +69,8 @@ def declines_decode(call: DecodeCall) -> str | None:
     reason = rows_unsupported(call.tokens_per_seq, call.q_heads)
     if reason is not None:
         return reason
+    if call.batch > hardware.GRID_YZ_LIMIT:  # the batch is the grid's third dimension
+        return f"batch {call.batch} (at most {hardware.GRID_YZ_LIMIT}: the launch grid's third dimension)"
     return hardware.mosaic_gpu_unavailable(call.launch_mode)
 
 
@@ -141,6 +143,9 @@ def declines_extend(call: MlaExtendCall) -> str | None:
 
     if not extend_heads_supported(call.q_heads):
         return f"{call.q_heads} q heads (a multiple of 8, or a divisor of 64)"
+    if call.meta.qo_indptr.shape[0] - 1 > hardware.GRID_YZ_LIMIT:  # the batch is the grid's second dimension
+        return (f"batch {call.meta.qo_indptr.shape[0] - 1} (at most {hardware.GRID_YZ_LIMIT}: the launch grid's "
+                f"second dimension)")
     return hardware.mosaic_gpu_unavailable(call.launch_mode)
 
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxattn import testing
+from jaxattn import hardware, testing
 from jaxattn.calls import DecodeCall
 from jaxattn.decode import decode_attention, decode_attention_reference, decode_metadata_from_indptr
 from jaxattn.impl import mgpu_decode
@@ -197,3 +197,14 @@ def test_stages_is_the_gqa_kernels_own():
     assert "ring depth" in mgpu_mla.declines_decode(call)
     with pytest.raises(ValueError, match="stages"):
         MgpuDecodeConfig(stages=1)
+
+
+def test_route_order():
+    # 16-bit GQA pools before the Triton kernels (which take every call); the fp8 entry after them (by name only).
+    from jaxattn.decode import IMPLEMENTATIONS
+
+    names = [i.name for i in IMPLEMENTATIONS]
+    assert names.index("mgpu-gqa") < names.index("triton") < names.index("mgpu-gqa-fp8")
+    call = _call()  # on sm_90 only the device could decline it; the fp8 entry never takes a 16-bit pool
+    assert mgpu_decode.declines(call) == hardware.mosaic_gpu_unavailable("gpu")
+    assert "fp8 only" in mgpu_decode.declines_fp8(call)

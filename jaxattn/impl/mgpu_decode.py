@@ -14,8 +14,6 @@ Needs an sm_90 GPU and jax's CUDA plugin; the reference is `jaxattn.decode.decod
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax.numpy as jnp
 
 from jaxattn import hardware
@@ -131,10 +129,7 @@ def gqa_decode_partials(call: DecodeCall):
 
 
 def run(call: DecodeCall):
-    if call.batch == 0:  # nothing to launch: the Triton path's empty result (its tiles by default)
-        return triton_decode.run(dataclasses.replace(call, config=None))
-    mid_o, mid_lse, num_kv_splits, splits = gqa_decode_partials(call)
-    return triton_decode.merge_splits(call, mid_o, mid_lse, num_kv_splits, splits)
+    return triton_decode.run_merged(call, gqa_decode_partials)
 
 
 # Two entries on one kernel: 16-bit pools (the default route on sm_90: ahead of the Triton kernel, 95-96% of the

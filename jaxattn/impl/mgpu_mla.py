@@ -21,8 +21,6 @@ Both need an sm_90 GPU and jax's CUDA plugin; the references are `jaxattn.decode
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
@@ -123,10 +121,7 @@ def mla_decode_partials(call: DecodeCall):
 
 
 def run_decode(call: DecodeCall):
-    if call.batch == 0:  # nothing to launch: the Triton path's empty result (its tiles by default)
-        return triton_decode.run(dataclasses.replace(call, config=None))
-    mid_o, mid_lse, num_kv_splits, splits = mla_decode_partials(call)
-    return triton_decode.merge_splits(call, mid_o, mid_lse, num_kv_splits, splits)
+    return triton_decode.run_merged(call, mla_decode_partials)
 
 
 DECODE = Implementation("mgpu", declines_decode, run_decode)

@@ -191,6 +191,14 @@ def merge_splits(call: DecodeCall, mid_o, mid_lse, num_kv_splits, max_splits: in
     return (o, lse) if call.return_lse else o
 
 
+def run_merged(call: DecodeCall, partials):
+    """A stage 1 of another kernel, then the Triton merge: partials(call) -> (mid_o, mid_lse, num_kv_splits, splits)
+    as `merge_splits` takes them. An empty batch launches nothing (the Triton path's empty result)."""
+    if call.batch == 0:
+        return run(dataclasses.replace(call, config=None))
+    return merge_splits(call, *partials(call))
+
+
 IMPLEMENTATION = Implementation("triton", declines, run)
 
 

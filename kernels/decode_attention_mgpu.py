@@ -47,9 +47,18 @@ from jaxattn.kernels.extend_attention_mgpu import (
     row_sources,
     wait_barrier,
 )
-from jaxattn.kernels.mla_attention_mgpu import BLOCK_KV, BLOCK_ROWS, LN2, decode_cta, decode_visible, store_rows
+from jaxattn.kernels.mla_attention_mgpu import (
+    BLOCK_KV,
+    BLOCK_ROWS,
+    decode_cta,
+    decode_visible,
+    inverse_sum,
+    online_softmax_tile,
+    rows_lse,
+    store_rows,
+)
 
-FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)  # jaxattn.fp8's list: kernels/ imports nothing of jaxattn beyond it
 # q/k = v head dims the kernel takes: rows of whole 128-byte swizzle columns (fp8 at 64 would need a 64-byte swizzle).
 HEAD_DIMS = {1: (128,), 2: (64, 128)}  # by the pool's bytes per element
 CONSUMERS = 2  # kv heads per CTA, one consumer warpgroup each
@@ -164,11 +173,7 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
                 if masked:
                     cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
                     s = jnp.where(decode_visible(cta, step, cols, 1), s, -jnp.inf)
-                m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
-                alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                l_i = l_i * alpha + p.sum(axis=1)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p, acc, m_new, l_i, _ = online_softmax_tile(s, acc, m_i, l_i, scale_log2)
                 p16 = p.astype(jnp.float16 if fp8 else q_regs.dtype)
                 if not fp8:
                     wait_barrier(bars, v_ready + slot, parity)
@@ -191,14 +196,13 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
             carry = lax.fori_loop(0, cta.full_steps, lambda i, c: step_fn(i, c, False), carry)
             carry = lax.fori_loop(cta.full_steps, cta.steps, lambda i, c: step_fn(i, c, True), carry)
             acc, m_i, l_i = carry
-            factor = 1.0 / jnp.where(l_i == 0.0, 1.0, l_i)  # "no keys" is l == 0 exactly (acc is 0); NaN stays NaN
+            factor = inverse_sum(l_i)
             if v_scale is not None:
                 factor = factor * v_scale
             first_out = q_row0 * max_kv_splits + split  # row g's split s sits at g * max_kv_splits + s
             store_rows(acc * lax.broadcast_in_dim(factor, acc.shape, [0]), mid_o_ref, first_out, jnp.int32(group),
                        row_stride=max_kv_splits * head_dim, first_scale=head_dim)
-            lse = jnp.where(l_i == 0.0, -jnp.inf, (m_i + jnp.log2(jnp.where(l_i == 0.0, 1.0, l_i))) * LN2)
-            store_rows(lse, mid_lse_ref, first_out, jnp.int32(group), row_stride=max_kv_splits, first_scale=1)
+            store_rows(rows_lse(m_i, l_i), mid_lse_ref, first_out, jnp.int32(group), row_stride=max_kv_splits, first_scale=1)
 
         def producer():
             plgpu.set_max_registers(40, action="decrease")

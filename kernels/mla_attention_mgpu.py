@@ -131,6 +131,28 @@ def store_rows(values, out, first, valid_rows, *, row_stride: int, first_scale: 
     run(values, out, first, valid_rows)
 
 
+def online_softmax_tile(s, acc, m_i, l_i, scale_log2):
+    """One key tile of the online softmax (base 2) for 64 rows: s f32[64, 64] raw scores (WGMMA layout; invisible ones
+    -inf), acc f32[64, n] the rows' output so far, m_i / l_i f32[64] their running max (of scaled scores) and sum.
+    Returns (p, acc rescaled by alpha, m_new, l_new, alpha)."""
+    m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
+    alpha = jnp.exp2(m_i - m_new)
+    p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    l_i = l_i * alpha + p.sum(axis=1)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    return p, acc, m_new, l_i, alpha
+
+
+def inverse_sum(l_i):
+    """1 / l per row; "no keys" is l == 0 exactly (acc is 0 then, so the row stays 0); NaN stays NaN."""
+    return 1.0 / jnp.where(l_i == 0.0, 1.0, l_i)
+
+
+def rows_lse(m_i, l_i):
+    """The rows' natural-log LSE from the base-2 running max and sum; -inf for rows that saw no key."""
+    return jnp.where(l_i == 0.0, -jnp.inf, (m_i + jnp.log2(jnp.where(l_i == 0.0, 1.0, l_i))) * LN2)
+
+
 def head_values(values, r0, *, q_heads: int):
     """f32[64] in the WGMMA row layout: row r's entry values[(r0 + r) % q_heads] ((token, head) rows, token-major,
     from row r0). values: f32[q_heads] in GMEM; r0: i32 scalar >= 0."""
@@ -339,11 +361,7 @@ def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, shape: LatentShape
             s = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, BLOCK_KV), jnp.float32))
             if visible is not None:
                 s = jnp.where(visible, s, -jnp.inf)
-            m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
-            alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            l_i = l_i * alpha + p.sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p, acc, m_new, l_i, alpha = online_softmax_tile(s, acc, m_i, l_i, scale_log2)
             p16 = p.astype(dtype)
             # Warpgroup 1 has read the previous P and alpha (its arrival #step - 1 on P free).
             pl.when(step > 0)(lambda: wait_barrier(bars, p_free, lax.rem(step - 1, 2)))
@@ -370,13 +388,13 @@ def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, shape: LatentShape
             m_i = m_f
             factor = alpha / jnp.where(l_i == 0.0, 1.0, l_i)
         else:
-            factor = 1.0 / jnp.where(l_i == 0.0, 1.0, l_i)  # "no keys" is l == 0 exactly (acc is 0); NaN stays NaN
+            factor = inverse_sum(l_i)
         wait_barrier(bars, p_free, lax.rem(steps - 1, 2))
         alpha_smem[...] = factor  # for warpgroup 1's half
         arrive_barrier(bars, p_ready)
         store_out(0, acc * lax.broadcast_in_dim(factor, acc.shape, [0]))
         if store_lse is not None:
-            store_lse(jnp.where(l_i == 0.0, -jnp.inf, (m_i + jnp.log2(jnp.where(l_i == 0.0, 1.0, l_i))) * LN2))
+            store_lse(rows_lse(m_i, l_i))
 
     @pl.when(wg == 1)
     def _second_half():

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from jaxattn import hardware
 from jaxattn.calls import DecodeCall
+from jaxattn.fp8 import is_fp8
 from jaxattn.impl import triton_decode
 from jaxattn.metadata import MIN_BLOCK_KV
 from jaxattn.registry import Implementation
@@ -28,7 +29,7 @@ MGPU_DTYPES = (jnp.bfloat16, jnp.float16)
 
 def _declines(call: DecodeCall) -> str | None:
     """What both entries decline (the pool's dtype aside)."""
-    from jaxattn.kernels.decode_attention_mgpu import BLOCK_ROWS, FP8_DTYPES, HEAD_DIMS
+    from jaxattn.kernels.decode_attention_mgpu import BLOCK_ROWS, HEAD_DIMS
 
     if call.config is not None and not isinstance(call.config, MgpuDecodeConfig):
         return f"config is a {type(call.config).__name__} (this kernel takes an MgpuDecodeConfig or none)"
@@ -37,7 +38,7 @@ def _declines(call: DecodeCall) -> str | None:
     if jnp.dtype(call.q.dtype) not in map(jnp.dtype, MGPU_DTYPES):
         return f"dtype {jnp.dtype(call.q.dtype).name} (bf16/f16 only)"
     pool = jnp.dtype(call.k_pool.dtype)
-    if pool != jnp.dtype(call.q.dtype) and pool not in map(jnp.dtype, FP8_DTYPES):
+    if pool != jnp.dtype(call.q.dtype) and not is_fp8(pool):
         return f"a {pool.name} pool with {jnp.dtype(call.q.dtype).name} q (q's dtype or fp8 only)"
     if call.qk_head_dim != call.v_head_dim or call.qk_head_dim not in HEAD_DIMS[pool.itemsize]:
         return (f"head dims {call.qk_head_dim}/{call.v_head_dim} (equal, one of {HEAD_DIMS[pool.itemsize]} for a "
@@ -55,9 +56,7 @@ def _declines(call: DecodeCall) -> str | None:
 
 def declines(call: DecodeCall) -> str | None:
     """"mgpu-gqa": 16-bit pools (q's dtype)."""
-    from jaxattn.kernels.decode_attention_mgpu import FP8_DTYPES
-
-    if call.v_pool is not None and jnp.dtype(call.k_pool.dtype) in map(jnp.dtype, FP8_DTYPES):
+    if call.v_pool is not None and is_fp8(call.k_pool.dtype):
         return (f"a {jnp.dtype(call.k_pool.dtype).name} pool (fp8 pools: impl=\"mgpu-gqa-fp8\", opt-in, slower "
                 f"than the Triton kernel in its H200 runs)")
     return _declines(call)
@@ -65,9 +64,7 @@ def declines(call: DecodeCall) -> str | None:
 
 def declines_fp8(call: DecodeCall) -> str | None:
     """"mgpu-gqa-fp8": fp8 pools."""
-    from jaxattn.kernels.decode_attention_mgpu import FP8_DTYPES
-
-    if call.v_pool is not None and jnp.dtype(call.k_pool.dtype) not in map(jnp.dtype, FP8_DTYPES):
+    if call.v_pool is not None and not is_fp8(call.k_pool.dtype):
         return f"a {jnp.dtype(call.k_pool.dtype).name} pool (fp8 only; 16-bit pools: impl=\"mgpu-gqa\")"
     return _declines(call)
 

@@ -73,14 +73,15 @@ def shared_bytes(head_dim: int, pool_itemsize: int, stages: int) -> int:
 
 
 def _barriers(stages: int):
-    """First indices of the (k_ready, v_ready, free) rings (consumer c's slot i: first + c * stages + i) and of the
-    Q barriers (+ c), and every barrier's arrival count (128 threads each)."""
+    """First indices of the (k_ready, v_ready, free) rings (consumer c's slot i: first + c * stages + i), of the Q
+    barriers (q_ready + c: Q landed; q_free + c: consumer c has read it), and every barrier's arrival count (128
+    threads each)."""
     ring = CONSUMERS * stages
-    return 0, ring, 2 * ring, 3 * ring, (WARPGROUP,) * (3 * ring + CONSUMERS)
+    return 0, ring, 2 * ring, 3 * ring, 3 * ring + CONSUMERS, (WARPGROUP,) * (3 * ring + 2 * CONSUMERS)
 
 
 def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_splits, kv_scales, *, sm_scale,
-                           max_kv_splits, stages, sliding_window=-1, min_block_kv=32):
+                           max_kv_splits, stages, sliding_window=-1, min_block_kv=32, persistent_ctas=0):
     """Stage 1 of split-KV decode, one query token per sequence. Returns (mid_o f32[batch * q_heads * max_kv_splits,
     head_dim], mid_lse f32[batch * q_heads * max_kv_splits]): row g = b * q_heads + h, split s at g * max_kv_splits + s
     (`decode_stage1_kernel`'s MID_O / MID_LSE flattened). Entries of empty splits are not written.
@@ -90,6 +91,9 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
     most 64 q heads per kv head; head_dim in HEAD_DIMS[pool itemsize]. kv_indptr: i32[batch + 1]; kv_indices:
     i32/i64[capacity]; num_kv_splits: i32[batch] (clamped to [1, max_kv_splits]). stages: the rings' depth (>= 2;
     the caller checks `shared_bytes` against the device). sliding_window W >= 0: only the last W + 1 listed keys.
+    persistent_ctas: 0 launches one CTA per work item (split x kv head pair x sequence); n > 0 launches
+    min(n, items) CTAs that take items i, i + n, ... in turn, the producer filling the rings with the next item's
+    rows while the consumers finish the current one (a CTA's start-up, its first tiles' latency, is paid once).
     """
     batch, q_heads, head_dim = q.shape
     slots, kv_heads, _ = k_pool.shape
@@ -110,139 +114,186 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
     group = q_heads // kv_heads
     capacity = kv_indices.shape[0]
     ring_transforms = SWIZZLED_8BIT if fp8 else SWIZZLED
-    k_ready, v_ready, free, q_bar, counts = _barriers(stages)
+    k_ready, v_ready, free, q_ready, q_free, counts = _barriers(stages)
+    head_pairs = -(-kv_heads // CONSUMERS)
+    items = max_kv_splits * head_pairs * batch  # item i: split i % splits, pair (i // splits) % pairs, sequence
+    ctas = min(persistent_ctas, items) if persistent_ctas > 0 else 0
 
     def body(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_ref, v_ref, scales_ref, mid_o_ref, mid_lse_ref,
              scoped):
         q_smem, k_rings, v_rings, converted, bars = scoped
-        split = lax.axis_index("splits")
-        head_pair = lax.axis_index("kv_head_pairs")
-        seq = lax.axis_index("seq")
         wg = lax.axis_index("wg")
-        cta = decode_cta(kv_indptr_ref, splits_ref, seq, split, capacity=capacity, sliding_window=sliding_window,
-                         max_kv_splits=max_kv_splits, min_block_kv=min_block_kv, tokens=1)
+
+        def item_at(k):
+            """(seq, head_pair, split, its DecodeCta) of this CTA's k-th item."""
+            if ctas:
+                item = lax.axis_index("cta") + k * ctas
+                split = lax.rem(item, max_kv_splits)
+                head_pair = lax.rem(lax.div(item, max_kv_splits), head_pairs)
+                seq = lax.div(item, max_kv_splits * head_pairs)
+            else:
+                split, head_pair, seq = (lax.axis_index(n) for n in ("splits", "kv_head_pairs", "seq"))
+            cta = decode_cta(kv_indptr_ref, splits_ref, seq, split, capacity=capacity, sliding_window=sliding_window,
+                             max_kv_splits=max_kv_splits, min_block_kv=min_block_kv, tokens=1)
+            return seq, head_pair, split, cta
+
+        def for_each_item(fn, counters):
+            """Runs fn(seq, head_pair, split, cta, counters) -> counters over this CTA's items."""
+            if not ctas:
+                return fn(*item_at(jnp.int32(0)), counters)
+            cta_items = lax.div(items - 1 - lax.axis_index("cta"), ctas) + 1
+            return lax.fori_loop(0, cta_items, lambda k, carry: fn(*item_at(k), carry), counters)
 
         def consumer(c):
-            """Consumer warpgroup c (a traced index) on kv head CONSUMERS * head_pair + c."""
-            kv_head = CONSUMERS * head_pair + c
-            q_row0 = seq * q_heads + kv_head * group  # the group's first row of q (and of the outputs)
-            k16, v16 = (converted[0].at[c], converted[1].at[c]) if fp8 else (None, None)
+            """Consumer warpgroup c (a traced index) on kv head CONSUMERS * head_pair + c of each item. Counters:
+            (ring tiles it has consumed, Q loads it has read)."""
             ring0 = c * stages  # consumer c's slots of the rings, and of their barriers
+            k16, v16 = (converted[0].at[c], converted[1].at[c]) if fp8 else (None, None)
             plgpu.set_max_registers(232, action="increase")
-            m_i = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), -1e30, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            l_i = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            acc = plgpu.layout_cast(jnp.full((BLOCK_ROWS, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-            wait_barrier(bars, q_bar + c, 0)
-            q_regs = plgpu.load(q_smem.at[c], layout=plgpu.Layout.WGMMA)
-            if fp8:  # f16 dots (f16 holds fp8 exactly); sm_scale applied before the rounding, k_scale after
-                q_regs = (q_regs.astype(jnp.float32) * sm_scale).astype(jnp.float16)
-                scale_log2 = scales_ref[kv_head] * LOG2E
-                v_scale = scales_ref[kv_heads + kv_head]
-            else:
-                scale_log2 = float(sm_scale) * LOG2E
-                v_scale = None
 
-            def convert(ring, tile, step, ready):
-                """Waits for ring tile `step` and writes it to `tile` as f16. The 8-bit load takes 4 elements per
+            def ring_slot(tile):  # ring tile number -> (slot, phase parity)
+                return ring0 + lax.rem(tile, stages), lax.rem(lax.div(tile, stages), 2)
+
+            def convert(ring, tile, index, ready):
+                """Waits for ring tile `index` and writes it to `tile` as f16. The 8-bit load takes 4 elements per
                 32-bit access (the layout made for upcasting into wgmma's)."""
-                slot = ring0 + lax.rem(step, stages)
-                wait_barrier(bars, ready + slot, lax.rem(lax.div(step, stages), 2))
+                slot, parity = ring_slot(index)
+                wait_barrier(bars, ready + slot, parity)
                 tile[...] = plgpu.load(ring.at[slot], layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.float16)
 
-            if fp8:  # tile 0's K; each step converts the next tile's K while its P V runs
-                convert(k_rings, k16, jnp.int32(0), k_ready)
-                plgpu.commit_smem()
+            def item(seq, head_pair, split, cta, counters):
+                ring_done, q_loads = counters
+                kv_head = CONSUMERS * head_pair + c
+                active = (cta.split_len > 0) & (kv_head < kv_heads)
 
-            def step_fn(step, carry, masked):
-                acc, m_i, l_i = carry
-                slot = ring0 + lax.rem(step, stages)
-                parity = lax.rem(lax.div(step, stages), 2)
-                if not fp8:
-                    wait_barrier(bars, k_ready + slot, parity)
-                k_tile = k16 if fp8 else k_rings.at[slot]
+                @pl.when(active)
+                def _():
+                    q_row0 = seq * q_heads + kv_head * group  # the group's first row of q (and of the outputs)
+                    m_i = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), -1e30, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+                    l_i = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+                    acc = plgpu.layout_cast(jnp.full((BLOCK_ROWS, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+                    wait_barrier(bars, q_ready + c, lax.rem(q_loads, 2))
+                    q_regs = plgpu.load(q_smem.at[c], layout=plgpu.Layout.WGMMA)
+                    if ctas:  # the producer may load the next item's Q
+                        arrive_barrier(bars, q_free + c)
+                    if fp8:  # f16 dots (f16 holds fp8 exactly); sm_scale applied before the rounding, k_scale after
+                        q_regs = (q_regs.astype(jnp.float32) * sm_scale).astype(jnp.float16)
+                        scale_log2 = scales_ref[kv_head] * LOG2E
+                        v_scale = scales_ref[kv_heads + kv_head]
+                    else:
+                        scale_log2 = float(sm_scale) * LOG2E
+                        v_scale = None
 
-                def qk(s_ref):
-                    plgpu.wgmma(s_ref, q_regs, k_tile.transpose((1, 0)))
-                    if fp8:  # V's conversion overlaps the wgmma; then both fp8 tiles are read: release the slot
-                        convert(v_rings, v16, step, v_ready)
-                        arrive_barrier(bars, free + slot)
+                    if fp8:  # tile 0's K; each step converts the next tile's K while its P V runs
+                        convert(k_rings, k16, ring_done, k_ready)
                         plgpu.commit_smem()
-                    return s_ref[...]
 
-                s = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, BLOCK_KV), jnp.float32))
-                if masked:
-                    cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
-                    s = jnp.where(decode_visible(cta, step, cols, 1), s, -jnp.inf)
-                p, acc, m_new, l_i, _ = online_softmax_tile(s, acc, m_i, l_i, scale_log2)
-                p16 = p.astype(jnp.float16 if fp8 else q_regs.dtype)
-                if not fp8:
-                    wait_barrier(bars, v_ready + slot, parity)
-                v_tile = v16 if fp8 else v_rings.at[slot]
+                    def step_fn(step, carry, masked):
+                        acc, m_i, l_i = carry
+                        tile = ring_done + step  # traced here: the closures below must not capture a constant
+                        slot, parity = ring_slot(tile)
+                        if not fp8:
+                            wait_barrier(bars, k_ready + slot, parity)
+                        k_tile = k16 if fp8 else k_rings.at[slot]
 
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p16, v_tile)
-                    if fp8:  # S = Q K^T has completed: K's f16 tile takes the next tile
-                        @pl.when(step + 1 < cta.steps)
-                        def _():
-                            convert(k_rings, k16, step + 1, k_ready)
-                            plgpu.commit_smem()
+                        def qk(s_ref):
+                            plgpu.wgmma(s_ref, q_regs, k_tile.transpose((1, 0)))
+                            if fp8:  # V's conversion overlaps the wgmma; then both fp8 tiles are read: release the slot
+                                convert(v_rings, v16, tile, v_ready)
+                                arrive_barrier(bars, free + slot)
+                                plgpu.commit_smem()
+                            return s_ref[...]
 
-                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                if not fp8:
-                    arrive_barrier(bars, free + slot)
-                return acc, m_new, l_i
+                        s = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, BLOCK_KV), jnp.float32))
+                        if masked:
+                            cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
+                            s = jnp.where(decode_visible(cta, step, cols, 1), s, -jnp.inf)
+                        p, acc, m_new, l_i, _ = online_softmax_tile(s, acc, m_i, l_i, scale_log2)
+                        p16 = p.astype(jnp.float16 if fp8 else q_regs.dtype)
+                        if not fp8:
+                            wait_barrier(bars, v_ready + slot, parity)
+                        v_tile = v16 if fp8 else v_rings.at[slot]
 
-            carry = (acc, m_i, l_i)
-            carry = lax.fori_loop(0, cta.full_steps, lambda i, c: step_fn(i, c, False), carry)
-            carry = lax.fori_loop(cta.full_steps, cta.steps, lambda i, c: step_fn(i, c, True), carry)
-            acc, m_i, l_i = carry
-            factor = inverse_sum(l_i)
-            if v_scale is not None:
-                factor = factor * v_scale
-            first_out = q_row0 * max_kv_splits + split  # row g's split s sits at g * max_kv_splits + s
-            store_rows(acc * lax.broadcast_in_dim(factor, acc.shape, [0]), mid_o_ref, first_out, jnp.int32(group),
-                       row_stride=max_kv_splits * head_dim, first_scale=head_dim)
-            store_rows(rows_lse(m_i, l_i), mid_lse_ref, first_out, jnp.int32(group), row_stride=max_kv_splits, first_scale=1)
+                        def pv(acc_ref):
+                            plgpu.wgmma(acc_ref, p16, v_tile)
+                            if fp8:  # S = Q K^T has completed: K's f16 tile takes the next tile
+                                @pl.when(step + 1 < cta.steps)
+                                def _():
+                                    convert(k_rings, k16, tile + 1, k_ready)
+                                    plgpu.commit_smem()
+
+                        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                        if not fp8:
+                            arrive_barrier(bars, free + slot)
+                        return acc, m_new, l_i
+
+                    carry = (acc, m_i, l_i)
+                    carry = lax.fori_loop(0, cta.full_steps, lambda i, c: step_fn(i, c, False), carry)
+                    carry = lax.fori_loop(cta.full_steps, cta.steps, lambda i, c: step_fn(i, c, True), carry)
+                    acc, m_i, l_i = carry
+                    factor = inverse_sum(l_i)
+                    if v_scale is not None:
+                        factor = factor * v_scale
+                    first_out = q_row0 * max_kv_splits + split  # row g's split s sits at g * max_kv_splits + s
+                    store_rows(acc * lax.broadcast_in_dim(factor, acc.shape, [0]), mid_o_ref, first_out,
+                               jnp.int32(group), row_stride=max_kv_splits * head_dim, first_scale=head_dim)
+                    store_rows(rows_lse(m_i, l_i), mid_lse_ref, first_out, jnp.int32(group), row_stride=max_kv_splits,
+                               first_scale=1)
+
+                return ring_done + jnp.where(active, cta.steps, 0), q_loads + active.astype(jnp.int32)
+
+            for_each_item(item, (jnp.int32(0), jnp.int32(0)))
 
         def producer():
+            """Counters: per consumer, (ring tiles it has filled, Q loads it has issued)."""
             plgpu.set_max_registers(40, action="decrease")
-            heads = [CONSUMERS * head_pair + c for c in range(CONSUMERS)]
-            from_q = cta.split_len < 0  # a traced False: rows first + r of q
-            for c, kv_head in enumerate(heads):
-                @pl.when(kv_head < kv_heads)
-                def _():
-                    q_rows = row_sources(kv_indices_ref, from_q, seq * q_heads + kv_head * group, jnp.int32(group),
-                                         block_kv=BLOCK_ROWS, pool_rows=q_ref.shape[0])
-                    issue_rows(q_ref, q_ref, q_smem, bars, q_rows, from_q, jnp.int32(c), jnp.int32(q_bar + c),
-                               jnp.int32(0), block_kv=BLOCK_ROWS, head_dim=head_dim)
 
-            from_pool = cta.split_len > 0  # a traced True
+            def item(seq, head_pair, split, cta, counters):
+                heads = [CONSUMERS * head_pair + c for c in range(CONSUMERS)]
+                active = [(cta.split_len > 0) & (kv_head < kv_heads) for kv_head in heads]
+                from_q = cta.split_len < 0  # a traced False: rows first + r of q
+                for c, kv_head in enumerate(heads):
+                    q_loads = counters[c][1]
 
-            def sources_of(step):
-                return row_sources(kv_indices_ref, from_pool, cta.kv_begin + cta.split_start + step * BLOCK_KV,
-                                   cta.split_len - step * BLOCK_KV, block_kv=BLOCK_KV, pool_rows=slots)
-
-            def step_body(step, sources):
-                next_sources = sources_of(step + 1)  # its loads overlap this tile's wait and copies
-                for c, kv_head in enumerate(heads):  # both kv heads read the same slots
-                    @pl.when(kv_head < kv_heads)
+                    @pl.when(active[c])
                     def _():
-                        slot = c * stages + lax.rem(step, stages)
-                        # The slot's previous tile (step - stages) released by consumer c's 128 threads.
-                        pl.when(step >= stages)(lambda: wait_barrier(
-                            bars, free + slot, lax.rem(lax.div(step, stages) - 1, 2)))
-                        for rings, pool, ready in ((k_rings, k_ref, k_ready), (v_rings, v_ref, v_ready)):
-                            issue_rows(pool, pool, rings, bars, sources, from_pool, slot, ready + slot, kv_head,
-                                       block_kv=BLOCK_KV, head_dim=head_dim, itemsize=itemsize)
-                return next_sources
+                        if ctas:  # consumer c has read the previous item's Q
+                            pl.when(q_loads > 0)(lambda: wait_barrier(bars, q_free + c, lax.rem(q_loads - 1, 2)))
+                        q_rows = row_sources(kv_indices_ref, from_q, seq * q_heads + kv_head * group, jnp.int32(group),
+                                             block_kv=BLOCK_ROWS, pool_rows=q_ref.shape[0])
+                        issue_rows(q_ref, q_ref, q_smem, bars, q_rows, from_q, jnp.int32(c), jnp.int32(q_ready + c),
+                                   jnp.int32(0), block_kv=BLOCK_ROWS, head_dim=head_dim)
 
-            lax.fori_loop(0, cta.steps, step_body, sources_of(jnp.int32(0)))
+                from_pool = cta.split_len > 0  # a traced True where there are tiles
 
-        @pl.when(cta.split_len > 0)
-        def _():
-            init_barriers(bars, counts)
-            pl.when((wg < CONSUMERS) & (CONSUMERS * head_pair + wg < kv_heads))(lambda: consumer(wg))
-            pl.when(wg == CONSUMERS)(producer)
+                def sources_of(step):
+                    return row_sources(kv_indices_ref, from_pool, cta.kv_begin + cta.split_start + step * BLOCK_KV,
+                                       cta.split_len - step * BLOCK_KV, block_kv=BLOCK_KV, pool_rows=slots)
+
+                def step_body(step, sources):
+                    next_sources = sources_of(step + 1)  # its loads overlap this tile's wait and copies
+                    for c, kv_head in enumerate(heads):  # both kv heads read the same slots
+                        @pl.when(active[c])
+                        def _():
+                            tile = counters[c][0] + step
+                            slot = c * stages + lax.rem(tile, stages)
+                            # The slot's previous tile (tile - stages) released by consumer c's 128 threads.
+                            pl.when(tile >= stages)(lambda: wait_barrier(
+                                bars, free + slot, lax.rem(lax.div(tile, stages) - 1, 2)))
+                            for rings, pool, ready in ((k_rings, k_ref, k_ready), (v_rings, v_ref, v_ready)):
+                                issue_rows(pool, pool, rings, bars, sources, from_pool, slot, ready + slot, kv_head,
+                                           block_kv=BLOCK_KV, head_dim=head_dim, itemsize=itemsize)
+                    return next_sources
+
+                lax.fori_loop(0, cta.steps, step_body, sources_of(jnp.int32(0)))
+                return tuple((filled + jnp.where(a, cta.steps, 0), loads + a.astype(jnp.int32))
+                             for (filled, loads), a in zip(counters, active))
+
+            for_each_item(item, tuple((jnp.int32(0), jnp.int32(0)) for _ in range(CONSUMERS)))
+
+        init_barriers(bars, counts)
+        pl.when(wg < CONSUMERS)(lambda: consumer(wg))
+        pl.when(wg == CONSUMERS)(producer)
 
     def entry(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_ref, v_ref, *rest):
         scales_ref, (mid_o_ref, mid_lse_ref) = (rest[0], rest[1:]) if fp8 else (None, rest)
@@ -264,8 +315,8 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
         entry,
         out_type=(jax.ShapeDtypeStruct((rows * max_kv_splits, head_dim), jnp.float32),
                   jax.ShapeDtypeStruct((rows * max_kv_splits,), jnp.float32)),
-        grid=(max_kv_splits, -(-kv_heads // CONSUMERS), batch),
-        grid_names=("splits", "kv_head_pairs", "seq"),
+        grid=(ctas,) if ctas else (max_kv_splits, head_pairs, batch),
+        grid_names=("cta",) if ctas else ("splits", "kv_head_pairs", "seq"),
         num_threads=CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),

@@ -124,6 +124,9 @@ DECODE_SHAPES = [
     ("gqa-decode-bf16-32x8", "gqa", 4, 32, jnp.bfloat16, dict(kv_heads=8)),
     ("gqa-decode-f16-64-64x1-stages2", "gqa", 2, 64, jnp.float16, dict(kv_heads=1, dim=64, stages=2)),
     ("gqa-decode-e4m3-12x3-bf16", "gqa", 2, 12, jnp.bfloat16, dict(kv_heads=3, pool=jnp.float8_e4m3fn)),
+    # Persistent CTAs (each takes work items in turn): 16-bit with a window and an odd kv head count; fp8.
+    ("gqa-decode-bf16-12x3-window-persistent", "gqa", 5, 12, jnp.bfloat16, dict(kv_heads=3, sliding_window=70, persistent=True)),
+    ("gqa-decode-e4m3-32x8-bf16-persistent", "gqa", 4, 32, jnp.bfloat16, dict(kv_heads=8, pool=jnp.float8_e4m3fn, persistent=True)),
 ]
 
 
@@ -171,7 +174,9 @@ def lower_gqa_decode(batch, q_heads, dtype, features, *, slots, capacity):
                               sliding_window=window)
         decode_call = DecodeCall(q=q, k_pool=k_pool, v_pool=v_pool, meta=meta, sinks=None, sm_scale=0.07, logit_cap=0.0,
                                  xai_temperature_len=-1, sliding_window=window, v_head_dim=dim, return_lse=False,
-                                 config=MgpuDecodeConfig(stages=features.pop("stages", None)), launch_mode="gpu",
+                                 config=MgpuDecodeConfig(stages=features.pop("stages", None),
+                                                         persistent=features.pop("persistent", None)),
+                                 launch_mode="gpu",
                                  kv_scales=kv_scales)
         return gqa_decode_partials(decode_call)[:3]
 
@@ -203,7 +208,10 @@ def lower_mla_extend(tokens, q_heads, dtype, features, *, slots, capacity, batch
 if __name__ == "__main__":
     warnings.simplefilter("ignore")
     failed = 0
+    only = sys.argv[1] if len(sys.argv) > 1 else ""  # a substring of the labels to lower (default: every shape)
     for label, *shape in SHAPES + [(label, "decode", *rest) for label, *rest in DECODE_SHAPES]:
+        if only not in label:
+            continue
         try:
             if shape[0] == "decode":
                 lower_decode(*shape[1:])

@@ -104,6 +104,29 @@ def test_configs_and_head_dim_64(rng, config):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("dtypes", [POOLS[0], POOLS[2]])
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2], SHAPES[3]])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_persistent_ctas_match_reference(rng, dtypes, shape, splits):
+    # Persistent CTAs take several work items each (48 sequences x kv head pairs x splits outnumber the GPU's
+    # multiprocessors): ring phases and Q reloads carry across items of 0, 1, an odd count and many tiles, and across
+    # items where an odd kv head count leaves the second consumer idle.
+    dtype, pool = dtypes
+    q_heads, kv_heads, dim = shape
+    kv_lens = KV_LENS * 6
+    q, k_pool, v_pool, meta, kwargs = make_case(rng, q_heads, kv_heads, dim, dtype, pool, kv_lens=kv_lens, window=700)
+    config = MgpuDecodeConfig(splits=splits, persistent=True)
+    o, lse, ref_o, ref_lse = run_both(q, k_pool, v_pool, meta, config=config, **kwargs)
+    assert_close(o, lse, ref_o, ref_lse, dtype)
+    np.testing.assert_array_equal(np.float32(o[2::len(KV_LENS)]), 0.0)  # the empty sequences
+    # Bitwise the same as one CTA per item: the same tiles in the same order, only their CTAs differ.
+    one_per_item = decode_attention(q, k_pool, v_pool, meta, impl=impl_for(q, k_pool),
+                                    config=MgpuDecodeConfig(splits=splits, persistent=False), **kwargs)
+    np.testing.assert_array_equal(np.float32(o), np.float32(one_per_item))
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_window_sinks_and_deterministic(rng):
     q, k_pool, v_pool, meta, kwargs = make_case(rng, 32, 8, 128, jnp.bfloat16, jnp.float8_e4m3fn, window=200)
     sinks = jnp.asarray(rng.standard_normal(32).astype(np.float32))
@@ -166,6 +189,8 @@ def test_declines_name_the_reason():
     assert "several query tokens" in declines(_call(tokens=2))
     assert "soft cap" in declines(_call(logit_cap=30.0))
     assert "grid's third dimension" in declines(_call(batch=70000))
+    persistent = _call(batch=70000, config=MgpuDecodeConfig(persistent=True))  # a 1-D grid of persistent CTAs
+    assert declines(persistent) == hardware.mosaic_gpu_unavailable("gpu")
     assert "MgpuDecodeConfig" in declines(_call(config=object()))
     assert "interpreted" in declines(_call(launch_mode="interpret"))
     if not HAS_GPU:
@@ -197,6 +222,10 @@ def test_stages_is_the_gqa_kernels_own():
     assert "ring depth" in mgpu_mla.declines_decode(call)
     with pytest.raises(ValueError, match="stages"):
         MgpuDecodeConfig(stages=1)
+    call = _call(q_heads=16, kv_heads=1, dim=576, v_head_dim=512, latent=True, config=MgpuDecodeConfig(persistent=True))
+    assert "one CTA per work item" in mgpu_mla.declines_decode(call)
+    with pytest.raises(ValueError, match="persistent"):
+        MgpuDecodeConfig(persistent=1)
 
 
 def test_route_order():

@@ -1,9 +1,11 @@
-"""The Mosaic GPU GQA decode kernel's ring depth and split bound (issue 26), beside the Triton kernel, one GPU run.
+"""The Mosaic GPU GQA decode kernel's launch, ring depth and split bound (issues 26, 23), beside the Triton kernel,
+one GPU run.
 
 For each case (D1-D3, with fp8 and bf16 pools): jaxattn's default route, the Triton kernel, and the Mosaic GPU kernel
-(its fp8 entry for fp8 pools; runs before 0052c73 named both "mgpu-gqa")
-at ring depths 2 and 3 at its rule's split bound and at twice that bound (`mgpu_decode.kernel_splits`); ms and % of the case's
-floor (its own: one byte per element for fp8).
+(its fp8 entry for fp8 pools; runs before 0052c73 named both "mgpu-gqa") with one CTA per work item ("items") or
+persistent CTAs ("persistent"), at its rule's split bound and at twice and four times that bound
+(`mgpu_decode.kernel_splits`), at ring depths 2 and 3 with `--stages` (default: the kernel's own depth); ms and % of
+the case's floor (its own: one byte per element for fp8).
 
     python benchmarks/experiments/gqa_decode_mgpu.py --cases D1-FP8,D2-FP8,D3-FP8,D1,D2,D3 --json out.json
 """
@@ -22,6 +24,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default="D1-FP8,D2-FP8,D3-FP8,D1,D2,D3")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--stages", action="store_true", help="also time ring depths 2 and 3")
     args = parser.parse_args(argv)
 
     from jaxattn import bench
@@ -35,19 +38,22 @@ def main(argv=None) -> int:
         inp = bench.make_inputs(case)
         rule = mgpu_decode.kernel_splits(case.batch, case.kv_heads)
         variants = [("default route", dict(impl=None)), ("triton", dict(impl="triton"))]  # fp8: Triton is the default
-        for stages, splits in ((2, rule), (3, rule), (2, 2 * rule), (3, 2 * rule)):  # 16-bit at 128 fits 2 only
-            variants.append((f"mgpu s{stages} splits{splits}",
-                             dict(impl="mgpu-gqa-fp8" if case.fp8 else "mgpu-gqa",
-                                  config=MgpuDecodeConfig(splits=splits, stages=stages))))
+        for persistent in (False, True):
+            for splits in (rule, 2 * rule, 4 * rule):
+                for stages in (2, 3) if args.stages else (None,):  # 16-bit at 128 fits 2 only
+                    launch = "persistent" if persistent else "items"
+                    variants.append((f"mgpu {launch} s{stages or 'default'} splits{splits}",
+                                     dict(impl="mgpu-gqa-fp8" if case.fp8 else "mgpu-gqa",
+                                          config=MgpuDecodeConfig(splits=splits, stages=stages, persistent=persistent))))
         for label, kw in variants:
             try:
                 ms = time_calls(bench.decode_jaxattn(inp, **kw), jax_sync)
             except Exception as error:  # noqa: BLE001  (a variant that fails must not hide the others)
-                print(f"{name:7s} {label:24s} FAILED {type(error).__name__}: {error}"[:300], flush=True)
+                print(f"{name:7s} {label:34s} FAILED {type(error).__name__}: {error}"[:300], flush=True)
                 continue
             floor = case.floor_ms()
             rows.append(dict(case=name, variant=label, ms=ms, floor_ms=floor))
-            print(f"{name:7s} {label:24s} {ms:.4f} ms  {100 * floor / ms:5.1f}% of its floor", flush=True)
+            print(f"{name:7s} {label:34s} {ms:.4f} ms  {100 * floor / ms:5.1f}% of its floor", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=bench.device_name(), commit=bench.commit(), rows=rows), f, indent=1)

@@ -49,8 +49,9 @@ def _declines(call: DecodeCall) -> str | None:
         return "several query tokens per sequence"
     if call.logit_cap > 0 or call.xai_temperature_len > 0:
         return "a soft cap or xai temperature"
-    if call.batch > hardware.GRID_YZ_LIMIT:  # the batch is the grid's third dimension
-        return f"batch {call.batch} (at most {hardware.GRID_YZ_LIMIT}: the launch grid's third dimension)"
+    if call.batch > hardware.GRID_YZ_LIMIT and not persistent(call):  # the batch is the grid's third dimension
+        return (f"batch {call.batch} (at most {hardware.GRID_YZ_LIMIT}: the launch grid's third dimension; "
+                f"MgpuDecodeConfig(persistent=True) takes any batch)")
     return hardware.mosaic_gpu_unavailable(call.launch_mode)
 
 
@@ -82,6 +83,17 @@ def ring_stages(head_dim: int, pool_itemsize: int, stages: int | None = None) ->
         raise ValueError(f"MgpuDecodeConfig(stages={stages}) needs {needed} bytes of shared memory at head dim "
                          f"{head_dim} over {pool_itemsize}-byte rows (sm_90 has {limit})")
     return stages
+
+
+# One CTA per work item unless a config says otherwise (not yet timed against persistent CTAs on the H200).
+PERSISTENT = False
+
+
+def persistent(call: DecodeCall) -> bool:
+    """Whether the call launches persistent CTAs (one per multiprocessor, each taking work items in turn)."""
+    if isinstance(call.config, MgpuDecodeConfig) and call.config.persistent is not None:
+        return call.config.persistent
+    return PERSISTENT
 
 
 def kernel_splits(batch: int, kv_heads: int, num_sms: int | None = None) -> int:
@@ -119,7 +131,8 @@ def gqa_decode_partials(call: DecodeCall):
         call.q, call.k_pool, call.v_pool, meta.kv_indptr.astype(jnp.int32), kv_indices, num_kv_splits, kv_scales,
         sm_scale=call.sm_scale, max_kv_splits=splits,
         stages=ring_stages(call.qk_head_dim, jnp.dtype(call.k_pool.dtype).itemsize, config.stages),
-        sliding_window=call.sliding_window if call.sliding_window >= 0 else -1, min_block_kv=MIN_BLOCK_KV)
+        sliding_window=call.sliding_window if call.sliding_window >= 0 else -1, min_block_kv=MIN_BLOCK_KV,
+        persistent_ctas=hardware.sm_count() if persistent(call) else 0)
     mid_o = mid_o.reshape(call.batch, call.q_heads, splits, call.v_head_dim)
     mid_lse = mid_lse.reshape(call.batch, call.q_heads, splits)
     return mid_o, mid_lse, num_kv_splits, splits

@@ -121,14 +121,18 @@ class MgpuDecodeConfig:
     """The Mosaic GPU decode kernels' choices (their tiles are fixed by sm_90's shared memory). splits: the static
     split bound, None for the kernel's own rule (`jaxattn.impl.mgpu_mla.kernel_splits`, `jaxattn.impl.mgpu_decode.
     kernel_splits`: fill every multiprocessor once). stages: the GQA kernel's ring depth (None: its default); the
-    MLA kernel's is fixed by its shared memory and must be None."""
+    MLA kernel's is fixed by its shared memory and must be None. persistent: the GQA kernel's launch, one CTA per
+    multiprocessor taking work items in turn (True) or one CTA per item (False); None: its default."""
 
     splits: int | None = None
     stages: int | None = None
+    persistent: bool | None = None
 
     def __post_init__(self):
         if self.splits is not None and (not isinstance(self.splits, int) or self.splits < 1):
             raise ValueError(f"MgpuDecodeConfig.splits must be None or an int >= 1; got {self.splits!r}")
         if self.stages is not None and (not isinstance(self.stages, int) or self.stages < 2):
             raise ValueError(f"MgpuDecodeConfig.stages must be None or an int >= 2; got {self.stages!r}")
+        if self.persistent is not None and not isinstance(self.persistent, bool):
+            raise ValueError(f"MgpuDecodeConfig.persistent must be None, True or False; got {self.persistent!r}")
 

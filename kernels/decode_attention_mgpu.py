@@ -116,7 +116,7 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
     ring_transforms = SWIZZLED_8BIT if fp8 else SWIZZLED
     k_ready, v_ready, free, q_ready, q_free, counts = _barriers(stages)
     head_pairs = -(-kv_heads // CONSUMERS)
-    items = max_kv_splits * head_pairs * batch  # item i: split i % splits, pair (i // splits) % pairs, sequence
+    items = max_kv_splits * head_pairs * batch
     ctas = min(persistent_ctas, items) if persistent_ctas > 0 else 0
 
     def body(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_ref, v_ref, scales_ref, mid_o_ref, mid_lse_ref,
@@ -125,12 +125,14 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
         wg = lax.axis_index("wg")
 
         def item_at(k):
-            """(seq, head_pair, split, its DecodeCta) of this CTA's k-th item."""
+            """(seq, head_pair, split, its DecodeCta) of this CTA's k-th item. Persistent CTAs number the items kv head
+            pair fastest (a sequence's pairs read the same slots' adjacent rows together), split slowest (a batch whose
+            splits past the first are empty spreads its work over every CTA)."""
             if ctas:
-                item = lax.axis_index("cta") + k * ctas
-                split = lax.rem(item, max_kv_splits)
-                head_pair = lax.rem(lax.div(item, max_kv_splits), head_pairs)
-                seq = lax.div(item, max_kv_splits * head_pairs)
+                item = jnp.minimum(lax.axis_index("cta") + k * ctas, items - 1)  # past the last: a copy, never run
+                head_pair = lax.rem(item, head_pairs)
+                seq = lax.rem(lax.div(item, head_pairs), batch)
+                split = lax.div(item, head_pairs * batch)
             else:
                 split, head_pair, seq = (lax.axis_index(n) for n in ("splits", "kv_head_pairs", "seq"))
             cta = decode_cta(kv_indptr_ref, splits_ref, seq, split, capacity=capacity, sliding_window=sliding_window,
@@ -138,11 +140,18 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
             return seq, head_pair, split, cta
 
         def for_each_item(fn, counters):
-            """Runs fn(seq, head_pair, split, cta, counters) -> counters over this CTA's items."""
+            """Runs fn(seq, head_pair, split, cta, counters) -> counters over this CTA's items. A persistent CTA reads
+            the next item's geometry before running the current one, so those loads' latency hides behind its tiles."""
             if not ctas:
                 return fn(*item_at(jnp.int32(0)), counters)
+
+            def run(k, carry):
+                counters, current = carry
+                following = item_at(k + 1)
+                return fn(*current, counters), following
+
             cta_items = lax.div(items - 1 - lax.axis_index("cta"), ctas) + 1
-            return lax.fori_loop(0, cta_items, lambda k, carry: fn(*item_at(k), carry), counters)
+            return lax.fori_loop(0, cta_items, run, (counters, item_at(jnp.int32(0))))[0]
 
         def consumer(c):
             """Consumer warpgroup c (a traced index) on kv head CONSUMERS * head_pair + c of each item. Counters:

@@ -188,9 +188,8 @@ def test_declines_name_the_reason():
     assert "q heads per kv head" in declines(_call(q_heads=128, kv_heads=1))
     assert "several query tokens" in declines(_call(tokens=2))
     assert "soft cap" in declines(_call(logit_cap=30.0))
-    assert "grid's third dimension" in declines(_call(batch=70000))
-    persistent = _call(batch=70000, config=MgpuDecodeConfig(persistent=True))  # a 1-D grid of persistent CTAs
-    assert declines(persistent) == hardware.mosaic_gpu_unavailable("gpu")
+    assert "grid's third dimension" in declines(_call(batch=70000, config=MgpuDecodeConfig(persistent=False)))
+    assert declines(_call(batch=70000)) == hardware.mosaic_gpu_unavailable("gpu")  # persistent CTAs: a 1-D grid
     assert "MgpuDecodeConfig" in declines(_call(config=object()))
     assert "interpreted" in declines(_call(launch_mode="interpret"))
     if not HAS_GPU:
@@ -203,6 +202,16 @@ def test_split_rule_fills_the_gpu_once():
     assert mgpu_decode.kernel_splits(8, 8, num_sms=132) == 4  # D2: 128 CTAs
     assert mgpu_decode.kernel_splits(2, 3, num_sms=132) == 33  # an odd kv head count: 2 pairs per sequence
     assert mgpu_decode.kernel_splits(1, 1, num_sms=132) == 132
+
+
+def test_persistent_ctas_take_many_short_items():
+    # Items = splits x kv head pairs x sequences; persistent CTAs (one per multiprocessor) above two per multiprocessor.
+    rule = mgpu_decode.persistent_ctas
+    assert rule(_call(batch=64), splits=1, num_sms=132) == 0  # D1: 256 items
+    assert rule(_call(batch=8), splits=4, num_sms=132) == 0  # D2: 128 items
+    assert rule(_call(batch=256), splits=1, num_sms=132) == 132  # D3: 1024 items
+    assert rule(_call(batch=256, config=MgpuDecodeConfig(persistent=False)), splits=1, num_sms=132) == 0
+    assert rule(_call(batch=1, config=MgpuDecodeConfig(persistent=True)), splits=1, num_sms=132) == 132
 
 
 def test_stages_that_do_not_fit_are_refused():

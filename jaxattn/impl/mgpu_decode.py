@@ -49,9 +49,10 @@ def _declines(call: DecodeCall) -> str | None:
         return "several query tokens per sequence"
     if call.logit_cap > 0 or call.xai_temperature_len > 0:
         return "a soft cap or xai temperature"
-    if call.batch > hardware.GRID_YZ_LIMIT and not persistent(call):  # the batch is the grid's third dimension
-        return (f"batch {call.batch} (at most {hardware.GRID_YZ_LIMIT}: the launch grid's third dimension; "
-                f"MgpuDecodeConfig(persistent=True) takes any batch)")
+    one_cta_per_item = isinstance(call.config, MgpuDecodeConfig) and call.config.persistent is False
+    if call.batch > hardware.GRID_YZ_LIMIT and one_cta_per_item:
+        return (f"batch {call.batch} with MgpuDecodeConfig(persistent=False) (at most {hardware.GRID_YZ_LIMIT}: the "
+                f"launch grid's third dimension)")
     return hardware.mosaic_gpu_unavailable(call.launch_mode)
 
 
@@ -85,15 +86,20 @@ def ring_stages(head_dim: int, pool_itemsize: int, stages: int | None = None) ->
     return stages
 
 
-# One CTA per work item unless a config says otherwise (not yet timed against persistent CTAs on the H200).
-PERSISTENT = False
+def persistent_ctas(call: DecodeCall, splits: int, num_sms: int | None = None) -> int:
+    """The kernel's launch: 0 for one CTA per work item (split x kv head pair x sequence), else the number of
+    persistent CTAs (one per multiprocessor, each taking items in turn). A config's `persistent` decides; by default
+    persistent CTAs take batches of more than two items per multiprocessor (many short items, where a CTA's start-up
+    weighs most: D3, 256 x 1024 keys, 89 -> 92% of the floor on the H200; at one or two items per multiprocessor one
+    CTA per item was 1-2% faster, D1 and D2)."""
+    from jaxattn.kernels.decode_attention_mgpu import CONSUMERS
 
-
-def persistent(call: DecodeCall) -> bool:
-    """Whether the call launches persistent CTAs (one per multiprocessor, each taking work items in turn)."""
-    if isinstance(call.config, MgpuDecodeConfig) and call.config.persistent is not None:
-        return call.config.persistent
-    return PERSISTENT
+    num_sms = hardware.sm_count() if num_sms is None else num_sms
+    items = splits * -(-call.kv_heads // CONSUMERS) * call.batch
+    chosen = call.config.persistent if isinstance(call.config, MgpuDecodeConfig) else None
+    if chosen is None:
+        chosen = items > 2 * num_sms
+    return num_sms if chosen else 0
 
 
 def kernel_splits(batch: int, kv_heads: int, num_sms: int | None = None) -> int:
@@ -132,7 +138,7 @@ def gqa_decode_partials(call: DecodeCall):
         sm_scale=call.sm_scale, max_kv_splits=splits,
         stages=ring_stages(call.qk_head_dim, jnp.dtype(call.k_pool.dtype).itemsize, config.stages),
         sliding_window=call.sliding_window if call.sliding_window >= 0 else -1, min_block_kv=MIN_BLOCK_KV,
-        persistent_ctas=hardware.sm_count() if persistent(call) else 0)
+        persistent_ctas=persistent_ctas(call, splits))
     mid_o = mid_o.reshape(call.batch, call.q_heads, splits, call.v_head_dim)
     mid_lse = mid_lse.reshape(call.batch, call.q_heads, splits)
     return mid_o, mid_lse, num_kv_splits, splits

@@ -81,7 +81,8 @@ def _barriers(stages: int):
 
 
 def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_splits, kv_scales, *, sm_scale,
-                           max_kv_splits, stages, sliding_window=-1, min_block_kv=32, persistent_ctas=0):
+                           max_kv_splits, stages, sliding_window=-1, min_block_kv=32, persistent_ctas=0,
+                           final=False):
     """Stage 1 of split-KV decode, one query token per sequence. Returns (mid_o f32[batch * q_heads * max_kv_splits,
     head_dim], mid_lse f32[batch * q_heads * max_kv_splits]): row g = b * q_heads + h, split s at g * max_kv_splits + s
     (`decode_stage1_kernel`'s MID_O / MID_LSE flattened). Entries of empty splits are not written.
@@ -94,6 +95,9 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
     persistent_ctas: 0 launches one CTA per work item (split x kv head pair x sequence); n > 0 launches
     min(n, items) CTAs that take items i, i + n, ... in turn, the producer filling the rings with the next item's
     rows while the consumers finish the current one (a CTA's start-up, its first tiles' latency, is paid once).
+    final (max_kv_splits 1 only): returns the attention itself instead, (o [batch * q_heads, head_dim] in q's dtype,
+    lse f32[batch * q_heads]), what stage 2 makes of one split (bit for bit, without sinks): rows of empty sequences
+    0 with LSE -inf; no merge launch.
     """
     batch, q_heads, head_dim = q.shape
     slots, kv_heads, _ = k_pool.shape
@@ -110,6 +114,8 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
         raise ValueError(f"the pools must be q's dtype or fp8; got {k_pool.dtype} with q {q.dtype}")
     if fp8 != (kv_scales is not None):
         raise ValueError("kv_scales is given exactly when the pools are fp8")
+    if final and max_kv_splits != 1:
+        raise ValueError(f"final outputs take max_kv_splits == 1; got {max_kv_splits}")
     itemsize = k_pool.dtype.itemsize
     group = q_heads // kv_heads
     capacity = kv_indices.shape[0]
@@ -152,6 +158,13 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
 
             cta_items = lax.div(items - 1 - lax.axis_index("cta"), ctas) + 1
             return lax.fori_loop(0, cta_items, run, (counters, item_at(jnp.int32(0))))[0]
+
+        def store(q_row0, split, out, lse):
+            """A group's rows of the output (or of split `split`'s partials) and LSE, from registers."""
+            first_out = q_row0 * max_kv_splits + split  # row g's split s sits at g * max_kv_splits + s
+            store_rows(out, mid_o_ref, first_out, jnp.int32(group), row_stride=max_kv_splits * head_dim,
+                       first_scale=head_dim)
+            store_rows(lse, mid_lse_ref, first_out, jnp.int32(group), row_stride=max_kv_splits, first_scale=1)
 
         def consumer(c):
             """Consumer warpgroup c (a traced index) on kv head CONSUMERS * head_pair + c of each item. Counters:
@@ -243,11 +256,16 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
                     factor = inverse_sum(l_i)
                     if v_scale is not None:
                         factor = factor * v_scale
-                    first_out = q_row0 * max_kv_splits + split  # row g's split s sits at g * max_kv_splits + s
-                    store_rows(acc * lax.broadcast_in_dim(factor, acc.shape, [0]), mid_o_ref, first_out,
-                               jnp.int32(group), row_stride=max_kv_splits * head_dim, first_scale=head_dim)
-                    store_rows(rows_lse(m_i, l_i), mid_lse_ref, first_out, jnp.int32(group), row_stride=max_kv_splits,
-                               first_scale=1)
+                    out = acc * lax.broadcast_in_dim(factor, acc.shape, [0])
+                    store(q_row0, split, out.astype(q.dtype) if final else out, rows_lse(m_i, l_i))
+
+                if final:  # an empty sequence's rows: what stage 2 writes for them
+                    @pl.when(~active & (kv_head < kv_heads))
+                    def _():
+                        zeros = plgpu.layout_cast(jnp.full((BLOCK_ROWS, head_dim), 0.0, q.dtype), plgpu.Layout.WGMMA)
+                        no_key = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), -jnp.inf, jnp.float32),
+                                                   plgpu.Layout.WGMMA.reduce(1))
+                        store(seq * q_heads + kv_head * group, split, zeros, no_key)
 
                 return ring_done + jnp.where(active, cta.steps, 0), q_loads + active.astype(jnp.int32)
 
@@ -322,7 +340,7 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
     rows = batch * q_heads
     return plgpu.kernel(
         entry,
-        out_type=(jax.ShapeDtypeStruct((rows * max_kv_splits, head_dim), jnp.float32),
+        out_type=(jax.ShapeDtypeStruct((rows * max_kv_splits, head_dim), q.dtype if final else jnp.float32),
                   jax.ShapeDtypeStruct((rows * max_kv_splits,), jnp.float32)),
         grid=(ctas,) if ctas else (max_kv_splits, head_pairs, batch),
         grid_names=("cta",) if ctas else ("splits", "kv_head_pairs", "seq"),

@@ -16,7 +16,7 @@ from jaxattn.calls import DecodeCall, MlaExtendCall
 from jaxattn.decode import DecodeMetadata
 from jaxattn.extend import extend_metadata, extend_unified_metadata
 from jaxattn.extend_mgpu import MgpuExtendConfig, extend_attention_mgpu, extend_attention_unified_mgpu
-from jaxattn.impl.mgpu_decode import gqa_decode_partials
+from jaxattn.impl.mgpu_decode import gqa_decode_partials, kernel_split_bound, run as gqa_decode_run
 from jaxattn.impl.mgpu_mla import mla_decode_partials, run_extend
 from jaxattn.tuning import MgpuDecodeConfig
 
@@ -127,6 +127,9 @@ DECODE_SHAPES = [
     # Persistent CTAs (each takes work items in turn): 16-bit with a window and an odd kv head count; fp8.
     ("gqa-decode-bf16-12x3-window-persistent", "gqa", 5, 12, jnp.bfloat16, dict(kv_heads=3, sliding_window=70, persistent=True)),
     ("gqa-decode-e4m3-32x8-bf16-persistent", "gqa", 4, 32, jnp.bfloat16, dict(kv_heads=8, pool=jnp.float8_e4m3fn, persistent=True)),
+    # One split: the kernel writes o and the LSE (no merge), persistent and not.
+    ("gqa-decode-bf16-32x8-final", "gqa", 4, 32, jnp.bfloat16, dict(kv_heads=8, splits=1, persistent=False)),
+    ("gqa-decode-e4m3-12x3-bf16-final-persistent", "gqa", 5, 12, jnp.bfloat16, dict(kv_heads=3, pool=jnp.float8_e4m3fn, splits=1, persistent=True)),
 ]
 
 
@@ -174,10 +177,12 @@ def lower_gqa_decode(batch, q_heads, dtype, features, *, slots, capacity):
                               sliding_window=window)
         decode_call = DecodeCall(q=q, k_pool=k_pool, v_pool=v_pool, meta=meta, sinks=None, sm_scale=0.07, logit_cap=0.0,
                                  xai_temperature_len=-1, sliding_window=window, v_head_dim=dim, return_lse=False,
-                                 config=MgpuDecodeConfig(stages=features.pop("stages", None),
+                                 config=MgpuDecodeConfig(stages=features.pop("stages", None), splits=features.pop("splits", None),
                                                          persistent=features.pop("persistent", None)),
                                  launch_mode="gpu",
                                  kv_scales=kv_scales)
+        if kernel_split_bound(decode_call) == 1:  # the kernel writes the result (stage 2 is Triton: not lowered here)
+            return gqa_decode_run(decode_call)
         return gqa_decode_partials(decode_call)[:3]
 
     exported = jax.export.export(jax.jit(call), platforms=["cuda"])(*args)

@@ -127,6 +127,27 @@ def test_persistent_ctas_match_reference(rng, dtypes, shape, splits):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("dtypes", [POOLS[0], POOLS[2]])
+@pytest.mark.parametrize("persistent", [False, True], ids=["one-cta-per-item", "persistent"])
+def test_one_split_writes_the_result_itself(rng, dtypes, persistent):
+    # One split per sequence and no sinks: the kernel stores o and the LSE itself (no merge launch), bit for bit what
+    # the merge makes of its partials; a sink of -inf (which adds nothing) takes the merged path.
+    dtype, pool = dtypes
+    q, k_pool, v_pool, meta, kwargs = make_case(rng, 32, 8, 128, dtype, pool, kv_lens=KV_LENS * 4, window=2000)
+    config = MgpuDecodeConfig(splits=1, persistent=persistent)
+    o, lse, ref_o, ref_lse = run_both(q, k_pool, v_pool, meta, config=config, **kwargs)
+    assert_close(o, lse, ref_o, ref_lse, dtype)
+    no_sinks = jnp.full((32,), -jnp.inf, jnp.float32)
+    merged_o, merged_lse = decode_attention(q, k_pool, v_pool, meta, impl=impl_for(q, k_pool), return_lse=True,
+                                            config=config, sinks=no_sinks, **kwargs)
+    np.testing.assert_array_equal(np.float32(o), np.float32(merged_o))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(merged_lse))
+    np.testing.assert_array_equal(np.float32(o[2::len(KV_LENS)]), 0.0)  # empty sequences: 0, LSE -inf
+    assert np.all(np.asarray(lse[2::len(KV_LENS)]) == -np.inf)
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_window_sinks_and_deterministic(rng):
     q, k_pool, v_pool, meta, kwargs = make_case(rng, 32, 8, 128, jnp.bfloat16, jnp.float8_e4m3fn, window=200)
     sinks = jnp.asarray(rng.standard_normal(32).astype(np.float32))

@@ -112,19 +112,21 @@ def kernel_splits(batch: int, kv_heads: int, num_sms: int | None = None) -> int:
     return max(1, num_sms // max(1, batch * -(-kv_heads // CONSUMERS)))
 
 
-def gqa_decode_partials(call: DecodeCall):
-    """Stage 1 on the kernel: (mid_o f32[batch, q_heads, splits, head_dim], mid_lse f32[batch, q_heads, splits],
-    num_kv_splits i32[batch], splits), the partial buffers `triton_decode.merge_splits` takes."""
+def kernel_split_bound(call: DecodeCall) -> int:
+    """The kernel's static split bound: deterministic metadata's own, else the config's, else `kernel_splits`."""
+    config = call.config or MgpuDecodeConfig()
+    if call.meta.deterministic:
+        return call.meta.max_kv_splits
+    if config.splits is not None:
+        return config.splits
+    return kernel_splits(call.batch, call.kv_heads)
+
+
+def _launch(call: DecodeCall, splits: int, final: bool):
     from jaxattn.kernels.decode_attention_mgpu import gqa_decode_mgpu_kernel
 
     meta = call.meta
     config = call.config or MgpuDecodeConfig()
-    if meta.deterministic:
-        splits = meta.max_kv_splits
-    elif config.splits is not None:
-        splits = config.splits
-    else:
-        splits = kernel_splits(call.batch, call.kv_heads)
     kv_indices = meta.kv_indices if meta.kv_indices.shape[0] else jnp.zeros((1,), meta.kv_indices.dtype)
     # The metadata's splits per sequence under this kernel's static bound: both stages clamp them to it alike.
     num_kv_splits = meta.num_kv_splits.astype(jnp.int32)
@@ -133,18 +135,32 @@ def gqa_decode_partials(call: DecodeCall):
     if fp8:  # f32[2 * kv_heads]: K scales, then V scales
         kv_scales = (jnp.ones((2 * call.kv_heads,), jnp.float32) if call.kv_scales is None
                      else call.kv_scales.astype(jnp.float32).reshape(-1))
-    mid_o, mid_lse = gqa_decode_mgpu_kernel(
+    out, lse = gqa_decode_mgpu_kernel(
         call.q, call.k_pool, call.v_pool, meta.kv_indptr.astype(jnp.int32), kv_indices, num_kv_splits, kv_scales,
         sm_scale=call.sm_scale, max_kv_splits=splits,
         stages=ring_stages(call.qk_head_dim, jnp.dtype(call.k_pool.dtype).itemsize, config.stages),
         sliding_window=call.sliding_window if call.sliding_window >= 0 else -1, min_block_kv=MIN_BLOCK_KV,
-        persistent_ctas=persistent_ctas(call, splits))
+        persistent_ctas=persistent_ctas(call, splits), final=final)
+    return out, lse, num_kv_splits
+
+
+def gqa_decode_partials(call: DecodeCall):
+    """Stage 1 on the kernel: (mid_o f32[batch, q_heads, splits, head_dim], mid_lse f32[batch, q_heads, splits],
+    num_kv_splits i32[batch], splits), the partial buffers `triton_decode.merge_splits` takes."""
+    splits = kernel_split_bound(call)
+    mid_o, mid_lse, num_kv_splits = _launch(call, splits, final=False)
     mid_o = mid_o.reshape(call.batch, call.q_heads, splits, call.v_head_dim)
     mid_lse = mid_lse.reshape(call.batch, call.q_heads, splits)
     return mid_o, mid_lse, num_kv_splits, splits
 
 
 def run(call: DecodeCall):
+    """One split per sequence and no sinks: the kernel writes the result itself (stage 2 would copy it, bit for bit,
+    one launch more); else stage 1 here, then the Triton merge."""
+    if call.batch and call.sinks is None and kernel_split_bound(call) == 1:
+        o, lse, _ = _launch(call, 1, final=True)
+        o, lse = o.reshape(call.q.shape[:-1] + (call.v_head_dim,)), lse.reshape(call.q.shape[:-1])
+        return (o, lse) if call.return_lse else o
     return triton_decode.run_merged(call, gqa_decode_partials)
 
 

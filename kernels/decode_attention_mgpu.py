@@ -1,14 +1,16 @@
 """Split-KV decode for grouped-query attention on Hopper as a Pallas Mosaic GPU kernel, over 16-bit or fp8 pools.
 
-Over 16-bit pools it is sm_90's default decode kernel (95-97% of the memory floor at D1/D2 on the H200, where the
-Triton kernel reaches 91-92%: `benchmarks/RESULTS.md`). It was written for fp8 pools (issue 26), where Triton's
+Over 16-bit pools it is sm_90's default decode kernel (94-96% of the memory floor at D1-D3 on the H200 in one run,
+where the Triton kernel reaches 89-92%: `benchmarks/RESULTS.md`). It was written for fp8 pools (issue 26), where Triton's
 kernel (kernels/decode_attention.py) reads the fp8 V operand from shared memory a byte at a time (sm_90 has no 8-bit
 transposing ldmatrix) and is bound by instruction issue (Nsight Compute at D1-FP8: IPC 2.1, DRAM 69%). Here a
 consumer converts each fp8 tile to f16 in shared memory (32-bit loads, packed f16x2 conversions) and wgmma reads V
 in its transposed (MN-major) form, which needs no byte shuffles; so far that runs 1.3x slower than Triton over fp8
 pools (the conversions and the softmax sit on each consumer's critical path), so fp8 pools take it by name only.
 
-One CTA = one sequence x two kv heads x one split of its keys. Each kv head's rows are its q heads (GQA's group, at
+A work item = one sequence x two kv heads x one split of its keys; the launch is one CTA per item, or (many short
+items) one persistent CTA per multiprocessor taking items in turn, whose producer fills the rings with the next
+item's rows (and Q) while the consumers finish the current one. Each kv head's rows are its q heads (GQA's group, at
 most 64), padded to wgmma's 64 rows with zero rows that are computed and never stored. Three warpgroups:
 
 * warpgroups 0 and 1 (consumers, one kv head each; the second idles when the kv head count is odd) per 64-key tile:
@@ -20,10 +22,12 @@ most 64), padded to wgmma's 64 rows with zero rows that are computed and never s
   one consumer ran at 41-45% of the fp8 floor: `benchmarks/RESULTS.md`).
 * warpgroup 2 (producer, 40 registers) copies each kv head's Q rows once (rows past the group zero-filled), then
   gathers the split's K and V rows of both kv heads (the same slots) by 16-byte `cp.async` (`issue_rows`) into each
-  consumer's two rings of [64, head_dim] tiles in the pool's dtype, one "landed" mbarrier per ring slot.
+  consumer's two rings of [64, head_dim] tiles in the pool's dtype, one "landed" mbarrier per ring slot; ring
+  phases count tiles over all of a CTA's items, and a Q reload waits for the consumer to have read the last Q.
 
 At the end each consumer stores its group's rows of the split's normalised output (times v_scale) and natural-log
-LSE into the partial buffers of `kernels/decode_attention.py`'s stage 1, which its stage 2 merges (sinks added there).
+LSE into the partial buffers of `kernels/decode_attention.py`'s stage 1, which its stage 2 merges (sinks added there),
+or, with one split per sequence (`final`), the output in q's dtype and the LSE themselves.
 Split geometry, index checks and empty rows are the MLA kernel's (`decode_cta`, `decode_visible`): ranges clamped
 into kv_indices, slots into the pool, an empty split stores nothing, NaN in q or a visited K/V row stays NaN.
 """

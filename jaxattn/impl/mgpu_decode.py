@@ -1,5 +1,6 @@
 """Grouped-query decode on Hopper through a Pallas Mosaic GPU kernel (`kernels/decode_attention_mgpu.py`): stage 1
-on the kernel (two kv heads per CTA), stage 2 the Triton merge (`triton_decode.merge_splits`).
+on the kernel (two kv heads per work item), stage 2 the Triton merge (`triton_decode.merge_splits`); with one split
+per sequence and no sinks the kernel writes the result itself (no merge launch).
 
 Two implementations of `jaxattn.decode`'s contract on it: `DECODE` ("mgpu-gqa", the default on sm_90) for 16-bit
 pools, and `DECODE_FP8` ("mgpu-gqa-fp8", by name only) for fp8 pools (e4m3fn / e5m2 with per-layer or per-head
@@ -8,7 +9,8 @@ for 16-bit pools), at most 64 q heads per kv head, one query token per sequence,
 decline soft caps, xai temperature, several query tokens and latent (MLA) pools, which the Triton kernels take.
 
 Its split bound is its own (static: enough CTAs to fill every multiprocessor once, `kernel_splits`), each sequence
-taking the metadata's split count under it; deterministic metadata keeps its own bound.
+taking the metadata's split count under it; deterministic metadata keeps its own bound. Its launch (one CTA per
+work item, or persistent CTAs) is `persistent_ctas`'s rule.
 Needs an sm_90 GPU and jax's CUDA plugin; the reference is `jaxattn.decode.decode_attention_reference`.
 """
 
@@ -90,8 +92,8 @@ def persistent_ctas(call: DecodeCall, splits: int, num_sms: int | None = None) -
     """The kernel's launch: 0 for one CTA per work item (split x kv head pair x sequence), else the number of
     persistent CTAs (one per multiprocessor, each taking items in turn). A config's `persistent` decides; by default
     persistent CTAs take batches of more than two items per multiprocessor (many short items, where a CTA's start-up
-    weighs most: D3, 256 x 1024 keys, 89 -> 92% of the floor on the H200; at one or two items per multiprocessor one
-    CTA per item was 1-2% faster, D1 and D2)."""
+    weighs most: D3, 256 x 1024 keys, 92.5 -> 94.4% of the floor on the H200 at ab99378, 87.9 -> 90.2% in an earlier
+    run; at one or two items per multiprocessor, D1 and D2, both launches were level within 0.4%)."""
     from jaxattn.kernels.decode_attention_mgpu import CONSUMERS
 
     num_sms = hardware.sm_count() if num_sms is None else num_sms

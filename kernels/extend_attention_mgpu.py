@@ -487,8 +487,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
         raise ValueError("give custom_mask or draft_mask, not both")
     if window is not None and not (causal or custom):
         raise ValueError("a sliding window is taken with causal calls (or a custom mask) only")
-    if byte_mask and (unified or mask_indptr is None or kv_start_pos is None):
-        raise ValueError("a custom mask is taken by two-stage calls, with mask_indptr and kv_start_pos")
+    if byte_mask and (mask_indptr is None or (kv_start_pos is None and not unified)):
+        raise ValueError("a custom mask needs mask_indptr (and, two-stage, kv_start_pos)")
     if bits and unified:
         raise ValueError("a draft mask is taken by two-stage calls")
     if custom:
@@ -615,7 +615,10 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                 end_full = jnp.maximum(jnp.minimum(lax.div(last_seen, jnp.int32(block_kv)), new_steps), first_full)
                 if custom:
                     end_full = first_full  # every new-key tile is masked
-                if byte_mask:
+                if byte_mask and unified:
+                    # The sequence's mask rows: [q_len, listed keys], column j = listed key j; row 0 is mask row t0.
+                    mask_width = prefix_len
+                elif byte_mask:
                     # The sequence's mask rows: [q_len, start + prefix + q_len] (unclamped lengths, as SGLang lays
                     # them out); this warpgroup's row 0 is mask row t0.
                     mask_start_pos = start_pos_ref[seq]
@@ -669,8 +672,11 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     acc, m_i, l_i = carry
                     slot = lax.rem(step, jnp.int32(stages))
                     gathers = mask_kind in ("custom", "window_new") or (mask_prefix and mask_kind in (
-                        "custom_prefix", "window_prefix"))
-                    if gathers and bits:
+                        "custom_prefix", "window_prefix")) or (byte_mask and mask_kind == "unified")
+                    if gathers and unified:  # the listed keys' columns
+                        tile_mask = custom_mask_tile(mask_ref, mask_indptr_ref, seq, t0, mask_width, step * block_kv,
+                                                     block_q=block_q, block_kv=block_kv)
+                    elif gathers and bits:
                         # The new keys' draft bits of the warpgroup's rows (before the QK^T wgmma, as below).
                         tile_mask = draft_bits_tile(bits_ref, wg_row, (step - pre_steps) * block_kv - lead,
                                                     block_q=block_q, block_kv=block_kv)
@@ -705,6 +711,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                             visible = key < prefix_len
                             if causal:
                                 visible = visible & (key <= q_pos0 + rows())
+                            if byte_mask:  # replaces causal: where the row's mask entries say so
+                                visible = visible & (tile_mask != 0)
                             if window is not None:
                                 visible = visible & (key >= q_pos0 + rows() - window)
                         elif mask_kind == "window":
@@ -812,6 +820,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     # them equals the exact no-ops they would be), and [wg_first, win_full) is masked too.
                     seen_by_all = q_prefix + jnp.maximum(t0, 0) + 1 if causal else prefix_len
                     full_end = jnp.clip(lax.div(jnp.minimum(prefix_len, seen_by_all), jnp.int32(block_kv)), 0, wg_steps)
+                    if byte_mask:
+                        full_end = jnp.int32(0)  # the mask covers every listed key: every tile is masked
                     unified_masked = functools.partial(kv_step, mask_kind="unified")
                     if window is None:
                         carry = lax.fori_loop(0, full_end, kv_step, carry)

@@ -68,6 +68,11 @@ SHAPES = [  # label, tokens, q heads, kv heads, head dim, dtype, config, feature
      dict(unified=True, sliding_window=100, logit_cap=30.0, sinks=True)),
     ("unified-window-64-f16-kv64", 300, 4, 1, 64, jnp.float16, MgpuExtendConfig(block_kv=64, stages=3),
      dict(unified=True, sliding_window=0)),
+    # The unified form with a custom mask over the listed keys (deterministic verify): alone, and two heads per CTA
+    # under a window with sinks.
+    ("unified-mask-128-bf16", 300, 8, 2, 128, jnp.bfloat16, None, dict(unified=True, mask=True)),
+    ("unified-packed-mask-window-64-f16-sinks", 256, 8, 4, 64, jnp.float16, None,
+     dict(unified=True, mask=True, sliding_window=30, sinks=True, max_extend_len=64)),
 ]
 
 
@@ -87,9 +92,9 @@ def lower(tokens, hq, hkv, d, dtype, config, features=None, batch=3, slots=1000,
     if unified:
         meta = jax.eval_shape(lambda: extend_unified_metadata(idx(4, 600), idx(batch), idx(batch), idx(batch), idx(tokens),
                                                               max_extend_len=max_extend_len, kv_capacity=capacity))
-        args = (S((tokens, hq, d), dtype), *pool, meta, sinks)
-        call = lambda *a: extend_attention_unified_mgpu(*a[:-1], sinks=a[-1], config=config,  # noqa: E731
-                                                        sliding_window=window, **features)
+        args = (S((tokens, hq, d), dtype), *pool, meta, sinks, features.pop("custom_mask", None))
+        call = lambda *a: extend_attention_unified_mgpu(*a[:-2], sinks=a[-2], custom_mask=a[-1],  # noqa: E731
+                                                        config=config, sliding_window=window, **features)
     else:
         meta = jax.eval_shape(lambda: extend_metadata(idx(4, 600), idx(batch), idx(batch), idx(batch), max_extend_len=max_extend_len,
                                                       kv_capacity=capacity, sliding_window=cut))

@@ -232,6 +232,72 @@ def test_unified_is_bitwise_split_invariant(rng, config, features):
                 np.testing.assert_array_equal(outputs[p1][p2 - p1 :], outputs[p2], err_msg=f"splits at {p1} and {p2}")
 
 
+UNIFIED_CUSTOM_MASKS = [
+    ("tree", dict()),
+    ("tree-window-cap-sinks", dict(sliding_window=40, logit_cap=3.0, sinks=True)),
+    ("short-two-heads-per-cta", dict(short=True)),
+]
+
+
+@pytest.mark.parametrize("feature", UNIFIED_CUSTOM_MASKS, ids=lambda f: f[0])
+@pytest.mark.gpu
+@needs_hopper
+def test_unified_custom_masks_match_reference(rng, feature):
+    # A deterministic verify step: the mask's rows span the listed keys (prefix, then the new tokens), random prefix
+    # columns and a random tree over the new ones; every tile is masked by its gathered entries. A blind row gives 0.
+    kw = _more_kwargs(rng, 8, feature[1])
+    short = kw.pop("short", False)
+    prefix_lens, extend_lens = ([300, 0, 77, 1000], [64, 37, 5, 64]) if short else ([0, 37, 128, 300], [130, 5, 64, 257])
+    batch = make_batch(rng, prefix_lens, extend_lens, hq=8, hkv=2, dqk=128, dtype=jnp.bfloat16,
+                       max_extend_len=max(extend_lens) if short else 266)
+    listed = [int(x) for x in np.asarray(batch.meta_unified.prefix_lens)]
+    kw["custom_mask"] = _tree_masks(rng, listed, extend_lens, blind_row=(0, 3))
+    args = (batch.q, batch.k_pool_unified, batch.v_pool_unified, batch.meta_unified)
+    o = extend_attention_unified_mgpu(*args, **kw)
+    assert_output(o, ref_unified(batch, **kw), batch, jnp.bfloat16)
+    np.testing.assert_array_equal(np.float32(o[3]), 0.0)
+    np.testing.assert_array_equal(np.float32(extend_attention_unified(*args, **kw)), np.float32(o))  # the default route
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("config", [MgpuExtendConfig(), MgpuExtendConfig(block_kv=64, stages=3)], ids=["kv128", "kv64"])
+def test_unified_custom_mask_is_bitwise_split_invariant(rng, config):
+    # One 300-token sequence under one [300, 300] tree mask (random earlier keys and itself), split as (prefix p, new
+    # 300 - p) beside a second sequence: a token's row (the same mask row in every split) gets the same bits.
+    length, hq, hkv, d, slots_n = 300, 8, 2, 128, 1000
+    slots = rng.permutation(np.arange(1, slots_n))[:length].astype(np.int32)
+    k_pool = random_normal(rng, (slots_n, hkv, d), jnp.bfloat16)
+    v_pool = random_normal(rng, (slots_n, hkv, d), jnp.bfloat16)
+    q_all = random_normal(rng, (length, hq, d), jnp.bfloat16)
+    tree = np.tril(rng.random((length, length)) < 0.4)
+    np.fill_diagonal(tree, True)
+    other, other_listed = 21, 40
+    other_mask = np.tril(np.ones((other, other_listed), bool), k=other_listed - other)
+    table = jnp.asarray(np.stack([np.concatenate([slots, np.zeros(8, np.int32)]),
+                                  np.concatenate([np.arange(900, 900 + other_listed, dtype=np.int32),
+                                                  np.zeros(268, np.int32)])]))
+    outputs = {}
+    for p in (0, 1, 63, 64, 129, 299):
+        n = length - p
+        meta = extend_unified_metadata(
+            table, jnp.asarray([0, 1], jnp.int32), jnp.asarray([p, other_listed - other], jnp.int32),
+            jnp.asarray([n, other], jnp.int32),
+            jnp.concatenate([jnp.asarray(slots[p:]), jnp.arange(900 + other_listed - other, 900 + other_listed,
+                                                                 dtype=jnp.int32)]),
+            max_extend_len=length, kv_capacity=length + 64)
+        mask = jnp.asarray(np.concatenate([tree[p:].reshape(-1), other_mask.reshape(-1)]).astype(np.uint8))
+        q = jnp.concatenate([q_all[p:], random_normal(rng, (other, hq, d), jnp.bfloat16)])
+        o = extend_attention_unified_mgpu(q, k_pool, v_pool, meta, custom_mask=mask, config=config)
+        outputs[p] = np.asarray(o[:n].astype(jnp.float32))
+        ref = extend_attention_unified_reference(q, k_pool, v_pool, meta, custom_mask=mask)
+        np.testing.assert_allclose(np.asarray(o.astype(jnp.float32)), np.float32(ref), **tolerance(jnp.bfloat16))
+    for p1 in outputs:
+        for p2 in outputs:
+            if p1 < p2:  # tokens p2.. are computed in both splits
+                np.testing.assert_array_equal(outputs[p1][p2 - p1 :], outputs[p2], err_msg=f"splits at {p1} and {p2}")
+
+
 @pytest.mark.gpu
 @needs_hopper
 def test_unified_matches_triton_unified_on_a_larger_batch(rng):
@@ -1363,8 +1429,7 @@ def test_says_why_it_cannot_take_a_call():
     assert "head dims" not in (mgpu_unsupported(q192, k192, v128) or "")  # DeepSeek's 192/128 is taken
     assert "head dims 96/96" in mgpu_unsupported(S((8, 4, 96), jnp.bfloat16), S((32, 2, 96), jnp.bfloat16), S((32, 2, 96), jnp.bfloat16))
     for feature, why in ((dict(causal=False, sliding_window=8), "a sliding window with non-causal attention"),
-                         (dict(draft_mask=jnp.ones((8, 1), jnp.int32), form="unified"), "a draft mask"),
-                         (dict(custom_mask=jnp.ones(4, bool), form="unified"), "a custom mask in the unified form")):
+                         (dict(draft_mask=jnp.ones((8, 1), jnp.int32), form="unified"), "a draft mask")):
         assert why in mgpu_unsupported(q, pool, pool, **feature), feature
     assert "interpreted" in mgpu_unsupported(q, pool, pool, mode="interpret")
     # A window, a soft cap, sinks, xai temperature, non-causal calls, custom masks and draft masks are taken, alone or
@@ -1376,7 +1441,9 @@ def test_says_why_it_cannot_take_a_call():
                     dict(custom_mask=jnp.ones(4, bool)), dict(custom_mask=jnp.ones(4, bool), logit_cap=3.0, sinks=jnp.zeros(4)),
                     dict(custom_mask=jnp.ones(4, bool), sliding_window=8), dict(draft_mask=jnp.ones((8, 1), jnp.int32)),
                     dict(draft_mask=jnp.ones((8, 1), jnp.int32), sliding_window=8, sinks=jnp.zeros(4)),
-                    dict(sliding_window=8, form="unified"), dict(sliding_window=0, form="unified", logit_cap=2.0)):
+                    dict(sliding_window=8, form="unified"), dict(sliding_window=0, form="unified", logit_cap=2.0),
+                    dict(custom_mask=jnp.ones(4, bool), form="unified"),
+                    dict(custom_mask=jnp.ones(4, bool), form="unified", sliding_window=8, sinks=jnp.zeros(4))):
         why = mgpu_unsupported(q, pool, pool, **feature)
         device_reasons = ("no GPU", "sm_90", "CUDA runtime")
         assert (why is None or "CUDA runtime" in why) if _is_hopper() else any(r in why for r in device_reasons), (feature, why)
@@ -1405,7 +1472,7 @@ def test_rejects_what_the_kernel_cannot_take(rng):
         extend_attention_mgpu(batch.q, *args, causal=False, sliding_window=4)
     # The unified form takes a window on lists not cut for one (its tiles sit at fixed listed-key offsets).
     uargs = (batch.q, batch.k_pool_unified, batch.v_pool_unified)
-    with pytest.raises(ValueError, match="sliding_window with causal=True only"):
+    with pytest.raises(ValueError, match=r"sliding_window with causal=True \(or a custom mask\) only"):
         extend_attention_unified_mgpu(*uargs, batch.meta_unified, causal=False, sliding_window=4)
     cut = make_batch(rng, [4], [8], hq=2, hkv=1, dqk=64, dtype=jnp.bfloat16, window=2)
     assert cut.meta_unified.sliding_window == 2

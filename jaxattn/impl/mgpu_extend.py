@@ -58,7 +58,7 @@ HEAD_DIMS_TEXT = ", ".join(f"{qk}/{v}" for qk, v in MGPU_HEAD_DIMS)  # for messa
 # their GPU tests (2026-12-04, e1003ed / 4d7ea2d: 21 passed).
 MGPU_FEATURES = {"two_stage": ("sliding window", "soft cap", "sinks", "xai temperature", "non-causal", "custom mask",
                                "draft mask"),
-                 "unified": ("sliding window", "soft cap", "sinks", "xai temperature", "non-causal")}
+                 "unified": ("sliding window", "soft cap", "sinks", "xai temperature", "non-causal", "custom mask")}
 _FEATURE_NAMES = {"custom mask": "a custom mask", "sliding window": "a sliding window",
                   "draft mask": "a draft mask (per-row bits)"}
 
@@ -241,6 +241,7 @@ def extend_attention_unified_mgpu(
     meta: ExtendUnifiedMetadata,
     *,
     causal: bool = True,
+    custom_mask: jax.Array | None = None,
     sliding_window: int = -1,
     logit_cap: float = 0.0,
     sinks: jax.Array | None = None,
@@ -259,6 +260,9 @@ def extend_attention_unified_mgpu(
       sliding_window: W >= 0 (causal only): a query sees the listed keys at positions q_pos - W..q_pos; the kernel
         starts at the tile the window reaches, the tiles stay at fixed listed offsets. Taken here only:
         `extend_attention_unified` keeps windowed calls on the Triton kernel until this route's GPU tests have run.
+      custom_mask: bool/u8 flat, sequence b's rows at meta.mask_indptr[b], row-major [q_len, listed kv_len] (column j
+        = listed key j, prefix then new); replaces causal. Every tile is masked by its gathered entries, so a row's bits
+        stay independent of the prefix/new split.
       causal, logit_cap, sinks, xai_temperature_len (absolute positions from meta.kv_start_pos), sm_scale, config:
         as `extend_attention_mgpu`.
 
@@ -269,7 +273,7 @@ def extend_attention_unified_mgpu(
     """
     check_array("q", q, ndim=3, dtypes=MGPU_DTYPES, what="[tokens, q_heads, qk_head_dim] bf16/f16")
     check_extend_args(q, k_pool, v_pool, meta, meta_type=ExtendUnifiedMetadata, builder="extend_unified_metadata",
-                      custom_mask=None, sinks=sinks, sliding_window=sliding_window, logit_cap=logit_cap,
+                      custom_mask=custom_mask, sinks=sinks, sliding_window=sliding_window, logit_cap=logit_cap,
                       xai_temperature_len=xai_temperature_len, sm_scale=sm_scale)
     if is_fp8(k_pool.dtype) or is_fp8(v_pool.dtype) or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
         raise ValueError("extend_attention_unified_mgpu takes pools of q's dtype; fp8 pools go through "
@@ -279,14 +283,15 @@ def extend_attention_unified_mgpu(
         raise ValueError("extend_attention_unified_mgpu takes lists not cut for a window (its tiles sit at fixed "
                          f"listed-key offsets); meta was built with sliding_window={meta.sliding_window}: build it "
                          "without one and pass sliding_window here (or use jaxattn.extend.extend_attention_unified)")
-    if sliding_window >= 0 and not causal:
-        raise ValueError("extend_attention_unified_mgpu takes a sliding_window with causal=True only")
+    if sliding_window >= 0 and not causal and custom_mask is None:
+        raise ValueError("extend_attention_unified_mgpu takes a sliding_window with causal=True (or a custom mask) only")
     config = _config(config, q.shape[2], v_pool.shape[2])
     sm_scale = 1.0 / math.sqrt(q.shape[2]) if sm_scale is None else float(sm_scale)
     return _run_kernel(q, None, None, k_pool, v_pool, meta, sm_scale, config, causal=causal,
                        sliding_window=sliding_window,
                        logit_cap=logit_cap, sinks=sinks, xai_temperature_len=xai_temperature_len,
-                       kv_start_pos=meta.kv_start_pos, prefix_lens=meta.prefix_lens)
+                       kv_start_pos=meta.kv_start_pos, prefix_lens=meta.prefix_lens, custom_mask=custom_mask,
+                       skip_prefix_custom_mask=False)
 
 
 def heads_per_cta(max_extend_len: int, group: int, config: MgpuExtendConfig) -> int:
@@ -301,7 +306,7 @@ def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: 
                 custom_mask=None, skip_prefix_custom_mask=True, draft_mask=None):
     """The kernel launch on checked arguments (the registry's routes and `extend_attention_mgpu` share it).
     prefix_lens (i32[batch]): the unified form (k_new, v_new unused: every key from the pool). custom_mask: flat
-    bool/u8 at meta.mask_indptr (two-stage form). draft_mask: i32/u32[tokens, words] (two-stage form)."""
+    bool/u8 at meta.mask_indptr. draft_mask: i32/u32[tokens, words] (two-stage form)."""
     from jaxattn.kernels.extend_attention_mgpu import extend_attention_mgpu_kernel
     tokens, q_heads = q.shape[:2]
     v_dim = v_pool.shape[2]

@@ -235,6 +235,19 @@ def test_persistent_ctas_take_many_short_items():
     assert rule(_call(batch=1, config=MgpuDecodeConfig(persistent=True)), splits=1, num_sms=132) == 132
 
 
+def test_split_bound_decides_the_final_write():
+    # A bound of 1 (and no sinks) is the kernel's final write, no merge: the rule's bound, a config's, or
+    # deterministic metadata's own (which the config does not override).
+    import types
+
+    meta = types.SimpleNamespace(deterministic=False, max_kv_splits=64)
+    bound = mgpu_decode.kernel_split_bound
+    assert bound(_call(batch=64, meta=meta)) == mgpu_decode.kernel_splits(64, 8)
+    assert bound(_call(batch=8, meta=meta, config=MgpuDecodeConfig(splits=1))) == 1
+    deterministic = types.SimpleNamespace(deterministic=True, max_kv_splits=16)
+    assert bound(_call(batch=8, meta=deterministic, config=MgpuDecodeConfig(splits=1))) == 16
+
+
 def test_stages_that_do_not_fit_are_refused():
     from jaxattn.kernels.decode_attention_mgpu import shared_bytes
 

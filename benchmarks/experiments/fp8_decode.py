@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from variant_timing import time_variant, write_record  # noqa: E402  (this folder: the script's own directory)
 
 
 def main(argv=None) -> int:
@@ -37,7 +37,6 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     from jaxattn import bench, decode, metadata
-    from jaxattn.bench.timing import jax_sync, time_calls
 
     fp8_case = bench.CASES[args.case]
     bf16_case = dataclasses.replace(fp8_case, kv_dtype="bfloat16", name=fp8_case.name.replace("-FP8", ""))
@@ -71,18 +70,9 @@ def main(argv=None) -> int:
                 meta = metadata.decode_metadata_from_indptr(inp.kv_indptr, kv_indices, inp.seq_lens,
                                                             q_heads=case.q_heads, kv_heads=case.kv_heads, **kw)
                 fn = jax.jit(lambda q, k, v, m, c=config: decode.decode_attention(q, k, v, m, config=c, **scales))
-                name = f"{case.name:7s} {slots:9s} {label:16s}"
-                try:
-                    ms = time_calls(lambda: fn(inp.q, inp.k_pool, inp.v_pool, meta), jax_sync)
-                except Exception as error:  # noqa: BLE001  (a tile that does not fit must not hide the others)
-                    print(f"{name} FAILED {type(error).__name__}: {error}"[:200], flush=True)
-                    continue
-                floor = case.floor_ms()
-                rows.append(dict(case=case.name, slots=slots, variant=label, ms=ms, floor_ms=floor))
-                print(f"{name} {ms:.3f} ms  {100 * floor / ms:5.1f}% of its floor", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=bench.device_name(), commit=bench.commit(), rows=rows), f, indent=1)
+                time_variant(rows, f"{case.name:7s} {slots:9s} {label:16s}",
+                             lambda: fn(inp.q, inp.k_pool, inp.v_pool, meta), case, slots=slots, variant=label)
+    write_record(args.json, rows)
     return 0
 
 

@@ -13,11 +13,11 @@ the case's floor (its own: one byte per element for fp8).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from variant_timing import time_variant, write_record  # noqa: E402  (this folder: the script's own directory)
 
 
 def main(argv=None) -> int:
@@ -28,7 +28,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from jaxattn import bench
-    from jaxattn.bench.timing import jax_sync, time_calls
     from jaxattn.impl import mgpu_decode
     from jaxattn.tuning import MgpuDecodeConfig
 
@@ -46,17 +45,8 @@ def main(argv=None) -> int:
                                      dict(impl="mgpu-gqa-fp8" if case.fp8 else "mgpu-gqa",
                                           config=MgpuDecodeConfig(splits=splits, stages=stages, persistent=persistent))))
         for label, kw in variants:
-            try:
-                ms = time_calls(bench.decode_jaxattn(inp, **kw), jax_sync)
-            except Exception as error:  # noqa: BLE001  (a variant that fails must not hide the others)
-                print(f"{name:7s} {label:34s} FAILED {type(error).__name__}: {error}"[:300], flush=True)
-                continue
-            floor = case.floor_ms()
-            rows.append(dict(case=name, variant=label, ms=ms, floor_ms=floor))
-            print(f"{name:7s} {label:34s} {ms:.4f} ms  {100 * floor / ms:5.1f}% of its floor", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=bench.device_name(), commit=bench.commit(), rows=rows), f, indent=1)
+            time_variant(rows, f"{name:7s} {label:34s}", bench.decode_jaxattn(inp, **kw), case, variant=label)
+    write_record(args.json, rows)
     return 0
 
 

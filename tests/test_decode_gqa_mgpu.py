@@ -174,12 +174,15 @@ def test_nan_stays_in_its_row(rng, pool):
 
 @pytest.mark.gpu
 @needs_gpu
-def test_hostile_indices_stay_inside(rng):
-    # Slots past the pool and negative ones, and an indptr past kv_indices: clamped, no fault, the shape intact.
+@pytest.mark.parametrize("config", [None, MgpuDecodeConfig(splits=1, persistent=True)],
+                         ids=["default", "persistent-final-write"])
+def test_hostile_indices_stay_inside(rng, config):
+    # Slots past the pool and negative ones, and an indptr past kv_indices: clamped, no fault, the shape intact; also
+    # on persistent CTAs writing the result themselves (each CTA reads its items' indptr entries in turn).
     q, k_pool, v_pool, meta, kwargs = make_case(rng, 32, 8, 128, jnp.bfloat16, jnp.float8_e4m3fn)
     bad = meta.kv_indices.at[5].set(10**9).at[40].set(-7)
     meta = dataclasses.replace(meta, kv_indices=bad, kv_indptr=meta.kv_indptr.at[-1].set(10**6))
-    o = decode_attention(q, k_pool, v_pool, meta, impl="mgpu-gqa-fp8", **kwargs)
+    o = decode_attention(q, k_pool, v_pool, meta, impl="mgpu-gqa-fp8", config=config, **kwargs)
     jax.block_until_ready(o)
     assert o.shape == (len(KV_LENS), 32, 128)
 

@@ -256,6 +256,7 @@ def test_unified_custom_masks_match_reference(rng, feature):
     o = extend_attention_unified_mgpu(*args, **kw)
     assert_output(o, ref_unified(batch, **kw), batch, jnp.bfloat16)
     np.testing.assert_array_equal(np.float32(o[3]), 0.0)
+    np.testing.assert_array_equal(np.float32(extend_attention_unified(*args, **kw)), np.float32(o))  # the default route
 
 
 @pytest.mark.gpu
@@ -1428,9 +1429,7 @@ def test_says_why_it_cannot_take_a_call():
     assert "head dims" not in (mgpu_unsupported(q192, k192, v128) or "")  # DeepSeek's 192/128 is taken
     assert "head dims 96/96" in mgpu_unsupported(S((8, 4, 96), jnp.bfloat16), S((32, 2, 96), jnp.bfloat16), S((32, 2, 96), jnp.bfloat16))
     for feature, why in ((dict(causal=False, sliding_window=8), "a sliding window with non-causal attention"),
-                         (dict(draft_mask=jnp.ones((8, 1), jnp.int32), form="unified"), "a draft mask"),
-                         # by name only (extend_attention_unified_mgpu) until its GPU tests have run to the end
-                         (dict(custom_mask=jnp.ones(4, bool), form="unified"), "a custom mask in the unified form")):
+                         (dict(draft_mask=jnp.ones((8, 1), jnp.int32), form="unified"), "a draft mask")):
         assert why in mgpu_unsupported(q, pool, pool, **feature), feature
     assert "interpreted" in mgpu_unsupported(q, pool, pool, mode="interpret")
     # A window, a soft cap, sinks, xai temperature, non-causal calls, custom masks and draft masks are taken, alone or
@@ -1442,7 +1441,9 @@ def test_says_why_it_cannot_take_a_call():
                     dict(custom_mask=jnp.ones(4, bool)), dict(custom_mask=jnp.ones(4, bool), logit_cap=3.0, sinks=jnp.zeros(4)),
                     dict(custom_mask=jnp.ones(4, bool), sliding_window=8), dict(draft_mask=jnp.ones((8, 1), jnp.int32)),
                     dict(draft_mask=jnp.ones((8, 1), jnp.int32), sliding_window=8, sinks=jnp.zeros(4)),
-                    dict(sliding_window=8, form="unified"), dict(sliding_window=0, form="unified", logit_cap=2.0)):
+                    dict(sliding_window=8, form="unified"), dict(sliding_window=0, form="unified", logit_cap=2.0),
+                    dict(custom_mask=jnp.ones(4, bool), form="unified"),
+                    dict(custom_mask=jnp.ones(4, bool), form="unified", sliding_window=8, sinks=jnp.zeros(4))):
         why = mgpu_unsupported(q, pool, pool, **feature)
         device_reasons = ("no GPU", "sm_90", "CUDA runtime")
         assert (why is None or "CUDA runtime" in why) if _is_hopper() else any(r in why for r in device_reasons), (feature, why)

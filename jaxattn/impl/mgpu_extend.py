@@ -58,7 +58,7 @@ HEAD_DIMS_TEXT = ", ".join(f"{qk}/{v}" for qk, v in MGPU_HEAD_DIMS)  # for messa
 # their GPU tests (2026-12-04, e1003ed / 4d7ea2d: 21 passed).
 MGPU_FEATURES = {"two_stage": ("sliding window", "soft cap", "sinks", "xai temperature", "non-causal", "custom mask",
                                "draft mask"),
-                 "unified": ("sliding window", "soft cap", "sinks", "xai temperature", "non-causal")}
+                 "unified": ("sliding window", "soft cap", "sinks", "xai temperature", "non-causal", "custom mask")}
 _FEATURE_NAMES = {"custom mask": "a custom mask", "sliding window": "a sliding window",
                   "draft mask": "a draft mask (per-row bits)"}
 
@@ -262,8 +262,7 @@ def extend_attention_unified_mgpu(
         `extend_attention_unified` keeps windowed calls on the Triton kernel until this route's GPU tests have run.
       custom_mask: bool/u8 flat, sequence b's rows at meta.mask_indptr[b], row-major [q_len, listed kv_len] (column j
         = listed key j, prefix then new); replaces causal. Every tile is masked by its gathered entries, so a row's bits
-        stay independent of the prefix/new split. Taken here only: `extend_attention_unified` keeps custom masks on
-        the Triton kernel until this path's GPU tests have run to the end (a first call was cut before its verdict).
+        stay independent of the prefix/new split.
       causal, logit_cap, sinks, xai_temperature_len (absolute positions from meta.kv_start_pos), sm_scale, config:
         as `extend_attention_mgpu`.
 

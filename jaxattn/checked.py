@@ -17,7 +17,8 @@ What is checked (each message names the argument and the first offending entry):
   the pool (1 <= id < num_slots / page_size; page 0 and ids outside read the padding slot).
 * `validate_decode_metadata` / `validate_extend_metadata` (the metadata pytrees, also for callers that build CSR
   lists themselves): indptrs start at 0, never decrease and end within the index capacity; the listed kv_indices
-  inside [0, num_slots); per-sequence query counts within max_extend_len; seq_lens / prefix_lens consistent.
+  inside [0, num_slots); per-sequence query counts within max_extend_len; seq_lens / prefix_lens consistent; an
+  extend metadata's promise of whole pages (`page_size` > 1) kept by its lists.
   They *return the metadata with out-of-range slots replaced by the padding slot 0*: checkify reports after the
   step, so the step that finds the error still runs, and with the returned metadata it reads only inside the pool
   (the kernels clamp every index as well). To stop a bad batch before its step, pass the request-table validators as
@@ -400,4 +401,25 @@ def validate_extend_metadata(meta, *, num_slots: int, num_tokens: int | None = N
             _check_all(~bad, "prefix_lens[{i}] = {p} does not fit its list: {n} keys listed for {q} queries", i=i, p=prefix[i],
                    n=kv_lens[i], q=q_lens[i])
     used = jnp.arange(meta.kv_capacity) < meta.kv_indptr[-1]
+    if meta.page_size > 1:
+        paged = meta.prefix_lens.astype(jnp.int32) if isinstance(meta, ExtendUnifiedMetadata) else kv_lens
+        _whole_pages(meta.kv_indices, meta.kv_indptr.astype(jnp.int32), paged, meta.page_size)
     return dataclasses.replace(meta, kv_indices=_sanitized_indices(meta.kv_indices, used, num_slots))
+
+
+def _whole_pages(kv_indices, kv_indptr, paged_lens, page_size: int) -> None:
+    """meta.page_size's promise: key j < paged_lens[b] of sequence b's list sits at a slot that is a multiple of
+    page_size where j is, and one past key j - 1's elsewhere (the Hopper kernel copies such runs as blocks)."""
+    entries = jnp.arange(kv_indices.shape[0], dtype=jnp.int32)
+    if entries.size == 0 or paged_lens.size == 0:
+        return
+    seq = jnp.clip(jnp.searchsorted(kv_indptr, entries, side="right") - 1, 0, paged_lens.shape[0] - 1)
+    key = entries - kv_indptr[seq]
+    slots = kv_indices.astype(jnp.int32)
+    previous = jnp.concatenate([slots[:1], slots[:-1]])
+    whole = jnp.where(key % page_size == 0, slots % page_size == 0, slots == previous + 1)
+    bad = (entries < kv_indptr[-1]) & (key < paged_lens[seq]) & ~whole
+    i = _first(bad)
+    _check_all(~bad, f"kv_indices[{{i}}] = {{v}} breaks meta.page_size = {page_size}'s whole pages (key {{j}} of a list: "
+               f"a multiple of {page_size} at a page's first key, else one past the key before); build the lists with "
+               "jaxattn.paging's builders, or set page_size=1", i=i, v=slots[i], j=key[i])

@@ -289,6 +289,7 @@ def check_extend_args(q, k_pool, v_pool, meta, *, meta_type, builder, custom_mas
     check_array("meta.kv_start_pos", meta.kv_start_pos, shape=(batch,), dtypes=INDEX_DTYPES, what="[batch]")
     check_array("meta.kv_indices", meta.kv_indices, shape=(meta.kv_capacity,), what="[meta.kv_capacity]")
     check_positive_int("meta.max_extend_len", meta.max_extend_len)
+    check_page_size(meta.page_size, "meta.page_size")
     check_window("sliding_window", sliding_window)
     check_score_options(logit_cap, xai_temperature_len)
     check_pool_dtype("k_pool", k_pool, q.dtype)
@@ -367,10 +368,10 @@ PAGE_SIZES = (1, 8, 16, 32, 64, 128)
 MAX_SLOTS = 2**31 - 1
 
 
-def check_page_size(page_size) -> None:
+def check_page_size(page_size, name: str = "page_size") -> None:
     """A static page size, one of PAGE_SIZES."""
     if not isinstance(page_size, (int, np.integer)) or isinstance(page_size, bool) or page_size not in PAGE_SIZES:
-        raise ValueError(f"page_size must be one of {PAGE_SIZES} (a static Python int); got {page_size!r}")
+        raise ValueError(f"{name} must be one of {PAGE_SIZES} (a static Python int); got {page_size!r}")
 
 
 def check_page_args(req_to_page, page_size, num_slots) -> None:

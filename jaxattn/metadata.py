@@ -446,6 +446,10 @@ class ExtendMetadata:
     max_extend_len: int = dataclasses.field(metadata=dict(static=True))  # static bound on q_len; fixes the grid
     kv_capacity: int = dataclasses.field(metadata=dict(static=True))  # static length of kv_indices
     sliding_window: int = dataclasses.field(default=-1, metadata=dict(static=True))  # window the list was cut for; -1 full
+    # P > 1: the listed prefixes are whole pages of P slots (`jaxattn.paging`'s builders promise it: each list starts
+    # a page, P consecutive slots per page from a multiple of P), so a kernel may copy a page's rows as a block
+    # (the Hopper kernel does). A list that breaks the promise reads wrong rows of the pool, never outside it.
+    page_size: int = dataclasses.field(default=1, metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass
@@ -462,6 +466,7 @@ class ExtendUnifiedMetadata:
     max_extend_len: int = dataclasses.field(metadata=dict(static=True))
     kv_capacity: int = dataclasses.field(metadata=dict(static=True))
     sliding_window: int = dataclasses.field(default=-1, metadata=dict(static=True))
+    page_size: int = dataclasses.field(default=1, metadata=dict(static=True))  # as ExtendMetadata's, over the listed prefix
 
 
 @functools.partial(jax.jit, static_argnames=("max_extend_len", "kv_capacity", "sliding_window", "index_dtype", "launch_mode", "mode"))
@@ -506,11 +511,12 @@ def extend_metadata(
 
 
 def extend_metadata_from_lists(extend_lens, listed, start, kv_indptr, kv_indices, *, max_extend_len, kv_capacity,
-                               sliding_window) -> ExtendMetadata:
+                               sliding_window, page_size=1) -> ExtendMetadata:
     """`ExtendMetadata` from a batch's listed-prefix lists (`extend_metadata` and the page-table builder share it).
 
     extend_lens: i32[batch], clamped >= 0. listed, start: `listed_prefix`'s (listed keys, keys dropped before them).
     kv_indptr / kv_indices: the listed prefix's CSR slot lists. Masks are full width [q_len, start + listed + q_len].
+    page_size: the lists' whole pages (`ExtendMetadata.page_size`), 1 when they promise none.
     """
     return ExtendMetadata(
         qo_indptr=exclusive_cumsum(extend_lens),
@@ -521,6 +527,7 @@ def extend_metadata_from_lists(extend_lens, listed, start, kv_indptr, kv_indices
         max_extend_len=max_extend_len,
         kv_capacity=kv_capacity,
         sliding_window=int(sliding_window) if sliding_window >= 0 else -1,
+        page_size=page_size,
     )
 
 
@@ -567,9 +574,10 @@ def extend_unified_metadata(
 
 def extend_unified_metadata_from_lists(extend_lens, start, prefix_indptr, prefix_indices, out_cache_loc, extend_start_loc,
                                        *, max_extend_len, kv_capacity, sliding_window, index_dtype,
-                                       launch_mode) -> ExtendUnifiedMetadata:
+                                       launch_mode, page_size=1) -> ExtendUnifiedMetadata:
     """`ExtendUnifiedMetadata` from the listed-prefix lists and the new tokens' slots, joined by the unified index
-    kernel (`extend_unified_metadata` and the page-table builder share it). Masks are [q_len, listed + q_len]."""
+    kernel (`extend_unified_metadata` and the page-table builder share it). Masks are [q_len, listed + q_len].
+    page_size: the listed prefixes' whole pages (`ExtendMetadata.page_size`), 1 when they promise none."""
     kv_indptr, kv_indices, listed = build_unified_kv_indices(
         prefix_indptr, prefix_indices, extend_start_loc, extend_lens, out_cache_loc, capacity=kv_capacity,
         index_dtype=index_dtype, launch_mode=launch_mode,
@@ -584,6 +592,7 @@ def extend_unified_metadata_from_lists(extend_lens, start, prefix_indptr, prefix
         max_extend_len=max_extend_len,
         kv_capacity=kv_capacity,
         sliding_window=int(sliding_window) if sliding_window >= 0 else -1,
+        page_size=page_size,
     )
 
 

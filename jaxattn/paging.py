@@ -28,15 +28,17 @@ Functions (pure, jit-friendly, no host sync; sizes are static Python ints):
     function on `req_to_token_from_pages`).
   * `decode_metadata_from_pages`, `extend_metadata_from_pages`, `extend_unified_metadata_from_pages`: the builders of
     `jaxattn.metadata` over pages, same signatures plus `page_size` and `num_slots`, same metadata (every field, static
-    ones included) as the page-1 builders on the equivalent req_to_token. The window rules are `jaxattn.metadata`'s
-    (`window_first_key` & co.), applied per token, so a window may start mid-page.
+    ones included) as the page-1 builders on the equivalent req_to_token, except the extend builders' static
+    `page_size`: the lists keep whole pages (`ExtendMetadata.page_size`; 1 where a window or token_offsets cuts them).
+    The window rules are `jaxattn.metadata`'s (`window_first_key` & co.), applied per token, so a window may start
+    mid-page.
 
 Cost: the lists are built by a jnp gather per listed key (a searchsorted over the batch's indptr, one page-table read
 and one multiply-add per entry of kv_capacity), not by the Triton index kernel and not through a per-token table, so
 the extra work is O(kv_capacity) per step and nothing of size max_reqs x max_context is built (only
-`req_to_token_from_pages` builds that). The kernels still read one slot per key: page-granular kernel addressing
-(one index per page, `page * page_size + offset` inside the kernel, lists page_size times shorter) is the next step
-(the serving allocator takes pages, and FlashInferBackend plans FlashInfer's own page_size from a PageTable).
+`req_to_token_from_pages` builds that). The lists keep one slot per key; where they keep whole pages the Hopper extend
+kernel copies a page's rows as one block (TMA, `ExtendMetadata.page_size`), the other kernels read row by row (the
+serving allocator takes pages, and FlashInferBackend plans FlashInfer's own page_size from a PageTable).
 """
 
 from __future__ import annotations
@@ -365,7 +367,8 @@ def extend_metadata_from_pages(
         req_to_page, req_pool_indices, prefix_lens, sliding_window, token_offsets, page_size, num_slots, kv_capacity,
         index_dtype)
     return extend_metadata_from_lists(extend_lens, listed, start, kv_indptr, kv_indices, max_extend_len=max_extend_len,
-                                      kv_capacity=kv_capacity, sliding_window=sliding_window)
+                                      kv_capacity=kv_capacity, sliding_window=sliding_window,
+                                      page_size=_whole_pages(page_size, sliding_window, token_offsets))
 
 
 @functools.partial(jax.jit, static_argnames=("page_size", "num_slots", "max_extend_len", "kv_capacity", "sliding_window",
@@ -402,7 +405,14 @@ def extend_unified_metadata_from_pages(
         index_dtype)
     return extend_unified_metadata_from_lists(
         extend_lens, start, prefix_indptr, prefix_indices, out_cache_loc, extend_start_loc, max_extend_len=max_extend_len,
-        kv_capacity=kv_capacity, sliding_window=sliding_window, index_dtype=index_dtype, launch_mode=launch_mode)
+        kv_capacity=kv_capacity, sliding_window=sliding_window, index_dtype=index_dtype, launch_mode=launch_mode,
+        page_size=_whole_pages(page_size, sliding_window, token_offsets))
+
+
+def _whole_pages(page_size: int, sliding_window: int, token_offsets) -> int:
+    """The page size an extend builder's prefix lists keep whole (`ExtendMetadata.page_size`): page_size, or 1 when
+    a window cuts the lists (they start mid-page) or token_offsets shifts where they start in the table."""
+    return page_size if sliding_window < 0 and token_offsets is None else 1
 
 
 @functools.partial(jax.jit, static_argnames=("page_size", "num_slots", "max_extend_len", "kv_capacity"))

@@ -11,7 +11,9 @@ q heads of one kv head, `heads_per_cta`), three warpgroups:
   wgmma reads (8 threads per 128-byte row segment: coalesced), and a `cp.async.mbarrier.arrive.noinc` per thread
   completes the tile's mbarrier when its copies land; the slots of the next tile are loaded while the current one is
   issued. New-token tiles are contiguous: TMA loads them when the arrays allow (`tma_new_tiles`), cp.async otherwise
-  and for a tile that reaches past the batch's last token (its rows past it are zero-filled).
+  and for a tile that reaches past the batch's last token (its rows past it are zero-filled). Lists of whole pages
+  (`page_rows`): a prefix tile wholly inside the prefix is a few runs of consecutive slots, one TMA copy per page
+  (or per tile's rows of a larger page), completing a barrier that expects one arrival per copy.
 * warpgroups 0 and 1 (consumers, 232 registers) each own block_q query rows: S = Q K^T and O += P V with wgmma (P
   stays in registers), online softmax in base 2 with the scale folded into the exponent's FMA. A shared "schedule"
   barrier alternates their matrix work, so one warpgroup's softmax runs while the other's wgmma does.
@@ -333,11 +335,13 @@ def issue_rows(new_ref, pool_ref, smem, bars, sources, from_pool, slot, barrier,
     run(new_ref, pool_ref, smem, bars, sources, from_pool, slot, barrier, kv_head)
 
 
-def cp_async_uses(step, slot, *, pre_steps, tail_step, stages: int, first_step=None):
+def cp_async_uses(step, slot, *, pre_steps, tail_step, stages: int, first_step=None, page_steps=0):
     """How many cp.async tiles before `step` used ring slot `slot` (= step % stages). Each completes the slot's
-    mbarrier once, so this count's parity is the phase tile `step` waits for. The cp.async steps are [0, pre_steps)
-    (the prefix) and [tail_step, ...) (new-key tiles past the TMA ones); the steps between come by TMA. Any number of
-    tail tiles is counted right: bad metadata must not leave a wait on a phase that never comes (a hang).
+    mbarrier once, so this count's parity is the phase tile `step` waits for. The cp.async steps are
+    [page_steps, pre_steps) (the prefix tiles not copied page by page) and [tail_step, ...) (new-key tiles past the
+    TMA ones); the steps between come by TMA. Any number of tail tiles is counted right: bad metadata must not leave
+    a wait on a phase that never comes (a hang). page_steps: 0, or the prefix tiles copied by TMA page by page
+    (0 <= page_steps; with pre_steps <= 0 nothing of the prefix is counted).
     first_step (a sliding window): the CTA's first loaded step; tiles before it were never loaded, so they are not
     counted (the mbarriers start at phase 0 on the CTA's first tile).
     """
@@ -345,7 +349,11 @@ def cp_async_uses(step, slot, *, pre_steps, tail_step, stages: int, first_step=N
         return lax.div(jnp.maximum(end - slot, 0) + (stages - 1), jnp.int32(stages))
 
     def before(end):  # cp.async steps m in [0, end) with m % stages == slot
-        return count(jnp.minimum(end, pre_steps)) + count(jnp.maximum(end, tail_step)) - count(tail_step)
+        prefix_end = jnp.minimum(end, pre_steps)
+        prefix = count(prefix_end)
+        if not (isinstance(page_steps, int) and page_steps == 0):  # less the prefix tiles copied page by page
+            prefix = prefix - count(jnp.minimum(prefix_end, page_steps))
+        return prefix + count(jnp.maximum(end, tail_step)) - count(tail_step)
 
     uses = before(step)
     if first_step is not None:
@@ -420,7 +428,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                                  max_extend_len, sm_scale, block_q, block_kv, stages, tma_new_tiles, o_rows_columns,
                                  causal=True, sliding_window=-1, logit_cap=0.0, sinks=None, xai_temperature_len=-1,
                                  kv_start_pos=None, prefix_lens=None, custom_mask=None, mask_indptr=None,
-                                 skip_prefix_custom_mask=True, heads_per_cta=1, draft_mask=None):
+                                 skip_prefix_custom_mask=True, heads_per_cta=1, draft_mask=None, page_rows=0):
     """Runs the kernel; writes `out_ref` in place (rows it does not own are left as they were).
 
     q: [q_rows, q_heads, qk_dim] (q_rows a multiple of 8, >= block_q: Q/O move by TMA in 8-row tiles);
@@ -438,6 +446,12 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
       head would be mostly empty; needs (q_heads // kv_heads) % 2 == 0).
     tma_new_tiles: load new-key tiles that lie wholly before the batch's last token by TMA (needs tokens a multiple
       of 8 and >= block_kv: Mosaic's TMA moves whole 8-row tiles, no taller than the array); the others by cp.async.
+    page_rows: 0, or P' = min(page size, block_kv) when the lists are whole pages (`ExtendMetadata.page_size`: each
+      sequence's listed prefix starts a page, and the slots of each run of P' listed keys are consecutive from a
+      multiple of P'): prefix tiles wholly inside the listed prefix (the unified form: inside its cached prefix,
+      prefix_lens) come by TMA, block_kv / P' copies of P' rows, each from the slot its first key lists rounded down
+      to a multiple of P' (clamped into the pool, which holds whole pages: a bad list reads wrong rows of the pool,
+      never outside it). The other tiles by cp.async, row by row.
 
     Optional features (static; each adds code only when on, the plain causal kernel is unchanged without them):
     sliding_window W >= 0: a query at t sees keys at t - W..t (listed coordinates: a prefix list cut for the window
@@ -502,11 +516,16 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
     if xai is not None and kv_start_pos is None:
         raise ValueError("xai temperature needs kv_start_pos (each sequence's first listed key's position)")
     if unified:
-        tma_new_tiles = False  # every tile comes from the pool by cp.async
+        tma_new_tiles = False  # every tile comes from the pool (by cp.async, or whole pages by TMA)
+    if page_rows and (page_rows % 8 or block_kv % page_rows or pool_rows % page_rows):
+        raise ValueError(f"page_rows {page_rows} must be a multiple of 8 dividing block_kv ({block_kv}) and the pool's "
+                         f"rows ({pool_rows})")
+    capacity = kv_indices.shape[0]
 
     def body(qo_indptr_ref, kv_indptr_ref, kv_indices_ref, q_ref, k_new_ref, v_new_ref, k_pool_ref, v_pool_ref,
              sinks_ref, start_pos_ref, prefix_lens_ref, mask_ref, mask_indptr_ref, bits_ref, out_gmem, scoped):
-        (qo_smem2, o_rows_smem2, k_smem, v_smem, kv_bars), (k_ready, v_ready, q_ready), (k_free, v_free), schedule = scoped
+        (qo_smem2, o_rows_smem2, k_smem, v_smem, kv_bars), (k_ready, v_ready, q_ready), (k_free, v_free), schedule = scoped[:4]
+        page_ready = scoped[4] if page_rows else None  # (K, V): per slot, one TMA arrival per page copy of a tile
         cta_head = lax.axis_index("heads") * heads_per_cta  # the CTA's (first) q head
         seq = lax.axis_index("seq")
         # Reversed: the q tiles with the most causal work start first, the short ones fill the tail.
@@ -533,7 +552,14 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
         if unified:
             # Query t of the sequence sits at listed position q_prefix + t; causal, it sees the listed keys up to it.
             q_prefix = prefix_lens_ref[seq]
-
+        # Whole pages: prefix tiles [0, page_steps) lie wholly inside the paged part of the list (two-stage: the
+        # prefix; unified: the cached prefix, the new tokens' slots being the caller's) and come by TMA.
+        if page_rows:
+            paged_len = jnp.minimum(q_prefix, prefix_len) if unified else prefix_len
+            page_steps = jnp.maximum(lax.div(paged_len, jnp.int32(block_kv)), 0)
+        else:
+            page_steps = 0
+        if unified:
             def unified_steps(last_row):  # the K/V steps rows up to `last_row` (absolute) see, from step 0
                 if not causal:
                     return pre_steps
@@ -572,17 +598,23 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
             return (step >= pre_steps) & (step < tail_step)
 
         def wait_ready(which, step, ready):
-            # Tile `step` sits in slot step % stages. A TMA tile completes Pallas' barrier `ready` of the slot (Pallas
-            # tracks its phase); a cp.async tile completes the slot's own mbarrier in kv_bars (phase: its use count).
+            # Tile `step` sits in slot step % stages. A TMA tile completes Pallas' barrier `ready` of the slot (a
+            # tile of whole pages: `page_ready`; Pallas tracks their phases); a cp.async tile completes the slot's own
+            # mbarrier in kv_bars (phase: its use count).
             slot = lax.rem(step, jnp.int32(stages))
             uses = cp_async_uses(step, slot, pre_steps=pre_steps, tail_step=tail_step, stages=stages,
-                                 first_step=None if window is None else first_step)
+                                 first_step=None if window is None else first_step, page_steps=page_steps)
             cp_async = lambda: wait_barrier(kv_bars, which * stages + slot, lax.rem(uses, 2))
-            if not tma_new_tiles:
+            if not tma_new_tiles and not page_rows:
                 return cp_async()
-            tma = by_tma(step)
-            pl.when(tma)(lambda: plgpu.barrier_wait(ready.at[slot]))
-            pl.when(jnp.logical_not(tma))(cp_async)
+            copied = []  # the conditions of the TMA kinds on
+            if tma_new_tiles:
+                copied.append(by_tma(step))
+                pl.when(copied[-1])(lambda: plgpu.barrier_wait(ready.at[slot]))
+            if page_rows:
+                copied.append(step < page_steps)
+                pl.when(copied[-1])(lambda: plgpu.barrier_wait(page_ready[which].at[slot]))
+            pl.when(jnp.logical_not(functools.reduce(jnp.logical_or, copied)))(cp_async)
 
         @pl.when((cta_row < q_end) & (q_start < q_end))
         def _cta():
@@ -915,7 +947,18 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     count = jnp.where(from_pool, prefix_len - step * block_kv, token_end - new_first)
                     return row_sources(kv_indices_ref, from_pool, first, count, block_kv=block_kv, pool_rows=pool_rows)
 
-                def issue(step, sources):
+                def page_starts(step):
+                    # Whole pages: each page copy of tile `step` starts at pool row start * page_rows, start the slot
+                    # its first key lists (clamped into the pool) over page_rows. Multiplied where the copy is issued,
+                    # so Mosaic sees an 8-aligned row (a loop carry would hide the factor).
+                    starts = []
+                    for chunk in range(block_kv // page_rows):
+                        index = jnp.clip(kv_start + step * block_kv + chunk * page_rows, 0, capacity - 1)
+                        slot = jnp.clip(kv_indices_ref[index], 0, pool_rows - 1).astype(jnp.int32)
+                        starts.append(lax.div(slot, jnp.int32(page_rows)))
+                    return tuple(starts)
+
+                def issue(step, sources, starts):
                     slot = lax.rem(step, jnp.int32(stages))
                     from_pool = step < pre_steps
                     tma = by_tma(step)
@@ -930,20 +973,43 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                             issue_rows(new_ref, pool_ref, smem, kv_bars, sources, from_pool, slot, which * stages + slot,
                                        kv_head, block_kv=block_kv, head_dim=head_dim)
 
-                        if not tma_new_tiles:
+                        def page_copies():
+                            for chunk, start in enumerate(starts):
+                                plgpu.copy_gmem_to_smem(pool_ref.at[pl.ds(start * page_rows, page_rows), kv_head],
+                                                        smem.at[slot, pl.ds(chunk * page_rows, page_rows)],
+                                                        page_ready[which].at[slot])
+
+                        if not tma_new_tiles and not page_rows:
                             return cp_async()
-                        pl.when(tma)(lambda: plgpu.copy_gmem_to_smem(new_ref.at[rows, kv_head], smem.at[slot], ready.at[slot]))
-                        pl.when(jnp.logical_not(tma))(cp_async)
+                        copied = []
+                        if tma_new_tiles:
+                            copied.append(tma)
+                            pl.when(tma)(lambda: plgpu.copy_gmem_to_smem(new_ref.at[rows, kv_head], smem.at[slot],
+                                                                         ready.at[slot]))
+                        if page_rows:
+                            copied.append(step < page_steps)
+                            pl.when(copied[-1])(page_copies)
+                        pl.when(jnp.logical_not(functools.reduce(jnp.logical_or, copied)))(cp_async)
 
                     load(0, k_new_ref, k_pool_ref, k_smem, k_free, k_ready, qk_dim)
                     load(1, v_new_ref, v_pool_ref, v_smem, v_free, v_ready, v_dim)
 
                 def step_body(step, sources):
                     next_sources = sources_of(step + 1)  # its loads overlap this tile's waits and copies
-                    issue(step, sources)
+                    issue(step, sources, None)
                     return next_sources
 
-                lax.fori_loop(first_step, cta_steps, step_body, sources_of(jnp.int32(first_step)))
+                def paged_step_body(step, carry):
+                    sources, starts = carry
+                    next_carry = sources_of(step + 1), page_starts(step + 1)  # as above, the page starts too
+                    issue(step, sources, starts)
+                    return next_carry
+
+                first = jnp.int32(first_step)
+                if page_rows:
+                    lax.fori_loop(first_step, cta_steps, paged_step_body, (sources_of(first), page_starts(first)))
+                else:
+                    lax.fori_loop(first_step, cta_steps, step_body, sources_of(first))
 
     # Operands: the optional ones only when their feature is on (a plain call's kernel is unchanged).
     optional = {"sinks": sinks if has_sinks else None,
@@ -967,6 +1033,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
             plgpu.SMEM((stages, block_kv, v_dim), dtype, transforms=SWIZZLED),
             plgpu.SMEM((2 * stages * 2,), jnp.int32),  # mbarriers (8 bytes each): K ready, V ready per slot
         )
+        # Whole pages: one barrier per slot for K and one for V, completed by the tile's block_kv / page_rows copies.
+        pages = (plgpu.Barrier(num_arrivals=block_kv // page_rows, num_barriers=stages),) * 2 if page_rows else ()
         pl.run_scoped(
             lambda *scoped: body(qo_indptr_ref, kv_indptr_ref, kv_indices_ref, q_ref, k_new_ref, v_new_ref, k_pool_ref,
                                  v_pool_ref, refs.get("sinks"), refs.get("start_pos"), refs.get("prefix_lens"),
@@ -976,6 +1044,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
              plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS)),
             (plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages),) * 2,
             plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),
+            *((pages,) if page_rows else ()),
             collective_axes="wg",
         )
 

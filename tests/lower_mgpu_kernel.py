@@ -6,6 +6,7 @@ Pallas' Mosaic GPU lowering and Mosaic's layout inference, which reject what the
 into 8-row tiles at a row offset not provably a multiple of 8); ptxas and the run itself happen only on a GPU.
 Prints one line per shape: "ok <label>" or "FAIL <label>: <error>".
 """
+import dataclasses
 import sys
 import warnings
 
@@ -73,6 +74,12 @@ SHAPES = [  # label, tokens, q heads, kv heads, head dim, dtype, config, feature
     ("unified-mask-128-bf16", 300, 8, 2, 128, jnp.bfloat16, None, dict(unified=True, mask=True)),
     ("unified-packed-mask-window-64-f16-sinks", 256, 8, 4, 64, jnp.float16, None,
      dict(unified=True, mask=True, sliding_window=30, sinks=True, max_extend_len=64)),
+    # Lists of whole pages (meta.page_size; a pool of whole pages): prefix tiles by TMA page by page, beside TMA new
+    # tiles; the unified form with a custom mask at 64-key tiles; pages larger than the tile under a window.
+    ("pages64-128-bf16", 512, 8, 2, 128, jnp.bfloat16, None, dict(page_size=64)),
+    ("pages16-unified-64-f16-kv64s3-mask", 300, 4, 2, 64, jnp.float16, MgpuExtendConfig(block_kv=64, stages=3),
+     dict(unified=True, page_size=16, mask=True)),
+    ("pages128-256-bf16-window", 512, 8, 4, 256, jnp.bfloat16, None, dict(page_size=128, sliding_window=100)),
 ]
 
 
@@ -88,16 +95,20 @@ def lower(tokens, hq, hkv, d, dtype, config, features=None, batch=3, slots=1000,
         features["custom_mask"] = S((5000,), jnp.bool_)
     dv = features.pop("dv", d)
     max_extend_len = features.pop("max_extend_len", 256)
+    page_size = features.pop("page_size", 1)
+    slots = slots // page_size * page_size  # a pool of whole pages
     pool = (S((slots, hkv, d), dtype), S((slots, hkv, dv), dtype))
     if unified:
         meta = jax.eval_shape(lambda: extend_unified_metadata(idx(4, 600), idx(batch), idx(batch), idx(batch), idx(tokens),
                                                               max_extend_len=max_extend_len, kv_capacity=capacity))
+        meta = dataclasses.replace(meta, page_size=page_size)
         args = (S((tokens, hq, d), dtype), *pool, meta, sinks, features.pop("custom_mask", None))
         call = lambda *a: extend_attention_unified_mgpu(*a[:-2], sinks=a[-2], custom_mask=a[-1],  # noqa: E731
                                                         config=config, sliding_window=window, **features)
     else:
         meta = jax.eval_shape(lambda: extend_metadata(idx(4, 600), idx(batch), idx(batch), idx(batch), max_extend_len=max_extend_len,
                                                       kv_capacity=capacity, sliding_window=cut))
+        meta = dataclasses.replace(meta, page_size=page_size)
         args = (S((tokens, hq, d), dtype), S((tokens, hkv, d), dtype), S((tokens, hkv, dv), dtype), *pool, meta, sinks)
         mask = features.pop("custom_mask", None)
         draft = S((tokens, 3), jnp.int32) if features.pop("draft", False) else None

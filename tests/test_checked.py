@@ -220,6 +220,27 @@ def test_extend_metadata_checks():
         assert err.get() is not None and re.search(message, err.get()), (message, err.get())
 
 
+def test_extend_metadata_whole_pages_checked():
+    # meta.page_size's promise (what the Hopper kernel copies as blocks): each list's paged keys run from a multiple
+    # of the page size, one slot after another; the unified lists' new tokens (the caller's slots) are not paged.
+    t = np.zeros((MAX_REQS, MAX_CTX), np.int32)
+    t[0, :5] = [8, 9, 10, 11, 12]
+    t[1, :3] = [8, 9, 10]  # sequence 1 shares sequence 0's page
+    args = (jnp.asarray(t), i32(0, 1), i32(4, 2), i32(1, 1))
+    meta = dataclasses.replace(extend_metadata(*args, max_extend_len=2, kv_capacity=8), page_size=8)
+    unified = dataclasses.replace(extend_unified_metadata(*args, i32(13, 3), max_extend_len=2, kv_capacity=8),
+                                  page_size=8)
+    for m in (meta, unified):
+        err, _ = check_meta(validate_extend_metadata, m)
+        assert err.get() is None
+    cases = [(dataclasses.replace(meta, kv_indices=meta.kv_indices.at[2].set(12)), r"kv_indices\[2\] = 12 breaks meta.page_size = 8"),
+             (dataclasses.replace(meta, kv_indices=meta.kv_indices.at[4].set(9)), r"kv_indices\[4\] = 9 breaks .* \(key 0 of"),
+             (dataclasses.replace(unified, kv_indices=unified.kv_indices.at[6].set(1)), r"kv_indices\[6\] = 1 breaks")]
+    for bad, message in cases:
+        err, _ = check_meta(validate_extend_metadata, bad)
+        assert err.get() is not None and re.search(message, err.get()), (message, err.get())
+
+
 def test_checked_step_runs_kernels_and_reports(rng):
     """A whole decode step, jit + checkify + donation, through the interpreted kernels: a good batch gives the
     reference's result, and a batch whose table names a slot past the pool raises after a step that stayed in range."""

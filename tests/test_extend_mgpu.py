@@ -12,6 +12,7 @@ import pytest
 
 from jaxattn.extend import (
     extend_attention,
+    extend_attention_reference,
     extend_attention_unified,
     extend_attention_unified_reference,
     extend_unified_metadata,
@@ -257,6 +258,70 @@ def test_unified_custom_masks_match_reference(rng, feature):
     assert_output(o, ref_unified(batch, **kw), batch, jnp.bfloat16)
     np.testing.assert_array_equal(np.float32(o[3]), 0.0)
     np.testing.assert_array_equal(np.float32(extend_attention_unified(*args, **kw)), np.float32(o))  # the default route
+
+
+def _paged_extend(rng, page_size):
+    """A ragged batch over a page table (prefixes ending mid-page, on a page, sharing sequence 0's first page, none;
+    NaN in every pool row no token owns), bf16: (q, k_new, v_new, k_pool, v_pool, two-stage meta, unified meta)."""
+    from jaxattn.paging import extend_metadata_from_pages, extend_unified_metadata_from_pages, out_cache_loc_from_pages
+    from tests.test_paging import paged_batch
+
+    prefix_lens = np.array([3 * page_size + 5, page_size, 700, 2 * page_size, 0], np.int32)
+    extend_lens = np.array([130, 37, 64, 257, 8], np.int32)  # 496 tokens: whole new-key tiles by TMA as well
+    paged = paged_batch(rng, page_size, prefix_lens + extend_lens, hkv=2, dim=128)
+    k_pool, v_pool = paged.k_pool.astype(jnp.bfloat16), paged.v_pool.astype(jnp.bfloat16)
+    args = (jnp.asarray(paged.req_to_page), jnp.asarray(paged.rows), jnp.asarray(prefix_lens), jnp.asarray(extend_lens))
+    pages = dict(page_size=page_size, num_slots=paged.num_slots)
+    tokens = int(extend_lens.sum())
+    loc = out_cache_loc_from_pages(*args, num_tokens=tokens, **pages)
+    sizes = dict(max_extend_len=int(extend_lens.max()), kv_capacity=int((prefix_lens + extend_lens).sum()) + 16)
+    meta = extend_metadata_from_pages(*args, **pages, **sizes)
+    meta_u = extend_unified_metadata_from_pages(*args, loc, **pages, **sizes)
+    assert meta.page_size == meta_u.page_size == page_size
+    q = random_normal(rng, (tokens, 8, 128), jnp.bfloat16)
+    return q, k_pool[loc], v_pool[loc], k_pool, v_pool, meta, meta_u
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("config", [None, MgpuExtendConfig(block_kv=64, stages=3)], ids=["kv128", "kv64"])
+@pytest.mark.parametrize("page_size", [16, 64, 128])
+def test_whole_pages_match_row_copies_and_reference(rng, page_size, config):
+    # Lists of whole pages: the prefix tiles inside the prefix come by TMA page by page (pages larger than the tile a
+    # tile's rows at a time). The tiles hold the same rows as the row-by-row copies', so every bit matches theirs;
+    # both forms against the reference, the unified one under a window too; the default route takes the page path.
+    q, k_new, v_new, k_pool, v_pool, meta, meta_u = _paged_extend(rng, page_size)
+    rows_only = lambda m: dataclasses.replace(m, page_size=1)  # noqa: E731
+    o = extend_attention_mgpu(q, k_new, v_new, k_pool, v_pool, meta, config=config)
+    np.testing.assert_array_equal(
+        np.float32(o), np.float32(extend_attention_mgpu(q, k_new, v_new, k_pool, v_pool, rows_only(meta), config=config)))
+    ref = extend_attention_reference(q, k_new, v_new, k_pool, v_pool, meta)
+    np.testing.assert_allclose(np.float32(o), np.float32(ref), **tolerance(jnp.bfloat16))
+    if config is None:  # the default route's config
+        np.testing.assert_array_equal(np.float32(extend_attention(q, k_new, v_new, k_pool, v_pool, meta)), np.float32(o))
+    for window in (-1, 100):
+        o_u = extend_attention_unified_mgpu(q, k_pool, v_pool, meta_u, config=config, sliding_window=window)
+        o_u_rows = extend_attention_unified_mgpu(q, k_pool, v_pool, rows_only(meta_u), config=config, sliding_window=window)
+        np.testing.assert_array_equal(np.float32(o_u), np.float32(o_u_rows))
+        ref_u = extend_attention_unified_reference(q, k_pool, v_pool, meta_u, sliding_window=window)
+        np.testing.assert_allclose(np.float32(o_u), np.float32(ref_u), **tolerance(jnp.bfloat16))
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_whole_pages_with_a_broken_list_stay_in_the_pool(rng):
+    # A list that breaks the whole-pages promise (slots out of page order, negative, past the pool, huge): the page
+    # copies clamp and round into the pool, so the other sequences' rows are exact and nothing faults.
+    q, k_new, v_new, k_pool, v_pool, meta, _ = _paged_extend(rng, 64)
+    start, end = (int(x) for x in np.asarray(meta.kv_indptr)[2:4])  # sequence 2's list (700 keys)
+    bad = rng.integers(-5, 2**31 - 1, end - start).astype(np.int32)
+    bad[:3] = [-1, 2**31 - 1, k_pool.shape[0] - 1]
+    broken = dataclasses.replace(meta, kv_indices=meta.kv_indices.at[start:end].set(jnp.asarray(bad)))
+    o = np.float32(extend_attention_mgpu(q, k_new, v_new, k_pool, v_pool, broken))
+    clean = np.float32(extend_attention_mgpu(q, k_new, v_new, k_pool, v_pool, meta))
+    rows = np.asarray(meta.qo_indptr)
+    others = np.r_[rows[0]:rows[2], rows[3]:rows[-1]]
+    np.testing.assert_array_equal(o[others], clean[others])
 
 
 @pytest.mark.gpu
@@ -610,6 +675,23 @@ def test_cp_async_phase_counts():
                 np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"{stages=} {pre_steps=} {tma_tiles=}")
 
 
+def test_cp_async_phase_counts_with_pages():
+    # Whole pages: prefix steps [0, page_steps) come by TMA; the cp.async ones are [page_steps, pre_steps) and the tail.
+    from jaxattn.kernels.extend_attention_mgpu import cp_async_uses
+
+    for stages in (2, 3):
+        for pre_steps in range(6):
+            for page_steps in range(pre_steps + 1):
+                for tma_tiles in range(3):
+                    tail_step = pre_steps + tma_tiles
+                    steps = [m for m in range(12) if page_steps <= m < pre_steps or m >= tail_step]
+                    got = cp_async_uses(jnp.asarray(steps, jnp.int32), jnp.asarray(steps, jnp.int32) % stages,
+                                        pre_steps=jnp.int32(pre_steps), tail_step=jnp.int32(tail_step), stages=stages,
+                                        page_steps=jnp.int32(page_steps))
+                    want = [sum(1 for m in steps if m < step and m % stages == step % stages) for step in steps]
+                    np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"{stages=} {pre_steps=} {page_steps=}")
+
+
 def test_cp_async_phase_counts_from_a_first_step():
     # Under a window the CTA loads steps [first_step, ...) only: the mbarriers' first phase is first_step's tile.
     from jaxattn.kernels.extend_attention_mgpu import cp_async_uses
@@ -780,17 +862,20 @@ def _run_protocol(threads, barriers, rng):
                 assert barrier.phase_steps[phase] == step, f"{thread} waited {name} for step {step}, got another tile"
 
 
-def _cta_programs(first_step, cta_steps, wg_ranges, pre_steps, tail_step, uses, *, stages, tma_new_tiles):
+def _cta_programs(first_step, cta_steps, wg_ranges, pre_steps, tail_step, uses, *, stages, tma_new_tiles,
+                  page_steps=0):
     """The barrier operations of one CTA's producer and two consumer warpgroups, in the kernel's order. wg_ranges:
     (wg_first, wg_steps) per warpgroup (wg_first = first_step without a window); uses[step]: the kernel's
-    cp_async_uses of that step."""
+    cp_async_uses of that step; steps below page_steps come page by page by TMA (their own barriers)."""
     by_tma = lambda step: tma_new_tiles and pre_steps <= step < tail_step  # noqa: E731
 
-    def ready(which, step):
+    def barrier(which, step):
         slot = step % stages
-        if by_tma(step):
-            return ("wait", ("ready", which, slot), None, step)
-        return ("wait", ("kv", which, slot), uses[step] % 2, step)
+        return ("page" if step < page_steps else "ready" if by_tma(step) else "kv", which, slot)
+
+    def ready(which, step):
+        name = barrier(which, step)
+        return ("wait", name, None if name[0] != "kv" else uses[step] % 2, step)
 
     producer = []
     for step in range(first_step, cta_steps):
@@ -798,7 +883,7 @@ def _cta_programs(first_step, cta_steps, wg_ranges, pre_steps, tail_step, uses, 
         for which in (0, 1):
             if step >= first_step + stages:
                 producer.append(("wait", ("free", which, slot), None, step - stages))
-            producer.append(("load", ("ready" if by_tma(step) else "kv", which, slot), step))
+            producer.append(("load", barrier(which, step), step))
     sync = [("arrive", "schedule", None), ("wait", "schedule", None, None)]
     programs = {"producer": producer}
     for wg, (wg_first, wg_steps) in enumerate(wg_ranges):
@@ -826,31 +911,34 @@ def _cta_programs(first_step, cta_steps, wg_ranges, pre_steps, tail_step, uses, 
 
 
 def _check_cta(first_step, cta_steps, wg_ranges, pre_steps, tail_step, *, stages, tma_new_tiles, windowed, rng,
-               interleavings=3):
+               interleavings=3, page_steps=0):
     """One CTA's barrier programs (cp.async parities from the kernel's `cp_async_uses`, counted from first_step when
-    windowed) run in `interleavings` random interleavings on fresh barriers; returns how many ran."""
+    windowed; prefix steps below page_steps by TMA page by page) run in `interleavings` random interleavings on fresh
+    barriers; returns how many ran."""
     from jaxattn.kernels.extend_attention_mgpu import cp_async_uses
 
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     steps = np.arange(cta_steps + 1)
     uses = np.asarray(cp_async_uses(i32(steps), i32(steps % stages), pre_steps=i32(pre_steps), tail_step=i32(tail_step),
-                                    stages=stages, first_step=i32(first_step) if windowed else None))
+                                    stages=stages, first_step=i32(first_step) if windowed else None,
+                                    page_steps=i32(page_steps) if page_steps else 0))
     programs = _cta_programs(first_step, cta_steps, wg_ranges, pre_steps, tail_step, uses, stages=stages,
-                             tma_new_tiles=tma_new_tiles)
+                             tma_new_tiles=tma_new_tiles, page_steps=page_steps)
     for _ in range(interleavings):
         barriers = {("free", w, s): _Barrier(2) for w in (0, 1) for s in range(stages)}
-        barriers |= {(kind, w, s): _Barrier(1) for kind in ("ready", "kv") for w in (0, 1) for s in range(stages)}
+        barriers |= {(kind, w, s): _Barrier(1) for kind in ("ready", "kv", "page") for w in (0, 1) for s in range(stages)}
         barriers["schedule"] = _Barrier(2)
         _run_protocol(programs, barriers, rng)
     return interleavings
 
 
+@pytest.mark.parametrize("pages", [False, True], ids=["rows", "pages"])
 @pytest.mark.parametrize("tma_new_tiles", [False, True], ids=["cp-async", "tma"])
-def test_barrier_protocol_never_hangs(tma_new_tiles):
+def test_barrier_protocol_never_hangs(tma_new_tiles, pages):
     # CPU: every CTA's producer and consumers (their barrier operations in the kernel's order, step ranges and
     # cp.async parities from the kernel's own helpers) in random interleavings with loads landing late: no deadlock,
     # no wait passing early or on another tile's phase, with and without a window (head flushes included), causal
-    # and with a custom mask's non-causal schedule.
+    # and with a custom mask's non-causal schedule; with whole pages, the prefix tiles inside the prefix by TMA.
     import itertools
     import random
 
@@ -890,7 +978,8 @@ def test_barrier_protocol_never_hangs(tma_new_tiles):
                                 block_q=block_q, block_kv=block_kv)[0])
                         ranges.append((wg_first, wg_steps))
                     cases += _check_cta(first, cta_steps, ranges, pre_steps, tail_step, stages=stages,
-                                        tma_new_tiles=tma_new_tiles, windowed=window >= 0, rng=rng)
+                                        tma_new_tiles=tma_new_tiles, windowed=window >= 0, rng=rng,
+                                        page_steps=prefix_len // block_kv if pages else 0)
     assert cases > 100
 
 
@@ -917,10 +1006,12 @@ def test_barrier_protocol_never_hangs_unified_and_noncausal():
                 return cdiv(min(max(q_prefix + (last_row - q_start) + 1, 0), listed), block_kv)
 
             for cta_row in range(base, q_end, cta_rows):
-                # Unified: all steps from the pool (tail_step = pre_steps: no TMA tiles).
+                # Unified: all steps from the pool (tail_step = pre_steps: no TMA new-key tiles); with whole pages
+                # the tiles inside the cached prefix by TMA.
                 cta_steps = unified_steps(min(cta_row + cta_rows, q_end) - 1)
                 ranges = [(0, unified_steps(min(cta_row + wg * block_q + block_q, q_end) - 1)) for wg in (0, 1)]
                 layouts = [(0, cta_steps, ranges, pre_steps, pre_steps, False)]
+                paged = [(0, cta_steps, ranges, pre_steps, pre_steps, False, min(q_prefix, listed) // block_kv)]
                 # Unified under a window: the CTA's steps from its first row's window tile, each warpgroup's from its
                 # own (head flushes between).
                 for window in (0, 37, 100, 5000):
@@ -930,6 +1021,7 @@ def test_barrier_protocol_never_hangs_unified_and_noncausal():
                     windowed = [(int(np.clip(step_of(max(cta_row + wg * block_q - q_start, 0)), first, wg_steps)),
                                  wg_steps) for wg, (_, wg_steps) in enumerate(ranges)]
                     layouts.append((first, cta_steps, windowed, pre_steps, pre_steps, False))
+                    paged.append((first, cta_steps, windowed, pre_steps, pre_steps, False, min(q_prefix, listed) // block_kv))
                 # Non-causal two-stage (prefix of q_prefix keys, new keys to the sequence's end, some by TMA), and
                 # with bad metadata whose keys end before the sequence's first row (still one new-key step).
                 two_pre = cdiv(q_prefix, block_kv)
@@ -937,9 +1029,9 @@ def test_barrier_protocol_never_hangs_unified_and_noncausal():
                     nc_steps = two_pre + max(cdiv(key_end - base, block_kv), 1)
                     tail = two_pre + max((key_end - base) // block_kv, 0)
                     layouts.append((0, nc_steps, [(0, nc_steps)] * 2, two_pre, tail, True))
-                for first, steps_total, wg_ranges, pre, tail_step, tma in layouts:
+                for first, steps_total, wg_ranges, pre, tail_step, tma, *page_steps in layouts + paged:
                     cases += _check_cta(first, steps_total, wg_ranges, pre, tail_step, stages=stages, tma_new_tiles=tma,
-                                        windowed=first > 0, rng=rng)
+                                        windowed=first > 0, rng=rng, page_steps=page_steps[0] if page_steps else 0)
     assert cases > 150
 
 
@@ -1497,7 +1589,7 @@ def test_lowers_for_cuda_on_cpu():
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     from tests.lower_mgpu_kernel import DECODE_SHAPES, SHAPES
 
-    assert run.stdout.count("ok ") == len(SHAPES) + len(DECODE_SHAPES) == 51, run.stdout
+    assert run.stdout.count("ok ") == len(SHAPES) + len(DECODE_SHAPES) == 54, run.stdout
 
 
 def test_batches_past_the_grid_limit_are_declined():

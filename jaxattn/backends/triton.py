@@ -39,7 +39,8 @@ cross layers (`layer.is_cross_attention`) attend the encoder's tokens, non-causa
 Pages: `init_forward_metadata` takes a `jaxattn.paging.PageTable` (req_to_page with static page_size and
 num_slots; `RequestTable.page_table()`) wherever it takes req_to_token, and builds the same metadata with the
 `*_from_pages` builders (self and cross attention, windows, every mode); `forward` is unchanged (the kernels read
-by slot); `draft_decode_metadata` takes a PageTable too (its lists gathered from the pages).
+by slot; on Hopper the extend kernel copies whole pages as blocks where the lists keep them, `ExtendMetadata.page_size`);
+`draft_decode_metadata` takes a PageTable too (its lists gathered from the pages).
 
 Which window sizes get their own (shorter) lists is static: `TritonBackend(sliding_windows=(W, ...))`, plus the
 windows of `layers` when they are passed to `init_forward_metadata`. A window layer whose W was not prepared is

@@ -4,9 +4,10 @@ jaxattn's decode, extend (two-stage Triton, unified, Mosaic GPU), FlashInfer's d
 and from jit through jaxattn's DLPack bridge, cuDNN (dense only) and the jnp reference. BACKENDS names them per op with
 their synchronisation; its keys are the `backend` of the result rows.
 
-Pages (`Case.page_size` P): jaxattn's ops and the reference read one slot per key from the inputs' token lists (the
-page table's page-1 equivalent, what TritonBackend builds from a PageTable); FlashInfer is planned with page_size P
-over the page ids and reads the same pools as [slots // P, P, Hkv, D] views.
+Pages (`Case.page_size` P): jaxattn's metadata comes from the page table (`jaxattn.paging`'s builders, as
+TritonBackend builds it from a PageTable): one slot per key, and for extend the promise of whole pages, which the Hopper
+kernel copies as blocks; FlashInfer is planned with page_size P over the page ids and reads the same pools as
+[slots // P, P, Hkv, D] views.
 """
 
 from __future__ import annotations
@@ -208,11 +209,17 @@ def extend_meta(inp: Inputs, unified: bool = False):
     """The case's `ExtendMetadata` (or `ExtendUnifiedMetadata`): every sequence extends by case.new over case.prefix."""
     import jax.numpy as jnp
 
-    from jaxattn import metadata
+    from jaxattn import metadata, paging
 
     case = inp.case
     extend_lens = jnp.full((case.batch,), case.new, jnp.int32)
     sizes = dict(max_extend_len=case.new, kv_capacity=case.batch * (case.prefix + case.new), sliding_window=case.sliding_window)
+    if case.page_size > 1:
+        pages = (inp.req_to_page, inp.req_pool_indices, inp.prefix_lens, extend_lens)
+        sizes.update(page_size=case.page_size, num_slots=inp.k_pool.shape[0])
+        if unified:
+            return paging.extend_unified_metadata_from_pages(*pages, inp.new_slots, **sizes)
+        return paging.extend_metadata_from_pages(*pages, **sizes)
     if unified:
         return metadata.extend_unified_metadata(inp.req_to_token, inp.req_pool_indices, inp.prefix_lens, extend_lens,
                                                 inp.new_slots, **sizes)

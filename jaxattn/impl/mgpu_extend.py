@@ -150,7 +150,9 @@ def dequantised_prefix(k_pool, v_pool, meta: ExtendMetadata | ExtendUnifiedMetad
     slots = jnp.clip(meta.kv_indices.astype(jnp.int32), 0, k_pool.shape[0] - 1)
     k = dequantised_rows(k_pool, slots, None if kv_scales is None else kv_scales[0], dtype)
     v = dequantised_rows(v_pool, slots, None if kv_scales is None else kv_scales[1], dtype)
-    listed = dataclasses.replace(meta, kv_indices=jnp.arange(meta.kv_indices.shape[0], dtype=meta.kv_indices.dtype))
+    # The gathered rows are in list order, not in pages.
+    listed = dataclasses.replace(meta, kv_indices=jnp.arange(meta.kv_indices.shape[0], dtype=meta.kv_indices.dtype),
+                                 page_size=1)
     return k, v, listed
 
 
@@ -301,6 +303,13 @@ def heads_per_cta(max_extend_len: int, group: int, config: MgpuExtendConfig) -> 
     return 2 if max_extend_len <= config.block_q and group % 2 == 0 else 1
 
 
+def page_copy_rows(page_size: int, block_kv: int, pool_rows: int) -> int:
+    """Rows per TMA copy of a tile's whole pages (the kernel's page_rows), or 0 for row-by-row copies: lists of whole
+    pages (page_size > 1: every page size the layout takes is a multiple of TMA's 8-row tile) over a pool of whole
+    pages; a page larger than the tile is copied a tile's rows at a time."""
+    return min(page_size, block_kv) if page_size > 1 and pool_rows % page_size == 0 else 0
+
+
 def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: MgpuExtendConfig, *, causal: bool,
                 sliding_window: int, logit_cap: float, sinks, xai_temperature_len: int, kv_start_pos, prefix_lens=None,
                 custom_mask=None, skip_prefix_custom_mask=True, draft_mask=None):
@@ -349,5 +358,6 @@ def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: 
         heads_per_cta=heads_per_cta(meta.max_extend_len, q_heads // k_pool.shape[1], config),
         # Whole new-key tiles by TMA where Mosaic allows it (an array of whole 8-row tiles, no shorter than a box).
         tma_new_tiles=not unified and tokens % 8 == 0 and tokens >= config.block_kv,
+        page_rows=page_copy_rows(meta.page_size, config.block_kv, k_pool.shape[0]),
     )
     return out_ref[...][:tokens]

@@ -125,7 +125,9 @@ def run_jobs(jobs: list[Job], table, run_step, buckets: Buckets, system_prompt=(
         while waiting and len(running) + len(admitted) < buckets.decode_batch and len(admitted) < buckets.extend_batch:
             job = waiting[0]
             reuse = bool(owner is not None and job.shares_system_prompt)
-            n = len(job.prompt) - (len(system_prompt) if reuse else 0)
+            # A prefix hit shares whole pages only: the system prompt's partial last page is computed again.
+            shared = len(system_prompt) // table.page_size * table.page_size if reuse else 0
+            n = len(job.prompt) - shared
             if n > buckets.max_extend_len:
                 raise SystemExit(f"a prompt needs {n} new tokens, more than the extend bucket's {buckets.max_extend_len}")
             if admitted and new_tokens + n > buckets.extend_tokens:

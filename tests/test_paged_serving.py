@@ -241,3 +241,19 @@ def test_paged_steps_equal_page_size_1(backend_cls):
     for w, g in zip(want, got):
         np.testing.assert_allclose(g, w, atol=2e-5, rtol=2e-5)
     assert any((w != g).any() for w, g in zip(want_slots, got_slots))  # same tokens, different slots
+
+
+@pytest.mark.parametrize("page_size", [64, 128])
+def test_serve_example_with_pages_larger_than_the_system_prompt_share(page_size):
+    # examples/serve.py end to end (reference backend): a prefix hit shares whole pages only, so a user's prefill
+    # computes the system prompt's partial last page again; admission must budget those tokens (it once counted the
+    # whole system prompt as reused and overflowed the token bucket at page size 64).
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "examples/serve.py", "--backend", "reference", "--page-size", str(page_size),
+                          "--requests", "4"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "max |paged - dense| logits" in run.stdout

@@ -77,8 +77,8 @@ SHAPES = [  # label, tokens, q heads, kv heads, head dim, dtype, config, feature
     # Lists of whole pages (meta.page_size; a pool of whole pages): prefix tiles by TMA page by page, beside TMA new
     # tiles; the unified form with a custom mask at 64-key tiles; pages larger than the tile under a window.
     ("pages64-128-bf16", 512, 8, 2, 128, jnp.bfloat16, None, dict(page_size=64)),
-    ("pages16-unified-64-f16-kv64s3-mask", 300, 4, 2, 64, jnp.float16, MgpuExtendConfig(block_kv=64, stages=3),
-     dict(unified=True, page_size=16, mask=True)),
+    ("pages64-unified-64-f16-kv64s3-mask", 300, 4, 2, 64, jnp.float16, MgpuExtendConfig(block_kv=64, stages=3),
+     dict(unified=True, page_size=64, mask=True)),
     ("pages128-256-bf16-window", 512, 8, 4, 256, jnp.bfloat16, None, dict(page_size=128, sliding_window=100)),
 ]
 

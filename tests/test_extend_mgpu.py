@@ -692,6 +692,19 @@ def test_cp_async_phase_counts_with_pages():
                     np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"{stages=} {pre_steps=} {page_steps=}")
 
 
+def test_page_copy_rule():
+    # Whole pages are copied page by page where a copy is at least EXTEND_MGPU_PAGE_COPY_MIN_ROWS tall, a page larger
+    # than the tile a tile's rows at a time; lists without the promise, pools of partial pages and small pages go row
+    # by row.
+    from jaxattn.impl.mgpu_extend import page_copy_rows
+    from jaxattn.tuning.sm90 import EXTEND_MGPU_PAGE_COPY_MIN_ROWS as least
+
+    assert least == 64
+    assert [page_copy_rows(p, 128, 4096) for p in (1, 8, 16, 32, 64, 128)] == [0, 0, 0, 0, 64, 128]
+    assert [page_copy_rows(p, 64, 4096) for p in (32, 64, 128)] == [0, 64, 64]
+    assert page_copy_rows(64, 128, 4096 + 8) == 0  # the pool's last page is partial
+
+
 def test_cp_async_phase_counts_from_a_first_step():
     # Under a window the CTA loads steps [first_step, ...) only: the mbarriers' first phase is first_step's tile.
     from jaxattn.kernels.extend_attention_mgpu import cp_async_uses

@@ -33,6 +33,7 @@ from jaxattn import hardware, tuning
 from jaxattn.calls import ExtendCall, score_features
 from jaxattn.checks import check_array, check_extend_args, check_extend_draft_mask, check_new_tokens
 from jaxattn.fp8 import dequantised_rows, is_fp8
+from jaxattn.tuning.sm90 import EXTEND_MGPU_PAGE_COPY_MIN_ROWS
 from jaxattn.launch import launch_mode as resolve_launch_mode
 from jaxattn.metadata import ExtendMetadata, ExtendUnifiedMetadata
 from jaxattn.registry import Implementation
@@ -305,9 +306,12 @@ def heads_per_cta(max_extend_len: int, group: int, config: MgpuExtendConfig) -> 
 
 def page_copy_rows(page_size: int, block_kv: int, pool_rows: int) -> int:
     """Rows per TMA copy of a tile's whole pages (the kernel's page_rows), or 0 for row-by-row copies: lists of whole
-    pages (page_size > 1: every page size the layout takes is a multiple of TMA's 8-row tile) over a pool of whole
-    pages; a page larger than the tile is copied a tile's rows at a time."""
-    return min(page_size, block_kv) if page_size > 1 and pool_rows % page_size == 0 else 0
+    pages (page_size > 1) over a pool of whole pages, where a copy of min(page_size, block_kv) rows (a page larger
+    than the tile is copied a tile's rows at a time) is at least `EXTEND_MGPU_PAGE_COPY_MIN_ROWS` tall (shorter
+    copies measured slower than row copies)."""
+    rows = min(page_size, block_kv)
+    whole_pages = page_size > 1 and pool_rows % page_size == 0
+    return rows if whole_pages and rows >= EXTEND_MGPU_PAGE_COPY_MIN_ROWS else 0
 
 
 def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: MgpuExtendConfig, *, causal: bool,

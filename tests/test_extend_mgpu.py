@@ -285,7 +285,7 @@ def _paged_extend(rng, page_size):
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("config", [None, MgpuExtendConfig(block_kv=64, stages=3)], ids=["kv128", "kv64"])
-@pytest.mark.parametrize("page_size", [16, 64, 128])
+@pytest.mark.parametrize("page_size", [16, 32, 64, 128])
 def test_whole_pages_match_row_copies_and_reference(rng, page_size, config):
     # Lists of whole pages: the prefix tiles inside the prefix come by TMA page by page (pages larger than the tile a
     # tile's rows at a time). The tiles hold the same rows as the row-by-row copies', so every bit matches theirs;
@@ -699,9 +699,9 @@ def test_page_copy_rule():
     from jaxattn.impl.mgpu_extend import page_copy_rows
     from jaxattn.tuning.sm90 import EXTEND_MGPU_PAGE_COPY_MIN_ROWS as least
 
-    assert least == 64
-    assert [page_copy_rows(p, 128, 4096) for p in (1, 8, 16, 32, 64, 128)] == [0, 0, 0, 0, 64, 128]
-    assert [page_copy_rows(p, 64, 4096) for p in (32, 64, 128)] == [0, 64, 64]
+    assert least == 32
+    assert [page_copy_rows(p, 128, 4096) for p in (1, 8, 16, 32, 64, 128)] == [0, 0, 0, 32, 64, 128]
+    assert [page_copy_rows(p, 64, 4096) for p in (16, 32, 64, 128)] == [0, 32, 64, 64]
     assert page_copy_rows(64, 128, 4096 + 8) == 0  # the pool's last page is partial
 
 

@@ -15,12 +15,12 @@ rest, `impl=` forces one):
   ================  ==========  ==================================================================================
   "mgpu"            two-stage   Pallas Mosaic GPU kernel, FlashAttention-3's schedule (`jaxattn.impl.mgpu_extend`):
                                 sm_90, bf16/f16, head dims 64, 128, 192/128, 256, causal or not, window (causal or with
-                                a custom mask), soft cap, sinks, xai temperature, custom masks.
+                                a custom mask), soft cap, sinks, xai temperature, custom and draft masks; lists of
+                                whole pages copied page by page (`tuning.sm90.EXTEND_MGPU_PAGE_COPY_MIN_ROWS`).
   "triton"          two-stage   SGLang's two-stage Triton kernel, every feature (`jaxattn.impl.triton_extend`), and
                                 draft masks (a tree as per-row bits).
   "mgpu-unified"    unified     The Mosaic GPU kernel over one list per sequence, tiles at fixed listed-key
-                                offsets (deterministic): as "mgpu" less custom masks; a window only through
-                                `extend_attention_unified_mgpu` until its GPU tests run.
+                                offsets (deterministic): as "mgpu" less draft masks, on lists not cut for a window.
   "triton-unified"  unified     SGLang's deterministic unified Triton kernel, every feature.
   ================  ==========  ==================================================================================
 

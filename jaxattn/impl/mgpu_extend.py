@@ -191,6 +191,8 @@ def extend_attention_mgpu(
       k_pool: [slots, kv_heads, qk_head_dim], v_pool: [slots, kv_heads, v_head_dim]: the cache; meta.kv_indices
         lists each sequence's prefix slots.
       meta: `ExtendMetadata` from `jaxattn.metadata.extend_metadata`, its prefix lists cut for a window or full.
+        With meta.page_size P > 1 (`jaxattn.paging`'s builders: the lists keep whole pages) and a pool of whole pages,
+        prefix tiles are copied page by page by TMA where a copy is at least `EXTEND_MGPU_PAGE_COPY_MIN_ROWS` rows.
       causal: False: every query sees its whole prefix and all its sequence's new tokens (encoder tokens).
       custom_mask: bool/u8 flat, sequence b's rows at meta.mask_indptr[b], row-major [q_len, prefix_len + q_len]
         (speculative tree verify); replaces causal. The kernel gathers the entries of the tiles it masks: the new-key
@@ -204,8 +206,7 @@ def extend_attention_mgpu(
         log2(pos) / log2(L) for absolute positions pos > L (meta.kv_start_pos + prefix + token).
       sm_scale: default 1 / sqrt(qk_head_dim). config: `MgpuExtendConfig` (default: `tuning.mgpu_extend_config`).
       draft_mask: i32/u32[tokens, words], a tree as per-row draft bits (`jaxattn.extend.extend_attention`'s); the
-        kernel reads the words of the new-key tiles it masks. Taken here only: `extend_attention` keeps draft masks
-        on the Triton kernel until this route's GPU tests have run.
+        kernel reads the words of the new-key tiles it masks.
       Slots past the pool (or negative) are clamped into it: a bad index reads a wrong row, never outside the pool
       (`jaxattn.checked` reports them).
 
@@ -261,8 +262,7 @@ def extend_attention_unified_mgpu(
         (`jaxattn.serving.write_kv`).
       meta: `ExtendUnifiedMetadata` from `jaxattn.metadata.extend_unified_metadata` (built without a window).
       sliding_window: W >= 0 (causal only): a query sees the listed keys at positions q_pos - W..q_pos; the kernel
-        starts at the tile the window reaches, the tiles stay at fixed listed offsets. Taken here only:
-        `extend_attention_unified` keeps windowed calls on the Triton kernel until this route's GPU tests have run.
+        starts at the tile the window reaches, the tiles stay at fixed listed offsets.
       custom_mask: bool/u8 flat, sequence b's rows at meta.mask_indptr[b], row-major [q_len, listed kv_len] (column j
         = listed key j, prefix then new); replaces causal. Every tile is masked by its gathered entries, so a row's bits
         stay independent of the prefix/new split.

@@ -1034,7 +1034,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
             plgpu.SMEM((2 * stages * 2,), jnp.int32),  # mbarriers (8 bytes each): K ready, V ready per slot
         )
         # Whole pages: one barrier per slot for K and one for V, completed by the tile's block_kv / page_rows copies.
-        pages = (plgpu.Barrier(num_arrivals=block_kv // page_rows, num_barriers=stages),) * 2 if page_rows else ()
+        pages = (((plgpu.Barrier(num_arrivals=block_kv // page_rows, num_barriers=stages),) * 2,) if page_rows else ())
         pl.run_scoped(
             lambda *scoped: body(qo_indptr_ref, kv_indptr_ref, kv_indices_ref, q_ref, k_new_ref, v_new_ref, k_pool_ref,
                                  v_pool_ref, refs.get("sinks"), refs.get("start_pos"), refs.get("prefix_lens"),
@@ -1044,7 +1044,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
              plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS)),
             (plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages),) * 2,
             plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),
-            *((pages,) if page_rows else ()),
+            *pages,
             collective_axes="wg",
         )
 

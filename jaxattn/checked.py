@@ -403,11 +403,11 @@ def validate_extend_metadata(meta, *, num_slots: int, num_tokens: int | None = N
     used = jnp.arange(meta.kv_capacity) < meta.kv_indptr[-1]
     if meta.page_size > 1:
         paged = meta.prefix_lens.astype(jnp.int32) if isinstance(meta, ExtendUnifiedMetadata) else kv_lens
-        _whole_pages(meta.kv_indices, meta.kv_indptr.astype(jnp.int32), paged, meta.page_size)
+        _check_whole_pages(meta.kv_indices, meta.kv_indptr.astype(jnp.int32), paged, meta.page_size)
     return dataclasses.replace(meta, kv_indices=_sanitized_indices(meta.kv_indices, used, num_slots))
 
 
-def _whole_pages(kv_indices, kv_indptr, paged_lens, page_size: int) -> None:
+def _check_whole_pages(kv_indices, kv_indptr, paged_lens, page_size: int) -> None:
     """meta.page_size's promise: key j < paged_lens[b] of sequence b's list sits at a slot that is a multiple of
     page_size where j is, and one past key j - 1's elsewhere (the Hopper kernel copies such runs as blocks)."""
     entries = jnp.arange(kv_indices.shape[0], dtype=jnp.int32)

@@ -335,6 +335,35 @@ def issue_rows(new_ref, pool_ref, smem, bars, sources, from_pool, slot, barrier,
     run(new_ref, pool_ref, smem, bars, sources, from_pool, slot, barrier, kv_head)
 
 
+def issue_pages(pool_ref, smem, bars, starts, slot, barrier, kv_head, *, page_rows: int, head_dim: int):
+    """Starts one K or V tile of whole pages into ring slot `slot` of `smem` ([stages, block_kv, head_dim], 16-bit,
+    `SWIZZLED`) by TMA, all copies issued by one thread: copy c takes rows [starts[c] * page_rows, + page_rows) of
+    head kv_head of pool_ref ([slots, kv_heads, head_dim]) into tile rows [c * page_rows, + page_rows). It completes
+    mbarrier `barrier` of `bars` as `issue_rows` does (128 arrivals, one per producer thread, each now expecting its
+    share of the tile's bytes, which the copies complete), so a tile of pages takes a row-copy tile's barrier and
+    phase (the kernel's page_issue="inline"; "pallas" issues one Pallas copy per page, each with a warpgroup barrier
+    and its own arrival).
+    """
+    tile_bytes = len(starts) * page_rows * head_dim * 2
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(SWIZZLED), plgpu.RefType()) + (_SCALAR,) * (3 + len(starts)))
+    def run(ctx, pool, smem, bars, slot, barrier, kv_head, *starts):
+        index = ir.IndexType.get()
+        barrier = _scalar(barrier)
+        nvvm.mbarrier_arrive_expect_tx(_barrier_ptr(bars, barrier), _i32(tile_bytes // WARPGROUP))
+        ref = mgpu_utils.BarrierRef(mgpu_utils.memref_ptr(bars), barrier, None, 1)
+        slot = arith.index_cast(index, _scalar(slot))
+        kv_head = arith.index_cast(index, _scalar(kv_head))
+        for chunk, start in enumerate(starts):
+            row = arith.index_cast(index, arith.muli(_scalar(start), _i32(page_rows)))
+            # smem is tiled (8, 64): rows [chunk * page_rows, + page_rows) are row tiles from chunk * page_rows / 8.
+            dst = mgpu_utils.memref_slice(smem, (slot, mgpu.ds(chunk * page_rows // 8, page_rows // 8)))
+            ctx.async_copy(src_ref=pool, dst_ref=dst, gmem_slice=(mgpu.ds(row, page_rows), kv_head),
+                           gmem_transform=mgpu.TileTransform((8, 64)), swizzle=SWIZZLE_BYTES, barrier=ref, arrive=False)
+
+    run(pool_ref, smem, bars, slot, barrier, kv_head, *starts)
+
+
 def cp_async_uses(step, slot, *, pre_steps, tail_step, stages: int, first_step=None, page_steps=0):
     """How many cp.async tiles before `step` used ring slot `slot` (= step % stages). Each completes the slot's
     mbarrier once, so this count's parity is the phase tile `step` waits for. The cp.async steps are
@@ -428,7 +457,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                                  max_extend_len, sm_scale, block_q, block_kv, stages, tma_new_tiles, o_rows_columns,
                                  causal=True, sliding_window=-1, logit_cap=0.0, sinks=None, xai_temperature_len=-1,
                                  kv_start_pos=None, prefix_lens=None, custom_mask=None, mask_indptr=None,
-                                 skip_prefix_custom_mask=True, heads_per_cta=1, draft_mask=None, page_rows=0):
+                                 skip_prefix_custom_mask=True, heads_per_cta=1, draft_mask=None, page_rows=0,
+                                 page_issue="pallas"):
     """Runs the kernel; writes `out_ref` in place (rows it does not own are left as they were).
 
     q: [q_rows, q_heads, qk_dim] (q_rows a multiple of 8, >= block_q: Q/O move by TMA in 8-row tiles);
@@ -452,6 +482,9 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
       prefix_lens) come by TMA, block_kv / P' copies of P' rows, each from the slot its first key lists rounded down
       to a multiple of P' (clamped into the pool, which holds whole pages: a bad list reads wrong rows of the pool,
       never outside it). The other tiles by cp.async, row by row.
+    page_issue: how the page copies are issued: "pallas" (one Pallas copy per page, each with a warpgroup barrier and
+      an arrival on the slot's page barrier) or "inline" (experimental, `issue_pages`: one thread issues a tile's
+      copies, completing the slot's row-copy mbarrier; not yet run on a GPU).
 
     Optional features (static; each adds code only when on, the plain causal kernel is unchanged without them):
     sliding_window W >= 0: a query at t sees keys at t - W..t (listed coordinates: a prefix list cut for the window
@@ -520,12 +553,15 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
     if page_rows and (page_rows % 8 or block_kv % page_rows or pool_rows % page_rows):
         raise ValueError(f"page_rows {page_rows} must be a multiple of 8 dividing block_kv ({block_kv}) and the pool's "
                          f"rows ({pool_rows})")
+    if page_issue not in ("pallas", "inline"):
+        raise ValueError(f"page_issue must be 'pallas' or 'inline'; got {page_issue!r}")
+    pallas_pages = bool(page_rows) and page_issue == "pallas"  # page tiles on their own (Pallas) barriers
     capacity = kv_indices.shape[0]
 
     def body(qo_indptr_ref, kv_indptr_ref, kv_indices_ref, q_ref, k_new_ref, v_new_ref, k_pool_ref, v_pool_ref,
              sinks_ref, start_pos_ref, prefix_lens_ref, mask_ref, mask_indptr_ref, bits_ref, out_gmem, scoped):
         (qo_smem2, o_rows_smem2, k_smem, v_smem, kv_bars), (k_ready, v_ready, q_ready), (k_free, v_free), schedule = scoped[:4]
-        page_ready = scoped[4] if page_rows else None  # (K, V): per slot, one TMA arrival per page copy of a tile
+        page_ready = scoped[4] if pallas_pages else None  # (K, V): per slot, one TMA arrival per page copy of a tile
         cta_head = lax.axis_index("heads") * heads_per_cta  # the CTA's (first) q head
         seq = lax.axis_index("seq")
         # Reversed: the q tiles with the most causal work start first, the short ones fill the tail.
@@ -599,19 +635,20 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
 
         def wait_ready(which, step, ready):
             # Tile `step` sits in slot step % stages. A TMA tile completes Pallas' barrier `ready` of the slot (a
-            # tile of whole pages: `page_ready`; Pallas tracks their phases); a cp.async tile completes the slot's own
-            # mbarrier in kv_bars (phase: its use count).
+            # tile of whole pages: `page_ready`; Pallas tracks their phases); a cp.async tile (or with page_issue
+            # "inline" a tile of pages) completes the slot's own mbarrier in kv_bars (phase: its use count).
             slot = lax.rem(step, jnp.int32(stages))
             uses = cp_async_uses(step, slot, pre_steps=pre_steps, tail_step=tail_step, stages=stages,
-                                 first_step=None if window is None else first_step, page_steps=page_steps)
+                                 first_step=None if window is None else first_step,
+                                 page_steps=page_steps if pallas_pages else 0)
             cp_async = lambda: wait_barrier(kv_bars, which * stages + slot, lax.rem(uses, 2))
-            if not tma_new_tiles and not page_rows:
+            if not tma_new_tiles and not pallas_pages:
                 return cp_async()
             copied = []  # the conditions of the TMA kinds on
             if tma_new_tiles:
                 copied.append(by_tma(step))
                 pl.when(copied[-1])(lambda: plgpu.barrier_wait(ready.at[slot]))
-            if page_rows:
+            if pallas_pages:
                 copied.append(step < page_steps)
                 pl.when(copied[-1])(lambda: plgpu.barrier_wait(page_ready[which].at[slot]))
             pl.when(jnp.logical_not(functools.reduce(jnp.logical_or, copied)))(cp_async)
@@ -969,9 +1006,17 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                         def _():
                             plgpu.barrier_wait(free.at[slot])
 
-                        def cp_async():
+                        def rows_by_cp_async():
                             issue_rows(new_ref, pool_ref, smem, kv_bars, sources, from_pool, slot, which * stages + slot,
                                        kv_head, block_kv=block_kv, head_dim=head_dim)
+
+                        def cp_async():  # the tiles on the kv_bars mbarriers
+                            if not page_rows or pallas_pages:
+                                return rows_by_cp_async()
+                            pages = step < page_steps
+                            pl.when(pages)(lambda: issue_pages(pool_ref, smem, kv_bars, starts, slot, which * stages + slot,
+                                                               kv_head, page_rows=page_rows, head_dim=head_dim))
+                            pl.when(jnp.logical_not(pages))(rows_by_cp_async)
 
                         def page_copies():
                             for chunk, start in enumerate(starts):
@@ -979,14 +1024,14 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                                                         smem.at[slot, pl.ds(chunk * page_rows, page_rows)],
                                                         page_ready[which].at[slot])
 
-                        if not tma_new_tiles and not page_rows:
+                        if not tma_new_tiles and not pallas_pages:
                             return cp_async()
                         copied = []
                         if tma_new_tiles:
                             copied.append(tma)
                             pl.when(tma)(lambda: plgpu.copy_gmem_to_smem(new_ref.at[rows, kv_head], smem.at[slot],
                                                                          ready.at[slot]))
-                        if page_rows:
+                        if pallas_pages:
                             copied.append(step < page_steps)
                             pl.when(copied[-1])(page_copies)
                         pl.when(jnp.logical_not(functools.reduce(jnp.logical_or, copied)))(cp_async)
@@ -1034,7 +1079,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
             plgpu.SMEM((2 * stages * 2,), jnp.int32),  # mbarriers (8 bytes each): K ready, V ready per slot
         )
         # Whole pages: one barrier per slot for K and one for V, completed by the tile's block_kv / page_rows copies.
-        pages = (((plgpu.Barrier(num_arrivals=block_kv // page_rows, num_barriers=stages),) * 2,) if page_rows else ())
+        pages = (((plgpu.Barrier(num_arrivals=block_kv // page_rows, num_barriers=stages),) * 2,) if pallas_pages else ())
         pl.run_scoped(
             lambda *scoped: body(qo_indptr_ref, kv_indptr_ref, kv_indices_ref, q_ref, k_new_ref, v_new_ref, k_pool_ref,
                                  v_pool_ref, refs.get("sinks"), refs.get("start_pos"), refs.get("prefix_lens"),

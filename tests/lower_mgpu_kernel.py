@@ -80,7 +80,27 @@ SHAPES = [  # label, tokens, q heads, kv heads, head dim, dtype, config, feature
     ("pages64-unified-64-f16-kv64s3-mask", 300, 4, 2, 64, jnp.float16, MgpuExtendConfig(block_kv=64, stages=3),
      dict(unified=True, page_size=64, mask=True)),
     ("pages128-256-bf16-window", 512, 8, 4, 256, jnp.bfloat16, None, dict(page_size=128, sliding_window=100)),
+    # The experimental page issue (one thread issues a tile's page copies on the row-copy mbarrier), 16-row pages.
+    ("pages16-inline-128-bf16-unified", 300, 8, 2, 128, jnp.bfloat16, None,
+     dict(unified=True, page_size=16, page_issue="inline")),
+    ("pages32-inline-128-bf16", 512, 8, 2, 128, jnp.bfloat16, None, dict(page_size=32, page_issue="inline")),
 ]
+
+
+def _export(call, args, page_issue, page_size):
+    """jax.export of call(*args) for CUDA; page_issue: the kernel's (not a wrapper argument) with page copies forced
+    on for page_size (below the tuned rule's 32 rows too), set while tracing."""
+    if page_issue is None:
+        return jax.export.export(jax.jit(call), platforms=["cuda"])(*args)
+    import jaxattn.kernels.extend_attention_mgpu as kernel_module
+
+    original = kernel_module.extend_attention_mgpu_kernel
+    kernel_module.extend_attention_mgpu_kernel = lambda *a, **kw: original(  # noqa: E731
+        *a, **dict(kw, page_issue=page_issue, page_rows=min(page_size, kw["block_kv"])))
+    try:
+        return jax.export.export(jax.jit(call), platforms=["cuda"])(*args)
+    finally:
+        kernel_module.extend_attention_mgpu_kernel = original
 
 
 def lower(tokens, hq, hkv, d, dtype, config, features=None, batch=3, slots=1000, capacity=500):
@@ -96,6 +116,7 @@ def lower(tokens, hq, hkv, d, dtype, config, features=None, batch=3, slots=1000,
     dv = features.pop("dv", d)
     max_extend_len = features.pop("max_extend_len", 256)
     page_size = features.pop("page_size", 1)
+    page_issue = features.pop("page_issue", None)
     slots = slots // page_size * page_size  # a pool of whole pages
     pool = (S((slots, hkv, d), dtype), S((slots, hkv, dv), dtype))
     if unified:
@@ -115,7 +136,7 @@ def lower(tokens, hq, hkv, d, dtype, config, features=None, batch=3, slots=1000,
         args += (mask, draft)
         call = lambda *a: extend_attention_mgpu(*a[:-3], sinks=a[-3], custom_mask=a[-2], draft_mask=a[-1],  # noqa: E731
                                                 sliding_window=window, config=config, **features)
-    exported = jax.export.export(jax.jit(call), platforms=["cuda"])(*args)
+    exported = _export(call, args, page_issue, page_size)
     if "mosaic_gpu" not in exported.mlir_module():
         raise AssertionError("no Mosaic GPU custom call in the lowered module")
 

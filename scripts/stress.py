@@ -55,6 +55,7 @@ from jaxattn.extend import (  # noqa: E402
 )
 from jaxattn.fp8 import per_head_factor  # noqa: E402
 from jaxattn.kv_pool import write_kv  # noqa: E402
+from jaxattn.paging import extend_metadata_from_pages, extend_unified_metadata_from_pages  # noqa: E402
 
 from jaxattn.testing import tolerance  # noqa: E402  (the test suite's table)
 
@@ -82,6 +83,7 @@ class Profile:
     tree: bool = False  # decode with tokens > 1: a random draft tree (draft_mask) instead of causal
     v_in_k: bool = False  # decode only: V is the first v_dim dims of K (MLA's latent cache, v_pool=None)
     ext_bucket: int = 0  # extend only: max_extend_len when not the shapes' (<= 64: a verify step's short extends)
+    page_size: int = 1  # extend only: pages of this many slots, metadata from the page table (whole-page copies)
 
     def pool_dtype(self):
         return jnp.dtype(self.kv_dtype or self.dtype)
@@ -131,6 +133,7 @@ def profiles(shapes: str) -> list[Profile]:
             Profile("tiny-mask", 3, 3, 32, 16, "float16", mask=True, xai=8),
             Profile("tiny-fp8", 4, 2, 32, 32, "bfloat16", kv_dtype="float8_e4m3fn", per_head_scales=True),
             Profile("tiny-verify-tree", 4, 2, 32, 32, "float32", sinks=True, tokens=3, tree=True),
+            Profile("tiny-pages", 4, 2, 32, 32, "float32", mask=True, page_size=8),
         ]
     return [
         Profile("llama-gqa4-bf16", 32, 8, 128, 128, "bfloat16"),
@@ -151,6 +154,11 @@ def profiles(shapes: str) -> list[Profile]:
         Profile("verify-draft-words", 32, 8, 128, 128, "bfloat16", draft=True, logit_cap=30.0),
         Profile("verify-draft-words-64", 32, 8, 128, 128, "float16", draft=True, ext_bucket=64, sinks=True, window=300),
         Profile("noncausal", 8, 8, 64, 64, "float16", causal=False, logit_cap=20.0),
+        # KV pages (issue 23): lists of whole pages, which the Hopper extend kernel copies page by page (a tile's rows
+        # of a larger page), with a custom mask too.
+        Profile("llama-pages-64", 32, 8, 128, 128, "bfloat16", sinks=True, page_size=64),
+        Profile("gemma-256-pages-128", 16, 8, 256, 256, "bfloat16", logit_cap=50.0, page_size=128),
+        Profile("tree-mask-pages-32", 32, 8, 128, 128, "bfloat16", mask=True, page_size=32),
         # fp8 pools read by the kernels (issue 26): per-layer and per-head scales, both formats, GQA / MLA / sinks.
         Profile("llama-gqa4-fp8", 32, 8, 128, 128, "bfloat16", kv_dtype="float8_e4m3fn"),
         Profile("mla-absorbed-fp8", 16, 1, 576, 512, "bfloat16", kv_dtype="float8_e4m3fn"),
@@ -326,6 +334,8 @@ class ExtendRunner:
         self.bucket = profile.ext_bucket or shapes.ext_bucket
         self.ctx = shapes.ext_max_prefix + self.bucket
         self.slots = shapes.ext_batch * self.ctx + 64
+        if profile.page_size > 1:  # whole pages: a page for each sequence's every page_size positions, two spare
+            self.slots = (shapes.ext_batch * -(-self.ctx // profile.page_size) + 2) * profile.page_size
         self.capacity = shapes.ext_batch * self.ctx
         self.tokens = shapes.ext_batch * self.bucket
         self.mask_len = shapes.ext_batch * self.bucket * self.ctx
@@ -341,8 +351,13 @@ class ExtendRunner:
         self.two_ref = jax.jit(functools.partial(extend_attention_reference, skip_prefix_custom_mask=False, **kw))
         self.uni_ref = jax.jit(functools.partial(extend_attention_unified_reference, **kw))
         common = dict(max_extend_len=self.bucket, kv_capacity=self.capacity, sliding_window=p.window, mode=mode)
-        self.meta = jax.jit(functools.partial(extend_metadata, **common))
-        self.meta_u = jax.jit(functools.partial(extend_unified_metadata, **common))
+        if p.page_size > 1:
+            common.update(page_size=p.page_size, num_slots=self.slots)
+            self.meta = jax.jit(functools.partial(extend_metadata_from_pages, **common))
+            self.meta_u = jax.jit(functools.partial(extend_unified_metadata_from_pages, **common))
+        else:
+            self.meta = jax.jit(functools.partial(extend_metadata, **common))
+            self.meta_u = jax.jit(functools.partial(extend_unified_metadata, **common))
         self.write = jax.jit(write_kv, donate_argnums=(0, 1))
 
     def run(self, rng, index):
@@ -351,22 +366,33 @@ class ExtendRunner:
         extend = random_lengths(rng, s.ext_batch, self.bucket)
         seq = prefix + extend
         tokens = int(extend.sum())
-        slots = rng.permutation(np.arange(1, self.slots))[: int(seq.sum())].astype(np.int32)
         max_reqs = s.ext_batch + 3
-        table = np.zeros((max_reqs, self.ctx), np.int32)
+        table = np.zeros((max_reqs, self.ctx), np.int32)  # every token's slot (page size 1: what the builders read)
         rows = rng.permutation(max_reqs)[: s.ext_batch].astype(np.int32)
-        loc, offset = [], 0
-        for b in range(s.ext_batch):
-            table[rows[b], : seq[b]] = slots[offset : offset + seq[b]]
-            loc.append(slots[offset + prefix[b] : offset + seq[b]])
-            offset += seq[b]
+        size = p.page_size
+        if size > 1:  # each sequence's pages at random (never page 0), its tokens contiguous within a page
+            pages = rng.permutation(np.arange(1, self.slots // size))
+            req_to_page = np.zeros((max_reqs, -(-self.ctx // size)), np.int32)
+            for b in range(s.ext_batch):
+                need = -(-int(seq[b]) // size)
+                req_to_page[rows[b], :need], pages = pages[:need], pages[need:]
+            positions = np.arange(self.ctx)
+            table = (req_to_page[:, positions // size] * size + positions % size).astype(np.int32)
+            table[req_to_page[:, positions // size] == 0] = 0
+        else:
+            slots = rng.permutation(np.arange(1, self.slots))[: int(seq.sum())].astype(np.int32)
+            offset = 0
+            for b in range(s.ext_batch):
+                table[rows[b], : seq[b]] = slots[offset : offset + seq[b]]
+                offset += seq[b]
+        loc = [table[rows[b], prefix[b] : seq[b]] for b in range(s.ext_batch)]
         loc = np.pad(np.concatenate(loc), (0, self.tokens - tokens)).astype(np.int32)  # padding tokens: slot 0
         self.key, kq, kk, kv, ks = jax.random.split(self.key, 5)
         q = jax.random.normal(kq, (self.tokens, p.q_heads, p.qk_dim)).astype(self.dtype)
         k_new = jax.random.normal(kk, (self.tokens, p.kv_heads, p.qk_dim)).astype(self.dtype)
         v_new = jax.random.normal(kv, (self.tokens, p.kv_heads, p.v_dim)).astype(self.dtype)
         sinks = jax.random.normal(ks, (p.q_heads,)) * 2 if p.sinks else None
-        args = (jnp.asarray(table), jnp.asarray(rows), jnp.asarray(prefix), jnp.asarray(extend))
+        args = (jnp.asarray(req_to_page if size > 1 else table), jnp.asarray(rows), jnp.asarray(prefix), jnp.asarray(extend))
         meta = self.meta(*args)
         meta_u = self.meta_u(*args, jnp.asarray(loc))
         # Two-stage: the prefix from the pool, the new tokens contiguous (their pool slots are not read).

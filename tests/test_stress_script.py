@@ -67,6 +67,19 @@ def test_draft_words_profile_runs_against_the_reference():
             assert ok, (reason, ratio, case)
 
 
+def test_pages_profile_runs_against_the_reference():
+    # Extend over KV pages (metadata from the page table, the lists' whole-pages promise recorded), with a custom
+    # mask: two batches through the interpreter, no mismatch; the pages are whole and never page 0.
+    stress = load_stress_script()
+    profile = next(p for p in stress.profiles("tiny") if p.page_size > 1)
+    runner = stress.ExtendRunner(profile, stress.SHAPES["tiny"], "interpret", seed=0)
+    assert runner.slots % profile.page_size == 0
+    for i in range(2):
+        results, _ = runner.run(stress.batch_rng(0, "extend", i), i)
+        for ok, ratio, reason, case in results:
+            assert ok, (reason, ratio, case)
+
+
 def test_profiles_filter_runs_only_the_profiles_it_names(tmp_path):
     # --profiles REGEX keeps the profiles whose name it finds (one batch of tiny-mask here); one that finds none is
     # refused.

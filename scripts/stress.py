@@ -158,7 +158,7 @@ def profiles(shapes: str) -> list[Profile]:
         # of a larger page), with a custom mask too.
         Profile("llama-pages-64", 32, 8, 128, 128, "bfloat16", sinks=True, page_size=64),
         Profile("gemma-256-pages-128", 16, 8, 256, 256, "bfloat16", logit_cap=50.0, page_size=128),
-        Profile("tree-mask-pages-32", 32, 8, 128, 128, "bfloat16", mask=True, page_size=32),
+        Profile("tree-mask-pages-64", 32, 8, 128, 128, "bfloat16", mask=True, page_size=64),
         # fp8 pools read by the kernels (issue 26): per-layer and per-head scales, both formats, GQA / MLA / sinks.
         Profile("llama-gqa4-fp8", 32, 8, 128, 128, "bfloat16", kv_dtype="float8_e4m3fn"),
         Profile("mla-absorbed-fp8", 16, 1, 576, 512, "bfloat16", kv_dtype="float8_e4m3fn"),

@@ -699,9 +699,9 @@ def test_page_copy_rule():
     from jaxattn.impl.mgpu_extend import page_copy_rows
     from jaxattn.tuning.sm90 import EXTEND_MGPU_PAGE_COPY_MIN_ROWS as least
 
-    assert least == 32
-    assert [page_copy_rows(p, 128, 4096) for p in (1, 8, 16, 32, 64, 128)] == [0, 0, 0, 32, 64, 128]
-    assert [page_copy_rows(p, 64, 4096) for p in (16, 32, 64, 128)] == [0, 32, 64, 64]
+    assert least == 64
+    assert [page_copy_rows(p, 128, 4096) for p in (1, 8, 16, 32, 64, 128)] == [0, 0, 0, 0, 64, 128]
+    assert [page_copy_rows(p, 64, 4096) for p in (16, 32, 64, 128)] == [0, 0, 64, 64]
     assert page_copy_rows(64, 128, 4096 + 8) == 0  # the pool's last page is partial
 
 

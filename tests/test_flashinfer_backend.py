@@ -104,6 +104,15 @@ GPU_CASES = {
     "window-decode": dict(mode=ForwardMode.DECODE, seq_lens=[40, 9, 30], extend_lens=[1, 1, 1], tokens=3, window=6),
     "verify": dict(mode=ForwardMode.TARGET_VERIFY, seq_lens=[20, 12], extend_lens=[4, 4], tokens=8),
     "softcap": dict(mode=ForwardMode.EXTEND, seq_lens=[40, 9], extend_lens=[11, 9], tokens=20, cap=10.0),
+    # FlashInfer's sink-aware wrapper (GPT-OSS layers: sinks, with and without a window), decode and extend.
+    "sinks": dict(mode=ForwardMode.EXTEND, seq_lens=[40, 9, 1], extend_lens=[11, 9, 1], tokens=24, sinks=True),
+    "sinks-window": dict(mode=ForwardMode.EXTEND, seq_lens=[40, 9, 30], extend_lens=[11, 9, 5], tokens=28, window=6,
+                         sinks=True),
+    "sinks-decode": dict(mode=ForwardMode.DECODE, seq_lens=[33, 0, 64, 7], extend_lens=[1, 0, 1, 1], tokens=4, sinks=True),
+    "sinks-window-decode": dict(mode=ForwardMode.DECODE, seq_lens=[40, 9, 30], extend_lens=[1, 1, 1], tokens=3, window=6,
+                                sinks=True),
+    # fp8 scales on a layer whose pool is bf16: the pool holds the values, no scale applies.
+    "scales-on-bf16": dict(mode=ForwardMode.EXTEND, seq_lens=[40, 9], extend_lens=[11, 9], tokens=20, scales=(0.5, 4.0)),
 }
 
 
@@ -114,7 +123,8 @@ def test_flashinfer_backend_agrees_with_reference_backend(rng, name):
     from jaxattn.flashinfer_backend import FlashInferBackend
 
     case = dict(GPU_CASES[name])
-    window, cap = case.pop("window", -1), case.pop("cap", 0.0)
+    window, cap, has_sinks = case.pop("window", -1), case.pop("cap", 0.0), case.pop("sinks", False)
+    k_scale, v_scale = case.pop("scales", (None, None))
     num_slots, hq, hkv, d = 4096, 8, 2, 128
     mask = None
     if case["mode"] == ForwardMode.TARGET_VERIFY:
@@ -130,7 +140,10 @@ def test_flashinfer_backend_agrees_with_reference_backend(rng, name):
                 m[start + i * s + (s - n + i)] = True
             start += s * n
         batch = dataclasses.replace(batch, custom_mask=jnp.asarray(m))
-    layer = AttentionLayer(0, hq, hkv, d, sliding_window=window, logit_cap=cap)
+    layer = AttentionLayer(0, hq, hkv, d, sliding_window=window, logit_cap=cap, has_sinks=has_sinks, k_scale=k_scale,
+                           v_scale=v_scale)
+    # Sinks near the rows' log-denominators (scores ~ N(0, 1) over tens of keys), so they change the output.
+    sinks = jnp.asarray(rng.normal(3.0, 1.0, hq), jnp.float32) if has_sinks else None
     k_buffer = jnp.asarray(rng.standard_normal((num_slots, hkv, d)), jnp.bfloat16)
     v_buffer = jnp.asarray(rng.standard_normal((num_slots, hkv, d)), jnp.bfloat16)
     t = case["tokens"]
@@ -139,10 +152,12 @@ def test_flashinfer_backend_agrees_with_reference_backend(rng, name):
     v = jnp.asarray(rng.standard_normal((t, hkv, d)), jnp.bfloat16)
 
     ref = ReferenceBackend()
-    want, _, _ = jax.jit(lambda *a: ref.forward(*a[:5], layer, ref.init_forward_metadata(batch, jnp.asarray(r2t))))(q, k, v, k_buffer, v_buffer)
+    want, _, _ = jax.jit(lambda *a: ref.forward(*a[:5], layer, ref.init_forward_metadata(batch, jnp.asarray(r2t)),
+                                                sinks=a[5]))(q, k, v, k_buffer, v_buffer, sinks)
     fib = FlashInferBackend()
     meta = fib.plan(batch, r2t, [layer])
-    got, _, _ = jax.jit(lambda q, k, v, kb, vb, m: fib.forward(q, k, v, kb, vb, layer, m))(q, k, v, k_buffer, v_buffer, meta)
+    got, _, _ = jax.jit(lambda q, k, v, kb, vb, m, s: fib.forward(q, k, v, kb, vb, layer, m, sinks=s))(
+        q, k, v, k_buffer, v_buffer, meta, sinks)
     np.testing.assert_allclose(np.float32(got), np.float32(want), atol=2e-2, rtol=2e-2)
 
 
@@ -357,3 +372,123 @@ def test_flashinfer_backend_with_pages_agrees_with_reference_backend(rng, name, 
     assert meta.page_size == page_size
     got, _, _ = jax.jit(lambda q, k, v, kb, vb, m: fib.forward(q, k, v, kb, vb, layer, m))(q, k, v, k_pool, v_pool, meta)
     np.testing.assert_allclose(np.float32(got), np.float32(want), atol=2e-2, rtol=2e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# FlashInferBackend's planning and argument handling on CPU, with stand-ins for torch and flashinfer.
+
+
+class _HostTensor:
+    """torch.from_numpy(x).cuda() of the stand-in torch: the numpy array, kept for the assertions."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def cuda(self):
+        return self
+
+
+class _RecordingWrapper:
+    """A stand-in FlashInfer wrapper: records how it was built and every plan() call."""
+
+    def __init__(self, kind, *args, **kwargs):
+        self.kind, self.args, self.kwargs, self.plans = kind, args, kwargs, []
+
+    def plan(self, *args, **kwargs):
+        self.plans.append((tuple(a.array if isinstance(a, _HostTensor) else a for a in args), kwargs))
+
+
+@pytest.fixture
+def stand_in_flashinfer(monkeypatch):
+    """FlashInferBackend over stand-in torch / flashinfer modules (no GPU): what it builds and plans is recorded."""
+    from types import SimpleNamespace
+    import sys
+
+    torch = SimpleNamespace(uint8="uint8", bfloat16="bfloat16", float16="float16", float8_e4m3fn="float8_e4m3fn",
+                            float8_e5m2="float8_e5m2", empty=lambda *a, **k: "workspace", from_numpy=_HostTensor,
+                            cuda=SimpleNamespace(synchronize=lambda: None))
+    kinds = ("BatchAttentionWithAttentionSinkWrapper", "BatchDecodeWithPagedKVCacheWrapper",
+             "BatchPrefillWithPagedKVCacheWrapper")
+    flashinfer = SimpleNamespace(**{kind: (lambda *a, kind=kind, **k: _RecordingWrapper(kind, *a, **k)) for kind in kinds})
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setitem(sys.modules, "flashinfer", flashinfer)
+    from jaxattn.backends.flashinfer import FlashInferBackend
+
+    return FlashInferBackend(launch="bridge")
+
+
+def test_sink_layers_plan_flashinfers_sink_wrapper_also_for_decode(rng, stand_in_flashinfer):
+    backend = stand_in_flashinfer
+    batch, r2t = make_batch(rng, ForwardMode.DECODE, [5, 0, 17], [1, 0, 1], 3)
+    sink_layer = AttentionLayer(0, 8, 2, 64, sliding_window=7, has_sinks=True)
+    plain_layer = AttentionLayer(1, 8, 2, 64)
+    backend.plan(batch, r2t, [sink_layer, plain_layer, dataclasses.replace(sink_layer, layer_id=2)])
+    wrappers = {w.kind: w for w in backend._wrappers.values()}
+    assert len(backend._wrappers) == 2  # layers 0 and 2 are one kind
+    sink = wrappers["BatchAttentionWithAttentionSinkWrapper"]
+    assert sink.kwargs == dict(backend="auto", q_data_type="bfloat16", kv_data_type="bfloat16", head_dim_qk=64,
+                               head_dim_vo=64, window_left=7)
+    (args, kwargs), = sink.plans
+    np.testing.assert_array_equal(args[0], [0, 1, 2, 3])  # qo_indptr: one query row per sequence
+    window = plan_arguments(batch, r2t, sliding_window=7)
+    for got, key in zip(args[1:4], ("kv_indptr", "kv_indices", "kv_last_page_len")):
+        np.testing.assert_array_equal(got, window[key])
+    assert args[4:8] == (8, 2, 64, 1) and kwargs["causal"] and kwargs["window_left"] == 7
+    assert kwargs["logits_soft_cap"] is None and kwargs["custom_mask"] is None
+    (args, kwargs), = wrappers["BatchDecodeWithPagedKVCacheWrapper"].plans
+    np.testing.assert_array_equal(args[0], plan_arguments(batch, r2t)["kv_indptr"])
+    # Another q dtype: the sink wrapper (compiled for its dtypes) is built again; the decode wrapper is kept.
+    decode_wrapper = wrappers["BatchDecodeWithPagedKVCacheWrapper"]
+    backend.plan(batch, r2t, [sink_layer, plain_layer], q_dtype=jnp.float16, kv_dtype=jnp.float16)
+    wrappers = {w.kind: w for w in backend._wrappers.values()}
+    assert wrappers["BatchAttentionWithAttentionSinkWrapper"] is not sink
+    assert wrappers["BatchAttentionWithAttentionSinkWrapper"].kwargs["q_data_type"] == "float16"
+    assert wrappers["BatchDecodeWithPagedKVCacheWrapper"] is decode_wrapper
+
+
+def test_sink_layers_refuse_what_the_sink_wrapper_cannot_take(rng, stand_in_flashinfer):
+    backend = stand_in_flashinfer
+    batch, r2t = make_batch(rng, ForwardMode.EXTEND, [10, 3], [4, 3], 8)
+    with pytest.raises(NotImplementedError, match="layer 3: .*no soft cap"):
+        backend.plan(batch, r2t, [AttentionLayer(3, 4, 2, 64, logit_cap=30.0, has_sinks=True)])
+    verify, r2t = make_batch(rng, ForwardMode.TARGET_VERIFY, [6, 4], [2, 2], 4, custom_mask=jnp.ones(20, bool))
+    with pytest.raises(NotImplementedError, match="no custom"):
+        backend.plan(verify, r2t, [AttentionLayer(0, 4, 2, 64, has_sinks=True)])
+
+
+def test_forward_passes_sinks_and_only_an_fp8_pools_scales(rng, stand_in_flashinfer, monkeypatch):
+    import jaxattn.backends.flashinfer as fi_module
+
+    backend = stand_in_flashinfer
+    batch, r2t = make_batch(rng, ForwardMode.EXTEND, [10, 3], [4, 3], 8)
+    layers = [AttentionLayer(0, 4, 2, 64, k_scale=0.5, v_scale=2.0, has_sinks=True), AttentionLayer(1, 4, 2, 64, k_scale=0.5)]
+    meta = backend.plan(batch, r2t, layers)
+    calls = []
+
+    def run(wrapper, q, k_pool, v_pool, v_head_dim, **kwargs):
+        calls.append(kwargs)
+        return jnp.ones((q.shape[0], q.shape[1], v_head_dim), q.dtype), jnp.zeros(q.shape[:2], jnp.float32)
+
+    monkeypatch.setattr(fi_module, "bridged_run", run)
+    q = jnp.ones((8, 4 * 64), jnp.bfloat16)
+    sinks = jnp.array([0.5, 1.0, 2.0, 3.0])
+    for dtype in (jnp.bfloat16, jnp.float8_e4m3fn):
+        pools = [jnp.zeros((1024, 2, 64), dtype)] * 2
+        backend.forward(q, None, None, *pools, layers[0], meta, sinks=sinks, save_kv=False)
+        backend.forward(q, None, None, *pools, layers[1], meta, save_kv=False)
+    bf16_sinks, bf16_plain, fp8_sinks, fp8_plain = calls
+    # A 16-bit pool holds the values themselves: FlashInfer gets no scales for it (write_kv ignores them too).
+    assert "k_scale" not in bf16_plain and "v_scale" not in bf16_plain and bf16_plain["variant_args"] == ()
+    assert fp8_plain["k_scale"] == 0.5 and fp8_plain["v_scale"] is None
+    # The sink variant reads its softmax scale from its arguments: an fp8 pool's k_scale is folded in there.
+    for kwargs, sm_scale in ((bf16_sinks, 1 / 8), (fp8_sinks, 0.5 / 8)):
+        got_sinks, got_scale = kwargs["variant_args"]
+        np.testing.assert_array_equal(got_sinks, sinks)
+        assert got_sinks.dtype == jnp.float32 and got_scale == pytest.approx(sm_scale)
+    assert fp8_sinks["v_scale"] == 2.0
+    with pytest.raises(ValueError, match="layer 1: sinks are given exactly for layers planned with them"):
+        backend.forward(q, None, None, *pools, layers[1], meta, sinks=sinks, save_kv=False)
+    with pytest.raises(ValueError, match="has_sinks is True, sinks None"):
+        backend.forward(q, None, None, *pools, layers[0], meta, save_kv=False)
+    with pytest.raises(ValueError, match=r"sinks.*\[q_heads\]"):
+        backend.forward(q, None, None, *pools, layers[0], meta, sinks=sinks[:2], save_kv=False)

@@ -68,10 +68,27 @@ class StandInWrapper:
         lse[...] = plan_info[0]
 
 
-def numpy_placeholders(q_shape, q_dtype, k_shape, v_shape, kv_dtype, page_size=1):
+def numpy_placeholders(q_shape, q_dtype, k_shape, v_shape, kv_dtype, page_size=1, variant_shapes=()):
     return (np.zeros((1, *q_shape[1:]), np.float32), np.zeros((1, page_size, *k_shape[1:]), np.float32),
             np.zeros((1, page_size, *v_shape[1:]), np.float32), np.zeros((1, q_shape[1], v_shape[2]), np.float32),
-            np.zeros((1, q_shape[1]), np.float32))
+            np.zeros((1, q_shape[1]), np.float32), *(np.zeros(shape, np.float32) for shape, _ in variant_shapes))
+
+
+class SinkStandInWrapper(StandInWrapper):
+    """Shaped like FlashInfer's sink-aware wrapper: run(q, cache, sinks, sm_scale, ...) passes its variant arguments
+    after the module call's own (flashinfer 0.6.0 prefill.py: `run_args.extend(args)` for a JIT variant). Its
+    "kernel" writes out = q * sm_scale * plan_info[0] + sinks[head] and lse = plan_info[0]."""
+
+    def run(self, q, paged_kv_cache, *variant, out, lse, return_lse, k_scale=None):
+        assert return_lse
+        k, v = paged_kv_cache
+        self._cached_module.run(self._workspace, self._plan_info, q, k, v, out, lse, 1, paged_kv_cache, 1.0, *variant)
+
+    def kernel(self, workspace, plan_info, q, k, v, out, lse, layout, kv_pair, scale, sinks=None, sm_scale=None):
+        self.kernel_calls += 1
+        out, lse = np.from_dlpack(out), np.from_dlpack(lse)
+        out[...] = np.from_dlpack(q) * sm_scale * plan_info[0] + np.from_dlpack(sinks)[None, :, None]
+        lse[...] = plan_info[0]
 
 
 def test_the_template_holds_operands_where_run_passed_them():
@@ -87,6 +104,17 @@ def test_the_template_holds_operands_where_run_passed_them():
     assert template[8] == (Operand(1), Operand(2)) and template[9] == 0.5
     filled = fill_template(template, ("q", "k", "v", "out", "lse"))
     assert filled[2:8] == ["q", "k", "v", "out", "lse", 1] and filled[8] == ("k", "v")
+
+
+def test_a_variants_tensors_are_operands_after_lse_and_its_values_stay():
+    wrapper = SinkStandInWrapper()
+    wrapper.plan(2.0)
+    operands = numpy_placeholders((3, 2, 4), None, (5, 1, 4), (5, 1, 4), None, variant_shapes=[((2,), None)])
+    assert len(operands) == 6 and operands[5].shape == (2,)
+    name, args = record_run_call(wrapper, *operands[:5], variant_args=(operands[5], 0.125))
+    template = call_template(args, operands)
+    assert template[-2:] == (Operand(5), 0.125)
+    assert fill_template(template, ("q", "k", "v", "out", "lse", "sinks"))[-2:] == ["sinks", 0.125]
 
 
 def test_a_run_that_drops_an_operand_is_refused():
@@ -113,6 +141,24 @@ def test_ffi_launch_on_cpu_follows_every_new_plan():
     o, lse = step(q, k_pool, v_pool)
     np.testing.assert_allclose(o, (q * 0.5 * 3.0 + 10.0) * 2.0)
     np.testing.assert_allclose(lse, np.full((3, 2), 3.0))
+    assert wrapper.kernel_calls == 2 and step._cache_size() == 1
+
+
+@pytest.mark.skipif(not HAS_FFI, reason="needs jax-tvm-ffi")
+def test_ffi_launch_on_cpu_passes_a_variants_tensors_from_jit():
+    from jaxattn.backends.flashinfer import sink_variant_args
+    from jaxattn.backends.flashinfer_ffi import FfiLauncher
+
+    wrapper = SinkStandInWrapper()
+    wrapper.plan(2.0)
+    launcher = FfiLauncher(platform="cpu", placeholders=numpy_placeholders)
+    q = jnp.arange(24, dtype=jnp.float32).reshape(3, 2, 4)
+    k_pool = v_pool = jnp.zeros((5, 1, 4))
+    step = jax.jit(lambda q, k, v, sinks: launcher.run(wrapper, q, k, v, 4,
+                                                        variant_args=sink_variant_args(sinks, 0.25, k_scale=0.5)))
+    for sinks in (jnp.array([1.0, -3.0]), jnp.array([0.5, 7.0])):  # traced: one executable, each call's values
+        o, _ = step(q, k_pool, v_pool, sinks)
+        np.testing.assert_allclose(o, q * 0.125 * 2.0 + sinks[None, :, None])
     assert wrapper.kernel_calls == 2 and step._cache_size() == 1
 
 

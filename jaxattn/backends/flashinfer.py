@@ -29,6 +29,7 @@ import numpy as np
 
 from jaxattn.backends.flashinfer_ffi import FfiLauncher, choose_launch
 from jaxattn.backends.layer import AttentionLayer, split_heads
+from jaxattn.checks import FLOAT_DTYPES, check_array
 from jaxattn.metadata import window_first_key
 from jaxattn.paging import PageTable, page_in_pool
 from jaxattn.serving.batch import ForwardBatch, ForwardMode
@@ -213,7 +214,7 @@ def paged_pool_view(pool, page_size: int):
 
 
 def bridged_run(wrapper, q, k_pool, v_pool, v_head_dim: int, *, k_scale=None, v_scale=None, has_side_effect=False,
-                page_size: int = 1):
+                page_size: int = 1, variant_args: tuple = ()):
     """Runs a planned FlashInfer wrapper on JAX arrays, inside or outside jit, with no copies.
 
     `jax.experimental.buffer_callback` hands the callback XLA's device buffers and stream; torch sees them
@@ -221,20 +222,37 @@ def bridged_run(wrapper, q, k_pool, v_pool, v_head_dim: int, *, k_scale=None, v_
     the rest of the XLA program. Returns (o [T, q_heads, v_head_dim], base-2 lse f32[T, q_heads]).
     has_side_effect: keep XLA from merging calls on identical inputs (the benchmark's repeated layers).
     page_size: the page size the wrapper was planned with; the pools go in as `paged_pool_view`s.
+    variant_args: the extra arguments of a wrapper built for a FlashInfer attention variant, in its order, passed to
+      run() after the KV cache (the sink wrapper's (sinks f32[q_heads], sm_scale): `sink_variant_args`); JAX arrays
+      among them go in as views like q, the others as they are.
     """
     import torch
     from jax.experimental.buffer_callback import buffer_callback
 
-    def run(ctx, outputs, q_buf, k_buf, v_buf):
+    is_array = [isinstance(a, jax.Array) for a in variant_args]
+    arrays = [a for a, array in zip(variant_args, is_array) if array]
+
+    def run(ctx, outputs, q_buf, k_buf, v_buf, *array_bufs):
         out_buf, lse_buf = outputs
         with torch.cuda.stream(_torch_stream(torch, ctx.stream)):
             cache = (paged_pool_view(_torch_view(k_buf), page_size), paged_pool_view(_torch_view(v_buf), page_size))
-            wrapper.run(_torch_view(q_buf), cache, out=_torch_view(out_buf), lse=_torch_view(lse_buf),
+            views = iter([_torch_view(b) for b in array_bufs])
+            extra = [next(views) if array else a for a, array in zip(variant_args, is_array)]
+            wrapper.run(_torch_view(q_buf), cache, *extra, out=_torch_view(out_buf), lse=_torch_view(lse_buf),
                         return_lse=True, k_scale=k_scale, v_scale=v_scale)
 
     out_shape = (jax.ShapeDtypeStruct((q.shape[0], q.shape[1], v_head_dim), q.dtype),
                  jax.ShapeDtypeStruct((q.shape[0], q.shape[1]), jnp.float32))
-    return buffer_callback(run, out_shape, has_side_effect=has_side_effect)(q, k_pool, v_pool)
+    return buffer_callback(run, out_shape, has_side_effect=has_side_effect)(q, k_pool, v_pool, *arrays)
+
+
+def sink_variant_args(sinks, sm_scale: float, k_scale=None) -> tuple:
+    """The run() arguments of FlashInfer's sink-aware wrapper (`BatchAttentionWithAttentionSinkWrapper`, flashinfer
+    0.6.0 attention.py; its "AttentionSink" variant, jit/attention/variants.py): (sinks f32[q_heads], sm_scale).
+    The variant reads its softmax scale from these arguments, not from run()'s k_scale folding, so an fp8 pool's
+    k_scale (a float) is folded in here. Its sinks are natural-log logits joining the denominator (and the LSE),
+    as jaxattn's."""
+    return jnp.asarray(sinks, jnp.float32), float(sm_scale) * (1.0 if k_scale is None else float(k_scale))
 
 
 def token_valid(batch: ForwardBatch) -> np.ndarray:
@@ -259,8 +277,11 @@ class FlashInferMetadata:
 class FlashInferBackend:
     """FlashInfer decode / paged prefill (with tree masks and windows) behind the jaxattn backend interface.
 
-    One planned wrapper per layer kind (window or full, cross or self, soft cap, scale): `plan` re-plans them
-    in place each step; their identity is static, so the jitted step is traced once.
+    One planned wrapper per layer kind (window or full, cross or self, soft cap, scale, sinks): `plan` re-plans them
+    in place each step; their identity is static, so the jitted step is traced once. Layers with attention sinks
+    (`AttentionLayer(has_sinks=True)`) run FlashInfer's sink-aware wrapper (`BatchAttentionWithAttentionSinkWrapper`,
+    its paged prefill with an "AttentionSink" variant, also for decode steps: one query row per sequence); it takes
+    no soft cap and no custom mask.
     """
 
     name = "flashinfer"
@@ -272,22 +293,29 @@ class FlashInferBackend:
         self.workspace = self.torch.empty(workspace_bytes, dtype=self.torch.uint8, device="cuda")
         self.use_tensor_cores = use_tensor_cores
         self._wrappers: dict = {}
+        self._sink_dtypes: dict = {}  # (mode, kind) -> the (q, kv) torch dtypes its sink wrapper was built for
         self._mode = None
 
     @staticmethod
     def layer_kind(layer: AttentionLayer):
         return (layer.sliding_window, layer.is_cross_attention, layer.logit_cap, layer.scale, layer.q_heads, layer.kv_heads,
-                layer.head_dim, layer.dv)
+                layer.head_dim, layer.dv, layer.has_sinks)
 
-    def _wrapper(self, mode: ForwardMode, kind, kv_dtype):
+    def _wrapper(self, mode: ForwardMode, kind, q_t, kv_t):
         key = (mode, kind)
-        if key not in self._wrappers:
-            fi = self.flashinfer
-            _, _, _, _, q_heads, kv_heads, _, _ = kind
+        window, _, _, _, q_heads, kv_heads, head_dim, dv, sinks = kind
+        fi = self.flashinfer
+        if sinks:  # built for its dtypes, head dims and window (FlashInfer JIT-compiles the variant for them)
+            if self._sink_dtypes.get(key) != (q_t, kv_t):
+                self._wrappers[key] = fi.BatchAttentionWithAttentionSinkWrapper(
+                    self.workspace, "NHD", backend="auto", q_data_type=q_t, kv_data_type=kv_t, head_dim_qk=head_dim,
+                    head_dim_vo=dv, window_left=window)
+                self._sink_dtypes[key] = (q_t, kv_t)
+        elif key not in self._wrappers:
             if mode == ForwardMode.DECODE:
                 tc = self.use_tensor_cores
                 if tc is None:
-                    tc = should_use_tensor_cores(kv_dtype, q_heads, kv_heads)
+                    tc = should_use_tensor_cores(kv_t, q_heads, kv_heads)
                 self._wrappers[key] = fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=tc)
             else:
                 self._wrappers[key] = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="auto")
@@ -305,15 +333,24 @@ class FlashInferBackend:
         page_size = plan_page_size(req_to_token)
         if batch.mode == ForwardMode.IDLE:
             return FlashInferMetadata(batch.out_cache_loc, valid, batch.mode, batch.num_tokens, page_size)
+        for layer in layers:
+            if layer.has_sinks and layer.logit_cap > 0:
+                raise NotImplementedError(f"layer {layer.layer_id}: FlashInfer's sink-aware wrapper takes no soft cap; "
+                                          "use TritonBackend for layers with sinks and a soft cap")
+            if layer.has_sinks and batch.mode == ForwardMode.TARGET_VERIFY:
+                raise NotImplementedError(f"layer {layer.layer_id}: FlashInfer's sink-aware wrapper takes no custom "
+                                          "(tree) mask; use TritonBackend to verify drafts on layers with sinks")
         jax.block_until_ready(batch.seq_lens)  # the wrappers' buffers are reused: the last step must be done
         q_t, kv_t = getattr(torch, q_name), getattr(torch, kv_name)
         for kind in dict.fromkeys(self.layer_kind(layer) for layer in layers):
-            window, cross, cap, scale, q_heads, kv_heads, head_dim, dv = kind
+            window, cross, cap, scale, q_heads, kv_heads, head_dim, dv, sinks = kind
             args = plan_arguments(batch, req_to_token, sliding_window=window, cross_attention=cross)
+            if sinks and batch.mode == ForwardMode.DECODE:  # a prefill wrapper: one query row per sequence
+                args["qo_indptr"] = np.arange(len(args["kv_last_page_len"]) + 1, dtype=np.int32)
             dev = {k: torch.from_numpy(v).cuda() for k, v in args.items()}
-            wrapper = self._wrapper(batch.mode, kind, kv_dtype)
+            wrapper = self._wrapper(batch.mode, kind, q_t, kv_t)
             common = dict(logits_soft_cap=cap if cap > 0 else None, sm_scale=scale, q_data_type=q_t, kv_data_type=kv_t)
-            if batch.mode == ForwardMode.DECODE:
+            if batch.mode == ForwardMode.DECODE and not sinks:
                 wrapper.plan(dev["kv_indptr"], dev["kv_indices"], dev["kv_last_page_len"], q_heads, kv_heads, head_dim,
                              page_size, window_left=window, **common)
             else:
@@ -325,8 +362,10 @@ class FlashInferBackend:
 
     def forward(self, q, k, v, k_pool, v_pool, layer: AttentionLayer, meta: FlashInferMetadata, *, sinks=None, save_kv=True,
                 return_lse=False):
-        if sinks is not None:
-            raise NotImplementedError("FlashInfer's fa2/fa3 paths ignore attention sinks: use TritonBackend for sink models")
+        if (sinks is not None) != layer.has_sinks:
+            raise ValueError(f"layer {layer.layer_id}: sinks are given exactly for layers planned with them "
+                             f"(AttentionLayer(has_sinks=True): FlashInfer's sink-aware wrapper); has_sinks is "
+                             f"{layer.has_sinks}, sinks {'given' if sinks is not None else 'None'}")
         if layer.xai_temperature_len > 0:
             raise NotImplementedError("FlashInfer has no xai temperature: use TritonBackend")
         if v_pool is None:
@@ -345,9 +384,14 @@ class FlashInferBackend:
             raise ValueError(f"layer {layer.layer_id} was not planned: pass it to FlashInferBackend.plan(batch, req_to_token, layers)")
         if k_pool.shape[0] % meta.page_size:
             raise ValueError(f"k_pool's {k_pool.shape[0]} rows are not a multiple of the planned page_size {meta.page_size}")
+        scales = layer.pool_scales(k_pool, v_pool)  # a 16-bit pool holds the values themselves: no scales
+        variant = ()
+        if sinks is not None:
+            check_array("sinks", sinks, shape=(layer.q_heads,), dtypes=FLOAT_DTYPES, what="[q_heads]")
+            variant = sink_variant_args(sinks, layer.scale, scales.get("k_scale"))
         run = bridged_run if self._ffi is None else self._ffi.run
-        o, lse2 = run(self._wrappers[key], q, k_pool, v_pool, layer.dv, k_scale=layer.k_scale, v_scale=layer.v_scale,
-                      page_size=meta.page_size)
+        o, lse2 = run(self._wrappers[key], q, k_pool, v_pool, layer.dv, page_size=meta.page_size, variant_args=variant,
+                      **scales)
         o = jnp.where(meta.token_valid[:, None, None], o, 0).astype(q.dtype)
         lse2 = jnp.where(meta.token_valid[:, None], lse2, -jnp.inf)
         if return_lse:

@@ -89,17 +89,18 @@ class _Recorder:
         return record
 
 
-def record_run_call(wrapper, q, k, v, out, lse, *, k_scale=None):
+def record_run_call(wrapper, q, k, v, out, lse, *, k_scale=None, variant_args=()):
     """(name of the module function, its positional arguments) that `wrapper.run` calls for these tensors.
 
     The wrapper's `_cached_module` (FlashInfer's JIT module, set by plan()) is swapped for a recorder for the call,
-    so nothing is launched. k, v: [pages, page_size, kv_heads, head_dim] (NHD).
+    so nothing is launched. k, v: [pages, page_size, kv_heads, head_dim] (NHD). variant_args: a variant wrapper's
+    extra run() arguments (`jaxattn.backends.flashinfer.bridged_run`), tensors among them as placeholders.
     """
     module = wrapper._cached_module
     recorder = _Recorder()
     wrapper._cached_module = recorder
     try:
-        wrapper.run(q, (k, v), out=out, lse=lse, return_lse=True, k_scale=k_scale)
+        wrapper.run(q, (k, v), *variant_args, out=out, lse=lse, return_lse=True, k_scale=k_scale)
     finally:
         wrapper._cached_module = module
     if len(recorder.calls) != 1 or recorder.calls[0][2]:
@@ -111,7 +112,8 @@ def record_run_call(wrapper, q, k, v, out, lse, *, k_scale=None):
 
 @dataclasses.dataclass(frozen=True)
 class Operand:
-    """Marks where XLA's operand number `index` (q, k, v, out, lse) goes in a call template."""
+    """Marks where XLA's operand number `index` (q, k, v, out, lse, then a variant's tensors) goes in a call
+    template."""
 
     index: int
 
@@ -131,7 +133,8 @@ def call_template(args, operands, convert=lambda x: x) -> tuple:
     template = tuple(item(arg) for arg in args)
     missing = [i for i in range(len(operands)) if not _uses(template, i)]
     if missing:
-        raise RuntimeError(f"FlashInfer FFI launch: operands {missing} (of q, k, v, out, lse) are not in the run call")
+        raise RuntimeError(f"FlashInfer FFI launch: operands {missing} (of q, k, v, out, lse and a variant's tensors) "
+                           "are not in the run call")
     return template
 
 
@@ -165,10 +168,10 @@ def tvm_ffi_view(arg):
 # The FFI target of one planned wrapper.
 
 
-def torch_placeholders(q_shape, q_dtype, k_shape, v_shape, kv_dtype, page_size: int = 1):
-    """(q, k, v, out, lse) torch tensors of one token and one page for recording run(): the right dtypes, heads, head
-    dims and page size (run() may read the page size from the cache's shape), one element of storage each (expanded),
-    never read or written."""
+def torch_placeholders(q_shape, q_dtype, k_shape, v_shape, kv_dtype, page_size: int = 1, variant_shapes=()):
+    """(q, k, v, out, lse, *variant tensors) torch tensors of one token and one page for recording run(): the right
+    dtypes, heads, head dims and page size (run() may read the page size from the cache's shape), one element of
+    storage each (expanded), never read or written. variant_shapes: ((shape, dtype), ...) of a variant's tensors."""
     import torch
 
     def torch_dtype(dtype):
@@ -182,7 +185,7 @@ def torch_placeholders(q_shape, q_dtype, k_shape, v_shape, kv_dtype, page_size: 
     q_t, kv_t = torch_dtype(q_dtype), torch_dtype(kv_dtype)
     return (empty((1, q_heads, head_dim), q_t), empty((1, page_size, kv_heads, k_shape[2]), kv_t),
             empty((1, page_size, kv_heads, v_head_dim), kv_t), empty((1, q_heads, v_head_dim), q_t),
-            empty((1, q_heads), torch.float32))
+            empty((1, q_heads), torch.float32), *(empty(shape, torch_dtype(dtype)) for shape, dtype in variant_shapes))
 
 
 _target_numbers = itertools.count()
@@ -191,17 +194,20 @@ _target_numbers = itertools.count()
 class FfiRun:
     """One XLA FFI target running one planned wrapper for fixed head shapes, dtypes and k_scale.
 
-    The target's callback gets (q, k, v, out, lse) from XLA and calls the wrapper's module function with the
-    argument list recorded from the wrapper's run(); it records the list again when the wrapper was re-planned.
-    placeholders: the tensors run() is recorded on (torch on the GPU); platform: "gpu", or "cpu" in tests.
+    The target's callback gets (q, k, v, *variant tensors, out, lse) from XLA and calls the wrapper's module
+    function with the argument list recorded from the wrapper's run(); it records the list again when the wrapper
+    was re-planned. placeholders: the tensors run() is recorded on (q, k, v, out, lse, *variant tensors; torch on the
+    GPU); variant_args: a variant's extra run() arguments with its tensors' placeholders in place; platform: "gpu",
+    or "cpu" in tests.
     """
 
-    def __init__(self, wrapper, placeholders, *, k_scale=None, platform: str = "gpu"):
+    def __init__(self, wrapper, placeholders, *, k_scale=None, variant_args=(), platform: str = "gpu"):
         import jax_tvm_ffi
 
         self.wrapper = wrapper
         self.placeholders = placeholders
         self.k_scale = k_scale
+        self.variant_args = variant_args
         self.record()
         self.target = f"jaxattn_flashinfer_run_{next(_target_numbers)}"
         # pass_owned_tensor: XLA's buffers reach Python as tvm-ffi tensors (a Python callback needs it); no
@@ -210,15 +216,17 @@ class FfiRun:
                                         pass_owned_tensor=True)
 
     def record(self):
-        name, args = record_run_call(self.wrapper, *self.placeholders, k_scale=self.k_scale)
+        name, args = record_run_call(self.wrapper, *self.placeholders[:5], k_scale=self.k_scale,
+                                     variant_args=self.variant_args)
         self.function = getattr(self.wrapper._cached_module, name)
         self.template = call_template(args, self.placeholders, tvm_ffi_view)
         self.plan_info = self.wrapper._plan_info  # plan() makes a new one each time
 
-    def callback(self, q, k, v, out, lse):
+    def callback(self, *tensors):  # XLA's operands (q, k, v, *variant tensors), then its results (out, lse)
         if self.wrapper._plan_info is not self.plan_info:
             self.record()
-        self.function(*fill_template(self.template, (q, k, v, out, lse)))
+        q, k, v, *variant, out, lse = tensors
+        self.function(*fill_template(self.template, (q, k, v, out, lse, *variant)))
 
 
 class FfiLauncher:
@@ -235,25 +243,35 @@ class FfiLauncher:
         self.placeholders = placeholders
         self.runs: dict = {}
 
-    def target(self, wrapper, q, k_pool, v_pool, k_scale=None, page_size: int = 1) -> FfiRun:
+    def target(self, wrapper, q, k_pool, v_pool, k_scale=None, page_size: int = 1, variant_args=()) -> FfiRun:
+        # A variant's tensors by shape and dtype (XLA operands), its other arguments by value (in the template).
+        variant = tuple(("tensor", a.shape, jnp.dtype(a.dtype).name) if isinstance(a, jax.Array) else ("value", a)
+                        for a in variant_args)
         key = (id(wrapper), k_scale, page_size, q.shape[1:], jnp.dtype(q.dtype).name, k_pool.shape[1:],
-               v_pool.shape[1:], jnp.dtype(k_pool.dtype).name)
+               v_pool.shape[1:], jnp.dtype(k_pool.dtype).name, variant)
         if key not in self.runs:
-            placeholders = self.placeholders(q.shape, q.dtype, k_pool.shape, v_pool.shape, k_pool.dtype, page_size)
-            self.runs[key] = FfiRun(wrapper, placeholders, k_scale=k_scale, platform=self.platform)
+            shapes = tuple((a.shape, a.dtype) for a in variant_args if isinstance(a, jax.Array))
+            placeholders = self.placeholders(q.shape, q.dtype, k_pool.shape, v_pool.shape, k_pool.dtype, page_size,
+                                             variant_shapes=shapes)
+            stand_ins = iter(placeholders[5:])
+            recorded = tuple(next(stand_ins) if isinstance(a, jax.Array) else a for a in variant_args)
+            self.runs[key] = FfiRun(wrapper, placeholders, k_scale=k_scale, variant_args=recorded, platform=self.platform)
         return self.runs[key]
 
     def run(self, wrapper, q, k_pool, v_pool, v_head_dim: int, *, k_scale=None, v_scale=None, has_side_effect=False,
-            page_size: int = 1):
+            page_size: int = 1, variant_args=()):
         """q [T, q_heads, D], k_pool [slots, kv_heads, D], v_pool [slots, kv_heads, Dv] (page-aligned rows, pages of
         page_size: the view `paged_pool_view` takes, here as a reshape) ->
         (o [T, q_heads, v_head_dim] in q's dtype, base-2 lse f32[T, q_heads]).
-        has_side_effect: keep XLA from merging calls on identical inputs (the benchmark's repeated layers)."""
-        target = self.target(wrapper, q, k_pool, v_pool, k_scale, page_size)
+        has_side_effect: keep XLA from merging calls on identical inputs (the benchmark's repeated layers).
+        variant_args: as `bridged_run`'s (its tensors become operands of the FFI call)."""
+        target = self.target(wrapper, q, k_pool, v_pool, k_scale, page_size, variant_args)
         out_shape = (jax.ShapeDtypeStruct((q.shape[0], q.shape[1], v_head_dim), q.dtype),
                      jax.ShapeDtypeStruct((q.shape[0], q.shape[1]), jnp.float32))
         page = lambda pool: pool.reshape(pool.shape[0] // page_size, page_size, *pool.shape[1:])  # no copy  # noqa: E731
-        o, lse = jax.ffi.ffi_call(target.target, out_shape, has_side_effect=has_side_effect)(q, page(k_pool), page(v_pool))
+        tensors = [a for a in variant_args if isinstance(a, jax.Array)]
+        o, lse = jax.ffi.ffi_call(target.target, out_shape, has_side_effect=has_side_effect)(
+            q, page(k_pool), page(v_pool), *tensors)
         if v_scale is not None and v_scale != 1.0:  # FlashInfer's run() scales out after the kernel (0.6.0)
             o = (o.astype(jnp.float32) * v_scale).astype(o.dtype)
         return o, lse

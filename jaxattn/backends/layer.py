@@ -33,6 +33,9 @@ class AttentionLayer:
     xai_temperature_len: int = -1
     k_scale: float | None = None  # fp8 KV storage scales
     v_scale: float | None = None
+    # The layer takes per-head attention sinks (GPT-OSS; `forward(sinks=)`). Backends that plan kernels per layer
+    # before the step (FlashInferBackend: its sink-aware wrapper) need to know; the others read `sinks` alone.
+    has_sinks: bool = False
 
     def __post_init__(self):
         check_heads(self.q_heads, self.kv_heads)

@@ -117,7 +117,7 @@ CASES = {
     "E2": Case("E2", "extend", 4, 0, 4096),
     "E3": Case("E3", "extend", 32, 4096, 128),
     # E1 with the score features of Gemma-2 (window 1024 and soft cap 50 layers) and GPT-OSS (sinks): each beside the
-    # peers with the same feature (FlashInfer's paged prefill takes no sinks).
+    # peers with the same feature (sinks: FlashInfer's sink-aware wrapper, its paged prefill with a sink variant).
     "E1-W1024": Case("E1-W1024", "extend", 8, 2048, 2048, sliding_window=1024),
     "E1-CAP50": Case("E1-CAP50", "extend", 8, 2048, 2048, logit_cap=50.0),
     "E1-W1024-CAP50": Case("E1-W1024-CAP50", "extend", 8, 2048, 2048, sliding_window=1024, logit_cap=50.0),

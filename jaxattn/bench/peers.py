@@ -187,7 +187,7 @@ def decode_flashinfer_mla(inp: Inputs):
     return lambda: wrapper.run(q_nope, q_pe, ckv, kpe)
 
 
-def bridged(wrapper, inp: Inputs, layers: int = 1):
+def bridged(wrapper, inp: Inputs, layers: int = 1, variant_args: tuple = ()):
     """The same planned wrapper, called from a jitted JAX function through jaxattn's DLPack bridge.
 
     layers > 1: one jitted step makes that many calls, like a model's attention layers (time_calls divides by it),
@@ -198,8 +198,8 @@ def bridged(wrapper, inp: Inputs, layers: int = 1):
     from jaxattn.backends.flashinfer import bridged_run
 
     def step(q, k, v):
-        return [bridged_run(wrapper, q, k, v, inp.case.dv, has_side_effect=layers > 1, page_size=inp.case.page_size)[0]
-                for _ in range(layers)]
+        return [bridged_run(wrapper, q, k, v, inp.case.dv, has_side_effect=layers > 1, page_size=inp.case.page_size,
+                            variant_args=variant_args)[0] for _ in range(layers)]
 
     fn = jax.jit(step)
     return PerCall(lambda: fn(inp.q, inp.k_pool, inp.v_pool), layers)
@@ -322,8 +322,8 @@ def extend_flashinfer(inp: Inputs, backend: str, through_jax: bool = False):
     case = inp.case
     if case.v_in_k:
         raise Skip("MLA latent cache: FlashInfer's paged prefill takes separate K and V heads (row flashinfer-mla: its MLA wrapper)")
-    if case.sinks:
-        raise Skip("FlashInfer's paged prefill (fa2/fa3) takes no attention sinks")
+    if case.sinks and (case.logit_cap > 0 or case.tree):
+        raise Skip("FlashInfer's sink-aware wrapper takes no soft cap and no custom mask")
     if case.xai_temperature_len > 0:
         raise Skip("FlashInfer has no xai temperature")
     if case.dv != case.head_dim:
@@ -334,7 +334,12 @@ def extend_flashinfer(inp: Inputs, backend: str, through_jax: bool = False):
     if case.fp8 and through_jax:
         raise Skip("the bridge rows time bf16 pools")
     flashinfer, torch, tv, workspace = flashinfer_session(inp, workspace_mb=512)
-    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend)
+    if case.sinks:  # its paged prefill with the "AttentionSink" variant (what FlashInferBackend plans for sink layers)
+        wrapper = flashinfer.BatchAttentionWithAttentionSinkWrapper(
+            workspace, "NHD", backend=backend, q_data_type=torch.bfloat16, kv_data_type=tv["k_pool"].dtype,
+            head_dim_qk=case.head_dim, head_dim_vo=case.dv, window_left=case.sliding_window)
+    else:
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend)
     kv_indptr, kv_indices, last_page_len = flashinfer_pages(inp, torch)
     wrapper.plan(
         tv["qo_indptr"], kv_indptr, kv_indices, last_page_len, case.q_heads, case.kv_heads, case.head_dim, case.page_size,
@@ -345,9 +350,15 @@ def extend_flashinfer(inp: Inputs, backend: str, through_jax: bool = False):
     )
     k, v = flashinfer_cache(inp, tv)
     q = tv["q"]
+    variant = ()
+    if case.sinks:
+        from jaxattn.backends.flashinfer import sink_variant_args
+
+        variant = sink_variant_args(inp.sinks, 1.0 / float(np.sqrt(case.head_dim)), scales(inp).get("k_scale"))
     if through_jax:
-        return bridged(wrapper, inp)
-    return lambda: wrapper.run(q, (k, v), **scales(inp))
+        return bridged(wrapper, inp, variant_args=variant)
+    torch_variant = tuple(torch.from_dlpack(a) if hasattr(a, "__dlpack__") else a for a in variant)
+    return lambda: wrapper.run(q, (k, v), *torch_variant, **scales(inp))
 
 
 def extend_cudnn(inp: Inputs):

@@ -89,18 +89,13 @@ SHAPES = [  # label, tokens, q heads, kv heads, head dim, dtype, config, feature
 
 def _export(call, args, page_issue, page_size):
     """jax.export of call(*args) for CUDA; page_issue: the kernel's (not a wrapper argument) with page copies forced
-    on for page_size (below the tuned rule's 32 rows too), set while tracing."""
+    on for page_size (below the tuned rule's 64 rows too), set while tracing."""
     if page_issue is None:
         return jax.export.export(jax.jit(call), platforms=["cuda"])(*args)
-    import jaxattn.kernels.extend_attention_mgpu as kernel_module
+    from jaxattn.impl.mgpu_extend import kernel_options_forced
 
-    original = kernel_module.extend_attention_mgpu_kernel
-    kernel_module.extend_attention_mgpu_kernel = lambda *a, **kw: original(  # noqa: E731
-        *a, **dict(kw, page_issue=page_issue, page_rows=min(page_size, kw["block_kv"])))
-    try:
+    with kernel_options_forced(lambda kw: dict(kw, page_issue=page_issue, page_rows=min(page_size, kw["block_kv"]))):
         return jax.export.export(jax.jit(call), platforms=["cuda"])(*args)
-    finally:
-        kernel_module.extend_attention_mgpu_kernel = original
 
 
 def lower(tokens, hq, hkv, d, dtype, config, features=None, batch=3, slots=1000, capacity=500):

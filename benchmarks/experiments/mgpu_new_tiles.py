@@ -7,28 +7,20 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import jax
 import numpy as np
 from jaxattn import bench
-import jaxattn.kernels.extend_attention_mgpu as kernel_module
 from jaxattn.extend_mgpu import extend_attention_mgpu
+from jaxattn.impl.mgpu_extend import kernel_options_forced
 
 out_dir = os.environ.get("OUT", "/tmp")
 rounds = int(os.environ.get("ROUNDS", "3"))
 rows = []
-original = kernel_module.extend_attention_mgpu_kernel
 
 
 def make(inp, tma):
-    # The wrapper imports the kernel function at call time: swap it for one with tma_new_tiles forced while tracing.
-    def forced(*args, **kwargs):
-        return original(*args, **dict(kwargs, tma_new_tiles=tma and kwargs["tma_new_tiles"]))
-
     meta = bench.extend_meta(inp)
     # The undecorated wrapper: jit's trace cache would hand the second variant the first one's trace.
     fn = jax.jit(lambda q, kn, vn, k, v, m: extend_attention_mgpu.__wrapped__(q, kn, vn, k, v, m))
-    kernel_module.extend_attention_mgpu_kernel = forced
-    try:
+    with kernel_options_forced(lambda kw: dict(kw, tma_new_tiles=tma and kw["tma_new_tiles"])):
         compiled = fn.lower(inp.q, inp.k_new, inp.v_new, inp.k_pool, inp.v_pool, meta).compile()
-    finally:
-        kernel_module.extend_attention_mgpu_kernel = original
     return functools.partial(compiled, inp.q, inp.k_new, inp.v_new, inp.k_pool, inp.v_pool, meta)
 
 

@@ -16,10 +16,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-import jaxattn.kernels.extend_attention_mgpu as kernel_module  # noqa: E402
 from variant_timing import write_record  # noqa: E402  (this folder: the script's own directory)
 from jaxattn import bench  # noqa: E402
 from jaxattn.extend_mgpu import extend_attention_mgpu, extend_attention_unified_mgpu  # noqa: E402
+from jaxattn.impl.mgpu_extend import kernel_options_forced  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--cases", default="E1,E3")
@@ -27,20 +27,16 @@ parser.add_argument("--page-sizes", default="8,16,64")
 parser.add_argument("--issues", default="pallas,inline", help="page-copy issues to time beside row copies")
 parser.add_argument("--rounds", type=int, default=3)
 args = parser.parse_args()
-original = kernel_module.extend_attention_mgpu_kernel
 
 
 def compiled(fn, operands, page_size, copies):
     """fn(*operands) compiled with the kernel's page copies forced: "rows" (none) or a page issue."""
-    def forced(*a, **kw):
+    def forced(kw):
         pages = 0 if copies == "rows" else min(page_size, kw["block_kv"])
-        return original(*a, **dict(kw, page_rows=pages, page_issue="pallas" if copies == "rows" else copies))
+        return dict(kw, page_rows=pages, page_issue="pallas" if copies == "rows" else copies)
 
-    kernel_module.extend_attention_mgpu_kernel = forced
-    try:  # the undecorated wrapper: jit's trace cache would hand a later variant the first one's trace
+    with kernel_options_forced(forced):  # the undecorated wrapper: jit's trace cache would hand back another trace
         return functools.partial(jax.jit(fn.__wrapped__).lower(*operands).compile(), *operands)
-    finally:
-        kernel_module.extend_attention_mgpu_kernel = original
 
 
 rows = []

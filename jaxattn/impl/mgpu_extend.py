@@ -22,6 +22,7 @@ a wgmma whose left operand is in registers). The references are `jaxattn.extend.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -312,6 +313,22 @@ def page_copy_rows(page_size: int, block_kv: int, pool_rows: int) -> int:
     rows = min(page_size, block_kv)
     whole_pages = page_size > 1 and pool_rows % page_size == 0
     return rows if whole_pages and rows >= EXTEND_MGPU_PAGE_COPY_MIN_ROWS else 0
+
+
+@contextlib.contextmanager
+def kernel_options_forced(adjust):
+    """While active, every launch of the Mosaic GPU extend kernel traced takes its keyword arguments through
+    `adjust(kwargs) -> kwargs`: experiments and the lowering test force an option the tuned rules would not pick (page
+    copies below the rule, no TMA for new tiles). Only tracing sees it: trace an undecorated function (a jit's trace
+    cache would hand back an earlier trace). Not for serving."""
+    import jaxattn.kernels.extend_attention_mgpu as kernel_module
+
+    original = kernel_module.extend_attention_mgpu_kernel
+    kernel_module.extend_attention_mgpu_kernel = lambda *args, **kwargs: original(*args, **adjust(dict(kwargs)))
+    try:
+        yield
+    finally:
+        kernel_module.extend_attention_mgpu_kernel = original
 
 
 def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: MgpuExtendConfig, *, causal: bool,

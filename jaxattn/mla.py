@@ -23,15 +23,12 @@ import math
 import jax
 
 from jaxattn.calls import MlaExtendCall
-from jaxattn.checks import FLOAT_DTYPES, check_array, check_meta
+from jaxattn.checks import FLOAT_DTYPES, MLA_V_HEAD_DIMS, check_array, check_meta
 from jaxattn.extend import extend_attention, extend_attention_reference
 from jaxattn.impl import mgpu_mla
 from jaxattn.launch import launch_mode as resolve_launch_mode
 from jaxattn.metadata import ExtendMetadata
 from jaxattn.registry import Implementation, select
-
-# V's width when not given: DeepSeek's latent (512 + 64 rope) and its half-size variant (256 + 32).
-DEFAULT_V_HEAD_DIMS = {576: 512, 288: 256}
 
 
 def _run_triton(call: MlaExtendCall):
@@ -59,7 +56,7 @@ def _check(q, k_new, k_pool, meta, sinks, v_head_dim, sm_scale) -> int:
         check_array("sinks", sinks, shape=(q_heads,), dtypes=FLOAT_DTYPES, what="[q_heads]")
     if sm_scale is not None and not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale) and sm_scale > 0):
         raise ValueError(f"sm_scale must be a finite float > 0 or None; got {sm_scale!r}")
-    v_head_dim = DEFAULT_V_HEAD_DIMS.get(qk_dim) if v_head_dim is None else v_head_dim
+    v_head_dim = MLA_V_HEAD_DIMS.get(qk_dim) if v_head_dim is None else v_head_dim
     if not isinstance(v_head_dim, int) or not 0 < v_head_dim <= qk_dim:
         raise ValueError(f"v_head_dim must be an int in (0, {qk_dim}] (defaults exist for 576 and 288); got {v_head_dim!r}")
     return v_head_dim

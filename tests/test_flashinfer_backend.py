@@ -374,6 +374,36 @@ def test_flashinfer_backend_with_pages_agrees_with_reference_backend(rng, name, 
     np.testing.assert_allclose(np.float32(got), np.float32(want), atol=2e-2, rtol=2e-2)
 
 
+MLA_LAYER = AttentionLayer(0, 16, 1, 576, v_head_dim=512, sm_scale=0.1)  # DeepSeek's absorbed shape
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and flashinfer")
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("name", ["decode", "extend"])
+def test_flashinfer_mla_wrapper_agrees_with_reference_backend(rng, name, page_size):
+    """An MLA layer (one 576/512 latent head, v_pool None) through FlashInfer's MLA wrapper against ReferenceBackend,
+    the new tokens' latent rows written first; pages end mid-page, padding rows are zero."""
+    from jaxattn.flashinfer_backend import FlashInferBackend
+
+    case = dict(PAGED_CASES[name])
+    batch, table = paged_batch(rng, page_size=page_size, **case)
+    layer = dataclasses.replace(MLA_LAYER, sm_scale=1 / np.sqrt(192.0))  # DeepSeek's: the pre-absorption head dim
+    pool = jnp.asarray(rng.standard_normal((table.num_slots, 1, 576)), jnp.bfloat16)
+    t = batch.num_tokens
+    q = jnp.asarray(rng.standard_normal((t, layer.q_heads, 576)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((t, 1, 576)), jnp.bfloat16)
+    ref = ReferenceBackend()
+    want, want_pool, _ = jax.jit(lambda q, k, kb: ref.forward(q, k, None, kb, None, layer,
+                                                              ref.init_forward_metadata(batch, table)))(q, k, pool)
+    fib = FlashInferBackend()
+    meta = fib.plan(batch, table, [layer])
+    got, got_pool, v_pool = jax.jit(lambda q, k, kb, m: fib.forward(q, k, None, kb, None, layer, m))(q, k, pool, meta)
+    assert v_pool is None and got.shape == (t, layer.q_heads, 512)
+    np.testing.assert_array_equal(np.float32(got_pool), np.float32(want_pool))
+    np.testing.assert_allclose(np.float32(got), np.float32(want), atol=2e-2, rtol=2e-2)
+
+
 # ---------------------------------------------------------------------------------------------
 # FlashInferBackend's planning and argument handling on CPU, with stand-ins for torch and flashinfer.
 
@@ -408,7 +438,7 @@ def stand_in_flashinfer(monkeypatch):
                             float8_e5m2="float8_e5m2", empty=lambda *a, **k: "workspace", from_numpy=_HostTensor,
                             cuda=SimpleNamespace(synchronize=lambda: None))
     kinds = ("BatchAttentionWithAttentionSinkWrapper", "BatchDecodeWithPagedKVCacheWrapper",
-             "BatchPrefillWithPagedKVCacheWrapper")
+             "BatchPrefillWithPagedKVCacheWrapper", "BatchMLAPagedAttentionWrapper")
     flashinfer = SimpleNamespace(**{kind: (lambda *a, kind=kind, **k: _RecordingWrapper(kind, *a, **k)) for kind in kinds})
     monkeypatch.setitem(sys.modules, "torch", torch)
     monkeypatch.setitem(sys.modules, "flashinfer", flashinfer)
@@ -492,3 +522,68 @@ def test_forward_passes_sinks_and_only_an_fp8_pools_scales(rng, stand_in_flashin
         backend.forward(q, None, None, *pools, layers[0], meta, save_kv=False)
     with pytest.raises(ValueError, match=r"sinks.*\[q_heads\]"):
         backend.forward(q, None, None, *pools, layers[0], meta, sinks=sinks[:2], save_kv=False)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND])
+def test_mla_layers_plan_flashinfers_mla_wrapper_with_each_sequences_key_count(rng, stand_in_flashinfer, mode, page_size):
+    backend = stand_in_flashinfer
+    seq_lens, extend_lens = ([70, 0, 64, 7, 16], [1, 0, 1, 1, 1]) if mode == ForwardMode.DECODE else ([70, 9, 1, 32], [11, 9, 1, 16])
+    batch, table = paged_batch(rng, mode, seq_lens, extend_lens, page_size)
+    backend.plan(batch, table, [MLA_LAYER])
+    (wrapper,) = backend._wrappers.values()
+    assert wrapper.kind == "BatchMLAPagedAttentionWrapper" and wrapper.kwargs == dict(backend="auto")
+    (args, kwargs), = wrapper.plans
+    qo_indptr, kv_indptr, kv_indices, kv_len = args[:4]
+    want = plan_arguments(batch, table)
+    want_qo = np.arange(len(seq_lens) + 1) if mode == ForwardMode.DECODE else want["qo_indptr"]
+    np.testing.assert_array_equal(qo_indptr, want_qo)
+    np.testing.assert_array_equal(kv_indptr, want["kv_indptr"])
+    np.testing.assert_array_equal(kv_indices, want["kv_indices"])
+    np.testing.assert_array_equal(kv_len, np.maximum(seq_lens, 1))  # a padding row lists the padding slot once
+    assert args[4:] == (16, 512, 64, page_size, True, 0.1, "bfloat16", "bfloat16") and kwargs == {}
+
+
+def test_mla_layers_refuse_what_flashinfers_mla_wrapper_cannot_take(rng, stand_in_flashinfer):
+    backend = stand_in_flashinfer
+    batch, r2t = make_batch(rng, ForwardMode.EXTEND, [10, 3], [4, 3], 8)
+    for change, what in ((dict(sliding_window=8), "sliding window"), (dict(logit_cap=30.0), "soft cap"),
+                         (dict(has_sinks=True), "sinks"), (dict(is_cross_attention=True), "cross attention")):
+        with pytest.raises(NotImplementedError, match=f"MLA wrapper takes no {what}"):
+            backend.plan(batch, r2t, [dataclasses.replace(MLA_LAYER, **change)])
+    with pytest.raises(NotImplementedError, match="takes no fp8 pool"):
+        backend.plan(batch, r2t, [MLA_LAYER], kv_dtype=jnp.float8_e4m3fn)
+    verify, r2t = make_batch(rng, ForwardMode.TARGET_VERIFY, [6, 4], [2, 2], 4, custom_mask=jnp.ones(20, bool))
+    with pytest.raises(NotImplementedError, match=r"takes no custom \(tree\) mask"):
+        backend.plan(verify, r2t, [MLA_LAYER])
+
+
+def test_mla_forward_writes_the_latent_pool_and_runs_the_mla_wrapper(rng, stand_in_flashinfer, monkeypatch):
+    import jaxattn.backends.flashinfer as fi_module
+
+    backend = stand_in_flashinfer
+    batch, r2t = make_batch(rng, ForwardMode.EXTEND, [10, 3], [4, 3], 8)
+    batch = dataclasses.replace(batch, out_cache_loc=jnp.arange(8, dtype=jnp.int32) + 100)
+    meta = backend.plan(batch, r2t, [MLA_LAYER])
+    calls = []
+
+    def run(wrapper, q, latent_pool, v_head_dim, **kwargs):
+        calls.append((wrapper, q, latent_pool, v_head_dim, kwargs))
+        return jnp.ones((q.shape[0], q.shape[1], v_head_dim), q.dtype), jnp.zeros(q.shape[:2], jnp.float32)
+
+    monkeypatch.setattr(fi_module, "bridged_mla_run", run)
+    q = jnp.ones((8, 16 * 576), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((8, 576)), jnp.bfloat16)
+    pool = jnp.zeros((256, 1, 576), jnp.bfloat16)
+    o, lse, new_pool, v_pool = backend.forward(q, k, None, pool, None, MLA_LAYER, meta, return_lse=True)
+    assert v_pool is None and o.shape == (8, 16, 512)
+    np.testing.assert_array_equal(np.asarray(new_pool[100:108, 0], np.float32), np.asarray(k, np.float32))
+    (wrapper, got_q, got_pool, v_head_dim, kwargs), = calls
+    assert wrapper is backend._wrappers[(ForwardMode.EXTEND, backend.layer_kind(MLA_LAYER))]
+    assert got_q.shape == (8, 16, 576) and got_pool is new_pool and v_head_dim == 512 and kwargs == dict(page_size=1)
+    np.testing.assert_array_equal(np.asarray(o[7]), 0)  # 7 real tokens: the padding row is zeroed
+    with pytest.raises(NotImplementedError, match="no separate V pool"):
+        backend.forward(q, k, k[:, None, :512], pool, pool[..., :512], MLA_LAYER, meta)
+    plain = AttentionLayer(1, 4, 2, 64)
+    with pytest.raises(NotImplementedError, match="layer 1: .*2 kv heads of 64/64 and v_pool None"):
+        backend.forward(q, None, None, pool, None, plain, meta)

@@ -255,6 +255,60 @@ def sink_variant_args(sinks, sm_scale: float, k_scale=None) -> tuple:
     return jnp.asarray(sinks, jnp.float32), float(sm_scale) * (1.0 if k_scale is None else float(k_scale))
 
 
+# FlashInfer's MLA wrapper (`BatchMLAPagedAttentionWrapper`) takes DeepSeek's absorbed shape: one latent kv head of
+# 576 dims, the first 512 the compressed KV (V; `ckv`), the last 64 its rope part (`kpe`).
+FLASHINFER_MLA_HEAD_DIMS = (576, 512)
+
+
+def _mla_shape(kv_heads: int, head_dim: int, dv: int) -> bool:
+    return kv_heads == 1 and (head_dim, dv) == FLASHINFER_MLA_HEAD_DIMS
+
+
+def is_flashinfer_mla(layer: AttentionLayer) -> bool:
+    """Whether FlashInferBackend runs `layer` on FlashInfer's MLA wrapper (its pool is then latent: v_pool None)."""
+    return _mla_shape(layer.kv_heads, layer.head_dim, layer.dv)
+
+
+def _mla_kind(kind) -> bool:  # a FlashInferBackend.layer_kind of an MLA layer (`is_flashinfer_mla`)
+    _, _, _, _, _, kv_heads, head_dim, dv, _ = kind
+    return _mla_shape(kv_heads, head_dim, dv)
+
+
+def _check_mla_layer(layer: AttentionLayer, mode: ForwardMode, kv_dtype) -> None:
+    """NotImplementedError naming what FlashInfer's MLA wrapper cannot take (it is causal attention, nothing more)."""
+    refused = {"sliding window": layer.sliding_window >= 0, "soft cap": layer.logit_cap > 0, "sinks": layer.has_sinks,
+               "cross attention": layer.is_cross_attention, "custom (tree) mask": mode == ForwardMode.TARGET_VERIFY,
+               "fp8 pool": is_fp8(kv_dtype)}
+    for what, present in refused.items():
+        if present:
+            raise NotImplementedError(f"layer {layer.layer_id}: FlashInfer's MLA wrapper takes no {what}; use "
+                                      "TritonBackend for this MLA layer")
+
+
+def bridged_mla_run(wrapper, q, latent_pool, v_head_dim: int, *, has_side_effect=False, page_size: int = 1):
+    """Runs a planned `BatchMLAPagedAttentionWrapper` on JAX arrays, as `bridged_run` runs the other wrappers.
+
+    q [T, q_heads, qk_dim] goes in as its latent part q[..., :v_head_dim] and its rope part (two copies, the
+    wrapper's q_nope / q_pe); latent_pool [slots, 1, qk_dim] as pages [slots // P, P, qk_dim] whose first v_head_dim
+    dims are the wrapper's ckv cache and the rest its kpe cache (strided views of the pool, no copy).
+    Returns (o [T, q_heads, v_head_dim], base-2 lse f32[T, q_heads]).
+    """
+    import torch
+    from jax.experimental.buffer_callback import buffer_callback
+
+    def run(ctx, outputs, nope_buf, pe_buf, pool_buf):
+        out_buf, lse_buf = outputs
+        with torch.cuda.stream(_torch_stream(torch, ctx.stream)):
+            pages = paged_pool_view(_torch_view(pool_buf), page_size)[:, :, 0]  # [pages, P, qk_dim]: one kv head
+            wrapper.run(_torch_view(nope_buf), _torch_view(pe_buf), pages[..., :v_head_dim], pages[..., v_head_dim:],
+                        out=_torch_view(out_buf), lse=_torch_view(lse_buf), return_lse=True)
+
+    out_shape = (jax.ShapeDtypeStruct((q.shape[0], q.shape[1], v_head_dim), q.dtype),
+                 jax.ShapeDtypeStruct((q.shape[0], q.shape[1]), jnp.float32))
+    return buffer_callback(run, out_shape, has_side_effect=has_side_effect)(
+        q[..., :v_head_dim], q[..., v_head_dim:], latent_pool)
+
+
 def token_valid(batch: ForwardBatch) -> np.ndarray:
     """bool[T]: tokens that belong to a real sequence (others are padding and get zero output)."""
     if batch.mode == ForwardMode.DECODE:
@@ -281,7 +335,9 @@ class FlashInferBackend:
     in place each step; their identity is static, so the jitted step is traced once. Layers with attention sinks
     (`AttentionLayer(has_sinks=True)`) run FlashInfer's sink-aware wrapper (`BatchAttentionWithAttentionSinkWrapper`,
     its paged prefill with an "AttentionSink" variant, also for decode steps: one query row per sequence); it takes
-    no soft cap and no custom mask.
+    no soft cap and no custom mask. MLA layers of DeepSeek's shape (`is_flashinfer_mla`: one 576/512 latent kv head,
+    a latent pool) run FlashInfer's MLA wrapper (`BatchMLAPagedAttentionWrapper`, causal; no window, soft cap, sinks,
+    custom mask or fp8 pool), through the bridge in either launch mode.
     """
 
     name = "flashinfer"
@@ -305,7 +361,10 @@ class FlashInferBackend:
         key = (mode, kind)
         window, _, _, _, q_heads, kv_heads, head_dim, dv, sinks = kind
         fi = self.flashinfer
-        if sinks:  # built for its dtypes, head dims and window (FlashInfer JIT-compiles the variant for them)
+        if _mla_kind(kind):
+            if key not in self._wrappers:
+                self._wrappers[key] = fi.BatchMLAPagedAttentionWrapper(self.workspace, backend="auto")
+        elif sinks:  # built for its dtypes, head dims and window (FlashInfer JIT-compiles the variant for them)
             if self._sink_dtypes.get(key) != (q_t, kv_t):
                 self._wrappers[key] = fi.BatchAttentionWithAttentionSinkWrapper(
                     self.workspace, "NHD", backend="auto", q_data_type=q_t, kv_data_type=kv_t, head_dim_qk=head_dim,
@@ -334,6 +393,8 @@ class FlashInferBackend:
         if batch.mode == ForwardMode.IDLE:
             return FlashInferMetadata(batch.out_cache_loc, valid, batch.mode, batch.num_tokens, page_size)
         for layer in layers:
+            if is_flashinfer_mla(layer):
+                _check_mla_layer(layer, batch.mode, kv_dtype)
             if layer.has_sinks and layer.logit_cap > 0:
                 raise NotImplementedError(f"layer {layer.layer_id}: FlashInfer's sink-aware wrapper takes no soft cap; "
                                           "use TritonBackend for layers with sinks and a soft cap")
@@ -345,12 +406,19 @@ class FlashInferBackend:
         for kind in dict.fromkeys(self.layer_kind(layer) for layer in layers):
             window, cross, cap, scale, q_heads, kv_heads, head_dim, dv, sinks = kind
             args = plan_arguments(batch, req_to_token, sliding_window=window, cross_attention=cross)
-            if sinks and batch.mode == ForwardMode.DECODE:  # a prefill wrapper: one query row per sequence
+            mla = _mla_kind(kind)
+            if (sinks or mla) and batch.mode == ForwardMode.DECODE:  # a prefill-style plan: one query row per sequence
                 args["qo_indptr"] = np.arange(len(args["kv_last_page_len"]) + 1, dtype=np.int32)
+            if mla:  # the MLA wrapper takes each sequence's key count instead of its last page's
+                pages = np.diff(args["kv_indptr"])
+                args["kv_len"] = ((pages - 1) * page_size + args.pop("kv_last_page_len")).astype(np.int32)
             dev = {k: torch.from_numpy(v).cuda() for k, v in args.items()}
             wrapper = self._wrapper(batch.mode, kind, q_t, kv_t)
             common = dict(logits_soft_cap=cap if cap > 0 else None, sm_scale=scale, q_data_type=q_t, kv_data_type=kv_t)
-            if batch.mode == ForwardMode.DECODE and not sinks:
+            if mla:  # causal: a query sees its sequence's keys up to its own position (one query: all of them)
+                wrapper.plan(dev["qo_indptr"], dev["kv_indptr"], dev["kv_indices"], dev["kv_len"], q_heads, dv,
+                             head_dim - dv, page_size, True, scale, q_t, kv_t)
+            elif batch.mode == ForwardMode.DECODE and not sinks:
                 wrapper.plan(dev["kv_indptr"], dev["kv_indices"], dev["kv_last_page_len"], q_heads, kv_heads, head_dim,
                              page_size, window_left=window, **common)
             else:
@@ -368,22 +436,29 @@ class FlashInferBackend:
                              f"{layer.has_sinks}, sinks {'given' if sinks is not None else 'None'}")
         if layer.xai_temperature_len > 0:
             raise NotImplementedError("FlashInfer has no xai temperature: use TritonBackend")
-        if v_pool is None:
-            raise NotImplementedError("latent (MLA) pools (v_pool None): FlashInfer's MLA wrapper is not wired; use "
-                                      "TritonBackend or ReferenceBackend")
+        mla = is_flashinfer_mla(layer)
+        if mla != (v_pool is None):
+            raise NotImplementedError(
+                f"layer {layer.layer_id}: FlashInferBackend runs latent pools (v_pool None) on FlashInfer's MLA wrapper, "
+                f"which takes one {FLASHINFER_MLA_HEAD_DIMS[0]}/{FLASHINFER_MLA_HEAD_DIMS[1]} kv head and no separate "
+                f"V pool; this layer has {layer.kv_heads} kv heads of {layer.head_dim}/{layer.dv} and v_pool "
+                f"{'None' if v_pool is None else 'given'} (TritonBackend and ReferenceBackend take both)")
         q = split_heads(q, layer.q_heads, layer.head_dim, "q")
         if meta.mode == ForwardMode.IDLE:
             out = jnp.zeros((q.shape[0], layer.q_heads, layer.dv), q.dtype)
             return (out, jnp.full(out.shape[:2], -jnp.inf), k_pool, v_pool) if return_lse else (out, k_pool, v_pool)
         if save_kv and k is not None:
             k = split_heads(k, layer.kv_heads, layer.head_dim, "k")
-            v = split_heads(v, layer.kv_heads, layer.dv, "v")
+            v = None if mla else split_heads(v, layer.kv_heads, layer.dv, "v")  # a latent pool: V is part of K
             k_pool, v_pool = write_kv(k_pool, v_pool, meta.out_cache_loc, k, v, k_scale=layer.k_scale, v_scale=layer.v_scale)
         key = (meta.mode, self.layer_kind(layer))
         if key not in self._wrappers:
             raise ValueError(f"layer {layer.layer_id} was not planned: pass it to FlashInferBackend.plan(batch, req_to_token, layers)")
         if k_pool.shape[0] % meta.page_size:
             raise ValueError(f"k_pool's {k_pool.shape[0]} rows are not a multiple of the planned page_size {meta.page_size}")
+        if mla:
+            o, lse2 = bridged_mla_run(self._wrappers[key], q, k_pool, layer.dv, page_size=meta.page_size)
+            return self._finish(o, lse2, q.dtype, meta, return_lse, k_pool, v_pool)
         scales = layer.pool_scales(k_pool, v_pool)  # a 16-bit pool holds the values themselves: no scales
         variant = ()
         if sinks is not None:
@@ -392,7 +467,12 @@ class FlashInferBackend:
         run = bridged_run if self._ffi is None else self._ffi.run
         o, lse2 = run(self._wrappers[key], q, k_pool, v_pool, layer.dv, page_size=meta.page_size, variant_args=variant,
                       **scales)
-        o = jnp.where(meta.token_valid[:, None, None], o, 0).astype(q.dtype)
+        return self._finish(o, lse2, q.dtype, meta, return_lse, k_pool, v_pool)
+
+    @staticmethod
+    def _finish(o, lse2, dtype, meta: FlashInferMetadata, return_lse: bool, k_pool, v_pool):
+        """forward's results: padding tokens' rows zeroed (LSE -inf), the LSE in natural log."""
+        o = jnp.where(meta.token_valid[:, None, None], o, 0).astype(dtype)
         lse2 = jnp.where(meta.token_valid[:, None], lse2, -jnp.inf)
         if return_lse:
             return o, lse2 * LN2, k_pool, v_pool

@@ -58,14 +58,12 @@ def choose_launch(requested: str | None = None, *, available: bool | None = None
     than the bridge at D1-D3 (records 2026-12-03_h200_flashinfer_ffi_11e9d5a.*). Asking for "ffi" without the wheel
     raises ImportError naming it."""
     requested = requested or os.environ.get(LAUNCH_ENV) or "bridge"
-    if available is None:
-        available = ffi_available()
     if requested == "auto":
         return "bridge"
     if requested not in LAUNCHES:
         raise ValueError(f"FlashInfer launch {requested!r}: expected one of {LAUNCHES} or 'auto' "
                          f"(from the argument or ${LAUNCH_ENV})")
-    if requested == "ffi" and not available:
+    if requested == "ffi" and not (ffi_available() if available is None else available):  # imported only if asked
         raise ImportError("the FlashInfer FFI launch needs jax-tvm-ffi (pip install 'jaxattn[flashinfer-ffi]': "
                           "jax-tvm-ffi 0.1.3 with apache-tvm-ffi); launch='bridge' runs FlashInfer through "
                           "jax.experimental.buffer_callback instead")

@@ -404,6 +404,50 @@ def test_flashinfer_mla_wrapper_agrees_with_reference_backend(rng, name, page_si
     np.testing.assert_allclose(np.float32(got), np.float32(want), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and flashinfer")
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND])
+def test_deterministic_flashinfer_is_batch_invariant(rng, mode):
+    """deterministic=True: one sequence long enough to be split (several fixed splits) gives the same bits whatever
+    it is batched with (other sequences, its place in the batch, the batch size)."""
+    from jaxattn.flashinfer_backend import FlashInferBackend
+
+    hq, hkv, d, context, new = 8, 2, 128, 10240, 48
+    rows_total = 4
+    num_slots = rows_total * context + 1
+    req_to_token = (np.arange(rows_total * context).reshape(rows_total, context) + 1).astype(np.int32)
+    req_to_token = req_to_token[:, rng.permutation(context)]  # scattered slots within each row
+    layer = AttentionLayer(0, hq, hkv, d)
+    k_pool, v_pool = (jnp.asarray(rng.standard_normal((num_slots, hkv, d)), jnp.bfloat16) for _ in range(2))
+    length = 9000  # row 0's sequence: 5 decode splits of 2048 keys, 3 prefill splits of 4096
+    q_rows = 1 if mode == ForwardMode.DECODE else new
+    q_seq = jnp.asarray(rng.standard_normal((q_rows, hq, d)), jnp.bfloat16)
+    backend = FlashInferBackend(deterministic=True)
+    step = jax.jit(lambda q, kb, vb, m: backend.forward(q, None, None, kb, vb, layer, m, save_kv=False))
+
+    def run(rows, seq_lens, place):
+        """Row 0's sequence at index `place` among sequences of request rows `rows` and lengths `seq_lens`."""
+        extend_lens = [1 if mode == ForwardMode.DECODE else min(new, s) for s in seq_lens]
+        tokens = sum(extend_lens)
+        q = jnp.asarray(rng.standard_normal((tokens, hq, d)), jnp.bfloat16)
+        first = sum(extend_lens[:place])
+        q = q.at[first : first + q_rows].set(q_seq)
+        batch = ForwardBatch(
+            req_pool_indices=jnp.asarray(rows, jnp.int32), seq_lens=jnp.asarray(seq_lens, jnp.int32),
+            extend_lens=jnp.asarray(extend_lens, jnp.int32), out_cache_loc=jnp.zeros(tokens, jnp.int32),
+            positions=jnp.zeros(tokens, jnp.int32), mode=mode, max_extend_len=new, kv_capacity=sum(seq_lens),
+            max_seq_len=context)
+        meta = backend.plan(batch, req_to_token, [layer])
+        return np.float32(step(q, k_pool, v_pool, meta)[0][first : first + q_rows])
+
+    alone = run([0], [length], 0)
+    batched = run([2, 0, 1], [3000, length, 9999], 1)
+    bigger = run([3, 1, 2, 0], [100, 7000, 5000, length], 3)
+    np.testing.assert_array_equal(batched, alone)
+    np.testing.assert_array_equal(bigger, alone)
+    assert np.all(np.isfinite(alone)) and np.any(alone != 0)
+
+
 # ---------------------------------------------------------------------------------------------
 # FlashInferBackend's planning and argument handling on CPU, with stand-ins for torch and flashinfer.
 
@@ -416,6 +460,22 @@ class _HostTensor:
 
     def cuda(self):
         return self
+
+
+class _TorchDtype:
+    """A stand-in torch dtype: equal to its name, but not a dtype JAX reads (jnp.dtype raises on it, as on torch's)."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __eq__(self, other):
+        return other == self.name if isinstance(other, str) else other is self
+
+    def __hash__(self):
+        return hash(self.name)
+
+    def __repr__(self):
+        return f"torch.{self.name}"
 
 
 class _RecordingWrapper:
@@ -434,8 +494,8 @@ def stand_in_flashinfer(monkeypatch):
     from types import SimpleNamespace
     import sys
 
-    torch = SimpleNamespace(uint8="uint8", bfloat16="bfloat16", float16="float16", float8_e4m3fn="float8_e4m3fn",
-                            float8_e5m2="float8_e5m2", empty=lambda *a, **k: "workspace", from_numpy=_HostTensor,
+    dtypes = {name: _TorchDtype(name) for name in ("uint8", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")}
+    torch = SimpleNamespace(**dtypes, empty=lambda *a, **k: "workspace", from_numpy=_HostTensor,
                             cuda=SimpleNamespace(synchronize=lambda: None))
     kinds = ("BatchAttentionWithAttentionSinkWrapper", "BatchDecodeWithPagedKVCacheWrapper",
              "BatchPrefillWithPagedKVCacheWrapper", "BatchMLAPagedAttentionWrapper")
@@ -587,3 +647,28 @@ def test_mla_forward_writes_the_latent_pool_and_runs_the_mla_wrapper(rng, stand_
     plain = AttentionLayer(1, 4, 2, 64)
     with pytest.raises(NotImplementedError, match="layer 1: .*2 kv heads of 64/64 and v_pool None"):
         backend.forward(q, None, None, pool, None, plain, meta)
+
+
+def test_deterministic_mode_plans_fixed_splits_and_tensor_core_decode(rng, stand_in_flashinfer):
+    backend_type = type(stand_in_flashinfer)
+    with pytest.raises(ValueError, match="deterministic=True needs tensor-core decode"):
+        backend_type(launch="bridge", deterministic=True, use_tensor_cores=False)
+    layers = [AttentionLayer(0, 4, 4, 64), AttentionLayer(1, 4, 4, 64, has_sinks=True)]  # MHA: no tensor cores by rule
+    for page_size in (1, 16):
+        backend = backend_type(launch="bridge", deterministic=True)
+        for mode, seq_lens, extend_lens, split in ((ForwardMode.DECODE, [70, 9, 1, 32], [1, 1, 1, 1], 2048),
+                                                   (ForwardMode.EXTEND, [70, 9, 1, 32], [11, 9, 1, 16], 4096)):
+            batch, table = paged_batch(rng, mode, seq_lens, extend_lens, page_size)
+            backend.plan(batch, table, layers)
+            plain, sinks = (backend._wrappers[(mode, backend.layer_kind(layer))] for layer in layers)
+            if mode == ForwardMode.DECODE:
+                assert plain.kind == "BatchDecodeWithPagedKVCacheWrapper" and plain.kwargs["use_tensor_cores"] is True
+            assert plain.plans[-1][1]["fixed_split_size"] == split // page_size
+            assert sinks.plans[-1][1]["fixed_split_size"] == 4096 // page_size  # a prefill plan, also for decode
+    plain = backend_type(launch="bridge")
+    batch, r2t = make_batch(rng, ForwardMode.DECODE, [5, 17], [1, 1], 2)
+    plain.plan(batch, r2t, layers[:1])
+    (wrapper,) = plain._wrappers.values()
+    assert "fixed_split_size" not in wrapper.plans[-1][1] and wrapper.kwargs["use_tensor_cores"] is False
+    with pytest.raises(NotImplementedError, match="MLA wrapper has no fixed split size"):
+        backend_type(launch="bridge", deterministic=True).plan(batch, r2t, [MLA_LAYER])

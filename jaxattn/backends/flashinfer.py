@@ -255,6 +255,14 @@ def sink_variant_args(sinks, sm_scale: float, k_scale=None) -> tuple:
     return jnp.asarray(sinks, jnp.float32), float(sm_scale) * (1.0 if k_scale is None else float(k_scale))
 
 
+# Deterministic mode (`FlashInferBackend(deterministic=True)`), as SGLang's FlashInfer backend runs it: FA2's split-KV
+# at a fixed split size (in tokens here; FlashInfer counts pages), so a sequence's partials and their merge do not
+# depend on the rest of the batch (SGLANG_FLASHINFER_{PREFILL,DECODE}_SPLIT_TILE_SIZE's defaults), and tensor-core
+# decode (FlashInfer's fixed split size is implemented there only, flashinfer 0.6.0 decode.py plan()).
+DETERMINISTIC_PREFILL_SPLIT_TOKENS = 4096
+DETERMINISTIC_DECODE_SPLIT_TOKENS = 2048
+
+
 # FlashInfer's MLA wrapper (`BatchMLAPagedAttentionWrapper`) takes DeepSeek's absorbed shape: one latent kv head of
 # 576 dims, the first 512 the compressed KV (V; `ckv`), the last 64 its rope part (`kpe`).
 FLASHINFER_MLA_HEAD_DIMS = (576, 512)
@@ -338,12 +346,22 @@ class FlashInferBackend:
     no soft cap and no custom mask. MLA layers of DeepSeek's shape (`is_flashinfer_mla`: one 576/512 latent kv head,
     a latent pool) run FlashInfer's MLA wrapper (`BatchMLAPagedAttentionWrapper`, causal; no window, soft cap, sinks,
     custom mask or fp8 pool), through the bridge in either launch mode.
+
+    deterministic: batch-invariant outputs as SGLang's deterministic inference gets them from FlashInfer: every plan
+    takes a fixed split size (`DETERMINISTIC_PREFILL_SPLIT_TOKENS` / `DETERMINISTIC_DECODE_SPLIT_TOKENS`, in pages of
+    the plan's page size) and decode runs on tensor cores (use_tensor_cores=False is refused); MLA layers are refused
+    (FlashInfer's MLA wrapper has no fixed split size).
     """
 
     name = "flashinfer"
 
-    def __init__(self, workspace_bytes: int = 384 << 20, use_tensor_cores: bool | None = None, launch: str | None = None):
+    def __init__(self, workspace_bytes: int = 384 << 20, use_tensor_cores: bool | None = None, launch: str | None = None,
+                 deterministic: bool = False):
+        if deterministic and use_tensor_cores is False:
+            raise ValueError("deterministic=True needs tensor-core decode (FlashInfer's fixed split size is implemented "
+                             "there only): leave use_tensor_cores None or True")
         self.torch, self.flashinfer = _require_flashinfer()
+        self.deterministic = deterministic
         self.launch = choose_launch(launch)  # "ffi" | "bridge"
         self._ffi = FfiLauncher() if self.launch == "ffi" else None
         self.workspace = self.torch.empty(workspace_bytes, dtype=self.torch.uint8, device="cuda")
@@ -357,7 +375,9 @@ class FlashInferBackend:
         return (layer.sliding_window, layer.is_cross_attention, layer.logit_cap, layer.scale, layer.q_heads, layer.kv_heads,
                 layer.head_dim, layer.dv, layer.has_sinks)
 
-    def _wrapper(self, mode: ForwardMode, kind, q_t, kv_t):
+    def _wrapper(self, mode: ForwardMode, kind, kv_dtype, q_t, kv_t):
+        """The wrapper of a layer kind for this mode, built when missing: kv_dtype the pool's (JAX) dtype, q_t / kv_t
+        the torch dtypes of q and the pool."""
         key = (mode, kind)
         window, _, _, _, q_heads, kv_heads, head_dim, dv, sinks = kind
         fi = self.flashinfer
@@ -374,7 +394,7 @@ class FlashInferBackend:
             if mode == ForwardMode.DECODE:
                 tc = self.use_tensor_cores
                 if tc is None:
-                    tc = should_use_tensor_cores(kv_t, q_heads, kv_heads)
+                    tc = self.deterministic or should_use_tensor_cores(kv_dtype, q_heads, kv_heads)
                 self._wrappers[key] = fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=tc)
             else:
                 self._wrappers[key] = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="auto")
@@ -395,6 +415,9 @@ class FlashInferBackend:
         for layer in layers:
             if is_flashinfer_mla(layer):
                 _check_mla_layer(layer, batch.mode, kv_dtype)
+                if self.deterministic:
+                    raise NotImplementedError(f"layer {layer.layer_id}: FlashInfer's MLA wrapper has no fixed split size "
+                                              "(deterministic=True); use TritonBackend's deterministic mode for MLA")
             if layer.has_sinks and layer.logit_cap > 0:
                 raise NotImplementedError(f"layer {layer.layer_id}: FlashInfer's sink-aware wrapper takes no soft cap; "
                                           "use TritonBackend for layers with sinks and a soft cap")
@@ -413,8 +436,12 @@ class FlashInferBackend:
                 pages = np.diff(args["kv_indptr"])
                 args["kv_len"] = ((pages - 1) * page_size + args.pop("kv_last_page_len")).astype(np.int32)
             dev = {k: torch.from_numpy(v).cuda() for k, v in args.items()}
-            wrapper = self._wrapper(batch.mode, kind, q_t, kv_t)
+            wrapper = self._wrapper(batch.mode, kind, kv_dtype, q_t, kv_t)
             common = dict(logits_soft_cap=cap if cap > 0 else None, sm_scale=scale, q_data_type=q_t, kv_data_type=kv_t)
+            if self.deterministic:
+                split_tokens = DETERMINISTIC_DECODE_SPLIT_TOKENS if batch.mode == ForwardMode.DECODE and not sinks \
+                    else DETERMINISTIC_PREFILL_SPLIT_TOKENS
+                common["fixed_split_size"] = max(split_tokens // page_size, 1)
             if mla:  # causal: a query sees its sequence's keys up to its own position (one query: all of them)
                 wrapper.plan(dev["qo_indptr"], dev["kv_indptr"], dev["kv_indices"], dev["kv_len"], q_heads, dv,
                              head_dim - dv, page_size, True, scale, q_t, kv_t)

@@ -567,6 +567,7 @@ def test_forward_passes_sinks_and_only_an_fp8_pools_scales(rng, stand_in_flashin
         backend.forward(q, None, None, *pools, layers[0], meta, sinks=sinks, save_kv=False)
         backend.forward(q, None, None, *pools, layers[1], meta, save_kv=False)
     bf16_sinks, bf16_plain, fp8_sinks, fp8_plain = calls
+    assert all(kwargs.pop("planned_rows")() == 7 for kwargs in calls)  # 4 + 3 new tokens of 8 rows
     # A 16-bit pool holds the values themselves: FlashInfer gets no scales for it (write_kv ignores them too).
     assert "k_scale" not in bf16_plain and "v_scale" not in bf16_plain and bf16_plain["variant_args"] == ()
     assert fp8_plain["k_scale"] == 0.5 and fp8_plain["v_scale"] is None
@@ -575,7 +576,7 @@ def test_forward_passes_sinks_and_only_an_fp8_pools_scales(rng, stand_in_flashin
         got_sinks, got_scale = kwargs["variant_args"]
         np.testing.assert_array_equal(got_sinks, sinks)
         assert got_sinks.dtype == jnp.float32 and got_scale == pytest.approx(sm_scale)
-    assert fp8_sinks["v_scale"] == 2.0
+    assert fp8_sinks["v_scale"] == 2.0 and "k_scale" not in fp8_sinks  # folded into the variant's scale only
     with pytest.raises(ValueError, match="layer 1: sinks are given exactly for layers planned with them"):
         backend.forward(q, None, None, *pools, layers[1], meta, sinks=sinks, save_kv=False)
     with pytest.raises(ValueError, match="has_sinks is True, sinks None"):
@@ -640,7 +641,8 @@ def test_mla_forward_writes_the_latent_pool_and_runs_the_mla_wrapper(rng, stand_
     np.testing.assert_array_equal(np.asarray(new_pool[100:108, 0], np.float32), np.asarray(k, np.float32))
     (wrapper, got_q, got_pool, v_head_dim, kwargs), = calls
     assert wrapper is backend._wrappers[(ForwardMode.EXTEND, backend.layer_kind(MLA_LAYER))]
-    assert got_q.shape == (8, 16, 576) and got_pool is new_pool and v_head_dim == 512 and kwargs == dict(page_size=1)
+    assert got_q.shape == (8, 16, 576) and got_pool is new_pool and v_head_dim == 512
+    assert kwargs.pop("planned_rows")() == 7 and kwargs == dict(page_size=1)  # FlashInfer gets the 7 planned rows
     np.testing.assert_array_equal(np.asarray(o[7]), 0)  # 7 real tokens: the padding row is zeroed
     with pytest.raises(NotImplementedError, match="no separate V pool"):
         backend.forward(q, k, k[:, None, :512], pool, pool[..., :512], MLA_LAYER, meta)

@@ -214,7 +214,7 @@ def paged_pool_view(pool, page_size: int):
 
 
 def bridged_run(wrapper, q, k_pool, v_pool, v_head_dim: int, *, k_scale=None, v_scale=None, has_side_effect=False,
-                page_size: int = 1, variant_args: tuple = ()):
+                page_size: int = 1, variant_args: tuple = (), planned_rows=None):
     """Runs a planned FlashInfer wrapper on JAX arrays, inside or outside jit, with no copies.
 
     `jax.experimental.buffer_callback` hands the callback XLA's device buffers and stream; torch sees them
@@ -225,6 +225,9 @@ def bridged_run(wrapper, q, k_pool, v_pool, v_head_dim: int, *, k_scale=None, v_
     variant_args: the extra arguments of a wrapper built for a FlashInfer attention variant, in its order, passed to
       run() after the KV cache (the sink wrapper's (sinks f32[q_heads], sm_scale): `sink_variant_args`); JAX arrays
       among them go in as views like q, the others as they are.
+    planned_rows: None, or a function called at each launch giving the query rows the wrapper's current plan covers
+      (its qo_indptr[-1]); q, out and lse then go in as their first that many rows (flashinfer 0.7 refuses a q with
+      more rows than planned; a bucket's padding rows past them are left unwritten, as the kernels leave them).
     """
     import torch
     from jax.experimental.buffer_callback import buffer_callback
@@ -238,8 +241,9 @@ def bridged_run(wrapper, q, k_pool, v_pool, v_head_dim: int, *, k_scale=None, v_
             cache = (paged_pool_view(_torch_view(k_buf), page_size), paged_pool_view(_torch_view(v_buf), page_size))
             views = iter([_torch_view(b) for b in array_bufs])
             extra = [next(views) if array else a for a, array in zip(variant_args, is_array)]
-            wrapper.run(_torch_view(q_buf), cache, *extra, out=_torch_view(out_buf), lse=_torch_view(lse_buf),
-                        return_lse=True, k_scale=k_scale, v_scale=v_scale)
+            rows = slice(None) if planned_rows is None else slice(planned_rows())
+            wrapper.run(_torch_view(q_buf)[rows], cache, *extra, out=_torch_view(out_buf)[rows],
+                        lse=_torch_view(lse_buf)[rows], return_lse=True, k_scale=k_scale, v_scale=v_scale)
 
     out_shape = (jax.ShapeDtypeStruct((q.shape[0], q.shape[1], v_head_dim), q.dtype),
                  jax.ShapeDtypeStruct((q.shape[0], q.shape[1]), jnp.float32))
@@ -249,9 +253,9 @@ def bridged_run(wrapper, q, k_pool, v_pool, v_head_dim: int, *, k_scale=None, v_
 def sink_variant_args(sinks, sm_scale: float, k_scale=None) -> tuple:
     """The run() arguments of FlashInfer's sink-aware wrapper (`BatchAttentionWithAttentionSinkWrapper`, flashinfer
     0.6.0 attention.py; its "AttentionSink" variant, jit/attention/variants.py): (sinks f32[q_heads], sm_scale).
-    The variant reads its softmax scale from these arguments, not from run()'s k_scale folding, so an fp8 pool's
-    k_scale (a float) is folded in here. Its sinks are natural-log logits joining the denominator (and the LSE),
-    as jaxattn's."""
+    The variant reads its softmax scale from these arguments, so an fp8 pool's k_scale (a float) is folded in here
+    and must not also go to run() (0.6.0's run() folds it into a scale the variant ignores; 0.7's sink wrapper folds
+    it into this one). Its sinks are natural-log logits joining the denominator (and the LSE), as jaxattn's."""
     return jnp.asarray(sinks, jnp.float32), float(sm_scale) * (1.0 if k_scale is None else float(k_scale))
 
 
@@ -293,13 +297,14 @@ def _check_mla_layer(layer: AttentionLayer, mode: ForwardMode, kv_dtype) -> None
                                       "TritonBackend for this MLA layer")
 
 
-def bridged_mla_run(wrapper, q, latent_pool, v_head_dim: int, *, has_side_effect=False, page_size: int = 1):
+def bridged_mla_run(wrapper, q, latent_pool, v_head_dim: int, *, has_side_effect=False, page_size: int = 1,
+                    planned_rows=None):
     """Runs a planned `BatchMLAPagedAttentionWrapper` on JAX arrays, as `bridged_run` runs the other wrappers.
 
     q [T, q_heads, qk_dim] goes in as its latent part q[..., :v_head_dim] and its rope part (two copies, the
     wrapper's q_nope / q_pe); latent_pool [slots, 1, qk_dim] as pages [slots // P, P, qk_dim] whose first v_head_dim
     dims are the wrapper's ckv cache and the rest its kpe cache (strided views of the pool, no copy).
-    Returns (o [T, q_heads, v_head_dim], base-2 lse f32[T, q_heads]).
+    Returns (o [T, q_heads, v_head_dim], base-2 lse f32[T, q_heads]). planned_rows: as `bridged_run`'s.
     """
     import torch
     from jax.experimental.buffer_callback import buffer_callback
@@ -308,8 +313,10 @@ def bridged_mla_run(wrapper, q, latent_pool, v_head_dim: int, *, has_side_effect
         out_buf, lse_buf = outputs
         with torch.cuda.stream(_torch_stream(torch, ctx.stream)):
             pages = paged_pool_view(_torch_view(pool_buf), page_size)[:, :, 0]  # [pages, P, qk_dim]: one kv head
-            wrapper.run(_torch_view(nope_buf), _torch_view(pe_buf), pages[..., :v_head_dim], pages[..., v_head_dim:],
-                        out=_torch_view(out_buf), lse=_torch_view(lse_buf), return_lse=True)
+            rows = slice(None) if planned_rows is None else slice(planned_rows())
+            wrapper.run(_torch_view(nope_buf)[rows], _torch_view(pe_buf)[rows], pages[..., :v_head_dim],
+                        pages[..., v_head_dim:], out=_torch_view(out_buf)[rows], lse=_torch_view(lse_buf)[rows],
+                        return_lse=True)
 
     out_shape = (jax.ShapeDtypeStruct((q.shape[0], q.shape[1], v_head_dim), q.dtype),
                  jax.ShapeDtypeStruct((q.shape[0], q.shape[1]), jnp.float32))
@@ -363,11 +370,12 @@ class FlashInferBackend:
         self.torch, self.flashinfer = _require_flashinfer()
         self.deterministic = deterministic
         self.launch = choose_launch(launch)  # "ffi" | "bridge"
-        self._ffi = FfiLauncher() if self.launch == "ffi" else None
+        self._ffi = FfiLauncher(flashinfer_version=self.flashinfer.__version__) if self.launch == "ffi" else None
         self.workspace = self.torch.empty(workspace_bytes, dtype=self.torch.uint8, device="cuda")
         self.use_tensor_cores = use_tensor_cores
         self._wrappers: dict = {}
         self._sink_dtypes: dict = {}  # (mode, kind) -> the (q, kv) torch dtypes its sink wrapper was built for
+        self._planned_rows: dict = {}  # (mode, kind) -> query rows its current plan covers (read at each launch)
         self._mode = None
 
     @staticmethod
@@ -437,6 +445,8 @@ class FlashInferBackend:
                 args["kv_len"] = ((pages - 1) * page_size + args.pop("kv_last_page_len")).astype(np.int32)
             dev = {k: torch.from_numpy(v).cuda() for k, v in args.items()}
             wrapper = self._wrapper(batch.mode, kind, kv_dtype, q_t, kv_t)
+            rows = args["qo_indptr"][-1] if "qo_indptr" in args else len(args["kv_last_page_len"])  # decode: one each
+            self._planned_rows[(batch.mode, kind)] = int(rows)
             common = dict(logits_soft_cap=cap if cap > 0 else None, sm_scale=scale, q_data_type=q_t, kv_data_type=kv_t)
             if self.deterministic:
                 split_tokens = DETERMINISTIC_DECODE_SPLIT_TOKENS if batch.mode == ForwardMode.DECODE and not sinks \
@@ -484,16 +494,20 @@ class FlashInferBackend:
         if k_pool.shape[0] % meta.page_size:
             raise ValueError(f"k_pool's {k_pool.shape[0]} rows are not a multiple of the planned page_size {meta.page_size}")
         if mla:
-            o, lse2 = bridged_mla_run(self._wrappers[key], q, k_pool, layer.dv, page_size=meta.page_size)
+            o, lse2 = bridged_mla_run(self._wrappers[key], q, k_pool, layer.dv, page_size=meta.page_size,
+                                      planned_rows=lambda: self._planned_rows[key])
             return self._finish(o, lse2, q.dtype, meta, return_lse, k_pool, v_pool)
         scales = layer.pool_scales(k_pool, v_pool)  # a 16-bit pool holds the values themselves: no scales
         variant = ()
         if sinks is not None:
             check_array("sinks", sinks, shape=(layer.q_heads,), dtypes=FLOAT_DTYPES, what="[q_heads]")
-            variant = sink_variant_args(sinks, layer.scale, scales.get("k_scale"))
-        run = bridged_run if self._ffi is None else self._ffi.run
-        o, lse2 = run(self._wrappers[key], q, k_pool, v_pool, layer.dv, page_size=meta.page_size, variant_args=variant,
-                      **scales)
+            variant = sink_variant_args(sinks, layer.scale, scales.pop("k_scale", None))  # folded there, not in run()
+        if self._ffi is None:
+            o, lse2 = bridged_run(self._wrappers[key], q, k_pool, v_pool, layer.dv, page_size=meta.page_size,
+                                  variant_args=variant, planned_rows=lambda: self._planned_rows[key], **scales)
+        else:
+            o, lse2 = self._ffi.run(self._wrappers[key], q, k_pool, v_pool, layer.dv, page_size=meta.page_size,
+                                    variant_args=variant, **scales)
         return self._finish(o, lse2, q.dtype, meta, return_lse, k_pool, v_pool)
 
     @staticmethod

@@ -36,6 +36,7 @@ import os
 import jax
 import jax.numpy as jnp
 
+FFI_FLASHINFER_VERSION = "0.6."  # the releases whose run() calls the FFI launch records and replays
 LAUNCH_ENV = "JAXATTN_FLASHINFER_LAUNCH"  # "ffi" | "bridge" (default; "auto" is "bridge")
 LAUNCHES = ("ffi", "bridge")
 
@@ -54,9 +55,11 @@ def choose_launch(requested: str | None = None, *, available: bool | None = None
     """The launch path, "ffi" or "bridge": `requested`, else $JAXATTN_FLASHINFER_LAUNCH, else "bridge".
 
     The FFI launch is opt-in, also where jax-tvm-ffi is installed: on the H200 (55e003d) its paged-prefill output had
-    non-zero padding rows in one of four GPU cases (not diagnosed), and it was no closer to torch-launched FlashInfer
-    than the bridge at D1-D3 (records 2026-12-03_h200_flashinfer_ffi_11e9d5a.*). Asking for "ffi" without the wheel
-    raises ImportError naming it."""
+    non-zero padding rows in one of four GPU cases, and it was no closer to torch-launched FlashInfer than the bridge
+    at D1-D3 (records 2026-12-03_h200_flashinfer_ffi_11e9d5a.*). Not diagnosed: flashinfer 0.6.0's fa2 and fa3
+    epilogues write no row past qo_indptr[-1] (prefill.cuh, hopper/epilogue.cuh), and the backend zeroes those rows
+    after the call, so the values came from outside the kernels (an ordering race between the launch's stream and
+    XLA's is the first suspect). Asking for "ffi" without the wheel raises ImportError naming it."""
     requested = requested or os.environ.get(LAUNCH_ENV) or "bridge"
     if requested == "auto":
         return "bridge"
@@ -234,9 +237,14 @@ class FfiLauncher:
     platform / placeholders: "gpu" and torch_placeholders; tests on CPU pass "cpu" and numpy placeholders.
     """
 
-    def __init__(self, platform: str = "gpu", placeholders=torch_placeholders):
+    def __init__(self, platform: str = "gpu", placeholders=torch_placeholders, flashinfer_version: str | None = None):
         if not ffi_available():
             choose_launch("ffi", available=False)  # raises the ImportError naming the wheel
+        if flashinfer_version is not None and not flashinfer_version.startswith(FFI_FLASHINFER_VERSION):
+            # 0.7 checks q's rows against the plan (the recorded placeholders have one) and its fa2 run() reads the
+            # cache's torch strides (tvm-ffi tensors have none): the recorded call does not replay there.
+            raise NotImplementedError(f"the FlashInfer FFI launch replays flashinfer {FFI_FLASHINFER_VERSION}x's run() "
+                                      f"calls; flashinfer {flashinfer_version} is installed: use launch='bridge'")
         self.platform = platform
         self.placeholders = placeholders
         self.runs: dict = {}

@@ -350,15 +350,15 @@ def extend_flashinfer(inp: Inputs, backend: str, through_jax: bool = False):
     )
     k, v = flashinfer_cache(inp, tv)
     q = tv["q"]
-    variant = ()
-    if case.sinks:
+    variant, run_scales = (), scales(inp)
+    if case.sinks:  # the variant's own sm_scale takes k_scale (`sink_variant_args`)
         from jaxattn.backends.flashinfer import sink_variant_args
 
-        variant = sink_variant_args(inp.sinks, 1.0 / float(np.sqrt(case.head_dim)), scales(inp).get("k_scale"))
+        variant = sink_variant_args(inp.sinks, 1.0 / float(np.sqrt(case.head_dim)), run_scales.pop("k_scale", None))
     if through_jax:
         return bridged(wrapper, inp, variant_args=variant)
     torch_variant = tuple(torch.from_dlpack(a) if hasattr(a, "__dlpack__") else a for a in variant)
-    return lambda: wrapper.run(q, (k, v), *torch_variant, **scales(inp))
+    return lambda: wrapper.run(q, (k, v), *torch_variant, **run_scales)
 
 
 def extend_cudnn(inp: Inputs):

@@ -60,8 +60,10 @@ class Buckets:
                     kv_capacity=self.kv_capacity, max_seq_len=self.max_seq_len)
 
 
-def make_backend(name: str, sliding_windows=()):
-    """reference | triton | flashinfer; TritonBackend gets trimmed lists for the model's windows."""
+def make_backend(name: str, sliding_windows=(), deterministic: bool = False):
+    """reference | triton | flashinfer; TritonBackend gets trimmed lists for the model's windows. deterministic:
+    batch-invariant outputs (TritonBackend's unified extend and length-only decode splits, FlashInfer's fixed split
+    sizes); the reference backend computes every sequence's attention without splits and takes it as it is."""
     if name == "reference":
         from jaxattn.backends import ReferenceBackend
 
@@ -69,11 +71,11 @@ def make_backend(name: str, sliding_windows=()):
     if name == "triton":
         from jaxattn.backends import TritonBackend
 
-        return TritonBackend(sliding_windows=tuple(sliding_windows))
+        return TritonBackend(sliding_windows=tuple(sliding_windows), deterministic=deterministic)
     if name == "flashinfer":
         from jaxattn.backends.flashinfer import FlashInferBackend
 
-        return FlashInferBackend()
+        return FlashInferBackend(deterministic=deterministic)
     raise SystemExit(f"unknown backend {name!r}")
 
 

@@ -86,6 +86,8 @@ def main(argv=None) -> int:
     parser.add_argument("--check", action="store_true", help="compare every generated token's logits with dense recomputation")
     parser.add_argument("--seed", type=int, default=0, help="for the random prompts used when none are given without a tokenizer")
     parser.add_argument("--json", default=None, help="write the run's record (tokens, rates) here")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="batch-invariant attention (the triton and flashinfer backends' deterministic modes)")
     args = parser.parse_args(argv)
 
     on_gpu = jax.default_backend() in ("gpu", "cuda")
@@ -94,7 +96,7 @@ def main(argv=None) -> int:
     config, params = load_hf_checkpoint(args.model, dtype)
     load_s = time.perf_counter() - t0
     backend_name = args.backend or ("triton" if on_gpu else "reference")
-    backend = make_backend(backend_name, config.sliding_windows)
+    backend = make_backend(backend_name, config.sliding_windows, deterministic=args.deterministic)
 
     tokenizer = None if (args.prompt_ids and not args.prompts) else load_tokenizer(args.model)
     if args.prompts and tokenizer is None:

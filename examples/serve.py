@@ -41,10 +41,13 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--page-size", type=int, default=1, choices=PAGE_SIZES,
                         help="KV page size: requests own whole pages; a prefix hit shares the whole pages of the prefix")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="batch-invariant attention (the triton and flashinfer backends' deterministic modes)")
     args = parser.parse_args(argv)
     on_gpu = jax.default_backend() in ("gpu", "cuda")
     backend_name = args.backend or ("triton" if on_gpu else "reference")
-    backend = make_backend(backend_name, sliding_windows=(CONFIG.sliding_window,))  # trimmed lists for the window layers
+    backend = make_backend(backend_name, sliding_windows=(CONFIG.sliding_window,),  # trimmed lists for the window layers
+                           deterministic=args.deterministic)
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
     config = dataclasses.replace(CONFIG, dtype=jnp.dtype(dtype).name)
     rng = np.random.default_rng(args.seed)

@@ -78,3 +78,13 @@ def test_compare_dry_run_serves_a_shrunk_real_shape_preset_in_float32(tmp_path, 
     with open(os.path.join(out["model"], "config.json")) as f:
         hf = json.load(f)
     assert hf["hidden_size"] == 2048 and hf["tie_word_embeddings"] and hf["rope_scaling"]["factor"] == 32.0
+
+
+def test_the_examples_deterministic_flag_reaches_the_backends():
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from batching import make_backend
+
+    triton = make_backend("triton", sliding_windows=(24,), deterministic=True)
+    assert triton.deterministic and triton.sliding_windows == (24,)
+    assert not make_backend("triton").deterministic
+    make_backend("reference", deterministic=True)  # no splits to fix: taken as it is

@@ -3,7 +3,8 @@
 #   installs the carried wheels and jaxattn, runs the GPU-marked tests, then the benchmark if asked,
 #   and writes logs and a summary under $OUT (default ./out).
 # Usage: bash scripts/gpu_check.sh [pytest -k expression]    (BENCH="decode extend" to also benchmark,
-#        STRESS=1000 to also run scripts/stress.py with that many batches per op (over STRESS_WORKERS processes),
+#        STRESS=1000 to also run scripts/stress.py with that many batches per op (over STRESS_WORKERS processes,
+#        with STRESS_ARGS added to its flags),
 #        SANITIZE=1 to run the hostile-input tests on compiled kernels under compute-sanitizer's memcheck, ALL=1 to run the whole suite
 #        except interpreter-only cases instead of `-m gpu`: backends, end-to-end, checked mode and properties then
 #        run on the compiled kernels too; with pytest-xdist among the carried wheels the tests run in 8 processes)
@@ -42,7 +43,9 @@ for op in ${BENCH:-}; do
 done
 # The reliability stress run (issue 8): STRESS=1000 runs that many random batches per op against the reference.
 if [ -n "${STRESS:-}" ]; then
-  python3 scripts/stress.py --batches "$STRESS" --workers "${STRESS_WORKERS:-1}" --json "$OUT/stress.json" 2>&1 | tee "$OUT/stress.log"
+  # shellcheck disable=SC2086  # STRESS_ARGS: more stress.py flags, word-split on purpose (e.g. "--ops extend --profiles pages")
+  python3 scripts/stress.py --batches "$STRESS" --workers "${STRESS_WORKERS:-1}" --json "$OUT/stress.json" ${STRESS_ARGS:-} \
+    2>&1 | tee "$OUT/stress.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 # Out-of-range metadata of every class on the compiled kernels, under compute-sanitizer (issue 21): 0 errors expected.

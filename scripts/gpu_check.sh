@@ -4,7 +4,8 @@
 #   and writes logs and a summary under $OUT (default ./out).
 # Usage: bash scripts/gpu_check.sh [pytest -k expression]    (BENCH="decode extend" to also benchmark,
 #        STRESS=1000 to also run scripts/stress.py with that many batches per op (over STRESS_WORKERS processes,
-#        with STRESS_ARGS added to its flags),
+#        with STRESS_ARGS added to its flags), BACKEND_STRESS=100 to run scripts/stress_backends.py (TritonBackend and
+#        FlashInferBackend against ReferenceBackend, that many random batches per profile),
 #        SANITIZE=1 to run the hostile-input tests on compiled kernels under compute-sanitizer's memcheck, ALL=1 to run the whole suite
 #        except interpreter-only cases instead of `-m gpu`: backends, end-to-end, checked mode and properties then
 #        run on the compiled kernels too; with pytest-xdist among the carried wheels the tests run in 8 processes)
@@ -47,6 +48,15 @@ if [ -n "${STRESS:-}" ]; then
   python3 scripts/stress.py --batches "$STRESS" --workers "${STRESS_WORKERS:-1}" --json "$OUT/stress.json" ${STRESS_ARGS:-} \
     2>&1 | tee "$OUT/stress.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+# The serving backends against ReferenceBackend on random batches: BACKEND_STRESS=100 runs that many per profile
+# (scripts/stress_backends.py) for TritonBackend and FlashInferBackend.
+if [ -n "${BACKEND_STRESS:-}" ]; then
+  for backend in triton flashinfer; do
+    python3 scripts/stress_backends.py --backend $backend --batches "$BACKEND_STRESS" --json "$OUT/stress_backends_$backend.json" \
+      2>&1 | tee "$OUT/stress_backends_$backend.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  done
 fi
 # Out-of-range metadata of every class on the compiled kernels, under compute-sanitizer (issue 21): 0 errors expected.
 if [ -n "${SANITIZE:-}" ]; then

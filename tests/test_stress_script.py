@@ -92,3 +92,33 @@ def test_profiles_filter_runs_only_the_profiles_it_names(tmp_path):
     assert record["results"]["extend"]["batches"] == 1 and record["total_mismatches"] == 0
     with pytest.raises(SystemExit):
         stress.main(["--batches", "1", "--mode", "interpret", "--shapes", "tiny", "--profiles", "no-such-profile"])
+
+
+def test_backend_stress_script_runs_and_catches_a_wrong_backend(tmp_path):
+    # scripts/stress_backends.py: TritonBackend (interpreted) against ReferenceBackend, tiny shapes, an extend and a
+    # decode batch of two profiles (sinks under a window over pages of 16; a latent MLA pool); then a backend wrong by
+    # 1% must be reported.
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "stress_backends.py")
+    spec = importlib.util.spec_from_file_location("stress_backends_script", path)
+    script = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = script
+    spec.loader.exec_module(script)
+    out = tmp_path / "s.json"
+    args = ["--backend", "triton", "--batches", "2", "--shapes", "tiny", "--profiles", "sinks-window-p16|mla-p16",
+            "--json", str(out)]
+    assert script.main(args) == 0
+    record = json.loads(out.read_text())
+    assert record["total_mismatches"] == 0
+    assert {name: r["batches"] for name, r in record["results"].items()} == {"sinks-window-p16": 2, "mla-p16": 2}
+    correct_init = script.Runner.__init__
+
+    def off_by_one_percent(self, *a, **kw):
+        correct_init(self, *a, **kw)
+        step = self.step
+        self.step = lambda *x: (lambda o: (o[0] * 1.01, *o[1:]))(step(*x))
+
+    script.Runner.__init__ = off_by_one_percent
+    try:
+        assert script.main(args[:-2]) == 1
+    finally:
+        script.Runner.__init__ = correct_init

@@ -1,0 +1,269 @@
+#!/usr/bin/env python3
+"""Stress run for the serving backends: random batches through TritonBackend or FlashInferBackend against
+ReferenceBackend, layer by layer (`forward`: write_kv of the new tokens, then attention).
+
+Each batch takes request rows of a page table whose pages lie at random in the pool, random lengths (padding
+sequences of length 0, lengths ending mid-page, long and short extends), a mode (extend or decode), random q/k/v
+and the profile's pools. A batch is a mismatch when an output is non-finite, a padding token's row is not exactly 0,
+an element differs from ReferenceBackend's by more than the dtype tolerance (`jaxattn.testing.tolerance`), or the
+pools differ after the write. Profiles fix what compiles (layer shape and features, page size, buckets); lengths,
+pages and data change every batch.
+
+    python scripts/stress_backends.py --backend flashinfer --batches 100 --json s.json        # on the H200
+    python scripts/stress_backends.py --backend triton --batches 2 --shapes tiny              # CPU smoke (interpreter)
+
+Prints one line per profile and a summary; writes the figures as JSON; exits 1 on any mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxattn.backends import AttentionLayer, ReferenceBackend  # noqa: E402
+from jaxattn.backends.flashinfer import token_valid  # noqa: E402  (numpy; torch is imported only by the backend)
+from jaxattn.paging import PageTable, out_cache_loc_from_pages, token_slots  # noqa: E402
+from jaxattn.serving.batch import ForwardBatch, ForwardMode  # noqa: E402
+from jaxattn.testing import tolerance  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """Buckets and sizes of one size class."""
+
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    mla_q_heads: int
+    context: int  # positions per request row
+    max_reqs: int
+    extend_batch: int  # sequences per extend batch (padding ones included)
+    extend_tokens: int  # token rows per extend batch
+    decode_batch: int
+    dtype: str
+
+
+SHAPES = {
+    "h200": Shapes(q_heads=32, kv_heads=8, head_dim=128, mla_q_heads=16, context=4096, max_reqs=48, extend_batch=6,
+                   extend_tokens=2048, decode_batch=32, dtype="bfloat16"),
+    "tiny": Shapes(q_heads=4, kv_heads=2, head_dim=32, mla_q_heads=4, context=64, max_reqs=6, extend_batch=3,
+                   extend_tokens=24, decode_batch=4, dtype="float32"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    name: str
+    page_size: int = 1
+    window: int = -1  # in keys; scaled to the size class's context (a quarter of it when > 0)
+    logit_cap: float = 0.0
+    sinks: bool = False
+    mla: bool = False  # one 576/512 latent head (h200), a latent pool
+
+    def layer(self, shapes: Shapes) -> AttentionLayer:
+        if self.mla:
+            qk, dv = (576, 512) if shapes.head_dim >= 128 else (64 + 16, 64)  # tiny: a small latent for the interpreter
+            return AttentionLayer(0, shapes.mla_q_heads, 1, qk, v_head_dim=dv, sm_scale=0.07, has_sinks=self.sinks)
+        window = shapes.context // 4 if self.window > 0 else -1
+        return AttentionLayer(0, shapes.q_heads, shapes.kv_heads, shapes.head_dim, sliding_window=window,
+                              logit_cap=self.logit_cap, has_sinks=self.sinks)
+
+
+PROFILES = [
+    Profile("gqa-p1"),
+    Profile("gqa-p16", page_size=16),
+    Profile("window-p16", page_size=16, window=1),
+    Profile("softcap-p64", page_size=64, logit_cap=30.0),
+    Profile("sinks-p1", sinks=True),
+    Profile("sinks-window-p16", page_size=16, window=1, sinks=True),
+    Profile("mla-p1", mla=True),
+    Profile("mla-p16", page_size=16, mla=True),
+]
+
+
+def make_backend(name: str, deterministic: bool, layer: AttentionLayer):
+    if name == "triton":
+        from jaxattn.backends import TritonBackend
+
+        windows = (layer.sliding_window,) if layer.sliding_window >= 0 else ()
+        return TritonBackend(sliding_windows=windows, deterministic=deterministic)
+    if name == "flashinfer":
+        from jaxattn.backends.flashinfer import FlashInferBackend
+
+        return FlashInferBackend(deterministic=deterministic)
+    raise SystemExit(f"unknown backend {name!r}")
+
+
+def random_batch(rng, mode: ForwardMode, profile: Profile, shapes: Shapes):
+    """(ForwardBatch, PageTable): request rows at random, pages of each row at random in the pool (page 0 never),
+    lengths at random (some sequences padding, length 0)."""
+    page_size = profile.page_size
+    pages_per_row = shapes.context // page_size
+    num_slots = (shapes.max_reqs * pages_per_row + 1) * page_size
+    req_to_page = (rng.permutation(shapes.max_reqs * pages_per_row) + 1).reshape(shapes.max_reqs, pages_per_row)
+    table = PageTable(jnp.asarray(req_to_page, jnp.int32), page_size=page_size, num_slots=num_slots)
+    decode = mode == ForwardMode.DECODE
+    batch_size = shapes.decode_batch if decode else shapes.extend_batch
+    rows = rng.choice(shapes.max_reqs, batch_size, replace=False).astype(np.int32)
+    real = rng.random(batch_size) < 0.8
+    real[rng.integers(batch_size)] = True  # at least one real sequence
+    seq_lens = np.where(real, rng.integers(1, shapes.context + 1, batch_size), 0)
+    if decode:
+        extend_lens = real.astype(np.int64)
+        tokens = batch_size
+    else:  # a share of the token bucket each, at most the sequence's length
+        budget = shapes.extend_tokens
+        extend_lens = np.zeros(batch_size, np.int64)
+        for b in np.flatnonzero(real):
+            extend_lens[b] = min(seq_lens[b], int(rng.integers(1, max(2, budget // int(real.sum())) + 1)))
+        tokens = budget
+    prefix_lens = seq_lens - extend_lens
+    j = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+    if decode:
+        out_cache_loc = token_slots(table.req_to_page, j(rows), j(seq_lens - 1), page_size, num_slots=num_slots)
+        positions = np.maximum(seq_lens - 1, 0)
+    else:
+        out_cache_loc = out_cache_loc_from_pages(table.req_to_page, j(rows), j(prefix_lens), j(extend_lens),
+                                                 page_size=page_size, num_slots=num_slots, num_tokens=tokens)
+        positions = np.zeros(tokens, np.int64)
+        cursor = 0
+        for p, n in zip(prefix_lens, extend_lens):
+            positions[cursor : cursor + n] = np.arange(p, p + n)
+            cursor += n
+    batch = ForwardBatch(req_pool_indices=j(rows), seq_lens=j(seq_lens), extend_lens=j(extend_lens),
+                         out_cache_loc=out_cache_loc, positions=j(positions), mode=mode,
+                         max_extend_len=shapes.context if not decode else 1,
+                         kv_capacity=batch_size * shapes.context, max_seq_len=shapes.context)
+    return batch, table
+
+
+class Runner:
+    """One profile: the backend's and the reference's jitted steps (compiled once per mode), and its pools."""
+
+    def __init__(self, profile: Profile, shapes: Shapes, backend: str, deterministic: bool):
+        self.profile, self.shapes = profile, shapes
+        self.layer = profile.layer(shapes)
+        self.dtype = jnp.dtype(shapes.dtype)
+        self.backend = make_backend(backend, deterministic, self.layer)
+        self.planned = hasattr(self.backend, "plan")  # FlashInferBackend plans on the host before the step
+        self.reference = ReferenceBackend()
+        layer = self.layer
+
+        def ref_step(q, k, v, kp, vp, sinks, batch, table):
+            return self.reference.forward(q, k, v, kp, vp, layer, self.reference.init_forward_metadata(batch, table),
+                                          sinks=sinks)
+
+        self.ref_step = jax.jit(ref_step)
+        if self.planned:
+            self.step = jax.jit(lambda q, k, v, kp, vp, sinks, meta: self.backend.forward(q, k, v, kp, vp, layer, meta,
+                                                                                           sinks=sinks))
+        else:
+            self.step = jax.jit(lambda q, k, v, kp, vp, sinks, batch, table: self.backend.forward(
+                q, k, v, kp, vp, layer, self.backend.init_forward_metadata(batch, table), sinks=sinks))
+
+    def run(self, rng, mode: ForwardMode) -> dict:
+        layer, dtype = self.layer, self.dtype
+        batch, table = random_batch(rng, mode, self.profile, self.shapes)
+        normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)  # noqa: E731
+        tokens = batch.out_cache_loc.shape[0]
+        latent = self.profile.mla
+        q = normal(tokens, layer.q_heads * layer.head_dim)
+        k = normal(tokens, layer.kv_heads * layer.head_dim)
+        v = None if latent else normal(tokens, layer.kv_heads * layer.dv)
+        k_pool = normal(table.num_slots, layer.kv_heads, layer.head_dim)
+        v_pool = None if latent else normal(table.num_slots, layer.kv_heads, layer.dv)
+        # Sinks near the rows' log-denominators (scores ~ N(0, 1) over up to context keys), so they matter.
+        sinks = jnp.asarray(rng.normal(np.log(self.shapes.context) / 2, 2.0, layer.q_heads), jnp.float32) \
+            if self.profile.sinks else None
+        want, want_k, want_v = self.ref_step(q, k, v, k_pool, v_pool, sinks, batch, table)
+        if self.planned:
+            meta = self.backend.plan(batch, table, [layer], q_dtype=dtype, kv_dtype=dtype)
+            got, got_k, got_v = self.step(q, k, v, k_pool, v_pool, sinks, meta)
+        else:
+            got, got_k, got_v = self.step(q, k, v, k_pool, v_pool, sinks, batch, table)
+        got, want = np.asarray(got, np.float32).reshape(tokens, -1), np.asarray(want, np.float32).reshape(tokens, -1)
+        valid = token_valid(batch)
+        tol = tolerance(dtype)
+        excess = np.abs(got[valid] - want[valid]) / (tol["atol"] + tol["rtol"] * np.abs(want[valid]))
+        worst = float(excess.max()) if excess.size else 0.0
+        reasons = []
+        if not np.all(np.isfinite(got)):
+            reasons.append("non-finite output")
+        if np.any(got[~valid] != 0):
+            reasons.append("a padding row is not 0")
+        if worst > 1.0:
+            reasons.append(f"beyond tolerance ({worst:.2f}x)")
+        if not np.array_equal(np.asarray(got_k), np.asarray(want_k)) or (
+                not latent and not np.array_equal(np.asarray(got_v), np.asarray(want_v))):
+            reasons.append("pools differ after the write")
+        return dict(ok=not reasons, worst=worst, reasons=reasons, mode=mode.name,
+                    seq_lens=np.asarray(batch.seq_lens).tolist(), extend_lens=np.asarray(batch.extend_lens).tolist())
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", choices=["triton", "flashinfer"], default="flashinfer")
+    parser.add_argument("--batches", type=int, default=100, help="random batches per profile")
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default=None, help="size class (default: h200 on a GPU)")
+    parser.add_argument("--profiles", default=None, metavar="REGEX", help="only the profiles whose name matches")
+    parser.add_argument("--deterministic", action="store_true", help="the backend's deterministic mode")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    on_gpu = jax.default_backend() in ("gpu", "cuda")
+    shapes = SHAPES[args.shapes or ("h200" if on_gpu else "tiny")]
+    profiles = [p for p in PROFILES if args.profiles is None or re.search(args.profiles, p.name)]
+    results, total_bad, t0 = {}, 0, time.time()
+    for index, profile in enumerate(profiles):
+        try:
+            runner = Runner(profile, shapes, args.backend, args.deterministic)
+        except (NotImplementedError, ValueError) as error:  # a profile the backend declines, named
+            results[profile.name] = dict(declined=f"{type(error).__name__}: {error}")
+            print(f"{profile.name:18s} declined: {error}", flush=True)
+            continue
+        rng = np.random.default_rng([args.seed, index])
+        worst, bad, first_bad = 0.0, 0, None
+        for i in range(args.batches):
+            mode = ForwardMode.DECODE if i % 2 else ForwardMode.EXTEND
+            try:
+                outcome = runner.run(rng, mode)
+            except NotImplementedError as error:  # a declined combination, named once per profile
+                results[profile.name] = dict(declined=f"NotImplementedError: {error}")
+                break
+            worst = max(worst, outcome["worst"])
+            if not outcome["ok"]:
+                bad += 1
+                first_bad = first_bad or dict(batch=i, **outcome)
+        else:
+            results[profile.name] = dict(batches=args.batches, mismatches=bad, worst_error_over_tolerance=worst,
+                                         first_mismatch=first_bad)
+        if "declined" in results[profile.name]:
+            print(f"{profile.name:18s} declined: {results[profile.name]['declined']}", flush=True)
+            continue
+        total_bad += bad
+        print(f"{profile.name:18s} {args.batches} batches, {bad} mismatches, worst |err| / tolerance {worst:.3f}"
+              + (f"; first: {first_bad}" if first_bad else ""), flush=True)
+    record = dict(backend=args.backend, deterministic=args.deterministic, shapes=dataclasses.asdict(shapes),
+                  device=str(jax.devices()[0]), seconds=round(time.time() - t0, 1), commit=os.environ.get("JAXATTN_COMMIT"),
+                  total_mismatches=total_bad, results=results)
+    print(f"stress_backends: {args.backend}{' deterministic' if args.deterministic else ''}, "
+          f"{sum(r.get('batches', 0) for r in results.values())} batches, {total_bad} mismatches", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
+    return 1 if total_bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

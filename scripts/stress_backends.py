@@ -3,8 +3,8 @@
 ReferenceBackend, layer by layer (`forward`: write_kv of the new tokens, then attention).
 
 Each batch takes request rows of a page table whose pages lie at random in the pool, random lengths (padding
-sequences of length 0, lengths ending mid-page, long and short extends), a mode (extend or decode), random q/k/v
-and the profile's pools. A batch is a mismatch when an output is non-finite, a padding token's row is not exactly 0,
+sequences of length 0, lengths ending mid-page, long and short extends), a mode (extend, decode, or target verify:
+a random draft tree per sequence as SGLang's custom mask), random q/k/v and the profile's pools. A batch is a mismatch when an output is non-finite, a padding token's row is not exactly 0,
 an element differs from ReferenceBackend's by more than the dtype tolerance (`jaxattn.testing.tolerance`), or the
 pools differ after the write. Profiles fix what compiles (layer shape and features, page size, buckets); lengths,
 pages and data change every batch.
@@ -12,7 +12,9 @@ pages and data change every batch.
     python scripts/stress_backends.py --backend flashinfer --batches 100 --json s.json        # on the H200
     python scripts/stress_backends.py --backend triton --batches 2 --shapes tiny              # CPU smoke (interpreter)
 
-Prints one line per profile and a summary; writes the figures as JSON; exits 1 on any mismatch.
+Modes a backend declines for a profile (NotImplementedError, e.g. FlashInfer's sink wrapper and tree masks) are
+named in the record and skipped. Prints one line per profile and a summary; writes the figures as JSON; exits 1 on
+any mismatch.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import numpy as np  # noqa: E402
 from jaxattn.backends import AttentionLayer, ReferenceBackend  # noqa: E402
 from jaxattn.backends.flashinfer import token_valid  # noqa: E402  (numpy; torch is imported only by the backend)
 from jaxattn.paging import PageTable, out_cache_loc_from_pages, token_slots  # noqa: E402
-from jaxattn.serving.batch import ForwardBatch, ForwardMode  # noqa: E402
+from jaxattn.serving.batch import ForwardBatch, ForwardMode, tree_mask_for_verify  # noqa: E402
 from jaxattn.testing import tolerance  # noqa: E402
 
 
@@ -51,14 +53,15 @@ class Shapes:
     extend_batch: int  # sequences per extend batch (padding ones included)
     extend_tokens: int  # token rows per extend batch
     decode_batch: int
+    drafts: int  # draft tokens per sequence of a target-verify batch
     dtype: str
 
 
 SHAPES = {
     "h200": Shapes(q_heads=32, kv_heads=8, head_dim=128, mla_q_heads=16, context=4096, max_reqs=48, extend_batch=6,
-                   extend_tokens=2048, decode_batch=32, dtype="bfloat16"),
+                   extend_tokens=2048, decode_batch=32, drafts=8, dtype="bfloat16"),
     "tiny": Shapes(q_heads=4, kv_heads=2, head_dim=32, mla_q_heads=4, context=64, max_reqs=6, extend_batch=3,
-                   extend_tokens=24, decode_batch=4, dtype="float32"),
+                   extend_tokens=24, decode_batch=4, drafts=3, dtype="float32"),
 }
 
 
@@ -114,14 +117,24 @@ def random_batch(rng, mode: ForwardMode, profile: Profile, shapes: Shapes):
     req_to_page = (rng.permutation(shapes.max_reqs * pages_per_row) + 1).reshape(shapes.max_reqs, pages_per_row)
     table = PageTable(jnp.asarray(req_to_page, jnp.int32), page_size=page_size, num_slots=num_slots)
     decode = mode == ForwardMode.DECODE
+    verify = mode == ForwardMode.TARGET_VERIFY
     batch_size = shapes.decode_batch if decode else shapes.extend_batch
     rows = rng.choice(shapes.max_reqs, batch_size, replace=False).astype(np.int32)
     real = rng.random(batch_size) < 0.8
     real[rng.integers(batch_size)] = True  # at least one real sequence
-    seq_lens = np.where(real, rng.integers(1, shapes.context + 1, batch_size), 0)
+    seq_lens = np.where(real, rng.integers(shapes.drafts if verify else 1, shapes.context + 1, batch_size), 0)
+    custom_mask = None
     if decode:
         extend_lens = real.astype(np.int64)
         tokens = batch_size
+    elif verify:  # D drafts after each real sequence's prefix, under a random tree (a parent before each child)
+        extend_lens = real * shapes.drafts
+        tokens = batch_size * shapes.drafts
+        masks = [tree_mask_for_verify([int(rng.integers(-1, j)) for j in range(shapes.drafts)], int(s - shapes.drafts))
+                 for s in seq_lens[real]]
+        flat = np.concatenate([m.reshape(-1) for m in masks])
+        custom_mask = np.zeros(batch_size * shapes.drafts * shapes.context, bool)  # a fixed bucket: one compile
+        custom_mask[: flat.size] = flat
     else:  # a share of the token bucket each, at most the sequence's length
         budget = shapes.extend_tokens
         extend_lens = np.zeros(batch_size, np.int64)
@@ -144,7 +157,8 @@ def random_batch(rng, mode: ForwardMode, profile: Profile, shapes: Shapes):
     batch = ForwardBatch(req_pool_indices=j(rows), seq_lens=j(seq_lens), extend_lens=j(extend_lens),
                          out_cache_loc=out_cache_loc, positions=j(positions), mode=mode,
                          max_extend_len=shapes.context if not decode else 1,
-                         kv_capacity=batch_size * shapes.context, max_seq_len=shapes.context)
+                         kv_capacity=batch_size * shapes.context, max_seq_len=shapes.context,
+                         custom_mask=None if custom_mask is None else jnp.asarray(custom_mask))
     return batch, table
 
 
@@ -211,6 +225,9 @@ class Runner:
                     seq_lens=np.asarray(batch.seq_lens).tolist(), extend_lens=np.asarray(batch.extend_lens).tolist())
 
 
+MODES = [ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", choices=["triton", "flashinfer"], default="flashinfer")
@@ -233,26 +250,27 @@ def main(argv=None) -> int:
             print(f"{profile.name:18s} declined: {error}", flush=True)
             continue
         rng = np.random.default_rng([args.seed, index])
-        worst, bad, first_bad = 0.0, 0, None
+        worst, bad, ran, first_bad, declined = 0.0, 0, {}, None, {}
         for i in range(args.batches):
-            mode = ForwardMode.DECODE if i % 2 else ForwardMode.EXTEND
+            modes = [m for m in MODES if m.name not in declined] or MODES
+            mode = modes[i % len(modes)]
+            if mode.name in declined:
+                break  # every mode declined
             try:
                 outcome = runner.run(rng, mode)
-            except NotImplementedError as error:  # a declined combination, named once per profile
-                results[profile.name] = dict(declined=f"NotImplementedError: {error}")
-                break
+            except NotImplementedError as error:  # a mode the backend declines for this profile, named once
+                declined[mode.name] = str(error)
+                continue
+            ran[mode.name] = ran.get(mode.name, 0) + 1
             worst = max(worst, outcome["worst"])
             if not outcome["ok"]:
                 bad += 1
                 first_bad = first_bad or dict(batch=i, **outcome)
-        else:
-            results[profile.name] = dict(batches=args.batches, mismatches=bad, worst_error_over_tolerance=worst,
-                                         first_mismatch=first_bad)
-        if "declined" in results[profile.name]:
-            print(f"{profile.name:18s} declined: {results[profile.name]['declined']}", flush=True)
-            continue
+        results[profile.name] = dict(batches=sum(ran.values()), by_mode=ran, mismatches=bad,
+                                     worst_error_over_tolerance=worst, first_mismatch=first_bad, declined=declined)
         total_bad += bad
-        print(f"{profile.name:18s} {args.batches} batches, {bad} mismatches, worst |err| / tolerance {worst:.3f}"
+        print(f"{profile.name:18s} {sum(ran.values())} batches {ran}, {bad} mismatches, worst |err| / tolerance "
+              f"{worst:.3f}" + (f"; declined {sorted(declined)}" if declined else "")
               + (f"; first: {first_bad}" if first_bad else ""), flush=True)
     record = dict(backend=args.backend, deterministic=args.deterministic, shapes=dataclasses.asdict(shapes),
                   device=str(jax.devices()[0]), seconds=round(time.time() - t0, 1), commit=os.environ.get("JAXATTN_COMMIT"),

@@ -4,7 +4,7 @@ ReferenceBackend, layer by layer (`forward`: write_kv of the new tokens, then at
 
 Each batch takes request rows of a page table whose pages lie at random in the pool, random lengths (padding
 sequences of length 0, lengths ending mid-page, long and short extends), a mode (extend, decode, or target verify:
-a random draft tree per sequence as SGLang's custom mask), random q/k/v and the profile's pools. A batch is a mismatch when an output is non-finite, a padding token's row is not exactly 0,
+a random draft tree per sequence, as SGLang's custom mask or as per-row bit masks, `ForwardBatch.draft_mask`), random q/k/v and the profile's pools. A batch is a mismatch when an output is non-finite, a padding token's row is not exactly 0,
 an element differs from ReferenceBackend's by more than the dtype tolerance (`jaxattn.testing.tolerance`), or the
 pools differ after the write. Profiles fix what compiles (layer shape and features, page size, buckets); lengths,
 pages and data change every batch.
@@ -35,9 +35,10 @@ import numpy as np  # noqa: E402
 
 from jaxattn.backends import AttentionLayer, ReferenceBackend  # noqa: E402
 from jaxattn.backends.flashinfer import token_valid  # noqa: E402  (numpy; torch is imported only by the backend)
+from jaxattn.metadata import draft_mask_bits  # noqa: E402
 from jaxattn.paging import PageTable, out_cache_loc_from_pages, token_slots  # noqa: E402
 from jaxattn.serving.batch import ForwardBatch, ForwardMode, tree_mask_for_verify  # noqa: E402
-from jaxattn.testing import fp8_tolerance, tolerance  # noqa: E402
+from jaxattn.testing import tolerance  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +96,7 @@ PROFILES = [
     Profile("mla-p1", mla=True),
     Profile("mla-p16", page_size=16, mla=True),
     Profile("fp8-e4m3-p16", page_size=16, kv_dtype="float8_e4m3fn"),
+    Profile("fp8-e5m2-window-p1", window=1, kv_dtype="float8_e5m2"),
 ]
 # flashinfer 0.6.0's prefill for 16-bit q over an fp8 pool fails to build on the H200 image (benchmarks/RESULTS.md,
 # seventh session): its extend-like modes are declined there rather than counted as mismatches.
@@ -128,19 +130,27 @@ def random_batch(rng, mode: ForwardMode, profile: Profile, shapes: Shapes):
     rows = rng.choice(shapes.max_reqs, batch_size, replace=False).astype(np.int32)
     real = rng.random(batch_size) < 0.8
     real[rng.integers(batch_size)] = True  # at least one real sequence
+    draft_form = verify and rng.random() < 0.5  # the tree as per-row bit masks (draft_mask) instead of custom_mask
+    if draft_form:  # that form has the padding sequences after the real ones
+        real = np.arange(batch_size) < real.sum()
     seq_lens = np.where(real, rng.integers(shapes.drafts if verify else 1, shapes.context + 1, batch_size), 0)
-    custom_mask = None
+    custom_mask = draft_mask = None
     if decode:
         extend_lens = real.astype(np.int64)
         tokens = batch_size
     elif verify:  # D drafts after each real sequence's prefix, under a random tree (a parent before each child)
         extend_lens = real * shapes.drafts
         tokens = batch_size * shapes.drafts
-        masks = [tree_mask_for_verify([int(rng.integers(-1, j)) for j in range(shapes.drafts)], int(s - shapes.drafts))
-                 for s in seq_lens[real]]
-        flat = np.concatenate([m.reshape(-1) for m in masks])
-        custom_mask = np.zeros(batch_size * shapes.drafts * shapes.context, bool)  # a fixed bucket: one compile
-        custom_mask[: flat.size] = flat
+        trees = [[int(rng.integers(-1, j)) for j in range(shapes.drafts)] for _ in range(int(real.sum()))]
+        if draft_form:
+            bits = np.zeros((batch_size, shapes.drafts), np.int32)
+            bits[: len(trees)] = np.asarray(draft_mask_bits(np.stack([tree_mask_for_verify(t, 0) for t in trees])))
+            draft_mask = jnp.asarray(bits)
+        else:
+            flat = np.concatenate([tree_mask_for_verify(t, int(s - shapes.drafts)).reshape(-1)
+                                   for t, s in zip(trees, seq_lens[real])])
+            custom_mask = np.zeros(batch_size * shapes.drafts * shapes.context, bool)  # a fixed bucket: one compile
+            custom_mask[: flat.size] = flat
     else:  # a share of the token bucket each, at most the sequence's length
         budget = shapes.extend_tokens
         extend_lens = np.zeros(batch_size, np.int64)
@@ -164,7 +174,7 @@ def random_batch(rng, mode: ForwardMode, profile: Profile, shapes: Shapes):
                          out_cache_loc=out_cache_loc, positions=j(positions), mode=mode,
                          max_extend_len=shapes.context if not decode else 1,
                          kv_capacity=batch_size * shapes.context, max_seq_len=shapes.context,
-                         custom_mask=None if custom_mask is None else jnp.asarray(custom_mask))
+                         custom_mask=None if custom_mask is None else jnp.asarray(custom_mask), draft_mask=draft_mask)
     return batch, table
 
 
@@ -208,9 +218,12 @@ class Runner:
         v = None if latent else normal(tokens, layer.kv_heads * layer.dv)
         k_pool = normal(table.num_slots, layer.kv_heads, layer.head_dim)
         v_pool = None if latent else normal(table.num_slots, layer.kv_heads, layer.dv)
-        if fp8:  # stored as value / scale
+        if fp8:  # stored as value / scale; the new tokens' K/V on the fp8 grid too (see the tolerance below)
+            on_grid = lambda x, scale: ((x.astype(jnp.float32) / scale).astype(self.kv_dtype)  # noqa: E731
+                                        .astype(jnp.float32) * scale).astype(dtype)
             k_pool = (k_pool.astype(jnp.float32) / layer.k_scale).astype(self.kv_dtype)
             v_pool = (v_pool.astype(jnp.float32) / layer.v_scale).astype(self.kv_dtype)
+            k, v = on_grid(k, layer.k_scale), on_grid(v, layer.v_scale)
         # Sinks near the rows' log-denominators (scores ~ N(0, 1) over up to context keys), so they matter.
         sinks = jnp.asarray(rng.normal(np.log(self.shapes.context) / 2, 2.0, layer.q_heads), jnp.float32) \
             if self.profile.sinks else None
@@ -222,9 +235,9 @@ class Runner:
             got, got_k, got_v = self.step(q, k, v, k_pool, v_pool, sinks, batch, table)
         got, want = np.asarray(got, np.float32).reshape(tokens, -1), np.asarray(want, np.float32).reshape(tokens, -1)
         valid = token_valid(batch)
+        # The dtype's tolerance also over fp8 pools: TritonBackend's two-stage extend reads the new tokens' K/V from k/v
+        # (as SGLang), the reference from the pool they were written to; on the fp8 grid both are the same values.
         tol = tolerance(dtype)
-        if fp8 and mode != ForwardMode.DECODE:  # two-stage extend reads the new tokens' K/V unquantised (TritonBackend)
-            tol = {key: tol[key] + fp8_tolerance(self.kv_dtype)[key] for key in tol}
         excess = np.abs(got[valid] - want[valid]) / (tol["atol"] + tol["rtol"] * np.abs(want[valid]))
         worst = float(excess.max()) if excess.size else 0.0
         reasons = []

@@ -3,7 +3,8 @@
 ReferenceBackend, layer by layer (`forward`: write_kv of the new tokens, then attention).
 
 Each batch takes request rows of a page table whose pages lie at random in the pool, random lengths (padding
-sequences of length 0, lengths ending mid-page, long and short extends), a mode (extend, decode, or target verify:
+sequences of length 0, lengths ending mid-page, long and short extends; encoder tokens before the decoder's for
+the encoder-decoder profiles, attended by a self or a cross layer), a mode (extend, decode, or target verify:
 a random draft tree per sequence, as SGLang's custom mask or as per-row bit masks, `ForwardBatch.draft_mask`), random q/k/v and the profile's pools. A batch is a mismatch when an output is non-finite, a padding token's row is not exactly 0,
 an element differs from ReferenceBackend's by more than the dtype tolerance (`jaxattn.testing.tolerance`), or the
 pools differ after the write. Profiles fix what compiles (layer shape and features, page size, buckets); lengths,
@@ -75,6 +76,12 @@ class Profile:
     sinks: bool = False
     mla: bool = False  # one 576/512 latent head (h200), a latent pool
     kv_dtype: str = ""  # an fp8 pool ("float8_e4m3fn" / "float8_e5m2"), written and read with the layer's scales
+    encoder: bool = False  # encoder-decoder batches: each row's encoder tokens first, its decoder tokens after them
+    cross: bool = False  # the layer attends the encoder's tokens (non-causal); else the decoder's own
+
+    @property
+    def modes(self) -> list:
+        return MODES[:2] if self.encoder else MODES  # no tree verify over encoder tokens
 
     def layer(self, shapes: Shapes) -> AttentionLayer:
         if self.mla:
@@ -83,7 +90,7 @@ class Profile:
         window = shapes.context // 4 if self.window > 0 else -1
         scales = dict(k_scale=0.5, v_scale=0.25) if self.kv_dtype else {}
         return AttentionLayer(0, shapes.q_heads, shapes.kv_heads, shapes.head_dim, sliding_window=window,
-                              logit_cap=self.logit_cap, has_sinks=self.sinks, **scales)
+                              logit_cap=self.logit_cap, has_sinks=self.sinks, is_cross_attention=self.cross, **scales)
 
 
 PROFILES = [
@@ -97,7 +104,10 @@ PROFILES = [
     Profile("mla-p16", page_size=16, mla=True),
     Profile("fp8-e4m3-p16", page_size=16, kv_dtype="float8_e4m3fn"),
     Profile("fp8-e5m2-window-p1", window=1, kv_dtype="float8_e5m2"),
+    Profile("encdec-self-p1", encoder=True),
+    Profile("encdec-cross-p16", page_size=16, encoder=True, cross=True),
 ]
+MODES = [ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY]
 # flashinfer 0.6.0's prefill for 16-bit q over an fp8 pool fails to build on the H200 image (benchmarks/RESULTS.md,
 # seventh session): its extend-like modes are declined there rather than counted as mismatches.
 FLASHINFER_FP8_PREFILL = "flashinfer 0.6.0's prefill for 16-bit q over an fp8 pool does not build on the H200 image"
@@ -133,7 +143,10 @@ def random_batch(rng, mode: ForwardMode, profile: Profile, shapes: Shapes):
     draft_form = verify and rng.random() < 0.5  # the tree as per-row bit masks (draft_mask) instead of custom_mask
     if draft_form:  # that form has the padding sequences after the real ones
         real = np.arange(batch_size) < real.sum()
-    seq_lens = np.where(real, rng.integers(shapes.drafts if verify else 1, shapes.context + 1, batch_size), 0)
+    encoder_lens = np.zeros(batch_size, np.int64)
+    if profile.encoder:  # whole pages of encoder tokens (FlashInfer lists a decoder's keys from a page start)
+        encoder_lens = np.where(real, rng.integers(1, shapes.context // 4 // page_size + 1, batch_size) * page_size, 0)
+    seq_lens = np.where(real, rng.integers(shapes.drafts if verify else 1, shapes.context + 1 - encoder_lens), 0)
     custom_mask = draft_mask = None
     if decode:
         extend_lens = real.astype(np.int64)
@@ -159,12 +172,14 @@ def random_batch(rng, mode: ForwardMode, profile: Profile, shapes: Shapes):
         tokens = budget
     prefix_lens = seq_lens - extend_lens
     j = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
-    if decode:
-        out_cache_loc = token_slots(table.req_to_page, j(rows), j(seq_lens - 1), page_size, num_slots=num_slots)
+    if decode:  # a padding sequence's position -1 is outside the row: slot 0
+        at = np.where(real, encoder_lens + seq_lens - 1, -1)
+        out_cache_loc = token_slots(table.req_to_page, j(rows), j(at), page_size, num_slots=num_slots)
         positions = np.maximum(seq_lens - 1, 0)
     else:
         out_cache_loc = out_cache_loc_from_pages(table.req_to_page, j(rows), j(prefix_lens), j(extend_lens),
-                                                 page_size=page_size, num_slots=num_slots, num_tokens=tokens)
+                                                 page_size=page_size, num_slots=num_slots, num_tokens=tokens,
+                                                 token_offsets=j(encoder_lens) if profile.encoder else None)
         positions = np.zeros(tokens, np.int64)
         cursor = 0
         for p, n in zip(prefix_lens, extend_lens):
@@ -174,7 +189,8 @@ def random_batch(rng, mode: ForwardMode, profile: Profile, shapes: Shapes):
                          out_cache_loc=out_cache_loc, positions=j(positions), mode=mode,
                          max_extend_len=shapes.context if not decode else 1,
                          kv_capacity=batch_size * shapes.context, max_seq_len=shapes.context,
-                         custom_mask=None if custom_mask is None else jnp.asarray(custom_mask), draft_mask=draft_mask)
+                         custom_mask=None if custom_mask is None else jnp.asarray(custom_mask), draft_mask=draft_mask,
+                         encoder_lens=j(encoder_lens) if profile.encoder else None)
     return batch, table
 
 
@@ -254,9 +270,6 @@ class Runner:
                     seq_lens=np.asarray(batch.seq_lens).tolist(), extend_lens=np.asarray(batch.extend_lens).tolist())
 
 
-MODES = [ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY]
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", choices=["triton", "flashinfer"], default="flashinfer")
@@ -281,7 +294,7 @@ def main(argv=None) -> int:
         rng = np.random.default_rng([args.seed, index])
         worst, bad, ran, first_bad, declined = 0.0, 0, {}, None, {}
         for i in range(args.batches):
-            modes = [m for m in MODES if m.name not in declined] or MODES
+            modes = [m for m in profile.modes if m.name not in declined] or profile.modes
             mode = modes[i % len(modes)]
             if mode.name in declined:
                 break  # every mode declined

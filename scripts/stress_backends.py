@@ -7,7 +7,8 @@ sequences of length 0, lengths ending mid-page, long and short extends; encoder 
 the encoder-decoder profiles, attended by a self or a cross layer), a mode (extend, decode, or target verify:
 a random draft tree per sequence, as SGLang's custom mask or as per-row bit masks, `ForwardBatch.draft_mask`), random q/k/v and the profile's pools. A batch is a mismatch when an output is non-finite, a padding token's row is not exactly 0,
 an element differs from ReferenceBackend's by more than the dtype tolerance (`jaxattn.testing.tolerance`), or the
-pools differ after the write. Profiles fix what compiles (layer shape and features, page size, buckets); lengths,
+pools differ after the write; in deterministic mode also when a sequence alone, in another place of the batch,
+does not give the same bits. Profiles fix what compiles (layer shape and features, page size, buckets); lengths,
 pages and data change every batch.
 
     python scripts/stress_backends.py --backend flashinfer --batches 100 --json s.json        # on the H200
@@ -126,14 +127,46 @@ def make_backend(name: str, deterministic: bool, layer: AttentionLayer):
     raise SystemExit(f"unknown backend {name!r}")
 
 
-def random_batch(rng, mode: ForwardMode, profile: Profile, shapes: Shapes):
-    """(ForwardBatch, PageTable): request rows at random, pages of each row at random in the pool (page 0 never),
-    lengths at random (some sequences padding, length 0)."""
-    page_size = profile.page_size
-    pages_per_row = shapes.context // page_size
-    num_slots = (shapes.max_reqs * pages_per_row + 1) * page_size
+@dataclasses.dataclass(frozen=True)
+class Draw:
+    """One batch's sequences: request rows, which are real (the others padding), lengths, a verify step's trees."""
+
+    rows: np.ndarray
+    real: np.ndarray
+    seq_lens: np.ndarray
+    extend_lens: np.ndarray
+    encoder_lens: np.ndarray
+    trees: tuple = ()  # TARGET_VERIFY: each real sequence's draft parents
+    draft_form: bool = False  # TARGET_VERIFY: the trees as per-row bit masks (draft_mask), real sequences first
+
+    def alone(self, b: int) -> "Draw":
+        """Sequence b alone, moved to the last place (the others padding): a batch-invariance check's batch."""
+        last = len(self.rows) - 1
+        order = np.arange(len(self.rows))
+        order[[b, last]] = order[[last, b]]
+        keep = np.arange(len(self.rows)) == last
+        pick = lambda x: np.where(keep, x[order], 0)  # noqa: E731
+        return Draw(self.rows[order], keep, pick(self.seq_lens), pick(self.extend_lens), pick(self.encoder_lens))
+
+    def token_rows(self, mode: ForwardMode, b: int) -> np.ndarray:
+        """Sequence b's rows of q and of the output."""
+        if mode == ForwardMode.DECODE:
+            return np.array([b])
+        first = int(self.extend_lens[:b].sum())
+        return np.arange(first, first + int(self.extend_lens[b]))
+
+
+def random_table(rng, profile: Profile, shapes: Shapes) -> PageTable:
+    """Every request row's pages at random in the pool (page 0 never)."""
+    pages_per_row = shapes.context // profile.page_size
+    num_slots = (shapes.max_reqs * pages_per_row + 1) * profile.page_size
     req_to_page = (rng.permutation(shapes.max_reqs * pages_per_row) + 1).reshape(shapes.max_reqs, pages_per_row)
-    table = PageTable(jnp.asarray(req_to_page, jnp.int32), page_size=page_size, num_slots=num_slots)
+    return PageTable(jnp.asarray(req_to_page, jnp.int32), page_size=profile.page_size, num_slots=num_slots)
+
+
+def random_draw(rng, mode: ForwardMode, profile: Profile, shapes: Shapes) -> Draw:
+    """Request rows at random, lengths at random (some sequences padding, length 0)."""
+    page_size = profile.page_size
     decode = mode == ForwardMode.DECODE
     verify = mode == ForwardMode.TARGET_VERIFY
     batch_size = shapes.decode_batch if decode else shapes.extend_batch
@@ -147,51 +180,59 @@ def random_batch(rng, mode: ForwardMode, profile: Profile, shapes: Shapes):
     if profile.encoder:  # whole pages of encoder tokens (FlashInfer lists a decoder's keys from a page start)
         encoder_lens = np.where(real, rng.integers(1, shapes.context // 4 // page_size + 1, batch_size) * page_size, 0)
     seq_lens = np.where(real, rng.integers(shapes.drafts if verify else 1, shapes.context + 1 - encoder_lens), 0)
-    custom_mask = draft_mask = None
+    trees = ()
     if decode:
         extend_lens = real.astype(np.int64)
-        tokens = batch_size
     elif verify:  # D drafts after each real sequence's prefix, under a random tree (a parent before each child)
         extend_lens = real * shapes.drafts
-        tokens = batch_size * shapes.drafts
-        trees = [[int(rng.integers(-1, j)) for j in range(shapes.drafts)] for _ in range(int(real.sum()))]
-        if draft_form:
+        trees = tuple(tuple(int(rng.integers(-1, j)) for j in range(shapes.drafts)) for _ in range(int(real.sum())))
+    else:  # a share of the token bucket each, at most the sequence's length
+        extend_lens = np.zeros(batch_size, np.int64)
+        for b in np.flatnonzero(real):
+            extend_lens[b] = min(seq_lens[b], int(rng.integers(1, max(2, shapes.extend_tokens // int(real.sum())) + 1)))
+    return Draw(rows, real, seq_lens, extend_lens, encoder_lens, trees, draft_form)
+
+
+def build_batch(mode: ForwardMode, profile: Profile, shapes: Shapes, table: PageTable, draw: Draw) -> ForwardBatch:
+    """The ForwardBatch of a draw over a page table, in the profile's buckets (one compile per mode and form)."""
+    page_size, num_slots = table.page_size, table.num_slots
+    decode = mode == ForwardMode.DECODE
+    batch_size = len(draw.rows)
+    tokens = {ForwardMode.DECODE: batch_size, ForwardMode.TARGET_VERIFY: batch_size * shapes.drafts}.get(
+        mode, shapes.extend_tokens)
+    custom_mask = draft_mask = None
+    if mode == ForwardMode.TARGET_VERIFY:
+        if draw.draft_form:
             bits = np.zeros((batch_size, shapes.drafts), np.int32)
-            bits[: len(trees)] = np.asarray(draft_mask_bits(np.stack([tree_mask_for_verify(t, 0) for t in trees])))
+            bits[: len(draw.trees)] = np.asarray(draft_mask_bits(np.stack([tree_mask_for_verify(t, 0)
+                                                                            for t in draw.trees])))
             draft_mask = jnp.asarray(bits)
         else:
             flat = np.concatenate([tree_mask_for_verify(t, int(s - shapes.drafts)).reshape(-1)
-                                   for t, s in zip(trees, seq_lens[real])])
+                                   for t, s in zip(draw.trees, draw.seq_lens[draw.real])])
             custom_mask = np.zeros(batch_size * shapes.drafts * shapes.context, bool)  # a fixed bucket: one compile
             custom_mask[: flat.size] = flat
-    else:  # a share of the token bucket each, at most the sequence's length
-        budget = shapes.extend_tokens
-        extend_lens = np.zeros(batch_size, np.int64)
-        for b in np.flatnonzero(real):
-            extend_lens[b] = min(seq_lens[b], int(rng.integers(1, max(2, budget // int(real.sum())) + 1)))
-        tokens = budget
-    prefix_lens = seq_lens - extend_lens
+    prefix_lens = draw.seq_lens - draw.extend_lens
     j = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     if decode:  # a padding sequence's position -1 is outside the row: slot 0
-        at = np.where(real, encoder_lens + seq_lens - 1, -1)
-        out_cache_loc = token_slots(table.req_to_page, j(rows), j(at), page_size, num_slots=num_slots)
-        positions = np.maximum(seq_lens - 1, 0)
+        at = np.where(draw.real, draw.encoder_lens + draw.seq_lens - 1, -1)
+        out_cache_loc = token_slots(table.req_to_page, j(draw.rows), j(at), page_size, num_slots=num_slots)
+        positions = np.maximum(draw.seq_lens - 1, 0)
     else:
-        out_cache_loc = out_cache_loc_from_pages(table.req_to_page, j(rows), j(prefix_lens), j(extend_lens),
+        out_cache_loc = out_cache_loc_from_pages(table.req_to_page, j(draw.rows), j(prefix_lens), j(draw.extend_lens),
                                                  page_size=page_size, num_slots=num_slots, num_tokens=tokens,
-                                                 token_offsets=j(encoder_lens) if profile.encoder else None)
+                                                 token_offsets=j(draw.encoder_lens) if profile.encoder else None)
         positions = np.zeros(tokens, np.int64)
         cursor = 0
-        for p, n in zip(prefix_lens, extend_lens):
+        for p, n in zip(prefix_lens, draw.extend_lens):
             positions[cursor : cursor + n] = np.arange(p, p + n)
             cursor += n
-    batch = ForwardBatch(req_pool_indices=j(rows), seq_lens=j(seq_lens), extend_lens=j(extend_lens),
-                         out_cache_loc=out_cache_loc, positions=j(positions), mode=mode,
-                         max_extend_len=shapes.context if not decode else 1,
-                         kv_capacity=batch_size * shapes.context, max_seq_len=shapes.context,
-                         custom_mask=None if custom_mask is None else jnp.asarray(custom_mask), draft_mask=draft_mask,
-                         encoder_lens=j(encoder_lens) if profile.encoder else None)
-    return batch, table
+    return ForwardBatch(req_pool_indices=j(draw.rows), seq_lens=j(draw.seq_lens), extend_lens=j(draw.extend_lens),
+                        out_cache_loc=out_cache_loc, positions=j(positions), mode=mode,
+                        max_extend_len=shapes.context if not decode else 1,
+                        kv_capacity=batch_size * shapes.context, max_seq_len=shapes.context,
+                        custom_mask=None if custom_mask is None else jnp.asarray(custom_mask), draft_mask=draft_mask,
+                        encoder_lens=j(draw.encoder_lens) if profile.encoder else None)
 
 
 class Runner:
@@ -203,6 +244,7 @@ class Runner:
         self.dtype = jnp.dtype(shapes.dtype)
         self.kv_dtype = jnp.dtype(profile.kv_dtype or shapes.dtype)
         self.backend_name = backend
+        self.deterministic = deterministic
         self.backend = make_backend(backend, deterministic, self.layer)
         self.planned = hasattr(self.backend, "plan")  # FlashInferBackend plans on the host before the step
         self.reference = ReferenceBackend()
@@ -220,12 +262,21 @@ class Runner:
             self.step = jax.jit(lambda q, k, v, kp, vp, sinks, batch, table: self.backend.forward(
                 q, k, v, kp, vp, layer, self.backend.init_forward_metadata(batch, table), sinks=sinks))
 
+    def backend_step(self, batch, table, q, k, v, k_pool, v_pool, sinks):
+        """(o, k_pool, v_pool) of the backend's step (FlashInferBackend: planned on the host first)."""
+        if self.planned:
+            meta = self.backend.plan(batch, table, [self.layer], q_dtype=self.dtype, kv_dtype=self.kv_dtype)
+            return self.step(q, k, v, k_pool, v_pool, sinks, meta)
+        return self.step(q, k, v, k_pool, v_pool, sinks, batch, table)
+
     def run(self, rng, mode: ForwardMode) -> dict:
         layer, dtype = self.layer, self.dtype
         fp8 = self.kv_dtype != dtype
         if fp8 and self.backend_name == "flashinfer" and mode != ForwardMode.DECODE:
             raise NotImplementedError(FLASHINFER_FP8_PREFILL)
-        batch, table = random_batch(rng, mode, self.profile, self.shapes)
+        table = random_table(rng, self.profile, self.shapes)
+        draw = random_draw(rng, mode, self.profile, self.shapes)
+        batch = build_batch(mode, self.profile, self.shapes, table, draw)
         normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)  # noqa: E731
         tokens = batch.out_cache_loc.shape[0]
         latent = self.profile.mla
@@ -244,11 +295,19 @@ class Runner:
         sinks = jnp.asarray(rng.normal(np.log(self.shapes.context) / 2, 2.0, layer.q_heads), jnp.float32) \
             if self.profile.sinks else None
         want, want_k, want_v = self.ref_step(q, k, v, k_pool, v_pool, sinks, batch, table)
-        if self.planned:
-            meta = self.backend.plan(batch, table, [layer], q_dtype=dtype, kv_dtype=self.kv_dtype)
-            got, got_k, got_v = self.step(q, k, v, k_pool, v_pool, sinks, meta)
-        else:
-            got, got_k, got_v = self.step(q, k, v, k_pool, v_pool, sinks, batch, table)
+        got, got_k, got_v = self.backend_step(batch, table, q, k, v, k_pool, v_pool, sinks)
+        reasons = []
+        if self.deterministic and mode != ForwardMode.TARGET_VERIFY:
+            # Batch invariance: a real sequence alone, in another place of the batch, gives the same bits.
+            b = int(np.flatnonzero(draw.real)[0])
+            solo = draw.alone(b)
+            last = len(draw.rows) - 1
+            rows, solo_rows = draw.token_rows(mode, b), solo.token_rows(mode, last)
+            place = lambda x: None if x is None else normal(*x.shape).at[solo_rows].set(x[rows])  # noqa: E731
+            alone = self.backend_step(build_batch(mode, self.profile, self.shapes, table, solo), table, place(q),
+                                      place(k), place(v), k_pool, v_pool, sinks)[0]
+            if not np.array_equal(np.asarray(alone)[solo_rows], np.asarray(got)[rows]):
+                reasons.append("not batch-invariant (deterministic mode)")
         got, want = np.asarray(got, np.float32).reshape(tokens, -1), np.asarray(want, np.float32).reshape(tokens, -1)
         valid = token_valid(batch)
         # The dtype's tolerance also over fp8 pools: TritonBackend's two-stage extend reads the new tokens' K/V from k/v
@@ -256,7 +315,6 @@ class Runner:
         tol = tolerance(dtype)
         excess = np.abs(got[valid] - want[valid]) / (tol["atol"] + tol["rtol"] * np.abs(want[valid]))
         worst = float(excess.max()) if excess.size else 0.0
-        reasons = []
         if not np.all(np.isfinite(got)):
             reasons.append("non-finite output")
         if np.any(got[~valid] != 0):

@@ -5,7 +5,7 @@
 # Usage: bash scripts/gpu_check.sh [pytest -k expression]    (BENCH="decode extend" to also benchmark,
 #        STRESS=1000 to also run scripts/stress.py with that many batches per op (over STRESS_WORKERS processes,
 #        with STRESS_ARGS added to its flags), BACKEND_STRESS=100 to run scripts/stress_backends.py (TritonBackend and
-#        FlashInferBackend against ReferenceBackend, that many random batches per profile),
+#        FlashInferBackend against ReferenceBackend, that many random batches per profile, BACKEND_STRESS_ARGS added),
 #        SANITIZE=1 to run the hostile-input tests on compiled kernels under compute-sanitizer's memcheck, ALL=1 to run the whole suite
 #        except interpreter-only cases instead of `-m gpu`: backends, end-to-end, checked mode and properties then
 #        run on the compiled kernels too; with pytest-xdist among the carried wheels the tests run in 8 processes)
@@ -53,8 +53,9 @@ fi
 # (scripts/stress_backends.py) for TritonBackend and FlashInferBackend.
 if [ -n "${BACKEND_STRESS:-}" ]; then
   for backend in triton flashinfer; do
+    # shellcheck disable=SC2086  # BACKEND_STRESS_ARGS: more flags, word-split on purpose (e.g. "--deterministic")
     python3 scripts/stress_backends.py --backend $backend --batches "$BACKEND_STRESS" --json "$OUT/stress_backends_$backend.json" \
-      2>&1 | tee "$OUT/stress_backends_$backend.log"
+      ${BACKEND_STRESS_ARGS:-} 2>&1 | tee "$OUT/stress_backends_$backend.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   done
 fi

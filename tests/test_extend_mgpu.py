@@ -289,7 +289,7 @@ def _paged_extend(rng, page_size):
 def test_whole_pages_match_row_copies_and_reference(rng, page_size, config):
     # Lists of whole pages: the prefix tiles inside the prefix come by TMA page by page (pages larger than the tile a
     # tile's rows at a time). The tiles hold the same rows as the row-by-row copies', so every bit matches theirs;
-    # both forms against the reference, the unified one under a window too; the default route takes the page path.
+    # both forms against the reference, both under a window too; the default route takes the page path.
     q, k_new, v_new, k_pool, v_pool, meta, meta_u = _paged_extend(rng, page_size)
     rows_only = lambda m: dataclasses.replace(m, page_size=1)  # noqa: E731
     o = extend_attention_mgpu(q, k_new, v_new, k_pool, v_pool, meta, config=config)
@@ -299,6 +299,13 @@ def test_whole_pages_match_row_copies_and_reference(rng, page_size, config):
     np.testing.assert_allclose(np.float32(o), np.float32(ref), **tolerance(jnp.bfloat16))
     if config is None:  # the default route's config
         np.testing.assert_array_equal(np.float32(extend_attention(q, k_new, v_new, k_pool, v_pool, meta)), np.float32(o))
+    # Two-stage under a window on these uncut lists (TritonBackend's window layers cut theirs, so take row copies):
+    # the steps start at the tile the window reaches, page copies from there.
+    o_w = extend_attention_mgpu(q, k_new, v_new, k_pool, v_pool, meta, config=config, sliding_window=100)
+    np.testing.assert_array_equal(np.float32(o_w), np.float32(
+        extend_attention_mgpu(q, k_new, v_new, k_pool, v_pool, rows_only(meta), config=config, sliding_window=100)))
+    np.testing.assert_allclose(np.float32(o_w), np.float32(extend_attention_reference(
+        q, k_new, v_new, k_pool, v_pool, meta, sliding_window=100)), **tolerance(jnp.bfloat16))
     for window in (-1, 100):
         o_u = extend_attention_unified_mgpu(q, k_pool, v_pool, meta_u, config=config, sliding_window=window)
         o_u_rows = extend_attention_unified_mgpu(q, k_pool, v_pool, rows_only(meta_u), config=config, sliding_window=window)

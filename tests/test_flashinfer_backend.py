@@ -103,6 +103,7 @@ GPU_CASES = {
     "window": dict(mode=ForwardMode.EXTEND, seq_lens=[40, 9, 30], extend_lens=[11, 9, 5], tokens=28, window=6),
     "window-decode": dict(mode=ForwardMode.DECODE, seq_lens=[40, 9, 30], extend_lens=[1, 1, 1], tokens=3, window=6),
     "verify": dict(mode=ForwardMode.TARGET_VERIFY, seq_lens=[20, 12], extend_lens=[4, 4], tokens=8),
+    "verify-window": dict(mode=ForwardMode.TARGET_VERIFY, seq_lens=[20, 12], extend_lens=[4, 4], tokens=8, window=6),
     "softcap": dict(mode=ForwardMode.EXTEND, seq_lens=[40, 9], extend_lens=[11, 9], tokens=20, cap=10.0),
     # FlashInfer's sink-aware wrapper (GPT-OSS layers: sinks, with and without a window), decode and extend.
     "sinks": dict(mode=ForwardMode.EXTEND, seq_lens=[40, 9, 1], extend_lens=[11, 9, 1], tokens=24, sinks=True),
@@ -297,7 +298,9 @@ def test_paged_plans_read_page_ids_outside_the_pool_as_the_padding_page():
 def flashinfer_semantics(q, k_pool, v_pool, args, page_size, *, window, causal, scale):
     """FlashInfer's paged attention as documented, in numpy float64: sequence b's keys are its listed slots
     (`listed_slots`); query i of its qo_len sits at position kv_len - qo_len + i and sees the keys at positions <= its
-    own (causal) with position distance <= window_left (when >= 0). Returns f64[T, q_heads, Dv]."""
+    own (causal; with a custom mask, args["custom_mask"], instead the mask's bit [i, j] at mask_indptr[b]) with
+    position distance <= window_left (when >= 0): fa2's DefaultAttention applies mask and window both. A row that
+    sees no key gets 0. Returns f64[T, q_heads, Dv]."""
     q, k_pool, v_pool = (np.asarray(x, np.float64) for x in (q, k_pool, v_pool))
     batch = len(args["kv_last_page_len"])
     qo_indptr = args.get("qo_indptr", np.arange(batch + 1))
@@ -310,8 +313,13 @@ def flashinfer_semantics(q, k_pool, v_pool, args, page_size, *, window, causal, 
         for i in range(qo_len):
             q_pos, k_pos = kv_len - qo_len + i, np.arange(kv_len)
             seen = (k_pos <= q_pos) if causal else np.ones(kv_len, bool)
+            if "custom_mask" in args:
+                row = args["mask_indptr"][b] + i * kv_len
+                seen = args["custom_mask"][row : row + kv_len].copy()
             if window >= 0:
                 seen &= q_pos - k_pos <= window
+            if not seen.any():
+                continue
             scores = np.einsum("hd,khd->hk", q[qo_indptr[b] + i], k[seen]) * scale
             weights = np.exp(scores - scores.max(axis=1, keepdims=True))
             out[qo_indptr[b] + i] = np.einsum("hk,khd->hd", weights / weights.sum(axis=1, keepdims=True), v[seen])
@@ -349,6 +357,40 @@ def test_paged_plans_give_the_reference_attention_under_flashinfers_semantics(rn
     want, _, _ = ref.forward(q, None, None, k_pool, v_pool, layer, ref.init_forward_metadata(batch, table))
     args = plan_arguments(batch, table, sliding_window=window)
     got = flashinfer_semantics(q, k_pool, v_pool, args, page_size, window=window, causal=True, scale=layer.scale)
+    valid = token_valid(batch)
+    np.testing.assert_allclose(got[valid], np.asarray(want, np.float64)[valid], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("draft_form", [False, True], ids=["custom-mask", "draft-bits"])
+@pytest.mark.parametrize("window", [-1, 5])
+@pytest.mark.parametrize("page_size", [1, 8, 16])
+def test_verify_plans_give_the_reference_attention_under_flashinfers_semantics(rng, page_size, window, draft_form):
+    # TARGET_VERIFY: the tree mask's columns cut to the keys FlashInfer lists (under a window its lists start at the
+    # window's first page), read with FlashInfer's semantics, attends like ReferenceBackend; a draft-bits batch's
+    # padding sequences plan D rows each, whose mask rows are there and empty.
+    from jaxattn.metadata import draft_mask_bits
+    from jaxattn.serving.batch import tree_mask_for_verify
+
+    hq, hkv, d, drafts = 4, 2, 16, 4
+    seq_lens, extend_lens = [37, 9, 20, 0], [drafts, drafts, drafts, 0]
+    parents = [[-1, 0, 0, 1], [-1, -1, 1, 2], [-1, 0, 1, 2]]
+    trees = [tree_mask_for_verify(p, s - drafts) for p, s in zip(parents, seq_lens)]
+    mask = jnp.asarray(np.concatenate([t.reshape(-1) for t in trees] + [np.zeros(9, bool)]))
+    batch, table = paged_batch(rng, ForwardMode.TARGET_VERIFY, seq_lens, extend_lens, page_size, custom_mask=mask)
+    if draft_form:  # the same trees as bits; D token rows per sequence, padding included
+        bits = np.zeros((4, drafts), np.int32)
+        bits[:3] = np.asarray(draft_mask_bits(np.stack([tree_mask_for_verify(p, 0) for p in parents])))
+        batch = dataclasses.replace(batch, custom_mask=None, draft_mask=jnp.asarray(bits),
+                                    out_cache_loc=jnp.pad(batch.out_cache_loc, (0, 4 * drafts - batch.num_tokens)),
+                                    positions=jnp.zeros(4 * drafts, jnp.int32))
+    layer = AttentionLayer(0, hq, hkv, d, sliding_window=window)
+    k_pool, v_pool = (jnp.asarray(rng.standard_normal((table.num_slots, hkv, d)), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((batch.num_tokens, hq, d)), jnp.float32)
+    ref = ReferenceBackend()
+    want, _, _ = ref.forward(q, None, None, k_pool, v_pool, layer, ref.init_forward_metadata(batch, table))
+    args = plan_arguments(batch, table, sliding_window=window)
+    assert args["mask_indptr"][-1] == args["custom_mask"].size  # every planned row's bits, none past the end
+    got = flashinfer_semantics(q, k_pool, v_pool, args, page_size, window=window, causal=False, scale=layer.scale)
     valid = token_valid(batch)
     np.testing.assert_allclose(got[valid], np.asarray(want, np.float64)[valid], atol=1e-5, rtol=1e-5)
 

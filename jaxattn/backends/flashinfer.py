@@ -87,6 +87,11 @@ def plan_page_size(req_to_token) -> int:
     return req_to_token.page_size if isinstance(req_to_token, PageTable) else 1
 
 
+def first_listed_key(kv_starts, page_size: int) -> np.ndarray:
+    """Row position of each paged list's first key: the start of the page holding kv_starts (FlashInfer lists whole pages)."""
+    return np.asarray(kv_starts) // page_size * page_size
+
+
 def paged_kv_lists(table, rows, kv_starts, kv_lens, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """FlashInfer's paged-KV lists of each sequence's token range (numpy, host).
 
@@ -104,8 +109,9 @@ def paged_kv_lists(table, rows, kv_starts, kv_lens, page_size: int) -> tuple[np.
       each sequence's last page, 1..page_size, FlashInfer's convention).
     """
     table, rows = np.asarray(table), np.asarray(rows)
-    first_page = np.asarray(kv_starts) // page_size
-    listed = np.asarray(kv_starts) + np.asarray(kv_lens) - first_page * page_size  # keys from the first page's start
+    first_key = first_listed_key(kv_starts, page_size)
+    first_page = first_key // page_size
+    listed = np.asarray(kv_starts) + np.asarray(kv_lens) - first_key  # keys from the first page's start
     num_pages = -(-listed // page_size)
     if np.any(first_page + num_pages > table.shape[1]):
         raise ValueError(f"a sequence's keys run past the table's {table.shape[1]} columns (page_size {page_size})")
@@ -119,8 +125,9 @@ def paged_kv_lists(table, rows, kv_starts, kv_lens, page_size: int) -> tuple[np.
 def plan_arguments(batch: ForwardBatch, req_to_token, *, sliding_window: int = -1, cross_attention: bool = False) -> dict:
     """FlashInfer's plan inputs for one wrapper, as numpy arrays (host sync on the batch's arrays).
 
-    Keys: qo_indptr (extend-like modes), kv_indptr, kv_indices, kv_last_page_len, and for TARGET_VERIFY
-    custom_mask (bool, flat per request [q_len, kv_len]). With a sliding window the kv list keeps the last
+    Keys: qo_indptr (extend-like modes), kv_indptr, kv_indices, kv_last_page_len, and for TARGET_VERIFY (self
+    attention) custom_mask (bool, flat per request [qo_len, listed keys], `listed_verify_mask`) and mask_indptr, also
+    under a window (the mask's columns cut to the listed keys). With a sliding window the kv list keeps the last
     min(seq_len, W + q_len) keys (decode: W + 1), like SGLang's window wrapper; with cross attention it is the
     encoder's tokens; a decoder with encoder tokens lists its own tokens after them.
 
@@ -172,13 +179,39 @@ def plan_arguments(batch: ForwardBatch, req_to_token, *, sliding_window: int = -
     args = dict(kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last_page_len=kv_last_page_len)
     if not decode:
         args["qo_indptr"] = np.asarray(batch.qo_indptr).astype(np.int32)  # draft_mask: D rows per sequence
-    if batch.mode == ForwardMode.TARGET_VERIFY:
-        if sliding_window >= 0:
-            raise NotImplementedError("TARGET_VERIFY on sliding-window layers is not supported by the FlashInfer path")
-        mask_indptr = np.concatenate([[0], np.cumsum(extend_lens * seq_lens)]).astype(np.int64)
-        args["custom_mask"] = np.asarray(batch.verify_custom_mask(), bool)[: mask_indptr[-1]]
-        args["mask_indptr"] = mask_indptr
+    if batch.mode == ForwardMode.TARGET_VERIFY and not cross_attention:  # cross layers see every encoder key
+        listed = (np.diff(kv_indptr) - 1) * page_size + kv_last_page_len
+        # The decoder position of each list's first key (a page start; under a window the window hides the keys
+        # between it and the window's first key, FlashInfer applying window_left and the mask both).
+        first = first_listed_key(kv_starts, page_size) - (0 if encoder is None else encoder)
+        qo_lens = np.diff(args["qo_indptr"])  # draft_mask batches: D rows for padding sequences too
+        args["custom_mask"], args["mask_indptr"] = listed_verify_mask(
+            np.asarray(batch.verify_custom_mask(), bool), extend_lens, seq_lens, qo_lens, first, listed)
     return args
+
+
+def listed_verify_mask(full_mask, extend_lens, seq_lens, qo_lens, first, listed) -> tuple[np.ndarray, np.ndarray]:
+    """A verify step's tree mask over the keys FlashInfer lists (numpy, host).
+
+    full_mask: bool, sequence b's rows [extend_len, seq_len] at its custom-mask offset (`ForwardBatch.
+    verify_custom_mask`). qo_lens: query rows FlashInfer plans per sequence (a padding sequence's rows see nothing);
+    first: decoder position of each list's first key; listed: keys listed. Returns (bool[sum(qo_len * listed)],
+    mask_indptr i64[B + 1]): row i of sequence b sees listed key j iff the full mask has position first[b] + j in
+    row i (keys before the decoder's first, and rows or keys past the full mask, are hidden).
+    """
+    starts = np.concatenate([[0], np.cumsum(extend_lens * seq_lens)]).astype(np.int64)
+    blocks = []
+    for b, (q_len, kv_len) in enumerate(zip(qo_lens, listed)):
+        block = np.zeros((q_len, kv_len), bool)
+        rows, width = min(int(extend_lens[b]), int(q_len)), int(seq_lens[b])
+        if rows > 0 and width > 0:
+            full = full_mask[starts[b] : starts[b] + extend_lens[b] * width].reshape(-1, width)[:rows]
+            positions = first[b] + np.arange(kv_len)
+            inside = (positions >= 0) & (positions < width)
+            block[:rows, inside] = full[:, positions[inside]]
+        blocks.append(block.reshape(-1))
+    mask_indptr = np.concatenate([[0], np.cumsum([blk.size for blk in blocks])]).astype(np.int64)
+    return np.concatenate(blocks + [np.zeros(0, bool)]), mask_indptr
 
 
 # ---------------------------------------------------------------------------------------------

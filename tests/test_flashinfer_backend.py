@@ -569,13 +569,14 @@ def test_sink_layers_plan_flashinfers_sink_wrapper_also_for_decode(rng, stand_in
     assert kwargs["logits_soft_cap"] is None and kwargs["custom_mask"] is None
     (args, kwargs), = wrappers["BatchDecodeWithPagedKVCacheWrapper"].plans
     np.testing.assert_array_equal(args[0], plan_arguments(batch, r2t)["kv_indptr"])
-    # Another q dtype: the sink wrapper (compiled for its dtypes) is built again; the decode wrapper is kept.
-    decode_wrapper = wrappers["BatchDecodeWithPagedKVCacheWrapper"]
+    # Other dtypes get wrappers of their own (a jitted step keeps the wrapper it was traced with; the sink wrapper is
+    # compiled for its dtypes); planning the first dtypes again re-plans their wrappers in place.
+    key = backend._key(ForwardMode.DECODE, backend.layer_kind(sink_layer), jnp.bfloat16, jnp.bfloat16)
     backend.plan(batch, r2t, [sink_layer, plain_layer], q_dtype=jnp.float16, kv_dtype=jnp.float16)
-    wrappers = {w.kind: w for w in backend._wrappers.values()}
-    assert wrappers["BatchAttentionWithAttentionSinkWrapper"] is not sink
-    assert wrappers["BatchAttentionWithAttentionSinkWrapper"].kwargs["q_data_type"] == "float16"
-    assert wrappers["BatchDecodeWithPagedKVCacheWrapper"] is decode_wrapper
+    f16 = backend._wrappers[backend._key(ForwardMode.DECODE, backend.layer_kind(sink_layer), jnp.float16, jnp.float16)]
+    assert f16 is not sink and f16.kwargs["q_data_type"] == "float16" and len(backend._wrappers) == 4
+    backend.plan(batch, r2t, [sink_layer, plain_layer])
+    assert backend._wrappers[key] is sink and len(sink.plans) == 2 and len(backend._wrappers) == 4
 
 
 def test_sink_layers_refuse_what_the_sink_wrapper_cannot_take(rng, stand_in_flashinfer):
@@ -594,7 +595,6 @@ def test_forward_passes_sinks_and_only_an_fp8_pools_scales(rng, stand_in_flashin
     backend = stand_in_flashinfer
     batch, r2t = make_batch(rng, ForwardMode.EXTEND, [10, 3], [4, 3], 8)
     layers = [AttentionLayer(0, 4, 2, 64, k_scale=0.5, v_scale=2.0, has_sinks=True), AttentionLayer(1, 4, 2, 64, k_scale=0.5)]
-    meta = backend.plan(batch, r2t, layers)
     calls = []
 
     def run(wrapper, q, k_pool, v_pool, v_head_dim, **kwargs):
@@ -605,6 +605,7 @@ def test_forward_passes_sinks_and_only_an_fp8_pools_scales(rng, stand_in_flashin
     q = jnp.ones((8, 4 * 64), jnp.bfloat16)
     sinks = jnp.array([0.5, 1.0, 2.0, 3.0])
     for dtype in (jnp.bfloat16, jnp.float8_e4m3fn):
+        meta = backend.plan(batch, r2t, layers, kv_dtype=dtype)
         pools = [jnp.zeros((1024, 2, 64), dtype)] * 2
         backend.forward(q, None, None, *pools, layers[0], meta, sinks=sinks, save_kv=False)
         backend.forward(q, None, None, *pools, layers[1], meta, save_kv=False)
@@ -682,7 +683,7 @@ def test_mla_forward_writes_the_latent_pool_and_runs_the_mla_wrapper(rng, stand_
     assert v_pool is None and o.shape == (8, 16, 512)
     np.testing.assert_array_equal(np.asarray(new_pool[100:108, 0], np.float32), np.asarray(k, np.float32))
     (wrapper, got_q, got_pool, v_head_dim, kwargs), = calls
-    assert wrapper is backend._wrappers[(ForwardMode.EXTEND, backend.layer_kind(MLA_LAYER))]
+    assert wrapper is backend._wrappers[backend._key(ForwardMode.EXTEND, backend.layer_kind(MLA_LAYER), q.dtype, pool.dtype)]
     assert got_q.shape == (8, 16, 576) and got_pool is new_pool and v_head_dim == 512
     assert kwargs.pop("planned_rows")() == 7 and kwargs == dict(page_size=1)  # FlashInfer gets the 7 planned rows
     np.testing.assert_array_equal(np.asarray(o[7]), 0)  # 7 real tokens: the padding row is zeroed
@@ -704,7 +705,8 @@ def test_deterministic_mode_plans_fixed_splits_and_tensor_core_decode(rng, stand
                                                    (ForwardMode.EXTEND, [70, 9, 1, 32], [11, 9, 1, 16], 4096)):
             batch, table = paged_batch(rng, mode, seq_lens, extend_lens, page_size)
             backend.plan(batch, table, layers)
-            plain, sinks = (backend._wrappers[(mode, backend.layer_kind(layer))] for layer in layers)
+            plain, sinks = (backend._wrappers[backend._key(mode, backend.layer_kind(layer), jnp.bfloat16, jnp.bfloat16)]
+                            for layer in layers)
             if mode == ForwardMode.DECODE:
                 assert plain.kind == "BatchDecodeWithPagedKVCacheWrapper" and plain.kwargs["use_tensor_cores"] is True
             assert plain.plans[-1][1]["fixed_split_size"] == split // page_size
@@ -716,3 +718,13 @@ def test_deterministic_mode_plans_fixed_splits_and_tensor_core_decode(rng, stand
     assert "fixed_split_size" not in wrapper.plans[-1][1] and wrapper.kwargs["use_tensor_cores"] is False
     with pytest.raises(NotImplementedError, match="MLA wrapper has no fixed split size"):
         backend_type(launch="bridge", deterministic=True).plan(batch, r2t, [MLA_LAYER])
+
+
+def test_a_step_needs_a_plan_for_its_dtypes(rng, stand_in_flashinfer):
+    backend = stand_in_flashinfer
+    batch, r2t = make_batch(rng, ForwardMode.EXTEND, [10, 3], [4, 3], 8)
+    layer = AttentionLayer(0, 4, 2, 64)
+    meta = backend.plan(batch, r2t, [layer])  # bf16 q and pool
+    pools = [jnp.zeros((1024, 2, 64), jnp.float16)] * 2
+    with pytest.raises(ValueError, match=r"layer 0 was not planned for this step's mode and dtypes \(q float16, pool float16\)"):
+        backend.forward(jnp.ones((8, 4 * 64), jnp.float16), None, None, *pools, layer, meta, save_kv=False)

@@ -406,9 +406,10 @@ class FlashInferBackend:
         self._ffi = FfiLauncher(flashinfer_version=self.flashinfer.__version__) if self.launch == "ffi" else None
         self.workspace = self.torch.empty(workspace_bytes, dtype=self.torch.uint8, device="cuda")
         self.use_tensor_cores = use_tensor_cores
+        # Keyed by (mode, layer kind, q and pool dtype names): a jitted step holds the wrapper it was traced with, so
+        # a key's wrapper is built once and re-planned in place (a sink wrapper is compiled for its dtypes).
         self._wrappers: dict = {}
-        self._sink_dtypes: dict = {}  # (mode, kind) -> the (q, kv) torch dtypes its sink wrapper was built for
-        self._planned_rows: dict = {}  # (mode, kind) -> query rows its current plan covers (read at each launch)
+        self._planned_rows: dict = {}  # the same keys -> query rows the current plan covers (read at each launch)
         self._mode = None
 
     @staticmethod
@@ -416,22 +417,24 @@ class FlashInferBackend:
         return (layer.sliding_window, layer.is_cross_attention, layer.logit_cap, layer.scale, layer.q_heads, layer.kv_heads,
                 layer.head_dim, layer.dv, layer.has_sinks)
 
-    def _wrapper(self, mode: ForwardMode, kind, kv_dtype, q_t, kv_t):
-        """The wrapper of a layer kind for this mode, built when missing: kv_dtype the pool's (JAX) dtype, q_t / kv_t
-        the torch dtypes of q and the pool."""
-        key = (mode, kind)
+    @staticmethod
+    def _key(mode: ForwardMode, kind, q_dtype, kv_dtype) -> tuple:
+        return (mode, kind, *plan_dtype_names(q_dtype, kv_dtype))
+
+    def _wrapper(self, mode: ForwardMode, kind, kv_dtype, q_t, kv_t, key):
+        """The wrapper under `key`, built when missing: kv_dtype the pool's (JAX) dtype, q_t / kv_t the torch dtypes of
+        q and the pool."""
         window, _, _, _, q_heads, kv_heads, head_dim, dv, sinks = kind
         fi = self.flashinfer
-        if _mla_kind(kind):
-            if key not in self._wrappers:
-                self._wrappers[key] = fi.BatchMLAPagedAttentionWrapper(self.workspace, backend="auto")
+        if key in self._wrappers:
+            pass
+        elif _mla_kind(kind):
+            self._wrappers[key] = fi.BatchMLAPagedAttentionWrapper(self.workspace, backend="auto")
         elif sinks:  # built for its dtypes, head dims and window (FlashInfer JIT-compiles the variant for them)
-            if self._sink_dtypes.get(key) != (q_t, kv_t):
-                self._wrappers[key] = fi.BatchAttentionWithAttentionSinkWrapper(
-                    self.workspace, "NHD", backend="auto", q_data_type=q_t, kv_data_type=kv_t, head_dim_qk=head_dim,
-                    head_dim_vo=dv, window_left=window)
-                self._sink_dtypes[key] = (q_t, kv_t)
-        elif key not in self._wrappers:
+            self._wrappers[key] = fi.BatchAttentionWithAttentionSinkWrapper(
+                self.workspace, "NHD", backend="auto", q_data_type=q_t, kv_data_type=kv_t, head_dim_qk=head_dim,
+                head_dim_vo=dv, window_left=window)
+        else:
             if mode == ForwardMode.DECODE:
                 tc = self.use_tensor_cores
                 if tc is None:
@@ -477,9 +480,10 @@ class FlashInferBackend:
                 pages = np.diff(args["kv_indptr"])
                 args["kv_len"] = ((pages - 1) * page_size + args.pop("kv_last_page_len")).astype(np.int32)
             dev = {k: torch.from_numpy(v).cuda() for k, v in args.items()}
-            wrapper = self._wrapper(batch.mode, kind, kv_dtype, q_t, kv_t)
+            key = self._key(batch.mode, kind, q_dtype, kv_dtype)
+            wrapper = self._wrapper(batch.mode, kind, kv_dtype, q_t, kv_t, key)
             rows = args["qo_indptr"][-1] if "qo_indptr" in args else len(args["kv_last_page_len"])  # decode: one each
-            self._planned_rows[(batch.mode, kind)] = int(rows)
+            self._planned_rows[key] = int(rows)
             common = dict(logits_soft_cap=cap if cap > 0 else None, sm_scale=scale, q_data_type=q_t, kv_data_type=kv_t)
             if self.deterministic:
                 split_tokens = DETERMINISTIC_DECODE_SPLIT_TOKENS if batch.mode == ForwardMode.DECODE and not sinks \
@@ -521,9 +525,11 @@ class FlashInferBackend:
             k = split_heads(k, layer.kv_heads, layer.head_dim, "k")
             v = None if mla else split_heads(v, layer.kv_heads, layer.dv, "v")  # a latent pool: V is part of K
             k_pool, v_pool = write_kv(k_pool, v_pool, meta.out_cache_loc, k, v, k_scale=layer.k_scale, v_scale=layer.v_scale)
-        key = (meta.mode, self.layer_kind(layer))
+        key = self._key(meta.mode, self.layer_kind(layer), q.dtype, k_pool.dtype)
         if key not in self._wrappers:
-            raise ValueError(f"layer {layer.layer_id} was not planned: pass it to FlashInferBackend.plan(batch, req_to_token, layers)")
+            raise ValueError(f"layer {layer.layer_id} was not planned for this step's mode and dtypes (q {q.dtype.name}, pool "
+                             f"{k_pool.dtype.name}): pass it to FlashInferBackend.plan(batch, req_to_token, layers, "
+                             "q_dtype=, kv_dtype=)")
         if k_pool.shape[0] % meta.page_size:
             raise ValueError(f"k_pool's {k_pool.shape[0]} rows are not a multiple of the planned page_size {meta.page_size}")
         if mla:

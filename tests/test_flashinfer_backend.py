@@ -728,3 +728,15 @@ def test_a_step_needs_a_plan_for_its_dtypes(rng, stand_in_flashinfer):
     pools = [jnp.zeros((1024, 2, 64), jnp.float16)] * 2
     with pytest.raises(ValueError, match=r"layer 0 was not planned for this step's mode and dtypes \(q float16, pool float16\)"):
         backend.forward(jnp.ones((8, 4 * 64), jnp.float16), None, None, *pools, layer, meta, save_kv=False)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("seq_lens", [5, -1, 17], r"batch.seq_lens must be >= 0; sequences \[1\] have \[-1\]"),
+    ("extend_lens", [1, 1, 18], r"batch.extend_lens must be <= seq_lens"),
+    ("req_pool_indices", [0, 8, 1], r"batch.req_pool_indices must be rows of the table, in \[0, 8\); sequences \[1\] have \[8\]"),
+])
+def test_plans_refuse_batches_the_kernels_cannot_take(rng, field, value, message):
+    batch, r2t = make_batch(rng, ForwardMode.DECODE, [5, 1, 17], [1, 1, 1], 3)
+    batch = dataclasses.replace(batch, **{field: jnp.asarray(value, jnp.int32)})
+    with pytest.raises(ValueError, match=message):
+        plan_arguments(batch, r2t)

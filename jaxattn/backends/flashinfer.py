@@ -149,6 +149,7 @@ def plan_arguments(batch: ForwardBatch, req_to_token, *, sliding_window: int = -
     seq_lens = np.asarray(batch.seq_lens)
     extend_lens = np.asarray(batch.extend_lens)
     encoder = None if batch.encoder_lens is None else np.asarray(batch.encoder_lens)
+    check_plan_batch(rows, seq_lens, extend_lens, encoder, table.shape[0])
     decode = batch.mode == ForwardMode.DECODE
     q_lens = np.ones_like(seq_lens) if decode else extend_lens
     dropped = np.zeros_like(seq_lens)  # keys before the window's first key (none without a window)
@@ -188,6 +189,24 @@ def plan_arguments(batch: ForwardBatch, req_to_token, *, sliding_window: int = -
         args["custom_mask"], args["mask_indptr"] = listed_verify_mask(
             np.asarray(batch.verify_custom_mask(), bool), extend_lens, seq_lens, qo_lens, first, listed)
     return args
+
+
+def check_plan_batch(rows, seq_lens, extend_lens, encoder_lens, table_rows: int) -> None:
+    """ValueError naming the field when a batch's host values cannot be planned: every request row inside the table
+    (padding sequences' too: their padding key is listed from their row), lengths >= 0, extend_lens <= seq_lens.
+    FlashInfer's kernels trust the plan's lists, so they are checked on the host before any is built."""
+    def bad(name, values, mask, expected):
+        where = np.flatnonzero(mask)
+        raise ValueError(f"FlashInferBackend.plan: batch.{name} must be {expected}; sequences {where[:8].tolist()} have "
+                         f"{np.asarray(values)[where[:8]].tolist()}")
+
+    if np.any((rows < 0) | (rows >= table_rows)):
+        bad("req_pool_indices", rows, (rows < 0) | (rows >= table_rows), f"rows of the table, in [0, {table_rows})")
+    for name, values in (("seq_lens", seq_lens), ("extend_lens", extend_lens), ("encoder_lens", encoder_lens)):
+        if values is not None and np.any(values < 0):
+            bad(name, values, values < 0, ">= 0")
+    if np.any(extend_lens > seq_lens):
+        bad("extend_lens", extend_lens, extend_lens > seq_lens, "<= seq_lens (new tokens are part of the sequence)")
 
 
 def listed_verify_mask(full_mask, extend_lens, seq_lens, qo_lens, first, listed) -> tuple[np.ndarray, np.ndarray]:

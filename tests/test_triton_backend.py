@@ -487,3 +487,20 @@ def test_latent_pool_argument_errors(rng):
     q, k, pool = jnp.zeros((2, 2, 576)), jnp.zeros((2, 1, 576)), jnp.zeros((NUM_SLOTS, 1, 576))
     with pytest.raises(ValueError, match="v must be None with a latent pool"):
         backend.forward(q, k, k[..., :512], pool, None, LATENT, meta)
+
+
+@pytest.mark.parametrize("backend_cls", [ReferenceBackend, TritonBackend])
+def test_a_layer_marked_with_sinks_needs_them(rng, backend_cls):
+    # AttentionLayer(has_sinks=True) without forward(sinks=) is refused (the sinks would silently be dropped); sinks on
+    # a layer not marked are taken, as before the mark existed.
+    batch, req_to_token = make_batch(rng, [3, 5], [2, 1], mode=ForwardMode.EXTEND, token_bucket=4)
+    q, k, v, k_pool, v_pool = random_inputs(rng, 4)
+    backend = backend_cls()
+    meta = backend.init_forward_metadata(batch, req_to_token)
+    marked = AttentionLayer(7, H, KVH, D, has_sinks=True)
+    with pytest.raises(ValueError, match=r"layer 7 has sinks .*pass forward\(sinks=\)"):
+        backend.forward(q, k, v, k_pool, v_pool, marked, meta)
+    sinks = jnp.zeros((H,), jnp.float32)
+    with_mark = backend.forward(q, k, v, k_pool, v_pool, marked, meta, sinks=sinks)[0]
+    without = backend.forward(q, k, v, k_pool, v_pool, AttentionLayer(7, H, KVH, D), meta, sinks=sinks)[0]
+    np.testing.assert_array_equal(np.asarray(with_mark), np.asarray(without))

@@ -523,10 +523,10 @@ class FlashInferBackend:
 
     def forward(self, q, k, v, k_pool, v_pool, layer: AttentionLayer, meta: FlashInferMetadata, *, sinks=None, save_kv=True,
                 return_lse=False):
-        if (sinks is not None) != layer.has_sinks:
-            raise ValueError(f"layer {layer.layer_id}: sinks are given exactly for layers planned with them "
-                             f"(AttentionLayer(has_sinks=True): FlashInfer's sink-aware wrapper); has_sinks is "
-                             f"{layer.has_sinks}, sinks {'given' if sinks is not None else 'None'}")
+        layer.check_sinks(sinks)
+        if sinks is not None and not layer.has_sinks:  # its plan chose a wrapper without sinks
+            raise ValueError(f"layer {layer.layer_id}: FlashInferBackend takes sinks for layers planned with them "
+                             "(AttentionLayer(has_sinks=True): FlashInfer's sink-aware wrapper); this one has none")
         if layer.xai_temperature_len > 0:
             raise NotImplementedError("FlashInfer has no xai temperature: use TritonBackend")
         mla = is_flashinfer_mla(layer)

@@ -33,8 +33,9 @@ class AttentionLayer:
     xai_temperature_len: int = -1
     k_scale: float | None = None  # fp8 KV storage scales
     v_scale: float | None = None
-    # The layer takes per-head attention sinks (GPT-OSS; `forward(sinks=)`). Backends that plan kernels per layer
-    # before the step (FlashInferBackend: its sink-aware wrapper) need to know; the others read `sinks` alone.
+    # The layer takes per-head attention sinks (GPT-OSS; `forward(sinks=)`, which every backend then requires).
+    # FlashInferBackend plans its sink-aware wrapper for such layers and takes sinks for them only; the other
+    # backends also take sinks for layers not marked.
     has_sinks: bool = False
 
     def __post_init__(self):
@@ -68,6 +69,12 @@ class AttentionLayer:
         if v_pool is not None and is_fp8(v_pool.dtype):
             scales["v_scale"] = self.v_scale
         return scales
+
+    def check_sinks(self, sinks) -> None:
+        """ValueError when a layer marked `has_sinks` gets no sinks (a forgotten argument would silently drop them)."""
+        if self.has_sinks and sinks is None:
+            raise ValueError(f"layer {self.layer_id} has sinks (AttentionLayer(has_sinks=True)): pass forward(sinks=) "
+                             "f32[q_heads]")
 
     def latent_v(self, k_pool, scales: dict):
         """(v_pool, scales) for ops that read V as an array of its own, from a latent pool: its rows' first v_head_dim

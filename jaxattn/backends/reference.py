@@ -80,6 +80,7 @@ class ReferenceBackend:
         Returns:
           (o [T, q_heads, v_head_dim], k_pool, v_pool).
         """
+        layer.check_sinks(sinks)
         q = split_heads(q, layer.q_heads, layer.head_dim, "q")
         latent = is_latent_pool(v_pool, v)  # MLA's latent cache: V is the first layer.dv dims of each K row
         if meta.mode == ForwardMode.IDLE:

@@ -332,6 +332,7 @@ class TritonBackend:
         """
         if not isinstance(meta, TritonMetadata):
             raise ValueError(f"meta must be a TritonMetadata (see TritonBackend.init_forward_metadata); got {type(meta).__name__}")
+        layer.check_sinks(sinks)
         q = split_heads(q, layer.q_heads, layer.head_dim, "q")
         latent = is_latent_pool(v_pool, v)  # MLA's latent cache: V is the first layer.dv dims of each K row
         if meta.mode == ForwardMode.IDLE:

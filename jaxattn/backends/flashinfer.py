@@ -398,8 +398,9 @@ class FlashInferMetadata:
 class FlashInferBackend:
     """FlashInfer decode / paged prefill (with tree masks and windows) behind the jaxattn backend interface.
 
-    One planned wrapper per layer kind (window or full, cross or self, soft cap, scale, sinks): `plan` re-plans them
-    in place each step; their identity is static, so the jitted step is traced once. Layers with attention sinks
+    One planned wrapper per mode, layer kind (window or full, cross or self, soft cap, scale, head shapes, sinks) and
+    q / pool dtypes: `plan` re-plans them in place each step; their identity is static, so the jitted step is traced
+    once. Layers with attention sinks
     (`AttentionLayer(has_sinks=True)`) run FlashInfer's sink-aware wrapper (`BatchAttentionWithAttentionSinkWrapper`,
     its paged prefill with an "AttentionSink" variant, also for decode steps: one query row per sequence); it takes
     no soft cap and no custom mask. MLA layers of DeepSeek's shape (`is_flashinfer_mla`: one 576/512 latent kv head,

@@ -279,7 +279,8 @@ def bridged_run(wrapper, q, k_pool, v_pool, v_head_dim: int, *, k_scale=None, v_
       among them go in as views like q, the others as they are.
     planned_rows: None, or a function called at each launch giving the query rows the wrapper's current plan covers
       (its qo_indptr[-1]); q, out and lse then go in as their first that many rows (flashinfer 0.7 refuses a q with
-      more rows than planned; a bucket's padding rows past them are left unwritten, as the kernels leave them).
+      more rows than planned; a bucket's padding rows past them are left unwritten, as the kernels leave them; a plan
+      of no rows runs nothing).
     """
     import torch
     from jax.experimental.buffer_callback import buffer_callback
@@ -294,6 +295,8 @@ def bridged_run(wrapper, q, k_pool, v_pool, v_head_dim: int, *, k_scale=None, v_
             views = iter([_torch_view(b) for b in array_bufs])
             extra = [next(views) if array else a for a, array in zip(variant_args, is_array)]
             rows = slice(None) if planned_rows is None else slice(planned_rows())
+            if rows.stop == 0:  # a plan of padding only: nothing to run (the backend zeroes every row)
+                return
             wrapper.run(_torch_view(q_buf)[rows], cache, *extra, out=_torch_view(out_buf)[rows],
                         lse=_torch_view(lse_buf)[rows], return_lse=True, k_scale=k_scale, v_scale=v_scale)
 
@@ -366,6 +369,8 @@ def bridged_mla_run(wrapper, q, latent_pool, v_head_dim: int, *, has_side_effect
         with torch.cuda.stream(_torch_stream(torch, ctx.stream)):
             pages = paged_pool_view(_torch_view(pool_buf), page_size)[:, :, 0]  # [pages, P, qk_dim]: one kv head
             rows = slice(None) if planned_rows is None else slice(planned_rows())
+            if rows.stop == 0:  # a plan of padding only, as in bridged_run
+                return
             wrapper.run(_torch_view(nope_buf)[rows], _torch_view(pe_buf)[rows], pages[..., :v_head_dim],
                         pages[..., v_head_dim:], out=_torch_view(out_buf)[rows], lse=_torch_view(lse_buf)[rows],
                         return_lse=True)

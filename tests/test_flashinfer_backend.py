@@ -363,7 +363,7 @@ def test_paged_plans_give_the_reference_attention_under_flashinfers_semantics(rn
 
 @pytest.mark.parametrize("draft_form", [False, True], ids=["custom-mask", "draft-bits"])
 @pytest.mark.parametrize("window", [-1, 5])
-@pytest.mark.parametrize("page_size", [1, 8, 16])
+@pytest.mark.parametrize("page_size", [1, 16])
 def test_verify_plans_give_the_reference_attention_under_flashinfers_semantics(rng, page_size, window, draft_form):
     # TARGET_VERIFY: the tree mask's columns cut to the keys FlashInfer lists (under a window its lists start at the
     # window's first page), read with FlashInfer's semantics, attends like ReferenceBackend; a draft-bits batch's

@@ -29,7 +29,9 @@ import re
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "examples"))  # batching.make_backend, as scripts/compare_transformers.py
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -41,6 +43,7 @@ from jaxattn.metadata import draft_mask_bits  # noqa: E402
 from jaxattn.paging import PageTable, out_cache_loc_from_pages, token_slots  # noqa: E402
 from jaxattn.serving.batch import ForwardBatch, ForwardMode, tree_mask_for_verify  # noqa: E402
 from jaxattn.testing import tolerance  # noqa: E402
+from batching import make_backend  # noqa: E402  (examples/: the examples' backend choice)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,19 +115,6 @@ MODES = [ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY]
 # flashinfer 0.6.0's prefill for 16-bit q over an fp8 pool fails to build on the H200 image (benchmarks/RESULTS.md,
 # seventh session): its extend-like modes are declined there rather than counted as mismatches.
 FLASHINFER_FP8_PREFILL = "flashinfer 0.6.0's prefill for 16-bit q over an fp8 pool does not build on the H200 image"
-
-
-def make_backend(name: str, deterministic: bool, layer: AttentionLayer):
-    if name == "triton":
-        from jaxattn.backends import TritonBackend
-
-        windows = (layer.sliding_window,) if layer.sliding_window >= 0 else ()
-        return TritonBackend(sliding_windows=windows, deterministic=deterministic)
-    if name == "flashinfer":
-        from jaxattn.backends.flashinfer import FlashInferBackend
-
-        return FlashInferBackend(deterministic=deterministic)
-    raise SystemExit(f"unknown backend {name!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,7 +235,8 @@ class Runner:
         self.kv_dtype = jnp.dtype(profile.kv_dtype or shapes.dtype)
         self.backend_name = backend
         self.deterministic = deterministic
-        self.backend = make_backend(backend, deterministic, self.layer)
+        windows = (self.layer.sliding_window,) if self.layer.sliding_window >= 0 else ()
+        self.backend = make_backend(backend, sliding_windows=windows, deterministic=deterministic)
         self.planned = hasattr(self.backend, "plan")  # FlashInferBackend plans on the host before the step
         self.reference = ReferenceBackend()
         layer = self.layer

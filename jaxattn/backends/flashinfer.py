@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn.backends.flashinfer_ffi import FfiLauncher, choose_launch
+from jaxattn.backends.flashinfer_ffi import FfiLauncher, choose_launch, result_shapes
 from jaxattn.backends.layer import AttentionLayer, split_heads
 from jaxattn.checks import FLOAT_DTYPES, check_array
 from jaxattn.metadata import window_first_key
@@ -294,15 +294,23 @@ def bridged_run(wrapper, q, k_pool, v_pool, v_head_dim: int, *, k_scale=None, v_
             cache = (paged_pool_view(_torch_view(k_buf), page_size), paged_pool_view(_torch_view(v_buf), page_size))
             views = iter([_torch_view(b) for b in array_bufs])
             extra = [next(views) if array else a for a, array in zip(variant_args, is_array)]
-            rows = slice(None) if planned_rows is None else slice(planned_rows())
-            if rows.stop == 0:  # a plan of padding only: nothing to run (the backend zeroes every row)
+            rows = _launch_rows(planned_rows)
+            if rows is None:
                 return
             wrapper.run(_torch_view(q_buf)[rows], cache, *extra, out=_torch_view(out_buf)[rows],
                         lse=_torch_view(lse_buf)[rows], return_lse=True, k_scale=k_scale, v_scale=v_scale)
 
-    out_shape = (jax.ShapeDtypeStruct((q.shape[0], q.shape[1], v_head_dim), q.dtype),
-                 jax.ShapeDtypeStruct((q.shape[0], q.shape[1]), jnp.float32))
+    out_shape = result_shapes(q, v_head_dim)
     return buffer_callback(run, out_shape, has_side_effect=has_side_effect)(q, k_pool, v_pool, *arrays)
+
+
+def _launch_rows(planned_rows) -> slice | None:
+    """The rows of q / out / lse a launch hands FlashInfer (`bridged_run`'s planned_rows), or None when its plan has
+    none (padding only: nothing runs, the backend zeroes every row)."""
+    if planned_rows is None:
+        return slice(None)
+    rows = planned_rows()
+    return slice(rows) if rows > 0 else None
 
 
 def sink_variant_args(sinks, sm_scale: float, k_scale=None) -> tuple:
@@ -368,15 +376,14 @@ def bridged_mla_run(wrapper, q, latent_pool, v_head_dim: int, *, has_side_effect
         out_buf, lse_buf = outputs
         with torch.cuda.stream(_torch_stream(torch, ctx.stream)):
             pages = paged_pool_view(_torch_view(pool_buf), page_size)[:, :, 0]  # [pages, P, qk_dim]: one kv head
-            rows = slice(None) if planned_rows is None else slice(planned_rows())
-            if rows.stop == 0:  # a plan of padding only, as in bridged_run
+            rows = _launch_rows(planned_rows)
+            if rows is None:
                 return
             wrapper.run(_torch_view(nope_buf)[rows], _torch_view(pe_buf)[rows], pages[..., :v_head_dim],
                         pages[..., v_head_dim:], out=_torch_view(out_buf)[rows], lse=_torch_view(lse_buf)[rows],
                         return_lse=True)
 
-    out_shape = (jax.ShapeDtypeStruct((q.shape[0], q.shape[1], v_head_dim), q.dtype),
-                 jax.ShapeDtypeStruct((q.shape[0], q.shape[1]), jnp.float32))
+    out_shape = result_shapes(q, v_head_dim)
     return buffer_callback(run, out_shape, has_side_effect=has_side_effect)(
         q[..., :v_head_dim], q[..., v_head_dim:], latent_pool)
 

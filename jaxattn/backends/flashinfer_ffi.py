@@ -189,6 +189,13 @@ def torch_placeholders(q_shape, q_dtype, k_shape, v_shape, kv_dtype, page_size: 
             empty((1, q_heads), torch.float32), *(empty(shape, torch_dtype(dtype)) for shape, dtype in variant_shapes))
 
 
+def result_shapes(q, v_head_dim: int) -> tuple:
+    """What a FlashInfer launch returns for q [T, q_heads, D]: (o [T, q_heads, v_head_dim] in q's dtype, base-2 lse
+    f32[T, q_heads]) as ShapeDtypeStructs."""
+    return (jax.ShapeDtypeStruct((q.shape[0], q.shape[1], v_head_dim), q.dtype),
+            jax.ShapeDtypeStruct((q.shape[0], q.shape[1]), jnp.float32))
+
+
 _target_numbers = itertools.count()
 
 
@@ -272,8 +279,7 @@ class FfiLauncher:
         has_side_effect: keep XLA from merging calls on identical inputs (the benchmark's repeated layers).
         variant_args: as `bridged_run`'s (its tensors become operands of the FFI call)."""
         target = self.target(wrapper, q, k_pool, v_pool, k_scale, page_size, variant_args)
-        out_shape = (jax.ShapeDtypeStruct((q.shape[0], q.shape[1], v_head_dim), q.dtype),
-                     jax.ShapeDtypeStruct((q.shape[0], q.shape[1]), jnp.float32))
+        out_shape = result_shapes(q, v_head_dim)
         page = lambda pool: pool.reshape(pool.shape[0] // page_size, page_size, *pool.shape[1:])  # no copy  # noqa: E731
         tensors = [a for a in variant_args if isinstance(a, jax.Array)]
         o, lse = jax.ffi.ffi_call(target.target, out_shape, has_side_effect=has_side_effect)(

@@ -175,6 +175,12 @@ def checks_float_kv_scales(op):
 # The ops' argument checks (one call per op call, before an implementation is chosen).
 
 
+def check_sinks(sinks, q_heads: int) -> None:
+    """Attention sinks: None, or one natural-log logit per q head, float[q_heads]."""
+    if sinks is not None:
+        check_array("sinks", sinks, shape=(q_heads,), dtypes=FLOAT_DTYPES, what="[q_heads]")
+
+
 def check_attention_args(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, sinks=None, custom_mask=None, mask_indptr=None,
                          sm_scale=None, k_scale=None, v_scale=None):
     """The ragged paged layout shared by the reference and every op. Returns (batch, group_size)."""
@@ -191,8 +197,7 @@ def check_attention_args(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, si
     batch = qo_indptr.shape[0] - 1
     check_array("kv_indptr", kv_indptr, shape=(batch + 1,), dtypes=INDEX_DTYPES, what="[batch + 1]")
     check_array("kv_indices", kv_indices, ndim=1, dtypes=INDEX_DTYPES, what="[kv_capacity]")
-    if sinks is not None:
-        check_array("sinks", sinks, shape=(q_heads,), dtypes=FLOAT_DTYPES, what="[q_heads]")
+    check_sinks(sinks, q_heads)
     if custom_mask is not None:
         check_array("custom_mask", custom_mask, ndim=1, dtypes=MASK_DTYPES, what="[mask_len] (flat, per sequence row-major [q_len, kv_len])")
         if mask_indptr is None:
@@ -263,8 +268,7 @@ def check_decode_args(q, k_pool, v_pool, meta, *, meta_type, sinks, v_head_dim, 
                          "extend_attention for windowed verify")
     if tokens > 1 and xai_temperature_len > 0:
         raise ValueError("several query tokens per sequence (q.shape[1] > 1) take no xai temperature: use extend_attention")
-    if sinks is not None:
-        check_array("sinks", sinks, shape=(q_heads,), dtypes=FLOAT_DTYPES, what="[q_heads]")
+    check_sinks(sinks, q_heads)
     check_window("sliding_window", sliding_window)
     check_score_options(logit_cap, xai_temperature_len)
     check_kv_scale("k_scale", k_scale, kv_heads)

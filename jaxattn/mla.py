@@ -23,7 +23,7 @@ import math
 import jax
 
 from jaxattn.calls import MlaExtendCall
-from jaxattn.checks import FLOAT_DTYPES, MLA_V_HEAD_DIMS, check_array, check_meta
+from jaxattn.checks import FLOAT_DTYPES, MLA_V_HEAD_DIMS, check_array, check_meta, check_sinks
 from jaxattn.extend import extend_attention, extend_attention_reference
 from jaxattn.impl import mgpu_mla
 from jaxattn.launch import launch_mode as resolve_launch_mode
@@ -52,8 +52,7 @@ def _check(q, k_new, k_pool, meta, sinks, v_head_dim, sm_scale) -> int:
     check_meta(meta, ExtendMetadata, "extend_metadata")
     if meta.sliding_window >= 0:
         raise ValueError(f"meta was cut for a sliding window ({meta.sliding_window}); MLA extend takes full prefix lists")
-    if sinks is not None:
-        check_array("sinks", sinks, shape=(q_heads,), dtypes=FLOAT_DTYPES, what="[q_heads]")
+    check_sinks(sinks, q_heads)
     if sm_scale is not None and not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale) and sm_scale > 0):
         raise ValueError(f"sm_scale must be a finite float > 0 or None; got {sm_scale!r}")
     v_head_dim = MLA_V_HEAD_DIMS.get(qk_dim) if v_head_dim is None else v_head_dim

@@ -29,7 +29,7 @@ import numpy as np
 
 from jaxattn.backends.flashinfer_ffi import FfiLauncher, choose_launch, result_shapes
 from jaxattn.backends.layer import AttentionLayer, split_heads
-from jaxattn.checks import FLOAT_DTYPES, check_array
+from jaxattn.checks import check_sinks
 from jaxattn.metadata import window_first_key
 from jaxattn.paging import PageTable, page_in_pool
 from jaxattn.serving.batch import ForwardBatch, ForwardMode
@@ -571,7 +571,7 @@ class FlashInferBackend:
         scales = layer.pool_scales(k_pool, v_pool)  # a 16-bit pool holds the values themselves: no scales
         variant = ()
         if sinks is not None:
-            check_array("sinks", sinks, shape=(layer.q_heads,), dtypes=FLOAT_DTYPES, what="[q_heads]")
+            check_sinks(sinks, layer.q_heads)
             variant = sink_variant_args(sinks, layer.scale, scales.pop("k_scale", None))  # folded there, not in run()
         if self._ffi is None:
             o, lse2 = bridged_run(self._wrappers[key], q, k_pool, v_pool, layer.dv, page_size=meta.page_size,

@@ -20,6 +20,7 @@ from jaxattn.extend import (
 from jaxattn.extend_mgpu import MgpuExtendConfig, extend_attention_mgpu, extend_attention_unified_mgpu, mgpu_unsupported
 from jaxattn.impl.mgpu_extend import heads_per_cta
 from jaxattn.reference import xai_temperature_scale
+from tests.barrier_model import Barrier, run_protocol
 from tests.helpers import HAS_GPU, random_normal, tolerance
 from tests.test_extend import assert_output, draft_words, make_batch, ref_two_stage, ref_unified
 
@@ -816,72 +817,6 @@ def test_window_schedule_of_every_cta(block_kv):
                                     assert not ((keys <= t) & (keys < t - window)).any(), (ctx, wg, step)
 
 
-class _Barrier:
-    """An mbarrier: `count` arrivals complete a phase; records which step each completed phase carried."""
-
-    def __init__(self, count):
-        self.count, self.arrived, self.completed, self.steps, self.phase_steps = count, 0, 0, [], []
-
-    def arrive(self, step):
-        self.arrived += 1
-        self.steps.append(step)
-        if self.arrived == self.count:
-            assert len(set(self.steps)) == 1, f"one phase completed by arrivals for different steps {self.steps}"
-            self.phase_steps.append(self.steps[0])
-            self.arrived, self.steps = 0, []
-            self.completed += 1
-
-
-def _run_protocol(threads, barriers, rng):
-    """Runs straight-line barrier programs in a random interleaving, loads landing at random later times. A wait
-    passes as mbarrier.try_wait.parity does (the barrier's current phase parity differs from the one waited on).
-    Raises on a deadlock (a GPU hang), a wait that passes before its phase completed, or one whose phase carried
-    another step's tile. Ops: ("load", barrier, step), ("arrive", barrier, step), ("wait", barrier, parity, step):
-    parity None for Pallas' barriers (a per-thread phase bit that each wait flips)."""
-    pcs, tracked, pending, loaded = dict.fromkeys(threads, 0), {}, [], {}
-
-    def parity_of(thread, op):
-        return tracked.get((thread, op[1]), 0) % 2 if op[2] is None else op[2]
-
-    while True:
-        ready = []
-        for thread, ops in threads.items():
-            if pcs[thread] < len(ops):
-                op = ops[pcs[thread]]
-                if op[0] != "wait" or barriers[op[1]].completed % 2 != parity_of(thread, op):
-                    ready.append(thread)
-        if not ready and not pending:
-            stuck = {t: ops[pcs[t]] for t, ops in threads.items() if pcs[t] < len(ops)}
-            assert not stuck, f"deadlock (a hang on the GPU): {stuck}"
-            return
-        pick = rng.randrange(len(ready) + len(pending))
-        if pick >= len(ready):
-            name, step = pending.pop(pick - len(ready))
-            barriers[name].arrive(step)
-            continue
-        thread = ready[pick]
-        op = threads[thread][pcs[thread]]
-        pcs[thread] += 1
-        if op[0] == "load":
-            loaded.setdefault(op[1], []).append(op[2])
-            pending.append(op[1:])
-        elif op[0] == "arrive":
-            barriers[op[1]].arrive(op[2])
-        else:
-            _, name, parity, step = op
-            if parity is None:
-                phase = tracked.get((thread, name), 0)
-                tracked[(thread, name)] = phase + 1
-            else:  # a cp.async barrier: the kernel's parity must be that of the phase carrying this step's tile
-                assert step in loaded.get(name, []), f"{thread}'s wait on {name} passed before step {step} was loaded"
-                phase = loaded[name].index(step)
-                assert parity == phase % 2, f"{thread} waits parity {parity} for step {step}, its phase is {phase}"
-            barrier = barriers[name]
-            assert barrier.completed > phase, f"{thread}'s wait on {name} (step {step}) passed before its phase"
-            if step is not None:
-                assert barrier.phase_steps[phase] == step, f"{thread} waited {name} for step {step}, got another tile"
-
-
 def _cta_programs(first_step, cta_steps, wg_ranges, pre_steps, tail_step, uses, *, stages, tma_new_tiles,
                   page_steps=0):
     """The barrier operations of one CTA's producer and two consumer warpgroups, in the kernel's order. wg_ranges:
@@ -945,10 +880,10 @@ def _check_cta(first_step, cta_steps, wg_ranges, pre_steps, tail_step, *, stages
     programs = _cta_programs(first_step, cta_steps, wg_ranges, pre_steps, tail_step, uses, stages=stages,
                              tma_new_tiles=tma_new_tiles, page_steps=page_steps)
     for _ in range(interleavings):
-        barriers = {("free", w, s): _Barrier(2) for w in (0, 1) for s in range(stages)}
-        barriers |= {(kind, w, s): _Barrier(1) for kind in ("ready", "kv", "page") for w in (0, 1) for s in range(stages)}
-        barriers["schedule"] = _Barrier(2)
-        _run_protocol(programs, barriers, rng)
+        barriers = {("free", w, s): Barrier(2) for w in (0, 1) for s in range(stages)}
+        barriers |= {(kind, w, s): Barrier(1) for kind in ("ready", "kv", "page") for w in (0, 1) for s in range(stages)}
+        barriers["schedule"] = Barrier(2)
+        run_protocol(programs, barriers, rng)
     return interleavings
 
 

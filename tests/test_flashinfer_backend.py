@@ -538,15 +538,16 @@ def stand_in_flashinfer(monkeypatch):
 
     dtypes = {name: _TorchDtype(name) for name in ("uint8", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")}
     torch = SimpleNamespace(**dtypes, empty=lambda *a, **k: "workspace", from_numpy=_HostTensor,
-                            cuda=SimpleNamespace(synchronize=lambda: None))
+                            cuda=SimpleNamespace(synchronize=lambda: None, get_device_capability=lambda: (9, 0)))
     kinds = ("BatchAttentionWithAttentionSinkWrapper", "BatchDecodeWithPagedKVCacheWrapper",
              "BatchPrefillWithPagedKVCacheWrapper", "BatchMLAPagedAttentionWrapper")
     flashinfer = SimpleNamespace(**{kind: (lambda *a, kind=kind, **k: _RecordingWrapper(kind, *a, **k)) for kind in kinds})
     monkeypatch.setitem(sys.modules, "torch", torch)
     monkeypatch.setitem(sys.modules, "flashinfer", flashinfer)
-    from jaxattn.backends.flashinfer import FlashInferBackend
+    import jaxattn.backends.flashinfer as fi_module
 
-    return FlashInferBackend(launch="bridge")
+    monkeypatch.setattr(fi_module, "_SINK_MODULES", {})  # a fresh process's FlashInfer module cache
+    return fi_module.FlashInferBackend(launch="bridge")
 
 
 def test_sink_layers_plan_flashinfers_sink_wrapper_also_for_decode(rng, stand_in_flashinfer):
@@ -558,7 +559,7 @@ def test_sink_layers_plan_flashinfers_sink_wrapper_also_for_decode(rng, stand_in
     wrappers = {w.kind: w for w in backend._wrappers.values()}
     assert len(backend._wrappers) == 2  # layers 0 and 2 are one kind
     sink = wrappers["BatchAttentionWithAttentionSinkWrapper"]
-    assert sink.kwargs == dict(backend="auto", q_data_type="bfloat16", kv_data_type="bfloat16", head_dim_qk=64,
+    assert sink.kwargs == dict(backend="fa3", q_data_type="bfloat16", kv_data_type="bfloat16", head_dim_qk=64,
                                head_dim_vo=64, window_left=7)
     (args, kwargs), = sink.plans
     np.testing.assert_array_equal(args[0], [0, 1, 2, 3])  # qo_indptr: one query row per sequence
@@ -709,6 +710,8 @@ def test_deterministic_mode_plans_fixed_splits_and_tensor_core_decode(rng, stand
                             for layer in layers)
             if mode == ForwardMode.DECODE:
                 assert plain.kind == "BatchDecodeWithPagedKVCacheWrapper" and plain.kwargs["use_tensor_cores"] is True
+            # fa2 wrappers: 0.6.0's plans pass the fixed split size to fa2's planner only.
+            assert plain.kwargs["backend"] == sinks.kwargs["backend"] == "fa2"
             assert plain.plans[-1][1]["fixed_split_size"] == split // page_size
             assert sinks.plans[-1][1]["fixed_split_size"] == 4096 // page_size  # a prefill plan, also for decode
     plain = backend_type(launch="bridge")
@@ -740,3 +743,59 @@ def test_plans_refuse_batches_the_kernels_cannot_take(rng, field, value, message
     batch = dataclasses.replace(batch, **{field: jnp.asarray(value, jnp.int32)})
     with pytest.raises(ValueError, match=message):
         plan_arguments(batch, r2t)
+
+
+def test_wrappers_take_fa3_only_where_it_takes_the_layer(rng, stand_in_flashinfer, monkeypatch):
+    # FlashInfer 0.6.0's backend="auto" picks fa3 on sm_90 whatever the dtypes and head dims: the backend names fa2
+    # where fa3 would fail (16-bit q over an fp8 pool, head dims other than 64/128/256) and off Hopper.
+    import jaxattn.backends.flashinfer as fi_module
+
+    backend = stand_in_flashinfer
+    extend, r2t = make_batch(rng, ForwardMode.EXTEND, [10, 3], [4, 3], 8)
+    decode, _ = make_batch(rng, ForwardMode.DECODE, [10, 3], [1, 1], 2)
+
+    def built(layer, batch, kv_dtype=jnp.bfloat16):
+        backend.plan(batch, r2t, [layer], kv_dtype=kv_dtype)
+        return backend._wrappers[backend._key(batch.mode, backend.layer_kind(layer), jnp.bfloat16, kv_dtype)].kwargs
+
+    assert built(AttentionLayer(0, 8, 2, 128), extend)["backend"] == "fa3"
+    assert built(AttentionLayer(0, 8, 2, 128, k_scale=0.5), extend, jnp.float8_e4m3fn)["backend"] == "fa2"
+    assert built(AttentionLayer(0, 8, 2, 96), extend)["backend"] == "fa2"
+    assert built(AttentionLayer(0, 8, 2, 96, has_sinks=True), extend)["backend"] == "fa2"
+    decode_kwargs = built(AttentionLayer(0, 8, 2, 128), decode)
+    assert decode_kwargs["backend"] == "fa3" and decode_kwargs["use_tensor_cores"] is True  # a group of 4
+    assert fi_module.fa3_declines(jnp.bfloat16, jnp.float8_e5m2, 128, 128).startswith("fa3 takes no bfloat16 q")
+    assert "64, 128, 256" in fi_module.fa3_declines(jnp.bfloat16, jnp.bfloat16, 192, 128)
+    assert fi_module.fa3_declines(jnp.float16, jnp.float16, 256, 256) is None
+    assert fi_module.attention_backend(jnp.bfloat16, jnp.bfloat16, 128, 128, deterministic=False, hopper=False) == "fa2"
+    monkeypatch.setattr(backend.torch.cuda, "get_device_capability", lambda: (8, 0))
+    assert type(backend)(launch="bridge").hopper is False
+
+
+def test_layers_with_two_head_dims_are_refused_unless_mla(rng, stand_in_flashinfer):
+    # 0.6.0's paged kernels read K and V pages of one stride and decode takes one head dim: a 192/128 layer over
+    # separate pools would fail inside FlashInfer; MLA's 576/512 latent layer takes its own wrapper.
+    extend, r2t = make_batch(rng, ForwardMode.EXTEND, [10, 3], [4, 3], 8)
+    with pytest.raises(NotImplementedError, match="layer 5: .*one head dim .* 192/128"):
+        stand_in_flashinfer.plan(extend, r2t, [AttentionLayer(5, 8, 8, 192, v_head_dim=128)])
+    stand_in_flashinfer.plan(extend, r2t, [MLA_LAYER])
+
+
+def test_sink_layers_of_one_flashinfer_module_name_are_one_configuration(rng, stand_in_flashinfer):
+    # FlashInfer 0.6.0 names a sink module by q's dtype, window or not and backend only: a second pool dtype or head
+    # dim under the same name would load the first's library; refused, naming the name. Another window kind, another
+    # q dtype or the same configuration again are fine.
+    backend = stand_in_flashinfer
+    batch, r2t = make_batch(rng, ForwardMode.EXTEND, [10, 3], [4, 3], 8)
+    layer = AttentionLayer(0, 8, 2, 64, has_sinks=True)
+    backend.plan(batch, r2t, [layer, dataclasses.replace(layer, layer_id=1, sliding_window=100)])
+    backend.plan(batch, r2t, [layer], q_dtype=jnp.float16, kv_dtype=jnp.float16)
+    type(backend)(launch="bridge").plan(batch, r2t, [layer])
+    with pytest.raises(NotImplementedError, match="'batch_prefill_attention_sink_bf16_swa_False_fa3'.* head dims 64/64"):
+        backend.plan(batch, r2t, [AttentionLayer(2, 8, 2, 128, has_sinks=True)])
+    # An fp8 pool's sink layers take fa2 (fa3 declines them): another name on Hopper; in deterministic mode (fa2
+    # throughout) the same name as the 16-bit pool's.
+    backend.plan(batch, r2t, [dataclasses.replace(layer, k_scale=0.5)], kv_dtype=jnp.float8_e4m3fn)
+    with pytest.raises(NotImplementedError, match="a bfloat16 pool .*_fa2'.* a float8_e4m3fn pool"):
+        type(backend)(launch="bridge", deterministic=True).plan(batch, r2t, [layer])
+

@@ -325,9 +325,59 @@ def sink_variant_args(sinks, sm_scale: float, k_scale=None) -> tuple:
 # Deterministic mode (`FlashInferBackend(deterministic=True)`), as SGLang's FlashInfer backend runs it: FA2's split-KV
 # at a fixed split size (in tokens here; FlashInfer counts pages), so a sequence's partials and their merge do not
 # depend on the rest of the batch (SGLANG_FLASHINFER_{PREFILL,DECODE}_SPLIT_TILE_SIZE's defaults), and tensor-core
-# decode (FlashInfer's fixed split size is implemented there only, flashinfer 0.6.0 decode.py plan()).
+# decode (FlashInfer's fixed split size is implemented there only, flashinfer 0.6.0 decode.py plan()). Its plans pass
+# the split size to fa2's planner only (0.6.0 prefill.py / decode.py plan(): `if self._backend == "fa2"`), so the
+# deterministic wrappers are fa2 ones (`attention_backend`).
 DETERMINISTIC_PREFILL_SPLIT_TOKENS = 4096
 DETERMINISTIC_DECODE_SPLIT_TOKENS = 2048
+
+
+# FlashInfer 0.6.0's Hopper (fa3) prefill: what it takes. Its backend="auto" picks fa3 on sm_90 without asking
+# (utils.py is_fa3_backend_supported checks positional encoding, fp16 reductions and custom masks only), so the
+# backend names fa2 wherever fa3 would fail: head dims (hopper/prefill_sm90.cuh asserts HEAD_DIM_VO in 64/128/256),
+# and 16-bit q over an fp8 pool (fa3's fp8 kernels want fp8 q: the bf16-q / e4m3-KV module failed to build on the
+# H200, benchmarks/results/2026-12-03_h200_extend_fp8_b45b5d5.log).
+FA3_HEAD_DIMS = (64, 128, 256)
+
+
+def fa3_declines(q_dtype, kv_dtype, head_dim: int, dv: int) -> str | None:
+    """Why FlashInfer's fa3 prefill cannot take a call of these dtypes and head dims, or None."""
+    if jnp.dtype(q_dtype) != jnp.dtype(kv_dtype):
+        return (f"fa3 takes no {jnp.dtype(q_dtype).name} q over a {jnp.dtype(kv_dtype).name} pool (its fp8 kernels "
+                "want fp8 q)")
+    if head_dim != dv or head_dim not in FA3_HEAD_DIMS:
+        return f"fa3 takes head dims {FA3_HEAD_DIMS} (qk = vo) only; got {head_dim}/{dv}"
+    return None
+
+
+def attention_backend(q_dtype, kv_dtype, head_dim: int, dv: int, *, deterministic: bool, hopper: bool) -> str:
+    """The `backend` FlashInferBackend builds its paged-prefill, sink and decode wrappers with: "fa3" on Hopper
+    (sm_90) where it takes the call, else "fa2"; "fa2" in deterministic mode (the fixed split size is fa2's). Decode
+    wrappers use it for their tensor-core path only."""
+    if not hopper or deterministic or fa3_declines(q_dtype, kv_dtype, head_dim, dv):
+        return "fa2"
+    return "fa3"
+
+
+# FlashInfer 0.6.0 names a sink wrapper's JIT module by q's dtype, window or not, and backend only (attention.py,
+# BatchAttentionWithAttentionSinkWrapper: "batch_prefill_attention_sink_{q}_swa_{window}_{backend}"), not by the pool's
+# dtype or the head dims: a second configuration under one name would build over the first's library, which the
+# process has already loaded. Process-wide, as FlashInfer's module cache is: name -> (pool dtype, head dims).
+_SINK_MODULES: dict[str, tuple] = {}
+
+
+def claim_sink_module(q_name: str, kv_name: str, head_dim: int, dv: int, window: int, backend: str) -> None:
+    """Records the sink module FlashInfer will build for this configuration; NotImplementedError if the process
+    already holds another configuration under the same module name."""
+    short = {"bfloat16": "bf16", "float16": "f16"}[q_name]  # 0.6.0 jit/utils.py filename_safe_dtype_map
+    name = f"batch_prefill_attention_sink_{short}_swa_{window >= 0}_{backend}"
+    config = (kv_name, head_dim, dv)
+    held = _SINK_MODULES.setdefault(name, config)
+    if held != config:
+        raise NotImplementedError(
+            f"FlashInfer 0.6.0 builds sink layers of a {kv_name} pool with head dims {head_dim}/{dv} under the module "
+            f"name {name!r}, which this process already loaded for a {held[0]} pool with head dims {held[1]}/{held[2]} "
+            "(its name omits both): run the other configuration in its own process, or use TritonBackend")
 
 
 # FlashInfer's MLA wrapper (`BatchMLAPagedAttentionWrapper`) takes DeepSeek's absorbed shape: one latent kv head of
@@ -421,8 +471,11 @@ class FlashInferBackend:
 
     deterministic: batch-invariant outputs as SGLang's deterministic inference gets them from FlashInfer: every plan
     takes a fixed split size (`DETERMINISTIC_PREFILL_SPLIT_TOKENS` / `DETERMINISTIC_DECODE_SPLIT_TOKENS`, in pages of
-    the plan's page size) and decode runs on tensor cores (use_tensor_cores=False is refused); MLA layers are refused
-    (FlashInfer's MLA wrapper has no fixed split size).
+    the plan's page size) on fa2 wrappers (the split size is fa2's) and decode runs on tensor cores
+    (use_tensor_cores=False is refused); MLA layers are refused (FlashInfer's MLA wrapper has no fixed split size).
+
+    Wrappers take fa3 (FlashInfer's Hopper kernels) where it takes the layer and dtypes, fa2 otherwise
+    (`attention_backend`); layers whose V head dim differs from K's are refused unless they are MLA layers.
     """
 
     name = "flashinfer"
@@ -434,6 +487,7 @@ class FlashInferBackend:
                              "there only): leave use_tensor_cores None or True")
         self.torch, self.flashinfer = _require_flashinfer()
         self.deterministic = deterministic
+        self.hopper = self.torch.cuda.get_device_capability()[0] == 9  # where FlashInfer's fa3 kernels run
         self.launch = choose_launch(launch)  # "ffi" | "bridge"
         self._ffi = FfiLauncher(flashinfer_version=self.flashinfer.__version__) if self.launch == "ffi" else None
         self.workspace = self.torch.empty(workspace_bytes, dtype=self.torch.uint8, device="cuda")
@@ -453,27 +507,31 @@ class FlashInferBackend:
     def _key(mode: ForwardMode, kind, q_dtype, kv_dtype) -> tuple:
         return (mode, kind, *plan_dtype_names(q_dtype, kv_dtype))
 
-    def _wrapper(self, mode: ForwardMode, kind, kv_dtype, q_t, kv_t, key):
-        """The wrapper under `key`, built when missing: kv_dtype the pool's (JAX) dtype, q_t / kv_t the torch dtypes of
-        q and the pool."""
+    def _wrapper(self, mode: ForwardMode, kind, q_dtype, kv_dtype, q_t, kv_t, key):
+        """The wrapper under `key`, built when missing: q_dtype / kv_dtype the (JAX) dtypes of q and the pool, q_t /
+        kv_t their torch dtypes."""
         window, _, _, _, q_heads, kv_heads, head_dim, dv, sinks = kind
         fi = self.flashinfer
+        backend = attention_backend(q_dtype, kv_dtype, head_dim, dv, deterministic=self.deterministic,
+                                    hopper=self.hopper)
         if key in self._wrappers:
             pass
         elif _mla_kind(kind):
             self._wrappers[key] = fi.BatchMLAPagedAttentionWrapper(self.workspace, backend="auto")
         elif sinks:  # built for its dtypes, head dims and window (FlashInfer JIT-compiles the variant for them)
+            claim_sink_module(*plan_dtype_names(q_dtype, kv_dtype), head_dim, dv, window, backend)
             self._wrappers[key] = fi.BatchAttentionWithAttentionSinkWrapper(
-                self.workspace, "NHD", backend="auto", q_data_type=q_t, kv_data_type=kv_t, head_dim_qk=head_dim,
+                self.workspace, "NHD", backend=backend, q_data_type=q_t, kv_data_type=kv_t, head_dim_qk=head_dim,
                 head_dim_vo=dv, window_left=window)
         else:
             if mode == ForwardMode.DECODE:
                 tc = self.use_tensor_cores
                 if tc is None:
                     tc = self.deterministic or should_use_tensor_cores(kv_dtype, q_heads, kv_heads)
-                self._wrappers[key] = fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=tc)
+                self._wrappers[key] = fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=tc,
+                                                                            backend=backend)
             else:
-                self._wrappers[key] = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="auto")
+                self._wrappers[key] = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=backend)
         return self._wrappers[key]
 
     def plan(self, batch: ForwardBatch, req_to_token, layers, *, q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16) -> FlashInferMetadata:
@@ -494,6 +552,11 @@ class FlashInferBackend:
                 if self.deterministic:
                     raise NotImplementedError(f"layer {layer.layer_id}: FlashInfer's MLA wrapper has no fixed split size "
                                               "(deterministic=True); use TritonBackend's deterministic mode for MLA")
+            elif layer.dv != layer.head_dim:
+                # 0.6.0's paged kernels read K and V pages of one stride (batch_prefill.cu, batch_prefill_sm90.cu)
+                # and decode takes one head dim (batch_decode.cu).
+                raise NotImplementedError(f"layer {layer.layer_id}: FlashInfer's paged kernels take K and V of one head "
+                                          f"dim over separate pools; got {layer.head_dim}/{layer.dv} (use TritonBackend)")
             if layer.has_sinks and layer.logit_cap > 0:
                 raise NotImplementedError(f"layer {layer.layer_id}: FlashInfer's sink-aware wrapper takes no soft cap; "
                                           "use TritonBackend for layers with sinks and a soft cap")
@@ -513,7 +576,7 @@ class FlashInferBackend:
                 args["kv_len"] = ((pages - 1) * page_size + args.pop("kv_last_page_len")).astype(np.int32)
             dev = {k: torch.from_numpy(v).cuda() for k, v in args.items()}
             key = self._key(batch.mode, kind, q_dtype, kv_dtype)
-            wrapper = self._wrapper(batch.mode, kind, kv_dtype, q_t, kv_t, key)
+            wrapper = self._wrapper(batch.mode, kind, q_dtype, kv_dtype, q_t, kv_t, key)
             rows = args["qo_indptr"][-1] if "qo_indptr" in args else len(args["kv_last_page_len"])  # decode: one each
             self._planned_rows[key] = int(rows)
             common = dict(logits_soft_cap=cap if cap > 0 else None, sm_scale=scale, q_data_type=q_t, kv_data_type=kv_t)

@@ -331,6 +331,14 @@ def extend_flashinfer(inp: Inputs, backend: str, through_jax: bool = False):
         raise Skip("FlashInfer's paged prefill needs K and V pages of one stride (equal head dims)")
     if case.tree and backend == "fa3":
         raise Skip("FlashInfer's fa3 prefill takes no custom mask (row flashinfer-fa2)")
+    if backend == "fa3":
+        import jax.numpy as jnp
+
+        from jaxattn.backends.flashinfer import fa3_declines
+
+        reason = fa3_declines(jnp.bfloat16, jnp.dtype(case.kv_dtype), case.head_dim, case.dv)
+        if reason:
+            raise Skip(f"{reason} (row flashinfer-fa2)")
     if case.fp8 and through_jax:
         raise Skip("the bridge rows time bf16 pools")
     flashinfer, torch, tv, workspace = flashinfer_session(inp, workspace_mb=512)

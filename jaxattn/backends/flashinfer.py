@@ -55,8 +55,9 @@ def _require_flashinfer():
 
 def should_use_tensor_cores(kv_dtype, q_heads: int, kv_heads: int) -> bool:
     """FlashInfer decode's kernel choice: SGLang's rule for 16-bit KV (tensor cores with >= 4 query heads per KV head);
-    fp8 KV without them, unlike SGLang: with flashinfer 0.6.0 on the H200 image the tensor-core (prefill) module for
-    bf16 q and e4m3 KV fails to build, while the plain decode kernel runs it (D1 0.486 ms, benchmarks/RESULTS.md)."""
+    fp8 KV without them, unlike SGLang: the plain decode kernel runs it on the H200 image (D1 0.486 ms,
+    benchmarks/RESULTS.md), while the tensor-core (prefill) module for bf16 q and e4m3 KV that failed to build there
+    was fa3's (`backend="auto"`); fa2's (what `attention_backend` now names for it) has not been timed."""
     if is_fp8(kv_dtype):
         return False
     if jnp.dtype(kv_dtype) in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):

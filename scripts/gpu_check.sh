@@ -6,7 +6,9 @@
 #        STRESS=1000 to also run scripts/stress.py with that many batches per op (over STRESS_WORKERS processes,
 #        with STRESS_ARGS added to its flags), BACKEND_STRESS=100 to run scripts/stress_backends.py (TritonBackend and
 #        FlashInferBackend against ReferenceBackend, that many random batches per profile, BACKEND_STRESS_ARGS added),
-#        SANITIZE=1 to run the hostile-input tests on compiled kernels under compute-sanitizer's memcheck, ALL=1 to run the whole suite
+#        SANITIZE=1 to run the hostile-input tests on compiled kernels under compute-sanitizer's memcheck,
+#        PTXAS=1 to have Mosaic GPU write each kernel's ptxas report (registers, spills, setmaxnreg) under $OUT/mosaic,
+#        ALL=1 to run the whole suite
 #        except interpreter-only cases instead of `-m gpu`: backends, end-to-end, checked mode and properties then
 #        run on the compiled kernels too; with pytest-xdist among the carried wheels the tests run in 8 processes)
 set -uo pipefail
@@ -14,6 +16,9 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+if [ -n "${PTXAS:-}" ]; then  # jaxlib's Mosaic GPU compiler reads these (MOSAIC_GPU_DUMP_*)
+  mkdir -p "$OUT/mosaic" && export MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$OUT/mosaic"
+fi
 # FlashInfer's JIT-built kernels from an earlier run, if carried (nvcc takes 12-95 s per kernel otherwise).
 if [ -f .ficache/flashinfer.tgz ]; then mkdir -p ~/.cache && tar xzf .ficache/flashinfer.tgz -C ~/.cache; fi
 if ls .whl/*.whl >/dev/null 2>&1; then

@@ -59,7 +59,8 @@ def choose_launch(requested: str | None = None, *, available: bool | None = None
     at D1-D3 (records 2026-12-03_h200_flashinfer_ffi_11e9d5a.*). Not diagnosed: flashinfer 0.6.0's fa2 and fa3
     epilogues write no row past qo_indptr[-1] (prefill.cuh, hopper/epilogue.cuh), and the backend zeroes those rows
     after the call, so the values came from outside the kernels (an ordering race between the launch's stream and
-    XLA's is the first suspect). Asking for "ffi" without the wheel raises ImportError naming it."""
+    XLA's is the first suspect: `benchmarks/experiments/ffi_padding_rows.py` tests it). Asking for "ffi" without the
+    wheel raises ImportError naming it."""
     requested = requested or os.environ.get(LAUNCH_ENV) or "bridge"
     if requested == "auto":
         return "bridge"

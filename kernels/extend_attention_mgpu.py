@@ -344,7 +344,11 @@ def issue_pages(pool_ref, smem, bars, starts, slot, barrier, kv_head, *, page_ro
     phase (the kernel's page_issue="inline"; "pallas" issues one Pallas copy per page, each with a warpgroup barrier
     and its own arrival).
     """
+    if pool_ref.dtype.itemsize != 2:  # the SWIZZLED (8, 64) tiles and the byte count below are 16-bit ones
+        raise ValueError(f"issue_pages copies 16-bit pools; got {pool_ref.dtype}")
     tile_bytes = len(starts) * page_rows * head_dim * 2
+    if tile_bytes % (WARPGROUP * 16):  # each producer thread expects an equal, 16-byte-granular share
+        raise ValueError(f"a tile of {tile_bytes} bytes does not split into {WARPGROUP} equal shares")
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(SWIZZLED), plgpu.RefType()) + (_SCALAR,) * (3 + len(starts)))
     def run(ctx, pool, smem, bars, slot, barrier, kv_head, *starts):

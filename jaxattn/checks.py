@@ -92,22 +92,50 @@ def check_window(name: str, value) -> None:
         raise ValueError(f"{name} must be -1 (no window) or a static int >= 0; got {value!r}")
 
 
+def _static_float(value) -> float | None:
+    """value as the float32 the kernels compute with, or None if it is not a static real number (bools are not)."""
+    if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, (bool, np.bool_)):
+        return None
+    with np.errstate(over="ignore"):
+        return float(np.float32(value))
+
+
 def check_sm_scale(sm_scale) -> None:
-    """None (1 / sqrt(qk_head_dim)) or a finite float > 0: a zero, negative or NaN scale would turn the masked scores'
-    -inf into NaN or +inf, which no mask removes."""
+    """None (1 / sqrt(qk_head_dim)) or a float > 0 that is finite in float32 (the kernels' arithmetic): a zero,
+    negative, NaN or overflowing scale would turn the masked scores' -inf into NaN or +inf, which no mask removes."""
     if sm_scale is None:
         return
-    if (not isinstance(sm_scale, (int, float, np.integer, np.floating)) or isinstance(sm_scale, bool)
-            or not np.isfinite(sm_scale) or not sm_scale > 0):
-        raise ValueError(f"sm_scale must be None (1 / sqrt(qk_head_dim)) or a finite float > 0; got {sm_scale!r}")
+    value = _static_float(sm_scale)
+    if value is None or not np.isfinite(value) or not value > 0:
+        raise ValueError(f"sm_scale must be None (1 / sqrt(qk_head_dim)) or a float > 0, finite in float32; got "
+                         f"{sm_scale!r}")
+
+
+def check_flag(name: str, value) -> None:
+    """A static on/off argument: a bool (None or a string would silently pick one meaning)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be a bool (a static flag); got {value!r}")
 
 
 def check_score_options(logit_cap, xai_temperature_len) -> None:
-    """logit_cap >= 0 (0: off); xai_temperature_len <= 0 (off) or >= 2 (log2(len) is the divisor)."""
-    if not isinstance(logit_cap, (int, float, np.integer, np.floating)) or not logit_cap >= 0 or not np.isfinite(logit_cap):
-        raise ValueError(f"logit_cap must be a finite float >= 0 (0: no soft cap); got {logit_cap!r}")
+    """logit_cap >= 0 (0: off), finite in float32; xai_temperature_len <= 0 (off) or >= 2 (log2(len) is the
+    divisor)."""
+    value = _static_float(logit_cap)
+    if value is None or not value >= 0 or not np.isfinite(value):
+        raise ValueError(f"logit_cap must be a float >= 0, finite in float32 (0: no soft cap); got {logit_cap!r}")
     if not isinstance(xai_temperature_len, (int, np.integer)) or xai_temperature_len == 1:
         raise ValueError(f"xai_temperature_len must be an int, <= 0 (off) or >= 2 (scores scale by log2(pos) / log2(len)); got {xai_temperature_len!r}")
+
+
+def check_pool_extent(name: str, pool) -> None:
+    """A KV pool [slots, kv_heads, ...] has at least one slot (slot 0: the padding slot the kernels read for any index
+    out of range) and one kv head."""
+    slots, kv_heads = pool.shape[:2]
+    if slots < 1:
+        raise ValueError(f"{name} must have at least one slot (slot 0 is the padding slot out-of-range indices read); "
+                         f"got shape {tuple(pool.shape)}")
+    if kv_heads < 1:
+        raise ValueError(f"{name}.shape[1] (kv_heads) must be >= 1; got shape {tuple(pool.shape)}")
 
 
 def check_heads(q_heads, kv_heads) -> None:
@@ -188,6 +216,7 @@ def check_attention_args(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, si
     check_array("q", q, ndim=3, dtypes=FLOAT_DTYPES, what="[tokens, q_heads, qk_head_dim]")
     tokens, q_heads, qk_dim = q.shape
     check_array("k_pool", k_pool, ndim=3, what="[slots, kv_heads, qk_head_dim]")
+    check_pool_extent("k_pool", k_pool)
     slots, kv_heads, _ = k_pool.shape
     check_array("k_pool", k_pool, shape=(None, None, qk_dim), what="[slots, kv_heads, qk_head_dim] (qk_head_dim of q)")
     check_array("v_pool", v_pool, shape=(slots, kv_heads, None), what="[slots, kv_heads, v_head_dim]")
@@ -195,7 +224,8 @@ def check_attention_args(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, si
         raise ValueError(f"q_heads ({q_heads}, q.shape[1]) must be a multiple of kv_heads ({kv_heads}, k_pool.shape[1])")
     check_array("qo_indptr", qo_indptr, ndim=1, dtypes=INDEX_DTYPES, what="[batch + 1]")
     batch = qo_indptr.shape[0] - 1
-    check_array("kv_indptr", kv_indptr, shape=(batch + 1,), dtypes=INDEX_DTYPES, what="[batch + 1]")
+    check_array("kv_indptr", kv_indptr, shape=(batch + 1,), dtypes=INDEX_DTYPES,
+                what=f"[batch + 1], batch = qo_indptr.shape[0] - 1 = {batch} (one of the two has the wrong length)")
     check_array("kv_indices", kv_indices, ndim=1, dtypes=INDEX_DTYPES, what="[kv_capacity]")
     check_sinks(sinks, q_heads)
     if custom_mask is not None:
@@ -239,17 +269,20 @@ def check_decode_args(q, k_pool, v_pool, meta, *, meta_type, sinks, v_head_dim, 
         tokens = 1
     check_array("k_pool", k_pool, ndim=3, what="[slots, kv_heads, qk_head_dim]")
     check_pool_dtype("k_pool", k_pool, q.dtype)
+    check_pool_extent("k_pool", k_pool)
     slots, kv_heads, _ = k_pool.shape
     check_array("k_pool", k_pool, shape=(None, None, qk_dim), what="[slots, kv_heads, qk_head_dim] (qk_head_dim of q)")
     if v_pool is None:
         if v_scale is not None:
             raise ValueError("v_scale must be None when v_pool is None: V is part of K's buffer, scaled by k_scale")
         v_head_dim = MLA_V_HEAD_DIMS.get(qk_dim) if v_head_dim is None else v_head_dim
-        if v_head_dim is None or not 0 < v_head_dim <= qk_dim:
+        if (not isinstance(v_head_dim, (int, np.integer)) or isinstance(v_head_dim, (bool, np.bool_))
+                or not 0 < v_head_dim <= qk_dim):
             raise ValueError(
-                f"v_head_dim must be given (0 < v_head_dim <= qk_head_dim = {qk_dim}) when v_pool is None "
+                f"v_head_dim must be given as an int (0 < v_head_dim <= qk_head_dim = {qk_dim}) when v_pool is None "
                 f"(V = the first v_head_dim dims of K); got {v_head_dim!r}"
             )
+        v_head_dim = int(v_head_dim)
     else:
         check_array("v_pool", v_pool, shape=(slots, kv_heads, None), what="[slots, kv_heads, v_head_dim]")
         check_pool_dtype("v_pool", v_pool, q.dtype)
@@ -282,8 +315,11 @@ def check_decode_args(q, k_pool, v_pool, meta, *, meta_type, sinks, v_head_dim, 
 
 
 def check_extend_args(q, k_pool, v_pool, meta, *, meta_type, builder, custom_mask, sinks, sliding_window, config=None,
-                      config_types=(), logit_cap=0.0, xai_temperature_len=-1, sm_scale=None, k_scale=None, v_scale=None):
+                      config_types=(), logit_cap=0.0, xai_temperature_len=-1, sm_scale=None, k_scale=None, v_scale=None,
+                      causal=True, skip_prefix_custom_mask=True):
     """The arguments both extend forms share (`extend_attention`, `extend_attention_unified`). Returns the batch."""
+    check_flag("causal", causal)
+    check_flag("skip_prefix_custom_mask", skip_prefix_custom_mask)
     check_array("q", q, ndim=3, dtypes=FLOAT_DTYPES, what="[tokens, q_heads, qk_head_dim]")
     check_meta(meta, meta_type, builder)
     batch, _ = check_attention_args(q, k_pool, v_pool, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, sinks, custom_mask,
@@ -389,6 +425,15 @@ def check_page_args(req_to_page, page_size, num_slots) -> None:
                          "pages are page-aligned runs of slots")
     if num_slots > MAX_SLOTS:
         raise ValueError(f"num_slots must be at most {MAX_SLOTS} (slots are int32); got {num_slots}")
+
+
+def check_split_knobs(split_tile_size, min_split_len, programs_per_sm, num_sms) -> None:
+    """The split heuristic's static knobs (`decode_metadata`): positive ints (num_sms None: the device's)."""
+    check_positive_int("split_tile_size", split_tile_size)
+    check_positive_int("min_split_len", min_split_len)
+    check_positive_int("programs_per_sm", programs_per_sm)
+    if num_sms is not None:
+        check_positive_int("num_sms", num_sms)
 
 
 def check_split_args(max_kv_splits, deterministic, split_tile_size, max_context_len) -> None:

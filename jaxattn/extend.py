@@ -165,7 +165,7 @@ def extend_attention(
     check_extend_args(q, k_pool, v_pool, meta, meta_type=ExtendMetadata, builder="extend_metadata", custom_mask=custom_mask,
                       sinks=sinks, sliding_window=sliding_window, config=config, config_types=CONFIG_TYPES,
                       logit_cap=logit_cap, xai_temperature_len=xai_temperature_len, sm_scale=sm_scale,
-                      k_scale=k_scale, v_scale=v_scale)
+                      k_scale=k_scale, v_scale=v_scale, causal=causal, skip_prefix_custom_mask=skip_prefix_custom_mask)
     check_new_tokens(q, k_new, v_new, k_pool, v_pool)
     call = _call("two_stage", q, k_new, v_new, k_pool, v_pool, meta, meta.kv_start_pos, causal=causal,
                  custom_mask=custom_mask, skip_prefix_custom_mask=skip_prefix_custom_mask, sliding_window=sliding_window,
@@ -219,7 +219,8 @@ def extend_attention_unified(
       tile a token's row is bit-identical however its sequence is split into prefix and new tokens.
     """
     kv_start_pos = _unified_start_pos(q, k_pool, v_pool, meta, custom_mask, sinks, sliding_window, config, logit_cap,
-                                      xai_temperature_len, kv_start_pos, window_start_pos, sm_scale, k_scale, v_scale)
+                                      xai_temperature_len, kv_start_pos, window_start_pos, sm_scale, k_scale, v_scale,
+                                      causal=causal)
     call = _call("unified", q, None, None, k_pool, v_pool, meta, kv_start_pos, causal=causal, custom_mask=custom_mask,
                  skip_prefix_custom_mask=False, sliding_window=sliding_window, logit_cap=logit_cap, sinks=sinks,
                  xai_temperature_len=xai_temperature_len, sm_scale=sm_scale, config=config,
@@ -228,12 +229,13 @@ def extend_attention_unified(
 
 
 def _unified_start_pos(q, k_pool, v_pool, meta, custom_mask, sinks, sliding_window, config, logit_cap,
-                       xai_temperature_len, kv_start_pos, window_start_pos, sm_scale=None, k_scale=None, v_scale=None):
+                       xai_temperature_len, kv_start_pos, window_start_pos, sm_scale=None, k_scale=None, v_scale=None,
+                       causal=True):
     """Checks the unified form's arguments; returns the start positions it uses."""
     batch = check_extend_args(q, k_pool, v_pool, meta, meta_type=ExtendUnifiedMetadata, builder="extend_unified_metadata",
                               custom_mask=custom_mask, sinks=sinks, sliding_window=sliding_window, config=config,
                               config_types=CONFIG_TYPES, logit_cap=logit_cap, xai_temperature_len=xai_temperature_len,
-                              sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale)
+                              sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale, causal=causal)
     check_array("meta.prefix_lens", meta.prefix_lens, shape=(batch,), dtypes=INDEX_DTYPES, what="[batch]")
     name = "kv_start_pos"
     if window_start_pos is not None:
@@ -265,7 +267,8 @@ def extend_attention_reference(
     check_extend_draft_mask(q, draft_mask, custom_mask)
     check_extend_args(q, k_pool, v_pool, meta, meta_type=ExtendMetadata, builder="extend_metadata", custom_mask=custom_mask,
                       sinks=sinks, sliding_window=sliding_window, logit_cap=logit_cap,
-                      xai_temperature_len=xai_temperature_len, k_scale=k_scale, v_scale=v_scale)
+                      xai_temperature_len=xai_temperature_len, k_scale=k_scale, v_scale=v_scale, causal=causal,
+                      skip_prefix_custom_mask=skip_prefix_custom_mask)
     check_new_tokens(q, k_new, v_new, k_pool, v_pool)
     tokens, slots, capacity = q.shape[0], k_pool.shape[0], meta.kv_capacity
     scales = kv_scale_table(k_scale, v_scale, v_pool.shape[1])
@@ -300,7 +303,8 @@ def extend_attention_unified_reference(
     """Pure-jnp twin of `extend_attention_unified` (`config`, `launch_mode`, `impl` ignored)."""
     del launch_mode, impl, mode
     start_pos = _unified_start_pos(q, k_pool, v_pool, meta, custom_mask, sinks, sliding_window, config, logit_cap,
-                                   xai_temperature_len, kv_start_pos, window_start_pos, k_scale=k_scale, v_scale=v_scale)
+                                   xai_temperature_len, kv_start_pos, window_start_pos, k_scale=k_scale, v_scale=v_scale,
+                                   causal=causal)
     return ragged_paged_attention_reference(
         q, k_pool, v_pool, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, causal=causal,
         custom_mask=None if custom_mask is None else custom_mask.astype(bool),

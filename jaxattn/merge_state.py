@@ -16,6 +16,8 @@ from jaxattn.launch import launch
 def _check_merge_args(o1, lse1, o2, lse2):
     check_array("o1", o1, ndim=3, dtypes=FLOAT_DTYPES, what="[tokens, heads, head_dim]")
     tokens, heads, head_dim = o1.shape
+    if head_dim < 1:
+        raise ValueError(f"o1 must have head_dim >= 1 [tokens, heads, head_dim]; got shape {tuple(o1.shape)}")
     check_array("lse1", lse1, shape=(tokens, heads), dtypes=FLOAT_DTYPES, what="[tokens, heads]")
     check_array("o2", o2, shape=o1.shape, dtypes=(o1.dtype,), what="[tokens, heads, head_dim] like o1")
     check_array("lse2", lse2, shape=(tokens, heads), dtypes=FLOAT_DTYPES, what="[tokens, heads]")

@@ -38,6 +38,7 @@ from jaxattn.checks import (
     check_heads,
     check_positive_int,
     check_split_args,
+    check_split_knobs,
     check_window,
     launch_mode_argument,
 )
@@ -207,6 +208,9 @@ class DecodeMetadata:
     max_kv_len: int | None = dataclasses.field(default=None, metadata=dict(static=True))  # bound on listed keys per sequence
 
     def __post_init__(self):
+        if isinstance(self.kv_indptr, (list, tuple)):  # pytree rebuilds pass arrays, tracers or placeholders
+            raise ValueError("DecodeMetadata's index fields must be arrays (see decode_metadata / "
+                             f"decode_metadata_from_indptr); got kv_indptr as a {type(self.kv_indptr).__name__}")
         if isinstance(self.kv_indptr, (jax.Array, np.ndarray)) and hasattr(self.kv_indptr, "shape"):
             check_array("kv_indptr", self.kv_indptr, ndim=1, dtypes=INDEX_DTYPES, what="[max_batch + 1]")
             batch = self.kv_indptr.shape[0] - 1
@@ -332,6 +336,9 @@ def decode_metadata(
     check_window("sliding_window", sliding_window)
     if max_context_len is not None:
         check_positive_int("max_context_len", max_context_len)
+    elif req_to_token.shape[1] < 1:
+        raise ValueError(f"req_to_token must have at least one column (its width is the default max_context_len); got "
+                         f"shape {tuple(req_to_token.shape)}")
     offsets = row_token_offsets(token_offsets, req_pool_indices.shape[0])
     seq_lens = jnp.maximum(seq_lens.astype(jnp.int32), 0)
     listed = decode_listed_keys(seq_lens, sliding_window)
@@ -384,11 +391,14 @@ def decode_metadata_from_indptr(
       Others: see `decode_metadata`.
     """
     check_array("kv_indptr", kv_indptr, ndim=1, dtypes=INDEX_DTYPES, what="[max_batch + 1]")
+    if kv_indptr.shape[0] < 1:
+        raise ValueError("kv_indptr must have max_batch + 1 >= 1 entries [max_batch + 1]; got shape (0,)")
     check_array("kv_indices", kv_indices, ndim=1, dtypes=INDEX_DTYPES, what="[kv_capacity]")
     batch = kv_indptr.shape[0] - 1
     if seq_lens is not None:
         check_array("seq_lens", seq_lens, shape=(batch,), dtypes=INDEX_DTYPES, what="[max_batch]")
     check_heads(q_heads, kv_heads)
+    check_split_knobs(split_tile_size, min_split_len, programs_per_sm, num_sms)
     check_window("sliding_window", sliding_window)
     if max_context_len is not None:
         check_positive_int("max_context_len", max_context_len)

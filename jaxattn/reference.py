@@ -179,7 +179,9 @@ def ragged_paged_attention_reference(
         if sinks is not None:
             sink = sinks.astype(jnp.float32).reshape(kv_heads, group)[:, :, None, None]
             row_max = jnp.maximum(row_max, sink)
-        row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+        # An empty row's -inf max becomes 0 (its p are 0); +inf (an infinite sink or score) and NaN stay, so their
+        # rows come out NaN as in the kernels.
+        row_max = jnp.where(row_max == -jnp.inf, 0.0, row_max)
         p = jnp.exp(s - row_max)
         denominator = jnp.sum(p, axis=-1, keepdims=True)
         if sinks is not None:
@@ -189,11 +191,12 @@ def ragged_paged_attention_reference(
         # scale or a sink) stays NaN in the output, never a silent finite value.
         empty = denominator == 0
         safe = jnp.where(empty, 1.0, denominator)
-        o = o / jnp.transpose(safe, (2, 0, 1, 3))
+        # An empty row's o is 0, or NaN where a masked key's V is NaN (p = 0 times NaN): 0 either way.
+        o = jnp.where(jnp.transpose(empty, (2, 0, 1, 3)), 0.0, o / jnp.transpose(safe, (2, 0, 1, 3)))
         lse = jnp.where(empty, -jnp.inf, jnp.log(safe) + row_max)[..., 0]  # [Hkv, G, Q]
         return o.reshape(max_q_len, q_heads, v_dim), jnp.transpose(lse, (2, 0, 1)).reshape(max_q_len, q_heads)
 
-    if batch == 0:
+    if batch == 0 or tokens == 0:  # nothing to attend with (or for): zeros, as the kernels give
         o = jnp.zeros((tokens, q_heads, v_dim), q.dtype)
         lse = jnp.full((tokens, q_heads), -jnp.inf, jnp.float32)
         return (o, lse) if return_lse else o

@@ -223,9 +223,10 @@ def _finish_and_store(acc, l_i, m_i, SINKS, O, head, o_rows, row_valid, Q_HEADS:
         alpha = tl.math.exp2(m_i - m_f)
         l_i = l_i * alpha + tl.math.exp2(sink - m_f)
         acc = acc * alpha[:, None]
-    # A row with no visible key has l == 0 and acc == 0: output 0. A NaN l (NaN in q, a visible K/V or the scale)
-    # stays NaN: the empty test is l == 0, which NaN fails.
-    o = acc / tl.where(l_i == 0, 1.0, l_i)[:, None]
+    # A row with no visible key has l == 0: output 0 (its acc is 0, or NaN where a masked key's V is NaN: p = 0 times
+    # NaN). A NaN l (NaN in q, a visible K/V or the scale) stays NaN: the empty test is l == 0, which NaN fails.
+    empty = (l_i == 0)[:, None]
+    o = tl.where(empty, 0.0, acc / tl.where(empty, 1.0, l_i[:, None]))
     offs_dv = tl.arange(0, BLOCK_DV)
     if HEAD_PACK == 1:
         # The unpacked form keeps the scalar head out of the per-row vector (fewer live 64-bit registers).

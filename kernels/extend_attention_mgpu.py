@@ -936,9 +936,13 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     alpha = jnp.exp2(m_i - m_f)
                     l_i = l_i * alpha + jnp.exp2(sink - m_f)
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                if unified or custom:  # a row that saw no key (bad metadata, or its mask's choice) gives 0; NaN stays NaN
-                    l_i = jnp.where(l_i == 0.0, 1.0, l_i)
-                out = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
+                l_rows = lax.broadcast_in_dim(l_i, acc.shape, [0])
+                if unified or custom:  # a row that saw no key (bad metadata, or its mask's choice) gives 0, also where
+                    # a masked key's V is NaN (p = 0 times NaN in acc); a NaN l stays NaN
+                    empty = l_rows == 0.0
+                    out = jnp.where(empty, 0.0, acc / jnp.where(empty, 1.0, l_rows)).astype(dtype)
+                else:
+                    out = (acc / l_rows).astype(dtype)
                 # This warpgroup's rows of the sequence: [lo, hi) of its block_q.
                 lo = jnp.clip(q_start - wg_row, 0, block_q)
                 hi = jnp.clip(q_end - wg_row, 0, block_q)

@@ -29,6 +29,8 @@ from jaxattn.extend import (
     extend_attention_reference,
     extend_attention_unified,
     extend_attention_unified_reference,
+    extend_metadata,
+    extend_unified_metadata,
 )
 from jaxattn.kv_indices import build_unified_kv_indices, build_unified_kv_indices_reference, create_kv_indices, create_kv_indices_reference
 from jaxattn.merge_state import merge_state, merge_state_reference
@@ -456,3 +458,53 @@ def test_checked_mode_reports_custom_mask_offsets_past_int32():
     with pytest.raises(ValueError, match="past int32 offsets"):
         checked(step)(prefix, extend)
     checked(step)(prefix, jnp.full(64, 8, jnp.int32))  # 72M entries: fine
+
+
+@pytest.mark.parametrize("kernel", ["two_stage", "unified"])
+def test_a_row_that_sees_no_key_gives_zeros_even_beside_a_masked_nan_value(kernel):
+    # A custom mask hides both keys from query row 0; key 1's V is NaN, and row 1 sees it. p = 0 times NaN must not
+    # reach row 0 (no visible key: zeros), while row 1 is NaN (NaN in is NaN out), in the kernel and the reference.
+    table = jnp.arange(1, 17, dtype=jnp.int32).reshape(2, 8)
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((2, 2, 16)), jnp.float32)
+    k_new = jnp.ones((2, 1, 16), jnp.float32)
+    v_new = jnp.ones((2, 1, 16), jnp.float32).at[1].set(jnp.nan)
+    k_pool, v_pool = jnp.ones((17, 1, 16), jnp.float32), jnp.ones((17, 1, 16), jnp.float32)
+    mask = jnp.asarray([False, False, True, True])  # [q_len 2, kv_len 2], row-major
+    if kernel == "two_stage":
+        meta = extend_metadata(table, jnp.asarray([0], jnp.int32), jnp.asarray([0], jnp.int32),
+                               jnp.asarray([2], jnp.int32), max_extend_len=2, kv_capacity=1)
+        o = extend_attention(q, k_new, v_new, k_pool, v_pool, meta, custom_mask=mask, impl="triton", mode=MODE)
+        ref = extend_attention_reference(q, k_new, v_new, k_pool, v_pool, meta, custom_mask=mask)
+    else:
+        k_pool, v_pool = k_pool.at[1:3].set(k_new), v_pool.at[1:3].set(v_new)
+        meta = extend_unified_metadata(table, jnp.asarray([0], jnp.int32), jnp.asarray([0], jnp.int32),
+                                       jnp.asarray([2], jnp.int32), jnp.asarray([1, 2], jnp.int32), max_extend_len=2,
+                                       kv_capacity=2)
+        o = extend_attention_unified(q, k_pool, v_pool, meta, custom_mask=mask, mode=MODE)
+        ref = extend_attention_unified_reference(q, k_pool, v_pool, meta, custom_mask=mask)
+    for out in (o, ref):
+        np.testing.assert_array_equal(np.float32(out[0]), 0.0)
+        assert np.isnan(np.float32(out[1])).all()
+
+
+def test_an_infinite_sink_gives_nan_in_the_kernel_and_the_reference():
+    q, k_pool, v_pool, meta = _tiny_decode()
+    sinks = jnp.asarray([0.5, jnp.inf, 0.0, -jnp.inf], jnp.float32)  # -inf: no sink, a normal row
+    for o in (decode_attention(q, k_pool, v_pool, meta, sinks=sinks, mode=MODE),
+              decode_attention_reference(q, k_pool, v_pool, meta, sinks=sinks)):
+        o = np.asarray(o)
+        assert np.isnan(o[:, 1]).all() and np.isfinite(o[:, [0, 2, 3]]).all()
+    plain = np.asarray(decode_attention_reference(q, k_pool, v_pool, meta))
+    np.testing.assert_allclose(np.asarray(decode_attention_reference(q, k_pool, v_pool, meta, sinks=sinks))[:, 3],
+                               plain[:, 3], rtol=1e-6)
+
+
+def test_references_take_zero_tokens_as_the_kernels_do():
+    table = jnp.arange(1, 17, dtype=jnp.int32).reshape(2, 8)
+    meta = extend_metadata(table, jnp.asarray([0, 1], jnp.int32), jnp.asarray([2, 2], jnp.int32),
+                           jnp.asarray([0, 0], jnp.int32), max_extend_len=1, kv_capacity=8)
+    q, k = jnp.zeros((0, 2, 16)), jnp.zeros((0, 1, 16))
+    pool_ = jnp.ones((17, 1, 16))
+    for o in (extend_attention_reference(q, k, k, pool_, pool_, meta),
+              extend_attention(q, k, k, pool_, pool_, meta, impl="triton", mode=MODE)):
+        assert o.shape == (0, 2, 16)

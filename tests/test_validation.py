@@ -133,7 +133,7 @@ CASES = [
     ("decode/sinks-dtype", lambda: decode(sinks=jnp.zeros((HQ,), I32)), r"sinks must have dtype"),
     ("decode/sliding_window", lambda: decode(sliding_window=-2), r"sliding_window must be -1"),
     ("decode/window-vs-meta", lambda: decode(meta=dec_meta(sliding_window=3), sliding_window=5), r"sliding_window \(5\) must not exceed meta.sliding_window \(3\)"),
-    ("decode/logit_cap", lambda: decode(logit_cap=-1.0), r"logit_cap must be a finite float >= 0"),
+    ("decode/logit_cap", lambda: decode(logit_cap=-1.0), r"logit_cap must be a float >= 0, finite in float32"),
     ("decode/xai_temperature_len", lambda: decode(xai_temperature_len=1), r"xai_temperature_len must be an int, <= 0 \(off\) or >= 2"),
     ("decode/meta-type", lambda: decode(meta=ext_meta()), r"meta must be a DecodeMetadata"),
     ("decode/meta-batch", lambda: decode(q=Q_DEC[:1]), r"meta batch \(2, .*\) must equal q.shape\[0\] \(1\)"),
@@ -165,7 +165,7 @@ CASES = [
     ("extend/sinks-dtype", lambda: extend(sinks=jnp.zeros((HQ,), I32)), r"sinks must have dtype"),
     ("extend/sliding_window", lambda: extend(sliding_window=-2), r"sliding_window must be -1"),
     ("extend/window-vs-meta", lambda: extend(meta=ext_meta(sliding_window=2), sliding_window=3), r"sliding_window \(3\) must be in \[0, 2\]"),
-    ("extend/logit_cap", lambda: extend(logit_cap=float("nan")), r"logit_cap must be a finite float"),
+    ("extend/logit_cap", lambda: extend(logit_cap=float("nan")), r"logit_cap must be a float >= 0, finite in float32"),
     ("extend/xai_temperature_len", lambda: extend(xai_temperature_len=1), r"xai_temperature_len must be"),
     ("extend/meta-type", lambda: extend(meta=unified_meta()), r"meta must be an ExtendMetadata"),
     ("extend/meta.kv_start_pos", lambda: extend(meta=dataclasses.replace(ext_meta(), kv_start_pos=i32(0))), r"meta.kv_start_pos must have shape \(2,\)"),
@@ -184,6 +184,29 @@ CASES = [
     # the reference
     ("reference/qo_indptr", lambda: ragged_paged_attention_reference(Q_EXT, K_POOL, V_POOL, KV_INDPTR.astype(jnp.float32), KV_INDPTR, KV_INDICES), r"qo_indptr must have dtype"),
     ("reference/custom_mask", lambda: ragged_paged_attention_reference(Q_EXT, K_POOL, V_POOL, KV_INDPTR, KV_INDPTR, KV_INDICES, custom_mask=jnp.ones(4), mask_indptr=KV_INDPTR), r"custom_mask must have dtype"),
+    # Found by an adversarial pass (2026-12-05): an empty pool (every kernel would read slot 0 outside it), statics that
+    # overflow float32 or are not bools, zero split knobs, lengths of 0, Python lists, numpy scalars for MLA.
+    ("decode/k_pool-no-slots", lambda: decode(k_pool=K_POOL[:0], v_pool=V_POOL[:0]), r"k_pool must have at least one slot"),
+    ("decode/k_pool-no-heads", lambda: decode(k_pool=K_POOL[:, :0], v_pool=V_POOL[:, :0]), r"k_pool.shape\[1\] \(kv_heads\) must be >= 1"),
+    ("extend/k_pool-no-slots", lambda: extend(k_pool=K_POOL[:0], v_pool=V_POOL[:0]), r"k_pool must have at least one slot"),
+    ("unified/k_pool-no-slots", lambda: unified(k_pool=K_POOL[:0], v_pool=V_POOL[:0]), r"k_pool must have at least one slot"),
+    ("reference/k_pool-no-slots", lambda: ragged_paged_attention_reference(Q_EXT, K_POOL[:0], V_POOL[:0], KV_INDPTR, KV_INDPTR, KV_INDICES), r"k_pool must have at least one slot"),
+    ("decode/sm_scale-overflows-f32", lambda: decode(sm_scale=1e300), r"sm_scale must be None .* finite in float32; got 1e\+300"),
+    ("decode/sm_scale-bool", lambda: decode(sm_scale=True), r"sm_scale must be None"),
+    ("extend/logit_cap-overflows-f32", lambda: extend(logit_cap=1e300), r"logit_cap must be a float >= 0, finite in float32"),
+    ("extend/logit_cap-bool", lambda: extend(logit_cap=True), r"logit_cap must be a float"),
+    ("extend/causal-None", lambda: extend(causal=None), r"causal must be a bool \(a static flag\); got None"),
+    ("extend/skip_prefix_custom_mask-str", lambda: extend(skip_prefix_custom_mask="no"), r"skip_prefix_custom_mask must be a bool"),
+    ("unified/causal-str", lambda: unified(causal="no"), r"causal must be a bool"),
+    ("extend-reference/causal-None", lambda: extend_attention_reference(Q_EXT, K_NEW, V_NEW, K_POOL, V_POOL, ext_meta(), causal=None), r"causal must be a bool"),
+    ("from_indptr/split_tile_size-0", lambda: dec_meta(deterministic=True, split_tile_size=0), r"split_tile_size must be a positive"),
+    ("from_indptr/min_split_len-0", lambda: dec_meta(min_split_len=0), r"min_split_len must be a positive"),
+    ("from_indptr/kv_indptr-empty", lambda: decode_metadata_from_indptr(KV_INDPTR[:0], KV_INDICES, q_heads=HQ, kv_heads=HKV), r"kv_indptr must have max_batch \+ 1 >= 1 entries"),
+    ("decode_metadata/req_to_token-no-columns", lambda: decode_metadata(REQ_TO_TOKEN[:, :0], ROWS, SEQ_LENS, kv_capacity=8, q_heads=HQ, kv_heads=HKV), r"req_to_token must have at least one column"),
+    ("decode/v_head_dim-float", lambda: decode(v_pool=None, v_head_dim=16.0), r"v_head_dim must be given as an int"),
+    ("merge/head_dim-0", lambda: merge_state(jnp.zeros((2, 3, 0)), jnp.zeros((2, 3)), jnp.zeros((2, 3, 0)), jnp.zeros((2, 3))), r"o1 must have head_dim >= 1"),
+    ("DecodeMetadata/lists", lambda: dataclasses.replace(dec_meta(), kv_indptr=[0, 3, 5]), r"DecodeMetadata's index fields must be arrays"),
+    ("extend/qo_indptr-vs-kv_indptr", lambda: extend(meta=dataclasses.replace(ext_meta(), qo_indptr=i32(0, 3))), r"batch = qo_indptr.shape\[0\] - 1 = 1 \(one of the two has the wrong length\)"),
     # write_kv
     ("write_kv/k_pool-dtype", lambda: write_kv(K_POOL.astype(I32), V_POOL, i32(1, 2), K_NEW[:2], V_NEW[:2]), r"k_pool must have dtype"),
     ("write_kv/v_pool-shape", lambda: write_kv(K_POOL, V_POOL[:4], i32(1, 2), K_NEW[:2], V_NEW[:2]), r"v_pool must have shape"),
@@ -227,3 +250,19 @@ def test_testing_tolerance_serves_chex_and_rejects_unknown_dtypes():
         chex.assert_trees_all_close(ref + 1e-3, ref, **testing.tolerance(jnp.float32))
     with pytest.raises(ValueError, match="no tolerance for dtype int32"):
         testing.tolerance(jnp.int32)
+
+
+def test_numpy_scalars_are_taken_where_python_ones_are():
+    # MLA extend took Python ints and floats only (np.int64 v_head_dim, np.float32 sm_scale were refused, while decode
+    # and extend take them); decode's latent v_head_dim took floats and numpy ints into the kernels unconverted.
+    import numpy as np
+
+    from jaxattn.mla import mla_extend_attention_reference
+
+    pool = jnp.ones((SLOTS, 1, 288))
+    meta = extend_metadata(*ext_args(), max_extend_len=4, kv_capacity=CAP)
+    o = mla_extend_attention_reference(jnp.ones((T, HQ, 288)), jnp.ones((T, 1, 288)), pool, meta,
+                                       v_head_dim=np.int64(256), sm_scale=np.float32(0.1))
+    assert o.shape == (T, HQ, 256)
+    o = decode_attention_reference(jnp.ones((B, HQ, 288)), pool, None, dec_meta(), v_head_dim=np.int64(256))
+    assert o.shape == (B, HQ, 256)

@@ -154,7 +154,7 @@ def test_add_shared_prefix_is_checked():
     rejected(table, lambda: table.add([1, 2, 3], shared_prefix_from=owner, shared_len=-1), r"add\(shared_len\) must be >= 0")
     rejected(table, lambda: table.add([1, 2, 3], shared_len=2), "needs shared_prefix_from")
     rejected(table, lambda: table.add([1, 9, 3], shared_prefix_from=owner, shared_len=3), "differ from shared_prefix_from's tokens")
-    rejected(table, lambda: table.add([1, 2], shared_prefix_from=owner, shared_len=3), "differ from shared_prefix_from's tokens")
+    rejected(table, lambda: table.add([1, 2], shared_prefix_from=owner, shared_len=3), "the new request has 2 tokens")
     rejected(table, lambda: table.add([1, 2, 3], shared_prefix_from=foreign, shared_len=3), "not a live request of this table")
     rejected(table, lambda: table.add([1, 2, 3], shared_prefix_from="owner", shared_len=3), "must be a Request")
     table.finish(owner)
@@ -270,7 +270,9 @@ def _two_requests(table):
         ([2, 1], {}, r"request row \d has 4 tokens, 3 cached; 2 more need tokens up to position 4"),
         ([1, 1], dict(mode=ForwardMode.TARGET_VERIFY), "schedule in EXTEND mode"),
         ([1, 1], dict(mode="extend"), r"schedule\(mode\) must be a ForwardMode"),
-        ([1, 1], dict(batch_bucket=0), r"schedule\(batch_bucket\) must be >= 1"),
+        ([1, 1], dict(batch_bucket=0), r"schedule\(batch_bucket\) must be in \[1, 2147483647\]"),
+        ([1, 1], dict(batch_bucket=2**62), r"schedule\(batch_bucket\) must be in \[1, 2147483647\]; got 4611686018427387904"),
+        ([1, 1], dict(token_bucket=2**40), r"schedule\(token_bucket\) must be in \[1, 2147483647\]"),
         ([1, 1], dict(mode=ForwardMode.IDLE), "IDLE steps take no new tokens"),
     ],
 )
@@ -640,3 +642,40 @@ ServingMachine.TestCase.settings = MACHINE_SETTINGS
 PagedServingMachine.TestCase.settings = MACHINE_SETTINGS
 test_serving_state_machine = ServingMachine.TestCase
 test_paged_serving_state_machine = PagedServingMachine.TestCase
+
+
+def test_a_failure_while_building_the_step_gives_the_pages_back(monkeypatch):
+    # Found by an adversarial pass (2026-12-05): schedule took the pages, then built its buffers outside the rollback,
+    # so an error there (a huge bucket's MemoryError) left pages held by no request, lost for good.
+    import jaxattn.serving.tables as tables
+
+    table = table_with(num_slots=32, max_context=8)
+    a, b = _two_requests(table)
+
+    class NumpyWithoutMemory:  # np.zeros fails, as it does for a bucket too big to allocate
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        @staticmethod
+        def zeros(*args, **kwargs):
+            raise MemoryError("no memory for the step's arrays")
+
+    monkeypatch.setattr(tables, "np", NumpyWithoutMemory())
+    rejected(table, lambda: table.schedule([a, b], [0, 2], **EXTEND), "no memory", error=MemoryError)
+    monkeypatch.undo()
+    for request in (a, b):
+        table.finish(request)
+    assert table.allocator.available == 31
+
+
+def test_the_pool_and_a_shared_prefix_are_checked_against_int32_and_lengths():
+    with pytest.raises(ServingError, match=r"SlotAllocator\(num_slots\) must be in \[1, 2147483647\]"):
+        SlotAllocator(2**32, page_size=128)
+    table = table_with(num_slots=32, max_context=8)
+    owner = prefill(table, [5, 6, 7, 8])
+    owner.tokens = owner.tokens[:2]  # a caller shortening a live request's tokens
+    rejected(table, lambda: table.add([5, 6, 7, 8], shared_prefix_from=owner, shared_len=4),
+             r"add\(shared_len=4\): the new request has 4 tokens and shared_prefix_from 2 of its first 4")
+    owner.tokens = [5, 6, 7, 8]
+    rejected(table, lambda: table.add([5, 6], shared_prefix_from=owner, shared_len=4), "the new request has 2 tokens")
+

@@ -94,7 +94,8 @@ class SlotAllocator:
     """
 
     def __init__(self, num_slots: int, seed: int = 0, *, page_size: int = 1):
-        self.num_slots = _int("SlotAllocator(num_slots)", num_slots, low=1)
+        # Slots are int32 everywhere downstream (out_cache_loc, req_to_token, the kernels' indices).
+        self.num_slots = _int("SlotAllocator(num_slots)", num_slots, low=1, high=_INT32_MAX)
         page_size = _int("SlotAllocator(page_size)", page_size, low=1)
         if page_size not in PAGE_SIZES:
             raise ServingError(f"SlotAllocator(page_size) must be one of {PAGE_SIZES}; got {page_size}")
@@ -296,7 +297,11 @@ class RequestTable:
                     f"add(shared_len): can only share tokens that are already cached: shared_len {shared_len} > "
                     f"shared_prefix_from.cached {owner.cached}"
                 )
-            if tokens[:shared_len] != _token_list("add(shared_prefix_from.tokens)", owner.tokens[:shared_len]):
+            owner_prefix = _token_list("add(shared_prefix_from.tokens)", owner.tokens[:shared_len])
+            if len(tokens) < shared_len or len(owner_prefix) < shared_len:
+                raise ServingError(f"add(shared_len={shared_len}): the new request has {len(tokens)} tokens and "
+                                   f"shared_prefix_from {len(owner_prefix)} of its first {shared_len}; both need them all")
+            if tokens[:shared_len] != owner_prefix:
                 raise ServingError(f"add(tokens): the first shared_len={shared_len} tokens differ from shared_prefix_from's tokens")
         if not self.free_rows:
             raise RequestTableFull(f"add: all {self.req_to_token.shape[0]} req_to_token rows (max_reqs) are in use; finish a request first")
@@ -355,11 +360,12 @@ class RequestTable:
             raise ServingError(f"schedule(mode) must be a ForwardMode; got {mode!r}")
         if mode == ForwardMode.TARGET_VERIFY:
             raise ServingError("schedule(mode=TARGET_VERIFY): schedule in EXTEND mode, then replace mode and custom_mask of the batch")
-        batch_bucket = _int("schedule(batch_bucket)", batch_bucket, low=1)
-        token_bucket = _int("schedule(token_bucket)", token_bucket, low=1)
-        max_extend_len = _int("schedule(max_extend_len)", max_extend_len, low=1)
-        kv_capacity = _int("schedule(kv_capacity)", kv_capacity, low=1)
-        max_seq_len = _int("schedule(max_seq_len)", max_seq_len, low=1)
+        # The step's arrays are int32 and indexed by int32: every size at most 2**31 - 1.
+        batch_bucket = _int("schedule(batch_bucket)", batch_bucket, low=1, high=_INT32_MAX)
+        token_bucket = _int("schedule(token_bucket)", token_bucket, low=1, high=_INT32_MAX)
+        max_extend_len = _int("schedule(max_extend_len)", max_extend_len, low=1, high=_INT32_MAX)
+        kv_capacity = _int("schedule(kv_capacity)", kv_capacity, low=1, high=_INT32_MAX)
+        max_seq_len = _int("schedule(max_seq_len)", max_seq_len, low=1, high=_INT32_MAX)
         if mode == ForwardMode.DECODE and token_bucket != batch_bucket:
             raise ServingError(f"schedule: in DECODE mode token b is sequence b, so token_bucket ({token_bucket}) must equal batch_bucket ({batch_bucket})")
         try:
@@ -413,30 +419,30 @@ class RequestTable:
 
         # Everything checked: build the step inputs, then commit.
         pages = self.allocator._take(sum(need), self, "schedule")
-        req_pool_indices = np.zeros(batch_bucket, np.int32)
-        seq_lens = np.zeros(batch_bucket, np.int32)
-        extend_lens = np.zeros(batch_bucket, np.int32)
-        out_cache_loc = np.zeros(token_bucket, np.int32)
-        positions = np.zeros(token_bucket, np.int32)
-        token_ids = np.zeros(token_bucket, np.int32)
-        cursor, page_cursor, per_request = 0, 0, []
-        for b, (request, n, ids, k) in enumerate(zip(requests, counts, token_rows, need)):
-            start = request.cached
-            new_pages = pages[page_cursor : page_cursor + k]
-            page_cursor += k
-            row_pages = np.concatenate([self.req_to_page[request.row, : self._pages(start)], new_pages])
-            pos = np.arange(start, start + n)
-            own = (row_pages[pos // P] * P + pos % P).astype(np.int32)
-            token_pos = b if mode == ForwardMode.DECODE else cursor
-            out_cache_loc[token_pos : token_pos + n] = own
-            positions[token_pos : token_pos + n] = np.arange(start, start + n)
-            token_ids[token_pos : token_pos + n] = ids
-            req_pool_indices[b] = request.row
-            seq_lens[b] = start + n
-            extend_lens[b] = n
-            per_request.append((own, new_pages))
-            cursor += n
-        try:
+        try:  # any failure before the commit (memory for the buffers included) gives the pages back
+            req_pool_indices = np.zeros(batch_bucket, np.int32)
+            seq_lens = np.zeros(batch_bucket, np.int32)
+            extend_lens = np.zeros(batch_bucket, np.int32)
+            out_cache_loc = np.zeros(token_bucket, np.int32)
+            positions = np.zeros(token_bucket, np.int32)
+            token_ids = np.zeros(token_bucket, np.int32)
+            cursor, page_cursor, per_request = 0, 0, []
+            for b, (request, n, ids, k) in enumerate(zip(requests, counts, token_rows, need)):
+                start = request.cached
+                new_pages = pages[page_cursor : page_cursor + k]
+                page_cursor += k
+                row_pages = np.concatenate([self.req_to_page[request.row, : self._pages(start)], new_pages])
+                pos = np.arange(start, start + n)
+                own = (row_pages[pos // P] * P + pos % P).astype(np.int32)
+                token_pos = b if mode == ForwardMode.DECODE else cursor
+                out_cache_loc[token_pos : token_pos + n] = own
+                positions[token_pos : token_pos + n] = np.arange(start, start + n)
+                token_ids[token_pos : token_pos + n] = ids
+                req_pool_indices[b] = request.row
+                seq_lens[b] = start + n
+                extend_lens[b] = n
+                per_request.append((own, new_pages))
+                cursor += n
             batch = ForwardBatch(
                 req_pool_indices=jnp.asarray(req_pool_indices),
                 seq_lens=jnp.asarray(seq_lens),

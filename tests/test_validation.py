@@ -18,6 +18,7 @@ from jaxattn.extend import (
 from jaxattn.kv_indices import build_unified_kv_indices, create_kv_indices
 from jaxattn.kv_pool import write_kv
 from jaxattn.merge_state import merge_state
+from jaxattn.serving.batch import ForwardBatch, ForwardMode
 from jaxattn.reference import ragged_paged_attention_reference
 
 I32 = jnp.int32
@@ -80,6 +81,12 @@ def decode(**kw):
     options = {k: kw.pop(k) for k in list(kw) if k not in args}
     args.update(kw)
     return decode_attention(**args, **options)
+
+
+def _batch(**fields):
+    base = dict(req_pool_indices=ROWS, seq_lens=SEQ_LENS, extend_lens=i32(1, 1), out_cache_loc=i32(1, 2),
+                positions=i32(2, 1), max_extend_len=4, kv_capacity=CAP, max_seq_len=8)
+    return ForwardBatch(**dict(base, **fields))
 
 
 # (id, call, regex the message must match: it names the argument and what was expected)
@@ -207,6 +214,9 @@ CASES = [
     ("merge/head_dim-0", lambda: merge_state(jnp.zeros((2, 3, 0)), jnp.zeros((2, 3)), jnp.zeros((2, 3, 0)), jnp.zeros((2, 3))), r"o1 must have head_dim >= 1"),
     ("DecodeMetadata/lists", lambda: dataclasses.replace(dec_meta(), kv_indptr=[0, 3, 5]), r"DecodeMetadata's index fields must be arrays"),
     ("extend/qo_indptr-vs-kv_indptr", lambda: extend(meta=dataclasses.replace(ext_meta(), qo_indptr=i32(0, 3))), r"batch = qo_indptr.shape\[0\] - 1 = 1 \(one of the two has the wrong length\)"),
+    ("ForwardBatch/custom_mask-in-extend", lambda: _batch(custom_mask=jnp.ones(8, bool)), r"custom_mask is a TARGET_VERIFY field; the batch's mode is EXTEND"),
+    ("ForwardBatch/custom_mask-dtype", lambda: _batch(mode=ForwardMode.TARGET_VERIFY, custom_mask=jnp.ones(8)), r"custom_mask must have dtype bool/uint8/int8"),
+    ("ForwardBatch/max_extend_len-bool", lambda: _batch(max_extend_len=True), r"max_extend_len must be a positive int"),
     # write_kv
     ("write_kv/k_pool-dtype", lambda: write_kv(K_POOL.astype(I32), V_POOL, i32(1, 2), K_NEW[:2], V_NEW[:2]), r"k_pool must have dtype"),
     ("write_kv/v_pool-shape", lambda: write_kv(K_POOL, V_POOL[:4], i32(1, 2), K_NEW[:2], V_NEW[:2]), r"v_pool must have shape"),

@@ -18,7 +18,7 @@ import enum
 import jax
 import jax.numpy as jnp
 
-from jaxattn.checks import INDEX_DTYPES, MAX_DECODE_QUERY_TOKENS, check_array
+from jaxattn.checks import INDEX_DTYPES, MASK_DTYPES, MAX_DECODE_QUERY_TOKENS, check_array
 from jaxattn.kv_indices import exclusive_cumsum
 from jaxattn.metadata import custom_mask_from_draft_bits, custom_mask_indptr
 
@@ -62,7 +62,7 @@ class ForwardBatch:
             raise ValueError(f"mode must be a ForwardMode; got {self.mode!r}")
         for name in ("max_extend_len", "kv_capacity", "max_seq_len"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive int (a static bucket); got {value!r}")
         if isinstance(self.seq_lens, jax.Array) or hasattr(self.seq_lens, "shape"):
             check_array("req_pool_indices", self.req_pool_indices, ndim=1, dtypes=INDEX_DTYPES, what="[batch]")
@@ -80,6 +80,11 @@ class ForwardBatch:
             if self.mode == ForwardMode.TARGET_VERIFY and (self.custom_mask is None) == (self.draft_mask is None):
                 raise ValueError("TARGET_VERIFY needs custom_mask (the tree mask, per sequence row-major [draft, seq_len]) "
                                  "or draft_mask (i32[batch, drafts] bit masks), one of them")
+            if self.custom_mask is not None:
+                if self.mode != ForwardMode.TARGET_VERIFY:
+                    raise ValueError(f"custom_mask is a TARGET_VERIFY field; the batch's mode is {self.mode.name}")
+                check_array("custom_mask", self.custom_mask, ndim=1, dtypes=MASK_DTYPES,
+                            what="[mask_capacity] (per sequence row-major [draft, seq_len])")
             if self.draft_mask is not None:
                 if self.mode != ForwardMode.TARGET_VERIFY:
                     raise ValueError(f"draft_mask is a TARGET_VERIFY field; the batch's mode is {self.mode.name}")

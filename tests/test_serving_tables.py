@@ -28,7 +28,7 @@ def snapshot(table: RequestTable):
         table.req_to_token.tobytes(),
         table.req_to_page.tobytes(),
         list(table.free_rows),
-        {row: (id(r), r.row, r.cached, list(r.tokens)) for row, r in table.requests.items()},
+        {row: (id(r), r.row, r.cached, None if r.tokens is None else list(r.tokens)) for row, r in table.requests.items()},
         dict(table._refs),
     )
 
@@ -678,4 +678,22 @@ def test_the_pool_and_a_shared_prefix_are_checked_against_int32_and_lengths():
              r"add\(shared_len=4\): the new request has 4 tokens and shared_prefix_from 2 of its first 4")
     owner.tokens = [5, 6, 7, 8]
     rejected(table, lambda: table.add([5, 6], shared_prefix_from=owner, shared_len=4), "the new request has 2 tokens")
+
+
+def test_token_lists_page_ids_and_replaced_tokens_are_checked_by_name():
+    # Lax spots an adversarial pass found: unordered or one-shot token iterables (a refused call used up a generator),
+    # strings as slot / page ids, page ids outside the pool, a request whose tokens the caller replaced by None.
+    table = table_with(num_slots=32, max_context=8)
+    for tokens in ({1, 2}, {1: 2}, b"ab", (t for t in [1, 2])):
+        rejected(table, lambda tokens=tokens: table.add(tokens), r"add\(tokens\) must be a sequence of token ids")
+    request = prefill(table, [1, 2, 3])
+    for call, match in ((lambda: table.slot_refs("3"), r"slot_refs\(slot\) must be an int"),
+                        (lambda: table.page_refs(True), r"page_refs\(page\) must be an int"),
+                        (lambda: table.allocator.page_slots([-1]), r"page_slots\(pages\[0\]\) must be in \[0, 31\]"),
+                        (lambda: table.allocator.page_slots([2**40]), r"must be in \[0, 31\]")):
+        rejected(table, call, match)
+    request.tokens = None
+    rejected(table, lambda: table.schedule([request], [0], **EXTEND), r"schedule\(requests\[0\].tokens\) must be a sequence")
+    rejected(table, lambda: table.add([1, 2], shared_prefix_from=request, shared_len=2),
+             r"add\(shared_prefix_from.tokens\) must be a sequence")
 

@@ -73,7 +73,12 @@ def _int(where: str, value, *, low: int = 0, high: int | None = None) -> int:
 
 
 def _token_list(where: str, tokens) -> list[int]:
-    """Token ids as Python ints in [0, 2**31): the step feeds them to the model as int32."""
+    """Token ids as Python ints in [0, 2**31): the step feeds them to the model as int32. A sequence (list, tuple,
+    1-D array): an unordered or one-shot iterable (a set, a dict, a generator a refused call would use up) is not."""
+    if isinstance(tokens, (str, bytes, bytearray, set, frozenset, dict)) or not hasattr(tokens, "__len__") \
+            or not hasattr(tokens, "__getitem__"):
+        raise ServingError(f"{where} must be a sequence of token ids (a list, tuple or 1-D array); got "
+                           f"{type(tokens).__name__}")
     try:
         items = list(tokens)
     except TypeError:
@@ -137,6 +142,8 @@ class SlotAllocator:
 
     def page_slots(self, pages) -> np.ndarray:
         """i32[len(pages), page_size]: the slots of each page, `page * page_size + [0, page_size)`."""
+        pages = [_int(f"page_slots(pages[{i}])", p, high=self.num_pages - 1)
+                 for i, p in enumerate(np.asarray(pages).reshape(-1).tolist())]
         pages = np.asarray(pages, np.int64).reshape(-1)
         return (pages[:, None] * self.page_size + np.arange(self.page_size)).astype(np.int32)
 
@@ -261,11 +268,11 @@ class RequestTable:
 
     def slot_refs(self, slot: int) -> int:
         """How many live requests of this table list `slot`'s page (0: the table does not hold it)."""
-        return self._refs.get(int(slot) // self.page_size, 0)
+        return self._refs.get(_int("slot_refs(slot)", slot) // self.page_size, 0)
 
     def page_refs(self, page: int) -> int:
         """How many live requests of this table list `page` (0: the table does not hold it)."""
-        return self._refs.get(int(page), 0)
+        return self._refs.get(_int("page_refs(page)", page), 0)
 
     def _check_live(self, where: str, request) -> Request:
         if not isinstance(request, Request):
@@ -297,6 +304,9 @@ class RequestTable:
                     f"add(shared_len): can only share tokens that are already cached: shared_len {shared_len} > "
                     f"shared_prefix_from.cached {owner.cached}"
                 )
+            if not hasattr(owner.tokens, "__getitem__"):
+                raise ServingError(f"add(shared_prefix_from.tokens) must be a sequence of token ids; got "
+                                   f"{type(owner.tokens).__name__}")
             owner_prefix = _token_list("add(shared_prefix_from.tokens)", owner.tokens[:shared_len])
             if len(tokens) < shared_len or len(owner_prefix) < shared_len:
                 raise ServingError(f"add(shared_len={shared_len}): the new request has {len(tokens)} tokens and "
@@ -394,6 +404,9 @@ class RequestTable:
                 raise ServingError(
                     f"schedule(new_counts[{b}]): request row {request.row} has {request.cached} cached tokens; {n} more exceed max_context {self.max_context}"
                 )
+            if not hasattr(request.tokens, "__len__") or not hasattr(request.tokens, "__getitem__"):
+                raise ServingError(f"schedule(requests[{b}].tokens) must be a sequence of token ids; got "
+                                   f"{type(request.tokens).__name__}")
             if end > len(request.tokens):
                 raise ServingError(
                     f"schedule(new_counts[{b}]): request row {request.row} has {len(request.tokens)} tokens, {request.cached} cached; "

@@ -242,6 +242,19 @@ def check_attention_args(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, si
 MLA_V_HEAD_DIMS = {576: 512, 288: 256}
 
 
+def latent_v_head_dim(v_head_dim, qk_dim: int) -> int:
+    """V's width in a latent (MLA) cache, V = the first v_head_dim dims of K: the given int (numpy ints too) in (0,
+    qk_dim], or MLA_V_HEAD_DIMS' default for qk_dim when None."""
+    v_head_dim = MLA_V_HEAD_DIMS.get(qk_dim) if v_head_dim is None else v_head_dim
+    if (not isinstance(v_head_dim, (int, np.integer)) or isinstance(v_head_dim, (bool, np.bool_))
+            or not 0 < v_head_dim <= qk_dim):
+        raise ValueError(
+            f"v_head_dim must be given as an int (0 < v_head_dim <= qk_head_dim = {qk_dim}) for a latent cache (V = the "
+            f"first v_head_dim dims of K; defaults exist for {sorted(MLA_V_HEAD_DIMS)}); got {v_head_dim!r}"
+        )
+    return int(v_head_dim)
+
+
 # Query tokens per sequence a decode call takes (speculative verify, multi-token prediction): a draft mask holds
 # one bit per draft in an int32.
 MAX_DECODE_QUERY_TOKENS = 32
@@ -275,14 +288,7 @@ def check_decode_args(q, k_pool, v_pool, meta, *, meta_type, sinks, v_head_dim, 
     if v_pool is None:
         if v_scale is not None:
             raise ValueError("v_scale must be None when v_pool is None: V is part of K's buffer, scaled by k_scale")
-        v_head_dim = MLA_V_HEAD_DIMS.get(qk_dim) if v_head_dim is None else v_head_dim
-        if (not isinstance(v_head_dim, (int, np.integer)) or isinstance(v_head_dim, (bool, np.bool_))
-                or not 0 < v_head_dim <= qk_dim):
-            raise ValueError(
-                f"v_head_dim must be given as an int (0 < v_head_dim <= qk_head_dim = {qk_dim}) when v_pool is None "
-                f"(V = the first v_head_dim dims of K); got {v_head_dim!r}"
-            )
-        v_head_dim = int(v_head_dim)
+        v_head_dim = latent_v_head_dim(v_head_dim, qk_dim)
     else:
         check_array("v_pool", v_pool, shape=(slots, kv_heads, None), what="[slots, kv_heads, v_head_dim]")
         check_pool_dtype("v_pool", v_pool, q.dtype)

@@ -21,11 +21,10 @@ import functools
 import math
 
 import jax
-import numpy as np
 
 from jaxattn.calls import MlaExtendCall
-from jaxattn.checks import (FLOAT_DTYPES, MLA_V_HEAD_DIMS, check_array, check_head_dims, check_meta, check_pool_extent,
-                            check_sinks, check_sm_scale)
+from jaxattn.checks import (FLOAT_DTYPES, check_array, check_head_dims, check_meta, check_pool_extent, check_sinks,
+                            check_sm_scale, latent_v_head_dim)
 from jaxattn.extend import extend_attention, extend_attention_reference
 from jaxattn.impl import mgpu_mla
 from jaxattn.launch import launch_mode as resolve_launch_mode
@@ -57,12 +56,9 @@ def _check(q, k_new, k_pool, meta, sinks, v_head_dim, sm_scale) -> int:
     check_pool_extent("k_pool", k_pool)
     check_sinks(sinks, q_heads)
     check_sm_scale(sm_scale)
-    v_head_dim = MLA_V_HEAD_DIMS.get(qk_dim) if v_head_dim is None else v_head_dim
-    if (not isinstance(v_head_dim, (int, np.integer)) or isinstance(v_head_dim, (bool, np.bool_))
-            or not 0 < v_head_dim <= qk_dim):
-        raise ValueError(f"v_head_dim must be an int in (0, {qk_dim}] (defaults exist for 576 and 288); got {v_head_dim!r}")
-    check_head_dims(qk_dim, int(v_head_dim), qk_name="qk_head_dim (q.shape[2])", v_name="v_head_dim")
-    return int(v_head_dim)
+    v_head_dim = latent_v_head_dim(v_head_dim, qk_dim)
+    check_head_dims(qk_dim, v_head_dim, qk_name="qk_head_dim (q.shape[2])", v_name="v_head_dim")
+    return v_head_dim
 
 
 @functools.partial(jax.jit, static_argnames=("v_head_dim", "sm_scale", "launch_mode", "impl"))

@@ -511,13 +511,13 @@ class FlashInferBackend:
     def _wrapper(self, mode: ForwardMode, kind, q_dtype, kv_dtype, q_t, kv_t, key):
         """The wrapper under `key`, built when missing: q_dtype / kv_dtype the (JAX) dtypes of q and the pool, q_t /
         kv_t their torch dtypes."""
+        if key in self._wrappers:
+            return self._wrappers[key]
         window, _, _, _, q_heads, kv_heads, head_dim, dv, sinks = kind
         fi = self.flashinfer
         backend = attention_backend(q_dtype, kv_dtype, head_dim, dv, deterministic=self.deterministic,
                                     hopper=self.hopper)
-        if key in self._wrappers:
-            pass
-        elif _mla_kind(kind):
+        if _mla_kind(kind):
             self._wrappers[key] = fi.BatchMLAPagedAttentionWrapper(self.workspace, backend="auto")
         elif sinks:  # built for its dtypes, head dims and window (FlashInfer JIT-compiles the variant for them)
             claim_sink_module(*plan_dtype_names(q_dtype, kv_dtype), head_dim, dv, window, backend)

@@ -72,18 +72,19 @@ def _int(where: str, value, *, low: int = 0, high: int | None = None) -> int:
     return result
 
 
-def _token_list(where: str, tokens) -> list[int]:
-    """Token ids as Python ints in [0, 2**31): the step feeds them to the model as int32. A sequence (list, tuple,
-    1-D array): an unordered or one-shot iterable (a set, a dict, a generator a refused call would use up) is not."""
+def _check_token_sequence(where: str, tokens) -> None:
+    """Token ids come as a sequence (list, tuple, 1-D array): an unordered or one-shot iterable (a set, a dict, a
+    generator a refused call would use up) is not one."""
     if isinstance(tokens, (str, bytes, bytearray, set, frozenset, dict)) or not hasattr(tokens, "__len__") \
             or not hasattr(tokens, "__getitem__"):
         raise ServingError(f"{where} must be a sequence of token ids (a list, tuple or 1-D array); got "
                            f"{type(tokens).__name__}")
-    try:
-        items = list(tokens)
-    except TypeError:
-        raise ServingError(f"{where} must be a sequence of token ids; got {tokens!r}") from None
-    return [_int(f"{where}[{i}]", t, high=_INT32_MAX) for i, t in enumerate(items)]
+
+
+def _token_list(where: str, tokens) -> list[int]:
+    """Token ids as Python ints in [0, 2**31): the step feeds them to the model as int32."""
+    _check_token_sequence(where, tokens)
+    return [_int(f"{where}[{i}]", t, high=_INT32_MAX) for i, t in enumerate(list(tokens))]
 
 
 class SlotAllocator:
@@ -304,9 +305,7 @@ class RequestTable:
                     f"add(shared_len): can only share tokens that are already cached: shared_len {shared_len} > "
                     f"shared_prefix_from.cached {owner.cached}"
                 )
-            if not hasattr(owner.tokens, "__getitem__"):
-                raise ServingError(f"add(shared_prefix_from.tokens) must be a sequence of token ids; got "
-                                   f"{type(owner.tokens).__name__}")
+            _check_token_sequence("add(shared_prefix_from.tokens)", owner.tokens)
             owner_prefix = _token_list("add(shared_prefix_from.tokens)", owner.tokens[:shared_len])
             if len(tokens) < shared_len or len(owner_prefix) < shared_len:
                 raise ServingError(f"add(shared_len={shared_len}): the new request has {len(tokens)} tokens and "
@@ -404,9 +403,7 @@ class RequestTable:
                 raise ServingError(
                     f"schedule(new_counts[{b}]): request row {request.row} has {request.cached} cached tokens; {n} more exceed max_context {self.max_context}"
                 )
-            if not hasattr(request.tokens, "__len__") or not hasattr(request.tokens, "__getitem__"):
-                raise ServingError(f"schedule(requests[{b}].tokens) must be a sequence of token ids; got "
-                                   f"{type(request.tokens).__name__}")
+            _check_token_sequence(f"schedule(requests[{b}].tokens)", request.tokens)
             if end > len(request.tokens):
                 raise ServingError(
                     f"schedule(new_counts[{b}]): request row {request.row} has {len(request.tokens)} tokens, {request.cached} cached; "

@@ -7,8 +7,6 @@ transposing ldmatrix) and is bound by instruction issue (Nsight Compute at D1-FP
 consumer converts each fp8 tile to f16 in shared memory (32-bit loads, packed f16x2 conversions) and wgmma reads V
 in its transposed (MN-major) form, which needs no byte shuffles; so far that runs 1.3x slower than Triton over fp8
 pools (the conversions and the softmax sit on each consumer's critical path), so fp8 pools take it by name only.
-`fp8_conversion="producer"` moves the conversions off the consumers: the producer warpgroup converts each landed fp8
-tile into the consumer's f16 tile (written for the GPU, not yet timed or run there: benchmarks/RESULTS.md).
 
 A work item = one sequence x two kv heads x one split of its keys; the launch is one CTA per item, or (many short
 items) one persistent CTA per multiprocessor taking items in turn, whose producer fills the rings with the next
@@ -26,13 +24,6 @@ most 64), padded to wgmma's 64 rows with zero rows that are computed and never s
   gathers the split's K and V rows of both kv heads (the same slots) by 16-byte `cp.async` (`issue_rows`) into each
   consumer's two rings of [64, head_dim] tiles in the pool's dtype, one "landed" mbarrier per ring slot; ring
   phases count tiles over all of a CTA's items, and a Q reload waits for the consumer to have read the last Q.
-
-With `fp8_conversion="producer"` the producer also converts: it issues tile t + stages - 1's copies, then waits for
-tile t to land, for the consumer to have read its f16 K (V) tile of tile t - 1, converts the fp8 tile into it,
-arrives on the f16 tile's "converted" mbarrier and releases the ring slot itself; consumers wait on the converted
-tiles (one f16 K and one f16 V tile each, released after S = Q K^T and after P V) as the 16-bit path waits on the ring.
-The producer then runs 104 registers, the consumers 200 (the 504 of the consumers' form: 2 x 232 + 40). It converts
-every tile of an item before issuing the next item's, so persistent CTAs lose the cross-item prefetch in this form.
 
 At the end each consumer stores its group's rows of the split's normalised output (times v_scale) and natural-log
 LSE into the partial buffers of `kernels/decode_attention.py`'s stage 1, which its stage 2 merges (sinks added there),
@@ -85,26 +76,17 @@ def shared_bytes(head_dim: int, pool_itemsize: int, stages: int) -> int:
     return CONSUMERS * (BLOCK_ROWS * head_dim * 2 + 2 * stages * tile * pool_itemsize + converted) + 4096
 
 
-FP8_CONVERSIONS = ("consumers", "producer")  # which warpgroups convert fp8 tiles to f16 (see the module docstring)
-# set_max_registers per thread (consumer, producer): a CTA's three warpgroups share sm_90's 64K registers (<= 512).
-REGISTERS = {"consumers": (232, 40), "producer": (200, 104)}
-
-
-def _barriers(stages: int, producer_converts: bool):
+def _barriers(stages: int):
     """First indices of the (k_ready, v_ready, free) rings (consumer c's slot i: first + c * stages + i), of the Q
-    barriers (q_ready + c: Q landed; q_free + c: consumer c has read it), of the producer-converted f16 tiles'
-    barriers (k16_ready + c, v16_ready + c: consumer c's f16 K / V tile written; k16_free + c, v16_free + c: consumer
-    c has read it; allocated when producer_converts), and every barrier's arrival count (128 threads each)."""
+    barriers (q_ready + c: Q landed; q_free + c: consumer c has read it), and every barrier's arrival count (128
+    threads each)."""
     ring = CONSUMERS * stages
-    q_ready = 3 * ring
-    k16_ready = q_ready + 2 * CONSUMERS
-    firsts = (0, ring, 2 * ring, q_ready, q_ready + CONSUMERS) + tuple(k16_ready + i * CONSUMERS for i in range(4))
-    return firsts + ((WARPGROUP,) * (k16_ready + (4 * CONSUMERS if producer_converts else 0)),)
+    return 0, ring, 2 * ring, 3 * ring, 3 * ring + CONSUMERS, (WARPGROUP,) * (3 * ring + 2 * CONSUMERS)
 
 
 def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_splits, kv_scales, *, sm_scale,
                            max_kv_splits, stages, sliding_window=-1, min_block_kv=32, persistent_ctas=0,
-                           final=False, fp8_conversion="consumers"):
+                           final=False):
     """Stage 1 of split-KV decode, one query token per sequence. Returns (mid_o f32[batch * q_heads * max_kv_splits,
     head_dim], mid_lse f32[batch * q_heads * max_kv_splits]): row g = b * q_heads + h, split s at g * max_kv_splits + s
     (`decode_stage1_kernel`'s MID_O / MID_LSE flattened). Entries of empty splits are not written.
@@ -120,7 +102,6 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
     final (max_kv_splits 1 only): returns the attention itself instead, (o [batch * q_heads, head_dim] in q's dtype,
     lse f32[batch * q_heads]), what stage 2 makes of one split (bit for bit, without sinks): rows of empty sequences
     0 with LSE -inf; no merge launch.
-    fp8_conversion (fp8 pools): "consumers" (each consumer converts its tiles) or "producer" (the producer does).
     """
     batch, q_heads, head_dim = q.shape
     slots, kv_heads, _ = k_pool.shape
@@ -137,20 +118,13 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
         raise ValueError(f"the pools must be q's dtype or fp8; got {k_pool.dtype} with q {q.dtype}")
     if fp8 != (kv_scales is not None):
         raise ValueError("kv_scales is given exactly when the pools are fp8")
-    if fp8_conversion not in FP8_CONVERSIONS or (fp8_conversion == "producer" and not fp8):
-        raise ValueError(f"fp8_conversion must be one of {FP8_CONVERSIONS} (\"producer\" over fp8 pools only); got "
-                         f"{fp8_conversion!r} over a {k_pool.dtype} pool")
     if final and max_kv_splits != 1:
         raise ValueError(f"final outputs take max_kv_splits == 1; got {max_kv_splits}")
     itemsize = k_pool.dtype.itemsize
     group = q_heads // kv_heads
     capacity = kv_indices.shape[0]
     ring_transforms = SWIZZLED_8BIT if fp8 else SWIZZLED
-    producer_converts = fp8 and fp8_conversion == "producer"
-    k_ready, v_ready, free, q_ready, q_free, k16_ready, v16_ready, k16_free, v16_free, counts = _barriers(
-        stages, producer_converts)
-    consumer_registers, producer_registers = REGISTERS[fp8_conversion]
-    lag = stages - 1  # producer_converts: tiles issued ahead of the one it converts
+    k_ready, v_ready, free, q_ready, q_free, counts = _barriers(stages)
     head_pairs = -(-kv_heads // CONSUMERS)
     items = max_kv_splits * head_pairs * batch
     ctas = min(persistent_ctas, items) if persistent_ctas > 0 else 0
@@ -189,12 +163,6 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
             cta_items = lax.div(items - 1 - lax.axis_index("cta"), ctas) + 1
             return lax.fori_loop(0, cta_items, run, (counters, item_at(jnp.int32(0))))[0]
 
-        def convert_tile(fp8_tile, f16_tile):
-            """Writes a landed fp8 ring tile into an f16 tile. The 8-bit load takes 4 elements per 32-bit access (the
-            layout made for upcasting into wgmma's). The caller fences the stores (`plgpu.commit_smem`) before a
-            wgmma reads them."""
-            f16_tile[...] = plgpu.load(fp8_tile, layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.float16)
-
         def store(q_row0, split, out, lse):
             """A group's rows of the output (or of split `split`'s partials) and LSE, from registers."""
             first_out = q_row0 * max_kv_splits + split  # row g's split s sits at g * max_kv_splits + s
@@ -207,16 +175,17 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
             (ring tiles it has consumed, Q loads it has read)."""
             ring0 = c * stages  # consumer c's slots of the rings, and of their barriers
             k16, v16 = (converted[0].at[c], converted[1].at[c]) if fp8 else (None, None)
-            plgpu.set_max_registers(consumer_registers, action="increase")
+            plgpu.set_max_registers(232, action="increase")
 
             def ring_slot(tile):  # ring tile number -> (slot, phase parity)
                 return ring0 + lax.rem(tile, stages), lax.rem(lax.div(tile, stages), 2)
 
             def convert(ring, tile, index, ready):
-                """Waits for ring tile `index` and writes it to `tile` as f16."""
+                """Waits for ring tile `index` and writes it to `tile` as f16. The 8-bit load takes 4 elements per
+                32-bit access (the layout made for upcasting into wgmma's)."""
                 slot, parity = ring_slot(index)
                 wait_barrier(bars, ready + slot, parity)
-                convert_tile(ring.at[slot], tile)
+                tile[...] = plgpu.load(ring.at[slot], layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.float16)
 
             def item(seq, head_pair, split, cta, counters):
                 ring_done, q_loads = counters
@@ -241,7 +210,7 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
                         scale_log2 = float(sm_scale) * LOG2E
                         v_scale = None
 
-                    if fp8 and not producer_converts:  # tile 0's K; each step converts the next tile's K while its P V runs
+                    if fp8:  # tile 0's K; each step converts the next tile's K while its P V runs
                         convert(k_rings, k16, ring_done, k_ready)
                         plgpu.commit_smem()
 
@@ -249,48 +218,38 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
                         acc, m_i, l_i = carry
                         tile = ring_done + step  # traced here: the closures below must not capture a constant
                         slot, parity = ring_slot(tile)
-                        converted_parity = lax.rem(tile, 2)  # one f16 K and one f16 V tile per consumer
-                        if producer_converts:
-                            wait_barrier(bars, k16_ready + c, converted_parity)
-                        elif not fp8:
+                        if not fp8:
                             wait_barrier(bars, k_ready + slot, parity)
                         k_tile = k16 if fp8 else k_rings.at[slot]
 
                         def qk(s_ref):
                             plgpu.wgmma(s_ref, q_regs, k_tile.transpose((1, 0)))
-                            if fp8 and not producer_converts:
-                                # V's conversion overlaps the wgmma; then both fp8 tiles are read: release the slot
+                            if fp8:  # V's conversion overlaps the wgmma; then both fp8 tiles are read: release the slot
                                 convert(v_rings, v16, tile, v_ready)
                                 arrive_barrier(bars, free + slot)
                                 plgpu.commit_smem()
                             return s_ref[...]
 
                         s = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, BLOCK_KV), jnp.float32))
-                        if producer_converts:  # S = Q K^T has completed: the producer may write the next K
-                            arrive_barrier(bars, k16_free + c)
                         if masked:
                             cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
                             s = jnp.where(decode_visible(cta, step, cols, 1), s, -jnp.inf)
                         p, acc, m_new, l_i, _ = online_softmax_tile(s, acc, m_i, l_i, scale_log2)
                         p16 = p.astype(jnp.float16 if fp8 else q_regs.dtype)
-                        if producer_converts:
-                            wait_barrier(bars, v16_ready + c, converted_parity)
-                        elif not fp8:
+                        if not fp8:
                             wait_barrier(bars, v_ready + slot, parity)
                         v_tile = v16 if fp8 else v_rings.at[slot]
 
                         def pv(acc_ref):
                             plgpu.wgmma(acc_ref, p16, v_tile)
-                            if fp8 and not producer_converts:  # S = Q K^T has completed: K's f16 tile takes the next
+                            if fp8:  # S = Q K^T has completed: K's f16 tile takes the next tile
                                 @pl.when(step + 1 < cta.steps)
                                 def _():
                                     convert(k_rings, k16, tile + 1, k_ready)
                                     plgpu.commit_smem()
 
                         acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                        if producer_converts:
-                            arrive_barrier(bars, v16_free + c)
-                        elif not fp8:
+                        if not fp8:
                             arrive_barrier(bars, free + slot)
                         return acc, m_new, l_i
 
@@ -318,7 +277,7 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
 
         def producer():
             """Counters: per consumer, (ring tiles it has filled, Q loads it has issued)."""
-            plgpu.set_max_registers(producer_registers, action="decrease")
+            plgpu.set_max_registers(40, action="decrease")
 
             def item(seq, head_pair, split, cta, counters):
                 heads = [CONSUMERS * head_pair + c for c in range(CONSUMERS)]
@@ -342,61 +301,22 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
                     return row_sources(kv_indices_ref, from_pool, cta.kv_begin + cta.split_start + step * BLOCK_KV,
                                        cta.split_len - step * BLOCK_KV, block_kv=BLOCK_KV, pool_rows=slots)
 
-                def issue(step, sources):
+                def step_body(step, sources):
+                    next_sources = sources_of(step + 1)  # its loads overlap this tile's wait and copies
                     for c, kv_head in enumerate(heads):  # both kv heads read the same slots
                         @pl.when(active[c])
                         def _():
                             tile = counters[c][0] + step
                             slot = c * stages + lax.rem(tile, stages)
-                            # The slot's previous tile (tile - stages) released by consumer c's 128 threads (or,
-                            # producer_converts, by this warpgroup's once it converted it).
+                            # The slot's previous tile (tile - stages) released by consumer c's 128 threads.
                             pl.when(tile >= stages)(lambda: wait_barrier(
                                 bars, free + slot, lax.rem(lax.div(tile, stages) - 1, 2)))
                             for rings, pool, ready in ((k_rings, k_ref, k_ready), (v_rings, v_ref, v_ready)):
                                 issue_rows(pool, pool, rings, bars, sources, from_pool, slot, ready + slot, kv_head,
                                            block_kv=BLOCK_KV, head_dim=head_dim, itemsize=itemsize)
-
-                def convert(step):
-                    """Tile `step` of every active consumer into its f16 tiles (K of both, then V of both: a
-                    consumer reads K first), then its ring slots released."""
-                    for rings, ready, f16_tiles, f16_ready, f16_free in (
-                            (k_rings, k_ready, converted[0], k16_ready, k16_free),
-                            (v_rings, v_ready, converted[1], v16_ready, v16_free)):
-                        for c in range(CONSUMERS):
-                            @pl.when(active[c])
-                            def _():
-                                tile = counters[c][0] + step
-                                slot = c * stages + lax.rem(tile, stages)
-                                wait_barrier(bars, ready + slot, lax.rem(lax.div(tile, stages), 2))
-                                # Consumer c has read its f16 tile of the previous tile (f16 tiles count this
-                                # consumer's tiles over every item, one phase each).
-                                pl.when(tile >= 1)(lambda: wait_barrier(bars, f16_free + c, lax.rem(tile - 1, 2)))
-                                convert_tile(rings.at[slot], f16_tiles.at[c])
-                                plgpu.commit_smem()  # the f16 stores visible to the consumer's wgmma
-                                arrive_barrier(bars, f16_ready + c)
-                    for c in range(CONSUMERS):
-                        @pl.when(active[c])
-                        def _():
-                            arrive_barrier(bars, free + c * stages + lax.rem(counters[c][0] + step, stages))
-
-                def step_body(step, sources):
-                    next_sources = sources_of(step + 1)  # its loads overlap this tile's wait and copies
-                    issue(step, sources)
                     return next_sources
 
-                def step_body_converting(j, sources):
-                    """Issues tile j (while j < steps), then converts tile j - lag (once j >= lag): lag tiles in
-                    flight while one converts. The slot tile j reuses held tile j - stages, converted at j - 1."""
-                    next_sources = sources_of(j + 1)
-                    pl.when(j < cta.steps)(lambda: issue(j, sources))
-                    pl.when(j >= lag)(lambda: convert(j - lag))
-                    return next_sources
-
-                if producer_converts:  # every tile of the item converted before the next item's are issued
-                    steps_converting = jnp.where(cta.steps > 0, cta.steps + lag, 0)
-                    lax.fori_loop(0, steps_converting, step_body_converting, sources_of(jnp.int32(0)))
-                else:
-                    lax.fori_loop(0, cta.steps, step_body, sources_of(jnp.int32(0)))
+                lax.fori_loop(0, cta.steps, step_body, sources_of(jnp.int32(0)))
                 return tuple((filled + jnp.where(a, cta.steps, 0), loads + a.astype(jnp.int32))
                              for (filled, loads), a in zip(counters, active))
 

@@ -7,7 +7,8 @@
 #        with STRESS_ARGS added to its flags), BACKEND_STRESS=100 to run scripts/stress_backends.py (TritonBackend and
 #        FlashInferBackend against ReferenceBackend, that many random batches per profile, BACKEND_STRESS_ARGS added),
 #        SANITIZE=1 to run the hostile-input tests on compiled kernels under compute-sanitizer's memcheck,
-#        PTXAS=1 to have Mosaic GPU write each kernel's ptxas report (registers, spills, setmaxnreg) under $OUT/mosaic,
+#        PTXAS=1 to keep each Mosaic GPU kernel's ptxas report (registers, spills) in $OUT/ptxas.txt (jaxlib dumps every
+#        kernel's passes to do it, gigabytes and minutes for a wide selection: use a narrow -k),
 #        ALL=1 to run the whole suite
 #        except interpreter-only cases instead of `-m gpu`: backends, end-to-end, checked mode and properties then
 #        run on the compiled kernels too; with pytest-xdist among the carried wheels the tests run in 8 processes)
@@ -44,6 +45,9 @@ else
 fi
 python3 -m pytest -q $parallel "${selection[@]}" --durations=15 -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log"
 status=${PIPESTATUS[0]}
+if [ -n "${PTXAS:-}" ]; then  # the report lines only ($OUT brings back at most 8 files), named by their dump file
+  grep -rH -E "ptxas (info|warning)|bytes stack frame" "$OUT/mosaic" > "$OUT/ptxas.txt"; rm -rf "$OUT/mosaic"
+fi
 for op in ${BENCH:-}; do
   python3 -m jaxattn.bench "$op" --json "$OUT/bench_$op.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_$op.log"
 done

@@ -162,14 +162,6 @@ DECODE_SHAPES = [
     # One split: the kernel writes o and the LSE (no merge), persistent and not.
     ("gqa-decode-bf16-32x8-final", "gqa", 4, 32, jnp.bfloat16, dict(kv_heads=8, splits=1, persistent=False)),
     ("gqa-decode-e4m3-12x3-bf16-final-persistent", "gqa", 5, 12, jnp.bfloat16, dict(kv_heads=3, pool=jnp.float8_e4m3fn, splits=1, persistent=True)),
-    # fp8 tiles converted by the producer: items, persistent with a window and an odd kv head count, the final
-    # write, two stages (one tile issued ahead of the converted one).
-    ("gqa-decode-e4m3-32x8-bf16-producer-converts", "gqa", 4, 32, jnp.bfloat16,
-     dict(kv_heads=8, pool=jnp.float8_e4m3fn, fp8_conversion="producer")),
-    ("gqa-decode-e5m2-12x3-f16-producer-converts-window-persistent", "gqa", 5, 12, jnp.float16,
-     dict(kv_heads=3, pool=jnp.float8_e5m2, sliding_window=70, persistent=True, fp8_conversion="producer")),
-    ("gqa-decode-e4m3-8x1-bf16-producer-converts-final-stages2", "gqa", 3, 8, jnp.bfloat16,
-     dict(kv_heads=1, pool=jnp.float8_e4m3fn, splits=1, stages=2, fp8_conversion="producer")),
 ]
 
 
@@ -218,8 +210,7 @@ def lower_gqa_decode(batch, q_heads, dtype, features, *, slots, capacity):
         decode_call = DecodeCall(q=q, k_pool=k_pool, v_pool=v_pool, meta=meta, sinks=None, sm_scale=0.07, logit_cap=0.0,
                                  xai_temperature_len=-1, sliding_window=window, v_head_dim=dim, return_lse=False,
                                  config=MgpuDecodeConfig(stages=features.pop("stages", None), splits=features.pop("splits", None),
-                                                         persistent=features.pop("persistent", None),
-                                                         fp8_conversion=features.pop("fp8_conversion", None)),
+                                                         persistent=features.pop("persistent", None)),
                                  launch_mode="gpu",
                                  kv_scales=kv_scales)
         if kernel_split_bound(decode_call) == 1:  # the kernel writes the result (stage 2 is Triton: not lowered here)

@@ -187,32 +187,6 @@ def test_hostile_indices_stay_inside(rng, config):
     assert o.shape == (len(KV_LENS), 32, 128)
 
 
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("dtypes", [POOLS[0], POOLS[1]])
-@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2], SHAPES[3], SHAPES[4]])
-@pytest.mark.parametrize("config", [MgpuDecodeConfig(), MgpuDecodeConfig(splits=3, stages=2),
-                                    MgpuDecodeConfig(splits=1, persistent=True),
-                                    MgpuDecodeConfig(splits=2, persistent=True)],
-                         ids=["default", "3-splits-2-stages", "persistent-final-write", "persistent-2-splits"])
-def test_producer_conversion_is_bitwise_the_consumers(rng, dtypes, shape, config):
-    # fp8_conversion="producer" converts the same tiles with the same instructions, only in another warpgroup: the
-    # reference's tolerance, and the same bits as the consumers' conversion (windows, sinks, persistent CTAs over
-    # many items, an idle second consumer, the final write).
-    dtype, pool = dtypes
-    q_heads, kv_heads, dim = shape
-    q, k_pool, v_pool, meta, kwargs = make_case(rng, q_heads, kv_heads, dim, dtype, pool, kv_lens=KV_LENS * 6,
-                                                window=900)
-    sinks = None if config.splits == 1 else jnp.asarray(rng.standard_normal(q_heads).astype(np.float32))
-    producer = dataclasses.replace(config, fp8_conversion="producer")
-    o, lse, ref_o, ref_lse = run_both(q, k_pool, v_pool, meta, config=producer, sinks=sinks, **kwargs)
-    assert_close(o, lse, ref_o, ref_lse, dtype)
-    consumers_o, consumers_lse = decode_attention(q, k_pool, v_pool, meta, impl="mgpu-gqa-fp8", config=config,
-                                                  sinks=sinks, return_lse=True, **kwargs)
-    np.testing.assert_array_equal(np.float32(o), np.float32(consumers_o))
-    np.testing.assert_array_equal(np.asarray(lse), np.asarray(consumers_lse))
-
-
 # What runs without a GPU.
 
 def _call(q_heads=32, kv_heads=8, tokens=1, dtype=jnp.bfloat16, dim=128, latent=False, batch=4, **fields):
@@ -311,27 +285,10 @@ def test_route_order():
     assert "fp8 only" in mgpu_decode.declines_fp8(call)
 
 
-def test_fp8_conversion_is_checked():
-    from jaxattn.impl import mgpu_mla
-
-    producer = MgpuDecodeConfig(fp8_conversion="producer")
-    assert "fp8_conversion=) over a 16-bit pool" in mgpu_decode.declines(_call(config=producer))
-    assert "one of ('consumers', 'producer')" in mgpu_decode.declines_fp8(
-        _call(pool_dtype=jnp.float8_e4m3fn, config=MgpuDecodeConfig(fp8_conversion="both")))
-    fp8_call = _call(pool_dtype=jnp.float8_e4m3fn, config=producer)
-    assert mgpu_decode.declines_fp8(fp8_call) == mgpu_decode.declines_fp8(_call(pool_dtype=jnp.float8_e4m3fn))
-    latent = _call(q_heads=16, kv_heads=1, dim=576, v_head_dim=512, latent=True, config=producer)
-    assert "16-bit latent caches only" in mgpu_mla.declines_decode(latent)
-    with pytest.raises(ValueError, match="fp8_conversion"):
-        MgpuDecodeConfig(fp8_conversion=True)
-
-
 def _decode_cta_programs(items, *, stages, form, persistent):
     """The barrier operations of one CTA's producer and two consumers over its work items, in the kernel's order
-    (`gqa_decode_mgpu_kernel`): items are (steps, (consumer 0 active, consumer 1 active)); form "16-bit", "consumers"
-    (fp8, each consumer converts) or "producer" (fp8, the producer converts). Tags: a consumer's tile number over
-    all its items, a Q load's number."""
-    lag = stages - 1
+    (`gqa_decode_mgpu_kernel`): items are (steps, (consumer 0 active, consumer 1 active)); form "16-bit" or "consumers"
+    (fp8, each consumer converts its tiles). Tags: a consumer's tile number over all its items, a Q load's number."""
     producer, consumers = [], [[], []]
     filled, q_loads = [0, 0], [0, 0]
 
@@ -345,7 +302,7 @@ def _decode_cta_programs(items, *, stages, form, persistent):
                     producer.append(("wait", ("q_free", c), (q_loads[c] - 1) % 2, q_loads[c] - 1))
                 producer.append(("load", ("q_ready", c), q_loads[c]))
 
-        def issue(step):
+        for step in range(steps):
             for c in (0, 1):
                 if active[c]:
                     tile = filled[c] + step
@@ -353,29 +310,6 @@ def _decode_cta_programs(items, *, stages, form, persistent):
                         producer.append(("wait", ring("free", c, tile), (tile // stages - 1) % 2, tile - stages))
                     producer.append(("load", ring("k_ready", c, tile), tile))
                     producer.append(("load", ring("v_ready", c, tile), tile))
-
-        def convert(step):
-            for which in ("k", "v"):
-                for c in (0, 1):
-                    if active[c]:
-                        tile = filled[c] + step
-                        producer.append(("wait", ring(f"{which}_ready", c, tile), (tile // stages) % 2, tile))
-                        if tile >= 1:
-                            producer.append(("wait", (f"{which}16_free", c), (tile - 1) % 2, tile - 1))
-                        producer.append(("arrive", (f"{which}16_ready", c), tile))
-            for c in (0, 1):
-                if active[c]:
-                    producer.append(("arrive", ring("free", c, filled[c] + step), filled[c] + step))
-
-        if form == "producer":
-            for j in range(steps + lag if steps else 0):
-                if j < steps:
-                    issue(j)
-                if j >= lag:
-                    convert(j - lag)
-        else:
-            for j in range(steps):
-                issue(j)
 
         for c in (0, 1):
             if not active[c]:
@@ -391,19 +325,13 @@ def _decode_cta_programs(items, *, stages, form, persistent):
                 parity = (tile // stages) % 2
                 if form == "16-bit":
                     ops.append(("wait", ring("k_ready", c, tile), parity, tile))
-                elif form == "producer":
-                    ops += [("wait", ("k16_ready", c), tile % 2, tile), ("arrive", ("k16_free", c), tile)]
                 if form == "consumers":  # V converted during S = Q K^T, then the slot released
                     ops += [("wait", ring("v_ready", c, tile), parity, tile), ("arrive", ring("free", c, tile), tile)]
                 if form == "16-bit":
                     ops.append(("wait", ring("v_ready", c, tile), parity, tile))
-                elif form == "producer":
-                    ops.append(("wait", ("v16_ready", c), tile % 2, tile))
                 if form == "consumers" and step + 1 < steps:  # the next K converted during P V
                     ops.append(("wait", ring("k_ready", c, tile + 1), ((tile + 1) // stages) % 2, tile + 1))
-                if form == "producer":
-                    ops.append(("arrive", ("v16_free", c), tile))
-                elif form == "16-bit":
+                if form == "16-bit":
                     ops.append(("arrive", ring("free", c, tile), tile))
         for c in (0, 1):
             if active[c]:
@@ -412,7 +340,7 @@ def _decode_cta_programs(items, *, stages, form, persistent):
     return {"producer": producer, "consumer0": consumers[0], "consumer1": consumers[1]}
 
 
-@pytest.mark.parametrize("form", ["16-bit", "consumers", "producer"])
+@pytest.mark.parametrize("form", ["16-bit", "consumers"])
 def test_barrier_protocol_never_hangs(form):
     # CPU: one CTA's producer and consumers (their barrier operations in the kernel's order) in random interleavings
     # with loads landing late: no deadlock, no wait passing early or on another tile's phase; one CTA per item (one
@@ -433,8 +361,7 @@ def test_barrier_protocol_never_hangs(form):
             for _ in range(20):
                 barriers = {(kind, c, slot): Barrier(1) for kind in ("k_ready", "v_ready", "free")
                             for c in (0, 1) for slot in range(stages)}
-                barriers |= {(kind, c): Barrier(1) for kind in ("q_ready", "q_free", "k16_ready", "v16_ready",
-                                                                 "k16_free", "v16_free") for c in (0, 1)}
+                barriers |= {(kind, c): Barrier(1) for kind in ("q_ready", "q_free") for c in (0, 1)}
                 run_protocol(programs, barriers, rng)
                 runs += 1
     assert runs == 160

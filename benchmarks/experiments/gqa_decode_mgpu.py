@@ -5,11 +5,9 @@ For each case (D1-D3, with fp8 and bf16 pools): jaxattn's default route, the Tri
 (its fp8 entry for fp8 pools; runs before 0052c73 named both "mgpu-gqa") with one CTA per work item ("items") or
 persistent CTAs ("persistent"), at its rule's split bound and at twice and four times that bound
 (`mgpu_decode.kernel_splits`), at ring depths 2 and 3 with `--stages` (default: the kernel's own depth); ms and % of
-the case's floor (its own: one byte per element for fp8). fp8 cases time both conversions
-(`MgpuDecodeConfig.fp8_conversion`: each consumer converts its tiles, or the producer does), `--fp8-conversion` one.
+the case's floor (its own: one byte per element for fp8).
 
     python benchmarks/experiments/gqa_decode_mgpu.py --cases D1-FP8,D2-FP8,D3-FP8,D1,D2,D3 --json out.json
-    python benchmarks/experiments/gqa_decode_mgpu.py --cases D1-FP8,D2-FP8,D3-FP8 --fp8-conversion producer
 """
 
 from __future__ import annotations
@@ -27,8 +25,6 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", default="D1-FP8,D2-FP8,D3-FP8,D1,D2,D3")
     parser.add_argument("--json", default=None)
     parser.add_argument("--stages", action="store_true", help="also time ring depths 2 and 3")
-    parser.add_argument("--fp8-conversion", default="consumers,producer",
-                        help="fp8 cases: the conversions to time (comma-separated)")
     args = parser.parse_args(argv)
 
     from jaxattn import bench
@@ -41,19 +37,15 @@ def main(argv=None) -> int:
         inp = bench.make_inputs(case)
         rule = mgpu_decode.kernel_splits(case.batch, case.kv_heads)
         variants = [("default route", dict(impl=None)), ("triton", dict(impl="triton"))]  # fp8: Triton is the default
-        conversions = args.fp8_conversion.split(",") if case.fp8 else [None]
         for persistent in (False, True):
             for splits in (rule, 2 * rule, 4 * rule):
                 for stages in (2, 3) if args.stages else (None,):  # 16-bit at 128 fits 2 only
-                    for conversion in conversions:
-                        launch = "persistent" if persistent else "items"
-                        label = f"mgpu {launch} s{stages or 'default'} splits{splits}"
-                        config = MgpuDecodeConfig(splits=splits, stages=stages, persistent=persistent,
-                                                  fp8_conversion=conversion)
-                        variants.append((label + (f" {conversion}" if conversion else ""),
-                                         dict(impl="mgpu-gqa-fp8" if case.fp8 else "mgpu-gqa", config=config)))
+                    launch = "persistent" if persistent else "items"
+                    variants.append((f"mgpu {launch} s{stages or 'default'} splits{splits}",
+                                     dict(impl="mgpu-gqa-fp8" if case.fp8 else "mgpu-gqa",
+                                          config=MgpuDecodeConfig(splits=splits, stages=stages, persistent=persistent))))
         for label, kw in variants:
-            time_variant(rows, f"{name:7s} {label:44s}", bench.decode_jaxattn(inp, **kw), case, variant=label)
+            time_variant(rows, f"{name:7s} {label:34s}", bench.decode_jaxattn(inp, **kw), case, variant=label)
     write_record(args.json, rows)
     return 0
 

@@ -4,8 +4,7 @@ per sequence and no sinks the kernel writes the result itself (no merge launch).
 
 Two implementations of `jaxattn.decode`'s contract on it: `DECODE` ("mgpu-gqa", the default on sm_90) for 16-bit
 pools, and `DECODE_FP8` ("mgpu-gqa-fp8", by name only) for fp8 pools (e4m3fn / e5m2 with per-layer or per-head
-scales), where the Triton kernel is still faster (`MgpuDecodeConfig(fp8_conversion="producer")` moves the fp8 -> f16
-conversions from the consumer warpgroups to the producer: written for the GPU, not yet run there). Both take separate K and V pools, bf16/f16 q, head dim 128 (and 64
+scales), where the Triton kernel is still faster. Both take separate K and V pools, bf16/f16 q, head dim 128 (and 64
 for 16-bit pools), at most 64 q heads per kv head, one query token per sequence, a sliding window and sinks; they
 decline soft caps, xai temperature, several query tokens and latent (MLA) pools, which the Triton kernels take.
 
@@ -64,20 +63,13 @@ def declines(call: DecodeCall) -> str | None:
     if call.v_pool is not None and is_fp8(call.k_pool.dtype):
         return (f"a {jnp.dtype(call.k_pool.dtype).name} pool (fp8 pools: impl=\"mgpu-gqa-fp8\", opt-in, slower "
                 f"than the Triton kernel in its H200 runs)")
-    if isinstance(call.config, MgpuDecodeConfig) and call.config.fp8_conversion is not None:
-        return "MgpuDecodeConfig(fp8_conversion=) over a 16-bit pool (fp8 pools only: impl=\"mgpu-gqa-fp8\")"
     return _declines(call)
 
 
 def declines_fp8(call: DecodeCall) -> str | None:
     """"mgpu-gqa-fp8": fp8 pools."""
-    from jaxattn.kernels.decode_attention_mgpu import FP8_CONVERSIONS
-
     if call.v_pool is not None and not is_fp8(call.k_pool.dtype):
         return f"a {jnp.dtype(call.k_pool.dtype).name} pool (fp8 only; 16-bit pools: impl=\"mgpu-gqa\")"
-    conversion = call.config.fp8_conversion if isinstance(call.config, MgpuDecodeConfig) else None
-    if conversion is not None and conversion not in FP8_CONVERSIONS:
-        return f"MgpuDecodeConfig(fp8_conversion={conversion!r}) (one of {FP8_CONVERSIONS})"
     return _declines(call)
 
 
@@ -150,8 +142,7 @@ def _launch(call: DecodeCall, splits: int, final: bool):
         sm_scale=call.sm_scale, max_kv_splits=splits,
         stages=ring_stages(call.qk_head_dim, jnp.dtype(call.k_pool.dtype).itemsize, config.stages),
         sliding_window=call.sliding_window if call.sliding_window >= 0 else -1, min_block_kv=MIN_BLOCK_KV,
-        persistent_ctas=persistent_ctas(call, splits), final=final,
-        fp8_conversion=(config.fp8_conversion or "consumers") if fp8 else "consumers")
+        persistent_ctas=persistent_ctas(call, splits), final=final)
     return out, lse, num_kv_splits
 
 

@@ -122,14 +122,11 @@ class MgpuDecodeConfig:
     split bound, None for the kernel's own rule (`jaxattn.impl.mgpu_mla.kernel_splits`, `jaxattn.impl.mgpu_decode.
     kernel_splits`: fill every multiprocessor once). stages: the GQA kernel's ring depth (None: its default); the
     MLA kernel's is fixed by its shared memory and must be None. persistent: the GQA kernel's launch, one CTA per
-    multiprocessor taking work items in turn (True) or one CTA per item (False); None: its default. fp8_conversion:
-    over fp8 pools, which of the GQA kernel's warpgroups convert the fp8 tiles to f16 (`kernels/
-    decode_attention_mgpu.py`'s FP8_CONVERSIONS: "consumers", "producer"); None: "consumers"."""
+    multiprocessor taking work items in turn (True) or one CTA per item (False); None: its default."""
 
     splits: int | None = None
     stages: int | None = None
     persistent: bool | None = None
-    fp8_conversion: str | None = None
 
     def __post_init__(self):
         if self.splits is not None and (not isinstance(self.splits, int) or self.splits < 1):
@@ -138,6 +135,4 @@ class MgpuDecodeConfig:
             raise ValueError(f"MgpuDecodeConfig.stages must be None or an int >= 2; got {self.stages!r}")
         if self.persistent is not None and not isinstance(self.persistent, bool):
             raise ValueError(f"MgpuDecodeConfig.persistent must be None, True or False; got {self.persistent!r}")
-        if self.fp8_conversion is not None and not isinstance(self.fp8_conversion, str):
-            raise ValueError(f"MgpuDecodeConfig.fp8_conversion must be None or a str; got {self.fp8_conversion!r}")
 

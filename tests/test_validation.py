@@ -216,6 +216,8 @@ CASES = [
     ("extend/qo_indptr-vs-kv_indptr", lambda: extend(meta=dataclasses.replace(ext_meta(), qo_indptr=i32(0, 3))), r"batch = qo_indptr.shape\[0\] - 1 = 1 \(one of the two has the wrong length\)"),
     ("ForwardBatch/custom_mask-in-extend", lambda: _batch(custom_mask=jnp.ones(8, bool)), r"custom_mask is a TARGET_VERIFY field; the batch's mode is EXTEND"),
     ("ForwardBatch/custom_mask-dtype", lambda: _batch(mode=ForwardMode.TARGET_VERIFY, custom_mask=jnp.ones(8)), r"custom_mask must have dtype bool/uint8/int8"),
+    ("ForwardBatch/seq_lens-list", lambda: _batch(seq_lens=[3, 5]), r"ForwardBatch.seq_lens must be an array .*; got a list"),
+    ("ForwardBatch/out_cache_loc-tuple", lambda: _batch(out_cache_loc=(1, 2)), r"ForwardBatch.out_cache_loc must be an array"),
     ("ForwardBatch/max_extend_len-bool", lambda: _batch(max_extend_len=True), r"max_extend_len must be a positive int"),
     # write_kv
     ("write_kv/k_pool-dtype", lambda: write_kv(K_POOL.astype(I32), V_POOL, i32(1, 2), K_NEW[:2], V_NEW[:2]), r"k_pool must have dtype"),

@@ -64,6 +64,12 @@ class ForwardBatch:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive int (a static bucket); got {value!r}")
+        for name in ("req_pool_indices", "seq_lens", "extend_lens", "out_cache_loc", "positions", "encoder_lens",
+                     "custom_mask", "draft_mask"):
+            # Lists would skip every shape check below (which only arrays, tracers and shape structs go through).
+            if isinstance(getattr(self, name), (list, tuple)):
+                raise ValueError(f"ForwardBatch.{name} must be an array (e.g. jnp.asarray(..., jnp.int32)); got a "
+                                f"{type(getattr(self, name)).__name__}")
         if isinstance(self.seq_lens, jax.Array) or hasattr(self.seq_lens, "shape"):
             check_array("req_pool_indices", self.req_pool_indices, ndim=1, dtypes=INDEX_DTYPES, what="[batch]")
             batch = self.req_pool_indices.shape[0]

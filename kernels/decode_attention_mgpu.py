@@ -7,6 +7,8 @@ transposing ldmatrix) and is bound by instruction issue (Nsight Compute at D1-FP
 consumer converts each fp8 tile to f16 in shared memory (32-bit loads, packed f16x2 conversions) and wgmma reads V
 in its transposed (MN-major) form, which needs no byte shuffles; so far that runs 1.3x slower than Triton over fp8
 pools (the conversions and the softmax sit on each consumer's critical path), so fp8 pools take it by name only.
+Moving the conversions to the producer warpgroup was 20-33% slower still (H200, 2026-12-05: one warpgroup converting
+both consumers' tiles has half the threads for the conversions that bind it) and was removed.
 
 A work item = one sequence x two kv heads x one split of its keys; the launch is one CTA per item, or (many short
 items) one persistent CTA per multiprocessor taking items in turn, whose producer fills the rings with the next

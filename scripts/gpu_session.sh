@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One device call made of time-boxed steps (the H200's calls stop at 10 minutes and bring back at most 8 files).
+# Usage: JAXATTN_COMMIT=<hash> bash scripts/gpu_session.sh STEPS_FILE [TOTAL_SECONDS]
+#   STEPS_FILE: one step per line, "<seconds> <name> <bash command>" ('#' lines and blank lines skipped), run in order
+#   from the checkout's root with the carried wheels installed, jaxattn on PYTHONPATH and $STEP_OUT a folder for the
+#   step's own files (JSON records). A step runs under `timeout <seconds>`; a step that would end past TOTAL_SECONDS
+#   (default 560) from the start is skipped, so the packing below always runs. Each step's output goes to
+#   <name>.log. Comes back under $OUT: steps.txt (each step's exit status, 124 = its box ran out, and seconds), and
+#   logs.tgz (every step's log and files).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+steps_file=$1
+total=${2:-560}
+FINAL=${OUT:-$PWD/out}
+work=/tmp/gpu_session
+mkdir -p "$FINAL" "$work"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >"$work/install.log" 2>&1
+fi
+export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
+start=$SECONDS
+echo "commit ${JAXATTN_COMMIT:-unknown}, $(date -u +%FT%TZ)" >"$FINAL/steps.txt"
+while read -r -u 3 seconds name command; do  # fd 3: a step reading stdin must not eat the list
+  case "$seconds" in ''|'#'*) continue ;; esac
+  if [ $((SECONDS - start + seconds)) -gt "$total" ]; then
+    echo "$name skipped (its ${seconds} s would pass the call's ${total} s)" | tee -a "$FINAL/steps.txt"
+    continue
+  fi
+  export STEP_OUT=$work/$name
+  mkdir -p "$STEP_OUT"
+  began=$SECONDS
+  OUT=$STEP_OUT timeout "$seconds" bash -c "$command" >"$work/$name.log" 2>&1 </dev/null
+  echo "$name rc=$? ${seconds}s box, took $((SECONDS - began)) s" | tee -a "$FINAL/steps.txt"
+done 3<"$steps_file"
+tar czf "$FINAL/logs.tgz" -C "$work" .

@@ -26,6 +26,31 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
+# FlashInfer's modules prebuilt for sm_90a on a CPU machine (scripts/prebuild_flashinfer.py): FlashInfer loads
+# data/aot/<name>/<name>.so without building it. One that does not load here is deleted, so that FlashInfer JIT-builds
+# it instead of failing on it.
+if [ -f .ficache/flashinfer_aot.tar.xz ] && [ -d /tmp/site/flashinfer ]; then
+  mkdir -p /tmp/site/flashinfer/data/aot && tar xJf .ficache/flashinfer_aot.tar.xz -C /tmp/site/flashinfer/data/aot
+  python3 - /tmp/site/flashinfer/data/aot <<'EOF'
+import pathlib
+import sys
+
+import torch  # noqa: F401  (loads libcudart.so.13, which the modules need, as FlashInfer's own import does)
+import flashinfer  # noqa: F401  (and tvm_ffi's runtime, whose symbols the modules take)
+import tvm_ffi
+
+loaded, deleted = 0, 0
+for so in sorted(pathlib.Path(sys.argv[1]).glob("*/*.so")):
+    try:
+        tvm_ffi.load_module(str(so))
+        loaded += 1
+    except Exception as error:  # noqa: BLE001
+        print(f"flashinfer aot: deleted {so.name} (FlashInfer will build it): {type(error).__name__}: {error}")
+        so.unlink()
+        deleted += 1
+print(f"flashinfer aot: {loaded} prebuilt modules load, {deleted} deleted")
+EOF
+fi
 # jaxattn itself from the checkout, without the network (jaxattn/__init__.py maps kernels/ to jaxattn.kernels).
 export PYTHONPATH=$PWD:$PYTHONPATH
 {

@@ -764,6 +764,14 @@ def test_wrappers_take_fa3_only_where_it_takes_the_layer(rng, stand_in_flashinfe
     assert built(AttentionLayer(0, 8, 2, 96, has_sinks=True), extend)["backend"] == "fa2"
     decode_kwargs = built(AttentionLayer(0, 8, 2, 128), decode)
     assert decode_kwargs["backend"] == "fa3" and decode_kwargs["use_tensor_cores"] is True  # a group of 4
+    # A verify step's tree mask: 0.6.0's fa3 paged prefill refuses custom masks (fa2, as its own auto rule picks);
+    # a cross layer of the same step sees every encoder key (no mask: fa3).
+    verify, _ = make_batch(rng, ForwardMode.TARGET_VERIFY, [6, 4], [2, 2], 4, custom_mask=jnp.ones(20, bool),
+                           encoder_lens=[2, 2])
+    assert built(AttentionLayer(0, 8, 2, 128), verify)["backend"] == "fa2"
+    assert built(AttentionLayer(1, 8, 2, 128, is_cross_attention=True), verify)["backend"] == "fa3"
+    assert fi_module.attention_backend(jnp.bfloat16, jnp.bfloat16, 128, 128, deterministic=False, hopper=True,
+                                       custom_mask=True) == "fa2"
     assert fi_module.fa3_declines(jnp.bfloat16, jnp.float8_e5m2, 128, 128).startswith("fa3 takes no bfloat16 q")
     assert "64, 128, 256" in fi_module.fa3_declines(jnp.bfloat16, jnp.bfloat16, 192, 128)
     assert fi_module.fa3_declines(jnp.float16, jnp.float16, 256, 256) is None

@@ -351,11 +351,13 @@ def fa3_declines(q_dtype, kv_dtype, head_dim: int, dv: int) -> str | None:
     return None
 
 
-def attention_backend(q_dtype, kv_dtype, head_dim: int, dv: int, *, deterministic: bool, hopper: bool) -> str:
+def attention_backend(q_dtype, kv_dtype, head_dim: int, dv: int, *, deterministic: bool, hopper: bool,
+                      custom_mask: bool = False) -> str:
     """The `backend` FlashInferBackend builds its paged-prefill, sink and decode wrappers with: "fa3" on Hopper
-    (sm_90) where it takes the call, else "fa2"; "fa2" in deterministic mode (the fixed split size is fa2's). Decode
-    wrappers use it for their tensor-core path only."""
-    if not hopper or deterministic or fa3_declines(q_dtype, kv_dtype, head_dim, dv):
+    (sm_90) where it takes the call, else "fa2"; "fa2" in deterministic mode (the fixed split size is fa2's) and for a
+    custom mask (TARGET_VERIFY's tree: 0.6.0's fa3 paged prefill returns cudaErrorNotSupported for one, and its own
+    `determine_attention_backend` picks fa2 there). Decode wrappers use it for their tensor-core path only."""
+    if not hopper or deterministic or custom_mask or fa3_declines(q_dtype, kv_dtype, head_dim, dv):
         return "fa2"
     return "fa3"
 
@@ -513,10 +515,11 @@ class FlashInferBackend:
         kv_t their torch dtypes."""
         if key in self._wrappers:
             return self._wrappers[key]
-        window, _, _, _, q_heads, kv_heads, head_dim, dv, sinks = kind
+        window, cross, _, _, q_heads, kv_heads, head_dim, dv, sinks = kind
         fi = self.flashinfer
+        # A verify step's self-attention layers plan the tree mask (`plan_arguments`); cross layers see every key.
         backend = attention_backend(q_dtype, kv_dtype, head_dim, dv, deterministic=self.deterministic,
-                                    hopper=self.hopper)
+                                    hopper=self.hopper, custom_mask=mode == ForwardMode.TARGET_VERIFY and not cross)
         if _mla_kind(kind):
             self._wrappers[key] = fi.BatchMLAPagedAttentionWrapper(self.workspace, backend="auto")
         elif sinks:  # built for its dtypes, head dims and window (FlashInfer JIT-compiles the variant for them)

@@ -148,8 +148,17 @@ def decode_flashinfer(inp: Inputs, tensor_cores: bool, through_jax: bool = False
         raise Skip("MLA shapes need FlashInfer's MLA wrapper")
     if case.new > 1:  # its decode kernels take one query per sequence (given more rows, the H200 run faulted)
         raise Skip("several tokens per sequence: FlashInfer's verify is its prefill (row flashinfer-fa3)")
+    import jax.numpy as jnp
+
+    from jaxattn.backends.flashinfer import fa3_declines
+
     flashinfer, torch, tv, workspace = flashinfer_session(inp)
-    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tensor_cores)
+    # Tensor-core decode runs FlashInfer's prefill kernels; 0.6.0's backend="auto" picks fa3 on sm_90, whose module
+    # for bf16 q over an fp8 pool does not build: fa2 where fa3 declines the pool (as FlashInferBackend does).
+    backend = "fa2" if tensor_cores and fa3_declines(jnp.bfloat16, jnp.dtype(case.kv_dtype), case.head_dim,
+                                                     case.head_dim) else "auto"
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tensor_cores,
+                                                            backend=backend)
     kv_indptr, kv_indices, last_page_len = flashinfer_pages(inp, torch)
     kv_type = tv["k_pool"].dtype  # bf16, or fp8 (FlashInfer decodes fp8 KV with bf16 queries)
     wrapper.plan(

@@ -2,7 +2,7 @@
 # One device call made of time-boxed steps (the H200's calls stop at 10 minutes and bring back at most 8 files).
 # Usage: JAXATTN_COMMIT=<hash> bash scripts/gpu_session.sh STEPS_FILE [TOTAL_SECONDS]
 #   STEPS_FILE: one step per line, "<seconds> <name> <bash command>" ('#' lines and blank lines skipped), run in order
-#   from the checkout's root with the carried wheels installed, jaxattn on PYTHONPATH and $STEP_OUT a folder for the
+#   from the checkout's root with what scripts/gpu_env.sh installs, jaxattn on PYTHONPATH and $STEP_OUT a folder for the
 #   step's own files (JSON records). A step runs under `timeout <seconds>`; a step that would end past TOTAL_SECONDS
 #   (default 560) from the start is skipped, so the packing below always runs. Each step's output goes to
 #   <name>.log. Comes back under $OUT: steps.txt (each step's exit status, 124 = its box ran out, and seconds), and
@@ -14,11 +14,7 @@ total=${2:-560}
 FINAL=${OUT:-$PWD/out}
 work=/tmp/gpu_session
 mkdir -p "$FINAL" "$work"
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >"$work/install.log" 2>&1
-fi
-export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
+source scripts/gpu_env.sh >"$work/install.log" 2>&1 || { cat "$work/install.log"; exit 1; }
 start=$SECONDS
 echo "commit ${JAXATTN_COMMIT:-unknown}, $(date -u +%FT%TZ)" >"$FINAL/steps.txt"
 while read -r -u 3 seconds name command; do  # fd 3: a step reading stdin must not eat the list

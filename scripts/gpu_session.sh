@@ -29,4 +29,9 @@ while read -r -u 3 seconds name command; do  # fd 3: a step reading stdin must n
   OUT=$STEP_OUT timeout "$seconds" bash -c "$command" >"$work/$name.log" 2>&1 </dev/null
   echo "$name rc=$? ${seconds}s box, took $((SECONDS - began)) s" | tee -a "$FINAL/steps.txt"
 done 3<"$steps_file"
-tar czf "$FINAL/logs.tgz" -C "$work" .
+# A file comes back only under 16 MB: FlashInfer's JIT cache (gpu_check.sh saves it) stays out, and if the rest is
+# still too big, the logs and JSON records alone go.
+tar czf "$FINAL/logs.tgz" --exclude=flashinfer.tgz -C "$work" .
+if [ "$(stat -c %s "$FINAL/logs.tgz")" -gt 15000000 ]; then
+  (cd "$work" && find . -name '*.log' -o -name '*.json' -o -name '*.txt' | tar czf "$FINAL/logs.tgz" -T -)
+fi

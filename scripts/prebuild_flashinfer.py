@@ -255,37 +255,33 @@ def recorded_wrapper(r: _RecordingWrapper) -> Wrapper:
 
 def bench_wrappers() -> list[tuple[str, Wrapper]]:
     """(where, wrapper) for every FlashInfer row of `python -m jaxattn.bench decode|extend` over every case of
-    jaxattn/bench/cases.py (page sizes choose no module), skipped where peers.py skips them. backend="auto" is
-    resolved as on the H200: utils.py determine_attention_backend gives fa3 unless there is a custom mask (it checks
-    no dtype), determine_mla_backend fa3."""
-    import jax.numpy as jnp
-
-    from jaxattn.backends.flashinfer import fa3_declines
+    jaxattn/bench/cases.py (page sizes choose no module), skipped where peers.py's own rules skip them (its
+    `*_declines` functions). backend="auto" is resolved as on the H200: utils.py determine_attention_backend gives fa3
+    unless there is a custom mask (it checks no dtype), determine_mla_backend fa3."""
+    from jaxattn.bench import peers
     from jaxattn.bench.cases import CASES
+
+    def on_h200(backend):
+        return "fa3" if backend == "auto" else backend
 
     rows = []
     for case in CASES.values():
         dtypes = dict(q="bfloat16", kv=case.kv_dtype)  # peers.py plans bf16 q over the case's pool
         if case.op == "decode":
-            if case.v_in_k and (case.head_dim, case.dv) == (576, 512) and not case.fp8:  # decode_flashinfer_mla
+            if not peers.decode_flashinfer_mla_declines(case):
                 rows.append((f"bench decode {case.name} flashinfer-mla", Wrapper("mla", "fa3", head_dim=512,
                                                                                  head_dim_vo=64)))
-            if case.v_head_dim is None and case.new == 1:  # decode_flashinfer: rows flashinfer(-in-jit*), -tc
-                rows.append((f"bench decode {case.name} flashinfer", Wrapper("decode", "fa3", **dtypes)))
-                # -tc: fa2 where fa3 declines the pool (decode_flashinfer), "auto" = fa3 otherwise
-                declined = fa3_declines(jnp.bfloat16, jnp.dtype(case.kv_dtype), case.head_dim, case.head_dim)
-                rows.append((f"bench decode {case.name} flashinfer-tc",
-                             Wrapper("decode", "fa2" if declined else "fa3", **dtypes, tensor_cores=True)))
-            if case.new > 1 and not case.v_in_k:  # verify_flashinfer_fa3: extend_flashinfer(inp, "fa3")
+            if not peers.decode_flashinfer_declines(case):  # rows flashinfer(-in-jit*), -tc
+                for tensor_cores, row in ((False, "flashinfer"), (True, "flashinfer-tc")):
+                    backend = on_h200(peers.decode_flashinfer_backend(case, tensor_cores))
+                    rows.append((f"bench decode {case.name} {row}",
+                                 Wrapper("decode", backend, **dtypes, tensor_cores=tensor_cores)))
+            if not peers.verify_flashinfer_fa3_declines(case):  # extend_flashinfer(inp, "fa3")
                 rows.append((f"bench decode {case.name} flashinfer-fa3",
                              Wrapper("prefill", "fa3", **dtypes, head_dim=case.head_dim, head_dim_vo=case.dv)))
             continue
-        for backend in ("fa2", "fa3"):  # extend_flashinfer's skips, in its order
-            if case.v_in_k or (case.sinks and (case.logit_cap > 0 or case.tree)) or case.xai_temperature_len > 0:
-                continue
-            if case.dv != case.head_dim or (case.tree and backend == "fa3"):
-                continue
-            if backend == "fa3" and fa3_declines(jnp.bfloat16, jnp.dtype(case.kv_dtype), case.head_dim, case.dv):
+        for backend in ("fa2", "fa3"):
+            if peers.extend_flashinfer_declines(case, backend):
                 continue
             kind = "sinks" if case.sinks else "prefill"
             rows.append((f"bench extend {case.name} flashinfer-{backend}",

@@ -68,9 +68,17 @@ def decode_as_extend(inp: Inputs):
 
 def verify_flashinfer_fa3(inp: Inputs):
     """A verify step (several new tokens per sequence, causal) on FlashInfer's fa3 paged prefill."""
-    if inp.case.new == 1:
-        raise Skip("one token per sequence: FlashInfer's decode rows")
+    reason = verify_flashinfer_fa3_declines(inp.case)
+    if reason:
+        raise Skip(reason)
     return extend_flashinfer(inp, "fa3")
+
+
+def verify_flashinfer_fa3_declines(case) -> str | None:
+    """Why the flashinfer-fa3 row skips a decode case, or None."""
+    if case.new == 1:
+        return "one token per sequence: FlashInfer's decode rows"
+    return extend_flashinfer_declines(case, "fa3")
 
 
 def scales(inp: Inputs) -> dict:
@@ -142,23 +150,38 @@ def flashinfer_session(inp: Inputs, workspace_mb: int = 256):
     return flashinfer, torch, tv, torch.empty(workspace_mb << 20, dtype=torch.uint8, device="cuda")
 
 
-def decode_flashinfer(inp: Inputs, tensor_cores: bool, through_jax: bool = False, layers: int = 1):
-    case = inp.case
+def decode_flashinfer_declines(case, through_jax: bool = False) -> str | None:
+    """Why the flashinfer decode rows skip a case, or None."""
     if case.v_head_dim is not None:
-        raise Skip("MLA shapes need FlashInfer's MLA wrapper")
+        return "MLA shapes need FlashInfer's MLA wrapper"
     if case.new > 1:  # its decode kernels take one query per sequence (given more rows, the H200 run faulted)
-        raise Skip("several tokens per sequence: FlashInfer's verify is its prefill (row flashinfer-fa3)")
+        return "several tokens per sequence: FlashInfer's verify is its prefill (row flashinfer-fa3)"
+    if through_jax and case.fp8:
+        return "the bridge rows time bf16 pools"
+    return None
+
+
+def decode_flashinfer_backend(case, tensor_cores: bool) -> str:
+    """The decode wrapper's `backend`. Tensor-core decode runs FlashInfer's prefill kernels; 0.6.0's "auto" picks fa3
+    on sm_90, whose module for bf16 q over an fp8 pool does not build: fa2 where fa3 declines the pool (as
+    FlashInferBackend does)."""
     import jax.numpy as jnp
 
     from jaxattn.backends.flashinfer import fa3_declines
 
+    if tensor_cores and fa3_declines(jnp.bfloat16, jnp.dtype(case.kv_dtype), case.head_dim, case.head_dim):
+        return "fa2"
+    return "auto"
+
+
+def decode_flashinfer(inp: Inputs, tensor_cores: bool, through_jax: bool = False, layers: int = 1):
+    case = inp.case
+    reason = decode_flashinfer_declines(case, through_jax)
+    if reason:
+        raise Skip(reason)
     flashinfer, torch, tv, workspace = flashinfer_session(inp)
-    # Tensor-core decode runs FlashInfer's prefill kernels; 0.6.0's backend="auto" picks fa3 on sm_90, whose module
-    # for bf16 q over an fp8 pool does not build: fa2 where fa3 declines the pool (as FlashInferBackend does).
-    backend = "fa2" if tensor_cores and fa3_declines(jnp.bfloat16, jnp.dtype(case.kv_dtype), case.head_dim,
-                                                     case.head_dim) else "auto"
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tensor_cores,
-                                                            backend=backend)
+                                                            backend=decode_flashinfer_backend(case, tensor_cores))
     kv_indptr, kv_indices, last_page_len = flashinfer_pages(inp, torch)
     kv_type = tv["k_pool"].dtype  # bf16, or fp8 (FlashInfer decodes fp8 KV with bf16 queries)
     wrapper.plan(
@@ -168,10 +191,17 @@ def decode_flashinfer(inp: Inputs, tensor_cores: bool, through_jax: bool = False
     k, v = flashinfer_cache(inp, tv)  # [slots // P, P, Hkv, D]
     q = tv["q"]
     if through_jax:
-        if case.fp8:
-            raise Skip("the bridge rows time bf16 pools")
         return bridged(wrapper, inp, layers)
     return lambda: wrapper.run(q, (k, v), **scales(inp))
+
+
+def decode_flashinfer_mla_declines(case) -> str | None:
+    """Why the flashinfer-mla row skips a case, or None."""
+    if not case.v_in_k or (case.head_dim, case.dv) != (576, 512):
+        return "FlashInfer's MLA wrapper takes the 576/512 latent head"
+    if case.fp8:
+        return "fp8 latent cache: not wired for FlashInfer's MLA wrapper"
+    return None
 
 
 def decode_flashinfer_mla(inp: Inputs):
@@ -179,10 +209,9 @@ def decode_flashinfer_mla(inp: Inputs):
     first 512 dims, kpe = the last 64 (strided views of the pool, as SGLang passes them), causal over several new
     tokens."""
     case = inp.case
-    if not case.v_in_k or (case.head_dim, case.dv) != (576, 512):
-        raise Skip("FlashInfer's MLA wrapper takes the 576/512 latent head")
-    if case.fp8:
-        raise Skip("fp8 latent cache: not wired for FlashInfer's MLA wrapper")
+    reason = decode_flashinfer_mla_declines(case)
+    if reason:
+        raise Skip(reason)
     flashinfer, torch, tv, workspace = flashinfer_session(inp)
     wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace, backend="auto")
     kv_indptr, kv_indices, _ = flashinfer_pages(inp, torch)
@@ -327,19 +356,19 @@ def extend_reference(inp: Inputs):
                       inp.custom_mask, mask_indptr)
 
 
-def extend_flashinfer(inp: Inputs, backend: str, through_jax: bool = False):
-    case = inp.case
+def extend_flashinfer_declines(case, backend: str, through_jax: bool = False) -> str | None:
+    """Why the flashinfer-{backend} extend rows skip a case, or None."""
     if case.v_in_k:
-        raise Skip("MLA latent cache: FlashInfer's paged prefill takes separate K and V heads (row flashinfer-mla: its MLA wrapper)")
+        return "MLA latent cache: FlashInfer's paged prefill takes separate K and V heads (row flashinfer-mla: its MLA wrapper)"
     if case.sinks and (case.logit_cap > 0 or case.tree):
-        raise Skip("FlashInfer's sink-aware wrapper takes no soft cap and no custom mask")
+        return "FlashInfer's sink-aware wrapper takes no soft cap and no custom mask"
     if case.xai_temperature_len > 0:
-        raise Skip("FlashInfer has no xai temperature")
+        return "FlashInfer has no xai temperature"
     if case.dv != case.head_dim:
         # Seen on the H200 (0.6.0, T192): "K and V must have same page stride for sparse attention (3072 vs. 2048)".
-        raise Skip("FlashInfer's paged prefill needs K and V pages of one stride (equal head dims)")
+        return "FlashInfer's paged prefill needs K and V pages of one stride (equal head dims)"
     if case.tree and backend == "fa3":
-        raise Skip("FlashInfer's fa3 prefill takes no custom mask (row flashinfer-fa2)")
+        return "FlashInfer's fa3 prefill takes no custom mask (row flashinfer-fa2)"
     if backend == "fa3":
         import jax.numpy as jnp
 
@@ -347,9 +376,17 @@ def extend_flashinfer(inp: Inputs, backend: str, through_jax: bool = False):
 
         reason = fa3_declines(jnp.bfloat16, jnp.dtype(case.kv_dtype), case.head_dim, case.dv)
         if reason:
-            raise Skip(f"{reason} (row flashinfer-fa2)")
+            return f"{reason} (row flashinfer-fa2)"
     if case.fp8 and through_jax:
-        raise Skip("the bridge rows time bf16 pools")
+        return "the bridge rows time bf16 pools"
+    return None
+
+
+def extend_flashinfer(inp: Inputs, backend: str, through_jax: bool = False):
+    case = inp.case
+    reason = extend_flashinfer_declines(case, backend, through_jax)
+    if reason:
+        raise Skip(reason)
     flashinfer, torch, tv, workspace = flashinfer_session(inp, workspace_mb=512)
     if case.sinks:  # its paged prefill with the "AttentionSink" variant (what FlashInferBackend plans for sink layers)
         wrapper = flashinfer.BatchAttentionWithAttentionSinkWrapper(

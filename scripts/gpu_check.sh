@@ -35,7 +35,7 @@ if [ -n "${ALL:-}" ]; then
 else
   selection=(-m gpu ${k_expr:+-k "$k_expr"})
 fi
-python3 -m pytest -q $parallel "${selection[@]}" --durations=15 -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log"
+python3 -m pytest -q $parallel "${selection[@]}" --durations=15 -rpfEs -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log"
 status=${PIPESTATUS[0]}
 if [ -n "${PTXAS:-}" ]; then  # the report lines only ($OUT brings back at most 8 files), named by their dump file
   grep -rH -E "ptxas (info|warning)|bytes stack frame" "$OUT/mosaic" > "$OUT/ptxas.txt"; rm -rf "$OUT/mosaic"

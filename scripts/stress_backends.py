@@ -322,6 +322,9 @@ def main(argv=None) -> int:
     parser.add_argument("--profiles", default=None, metavar="REGEX", help="only the profiles whose name matches")
     parser.add_argument("--deterministic", action="store_true", help="the backend's deterministic mode")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seconds", type=float, default=None,
+                        help="time budget: each profile gets an equal share of what is left, and stops starting "
+                             "batches past it once each mode ran (so a time-boxed run covers every profile and mode)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     on_gpu = jax.default_backend() in ("gpu", "cuda")
@@ -337,7 +340,11 @@ def main(argv=None) -> int:
             continue
         rng = np.random.default_rng([args.seed, index])
         worst, bad, ran, first_bad, declined = 0.0, 0, {}, None, {}
+        deadline = None if args.seconds is None else (
+            time.time() + (args.seconds - (time.time() - t0)) / (len(profiles) - index))
         for i in range(args.batches):
+            if deadline is not None and i >= len(profile.modes) and time.time() > deadline:  # each mode once
+                break
             modes = [m for m in profile.modes if m.name not in declined] or profile.modes
             mode = modes[i % len(modes)]
             if mode.name in declined:

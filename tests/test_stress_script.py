@@ -110,6 +110,12 @@ def test_backend_stress_script_runs_and_catches_a_wrong_backend(tmp_path):
     record = json.loads(out.read_text())
     assert record["total_mismatches"] == 0
     assert {name: r["batches"] for name, r in record["results"].items()} == {"sinks-window-p16": 2, "mla-p16": 2}
+    # A spent time budget still runs each mode of each profile once, then stops.
+    assert script.main(args[:3] + ["50", "--seconds", "0"] + args[4:]) == 0
+    modes = {p.name: len(p.modes) for p in script.PROFILES}
+    record = json.loads(out.read_text())
+    assert {name: r["batches"] for name, r in record["results"].items()} == {
+        "sinks-window-p16": modes["sinks-window-p16"], "mla-p16": modes["mla-p16"]}
     # Deterministic mode: each batch also checks that a sequence alone, elsewhere in the batch, gives the same bits.
     assert script.main(["--backend", "triton", "--batches", "1", "--shapes", "tiny", "--profiles", "gqa-p16",
                         "--deterministic"]) == 0

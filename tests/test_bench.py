@@ -58,6 +58,21 @@ def test_run_table_json_and_plot(one_call, tmp_path, monkeypatch):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_rounds_interleave_the_backends_and_report_their_spread(monkeypatch):
+    # Round r times every backend of a case once before round r + 1 starts; a row's figure is its rounds' median.
+    order, times = [], iter([3.0, 1.0, 1.0, 2.0, 2.0, 3.0])
+    monkeypatch.setattr(cli, "time_calls", lambda fn, sync, **_: (order.append(fn), next(times))[1])
+    makers = {name: (lambda inp, name=name: name, None) for name in ("a", "b")}
+    monkeypatch.setitem(cli.BACKENDS, "decode", makers)
+    rows = bench.run("decode", [TINY[0]], rounds=3, log=lambda _: None, progress=False)
+    assert order == ["a", "b"] * 3
+    a, b = rows
+    assert (a["backend"], a["round_ms"], a["median_ms"], a["spread"]) == ("a", [3.0, 1.0, 2.0], 2.0, 1.0)
+    assert (b["backend"], b["round_ms"], b["median_ms"], b["spread"]) == ("b", [1.0, 2.0, 3.0], 2.0, 1.0)
+    with pytest.raises(ValueError, match="rounds"):
+        bench.run("decode", [TINY[0]], rounds=0, log=lambda _: None, progress=False)
+
+
 def test_floors():
     # decode: K and V bytes once; extend: the causal FLOPs (the anchors' numbers)
     assert bench.CASES["D1"].floor_ms() == pytest.approx(64 * 4096 * 8 * 256 * 2 / 4.3e12 * 1e3)

@@ -3,6 +3,7 @@
     python -m jaxattn.bench decode [--cases D1,D2] [--json out.json] [--plot out.png] [--sweep [REGEX]]
     python -m jaxattn.bench extend [--cases E1] [--json out.json] [--plot out.png] [--sweep [REGEX]]
     python -m jaxattn.bench decode --page-sizes 1,16,64     # each case also over KV pages of 16 and 64 tokens
+    python -m jaxattn.bench extend --cases E1 --rounds 3    # backends timed in 3 interleaved rounds, with spread
     python -m jaxattn.bench plot results/decode.json results/extend.json -o plot.png
 
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 
 from .cases import CASES, case_named, paged_case
@@ -46,11 +48,15 @@ def _progress(total: int, desc: str):
 
 
 def run(op: str, cases: list, backends: list[str] | None = None, sweep: bool | str = False, log=print,
-        progress: bool = True, page_sizes=(1,)) -> list[dict]:
+        progress: bool = True, page_sizes=(1,), rounds: int = 1) -> list[dict]:
     """Times every (case, page size, backend or config) work item; returns one row per timed item.
 
     `sweep`: True times every candidate configuration (`sweep_variants`) too; a string, those whose label it matches
     (a regular expression, searched).
+
+    `rounds` > 1: a case's items are timed in that many interleaved rounds (each round times every item once), so a
+    drift of the GPU's state during the run falls on every backend alike; a row's `median_ms` is the median of its
+    rounds, `round_ms` lists them and `spread` is (slowest - fastest) / median: how much the rounds varied.
 
     `cases` are names (of CASES, or paged ones like D1-P16) or `Case` objects; each runs at every one of
     `page_sizes` (`paged_case`). A failing or skipped item is logged, never fatal.
@@ -72,32 +78,52 @@ def run(op: str, cases: list, backends: list[str] | None = None, sweep: bool | s
             pattern = re.compile("" if sweep is True else sweep)
             work += [(case, f"sweep[{label}]", maker, jax_sync) for label, maker in sweep_variants(op, case)
                      if pattern.search(label)]
-    bar = _progress(len(work), f"bench {op}") if progress else None
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1; got {rounds}")
+    bar = _progress(len(work) * rounds, f"bench {op}") if progress else None
     say = log if bar is None else (lambda line: bar.write(line))
-    inp = None
-    for case, backend, maker, sync in work:
-        if bar is not None:
-            bar.set_postfix_str(f"{case.name} {backend}", refresh=False)
-        if inp is None or inp.case != case:
-            inp = None  # free the previous case's arrays first
-            inp = make_inputs(case)
+    for case in dict.fromkeys(item[0] for item in work):  # a case's items together, in order
+        inp = None  # free the previous case's arrays first
+        inp = make_inputs(case)
         floor = case.floor_ms()
-        try:
-            fn = maker(inp)
-            ms = time_calls(fn, sync)
-        except Skip as why:
-            say(f"  {case.name:4s} {backend:24s} skipped: {why}")
-            continue
-        except Exception as error:  # a peer that fails must not hide the others
-            say(f"  {case.name:4s} {backend:24s} FAILED: {type(error).__name__}: {str(error)[:300]}")
-            continue
-        finally:
-            if bar is not None:
-                bar.update(1)
-        row = dict(op=op, case=case.name, backend=backend, median_ms=round(ms, 4), floor_ms=round(floor, 4),
-                   fraction_of_floor=round(floor / ms, 3), device=device, commit=revision, date=date)
-        rows.append(row)
-        say(f"  {case.name:4s} {backend:24s} {ms:8.3f} ms  floor {floor:6.3f} ms  {100 * floor / ms:5.1f}% of floor")
+        timed = {}  # backend label -> (fn, sync, [ms per round])
+        for _, backend, maker, sync in (item for item in work if item[0] == case):
+            try:
+                timed[backend] = (maker(inp), sync, [])
+            except Skip as why:
+                say(f"  {case.name:4s} {backend:24s} skipped: {why}")
+            except Exception as error:  # a peer that fails must not hide the others
+                say(f"  {case.name:4s} {backend:24s} FAILED: {type(error).__name__}: {str(error)[:300]}")
+        failed = set()
+        for _ in range(rounds):
+            for backend, (fn, sync, samples) in timed.items():
+                if bar is not None:
+                    bar.set_postfix_str(f"{case.name} {backend}", refresh=False)
+                try:
+                    if backend not in failed:
+                        samples.append(time_calls(fn, sync))
+                except Skip as why:
+                    say(f"  {case.name:4s} {backend:24s} skipped: {why}")
+                    failed.add(backend)
+                except Exception as error:
+                    say(f"  {case.name:4s} {backend:24s} FAILED: {type(error).__name__}: {str(error)[:300]}")
+                    failed.add(backend)
+                finally:
+                    if bar is not None:
+                        bar.update(1)
+        for backend, (_, _, samples) in timed.items():
+            if backend in failed:
+                continue
+            ms = statistics.median(samples)
+            row = dict(op=op, case=case.name, backend=backend, median_ms=round(ms, 4), floor_ms=round(floor, 4),
+                       fraction_of_floor=round(floor / ms, 3), device=device, commit=revision, date=date)
+            spread = ""
+            if rounds > 1:
+                row.update(round_ms=[round(t, 4) for t in samples], spread=round((max(samples) - min(samples)) / ms, 4))
+                spread = f"  rounds vary {100 * row['spread']:.1f}%"
+            rows.append(row)
+            say(f"  {case.name:4s} {backend:24s} {ms:8.3f} ms  floor {floor:6.3f} ms  {100 * floor / ms:5.1f}% of floor"
+                + spread)
     if bar is not None:
         bar.close()
     return rows
@@ -128,6 +154,8 @@ def main(argv=None) -> int:
         p.add_argument("--sweep", nargs="?", const=True, default=False, metavar="REGEX",
                        help="also time every candidate kernel configuration (with REGEX: those whose label it matches)")
         p.add_argument("--page-sizes", default="1", help="comma-separated KV page sizes to run each case at (default: 1)")
+        p.add_argument("--rounds", type=int, default=1,
+                       help="time a case's backends in this many interleaved rounds; rows give the median and spread")
         p.add_argument("--no-progress", action="store_true", help="no progress bar; one line per item instead")
     p = sub.add_parser("plot", help="plot saved JSON records")
     p.add_argument("records", nargs="+", help="JSON files written by --json")
@@ -147,7 +175,7 @@ def main(argv=None) -> int:
     page_sizes = page_sizes_argument(args.page_sizes)
     print(f"jaxattn.bench {args.command}: device {device_name()}, commit {commit()}")
     rows = run(args.command, case_names, backends, sweep=args.sweep, log=lambda s: print(s, flush=True),
-               progress=not args.no_progress, page_sizes=page_sizes)
+               progress=not args.no_progress, page_sizes=page_sizes, rounds=args.rounds)
     print()
     print(markdown_table(rows))
     if args.json:

@@ -209,20 +209,14 @@ def backend_wrappers(mode, layer, q_dtype="bfloat16", kv_dtype="bfloat16", deter
 
     import jaxattn.backends.flashinfer as fi_backend
 
-    stand_ins = _stand_ins()
-    real = fi_backend._require_flashinfer
-    fi_backend._require_flashinfer = lambda: stand_ins
-    fi_backend._SINK_MODULES.clear()  # a fresh process (main() checks names across all of them)
+    fi_backend.forget_sink_modules()  # a fresh process (main() checks names across all of them)
+    backend = fi_backend.FlashInferBackend(launch="bridge", deterministic=deterministic, modules=_stand_ins())
+    batch, table = tiny_batch(mode, encoder=layer.is_cross_attention)
     try:
-        backend = fi_backend.FlashInferBackend(launch="bridge", deterministic=deterministic)
-        batch, table = tiny_batch(mode, encoder=layer.is_cross_attention)
-        try:
-            backend.plan(batch, table, [layer], q_dtype=jnp.dtype(q_dtype), kv_dtype=jnp.dtype(kv_dtype))
-        except NotImplementedError:
-            return []
-    finally:
-        fi_backend._require_flashinfer = real
-    return [recorded_wrapper(w) for w in backend._wrappers.values()]
+        backend.plan(batch, table, [layer], q_dtype=jnp.dtype(q_dtype), kv_dtype=jnp.dtype(kv_dtype))
+    except NotImplementedError:
+        return []
+    return [recorded_wrapper(w) for w in backend.wrappers]
 
 
 def recorded_wrapper(r: _RecordingWrapper) -> Wrapper:

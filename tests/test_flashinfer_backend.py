@@ -542,12 +542,13 @@ def stand_in_flashinfer(monkeypatch):
     kinds = ("BatchAttentionWithAttentionSinkWrapper", "BatchDecodeWithPagedKVCacheWrapper",
              "BatchPrefillWithPagedKVCacheWrapper", "BatchMLAPagedAttentionWrapper")
     flashinfer = SimpleNamespace(**{kind: (lambda *a, kind=kind, **k: _RecordingWrapper(kind, *a, **k)) for kind in kinds})
-    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setitem(sys.modules, "torch", torch)  # for the backend's helpers that import torch themselves
     monkeypatch.setitem(sys.modules, "flashinfer", flashinfer)
     import jaxattn.backends.flashinfer as fi_module
 
-    monkeypatch.setattr(fi_module, "_SINK_MODULES", {})  # a fresh process's FlashInfer module cache
-    return fi_module.FlashInferBackend(launch="bridge")
+    fi_module.forget_sink_modules()  # a fresh process's FlashInfer module cache
+    yield fi_module.FlashInferBackend(launch="bridge", modules=(torch, flashinfer))
+    fi_module.forget_sink_modules()
 
 
 def test_sink_layers_plan_flashinfers_sink_wrapper_also_for_decode(rng, stand_in_flashinfer):
@@ -556,8 +557,8 @@ def test_sink_layers_plan_flashinfers_sink_wrapper_also_for_decode(rng, stand_in
     sink_layer = AttentionLayer(0, 8, 2, 64, sliding_window=7, has_sinks=True)
     plain_layer = AttentionLayer(1, 8, 2, 64)
     backend.plan(batch, r2t, [sink_layer, plain_layer, dataclasses.replace(sink_layer, layer_id=2)])
-    wrappers = {w.kind: w for w in backend._wrappers.values()}
-    assert len(backend._wrappers) == 2  # layers 0 and 2 are one kind
+    wrappers = {w.kind: w for w in backend.wrappers}
+    assert len(backend.wrappers) == 2  # layers 0 and 2 are one kind
     sink = wrappers["BatchAttentionWithAttentionSinkWrapper"]
     assert sink.kwargs == dict(backend="fa3", q_data_type="bfloat16", kv_data_type="bfloat16", head_dim_qk=64,
                                head_dim_vo=64, window_left=7)
@@ -575,9 +576,9 @@ def test_sink_layers_plan_flashinfers_sink_wrapper_also_for_decode(rng, stand_in
     key = backend._key(ForwardMode.DECODE, backend.layer_kind(sink_layer), jnp.bfloat16, jnp.bfloat16)
     backend.plan(batch, r2t, [sink_layer, plain_layer], q_dtype=jnp.float16, kv_dtype=jnp.float16)
     f16 = backend._wrappers[backend._key(ForwardMode.DECODE, backend.layer_kind(sink_layer), jnp.float16, jnp.float16)]
-    assert f16 is not sink and f16.kwargs["q_data_type"] == "float16" and len(backend._wrappers) == 4
+    assert f16 is not sink and f16.kwargs["q_data_type"] == "float16" and len(backend.wrappers) == 4
     backend.plan(batch, r2t, [sink_layer, plain_layer])
-    assert backend._wrappers[key] is sink and len(sink.plans) == 2 and len(backend._wrappers) == 4
+    assert backend._wrappers[key] is sink and len(sink.plans) == 2 and len(backend.wrappers) == 4
 
 
 def test_sink_layers_refuse_what_the_sink_wrapper_cannot_take(rng, stand_in_flashinfer):
@@ -636,7 +637,7 @@ def test_mla_layers_plan_flashinfers_mla_wrapper_with_each_sequences_key_count(r
     seq_lens, extend_lens = ([70, 0, 64, 7, 16], [1, 0, 1, 1, 1]) if mode == ForwardMode.DECODE else ([70, 9, 1, 32], [11, 9, 1, 16])
     batch, table = paged_batch(rng, mode, seq_lens, extend_lens, page_size)
     backend.plan(batch, table, [MLA_LAYER])
-    (wrapper,) = backend._wrappers.values()
+    (wrapper,) = backend.wrappers
     assert wrapper.kind == "BatchMLAPagedAttentionWrapper" and wrapper.kwargs == dict(backend="auto")
     (args, kwargs), = wrapper.plans
     qo_indptr, kv_indptr, kv_indices, kv_len = args[:4]
@@ -717,7 +718,7 @@ def test_deterministic_mode_plans_fixed_splits_and_tensor_core_decode(rng, stand
     plain = backend_type(launch="bridge")
     batch, r2t = make_batch(rng, ForwardMode.DECODE, [5, 17], [1, 1], 2)
     plain.plan(batch, r2t, layers[:1])
-    (wrapper,) = plain._wrappers.values()
+    (wrapper,) = plain.wrappers
     assert "fixed_split_size" not in wrapper.plans[-1][1] and wrapper.kwargs["use_tensor_cores"] is False
     with pytest.raises(NotImplementedError, match="MLA wrapper has no fixed split size"):
         backend_type(launch="bridge", deterministic=True).plan(batch, r2t, [MLA_LAYER])

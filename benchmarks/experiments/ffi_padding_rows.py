@@ -50,7 +50,7 @@ def main() -> int:
     # (a) The kernel alone, from torch, on the full bucket of q rows.
     backend = FlashInferBackend(launch="bridge")
     backend.plan(batch, r2t, [layer])
-    (wrapper,) = backend._wrappers.values()
+    (wrapper,) = backend.wrappers
     q_t = torch.from_dlpack(q)
     out = torch.full((tokens, hq, d), float("nan"), dtype=torch.bfloat16, device="cuda")
     lse = torch.full((tokens, hq), float("nan"), dtype=torch.float32, device="cuda")

@@ -369,6 +369,13 @@ def attention_backend(q_dtype, kv_dtype, head_dim: int, dv: int, *, deterministi
 _SINK_MODULES: dict[str, tuple] = {}
 
 
+def forget_sink_modules() -> None:
+    """Empties the process's record of sink module names (`claim_sink_module`): for a tool that plans configurations
+    as separate processes would run them (scripts/prebuild_flashinfer.py) and for tests; never while FlashInfer's own
+    module cache holds them."""
+    _SINK_MODULES.clear()
+
+
 def claim_sink_module(q_name: str, kv_name: str, head_dim: int, dv: int, window: int, backend: str) -> None:
     """Records the sink module FlashInfer will build for this configuration; NotImplementedError if the process
     already holds another configuration under the same module name."""
@@ -484,11 +491,13 @@ class FlashInferBackend:
     name = "flashinfer"
 
     def __init__(self, workspace_bytes: int = 384 << 20, use_tensor_cores: bool | None = None, launch: str | None = None,
-                 deterministic: bool = False):
+                 deterministic: bool = False, modules: tuple | None = None):
+        """modules: (torch, flashinfer) to use instead of importing them, e.g. stand-ins that record which wrappers
+        the backend builds and how it plans them, without a GPU (scripts/prebuild_flashinfer.py, the tests)."""
         if deterministic and use_tensor_cores is False:
             raise ValueError("deterministic=True needs tensor-core decode (FlashInfer's fixed split size is implemented "
                              "there only): leave use_tensor_cores None or True")
-        self.torch, self.flashinfer = _require_flashinfer()
+        self.torch, self.flashinfer = _require_flashinfer() if modules is None else modules
         self.deterministic = deterministic
         self.hopper = self.torch.cuda.get_device_capability()[0] == 9  # where FlashInfer's fa3 kernels run
         self.launch = choose_launch(launch)  # "ffi" | "bridge"
@@ -500,6 +509,11 @@ class FlashInferBackend:
         self._wrappers: dict = {}
         self._planned_rows: dict = {}  # the same keys -> query rows the current plan covers (read at each launch)
         self._mode = None
+
+    @property
+    def wrappers(self) -> list:
+        """The FlashInfer wrappers built so far, one per (mode, layer kind, dtypes), in the order they were built."""
+        return list(self._wrappers.values())
 
     @staticmethod
     def layer_kind(layer: AttentionLayer):

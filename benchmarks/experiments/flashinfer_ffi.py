@@ -9,7 +9,8 @@ Run from the repository root on the GPU machine (after installing the carried wh
 Prints ms per kernel call (median over interleaved rounds) and the ratio to torch; the target is <= 1.01 for the
 "ffi x8" rows. A variant that fails is reported FAILED with its error and the run goes on; the JSON is rewritten
 after every case, so a run cut short keeps what it finished. Kernels are JIT-built by FlashInfer on first use
-(decode bf16 ~12 s, fa3 prefill longer); D1-D3 share one decode module. NOT RUN YET.
+(decode bf16 ~12 s, fa3 prefill longer) unless carried prebuilt; D1-D3 share one decode module. First run: the
+seventh session (results/2026-12-03_h200_flashinfer_ffi_11e9d5a.*, D1-D3 only).
 """
 
 import argparse

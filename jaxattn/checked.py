@@ -25,6 +25,7 @@ What is checked (each message names the argument and the first offending entry):
   `checked(step, validate=...)`: they run first, in their own call, and raise before the step is launched.
   (Pool writes are already safe: `write_kv` drops out-of-range slots.)
 * `validate_write_slots`: out_cache_loc for `write_kv`.
+* `validate_kv_scales`: an fp8 pool's array k_scale / v_scale finite and > 0.
 * `validate_verify_drafts`: a verify step whose tree comes as bit masks (`ForwardBatch.draft_mask`, D drafts per
   sequence): every sequence with keys has exactly D new tokens and at least D keys, every padding sequence none, and
   the padding sequences come last.
@@ -69,6 +70,7 @@ __all__ = [
     "validate_decode_metadata",
     "validate_extend_metadata",
     "validate_write_slots",
+    "validate_kv_scales",
 ]
 
 _PREFIX = "jaxattn checked mode: "
@@ -243,6 +245,21 @@ def validate_write_slots(out_cache_loc, num_slots: int):
     i = _first(bad)
     _check_all(~bad, f"out_cache_loc[{{i}}] = {{v}} is outside the pool [0, {num_slots})", i=i, v=loc[i])
     check_write_slots(out_cache_loc, num_slots)
+
+
+def validate_kv_scales(k_scale=None, v_scale=None):
+    """Array k_scale / v_scale (an fp8 pool's per-layer or per-head scales, `jaxattn.fp8`) finite and > 0: the ops check
+    their shapes while tracing, not their values, and the kernels fold a scale into the score scale and the output,
+    where an inf or 0 scale gives a different non-finite pattern than the reference's (Python float scales are
+    checked at trace time already). None and Python floats pass through."""
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None or not hasattr(scale, "shape"):
+            continue
+        values = jnp.asarray(scale, jnp.float32).reshape(-1)
+        bad = ~(jnp.isfinite(values) & (values > 0))
+        i = _first(bad)
+        _check_all(~bad, f"{name}[{{i}}] = {{v}}: a scale must be finite and > 0 (the pool stores value / scale)",
+                   i=i, v=values[i])
 
 
 def validate_verify_drafts(extend_lens, seq_lens, drafts: int):

@@ -17,6 +17,7 @@ from jaxattn.checked import (
     validate_extend_inputs,
     validate_extend_metadata,
     validate_verify_drafts,
+    validate_kv_scales,
     validate_write_slots,
 )
 from jaxattn.decode import decode_attention, decode_attention_reference, decode_metadata, decode_metadata_from_indptr
@@ -123,6 +124,9 @@ BAD = [
     ("extend/out_cache_loc-short", extend_inputs(out_cache_loc=i32(5, 6, 7, 10)), r"more than out_cache_loc holds \(4\)"),
     ("extend/out_cache_loc-repeat", extend_inputs(out_cache_loc=i32(5, 6, 7, 10, 6)), r"out_cache_loc names slot 6 twice"),
     ("write/out_cache_loc", lambda: validate_write_slots(i32(0, -1), SLOTS), r"out_cache_loc\[1\] = -1 is outside the pool"),
+    ("scales/inf", lambda: validate_kv_scales(jnp.asarray([0.5, jnp.inf])), r"k_scale\[1\] = inf: a scale must be finite and > 0"),
+    ("scales/nan", lambda: validate_kv_scales(0.5, jnp.asarray(jnp.nan)), r"v_scale\[0\] = nan: a scale must be finite"),
+    ("scales/zero", lambda: validate_kv_scales(None, jnp.asarray([1.0, 0.0], jnp.bfloat16)), r"v_scale\[1\] = 0.0"),
     ("verify/drafts", lambda: validate_verify_drafts(i32(4, 3), i32(9, 7), 4), r"extend_lens\[1\] = 3 \(seq_lens 7\)"),
     ("verify/padding", lambda: validate_verify_drafts(i32(4, 4), i32(9, 0), 4), r"extend_lens\[1\] = 4 \(seq_lens 0\)"),
     ("verify/short", lambda: validate_verify_drafts(i32(4, 4), i32(9, 2), 4), r"seq_lens\[1\] = 2 is shorter than the 4"),
@@ -144,6 +148,7 @@ GOOD = [
     ("extend/window", extend_inputs(t=with_entry(0, 0, 99), sliding_window=1)),
     ("extend/empty-rows", extend_inputs(rows=(0, 50), prefix=(2, 0), extend=(3, 0))),
     ("write", lambda: validate_write_slots(i32(0, 0, 15, 1), SLOTS)),
+    ("scales", lambda: validate_kv_scales(jnp.asarray([0.5, 2.0]), jnp.asarray(1.5))),
     ("verify", lambda: validate_verify_drafts(i32(4, 4, 0), i32(9, 4, 0), 4)),
 ]
 

@@ -378,7 +378,9 @@ def validate_decode_metadata(meta, *, num_slots: int):
     """Checks a `DecodeMetadata` against a pool of `num_slots` slots; returns it with out-of-range slots set to 0.
 
     kv_indptr starts at 0, never decreases, ends within kv_capacity; the listed kv_indices inside [0, num_slots);
-    seq_lens >= the list lengths (positions stay >= 0).
+    seq_lens >= the list lengths (positions stay >= 0); no list longer than the metadata's static bound
+    `max_kv_len` (the builders' max_context_len), which the jitted reference gathers up to (the kernels read every
+    listed key, so a longer list would make the two differ without an error).
     """
     if not isinstance(meta, DecodeMetadata):
         raise ValueError(f"meta must be a DecodeMetadata; got {type(meta).__name__}")
@@ -389,6 +391,8 @@ def validate_decode_metadata(meta, *, num_slots: int):
     if bad.size:
         i = _first(bad)
         _check_all(~bad, "seq_lens[{i}] = {v} is shorter than its KV list ({n} keys)", i=i, v=seq_lens[i], n=lens[i])
+    if meta.max_kv_len is not None and lens.size:
+        _at_most("kv_lens", lens, meta.max_kv_len, "the metadata's max_kv_len")  # lens: kv_indptr's steps
     used = jnp.arange(meta.kv_capacity) < meta.kv_indptr[-1]
     return dataclasses.replace(meta, kv_indices=_sanitized_indices(meta.kv_indices, used, num_slots))
 

@@ -198,6 +198,8 @@ def test_decode_metadata_checks_and_sanitizes():
         (dataclasses.replace(meta, kv_indptr=i32(0, 5, 13)), r"kv_indptr\[-1\] = 13 exceeds kv_capacity \(12\)"),
         (dataclasses.replace(meta, kv_indptr=i32(1, 5, 9)), r"kv_indptr\[0\] = 1 must be 0"),
         (dataclasses.replace(meta, seq_lens=i32(5, 3)), r"seq_lens\[1\] = 3 is shorter than its KV list \(4 keys\)"),
+        # A list longer than the static bound the jitted reference gathers up to (decode_metadata's max_context_len).
+        (dataclasses.replace(meta, max_kv_len=4), r"kv_lens\[0\] = 5 exceeds the metadata's max_kv_len \(4\)"),
     ]
     for bad, message in cases:
         err, _ = check_meta(validate_decode_metadata, bad)

@@ -5,8 +5,11 @@ same `ExtendMetadata`) without a separate V: k_new [tokens, 1, 576] holds the ne
 [slots, 1, 576] the cache, and V is their first 512 dims (`v_head_dim`), as SGLang's MLA backends store it.
 
 Implementations (`IMPLEMENTATIONS`, in order of preference):
-  * "mgpu" (`jaxattn.impl.mgpu_mla.EXTEND`): on sm_90, bf16/f16 at 576/512, a Mosaic GPU kernel reads each latent row
-    once for 64 (token, head) rows (16 heads x 4 tokens) and computes S = Q K^T once for all 512 V columns.
+  * "mgpu" (`jaxattn.impl.mgpu_mla.EXTEND`): on sm_90, bf16/f16 at 576/512 and 288/256, a Mosaic GPU kernel reads
+    each latent row once for 64 (token, head) rows (16 heads x 4 tokens) and computes S = Q K^T once for all V columns.
+  * "mgpu-gqa" (`jaxattn.impl.mgpu_extend.LATENT`, by name only until it has run on a GPU): at 288/256 the GQA extend
+    kernel, one q head's 128 query rows per CTA sharing each latent K tile, V read from the K tiles, its two consumer
+    warpgroups alternating their softmax with each other's matrix work.
   * "triton": `extend_attention` on V sliced from K. The Triton kernels read V as an array of its own, so this route
     copies the first v_head_dim dims of k_pool and k_new on every call (a pool-sized copy): it is the fallback (other
     head dims such as 288/256, fp32, off Hopper), not a fast path. The cache is q's dtype: an fp8 latent cache goes
@@ -26,7 +29,7 @@ from jaxattn.calls import MlaExtendCall
 from jaxattn.checks import (FLOAT_DTYPES, check_array, check_head_dims, check_meta, check_pool_extent, check_sinks,
                             check_sm_scale, latent_v_head_dim)
 from jaxattn.extend import extend_attention, extend_attention_reference
-from jaxattn.impl import mgpu_mla
+from jaxattn.impl import mgpu_extend, mgpu_mla
 from jaxattn.launch import launch_mode as resolve_launch_mode
 from jaxattn.metadata import ExtendMetadata
 from jaxattn.registry import Implementation, select
@@ -39,7 +42,7 @@ def _run_triton(call: MlaExtendCall):
 
 
 TRITON = Implementation("triton", lambda call: None, _run_triton)
-IMPLEMENTATIONS = (mgpu_mla.EXTEND, TRITON)
+IMPLEMENTATIONS = (mgpu_mla.EXTEND, mgpu_extend.LATENT, TRITON)
 
 
 def _check(q, k_new, k_pool, meta, sinks, v_head_dim, sm_scale) -> int:
@@ -74,7 +77,7 @@ def mla_extend_attention(q, k_new, k_pool, meta: ExtendMetadata, *, v_head_dim: 
       v_head_dim: V's width, the first dims of each latent row (default 512 for 576, 256 for 288).
       sinks: optional f32[q_heads] denominator-only logits. sm_scale: default 1 / sqrt(qk_head_dim).
       launch_mode: "gpu", "interpret" or None (automatic). impl: None (the first of `IMPLEMENTATIONS` that takes the
-        call) or "mgpu" / "triton".
+        call) or "mgpu" / "mgpu-gqa" / "triton".
 
     Returns:
       o: [tokens, q_heads, v_head_dim] in q's dtype; rows past qo_indptr[-1] are 0.

@@ -462,7 +462,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                                  causal=True, sliding_window=-1, logit_cap=0.0, sinks=None, xai_temperature_len=-1,
                                  kv_start_pos=None, prefix_lens=None, custom_mask=None, mask_indptr=None,
                                  skip_prefix_custom_mask=True, heads_per_cta=1, draft_mask=None, page_rows=0,
-                                 page_issue="pallas"):
+                                 page_issue="pallas", latent_v_dim=None):
     """Runs the kernel; writes `out_ref` in place (rows it does not own are left as they were).
 
     q: [q_rows, q_heads, qk_dim] (q_rows a multiple of 8, >= block_q: Q/O move by TMA in 8-row tiles);
@@ -510,11 +510,32 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
     draft_mask: i32[rows, words], the compact form of a tree mask (instead of custom_mask): query row r sees its
       sequence's new token j iff bit j % 32 of word j // 32 of row r is set, and every listed prefix key (as
       skip_prefix_custom_mask). The custom mask's schedule, the new-key tiles' entries from `draft_bits_tile`.
+    latent_v_dim: absorbed MLA's latent cache (v_pool = v_new = None): V is the first latent_v_dim dims of each K
+      row, read from the K tile in shared memory (no V ring: a ring slot is released after P V, not after Q K^T).
+      k_pool / k_new rows may be narrower than q's (MLA's 288): the producer copies them by cp.async, zero-filling
+      the columns up to q's width (a multiple of 64, q's extra columns zeros too), so tma_new_tiles and page_rows
+      must be off. O goes through the o_rows buffer in o_rows_columns chunks, whole tiles too (Q's buffer is wider
+      than O). Two-stage form. Not yet run on a GPU (issue 22's T288: each K tile then serves 128 query rows of
+      one head where the MLA kernel's serves 64 (token, head) rows, and the two consumers alternate as here).
     """
-    q_rows, q_heads, qk_dim = q.shape
-    v_dim = v_pool.shape[2]
+    q_rows, q_heads, qk_dim = q.shape  # qk_dim: the width of Q and the K tiles in shared memory
+    latent = latent_v_dim is not None
+    if latent:
+        if v_pool is not None or v_new is not None or prefix_lens is not None:
+            raise ValueError("a latent cache (latent_v_dim) takes v_pool = v_new = None, in the two-stage form")
+        if tma_new_tiles or page_rows:
+            raise ValueError("a latent cache's rows come by cp.async: tma_new_tiles and page_rows must be off")
+        v_dim = int(latent_v_dim)
+        k_row_dim = k_pool.shape[2]  # the latent rows' width in memory (288 or 576): <= qk_dim, q's padded width
+        if qk_dim % 64 or not v_dim <= k_row_dim <= qk_dim < k_row_dim + 64:
+            raise ValueError(f"q's width {qk_dim} must be the latent rows' {k_row_dim} rounded up to 64, and "
+                             f"latent_v_dim {v_dim} at most {k_row_dim}")
+    else:
+        v_dim = v_pool.shape[2]
+        k_row_dim = qk_dim
     o_in_q = v_dim == qk_dim  # whole O tiles reuse Q's (swizzled) buffer; else every O tile goes through o_rows
-    if v_dim % o_rows_columns or (not o_in_q and o_rows_columns != v_dim):
+    o_whole_buffer = not o_in_q and not latent  # whole O tiles go through o_rows in one piece (else in chunks)
+    if v_dim % o_rows_columns or (o_whole_buffer and o_rows_columns != v_dim):
         raise ValueError(f"o_rows_columns {o_rows_columns} must divide v_dim {v_dim} (equal it when v_dim != qk_dim)")
     unified = prefix_lens is not None
     if unified and (k_new is not None or v_new is not None):
@@ -564,7 +585,11 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
 
     def body(qo_indptr_ref, kv_indptr_ref, kv_indices_ref, q_ref, k_new_ref, v_new_ref, k_pool_ref, v_pool_ref,
              sinks_ref, start_pos_ref, prefix_lens_ref, mask_ref, mask_indptr_ref, bits_ref, out_gmem, scoped):
-        (qo_smem2, o_rows_smem2, k_smem, v_smem, kv_bars), (k_ready, v_ready, q_ready), (k_free, v_free), schedule = scoped[:4]
+        buffers, (k_ready, v_ready, q_ready), (k_free, v_free), schedule = scoped[:4]
+        if latent:  # no V ring: V is read from the K tiles
+            (qo_smem2, o_rows_smem2, k_smem, kv_bars), v_smem = buffers, None
+        else:
+            qo_smem2, o_rows_smem2, k_smem, v_smem, kv_bars = buffers
         page_ready = scoped[4] if pallas_pages else None  # (K, V): per slot, one TMA arrival per page copy of a tile
         cta_head = lax.axis_index("heads") * heads_per_cta  # the CTA's (first) q head
         seq = lax.axis_index("seq")
@@ -768,7 +793,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                         return s_ref[...]
 
                     s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
-                    plgpu.barrier_arrive(k_free.at[slot])
+                    if not latent:  # (a latent tile holds V too: released after P V)
+                        plgpu.barrier_arrive(k_free.at[slot])
                     if logit_cap is not None:  # tanh(s * sm_scale / cap); the cap's multiply joins the exponent's FMA
                         s = jnp.tanh(s * (float(sm_scale) / logit_cap))
                     if mask_kind is not None:
@@ -842,11 +868,13 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     p16 = p.astype(dtype)
                     acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
                     plgpu.barrier_arrive(schedule)  # softmax done
-                    wait_ready(1, step, v_ready)
+                    if not latent:
+                        wait_ready(1, step, v_ready)
                     plgpu.barrier_wait(schedule)  # the other warpgroup's matrix work is issued
 
                     def pv(acc_ref):
-                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                        v_tile = k_smem.at[slot, :, pl.ds(0, v_dim)] if latent else v_smem.at[slot]
+                        plgpu.wgmma(acc_ref, p16, v_tile)
                         next_step = step + 1
 
                         @pl.when(next_step < wg_steps)
@@ -854,14 +882,15 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                             wait_ready(0, next_step, k_ready)
 
                     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                    plgpu.barrier_arrive(v_free.at[slot])
+                    plgpu.barrier_arrive((k_free if latent else v_free).at[slot])
                     return acc, m_new, l_i
 
                 def flush_step(step, _):
                     # Tiles the producer loaded for the other warpgroup's longer causal range: release them in step.
                     slot = lax.rem(step, jnp.int32(stages))
                     plgpu.barrier_arrive(k_free.at[slot])
-                    plgpu.barrier_arrive(v_free.at[slot])
+                    if not latent:
+                        plgpu.barrier_arrive(v_free.at[slot])
                     schedule_sync()
                     schedule_sync()
 
@@ -873,8 +902,9 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     wait_ready(0, step, k_ready)
                     plgpu.barrier_arrive(k_free.at[slot])
                     schedule_sync()
-                    wait_ready(1, step, v_ready)
-                    plgpu.barrier_arrive(v_free.at[slot])
+                    if not latent:
+                        wait_ready(1, step, v_ready)
+                        plgpu.barrier_arrive(v_free.at[slot])
                     schedule_sync()
 
                 new_kind = "custom" if custom else "causal" if causal else "new"
@@ -947,14 +977,15 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                 lo = jnp.clip(q_start - wg_row, 0, block_q)
                 hi = jnp.clip(q_end - wg_row, 0, block_q)
 
-                @pl.when((lo == 0) & (hi == block_q))
-                def _whole_tile():
-                    o_smem = qo_smem if o_in_q else o_rows_smem2.at[wg]
-                    o_smem[...] = out
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[pl.ds(wg_row, block_q), head])
+                if not latent:  # (latent: O narrower than Q's buffer, every tile in o_rows_columns chunks)
+                    @pl.when((lo == 0) & (hi == block_q))
+                    def _whole_tile():
+                        o_smem = qo_smem if o_in_q else o_rows_smem2.at[wg]
+                        o_smem[...] = out
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[pl.ds(wg_row, block_q), head])
 
-                @pl.when((hi > lo) & ((lo > 0) | (hi < block_q)))
+                @pl.when((hi > lo) if latent else (hi > lo) & ((lo > 0) | (hi < block_q)))
                 def _partial_tile():
                     # TMA boxes have static sizes: store hi - lo rows as a sum of powers of 2 (e.g. 37 = 32 + 4 + 1),
                     # from a plain (row-sliceable) buffer, o_rows_columns columns at a time.
@@ -966,7 +997,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                         o_rows[...] = out[:, column:column + o_rows_columns]
                         plgpu.commit_smem()
                         start = lo
-                        size = block_q // 2
+                        size = block_q if latent else block_q // 2  # (a whole tile's block_q rows: latent only)
                         while size >= 1:
                             @pl.when((count & size) != 0)
                             def _(start=start, size=size, column=column):
@@ -1044,8 +1075,9 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                             pl.when(copied[-1])(page_copies)
                         pl.when(jnp.logical_not(functools.reduce(jnp.logical_or, copied)))(cp_async)
 
-                    load(0, k_new_ref, k_pool_ref, k_smem, k_free, k_ready, qk_dim)
-                    load(1, v_new_ref, v_pool_ref, v_smem, v_free, v_ready, v_dim)
+                    load(0, k_new_ref, k_pool_ref, k_smem, k_free, k_ready, k_row_dim)
+                    if not latent:
+                        load(1, v_new_ref, v_pool_ref, v_smem, v_free, v_ready, v_dim)
 
                 def step_body(step, sources):
                     next_sources = sources_of(step + 1)  # its loads overlap this tile's waits and copies
@@ -1069,12 +1101,16 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                 "start_pos": kv_start_pos if xai is not None or byte_mask else None, "prefix_lens": prefix_lens,
                 "mask": custom_mask, "mask_indptr": mask_indptr if byte_mask else None, "bits": draft_mask}
     present = tuple(name for name, value in optional.items() if value is not None)
-    new_operands = () if unified else (k_new, v_new)
+    new_operands = () if unified else (k_new,) if latent else (k_new, v_new)
+    pool_operands = (k_pool,) if latent else (k_pool, v_pool)
 
     def entry(qo_indptr_ref, kv_indptr_ref, kv_indices_ref, q_ref, *rest):
         if unified:  # the producer's "new" operand is never read (every step is from the pool): the pool stands in
             (k_pool_ref, v_pool_ref), rest = rest[:2], rest[2:]
             k_new_ref, v_new_ref = k_pool_ref, v_pool_ref
+        elif latent:  # V inside K: no V operands
+            (k_new_ref, k_pool_ref), rest = rest[:2], rest[2:]
+            v_new_ref = v_pool_ref = None
         else:
             (k_new_ref, v_new_ref, k_pool_ref, v_pool_ref), rest = rest[:4], rest[4:]
         refs = dict(zip(present, rest[:len(present)]))
@@ -1083,7 +1119,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
             plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, qk_dim), dtype, transforms=SWIZZLED),  # Q, then O (o_in_q)
             plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, o_rows_columns), dtype),  # O of a partial tile (row-sliceable)
             plgpu.SMEM((stages, block_kv, qk_dim), dtype, transforms=SWIZZLED),
-            plgpu.SMEM((stages, block_kv, v_dim), dtype, transforms=SWIZZLED),
+            *(() if latent else (plgpu.SMEM((stages, block_kv, v_dim), dtype, transforms=SWIZZLED),)),
             plgpu.SMEM((2 * stages * 2,), jnp.int32),  # mbarriers (8 bytes each): K ready, V ready per slot
         )
         # Whole pages: one barrier per slot for K and one for V, completed by the tile's block_kv / page_rows copies.
@@ -1109,4 +1145,4 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
         num_threads=COMPUTE_WARPGROUPS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(qo_indptr, kv_indptr, kv_indices, q, *new_operands, k_pool, v_pool, *(optional[name] for name in present), out_ref)
+    )(qo_indptr, kv_indptr, kv_indices, q, *new_operands, *pool_operands, *(optional[name] for name in present), out_ref)

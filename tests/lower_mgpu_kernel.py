@@ -18,6 +18,7 @@ from jaxattn.decode import DecodeMetadata
 from jaxattn.extend import extend_metadata, extend_unified_metadata
 from jaxattn.extend_mgpu import MgpuExtendConfig, extend_attention_mgpu, extend_attention_unified_mgpu
 from jaxattn.impl.mgpu_decode import gqa_decode_partials, kernel_split_bound, run as gqa_decode_run
+from jaxattn.impl.mgpu_extend import LATENT
 from jaxattn.impl.mgpu_mla import mla_decode_partials, run_extend
 from jaxattn.tuning import MgpuDecodeConfig
 
@@ -143,6 +144,11 @@ DECODE_SHAPES = [
     ("mla-extend-16-f16-sinks-i64", "extend", 256, 16, jnp.float16, dict(sinks=True, index_dtype=jnp.int64)),
     ("mla-extend-128-bf16", "extend", 64, 128, jnp.bfloat16, {}),
     ("mla-extend-288-16-bf16-sinks", "extend", 200, 16, jnp.bfloat16, dict(dim=288, sinks=True)),
+    # MLA's 288/256 on the GQA extend kernel (V read from the latent K tiles: `impl.mgpu_extend.LATENT`): tokens not a
+    # multiple of 8 with sinks; a short extend (two q heads per CTA), int64 lists.
+    ("mla-extend-gqa-288-16-bf16-sinks", "extend", 300, 16, jnp.bfloat16, dict(dim=288, sinks=True, latent_gqa=True)),
+    ("mla-extend-gqa-288-16-f16-short-i64", "extend", 40, 16, jnp.float16,
+     dict(dim=288, latent_gqa=True, max_extend_len=32, index_dtype=jnp.int64)),
     ("mla-decode-288-16-f16", 8, 1, 16, jnp.float16, dict(dim=288)),
     ("mla-verify-288-4x16-bf16-draft", 4, 4, 16, jnp.bfloat16, dict(dim=288, draft=True)),
     ("mla-decode-16-bf16", 8, 1, 16, jnp.bfloat16, {}),  # 16 rows padded to 64
@@ -226,16 +232,18 @@ def lower_mla_extend(tokens, q_heads, dtype, features, *, slots, capacity, batch
     S = jax.ShapeDtypeStruct
     index_dtype = features.get("index_dtype", jnp.int32)
     idx = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
-    meta = jax.eval_shape(lambda: extend_metadata(idx(4, 600), idx(batch), idx(batch), idx(batch), max_extend_len=128,
-                                                  kv_capacity=capacity))
+    meta = jax.eval_shape(lambda: extend_metadata(idx(4, 600), idx(batch), idx(batch), idx(batch),
+                                                  max_extend_len=features.get("max_extend_len", 128), kv_capacity=capacity))
     meta = jax.tree.map(lambda x: S(x.shape, index_dtype) if x.dtype == jnp.int32 and x.shape == (capacity,) else x, meta)
     dim = features.get("dim", 576)
     args = (S((tokens, q_heads, dim), dtype), S((tokens, 1, dim), dtype), S((slots, 1, dim), dtype), meta,
             S((q_heads,), jnp.float32) if features.get("sinks") else None)
 
+    run = LATENT.run if features.get("latent_gqa") else run_extend
+
     def call(q, k_new, k_pool, meta, sinks):
-        return run_extend(MlaExtendCall(q=q, k_new=k_new, k_pool=k_pool, meta=meta, v_head_dim={576: 512, 288: 256}[dim],
-                                        sinks=sinks, sm_scale=0.07, launch_mode="gpu"))
+        return run(MlaExtendCall(q=q, k_new=k_new, k_pool=k_pool, meta=meta, v_head_dim={576: 512, 288: 256}[dim],
+                                 sinks=sinks, sm_scale=0.07, launch_mode="gpu"))
 
     exported = jax.export.export(jax.jit(call), platforms=["cuda"])(*args)
     if "mosaic_gpu" not in exported.mlir_module():

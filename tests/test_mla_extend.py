@@ -65,6 +65,41 @@ def test_declines_name_the_reason(rng):
     assert "interpreted" in reasons(288, 256, jnp.bfloat16)["mgpu"]  # the half-size head is taken too
     got = reasons(576, 512, jnp.bfloat16)  # taken: only the device declines it here
     assert "interpreted" in got["mgpu"] and got["triton"] is None
+    # The GQA extend kernel over the latent cache (impl "mgpu-gqa"): 288/256 only (O's 64 x 512 accumulator at 576
+    # does not fit a consumer warpgroup's registers), 16-bit, q's dtype in the pool.
+    assert "288/256 only" in got["mgpu-gqa"]
+    assert "interpreted" in reasons(288, 256, jnp.bfloat16)["mgpu-gqa"]
+    assert "float32" in reasons(288, 256, jnp.float32)["mgpu-gqa"]
+
+
+def test_gqa_kernel_latent_tiles_fit_shared_memory():
+    # Q tiles 320 wide (288 padded), 16 KB of O chunk buffers and a 2-stage ring of 64-key K tiles (V read from them).
+    from jaxattn import hardware, tuning
+
+    config = tuning.mgpu_extend_latent_config(288, 256)
+    assert (config.block_q, config.block_kv, config.stages) == (64, 64, 2)
+    assert config.latent_shared_memory_bytes(288) == (2 * 64 * (320 + 64) + 2 * 64 * 320) * 2 + 4096
+    assert config.latent_shared_memory_bytes(288) <= hardware.SM90.shared_memory_bytes
+    assert tuning.mgpu_extend_latent_config(576, 512) is None
+
+
+def test_gqa_kernel_latent_mode_refuses_what_it_cannot_take():
+    # The kernel's own checks (trace time): a latent cache takes no V operands, no TMA / page copies of its rows, and
+    # q's width must be the rows' rounded up to 64.
+    from jaxattn.kernels.extend_attention_mgpu import extend_attention_mgpu_kernel
+
+    S = jax.ShapeDtypeStruct
+    q, k = S((64, 16, 320), jnp.bfloat16), S((64, 1, 288), jnp.bfloat16)
+    idx = S((4,), jnp.int32)
+    common = dict(max_extend_len=64, sm_scale=0.1, block_q=64, block_kv=64, stages=2, o_rows_columns=64,
+                  latent_v_dim=256)
+    with pytest.raises(ValueError, match="v_pool = v_new = None"):
+        extend_attention_mgpu_kernel(q, k, k, k, k, idx, idx, idx, None, tma_new_tiles=False, **common)
+    with pytest.raises(ValueError, match="tma_new_tiles and page_rows must be off"):
+        extend_attention_mgpu_kernel(q, k, None, k, None, idx, idx, idx, None, tma_new_tiles=True, **common)
+    with pytest.raises(ValueError, match="rounded up to 64"):
+        extend_attention_mgpu_kernel(S((64, 16, 384), jnp.bfloat16), k, None, k, None, idx, idx, idx, None,
+                                     tma_new_tiles=False, **common)
 
 
 # (dtype, q heads, prefix lens, extend lens): 16 heads (4 tokens per 64-row block), 128 heads (two blocks per token),
@@ -98,6 +133,40 @@ def test_kernel_half_size_latent_head_288(rng):
     ref = np.float32(mla_extend_attention_reference(batch.q, batch.k_new, _clean(batch.k_pool), batch.meta, sinks=sinks))
     np.testing.assert_array_equal(o[batch.tokens:], 0.0)
     np.testing.assert_allclose(o[: batch.tokens], ref[: batch.tokens], **tolerance(jnp.bfloat16))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
+@pytest.mark.parametrize("case", [
+    # 16 heads: long extends (two q tiles), an empty extend and prefix, prefixes ending mid-tile, token counts not a
+    # multiple of 8; short extends (<= 64 new tokens: two q heads per CTA); 4 heads in f16.
+    (jnp.bfloat16, 16, [0, 100, 1000, 37, 5], [1, 5, 70, 300, 0]),
+    (jnp.bfloat16, 16, [3, 0, 4096], [60, 17, 33]),
+    (jnp.float16, 4, [200, 0], [33, 130]),
+], ids=["16-heads-bf16", "16-heads-short-bf16", "4-heads-f16"])
+def test_gqa_kernel_latent_288_matches_reference(rng, case, sinks):
+    # impl "mgpu-gqa": the GQA extend kernel with V read from the latent K tiles (rows 288 wide, copied by cp.async
+    # into 320-wide tiles; q padded to 320; O stored in 64-column chunks).
+    dtype, hq, prefix_lens, extend_lens = case
+    batch = make_batch(rng, prefix_lens, extend_lens, hq=hq, hkv=1, dqk=288, dtype=dtype,
+                       max_extend_len=max(extend_lens) + 3)
+    kw = dict(sinks=jnp.asarray(rng.standard_normal(hq).astype(np.float32))) if sinks else {}
+    check(batch, dtype, "mgpu-gqa", **kw)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gqa_kernel_latent_288_nan_and_hostile_metadata(rng):
+    batch = make_batch(rng, [50, 7], [20, 9], hq=16, hkv=1, dqk=288, dtype=jnp.bfloat16)
+    q = batch.q.at[3, 5, 10].set(jnp.nan)
+    assert_nan_confined(mla_extend_attention(q, batch.k_new, batch.k_pool, batch.meta, impl="mgpu-gqa"), (3, 5))
+    meta = dataclasses.replace(batch.meta, kv_indices=batch.meta.kv_indices.at[3].set(10**9).at[10].set(-5),
+                               qo_indptr=batch.meta.qo_indptr.at[-1].set(10**6),
+                               kv_indptr=batch.meta.kv_indptr.at[-1].set(10**7))
+    o = mla_extend_attention(batch.q, batch.k_new, batch.k_pool, meta, impl="mgpu-gqa")
+    jax.block_until_ready(o)
+    assert o.shape == batch.q.shape[:2] + (256,)
 
 
 @pytest.mark.gpu

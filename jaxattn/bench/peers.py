@@ -281,16 +281,19 @@ def extend_jaxattn(inp: Inputs, config=None, unified=False, impl="triton"):
     return lambda: fn(inp.q, inp.k_new, inp.v_new, inp.k_pool, inp.v_pool, meta, inp.sinks, inp.custom_mask)
 
 
-def extend_mla(inp: Inputs):
-    """Absorbed-MLA cases through `jaxattn.mla.mla_extend_attention` (V read from the latent rows, no V arrays)."""
+def extend_mla(inp: Inputs, impl: str | None = None):
+    """Absorbed-MLA cases through `jaxattn.mla.mla_extend_attention` (V read from the latent rows, no V arrays):
+    what it picks, or `impl` ("mgpu-gqa": the GQA extend kernel over the latent cache, 288/256 only)."""
     import jax
 
     from jaxattn.mla import mla_extend_attention
 
     if not inp.case.v_in_k or inp.case.fp8:
         raise Skip("absorbed MLA cases (one latent head, V inside K) with a 16-bit cache")
+    if impl == "mgpu-gqa" and (inp.case.head_dim, inp.case.dv) != (288, 256):
+        raise Skip("the GQA extend kernel takes the 288/256 latent head only")
     meta = extend_meta(inp)
-    fn = jax.jit(lambda q, kn, k, m: mla_extend_attention(q, kn, k, m, v_head_dim=inp.case.dv))
+    fn = jax.jit(lambda q, kn, k, m: mla_extend_attention(q, kn, k, m, v_head_dim=inp.case.dv, impl=impl))
     return lambda: fn(inp.q, inp.k_new, inp.k_pool, meta)
 
 
@@ -451,6 +454,8 @@ BACKENDS = {
         "jaxattn-unified": (lambda inp: extend_jaxattn(inp, unified=True, impl=None), jax_sync),  # what it picks
         "jaxattn-unified-triton": (lambda inp: extend_jaxattn(inp, unified=True, impl="triton-unified"), jax_sync),
         "jaxattn-mla": (extend_mla, jax_sync),  # absorbed MLA: mla_extend_attention (V inside the latent rows)
+        # ... on the GQA extend kernel (V read from the latent K tiles; 288/256): impl "mgpu-gqa"
+        "jaxattn-mla-gqa": (lambda inp: extend_mla(inp, impl="mgpu-gqa"), jax_sync),
         "jaxattn-draft-words": (extend_draft_words, jax_sync),  # tree cases: the mask as per-row draft words
         "jaxattn-mgpu-draft-words": (lambda inp: extend_draft_words(inp, mgpu=True), jax_sync),
         "flashinfer-fa2": (lambda inp: extend_flashinfer(inp, "fa2"), torch_sync),

@@ -61,6 +61,7 @@ LABELS = {
     "jaxattn-triton": "jaxattn, Triton kernels (extend: two-stage)",
     "jaxattn-mgpu": "jaxattn MLA decode, Mosaic GPU kernel",
     "jaxattn-mla": "jaxattn mla_extend_attention (V inside the latent rows)",
+    "jaxattn-mla-gqa": "jaxattn mla_extend_attention on the GQA extend kernel (impl mgpu-gqa)",
     "flashinfer": "FlashInfer",
     "flashinfer-tc": "FlashInfer, tensor cores",
     "flashinfer-mla": "FlashInfer MLA (BatchMLAPagedAttentionWrapper)",

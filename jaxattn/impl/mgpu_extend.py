@@ -162,6 +162,44 @@ IMPLEMENTATION = Implementation("mgpu", _declines_form("two_stage"), _run)
 UNIFIED = Implementation("mgpu-unified", _declines_form("unified"), _run)
 
 
+def _latent_config(qk_head_dim: int, v_head_dim: int) -> MgpuExtendConfig | None:
+    """The tiles over a latent cache at these head dims (`tuning.mgpu_extend_latent_config`), None where there are
+    none; checked against sm_90's shared memory."""
+    config = tuning.mgpu_extend_latent_config(qk_head_dim, v_head_dim)
+    if config is not None and config.latent_shared_memory_bytes(qk_head_dim) > hardware.SM90.shared_memory_bytes:
+        raise ValueError(f"the latent config {config} needs {config.latent_shared_memory_bytes(qk_head_dim)} B of "
+                         f"shared memory at {qk_head_dim}/{v_head_dim}; sm_90 has {hardware.SM90.shared_memory_bytes}")
+    return config
+
+
+def _declines_latent(call) -> str | None:
+    """Why this kernel cannot take an `jaxattn.mla.mla_extend_attention` call (`MlaExtendCall`), or None."""
+    if _latent_config(call.qk_head_dim, call.v_head_dim) is None:
+        return (f"latent head dims {call.qk_head_dim}/{call.v_head_dim} (288/256 only: at 576/512 O's accumulator does "
+                "not fit a consumer warpgroup's registers)")
+    if jnp.dtype(call.q.dtype) not in map(jnp.dtype, MGPU_DTYPES):
+        return f"dtype {jnp.dtype(call.q.dtype).name} (bf16/f16 only)"
+    if call.k_pool.dtype != call.q.dtype:
+        return f"a {jnp.dtype(call.k_pool.dtype).name} pool with {jnp.dtype(call.q.dtype).name} q"
+    if call.meta.qo_indptr.shape[0] - 1 > hardware.GRID_YZ_LIMIT:  # the batch is the grid's third dimension
+        return f"batch {call.meta.qo_indptr.shape[0] - 1} (at most {hardware.GRID_YZ_LIMIT}: the launch grid's third dimension)"
+    return hardware.mosaic_gpu_unavailable(call.launch_mode)
+
+
+def _run_latent(call):
+    meta = call.meta
+    return _run_kernel(call.q, call.k_new, None, call.k_pool, None, meta, call.sm_scale,
+                       _latent_config(call.qk_head_dim, call.v_head_dim), causal=True, sliding_window=-1, logit_cap=0.0,
+                       sinks=call.sinks, xai_temperature_len=-1, kv_start_pos=meta.kv_start_pos,
+                       latent_v_dim=call.v_head_dim)
+
+
+# Absorbed MLA extend (`jaxattn.mla.mla_extend_attention`) on this kernel: one q head's query rows per CTA (each K
+# tile serving 128 of them), V read from the latent K tiles (`latent_v_dim`). Opt-in (impl="mgpu-gqa") until its
+# GPU tests and timing have run: issue 22's T288 (the MLA kernel: 48% of the floor).
+LATENT = Implementation("mgpu-gqa", _declines_latent, _run_latent)
+
+
 @functools.partial(jax.jit, static_argnames=("causal", "skip_prefix_custom_mask", "sliding_window", "logit_cap",
                                              "xai_temperature_len", "sm_scale", "config"))
 def extend_attention_mgpu(
@@ -333,13 +371,15 @@ def kernel_options_forced(adjust):
 
 def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: MgpuExtendConfig, *, causal: bool,
                 sliding_window: int, logit_cap: float, sinks, xai_temperature_len: int, kv_start_pos, prefix_lens=None,
-                custom_mask=None, skip_prefix_custom_mask=True, draft_mask=None):
+                custom_mask=None, skip_prefix_custom_mask=True, draft_mask=None, latent_v_dim=None):
     """The kernel launch on checked arguments (the registry's routes and `extend_attention_mgpu` share it).
     prefix_lens (i32[batch]): the unified form (k_new, v_new unused: every key from the pool). custom_mask: flat
-    bool/u8 at meta.mask_indptr. draft_mask: i32/u32[tokens, words] (two-stage form)."""
+    bool/u8 at meta.mask_indptr. draft_mask: i32/u32[tokens, words] (two-stage form). latent_v_dim: a latent cache
+    (v_new = v_pool = None, V = K's first latent_v_dim dims; q's columns padded to a multiple of 64 here)."""
     from jaxattn.kernels.extend_attention_mgpu import extend_attention_mgpu_kernel
     tokens, q_heads = q.shape[:2]
-    v_dim = v_pool.shape[2]
+    latent = latent_v_dim is not None
+    v_dim = latent_v_dim if latent else v_pool.shape[2]
     if tokens == 0 or meta.qo_indptr.shape[0] == 1:
         return jnp.zeros((tokens, q_heads, v_dim), q.dtype)
     unified = prefix_lens is not None
@@ -347,8 +387,11 @@ def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: 
     # pad q (a copy) when tokens is not a multiple of 8 or is below block_q. k_new/v_new need no copy: their whole
     # tiles come by TMA only when tokens allows it (below), the others row by row.
     rows = max(-(-tokens // 8) * 8, config.block_q)
-    if rows > tokens:
-        q = jnp.pad(q, ((0, rows - tokens), (0, 0), (0, 0)))
+    # A latent row (MLA's 288) narrower than the 64-column tiles: q's extra columns are zeros, as the kernel makes
+    # the K tiles' (a copy of q).
+    width = -(-q.shape[2] // 64) * 64 if latent else q.shape[2]
+    if rows > tokens or width > q.shape[2]:
+        q = jnp.pad(q, ((0, rows - tokens), (0, 0), (0, width - q.shape[2])))
     # Zeros that the kernel overwrites in place (aliased): rows it does not compute stay 0.
     out_ref = jax.new_ref(jnp.zeros((rows, q_heads, v_dim), q.dtype))
     kv_indices = meta.kv_indices
@@ -366,7 +409,7 @@ def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: 
         meta.qo_indptr.astype(jnp.int32), meta.kv_indptr.astype(jnp.int32), out_ref,
         max_extend_len=meta.max_extend_len, sm_scale=sm_scale,
         block_q=config.block_q, block_kv=config.block_kv, stages=config.stages,
-        o_rows_columns=config.o_rows_columns(q.shape[2], v_dim),
+        o_rows_columns=64 if latent else config.o_rows_columns(q.shape[2], v_dim),
         causal=bool(causal),
         sliding_window=int(sliding_window) if sliding_window >= 0 else -1,
         logit_cap=float(logit_cap) if logit_cap > 0 else 0.0,
@@ -378,7 +421,8 @@ def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: 
         skip_prefix_custom_mask=bool(skip_prefix_custom_mask), draft_mask=draft_mask,
         heads_per_cta=heads_per_cta(meta.max_extend_len, q_heads // k_pool.shape[1], config),
         # Whole new-key tiles by TMA where Mosaic allows it (an array of whole 8-row tiles, no shorter than a box).
-        tma_new_tiles=not unified and tokens % 8 == 0 and tokens >= config.block_kv,
-        page_rows=page_copy_rows(meta.page_size, config.block_kv, k_pool.shape[0]),
+        tma_new_tiles=not unified and not latent and tokens % 8 == 0 and tokens >= config.block_kv,
+        page_rows=0 if latent else page_copy_rows(meta.page_size, config.block_kv, k_pool.shape[0]),
+        **(dict(latent_v_dim=latent_v_dim) if latent else {}),
     )
     return out_ref[...][:tokens]

@@ -27,7 +27,7 @@ from jaxattn.tuning.configs import DecodeConfig, ExtendConfig, MgpuDecodeConfig,
 __all__ = [
     "DecodeConfig", "ExtendConfig", "MgpuDecodeConfig", "MgpuExtendConfig", "TABLES", "table", "decode_config", "float32_decode_config", "clamp_decode_config",
     "heuristic_decode_config", "vector_config", "head_dim_family", "extend_config", "with_custom_mask", "pack_heads",
-    "mgpu_extend_config",
+    "mgpu_extend_config", "mgpu_extend_latent_config",
 ]
 
 # GPU family -> op -> table (see each family module for its keys).
@@ -43,7 +43,8 @@ def _warn_once(message: str) -> None:
 
 
 def table(op: str, family: str | None = None) -> dict:
-    """The `op` table ("decode", "decode_fp8", "extend", "extend_mgpu", "extend_mgpu_short_window") of `family`
+    """The `op` table ("decode", "decode_fp8", "extend", "extend_mgpu", "extend_mgpu_short_window",
+    "extend_mgpu_latent") of `family`
     (default: the visible GPU's family)."""
     if family is None:
         family = hardware.gpu_family_name() or hardware.REFERENCE_FAMILY.name
@@ -177,6 +178,12 @@ def pack_heads(config: ExtendConfig, q_heads: int, kv_heads: int) -> ExtendConfi
 
 # ---------------------------------------------------------------------------------------------
 # Extend (Mosaic GPU kernel)
+
+
+def mgpu_extend_latent_config(qk_head_dim: int, v_head_dim: int, family: str | None = None) -> MgpuExtendConfig | None:
+    """The Mosaic GPU extend kernel's tiles over a latent cache (V inside K) at these head dims, or None where the
+    table has none (the kernel does not take them: at 576/512 O's accumulator does not fit a warpgroup's registers)."""
+    return table("extend_mgpu_latent", family).get(f"{qk_head_dim}/{v_head_dim}")
 
 
 def mgpu_extend_config(qk_head_dim: int, v_head_dim: int | None = None, family: str | None = None, *,

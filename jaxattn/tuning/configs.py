@@ -106,6 +106,12 @@ class MgpuExtendConfig:
         ring = self.stages * self.block_kv * (qk_head_dim + v_head_dim)
         return (q_and_o + ring) * 2 + 4096
 
+    def latent_shared_memory_bytes(self, qk_head_dim: int) -> int:
+        """The same kernel over a latent cache (`latent_v_dim`: V inside the K tiles): Q tiles qk_head_dim rounded up to
+        64 wide, O stored in 64-column chunks, a ring of K tiles only, and the same 4 KiB."""
+        width = -(-qk_head_dim // 64) * 64
+        return (2 * self.block_q * (width + 64) + self.stages * self.block_kv * width) * 2 + 4096
+
     def __post_init__(self):
         if self.block_q != 64:
             raise ValueError(f"MgpuExtendConfig.block_q must be 64 (one wgmma M tile per warpgroup); got {self.block_q!r}")

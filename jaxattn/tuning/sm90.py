@@ -81,6 +81,13 @@ EXTEND_MGPU: dict[str, MgpuExtendConfig] = {
     "256": MgpuExtendConfig(block_q=64, block_kv=64, stages=2),
 }
 
+# MLA's half-size latent cache (288/256, V inside K) on the same kernel (`jaxattn.impl.mgpu_extend.LATENT`): Q 80 KB
+# (rows padded to 320 columns) + a 2-stage ring of 64-key K tiles 80 KB + 16 KB of O chunk buffers (3 stages: 220 KB,
+# also fits). Chosen by analogy with 256 (the same accumulator and S tile), not yet timed.
+EXTEND_MGPU_LATENT: dict[str, MgpuExtendConfig] = {
+    "288/256": MgpuExtendConfig(block_q=64, block_kv=64, stages=2),
+}
+
 # Short windows over short extends (a verify step on a sliding-window layer, GPT-OSS's window of 128): a CTA's rows
 # see about W + 64 keys, where 64-key tiles compute fewer masked columns than 128-key ones. Family: (the largest
 # window W, the tile for max_extend_len <= block_q). V-TREE64-W128 (32 x (4096 + 64 drafts), window 128) on the
@@ -102,4 +109,4 @@ EXTEND_MGPU_SHORT_WINDOW: dict[str, tuple[int, MgpuExtendConfig]] = {
 EXTEND_MGPU_PAGE_COPY_MIN_ROWS = 64
 
 TABLES = {"decode": DECODE, "decode_fp8": DECODE_FP8, "extend": EXTEND, "extend_mgpu": EXTEND_MGPU,
-          "extend_mgpu_short_window": EXTEND_MGPU_SHORT_WINDOW}
+          "extend_mgpu_short_window": EXTEND_MGPU_SHORT_WINDOW, "extend_mgpu_latent": EXTEND_MGPU_LATENT}

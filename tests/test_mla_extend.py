@@ -73,12 +73,12 @@ def test_declines_name_the_reason(rng):
 
 
 def test_gqa_kernel_latent_tiles_fit_shared_memory():
-    # Q tiles 320 wide (288 padded), 16 KB of O chunk buffers and a 2-stage ring of 64-key K tiles (V read from them).
+    # Q tiles 320 wide (288 padded), 16 KB of O chunk buffers and a 3-stage ring of 64-key K tiles (V read from them).
     from jaxattn import hardware, tuning
 
     config = tuning.mgpu_extend_latent_config(288, 256)
-    assert (config.block_q, config.block_kv, config.stages) == (64, 64, 2)
-    assert config.latent_shared_memory_bytes(288) == (2 * 64 * (320 + 64) + 2 * 64 * 320) * 2 + 4096
+    assert (config.block_q, config.block_kv, config.stages) == (64, 64, 3)
+    assert config.latent_shared_memory_bytes(288) == (2 * 64 * (320 + 64) + 3 * 64 * 320) * 2 + 4096
     assert config.latent_shared_memory_bytes(288) <= hardware.SM90.shared_memory_bytes
     assert tuning.mgpu_extend_latent_config(576, 512) is None
 

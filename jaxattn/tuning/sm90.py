@@ -82,10 +82,12 @@ EXTEND_MGPU: dict[str, MgpuExtendConfig] = {
 }
 
 # MLA's half-size latent cache (288/256, V inside K) on the same kernel (`jaxattn.impl.mgpu_extend.LATENT`): Q 80 KB
-# (rows padded to 320 columns) + a 2-stage ring of 64-key K tiles 80 KB + 16 KB of O chunk buffers (3 stages: 220 KB,
-# also fits). Chosen by analogy with 256 (the same accumulator and S tile), not yet timed.
+# (rows padded to 320 columns) + a 3-stage ring of 64-key K tiles 120 KB + 16 KB of O chunk buffers = 220 KB. A latent
+# slot holds V too, so it is released after both consumers' P V (a K slot otherwise after Q K^T): with 2 stages the
+# producer could refill a slot only about half a step before the leading consumer needs it. Tiles by analogy with
+# 256 (the same accumulator and S tile); not yet timed.
 EXTEND_MGPU_LATENT: dict[str, MgpuExtendConfig] = {
-    "288/256": MgpuExtendConfig(block_q=64, block_kv=64, stages=2),
+    "288/256": MgpuExtendConfig(block_q=64, block_kv=64, stages=3),
 }
 
 # Short windows over short extends (a verify step on a sliding-window layer, GPT-OSS's window of 128): a CTA's rows

@@ -155,39 +155,33 @@ def test_gqa_kernel_latent_288_matches_reference(rng, case, sinks):
     check(batch, dtype, "mgpu-gqa", **kw)
 
 
+# The Mosaic GPU routes: the MLA kernel at 576/512, the GQA extend kernel over the latent cache at 288/256.
+KERNELS = [pytest.param(("mgpu", 576, 512), id="mgpu_576"), pytest.param(("mgpu-gqa", 288, 256), id="mgpu_gqa_288")]
+
+
 @pytest.mark.gpu
 @needs_gpu
-def test_gqa_kernel_latent_288_nan_and_hostile_metadata(rng):
-    batch = make_batch(rng, [50, 7], [20, 9], hq=16, hkv=1, dqk=288, dtype=jnp.bfloat16)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_kernel_nan_stays_in_its_row(rng, kernel):
+    impl, dim, _ = kernel
+    batch = make_batch(rng, [50, 7], [20, 9], hq=16, hkv=1, dqk=dim, dtype=jnp.bfloat16)
     q = batch.q.at[3, 5, 10].set(jnp.nan)
-    assert_nan_confined(mla_extend_attention(q, batch.k_new, batch.k_pool, batch.meta, impl="mgpu-gqa"), (3, 5))
-    meta = dataclasses.replace(batch.meta, kv_indices=batch.meta.kv_indices.at[3].set(10**9).at[10].set(-5),
-                               qo_indptr=batch.meta.qo_indptr.at[-1].set(10**6),
-                               kv_indptr=batch.meta.kv_indptr.at[-1].set(10**7))
-    o = mla_extend_attention(batch.q, batch.k_new, batch.k_pool, meta, impl="mgpu-gqa")
-    jax.block_until_ready(o)
-    assert o.shape == batch.q.shape[:2] + (256,)
+    assert_nan_confined(mla_extend_attention(q, batch.k_new, batch.k_pool, batch.meta, impl=impl), (3, 5))
 
 
 @pytest.mark.gpu
 @needs_gpu
-def test_kernel_nan_stays_in_its_row(rng):
-    batch = make_batch(rng, [50, 7], [20, 9], hq=16, hkv=1, dqk=576, dtype=jnp.bfloat16)
-    q = batch.q.at[3, 5, 10].set(jnp.nan)
-    assert_nan_confined(mla_extend_attention(q, batch.k_new, batch.k_pool, batch.meta, impl="mgpu"), (3, 5))
-
-
-@pytest.mark.gpu
-@needs_gpu
-def test_kernel_under_hostile_metadata(rng):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_kernel_under_hostile_metadata(rng, kernel):
     # An indptr past the index list and the tokens, slots outside the pool: no fault, the shape the op promises.
-    batch = make_batch(rng, [50, 7], [20, 9], hq=16, hkv=1, dqk=576, dtype=jnp.bfloat16)
+    impl, dim, v_dim = kernel
+    batch = make_batch(rng, [50, 7], [20, 9], hq=16, hkv=1, dqk=dim, dtype=jnp.bfloat16)
     meta = dataclasses.replace(batch.meta, kv_indices=batch.meta.kv_indices.at[3].set(10**9).at[10].set(-5),
                                qo_indptr=batch.meta.qo_indptr.at[-1].set(10**6),
                                kv_indptr=batch.meta.kv_indptr.at[-1].set(10**7))
-    o = mla_extend_attention(batch.q, batch.k_new, batch.k_pool, meta, impl="mgpu")
+    o = mla_extend_attention(batch.q, batch.k_new, batch.k_pool, meta, impl=impl)
     jax.block_until_ready(o)
-    assert o.shape == batch.q.shape[:2] + (512,)
+    assert o.shape == batch.q.shape[:2] + (v_dim,)
 
 
 def test_batches_past_the_grid_limit_are_declined():

@@ -94,6 +94,8 @@ def run(op: str, cases: list, backends: list[str] | None = None, sweep: bool | s
                 say(f"  {case.name:4s} {backend:24s} skipped: {why}")
             except Exception as error:  # a peer that fails must not hide the others
                 say(f"  {case.name:4s} {backend:24s} FAILED: {type(error).__name__}: {str(error)[:300]}")
+            if backend not in timed and bar is not None:
+                bar.update(rounds)  # its rounds will not run
         failed = set()
         for _ in range(rounds):
             for backend, (fn, sync, samples) in timed.items():

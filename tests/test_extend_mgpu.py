@@ -818,10 +818,12 @@ def test_window_schedule_of_every_cta(block_kv):
 
 
 def _cta_programs(first_step, cta_steps, wg_ranges, pre_steps, tail_step, uses, *, stages, tma_new_tiles,
-                  page_steps=0):
+                  page_steps=0, latent=False):
     """The barrier operations of one CTA's producer and two consumer warpgroups, in the kernel's order. wg_ranges:
     (wg_first, wg_steps) per warpgroup (wg_first = first_step without a window); uses[step]: the kernel's
-    cp_async_uses of that step; steps below page_steps come page by page by TMA (their own barriers)."""
+    cp_async_uses of that step; steps below page_steps come page by page by TMA (their own barriers). latent: the
+    latent-cache mode (`latent_v_dim`): K tiles only, each slot released after P V."""
+    kinds = (0,) if latent else (0, 1)
     by_tma = lambda step: tma_new_tiles and pre_steps <= step < tail_step  # noqa: E731
 
     def barrier(which, step):
@@ -835,7 +837,7 @@ def _cta_programs(first_step, cta_steps, wg_ranges, pre_steps, tail_step, uses, 
     producer = []
     for step in range(first_step, cta_steps):
         slot = step % stages
-        for which in (0, 1):
+        for which in kinds:
             if step >= first_step + stages:
                 producer.append(("wait", ("free", which, slot), None, step - stages))
             producer.append(("load", barrier(which, step), step))
@@ -846,19 +848,24 @@ def _cta_programs(first_step, cta_steps, wg_ranges, pre_steps, tail_step, uses, 
         for step in range(first_step, wg_first):  # head flush
             slot = step % stages
             ops += [ready(0, step), ("arrive", ("free", 0, slot), step)] + sync
-            ops += [ready(1, step), ("arrive", ("free", 1, slot), step)] + sync
+            if not latent:
+                ops += [ready(1, step), ("arrive", ("free", 1, slot), step)]
+            ops += sync
         if wg_first < wg_steps:
             ops.append(ready(0, wg_first))
         for step in range(wg_first, wg_steps):  # kv_step
             slot = step % stages
-            ops += sync + [("arrive", ("free", 0, slot), step), ("arrive", "schedule", None), ready(1, step),
-                           ("wait", "schedule", None, None)]
+            if latent:  # the K tile holds V: released after P V
+                ops += sync + [("arrive", "schedule", None), ("wait", "schedule", None, None)]
+            else:
+                ops += sync + [("arrive", ("free", 0, slot), step), ("arrive", "schedule", None), ready(1, step),
+                               ("wait", "schedule", None, None)]
             if step + 1 < wg_steps:
                 ops.append(ready(0, step + 1))
-            ops.append(("arrive", ("free", 1, slot), step))
+            ops.append(("arrive", ("free", 0 if latent else 1, slot), step))
         for step in range(wg_steps, cta_steps):  # flush_step
             slot = step % stages
-            ops += [("arrive", ("free", 0, slot), step), ("arrive", ("free", 1, slot), step)] + sync + sync
+            ops += [("arrive", ("free", which, slot), step) for which in kinds] + sync + sync
         if wg == 0:
             ops += sync
         programs[f"consumer{wg}"] = ops
@@ -866,7 +873,7 @@ def _cta_programs(first_step, cta_steps, wg_ranges, pre_steps, tail_step, uses, 
 
 
 def _check_cta(first_step, cta_steps, wg_ranges, pre_steps, tail_step, *, stages, tma_new_tiles, windowed, rng,
-               interleavings=3, page_steps=0):
+               interleavings=3, page_steps=0, latent=False):
     """One CTA's barrier programs (cp.async parities from the kernel's `cp_async_uses`, counted from first_step when
     windowed; prefix steps below page_steps by TMA page by page) run in `interleavings` random interleavings on fresh
     barriers; returns how many ran."""
@@ -878,7 +885,7 @@ def _check_cta(first_step, cta_steps, wg_ranges, pre_steps, tail_step, *, stages
                                     stages=stages, first_step=i32(first_step) if windowed else None,
                                     page_steps=i32(page_steps) if page_steps else 0))
     programs = _cta_programs(first_step, cta_steps, wg_ranges, pre_steps, tail_step, uses, stages=stages,
-                             tma_new_tiles=tma_new_tiles, page_steps=page_steps)
+                             tma_new_tiles=tma_new_tiles, page_steps=page_steps, latent=latent)
     for _ in range(interleavings):
         barriers = {("free", w, s): Barrier(2) for w in (0, 1) for s in range(stages)}
         barriers |= {(kind, w, s): Barrier(1) for kind in ("ready", "kv", "page") for w in (0, 1) for s in range(stages)}
@@ -936,6 +943,33 @@ def test_barrier_protocol_never_hangs(tma_new_tiles, pages):
                                         tma_new_tiles=tma_new_tiles, windowed=window >= 0, rng=rng,
                                         page_steps=prefix_len // block_kv if pages else 0)
     assert cases > 100
+
+
+def test_barrier_protocol_never_hangs_latent():
+    # CPU: the latent-cache mode (MLA's 288/256, `latent_v_dim`): the producer loads K tiles only and a slot is freed
+    # after both consumers' P V. Causal two-stage CTAs (the mode's only schedule), one and two heads per CTA, 2 and 3
+    # stages, prefixes ending mid-tile, the second warpgroup's range shorter (flush steps).
+    import random
+
+    rng = random.Random(2)
+    block_q, block_kv = 64, 64
+    cdiv = lambda x, d: -(-x // d)  # noqa: E731
+    cases = 0
+    for stages, packed in ((3, False), (2, False), (3, True)):
+        cta_rows = block_q if packed else 2 * block_q
+        for q_start, prefix_len, q_len in ((5, 300, 257), (0, 0, 130), (13, 1000, 70), (8, 64, 700), (0, 4096, 60)):
+            base = q_start // 8 * 8
+            q_end = q_start + q_len
+            pre_steps = cdiv(prefix_len, block_kv)
+            for cta_row in range(base, q_end, cta_rows):
+                cta_steps = pre_steps + cdiv(min(cta_row + cta_rows, q_end) - base, block_kv)
+                ranges = []
+                for wg in (0, 1):
+                    wg_row = cta_row if packed else cta_row + wg * block_q
+                    ranges.append((0, pre_steps + cdiv(min(wg_row + block_q, q_end) - base, block_kv)))
+                cases += _check_cta(0, cta_steps, ranges, pre_steps, pre_steps, stages=stages, tma_new_tiles=False,
+                                    windowed=False, rng=rng, latent=True)
+    assert cases > 30
 
 
 def test_barrier_protocol_never_hangs_unified_and_noncausal():

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Builds FlashInfer 0.6.0's JIT modules that jaxattn uses, for the H200 (sm_90a), on a machine without a GPU, and packs
 them as FlashInfer's AOT modules: .ficache/flashinfer_aot.tar.xz holds <name>/<name>.so for each, which
-scripts/gpu_check.sh unpacks into the installed package's data/aot/ (FlashInfer loads a module from there without
+scripts/gpu_env.sh unpacks into the installed package's data/aot/ (FlashInfer loads a module from there without
 building it: flashinfer/jit/core.py, JitSpec.is_aot and build_and_load). On the GPU machine nvcc takes 12-95 s per
 module, most of a device call; here they take minutes each on 2 cores, but cost no device time.
 
@@ -114,7 +114,6 @@ class Wrapper:
     cap: bool = False  # logits_soft_cap > 0
     tensor_cores: bool = False  # decode: use_tensor_cores
     custom_mask: bool = False  # prefill: plan(custom_mask=...)
-    fails: str = ""  # why the module cannot be built (not built; FlashInfer fails the same way on the GPU)
 
 
 def wrapper_modules(w: Wrapper) -> list:
@@ -408,9 +407,7 @@ def main(argv=None) -> int:
     chosen = [m for m in mods if args.only is None or args.only in m.name or any(args.only in w for w in m.where)]
     if args.list:
         for m in chosen:
-            state = "built" if m.spec.jit_library_path.exists() else ("cannot build: " + m.wrapper.fails if
-                                                                       m.wrapper.fails else "not built")
-            print(f"{m.name}  [{state}]")
+            print(f"{m.name}  [{'built' if m.spec.jit_library_path.exists() else 'not built'}]")
             for where in m.where:
                 print(f"    {where}")
         print(f"{len(chosen)} modules")
@@ -420,9 +417,6 @@ def main(argv=None) -> int:
         for i, m in enumerate(chosen):
             if m.spec.jit_library_path.exists():
                 print(f"[{i + 1}/{len(chosen)}] {m.name}: built already", flush=True)
-                continue
-            if m.wrapper.fails:
-                print(f"[{i + 1}/{len(chosen)}] {m.name}: skipped, {m.wrapper.fails}", flush=True)
                 continue
             print(f"[{i + 1}/{len(chosen)}] {m.name}: building ({m.where[0]})", flush=True)
             try:

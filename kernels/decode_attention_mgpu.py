@@ -8,7 +8,9 @@ consumer converts each fp8 tile to f16 in shared memory (32-bit loads, packed f1
 in its transposed (MN-major) form, which needs no byte shuffles; so far that runs 1.3x slower than Triton over fp8
 pools (the conversions and the softmax sit on each consumer's critical path), so fp8 pools take it by name only.
 Moving the conversions to the producer warpgroup was 20-33% slower still (H200, 2026-12-05: one warpgroup converting
-both consumers' tiles has half the threads for the conversions that bind it) and was removed.
+both consumers' tiles has half the threads for the conversions that bind it) and was removed. `fp8_scores` halves
+the conversions instead: S = Q K^T runs on fp8 tensor cores straight from the K ring (q split per row into e4m3 parts,
+`split_q_rows`), and only V is converted (not yet timed on a GPU).
 
 A work item = one sequence x two kv heads x one split of its keys; the launch is one CTA per item, or (many short
 items) one persistent CTA per multiprocessor taking items in turn, whose producer fills the rings with the next
@@ -68,14 +70,42 @@ FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)  # jaxattn.fp8's list: kernels
 # q/k = v head dims the kernel takes: rows of whole 128-byte swizzle columns (fp8 at 64 would need a 64-byte swizzle).
 HEAD_DIMS = {1: (128,), 2: (64, 128)}  # by the pool's bytes per element
 CONSUMERS = 2  # kv heads per CTA, one consumer warpgroup each
+# fp8 scores (`fp8_scores`): q's e4m3 parts by q's dtype, enough significant bits (4 per part) for q's own (bf16 8, f16
+# 11), and the value each row's largest |q| is scaled to.
+Q_PARTS = {jnp.dtype(jnp.bfloat16): 2, jnp.dtype(jnp.float16): 3}
+E4M3_MAX = 448.0
+TINY_ROW_MAX = 2.0**-64
 
 
-def shared_bytes(head_dim: int, pool_itemsize: int, stages: int) -> int:
-    """A CTA's shared memory: per consumer Q, its K and V rings and (fp8) its f16 K/V tiles; 4 KB for the mbarriers
-    and Pallas' alignment padding (a kernel within 2 KB of the limit failed to launch: `MgpuExtendConfig`'s rule)."""
+def shared_bytes(head_dim: int, pool_itemsize: int, stages: int, q_parts: int = 0) -> int:
+    """A CTA's shared memory: per consumer Q, its K and V rings, (fp8) its f16 V tile and either its f16 K tile or
+    (q_parts > 0: fp8 scores) its Q's e4m3 parts; 4 KB for the mbarriers and Pallas' alignment padding (a kernel within
+    2 KB of the limit failed to launch: `MgpuExtendConfig`'s rule)."""
     tile = BLOCK_KV * head_dim
-    converted = 2 * tile * 2 if pool_itemsize == 1 else 0
+    converted = 0
+    if pool_itemsize == 1:
+        converted = tile * 2 + (q_parts * BLOCK_ROWS * head_dim if q_parts else tile * 2)
     return CONSUMERS * (BLOCK_ROWS * head_dim * 2 + 2 * stages * tile * pool_itemsize + converted) + 4096
+
+
+def split_q_rows(q_regs, sm_scale: float, parts: int):
+    """Q's rows for fp8 scores: (the e4m3 parts, f32[64, head_dim] each in q_regs' layout, the row scales f32[64]) with
+    q * sm_scale ~= row_scale * (part 0 + part 1 + ...). Each row is scaled so its largest |q| is e4m3's largest
+    finite value, rounded to e4m3, and each further part holds the rounding left by the parts before it (4
+    significant bits per part). A row whose largest |q * sm_scale| is under TINY_ROW_MAX (zeros; scores that small are 0
+    to the softmax, and its scale would flush to 0) has scale 1, its parts 0. A NaN in q is NaN in every part, so each of its row's
+    scores is NaN, whether or not the row's max (PTX's max.f32 drops NaN) made the scale NaN."""
+    scaled = q_regs.astype(jnp.float32) * sm_scale
+    row_max = jnp.abs(scaled).max(axis=1)
+    row_scale = jnp.where(row_max < TINY_ROW_MAX, 1.0, row_max * (1.0 / E4M3_MAX))
+    left = scaled / lax.broadcast_in_dim(row_scale, scaled.shape, [0])
+    out = []
+    for i in range(parts):
+        part = left.astype(jnp.float8_e4m3fn)
+        out.append(part)
+        if i + 1 < parts:
+            left = left - part.astype(jnp.float32)
+    return out, row_scale
 
 
 def _barriers(stages: int):
@@ -88,7 +118,7 @@ def _barriers(stages: int):
 
 def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_splits, kv_scales, *, sm_scale,
                            max_kv_splits, stages, sliding_window=-1, min_block_kv=32, persistent_ctas=0,
-                           final=False):
+                           final=False, fp8_scores=False):
     """Stage 1 of split-KV decode, one query token per sequence. Returns (mid_o f32[batch * q_heads * max_kv_splits,
     head_dim], mid_lse f32[batch * q_heads * max_kv_splits]): row g = b * q_heads + h, split s at g * max_kv_splits + s
     (`decode_stage1_kernel`'s MID_O / MID_LSE flattened). Entries of empty splits are not written.
@@ -104,6 +134,9 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
     final (max_kv_splits 1 only): returns the attention itself instead, (o [batch * q_heads, head_dim] in q's dtype,
     lse f32[batch * q_heads]), what stage 2 makes of one split (bit for bit, without sinks): rows of empty sequences
     0 with LSE -inf; no merge launch.
+    fp8_scores (fp8 pools only): S = Q K^T on fp8 tensor cores, K read from its ring as stored (no f16 copy), q split
+    per row into Q_PARTS[q dtype] e4m3 parts (`split_q_rows`), one wgmma each, the row scales folded into the softmax's
+    scale; V is converted to f16 as without it.
     """
     batch, q_heads, head_dim = q.shape
     slots, kv_heads, _ = k_pool.shape
@@ -120,9 +153,12 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
         raise ValueError(f"the pools must be q's dtype or fp8; got {k_pool.dtype} with q {q.dtype}")
     if fp8 != (kv_scales is not None):
         raise ValueError("kv_scales is given exactly when the pools are fp8")
+    if fp8_scores and not fp8:
+        raise ValueError("fp8_scores takes fp8 pools only")
     if final and max_kv_splits != 1:
         raise ValueError(f"final outputs take max_kv_splits == 1; got {max_kv_splits}")
     itemsize = k_pool.dtype.itemsize
+    q_parts = Q_PARTS[jnp.dtype(q.dtype)] if fp8_scores else 0
     group = q_heads // kv_heads
     capacity = kv_indices.shape[0]
     ring_transforms = SWIZZLED_8BIT if fp8 else SWIZZLED
@@ -133,7 +169,7 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
 
     def body(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_ref, v_ref, scales_ref, mid_o_ref, mid_lse_ref,
              scoped):
-        q_smem, k_rings, v_rings, converted, bars = scoped
+        q_smem, k_rings, v_rings, converted, q8, bars = scoped
         wg = lax.axis_index("wg")
 
         def item_at(k):
@@ -176,7 +212,8 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
             """Consumer warpgroup c (a traced index) on kv head CONSUMERS * head_pair + c of each item. Counters:
             (ring tiles it has consumed, Q loads it has read)."""
             ring0 = c * stages  # consumer c's slots of the rings, and of their barriers
-            k16, v16 = (converted[0].at[c], converted[1].at[c]) if fp8 else (None, None)
+            v16 = converted[0].at[c] if fp8 else None
+            k16 = converted[1].at[c] if fp8 and not q_parts else None  # fp8 scores read K's ring tile itself
             plgpu.set_max_registers(232, action="increase")
 
             def ring_slot(tile):  # ring tile number -> (slot, phase parity)
@@ -204,7 +241,14 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
                     q_regs = plgpu.load(q_smem.at[c], layout=plgpu.Layout.WGMMA)
                     if ctas:  # the producer may load the next item's Q
                         arrive_barrier(bars, q_free + c)
-                    if fp8:  # f16 dots (f16 holds fp8 exactly); sm_scale applied before the rounding, k_scale after
+                    if q_parts:  # Q's e4m3 parts to shared memory for the S wgmmas; each row's scale joins k_scale
+                        parts, row_scale = split_q_rows(q_regs, sm_scale, q_parts)
+                        for i, part in enumerate(parts):
+                            q8.at[c, i][...] = part
+                        plgpu.commit_smem()
+                        scale_log2 = row_scale * (scales_ref[kv_head] * LOG2E)
+                        v_scale = scales_ref[kv_heads + kv_head]
+                    elif fp8:  # f16 dots (f16 holds fp8 exactly); sm_scale applied before the rounding, k_scale after
                         q_regs = (q_regs.astype(jnp.float32) * sm_scale).astype(jnp.float16)
                         scale_log2 = scales_ref[kv_head] * LOG2E
                         v_scale = scales_ref[kv_heads + kv_head]
@@ -212,7 +256,7 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
                         scale_log2 = float(sm_scale) * LOG2E
                         v_scale = None
 
-                    if fp8:  # tile 0's K; each step converts the next tile's K while its P V runs
+                    if fp8 and not q_parts:  # tile 0's K; each step converts the next tile's K while its P V runs
                         convert(k_rings, k16, ring_done, k_ready)
                         plgpu.commit_smem()
 
@@ -220,16 +264,22 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
                         acc, m_i, l_i = carry
                         tile = ring_done + step  # traced here: the closures below must not capture a constant
                         slot, parity = ring_slot(tile)
-                        if not fp8:
+                        if not fp8 or q_parts:
                             wait_barrier(bars, k_ready + slot, parity)
-                        k_tile = k16 if fp8 else k_rings.at[slot]
+                        k_tile = k16 if k16 is not None else k_rings.at[slot]
 
                         def qk(s_ref):
-                            plgpu.wgmma(s_ref, q_regs, k_tile.transpose((1, 0)))
+                            if q_parts:
+                                for i in range(q_parts):
+                                    plgpu.wgmma(s_ref, q8.at[c, i], k_tile.transpose((1, 0)))
+                            else:
+                                plgpu.wgmma(s_ref, q_regs, k_tile.transpose((1, 0)))
                             if fp8:  # V's conversion overlaps the wgmma; then both fp8 tiles are read: release the slot
                                 convert(v_rings, v16, tile, v_ready)
+                                s = s_ref[...]  # the S wgmmas done: (fp8 scores) they have read K's ring tile
                                 arrive_barrier(bars, free + slot)
                                 plgpu.commit_smem()
+                                return s
                             return s_ref[...]
 
                         s = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, BLOCK_KV), jnp.float32))
@@ -244,7 +294,7 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
 
                         def pv(acc_ref):
                             plgpu.wgmma(acc_ref, p16, v_tile)
-                            if fp8:  # S = Q K^T has completed: K's f16 tile takes the next tile
+                            if fp8 and not q_parts:  # S = Q K^T has completed: K's f16 tile takes the next tile
                                 @pl.when(step + 1 < cta.steps)
                                 def _():
                                     convert(k_rings, k16, tile + 1, k_ready)
@@ -336,7 +386,11 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
             # K and V rings, consumer c's slots at [c * stages, (c + 1) * stages)
             plgpu.SMEM((CONSUMERS * stages, BLOCK_KV, head_dim), k_pool.dtype, transforms=ring_transforms),
             plgpu.SMEM((CONSUMERS * stages, BLOCK_KV, head_dim), k_pool.dtype, transforms=ring_transforms),
-            [plgpu.SMEM(tiles, jnp.float16, transforms=SWIZZLED)] * 2 if fp8 else [],  # f16 K and V per consumer
+            # f16 V and (unless fp8 scores) K per consumer
+            [plgpu.SMEM(tiles, jnp.float16, transforms=SWIZZLED)] * (2 if fp8 and not q_parts else 1 if fp8 else 0),
+            # fp8 scores: Q's e4m3 parts per consumer
+            plgpu.SMEM((CONSUMERS, q_parts, BLOCK_ROWS, head_dim), jnp.float8_e4m3fn, transforms=SWIZZLED_8BIT)
+            if q_parts else [],
             plgpu.SMEM((2 * len(counts),), jnp.int32),  # the mbarriers, 8 bytes each
         ]
         pl.run_scoped(lambda *scoped: body(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_ref, v_ref, scales_ref,

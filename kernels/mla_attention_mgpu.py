@@ -133,10 +133,13 @@ def store_rows(values, out, first, valid_rows, *, row_stride: int, first_scale: 
 
 def online_softmax_tile(s, acc, m_i, l_i, scale_log2):
     """One key tile of the online softmax (base 2) for 64 rows: s f32[64, 64] raw scores (WGMMA layout; invisible ones
-    -inf), acc f32[64, n] the rows' output so far, m_i / l_i f32[64] their running max (of scaled scores) and sum.
-    Returns (p, acc rescaled by alpha, m_new, l_new, alpha)."""
+    -inf), acc f32[64, n] the rows' output so far, m_i / l_i f32[64] their running max (of scaled scores) and sum;
+    scale_log2 > 0: a scalar, or f32[64] (WGMMA row layout) for a scale per row. Returns (p, acc rescaled by alpha,
+    m_new, l_new, alpha)."""
     m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
     alpha = jnp.exp2(m_i - m_new)
+    if getattr(scale_log2, "ndim", 0) == 1:
+        scale_log2 = lax.broadcast_in_dim(scale_log2, s.shape, [0])
     p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
     l_i = l_i * alpha + p.sum(axis=1)
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])

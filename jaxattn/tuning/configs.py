@@ -128,11 +128,15 @@ class MgpuDecodeConfig:
     split bound, None for the kernel's own rule (`jaxattn.impl.mgpu_mla.kernel_splits`, `jaxattn.impl.mgpu_decode.
     kernel_splits`: fill every multiprocessor once). stages: the GQA kernel's ring depth (None: its default); the
     MLA kernel's is fixed by its shared memory and must be None. persistent: the GQA kernel's launch, one CTA per
-    multiprocessor taking work items in turn (True) or one CTA per item (False); None: its default."""
+    multiprocessor taking work items in turn (True) or one CTA per item (False); None: its default. fp8_scores: the GQA
+    kernel over fp8 pools computes S = Q K^T on fp8 tensor cores from the K tiles as stored (q split per row into e4m3
+    parts: `kernels/decode_attention_mgpu.split_q_rows`) instead of converting each K tile to f16 first: half the
+    conversions. Not yet timed on a GPU: off by default."""
 
     splits: int | None = None
     stages: int | None = None
     persistent: bool | None = None
+    fp8_scores: bool = False
 
     def __post_init__(self):
         if self.splits is not None and (not isinstance(self.splits, int) or self.splits < 1):
@@ -141,4 +145,6 @@ class MgpuDecodeConfig:
             raise ValueError(f"MgpuDecodeConfig.stages must be None or an int >= 2; got {self.stages!r}")
         if self.persistent is not None and not isinstance(self.persistent, bool):
             raise ValueError(f"MgpuDecodeConfig.persistent must be None, True or False; got {self.persistent!r}")
+        if not isinstance(self.fp8_scores, bool):
+            raise ValueError(f"MgpuDecodeConfig.fp8_scores must be True or False; got {self.fp8_scores!r}")
 

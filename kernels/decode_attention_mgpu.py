@@ -55,6 +55,7 @@ from jaxattn.kernels.extend_attention_mgpu import (
     row_sources,
     wait_barrier,
 )
+from jaxattn.kernels.kv_scales import E4M3_MAX, Q_PARTS, TINY_ROW_MAX
 from jaxattn.kernels.mla_attention_mgpu import (
     BLOCK_KV,
     BLOCK_ROWS,
@@ -70,11 +71,6 @@ FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)  # jaxattn.fp8's list: kernels
 # q/k = v head dims the kernel takes: rows of whole 128-byte swizzle columns (fp8 at 64 would need a 64-byte swizzle).
 HEAD_DIMS = {1: (128,), 2: (64, 128)}  # by the pool's bytes per element
 CONSUMERS = 2  # kv heads per CTA, one consumer warpgroup each
-# fp8 scores (`fp8_scores`): q's e4m3 parts by q's dtype, enough significant bits (4 per part) for q's own (bf16 8, f16
-# 11), and the value each row's largest |q| is scaled to.
-Q_PARTS = {jnp.dtype(jnp.bfloat16): 2, jnp.dtype(jnp.float16): 3}
-E4M3_MAX = 448.0
-TINY_ROW_MAX = 2.0**-64
 
 
 def shared_bytes(head_dim: int, pool_itemsize: int, stages: int, q_parts: int = 0) -> int:
@@ -92,9 +88,9 @@ def split_q_rows(q_regs, sm_scale: float, parts: int):
     """Q's rows for fp8 scores: (the e4m3 parts, f32[64, head_dim] each in q_regs' layout, the row scales f32[64]) with
     q * sm_scale ~= row_scale * (part 0 + part 1 + ...). Each row is scaled so its largest |q| is e4m3's largest
     finite value, rounded to e4m3, and each further part holds the rounding left by the parts before it (4
-    significant bits per part). A row whose largest |q * sm_scale| is under TINY_ROW_MAX (zeros; scores that small are 0
-    to the softmax, and its scale would flush to 0) has scale 1, its parts 0. A NaN in q is NaN in every part, so each of its row's
-    scores is NaN, whether or not the row's max (PTX's max.f32 drops NaN) made the scale NaN."""
+    significant bits per part; `kernels/kv_scales.py` holds the rule, and its Triton twin). A row whose largest
+    |q * sm_scale| is under TINY_ROW_MAX has scale 1, its parts 0. A NaN in q is NaN in every part, so each of its
+    row's scores is NaN, whether or not the row's max (PTX's max.f32 drops NaN) made the scale NaN."""
     scaled = q_regs.astype(jnp.float32) * sm_scale
     row_max = jnp.abs(scaled).max(axis=1)
     row_scale = jnp.where(row_max < TINY_ROW_MAX, 1.0, row_max * (1.0 / E4M3_MAX))
@@ -135,7 +131,7 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
     lse f32[batch * q_heads]), what stage 2 makes of one split (bit for bit, without sinks): rows of empty sequences
     0 with LSE -inf; no merge launch.
     fp8_scores (fp8 pools only): S = Q K^T on fp8 tensor cores, K read from its ring as stored (no f16 copy), q split
-    per row into Q_PARTS[q dtype] e4m3 parts (`split_q_rows`), one wgmma each, the row scales folded into the softmax's
+    per row into Q_PARTS e4m3 parts (`split_q_rows`), one wgmma each, the row scales folded into the softmax's
     scale; V is converted to f16 as without it.
     """
     batch, q_heads, head_dim = q.shape
@@ -158,7 +154,7 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
     if final and max_kv_splits != 1:
         raise ValueError(f"final outputs take max_kv_splits == 1; got {max_kv_splits}")
     itemsize = k_pool.dtype.itemsize
-    q_parts = Q_PARTS[jnp.dtype(q.dtype)] if fp8_scores else 0
+    q_parts = Q_PARTS if fp8_scores else 0
     group = q_heads // kv_heads
     capacity = kv_indices.shape[0]
     ring_transforms = SWIZZLED_8BIT if fp8 else SWIZZLED

@@ -168,7 +168,7 @@ DECODE_SHAPES = [
     # One split: the kernel writes o and the LSE (no merge), persistent and not.
     ("gqa-decode-bf16-32x8-final", "gqa", 4, 32, jnp.bfloat16, dict(kv_heads=8, splits=1, persistent=False)),
     ("gqa-decode-e4m3-12x3-bf16-final-persistent", "gqa", 5, 12, jnp.bfloat16, dict(kv_heads=3, pool=jnp.float8_e4m3fn, splits=1, persistent=True)),
-    # fp8 scores (S on fp8 tensor cores from the K ring, q in e4m3 parts): bf16 q (2 parts) persistent; f16 q (3 parts)
+    # fp8 scores (S on fp8 tensor cores from the K ring, q in three e4m3 parts): bf16 q persistent; f16 q
     # over e5m2 with a window, one split (final write).
     ("gqa-decode-e4m3-32x8-bf16-fp8-scores-persistent", "gqa", 4, 32, jnp.bfloat16,
      dict(kv_heads=8, pool=jnp.float8_e4m3fn, fp8_scores=True, persistent=True)),

@@ -97,7 +97,7 @@ FP8_SCORES = MgpuDecodeConfig(fp8_scores=True)
 @pytest.mark.parametrize("dtypes", POOLS[:2])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_fp8_scores_match_reference(rng, dtypes, shape):
-    # S = Q K^T on fp8 tensor cores (q in e4m3 parts: 2 for bf16 q, 3 for f16) within q's dtype's tolerance.
+    # S = Q K^T on fp8 tensor cores (q in three e4m3 parts) within q's dtype's tolerance.
     dtype, pool = dtypes
     q_heads, kv_heads, dim = shape
     q, k_pool, v_pool, meta, kwargs = make_case(rng, q_heads, kv_heads, dim, dtype, pool)
@@ -262,10 +262,11 @@ def test_q_parts_keep_q_precision(rng, dtype):
     # CPU, the kernel's own `split_q_rows` on jnp arrays: each row rebuilt from its e4m3 parts within 2**(-4 * parts)
     # of its largest |q| (rows of any magnitude, a zero row stays 0, NaN stays NaN), and attention over the
     # rebuilt q (the fp8-scores kernel's scores) within q's dtype's tolerance of attention over q itself.
-    from jaxattn.kernels.decode_attention_mgpu import Q_PARTS, TINY_ROW_MAX, split_q_rows
+    from jaxattn.kernels.decode_attention_mgpu import split_q_rows
+    from jaxattn.kernels.kv_scales import Q_PARTS, TINY_ROW_MAX
 
     sm_scale = 128 ** -0.5
-    parts = Q_PARTS[jnp.dtype(dtype)]
+    parts = Q_PARTS
     rows = rng.standard_normal((64, 128)) * np.exp(rng.uniform(-8, 8, (64, 1)))
     rows[5] = 0.0
     rows[6] = 2.0**-70  # under TINY_ROW_MAX: parts 0 (f16 flushes it to 0 anyway)

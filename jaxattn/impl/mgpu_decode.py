@@ -78,8 +78,8 @@ def declines_fp8(call: DecodeCall) -> str | None:
 
 def ring_stages(head_dim: int, pool_itemsize: int, stages: int | None = None, q_parts: int = 0) -> int:
     """The kernel's ring depth: `stages` if it fits in sm_90's shared memory (else ValueError with the byte count),
-    by default the deepest that fits, at most 3 (fp8 at head dim 128: 3, 196 KB, with fp8 scores 196 / 212 KB for
-    bf16 / f16 q; 16-bit at 128: 2). q_parts: Q's e4m3 parts under fp8 scores (0 without)."""
+    by default the deepest that fits, at most 3 (fp8 at head dim 128: 3, 196 KB, with fp8 scores 212 KB; 16-bit at
+    128: 2). q_parts: Q's e4m3 parts under fp8 scores (0 without)."""
     from jaxattn.kernels.decode_attention_mgpu import shared_bytes
 
     limit = hardware.SM90.shared_memory_bytes
@@ -129,7 +129,8 @@ def kernel_split_bound(call: DecodeCall) -> int:
 
 
 def _launch(call: DecodeCall, splits: int, final: bool):
-    from jaxattn.kernels.decode_attention_mgpu import Q_PARTS, gqa_decode_mgpu_kernel
+    from jaxattn.kernels.decode_attention_mgpu import gqa_decode_mgpu_kernel
+    from jaxattn.kernels.kv_scales import Q_PARTS
 
     meta = call.meta
     config = call.config or MgpuDecodeConfig()
@@ -146,7 +147,7 @@ def _launch(call: DecodeCall, splits: int, final: bool):
         call.q, call.k_pool, call.v_pool, meta.kv_indptr.astype(jnp.int32), kv_indices, num_kv_splits, kv_scales,
         sm_scale=call.sm_scale, max_kv_splits=splits,
         stages=ring_stages(call.qk_head_dim, jnp.dtype(call.k_pool.dtype).itemsize, config.stages,
-                           Q_PARTS[jnp.dtype(call.q.dtype)] if fp8_scores else 0),
+                           Q_PARTS if fp8_scores else 0),
         sliding_window=call.sliding_window if call.sliding_window >= 0 else -1, min_block_kv=MIN_BLOCK_KV,
         persistent_ctas=persistent_ctas(call, splits), final=final, fp8_scores=fp8_scores)
     return out, lse, num_kv_splits

@@ -27,13 +27,17 @@ class DecodeConfig:
     # padding them to 64 rows. Timed on the H200 (benchmarks/RESULTS.md, eleventh session): slower except for the
     # 4-token MLA verify with fewer splits; off in the tables.
     keys_as_rows: bool = False
+    # Grouped kernel, fp8 pools without a rope split: q K^T on fp8 tensor cores from the K rows as loaded, q split into
+    # e4m3 parts (kernels/decode_attention.py, FP8_SCORES): no K conversion. Not yet timed on a GPU: off in the tables.
+    fp8_scores: bool = False
 
     def __post_init__(self):
-        for name in ("fp8_v_in_registers", "keys_as_rows"):
+        for name in ("fp8_v_in_registers", "keys_as_rows", "fp8_scores"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"DecodeConfig.{name} must be a bool; got {getattr(self, name)!r}")
-        if self.keys_as_rows and self.block_h == 1:
-            raise ValueError("DecodeConfig.keys_as_rows takes the grouped kernel (block_h >= 16), not block_h=1")
+        for name in ("keys_as_rows", "fp8_scores"):
+            if getattr(self, name) and self.block_h == 1:
+                raise ValueError(f"DecodeConfig.{name} takes the grouped kernel (block_h >= 16), not block_h=1")
         for name in ("block_n", "block_h", "num_warps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0 or value & (value - 1):

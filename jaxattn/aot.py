@@ -60,8 +60,8 @@ class CompiledReport:
 
 
 @functools.lru_cache(maxsize=None)
-def compile_build(kb: KernelBuild, target: tuple = H200_TARGET) -> CompiledReport:
-    """Compiles `kb` for `target` (backend, arch, warp size) and reports its resources."""
+def _compile(kb: KernelBuild, target: tuple):
+    """Triton's compiled kernel of `kb` for `target` (backend, arch, warp size)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -76,11 +76,66 @@ def compile_build(kb: KernelBuild, target: tuple = H200_TARGET) -> CompiledRepor
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
     # enable_fp_fusion: the launches' default on Triton 3.6-3.9, stated so a later default (3.10 flips it) keeps the report.
     options = {"num_warps": kb.num_warps, "num_stages": kb.num_stages, "enable_fp_fusion": True}
-    compiled = triton.compile(source, target=GPUTarget(*target), options=options)
+    return triton.compile(source, target=GPUTarget(*target), options=options)
+
+
+@functools.lru_cache(maxsize=None)
+def compile_build(kb: KernelBuild, target: tuple = H200_TARGET) -> CompiledReport:
+    """Compiles `kb` for `target` (backend, arch, warp size) and reports its resources."""
+    compiled = _compile(kb, target)
     ptx = compiled.asm.get("ptx", "")
     registers, spills = _ptxas_resources(ptx, target[1])
     has_async = "cp.async" in ptx or "cp.async.bulk" in ptx
     return CompiledReport(kb, int(compiled.metadata.shared), registers, spills, "wgmma" in ptx, has_async)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopProfile:
+    """The SASS of a build's largest loop (its main loop: the key tiles): instructions per warp per iteration, and
+    how many of each opcode (predicates and modifiers dropped: "HMMA.16816.F32" counts as HMMA)."""
+
+    instructions: int
+    opcodes: tuple[tuple[str, int], ...]  # most frequent first
+
+    def count(self, opcode: str) -> int:
+        return dict(self.opcodes).get(opcode, 0)
+
+
+def main_loop(kb: KernelBuild, target: tuple = H200_TARGET) -> LoopProfile | None:
+    """`LoopProfile` of kb's largest loop (the span from a backward branch's target to the branch), from Triton's
+    bundled nvdisasm; None if the kernel has no loop. An issue-bound kernel's time follows these counts (Nsight
+    Compute's count for the fp8 decode table tile matched this one, 1081, benchmarks/RESULTS.md), so they compare
+    variants before any GPU time is spent; they are not timings."""
+    import collections
+    import subprocess
+    import tempfile
+
+    import triton
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/kernel.cubin"
+        with open(path, "wb") as f:
+            f.write(_compile(kb, target).asm["cubin"])
+        sass = subprocess.run([triton.knobs.nvidia.nvdisasm.path, "-c", path], capture_output=True, text=True,
+                              check=True).stdout
+    instructions, labels, label = [], {}, None  # (offset, text); label -> offset of its first instruction
+    for line in sass.splitlines():
+        if found := re.match(r"\s*\.(L_x_\d+):", line):
+            label = found.group(1)
+        elif found := re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line):
+            offset = int(found.group(1), 16)
+            if label is not None:
+                labels[label], label = offset, None
+            instructions.append((offset, found.group(2).strip()))
+    loops = [(labels[target_label], offset) for offset, text in instructions
+             if (branch := re.search(r"BRA[^`]*`\(\.(L_x_\d+)\)", text)) and labels.get(target_label := branch.group(1),
+                                                                                        offset) < offset]
+    if not loops:
+        return None
+    first, last = max(loops, key=lambda span: span[1] - span[0])
+    body = [re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0] for offset, text in instructions
+            if first <= offset <= last]
+    return LoopProfile(len(body), tuple(collections.Counter(body).most_common()))
 
 
 def _ptxas_resources(ptx: str, arch: int) -> tuple[int | None, int | None]:
@@ -130,6 +185,8 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(description="Compile every shipped kernel configuration for the H200 (sm_90) without a GPU.")
     parser.add_argument("-k", default="", help="only builds whose key contains this text (regular expression)")
+    parser.add_argument("--loop", action="store_true",
+                        help="also each build's main loop in SASS: instructions per warp per iteration, top opcodes")
     args = parser.parse_args(argv)
     rows = []
     for kb in shipped_builds():
@@ -144,6 +201,11 @@ def main(argv=None) -> int:
             f"regs={regs} spills={spills} wgmma={'yes' if report.has_wgmma else 'no'} "
             f"async_copy={'yes' if report.has_async_copy else 'no'}"
         )
+        if args.loop and (loop := main_loop(kb)) is not None:
+            top = " ".join(f"{name}={n}" for name, n in loop.opcodes[:10])
+            keys = dict(kb.constexprs).get("BLOCK_N")
+            per_key = f" ({loop.instructions * kb.num_warps / keys:.1f} per key over the warps)" if keys else ""
+            print(f"    main loop: {loop.instructions} instructions per warp per iteration{per_key}; {top}")
     return 0
 
 

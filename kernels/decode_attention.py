@@ -194,8 +194,8 @@ def decode_stage1_kernel(
     Q_TOKENS: tl.constexpr,  # query tokens per sequence (module docstring)
     HAS_DRAFT_MASK: tl.constexpr,  # Q_TOKENS > 1: DRAFT_MASK gives each token's drafts; else causal
     KEYS_AS_ROWS: tl.constexpr,  # the dots with keys as their M dimension (module docstring)
-    FP8_SCORES: tl.constexpr = False,  # fp8 pool: q K^T on fp8 tensor cores, q in three e4m3 parts (docstring)
-    POOL_E5M2: tl.constexpr = False,  # FP8_SCORES: the pool holds e5m2 (else e4m3fn)
+    FP8_SCORES: tl.constexpr,  # fp8 pool: q K^T on fp8 tensor cores, q in three e4m3 parts (docstring)
+    POOL_E5M2: tl.constexpr,  # FP8_SCORES: the pool holds e5m2 (else e4m3fn)
 ):
     tl.static_assert(BLOCK_H >= 16, "tl.dot needs at least 16 rows")
     if FP8_SCORES:

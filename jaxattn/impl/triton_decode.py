@@ -87,9 +87,9 @@ def stage1_constexprs(*, q_heads, kv_heads, qk_head_dim, v_head_dim, config, sm_
     if config.block_h != 1:  # the grouped kernel's extra constexprs (the vector kernel has none)
         constexprs.update(V_FROM_K=v_from_k, BLOCK_H=config.block_h, DOT_PRECISION=dot_precision,
                           F16_DOTS=bool(f16_dots), V_IN_REGISTERS=bool(has_kv_scales) and config.fp8_v_in_registers,
-                          Q_TOKENS=int(q_tokens), HAS_DRAFT_MASK=bool(has_draft_mask), KEYS_AS_ROWS=config.keys_as_rows)
-        if has_kv_scales and config.fp8_scores:  # left at the kernel's defaults otherwise (builds unchanged)
-            constexprs.update(FP8_SCORES=True, POOL_E5M2=bool(pool_e5m2))
+                          Q_TOKENS=int(q_tokens), HAS_DRAFT_MASK=bool(has_draft_mask), KEYS_AS_ROWS=config.keys_as_rows,
+                          FP8_SCORES=bool(has_kv_scales) and config.fp8_scores,
+                          POOL_E5M2=bool(has_kv_scales) and config.fp8_scores and bool(pool_e5m2))
     return constexprs
 
 

@@ -8,7 +8,7 @@ import triton.language as tl
 # parts, 8 bits, passed on random scores but not on scores of tens: tests/test_fp8.py). Each row is scaled so its
 # largest |q * sm_scale| becomes e4m3's largest finite value; a row whose largest is under TINY_ROW_MAX (zeros: scores
 # that small are 0 to the softmax, and its scale would flush to 0) is split at scale 1.
-Q_PARTS = 3
+Q_PARTS = 3  # split_q_rows below returns exactly three
 Q_DTYPES = ("bfloat16", "float16")
 E4M3_MAX = 448.0
 TINY_ROW_MAX = 2.0**-64

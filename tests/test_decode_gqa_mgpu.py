@@ -344,6 +344,8 @@ def test_stages_is_the_gqa_kernels_own():
         MgpuDecodeConfig(stages=1)
     call = _call(q_heads=16, kv_heads=1, dim=576, v_head_dim=512, latent=True, config=MgpuDecodeConfig(persistent=True))
     assert "one CTA per work item" in mgpu_mla.declines_decode(call)
+    call = _call(q_heads=16, kv_heads=1, dim=576, v_head_dim=512, latent=True, config=MgpuDecodeConfig(fp8_scores=True))
+    assert "the GQA kernel's" in mgpu_mla.declines_decode(call)
     with pytest.raises(ValueError, match="persistent"):
         MgpuDecodeConfig(persistent=1)
     with pytest.raises(ValueError, match="fp8_scores"):

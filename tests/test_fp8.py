@@ -140,6 +140,20 @@ def test_fp8_decode_nan_reaches_exactly_the_rows_that_see_it(rng, mode, config):
     np.testing.assert_allclose(o[~want], ref[~want], **testing.tolerance(jnp.bfloat16))  # every other entry
 
 
+def test_fp8_scores_without_scales(rng):
+    """An fp8 pool passed without k/v scales (stored values taken as they are) under DecodeConfig(fp8_scores=True):
+    the kernel folds scales of 1 into the rows' score scales and matches the reference."""
+    q, k_pool, v_pool, kv_indptr, kv_indices = make_pools(rng, [1, 37, 0, 161], 8, 2, 128, 128, jnp.bfloat16)
+    k8, v8 = quantised(k_pool, 1.0, jnp.float8_e5m2), quantised(v_pool, 1.0, jnp.float8_e5m2)
+    meta = decode_metadata_from_indptr(kv_indptr, kv_indices, q_heads=8, kv_heads=2, max_kv_splits=4,
+                                       min_split_len=32, programs_per_sm=10**6)
+    config = DecodeConfig(block_n=64, fp8_scores=True, keys_as_rows=True)
+    o = decode_attention(q, k8, v8, meta, mode="interpret", config=config)
+    ref = decode_attention_reference(q, k8, v8, meta)
+    np.testing.assert_allclose(np.float32(o), np.float32(ref), **testing.tolerance(jnp.bfloat16))
+    np.testing.assert_array_equal(np.float32(o[2]), 0.0)
+
+
 def test_fp8_scores_decline_what_they_cannot_take(rng):
     """DecodeConfig(fp8_scores=True) names why it cannot run a call: a 16-bit pool, f32 q, a rope split (MLA)."""
     config = DecodeConfig(block_n=64, fp8_scores=True, keys_as_rows=True)

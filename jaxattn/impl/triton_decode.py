@@ -19,6 +19,7 @@ import triton
 from jaxattn import hardware, tuning
 from jaxattn.aot import build
 from jaxattn.calls import DecodeCall
+from jaxattn.fp8 import is_fp8
 from jaxattn.kernels.kv_scales import Q_DTYPES
 from jaxattn.launch import launch
 from jaxattn.metadata import MIN_BLOCK_KV, rope_split
@@ -35,7 +36,7 @@ def declines(call: DecodeCall) -> str | None:
     if call.tokens_per_seq > 1 and call.config is not None and call.config.block_h == 1:
         return "DecodeConfig(block_h=1) (the vector kernel) takes one query token per sequence"
     if call.config is not None and call.config.fp8_scores:
-        if call.kv_scales is None:
+        if not is_fp8(call.k_pool.dtype):
             return f"DecodeConfig(fp8_scores=True) over a {jnp.dtype(call.k_pool.dtype).name} pool (fp8 pools only)"
         if jnp.dtype(call.q.dtype).name not in Q_DTYPES:
             return f"DecodeConfig(fp8_scores=True) with {jnp.dtype(call.q.dtype).name} q (bf16/f16 only)"
@@ -129,6 +130,8 @@ def run(call: DecodeCall):
         config = tuning.decode_config(qk_dim, v_dim, rows, dtype=q.dtype, fp8_pool=call.kv_scales is not None)
     else:
         config = tuning.clamp_decode_config(call.config, rows)
+    # fp8 scores fold the K scale into each row's score scale: an fp8 pool passed without scales takes scales of 1.
+    has_kv_scales = call.kv_scales is not None or (config.fp8_scores and is_fp8(k_pool.dtype))
     v_in_k = v_pool is None
     max_splits = meta.max_kv_splits
     constexprs = stage1_constexprs(
@@ -136,8 +139,8 @@ def run(call: DecodeCall):
         logit_cap=call.logit_cap, xai_temperature_len=call.xai_temperature_len, sliding_window=call.sliding_window,
         max_kv_splits=max_splits, v_in_k=v_in_k, v_from_k=v_in_k and reads_v_from_k(qk_dim, v_dim),
         dot_precision="ieee" if (mode == "interpret" or q.dtype == jnp.float32) else "tf32",
-        num_slots=k_pool.shape[0], kv_capacity=meta.kv_indices.shape[0], has_kv_scales=call.kv_scales is not None,
-        f16_dots=uses_f16_dots(q.dtype, call.kv_scales is not None), q_tokens=tokens,
+        num_slots=k_pool.shape[0], kv_capacity=meta.kv_indices.shape[0], has_kv_scales=has_kv_scales,
+        f16_dots=uses_f16_dots(q.dtype, has_kv_scales), q_tokens=tokens,
         has_draft_mask=call.draft_mask is not None, pool_e5m2=jnp.dtype(k_pool.dtype) == jnp.dtype(jnp.float8_e5m2),
     )
     kv_scales = jnp.ones((2, kv_heads), jnp.float32) if call.kv_scales is None else call.kv_scales

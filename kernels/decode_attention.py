@@ -34,7 +34,7 @@ every tile (D1-FP8 0.198 ms against 0.177 ms): off in the tables.
 
 FP8_SCORES (the grouped kernel, fp8 pools, no rope split; `DecodeConfig.fp8_scores`): S = q K^T on fp8 tensor cores
 from the K rows as loaded, no conversion: q is split once per program into three e4m3 parts (`kv_scales.split_q_rows`:
-per row scaled so its largest |q * SM_SCALE| is e4m3's largest value; 12 significant bits, the f16 dots' precision),
+per row scaled so its largest |q * SM_SCALE| is e4m3's largest value; an error within 2**-12 of the row's largest entry),
 one dot each, and each row's scale (times k_scale) is the scale the scores take. POOL_E5M2 names the
 pool's format, so interpreted runs (which see the pool as f32) give the dot the stored fp8 values. Only with
 KEYS_AS_ROWS is the dot fp8 wgmma (S^T = K q^T: both operands K-major, as fp8 wgmma needs); with the keys as columns
@@ -199,7 +199,8 @@ def decode_stage1_kernel(
 ):
     tl.static_assert(BLOCK_H >= 16, "tl.dot needs at least 16 rows")
     if FP8_SCORES:
-        tl.static_assert(HAS_KV_SCALES and BLOCK_DPE == 0, "fp8 scores take an fp8 pool without a rope split")
+        tl.static_assert(HAS_KV_SCALES and BLOCK_DPE == 0 and BLOCK_D >= 32,
+                         "fp8 scores take an fp8 pool and one dot of at least 32 dims (no rope split)")
     if Q_TOKENS > 1:
         tl.static_assert(SLIDING_WINDOW < 0, "several query tokens take no sliding window")
         tl.static_assert(XAI_TEMPERATURE_LEN <= 0, "several query tokens take no xai temperature")

@@ -18,8 +18,8 @@ item's rows (and Q) while the consumers finish the current one. Each kv head's r
 most 64), padded to wgmma's 64 rows with zero rows that are computed and never stored. Three warpgroups:
 
 * warpgroups 0 and 1 (consumers, one kv head each; the second idles when the kv head count is odd) per 64-key tile:
-  S = Q K^T (Q in registers; for fp8 pools pre-scaled by sm_scale in f32 and rounded to f16 once, as the Triton
-  kernel's f16 dots; K from its f16 tile), V converted to f16 while the wgmma runs, the ring slot released, the
+  S = Q K^T (Q in registers; for fp8 pools bf16 q is pre-scaled by sm_scale in f32 and rounded to f16 once, as the
+  Triton kernel's f16 dots, f16 q taken as it is; K from its f16 tile), V converted to f16 while the wgmma runs, the ring slot released, the
   online softmax (base 2, k_scale folded into the exponent's scale), O += P V with P from registers, and the next
   tile's K converted while that runs. 16-bit pools take no conversion: wgmma reads the ring's tiles and the slot is
   released after P V. Two consumers per SM keep one's conversions and softmax beside the other's wgmmas (a CTA of
@@ -244,9 +244,12 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
                         plgpu.commit_smem()
                         scale_log2 = row_scale * (scales_ref[kv_head] * LOG2E)
                         v_scale = scales_ref[kv_heads + kv_head]
-                    elif fp8:  # f16 dots (f16 holds fp8 exactly); sm_scale applied before the rounding, k_scale after
-                        q_regs = (q_regs.astype(jnp.float32) * sm_scale).astype(jnp.float16)
-                        scale_log2 = scales_ref[kv_head] * LOG2E
+                    elif fp8:  # f16 dots (f16 holds fp8 exactly)
+                        if q.dtype == jnp.bfloat16:  # rounded to f16 once, sm_scale applied before (f16's range)
+                            q_regs = (q_regs.astype(jnp.float32) * sm_scale).astype(jnp.float16)
+                            scale_log2 = scales_ref[kv_head] * LOG2E
+                        else:  # f16 q as it is: a rounding of q * sm_scale would cost it bits (Triton's f16 q too)
+                            scale_log2 = scales_ref[kv_head] * (float(sm_scale) * LOG2E)
                         v_scale = scales_ref[kv_heads + kv_head]
                     else:
                         scale_log2 = float(sm_scale) * LOG2E

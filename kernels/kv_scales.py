@@ -4,9 +4,11 @@ parts for fp8 scores (S = Q K^T on fp8 tensor cores straight from the pool's K r
 import triton
 import triton.language as tl
 
-# fp8 scores: q (bf16 or f16) as Q_PARTS e4m3 parts, 4 significant bits each: 12, as many as the f16 dots keep (two
-# parts, 8 bits, passed on random scores but not on scores of tens: tests/test_fp8.py). Each row is scaled so its
-# largest |q * sm_scale| becomes e4m3's largest finite value; a row whose largest is under TINY_ROW_MAX (zeros: scores
+# fp8 scores: q (bf16 or f16) as Q_PARTS e4m3 parts, 4 significant bits each. The error is relative to the row's
+# largest entry (at most 2**-14.8 of it over every row value: tests/test_decode_gqa_mgpu.py checks 2**-12), not to each
+# entry as an f16 rounding's is, so small entries beside outlier channels keep fewer bits; two parts (8 bits) passed
+# random scores but not scores of tens (tests/test_fp8.py). Each row is scaled so its largest |q * sm_scale| becomes
+# e4m3's largest finite value; a row whose largest is under TINY_ROW_MAX (zeros: scores
 # that small are 0 to the softmax, and its scale would flush to 0) is split at scale 1.
 Q_PARTS = 3  # split_q_rows below returns exactly three
 Q_DTYPES = ("bfloat16", "float16")

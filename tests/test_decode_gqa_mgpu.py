@@ -110,6 +110,23 @@ def test_fp8_scores_match_reference(rng, dtypes, shape):
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("dtypes", POOLS[:2])
+@pytest.mark.parametrize("config", [None, FP8_SCORES], ids=["consumers-convert", "fp8-scores"])
+def test_fp8_large_scores_and_outlier_channels(rng, dtypes, config):
+    # Scores of tens (q x 20: a sharp softmax magnifies score errors) and q rows with two channels x 100 (the q split's
+    # error is relative to its row's largest entry): within q's tolerance of the reference, with fp8 scores (whose
+    # wgmmas also accumulate at the tensor cores' fp8 precision) as with the f16 dots.
+    dtype, pool = dtypes
+    q, k_pool, v_pool, meta, kwargs = make_case(rng, 32, 8, 128, dtype, pool)
+    q = (q.astype(jnp.float32) * 20).astype(dtype)
+    assert_close(*run_both(q, k_pool, v_pool, meta, config=config, **kwargs), dtype)
+    q, k_pool, v_pool, meta, kwargs = make_case(rng, 32, 8, 128, dtype, pool)
+    q = q.at[:, :, 3].multiply(100).at[:, :, 77].multiply(100)
+    assert_close(*run_both(q, k_pool, v_pool, meta, config=config, **kwargs), dtype)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtypes", POOLS[:2])
 @pytest.mark.parametrize("config", [MgpuDecodeConfig(fp8_scores=True, splits=1, persistent=True),
                                     MgpuDecodeConfig(fp8_scores=True, splits=3, persistent=True),
                                     MgpuDecodeConfig(fp8_scores=True, splits=2, stages=2, persistent=False)],

@@ -166,9 +166,15 @@ def test_fp8_scores_decline_what_they_cannot_take(rng):
         decode_attention(q.astype(jnp.float32), k8, v8, meta, mode="interpret", config=config, k_scale=0.5, v_scale=0.5)
     q, k_pool, _, kv_indptr, kv_indices = make_pools(rng, [5, 9], 4, 1, 576, 512, jnp.bfloat16, v_from_k=True)
     meta = decode_metadata_from_indptr(kv_indptr, kv_indices, q_heads=4, kv_heads=1)
-    with pytest.raises(ValueError, match="head dim 576 \\(a rope split: MLA\\)"):
+    with pytest.raises(ValueError, match="at head dim 576 \\(one power-of-2 dot of at least 32"):
         decode_attention(q, quantised(k_pool, 0.5, jnp.float8_e4m3fn), None, meta, mode="interpret", config=config,
                          v_head_dim=512, k_scale=0.5)
+    # head dim 16: fp8 dots take K >= 32 (the interpreter would run it; sm_90's compile would not)
+    q, k_pool, v_pool, kv_indptr, kv_indices = make_pools(rng, [5, 9], 4, 2, 16, 16, jnp.bfloat16)
+    meta = decode_metadata_from_indptr(kv_indptr, kv_indices, q_heads=4, kv_heads=2)
+    with pytest.raises(ValueError, match="at head dim 16 \\(one power-of-2 dot of at least 32"):
+        decode_attention(q, quantised(k_pool, 0.5, jnp.float8_e4m3fn), quantised(v_pool, 0.5, jnp.float8_e4m3fn), meta,
+                         mode="interpret", config=config, k_scale=0.5, v_scale=0.5)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -40,8 +40,10 @@ def declines(call: DecodeCall) -> str | None:
             return f"DecodeConfig(fp8_scores=True) over a {jnp.dtype(call.k_pool.dtype).name} pool (fp8 pools only)"
         if jnp.dtype(call.q.dtype).name not in Q_DTYPES:
             return f"DecodeConfig(fp8_scores=True) with {jnp.dtype(call.q.dtype).name} q (bf16/f16 only)"
-        if rope_split(call.qk_head_dim)[1]:
-            return f"DecodeConfig(fp8_scores=True) at head dim {call.qk_head_dim} (a rope split: MLA)"
+        block_d, second_dot = rope_split(call.qk_head_dim)
+        if second_dot or block_d < 32:
+            return (f"DecodeConfig(fp8_scores=True) at head dim {call.qk_head_dim} (one power-of-2 dot of at least 32 "
+                    f"dims: fp8 dots take K >= 32, and head dims cut into two dots, e.g. MLA's 576, are not split)")
     return None
 
 

@@ -9,7 +9,7 @@ tiles itself. Every output is checked against the jnp reference first (worst |er
 then the passing ones are timed in interleaved rounds. Prints a table; writes JSON rows to the path argument.
 
 Usage: python benchmarks/experiments/mgpu_features.py [out.json]   (default $OUT/mgpu_features.json; ROUNDS=3)
-Anchors (`shared/anchors.md`, FlashInfer fa3 / jaxattn Triton): window 0.844 / 1.270 ms, cap 1.896 / 4.130 ms,
+Anchors (`benchmarks/ANCHORS.md`, FlashInfer fa3 / jaxattn Triton): window 0.844 / 1.270 ms, cap 1.896 / 4.130 ms,
 both 0.901 / 1.920 ms, plain 1.715 / 1.726 (then the Mosaic GPU kernel) ms.
 """
 import json

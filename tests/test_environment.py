@@ -70,3 +70,25 @@ def test_the_output_keyword_follows_the_installed_jax_triton():
 
     assert launch_module._out_keyword(triton_call_031) == "out_shape"
     assert launch_module._out_keyword(triton_call_041) == "out_type"
+
+
+def test_no_product_file_names_a_path_outside_the_repository():
+    # Issue 24: the anchors, notes and scripts a user needs live in the repository. Records of GPU runs
+    # (benchmarks/results/, RESULTS.md's history) may quote the machines' own paths.
+    import os
+    import re
+    import subprocess
+
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+    files = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout.split()
+    if not files:
+        pytest.skip("not a git checkout")
+    outside = re.compile(r"\.\./shared|/work/|\bshared/(anchors|seeds|notes|gpu|reference|style)")
+    product = [f for f in files if not f.startswith("benchmarks/results/") and f != "benchmarks/RESULTS.md"
+               and f.endswith((".py", ".md", ".sh", ".toml", ".txt", ".steps", ".cfg", ".yml", ".yaml"))
+               and f != "tests/test_environment.py"]
+    found = []
+    for name in product:
+        with open(os.path.join(root, name), errors="replace") as f:
+            found += [f"{name}:{n}" for n, line in enumerate(f, 1) if outside.search(line)]
+    assert not found, found

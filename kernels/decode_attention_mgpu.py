@@ -10,7 +10,9 @@ pools (the conversions and the softmax sit on each consumer's critical path), so
 Moving the conversions to the producer warpgroup was 20-33% slower still (H200, 2026-12-05: one warpgroup converting
 both consumers' tiles has half the threads for the conversions that bind it) and was removed. `fp8_scores` halves
 the conversions instead: S = Q K^T runs on fp8 tensor cores straight from the K ring (q split per row into e4m3 parts,
-`split_q_rows`), and only V is converted (not yet timed on a GPU).
+`split_q_rows`), and only V is converted; `pipelined_scores` also issues the next tile's S wgmmas before this tile's
+softmax and converts the next tile's V during this tile's P V, so a consumer's tiles overlap (neither timed on a GPU
+yet).
 
 A work item = one sequence x two kv heads x one split of its keys; the launch is one CTA per item, or (many short
 items) one persistent CTA per multiprocessor taking items in turn, whose producer fills the rings with the next
@@ -73,14 +75,14 @@ HEAD_DIMS = {1: (128,), 2: (64, 128)}  # by the pool's bytes per element
 CONSUMERS = 2  # kv heads per CTA, one consumer warpgroup each
 
 
-def shared_bytes(head_dim: int, pool_itemsize: int, stages: int, q_parts: int = 0) -> int:
-    """A CTA's shared memory: per consumer Q, its K and V rings, (fp8) its f16 V tile and either its f16 K tile or
-    (q_parts > 0: fp8 scores) its Q's e4m3 parts; 4 KB for the mbarriers and Pallas' alignment padding (a kernel within
-    2 KB of the limit failed to launch: `MgpuExtendConfig`'s rule)."""
+def shared_bytes(head_dim: int, pool_itemsize: int, stages: int, q_parts: int = 0, pipelined: bool = False) -> int:
+    """A CTA's shared memory: per consumer Q, its K and V rings, (fp8) its f16 V tile (two when `pipelined`) and either
+    its f16 K tile or (q_parts > 0: fp8 scores) its Q's e4m3 parts; 4 KB for the mbarriers and Pallas' alignment
+    padding (a kernel within 2 KB of the limit failed to launch: `MgpuExtendConfig`'s rule)."""
     tile = BLOCK_KV * head_dim
     converted = 0
     if pool_itemsize == 1:
-        converted = tile * 2 + (q_parts * BLOCK_ROWS * head_dim if q_parts else tile * 2)
+        converted = (2 if pipelined else 1) * tile * 2 + (q_parts * BLOCK_ROWS * head_dim if q_parts else tile * 2)
     return CONSUMERS * (BLOCK_ROWS * head_dim * 2 + 2 * stages * tile * pool_itemsize + converted) + 4096
 
 
@@ -114,7 +116,7 @@ def _barriers(stages: int):
 
 def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_splits, kv_scales, *, sm_scale,
                            max_kv_splits, stages, sliding_window=-1, min_block_kv=32, persistent_ctas=0,
-                           final=False, fp8_scores=False):
+                           final=False, fp8_scores=False, pipelined_scores=False):
     """Stage 1 of split-KV decode, one query token per sequence. Returns (mid_o f32[batch * q_heads * max_kv_splits,
     head_dim], mid_lse f32[batch * q_heads * max_kv_splits]): row g = b * q_heads + h, split s at g * max_kv_splits + s
     (`decode_stage1_kernel`'s MID_O / MID_LSE flattened). Entries of empty splits are not written.
@@ -133,6 +135,8 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
     fp8_scores (fp8 pools only): S = Q K^T on fp8 tensor cores, K read from its ring as stored (no f16 copy), q split
     per row into Q_PARTS e4m3 parts (`split_q_rows`), one wgmma each, the row scales folded into the softmax's
     scale; V is converted to f16 as without it.
+    pipelined_scores (with fp8_scores): the next tile's S wgmmas are issued before this tile's softmax, which runs while
+    they do, and the next tile's V is converted while this tile's P V runs (into the second of two f16 V tiles).
     """
     batch, q_heads, head_dim = q.shape
     slots, kv_heads, _ = k_pool.shape
@@ -151,6 +155,8 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
         raise ValueError("kv_scales is given exactly when the pools are fp8")
     if fp8_scores and not fp8:
         raise ValueError("fp8_scores takes fp8 pools only")
+    if pipelined_scores and not fp8_scores:
+        raise ValueError("pipelined_scores takes fp8_scores")
     if final and max_kv_splits != 1:
         raise ValueError(f"final outputs take max_kv_splits == 1; got {max_kv_splits}")
     itemsize = k_pool.dtype.itemsize
@@ -208,7 +214,7 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
             """Consumer warpgroup c (a traced index) on kv head CONSUMERS * head_pair + c of each item. Counters:
             (ring tiles it has consumed, Q loads it has read)."""
             ring0 = c * stages  # consumer c's slots of the rings, and of their barriers
-            v16 = converted[0].at[c] if fp8 else None
+            v16 = converted[0].at[c] if fp8 else None  # pipelined: [2, BLOCK_KV, head_dim], tile t in t % 2
             k16 = converted[1].at[c] if fp8 and not q_parts else None  # fp8 scores read K's ring tile itself
             plgpu.set_max_registers(232, action="increase")
 
@@ -259,6 +265,43 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
                         convert(k_rings, k16, ring_done, k_ready)
                         plgpu.commit_smem()
 
+                    def scores(s_ref, tile):
+                        """Issues S = Q K^T of ring tile `tile` (fp8 scores: one wgmma per q part) into s_ref."""
+                        slot, _ = ring_slot(tile)
+                        for i in range(q_parts):
+                            plgpu.wgmma(s_ref, q8.at[c, i], k_rings.at[slot].transpose((1, 0)))
+
+                    def pipelined_step(step, carry, masked, has_next):
+                        """One tile with fp8 scores, pipelined: carry's s is this tile's S (issued the step before);
+                        the next tile's S wgmmas run during this tile's softmax, its V conversion during P V, then its
+                        ring slot is released (its K read by the completed wgmmas, its V converted)."""
+                        acc, m_i, l_i, s = carry
+                        following = ring_done + step + 1
+                        slot_f, parity_f = ring_slot(following)
+                        if masked:
+                            cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
+                            s = jnp.where(decode_visible(cta, step, cols, 1), s, -jnp.inf)
+
+                        def next_scores_and_softmax(s_ref):
+                            if has_next:
+                                wait_barrier(bars, k_ready + slot_f, parity_f)
+                                scores(s_ref, following)
+                            p, acc_scaled, m_new, l_new, _ = online_softmax_tile(s, acc, m_i, l_i, scale_log2)
+                            return s_ref[...], p.astype(jnp.float16), acc_scaled, m_new, l_new
+
+                        s_next, p16, acc, m_new, l_i = pl.run_scoped(next_scores_and_softmax,
+                                                                     plgpu.ACC((BLOCK_ROWS, BLOCK_KV), jnp.float32))
+
+                        def pv(acc_ref):
+                            plgpu.wgmma(acc_ref, p16, v16.at[lax.rem(step, 2)])
+                            if has_next:
+                                convert(v_rings, v16.at[lax.rem(step + 1, 2)], following, v_ready)
+                                arrive_barrier(bars, free + slot_f)
+                                plgpu.commit_smem()
+
+                        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                        return acc, m_new, l_i, s_next
+
                     def step_fn(step, carry, masked):
                         acc, m_i, l_i = carry
                         tile = ring_done + step  # traced here: the closures below must not capture a constant
@@ -304,10 +347,32 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
                             arrive_barrier(bars, free + slot)
                         return acc, m_new, l_i
 
-                    carry = (acc, m_i, l_i)
-                    carry = lax.fori_loop(0, cta.full_steps, lambda i, c: step_fn(i, c, False), carry)
-                    carry = lax.fori_loop(cta.full_steps, cta.steps, lambda i, c: step_fn(i, c, True), carry)
-                    acc, m_i, l_i = carry
+                    if pipelined_scores:
+                        # Tile 0's S and V before the loops; every step but the last issues the next tile's work; the
+                        # last step (masked: a full tile's mask is all visible) closes the item.
+                        tile0 = ring_done
+                        slot0, parity0 = ring_slot(tile0)
+                        wait_barrier(bars, k_ready + slot0, parity0)
+
+                        def first_scores(s_ref):
+                            scores(s_ref, tile0)
+                            convert(v_rings, v16.at[0], tile0, v_ready)
+                            s = s_ref[...]
+                            arrive_barrier(bars, free + slot0)
+                            plgpu.commit_smem()
+                            return s
+
+                        carry = (acc, m_i, l_i, pl.run_scoped(first_scores, plgpu.ACC((BLOCK_ROWS, BLOCK_KV), jnp.float32)))
+                        last = cta.steps - 1
+                        unmasked_end = jnp.minimum(cta.full_steps, last)
+                        carry = lax.fori_loop(0, unmasked_end, lambda i, c: pipelined_step(i, c, False, True), carry)
+                        carry = lax.fori_loop(unmasked_end, last, lambda i, c: pipelined_step(i, c, True, True), carry)
+                        acc, m_i, l_i, _ = pipelined_step(last, carry, True, False)
+                    else:
+                        carry = (acc, m_i, l_i)
+                        carry = lax.fori_loop(0, cta.full_steps, lambda i, c: step_fn(i, c, False), carry)
+                        carry = lax.fori_loop(cta.full_steps, cta.steps, lambda i, c: step_fn(i, c, True), carry)
+                        acc, m_i, l_i = carry
                     factor = inverse_sum(l_i)
                     if v_scale is not None:
                         factor = factor * v_scale
@@ -385,8 +450,9 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
             # K and V rings, consumer c's slots at [c * stages, (c + 1) * stages)
             plgpu.SMEM((CONSUMERS * stages, BLOCK_KV, head_dim), k_pool.dtype, transforms=ring_transforms),
             plgpu.SMEM((CONSUMERS * stages, BLOCK_KV, head_dim), k_pool.dtype, transforms=ring_transforms),
-            # f16 V and (unless fp8 scores) K per consumer
-            [plgpu.SMEM(tiles, jnp.float16, transforms=SWIZZLED)] * (2 if fp8 and not q_parts else 1 if fp8 else 0),
+            # f16 V (two when pipelined) and (unless fp8 scores) K per consumer
+            ([plgpu.SMEM((CONSUMERS, 2, BLOCK_KV, head_dim), jnp.float16, transforms=SWIZZLED)] if pipelined_scores
+             else [plgpu.SMEM(tiles, jnp.float16, transforms=SWIZZLED)] * (2 if fp8 and not q_parts else 1 if fp8 else 0)),
             # fp8 scores: Q's e4m3 parts per consumer
             plgpu.SMEM((CONSUMERS, q_parts, BLOCK_ROWS, head_dim), jnp.float8_e4m3fn, transforms=SWIZZLED_8BIT)
             if q_parts else [],

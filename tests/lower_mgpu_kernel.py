@@ -174,6 +174,11 @@ DECODE_SHAPES = [
      dict(kv_heads=8, pool=jnp.float8_e4m3fn, fp8_scores=True, persistent=True)),
     ("gqa-decode-e5m2-8x1-f16-fp8-scores-window-final", "gqa", 3, 8, jnp.float16,
      dict(kv_heads=1, pool=jnp.float8_e5m2, fp8_scores=True, sliding_window=50, splits=1)),
+    # ... pipelined (the next tile's S during this tile's softmax): persistent with several splits, and one CTA per item.
+    ("gqa-decode-e4m3-12x3-bf16-fp8-scores-pipelined-persistent", "gqa", 5, 12, jnp.bfloat16,
+     dict(kv_heads=3, pool=jnp.float8_e4m3fn, fp8_scores=True, pipelined_scores=True, persistent=True)),
+    ("gqa-decode-e5m2-32x8-f16-fp8-scores-pipelined-window", "gqa", 4, 32, jnp.float16,
+     dict(kv_heads=8, pool=jnp.float8_e5m2, fp8_scores=True, pipelined_scores=True, sliding_window=70, persistent=False)),
 ]
 
 
@@ -223,7 +228,8 @@ def lower_gqa_decode(batch, q_heads, dtype, features, *, slots, capacity):
                                  xai_temperature_len=-1, sliding_window=window, v_head_dim=dim, return_lse=False,
                                  config=MgpuDecodeConfig(stages=features.pop("stages", None), splits=features.pop("splits", None),
                                                          persistent=features.pop("persistent", None),
-                                                         fp8_scores=features.pop("fp8_scores", False)),
+                                                         fp8_scores=features.pop("fp8_scores", False),
+                                                         pipelined_scores=features.pop("pipelined_scores", False)),
                                  launch_mode="gpu",
                                  kv_scales=kv_scales)
         if kernel_split_bound(decode_call) == 1:  # the kernel writes the result (stage 2 is Triton: not lowered here)

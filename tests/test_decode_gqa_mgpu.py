@@ -90,18 +90,22 @@ def test_decode_matches_reference(rng, dtypes, shape):
 
 
 FP8_SCORES = MgpuDecodeConfig(fp8_scores=True)
+PIPELINED = MgpuDecodeConfig(fp8_scores=True, pipelined_scores=True)
+FP8_SCORES_FORMS = [pytest.param(FP8_SCORES, id="fp8-scores"), pytest.param(PIPELINED, id="fp8-scores-pipelined")]
 
 
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("dtypes", POOLS[:2])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_fp8_scores_match_reference(rng, dtypes, shape):
-    # S = Q K^T on fp8 tensor cores (q in three e4m3 parts) within q's dtype's tolerance.
+@pytest.mark.parametrize("config", FP8_SCORES_FORMS)
+def test_fp8_scores_match_reference(rng, dtypes, shape, config):
+    # S = Q K^T on fp8 tensor cores (q in three e4m3 parts) within q's dtype's tolerance; pipelined: the next tile's S
+    # issued before this tile's softmax.
     dtype, pool = dtypes
     q_heads, kv_heads, dim = shape
     q, k_pool, v_pool, meta, kwargs = make_case(rng, q_heads, kv_heads, dim, dtype, pool)
-    o, lse, ref_o, ref_lse = run_both(q, k_pool, v_pool, meta, config=FP8_SCORES, **kwargs)
+    o, lse, ref_o, ref_lse = run_both(q, k_pool, v_pool, meta, config=config, **kwargs)
     assert_close(o, lse, ref_o, ref_lse, dtype)
     np.testing.assert_array_equal(np.float32(o[2]), 0.0)  # padding row
     assert np.all(np.asarray(lse[2]) == -np.inf)
@@ -110,7 +114,7 @@ def test_fp8_scores_match_reference(rng, dtypes, shape):
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("dtypes", POOLS[:2])
-@pytest.mark.parametrize("config", [None, FP8_SCORES], ids=["consumers-convert", "fp8-scores"])
+@pytest.mark.parametrize("config", [pytest.param(None, id="consumers-convert")] + FP8_SCORES_FORMS)
 def test_fp8_large_scores_and_outlier_channels(rng, dtypes, config):
     # Scores of tens (q x 20: a sharp softmax magnifies score errors) and q rows with two channels x 100 (the q split's
     # error is relative to its row's largest entry): within q's tolerance of the reference, with fp8 scores (whose
@@ -129,8 +133,12 @@ def test_fp8_large_scores_and_outlier_channels(rng, dtypes, config):
 @pytest.mark.parametrize("dtypes", POOLS[:2])
 @pytest.mark.parametrize("config", [MgpuDecodeConfig(fp8_scores=True, splits=1, persistent=True),
                                     MgpuDecodeConfig(fp8_scores=True, splits=3, persistent=True),
-                                    MgpuDecodeConfig(fp8_scores=True, splits=2, stages=2, persistent=False)],
-                         ids=["final-persistent", "3-splits-persistent", "2-stages"])
+                                    MgpuDecodeConfig(fp8_scores=True, splits=2, stages=2, persistent=False),
+                                    MgpuDecodeConfig(fp8_scores=True, pipelined_scores=True, splits=1, persistent=True),
+                                    MgpuDecodeConfig(fp8_scores=True, pipelined_scores=True, splits=3, persistent=True),
+                                    MgpuDecodeConfig(fp8_scores=True, pipelined_scores=True, splits=2, persistent=False)],
+                         ids=["final-persistent", "3-splits-persistent", "2-stages", "pipelined-final-persistent",
+                              "pipelined-3-splits-persistent", "pipelined-2-splits"])
 def test_fp8_scores_launches_window_and_sinks(rng, dtypes, config):
     # Persistent CTAs carry Q's parts across items; a window and sinks; the final write; a 2-stage ring.
     dtype, pool = dtypes
@@ -216,7 +224,8 @@ def test_window_sinks_and_deterministic(rng):
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("pool, config", [(jnp.float8_e4m3fn, None), (jnp.bfloat16, None),
-                                          (jnp.float8_e4m3fn, FP8_SCORES)], ids=["e4m3", "bf16", "e4m3-fp8-scores"])
+                                          (jnp.float8_e4m3fn, FP8_SCORES), (jnp.float8_e4m3fn, PIPELINED)],
+                         ids=["e4m3", "bf16", "e4m3-fp8-scores", "e4m3-fp8-scores-pipelined"])
 def test_nan_stays_in_its_row(rng, pool, config):
     q, k_pool, v_pool, meta, kwargs = make_case(rng, 32, 8, 128, jnp.bfloat16, pool)
     q = q.at[4, 3, 100].set(jnp.nan)  # fp8 scores: the row's scale is NaN, its neighbours' parts unaffected
@@ -348,6 +357,9 @@ def test_stages_that_do_not_fit_are_refused():
     assert shared_bytes(128, 1, 3, q_parts=2) == shared_bytes(128, 1, 3)
     assert shared_bytes(128, 1, 3, q_parts=3) == shared_bytes(128, 1, 3) + 2 * 8192 <= 232448
     assert mgpu_decode.ring_stages(128, 1, q_parts=3) == 3
+    # pipelined: two f16 V tiles (16 KB more per consumer), so a 2-deep ring
+    assert shared_bytes(128, 1, 2, q_parts=3, pipelined=True) <= 232448 < shared_bytes(128, 1, 3, q_parts=3, pipelined=True)
+    assert mgpu_decode.ring_stages(128, 1, q_parts=3, pipelined=True) == 2
     with pytest.raises(ValueError, match=r"stages=3\) needs 233472 bytes of shared memory"):
         mgpu_decode.ring_stages(128, 2, 3)
 
@@ -367,6 +379,8 @@ def test_stages_is_the_gqa_kernels_own():
         MgpuDecodeConfig(persistent=1)
     with pytest.raises(ValueError, match="fp8_scores"):
         MgpuDecodeConfig(fp8_scores=1)
+    with pytest.raises(ValueError, match="pipelined_scores takes fp8_scores=True"):
+        MgpuDecodeConfig(pipelined_scores=True)
 
 
 def test_route_order():
@@ -383,7 +397,8 @@ def test_route_order():
 def _decode_cta_programs(items, *, stages, form, persistent):
     """The barrier operations of one CTA's producer and two consumers over its work items, in the kernel's order
     (`gqa_decode_mgpu_kernel`): items are (steps, (consumer 0 active, consumer 1 active)); form "16-bit", "consumers"
-    (fp8, each consumer converts its tiles) or "fp8-scores" (S from K's fp8 ring tile, V converted). Tags: a consumer's tile number over all its items, a Q load's number."""
+    (fp8, each consumer converts its tiles) or "fp8-scores" (S from K's fp8 ring tile, V converted; pipelined, the next
+    tile's S and V are waited during this tile's work, in the same order: the model is the same). Tags: a consumer's tile number over all its items, a Q load's number."""
     producer, consumers = [], [[], []]
     filled, q_loads = [0, 0], [0, 0]
 

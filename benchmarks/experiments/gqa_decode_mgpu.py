@@ -6,7 +6,8 @@ For each case (D1-D3, with fp8 and bf16 pools): jaxattn's default route, the Tri
 persistent CTAs ("persistent"), at its rule's split bound and at twice and four times that bound
 (`mgpu_decode.kernel_splits`), at ring depths 2 and 3 with `--stages` (default: the kernel's own depth); for fp8
 pools each launch also with fp8 scores (`MgpuDecodeConfig(fp8_scores=True)`: S on fp8 tensor cores from the K ring, q in
-e4m3 parts, no K conversion); ms and % of the case's floor (its own: one byte per element for fp8).
+e4m3 parts, no K conversion) and, at the rule's split bound, pipelined fp8 scores (`pipelined_scores=True`); ms and %
+of the case's floor (its own: one byte per element for fp8).
 
     python benchmarks/experiments/gqa_decode_mgpu.py --cases D1-FP8,D2-FP8,D3-FP8,D1,D2,D3 --json out.json
 """
@@ -38,9 +39,16 @@ def main(argv=None) -> int:
         inp = bench.make_inputs(case)
         rule = mgpu_decode.kernel_splits(case.batch, case.kv_heads)
         variants = [("default route", dict(impl=None)), ("triton", dict(impl="triton"))]  # fp8: Triton is the default
+        if case.fp8:  # pipelined fp8 scores (the next tile's S during this tile's softmax), first
+            for persistent in (False, True):
+                config = MgpuDecodeConfig(splits=rule, persistent=persistent, fp8_scores=True, pipelined_scores=True)
+                launch = "persistent" if persistent else "items"
+                variants.append((f"mgpu fp8-scores pipelined {launch} splits{rule}",
+                                 dict(impl="mgpu-gqa-fp8", config=config)))
         for fp8_scores in (True, False) if case.fp8 else (False,):  # the new form first, should the box run out
             for persistent in (False, True):
-                for splits in (rule, 2 * rule, 4 * rule):
+                # (the consumers-convert form's split counts were swept before: its rule's only)
+                for splits in (rule,) if case.fp8 and not fp8_scores else (rule, 2 * rule, 4 * rule):
                     for stages in (2, 3) if args.stages else (None,):  # 16-bit at 128 fits 2 only
                         launch = "persistent" if persistent else "items"
                         form = " fp8-scores" if fp8_scores else ""

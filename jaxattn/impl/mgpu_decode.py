@@ -76,16 +76,18 @@ def declines_fp8(call: DecodeCall) -> str | None:
     return _declines(call)
 
 
-def ring_stages(head_dim: int, pool_itemsize: int, stages: int | None = None, q_parts: int = 0) -> int:
+def ring_stages(head_dim: int, pool_itemsize: int, stages: int | None = None, q_parts: int = 0,
+                pipelined: bool = False) -> int:
     """The kernel's ring depth: `stages` if it fits in sm_90's shared memory (else ValueError with the byte count),
     by default the deepest that fits, at most 3 (fp8 at head dim 128: 3, 196 KB, with fp8 scores 212 KB; 16-bit at
-    128: 2). q_parts: Q's e4m3 parts under fp8 scores (0 without)."""
+    128: 2; pipelined fp8 scores, two f16 V tiles: 2). q_parts: Q's e4m3 parts under fp8 scores (0 without)."""
     from jaxattn.kernels.decode_attention_mgpu import shared_bytes
 
     limit = hardware.SM90.shared_memory_bytes
     if stages is None:
-        return max((s for s in (2, 3) if shared_bytes(head_dim, pool_itemsize, s, q_parts) <= limit), default=2)
-    needed = shared_bytes(head_dim, pool_itemsize, stages, q_parts)
+        return max((s for s in (2, 3) if shared_bytes(head_dim, pool_itemsize, s, q_parts, pipelined) <= limit),
+                   default=2)
+    needed = shared_bytes(head_dim, pool_itemsize, stages, q_parts, pipelined)
     if needed > limit:
         raise ValueError(f"MgpuDecodeConfig(stages={stages}) needs {needed} bytes of shared memory at head dim "
                          f"{head_dim} over {pool_itemsize}-byte rows (sm_90 has {limit})")
@@ -139,6 +141,7 @@ def _launch(call: DecodeCall, splits: int, final: bool):
     num_kv_splits = meta.num_kv_splits.astype(jnp.int32)
     fp8 = call.k_pool.dtype != call.q.dtype
     fp8_scores = fp8 and config.fp8_scores
+    pipelined = fp8_scores and config.pipelined_scores
     kv_scales = None
     if fp8:  # f32[2 * kv_heads]: K scales, then V scales
         kv_scales = (jnp.ones((2 * call.kv_heads,), jnp.float32) if call.kv_scales is None
@@ -147,9 +150,9 @@ def _launch(call: DecodeCall, splits: int, final: bool):
         call.q, call.k_pool, call.v_pool, meta.kv_indptr.astype(jnp.int32), kv_indices, num_kv_splits, kv_scales,
         sm_scale=call.sm_scale, max_kv_splits=splits,
         stages=ring_stages(call.qk_head_dim, jnp.dtype(call.k_pool.dtype).itemsize, config.stages,
-                           Q_PARTS if fp8_scores else 0),
+                           Q_PARTS if fp8_scores else 0, pipelined),
         sliding_window=call.sliding_window if call.sliding_window >= 0 else -1, min_block_kv=MIN_BLOCK_KV,
-        persistent_ctas=persistent_ctas(call, splits), final=final, fp8_scores=fp8_scores)
+        persistent_ctas=persistent_ctas(call, splits), final=final, fp8_scores=fp8_scores, pipelined_scores=pipelined)
     return out, lse, num_kv_splits
 
 

@@ -135,12 +135,14 @@ class MgpuDecodeConfig:
     multiprocessor taking work items in turn (True) or one CTA per item (False); None: its default. fp8_scores: the GQA
     kernel over fp8 pools computes S = Q K^T on fp8 tensor cores from the K tiles as stored (q split per row into e4m3
     parts: `kernels/decode_attention_mgpu.split_q_rows`) instead of converting each K tile to f16 first: half the
-    conversions. Not yet timed on a GPU: off by default."""
+    conversions. pipelined_scores (with fp8_scores): the next tile's S wgmmas run during this tile's softmax and its V
+    conversion during this tile's P V (two f16 V tiles: a 2-deep ring). Neither is timed on a GPU yet: off by default."""
 
     splits: int | None = None
     stages: int | None = None
     persistent: bool | None = None
     fp8_scores: bool = False
+    pipelined_scores: bool = False
 
     def __post_init__(self):
         if self.splits is not None and (not isinstance(self.splits, int) or self.splits < 1):
@@ -149,6 +151,9 @@ class MgpuDecodeConfig:
             raise ValueError(f"MgpuDecodeConfig.stages must be None or an int >= 2; got {self.stages!r}")
         if self.persistent is not None and not isinstance(self.persistent, bool):
             raise ValueError(f"MgpuDecodeConfig.persistent must be None, True or False; got {self.persistent!r}")
-        if not isinstance(self.fp8_scores, bool):
-            raise ValueError(f"MgpuDecodeConfig.fp8_scores must be True or False; got {self.fp8_scores!r}")
+        for name in ("fp8_scores", "pipelined_scores"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"MgpuDecodeConfig.{name} must be True or False; got {getattr(self, name)!r}")
+        if self.pipelined_scores and not self.fp8_scores:
+            raise ValueError("MgpuDecodeConfig.pipelined_scores takes fp8_scores=True")
 

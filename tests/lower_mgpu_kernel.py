@@ -4,7 +4,8 @@ tests/test_extend_mgpu.py.
 Needs jax's CUDA plugin module on sys.path (scripts/setup.sh puts it in .venv/mosaic_gpu_lowering). Lowering runs
 Pallas' Mosaic GPU lowering and Mosaic's layout inference, which reject what the kernel cannot express (e.g. a TMA
 into 8-row tiles at a row offset not provably a multiple of 8); ptxas and the run itself happen only on a GPU.
-Prints one line per shape: "ok <label>" or "FAIL <label>: <error>".
+Prints one line per shape: "ok <label>" or "FAIL <label>: <error>". Arguments: a substring of the labels to lower, and
+"i/n" to lower every n-th shape from the i-th (tests/test_extend_mgpu.py runs two halves in parallel).
 """
 import dataclasses
 import sys
@@ -267,7 +268,10 @@ if __name__ == "__main__":
     warnings.simplefilter("ignore")
     failed = 0
     only = sys.argv[1] if len(sys.argv) > 1 else ""  # a substring of the labels to lower (default: every shape)
-    for label, *shape in SHAPES + [(label, "decode", *rest) for label, *rest in DECODE_SHAPES]:
+    part = sys.argv[2] if len(sys.argv) > 2 else "0/1"  # "i/n": every n-th shape from the i-th (tests split the work)
+    index, parts = map(int, part.split("/"))
+    shapes = SHAPES + [(label, "decode", *rest) for label, *rest in DECODE_SHAPES]
+    for label, *shape in shapes[index::parts]:
         if only not in label:
             continue
         try:

@@ -114,6 +114,22 @@ def test_fp8_scores_match_reference(rng, dtypes, shape, config):
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("dtypes", POOLS[:2])
+@pytest.mark.parametrize("persistent", [False, True], ids=["one-cta-per-item", "persistent"])
+def test_pipelined_scores_are_the_same_bits(rng, dtypes, persistent):
+    # Pipelining moves when a tile's S wgmmas and V conversion run, not what they compute: every tile's scores, softmax
+    # and P V are the unpipelined fp8-scores form's, bit for bit (over items of 0, 1 and many tiles, windows, splits).
+    dtype, pool = dtypes
+    q, k_pool, v_pool, meta, kwargs = make_case(rng, 12, 3, 128, dtype, pool, kv_lens=KV_LENS * 3, window=700)
+    config = MgpuDecodeConfig(fp8_scores=True, splits=3, persistent=persistent, stages=2)
+    plain = decode_attention(q, k_pool, v_pool, meta, impl="mgpu-gqa-fp8", config=config, **kwargs)
+    pipelined = decode_attention(q, k_pool, v_pool, meta, impl="mgpu-gqa-fp8",
+                                 config=dataclasses.replace(config, pipelined_scores=True), **kwargs)
+    np.testing.assert_array_equal(np.float32(pipelined), np.float32(plain))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtypes", POOLS[:2])
 @pytest.mark.parametrize("config", [pytest.param(None, id="consumers-convert")] + FP8_SCORES_FORMS)
 def test_fp8_large_scores_and_outlier_channels(rng, dtypes, config):
     # Scores of tens (q x 20: a sharp softmax magnifies score errors) and q rows with two channels x 100 (the q split's

@@ -21,9 +21,9 @@ most 64), padded to wgmma's 64 rows with zero rows that are computed and never s
 
 * warpgroups 0 and 1 (consumers, one kv head each; the second idles when the kv head count is odd) per 64-key tile:
   S = Q K^T (Q in registers; for fp8 pools bf16 q is pre-scaled by sm_scale in f32 and rounded to f16 once, as the
-  Triton kernel's f16 dots, f16 q taken as it is; K from its f16 tile), V converted to f16 while the wgmma runs, the ring slot released, the
-  online softmax (base 2, k_scale folded into the exponent's scale), O += P V with P from registers, and the next
-  tile's K converted while that runs. 16-bit pools take no conversion: wgmma reads the ring's tiles and the slot is
+  Triton kernel's f16 dots, f16 q taken as it is; K from its f16 tile), V converted to f16 while the wgmma runs,
+  the ring slot released, the online softmax (base 2, k_scale folded into the exponent's scale), O += P V with P
+  from registers, and the next tile's K converted while that runs. 16-bit pools take no conversion: wgmma reads the ring's tiles and the slot is
   released after P V. Two consumers per SM keep one's conversions and softmax beside the other's wgmmas (a CTA of
   one consumer ran at 41-45% of the fp8 floor: `benchmarks/RESULTS.md`).
 * warpgroup 2 (producer, 40 registers) copies each kv head's Q rows once (rows past the group zero-filled), then
@@ -87,7 +87,7 @@ def shared_bytes(head_dim: int, pool_itemsize: int, stages: int, q_parts: int = 
 
 
 def split_q_rows(q_regs, sm_scale: float, parts: int):
-    """Q's rows for fp8 scores: (the e4m3 parts, f32[64, head_dim] each in q_regs' layout, the row scales f32[64]) with
+    """Q's rows for fp8 scores: (the e4m3 parts, [64, head_dim] each in q_regs' layout, the row scales f32[64]) with
     q * sm_scale ~= row_scale * (part 0 + part 1 + ...). Each row is scaled so its largest |q| is e4m3's largest
     finite value, rounded to e4m3, and each further part holds the rounding left by the parts before it (4
     significant bits per part; `kernels/kv_scales.py` holds the rule, and its Triton twin). A row whose largest

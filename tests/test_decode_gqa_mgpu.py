@@ -413,8 +413,8 @@ def test_route_order():
 def _decode_cta_programs(items, *, stages, form, persistent):
     """The barrier operations of one CTA's producer and two consumers over its work items, in the kernel's order
     (`gqa_decode_mgpu_kernel`): items are (steps, (consumer 0 active, consumer 1 active)); form "16-bit", "consumers"
-    (fp8, each consumer converts its tiles) or "fp8-scores" (S from K's fp8 ring tile, V converted; pipelined, the next
-    tile's S and V are waited during this tile's work, in the same order: the model is the same). Tags: a consumer's tile number over all its items, a Q load's number."""
+    (fp8, each consumer converts its tiles) or "fp8-scores" (S from K's fp8 ring tile, V converted; pipelined, the
+    next tile's S and V are waited during this tile's work, in the same order: the model is the same). Tags: a consumer's tile number over all its items, a Q load's number."""
     producer, consumers = [], [[], []]
     filled, q_loads = [0, 0], [0, 0]
 

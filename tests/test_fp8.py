@@ -115,8 +115,8 @@ def test_decode_f16_dots_keep_large_scores(rng, mode, logit_cap, config):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("config", [None, DecodeConfig(block_n=32, fp8_v_in_registers=True), DecodeConfig(block_n=32, keys_as_rows=True),
-                                    DecodeConfig(block_n=32, fp8_scores=True),
+@pytest.mark.parametrize("config", [None, DecodeConfig(block_n=32, fp8_v_in_registers=True),
+                                    DecodeConfig(block_n=32, keys_as_rows=True), DecodeConfig(block_n=32, fp8_scores=True),
                                     DecodeConfig(block_n=64, fp8_scores=True, keys_as_rows=True)],
                          ids=["table", "v-in-registers", "keys-as-rows", "fp8-scores", "fp8-scores-keys-as-rows"])
 def test_fp8_decode_nan_reaches_exactly_the_rows_that_see_it(rng, mode, config):

@@ -24,8 +24,8 @@ most 64), padded to wgmma's 64 rows with zero rows that are computed and never s
   Triton kernel's f16 dots, f16 q taken as it is; K from its f16 tile), V converted to f16 while the wgmma runs,
   the ring slot released, the online softmax (base 2, k_scale folded into the exponent's scale), O += P V with P
   from registers, and the next tile's K converted while that runs. 16-bit pools take no conversion: wgmma reads the
-  ring's tiles and the slot is released after P V. Two consumers per SM keep one's conversions and softmax beside the other's wgmmas (a CTA of
-  one consumer ran at 41-45% of the fp8 floor: `benchmarks/RESULTS.md`).
+  ring's tiles and the slot is released after P V. Two consumers per SM keep one's conversions and softmax beside
+  the other's wgmmas (a CTA of one consumer ran at 41-45% of the fp8 floor: `benchmarks/RESULTS.md`).
 * warpgroup 2 (producer, 40 registers) copies each kv head's Q rows once (rows past the group zero-filled), then
   gathers the split's K and V rows of both kv heads (the same slots) by 16-byte `cp.async` (`issue_rows`) into each
   consumer's two rings of [64, head_dim] tiles in the pool's dtype, one "landed" mbarrier per ring slot; ring

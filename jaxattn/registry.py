@@ -12,6 +12,10 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 
+class Declined(ValueError):
+    """The call is one no implementation takes (or the one `impl=` names declines it); the message gives the reasons."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Implementation:
     """One implementation of an op's contract.
@@ -28,8 +32,8 @@ class Implementation:
 def select(implementations: Sequence[Implementation], call, impl: str | None = None) -> Implementation:
     """The implementation that runs `call`: `impl` by name, else the first that takes it.
 
-    Raises ValueError naming the reason when `impl` declines the call or is unknown, and when every implementation
-    declines (with each one's reason).
+    Raises ValueError when `impl` is unknown, and `Declined` (a ValueError) naming the reason when `impl` declines the
+    call or when every implementation declines it (with each one's reason).
     """
     names = tuple(i.name for i in implementations)
     if impl is not None:
@@ -38,7 +42,7 @@ def select(implementations: Sequence[Implementation], call, impl: str | None = N
             raise ValueError(f"impl must be None or one of {names}; got {impl!r}")
         reason = chosen.declines(call)
         if reason is not None:
-            raise ValueError(f"impl={impl!r} cannot take this call: {reason}")
+            raise Declined(f"impl={impl!r} cannot take this call: {reason}")
         return chosen
     reasons = []
     for candidate in implementations:
@@ -46,7 +50,7 @@ def select(implementations: Sequence[Implementation], call, impl: str | None = N
         if reason is None:
             return candidate
         reasons.append(f"{candidate.name}: {reason}")
-    raise ValueError("no implementation takes this call (" + "; ".join(reasons) + ")")
+    raise Declined("no implementation takes this call (" + "; ".join(reasons) + ")")
 
 
 def declined(implementations: Sequence[Implementation], call) -> dict[str, str | None]:

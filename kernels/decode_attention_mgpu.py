@@ -312,8 +312,7 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
 
                         def qk(s_ref):
                             if q_parts:
-                                for i in range(q_parts):
-                                    plgpu.wgmma(s_ref, q8.at[c, i], k_tile.transpose((1, 0)))
+                                scores(s_ref, tile)
                             else:
                                 plgpu.wgmma(s_ref, q_regs, k_tile.transpose((1, 0)))
                             if fp8:  # V's conversion overlaps the wgmma; then both fp8 tiles are read: release the slot

@@ -58,6 +58,7 @@ from jaxattn.fp8 import per_head_factor  # noqa: E402
 from jaxattn.kv_pool import write_kv  # noqa: E402
 from jaxattn.paging import extend_metadata_from_pages, extend_unified_metadata_from_pages  # noqa: E402
 
+from jaxattn.registry import Declined  # noqa: E402
 from jaxattn.testing import tolerance  # noqa: E402  (the test suite's table)
 from jaxattn.tuning import DecodeConfig, MgpuDecodeConfig  # noqa: E402
 
@@ -331,9 +332,8 @@ class DecodeRunner:
         args = (q, self.k_pool, self.v_pool, meta)
         try:
             o = self.attn(*args, sinks=sinks, draft_mask=draft_mask, **self.scales, **self.form_kw)
-        except ValueError as error:  # the fp8 form declines this profile: the default route from here on
-            declined = "cannot take this call" in str(error) or "no implementation takes this call" in str(error)
-            if not self.form_kw or not declined:  # (the registry's words; any other error is the batch's)
+        except Declined as error:  # the fp8 form declines this profile: the default route from here on
+            if not self.form_kw:
                 raise
             self.declined, self.form_kw = str(error).splitlines()[0][:300], {}
             print(f"  {p.name}: the fp8 form declines it ({self.declined}); the default route instead", flush=True)

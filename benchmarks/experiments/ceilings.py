@@ -1,0 +1,56 @@
+"""Measure this GPU's ceilings the benchmark's floors use: device-to-device copy (bytes read + written per second)
+and bf16 matmul (FLOP/s), as medians over timed repetitions of jitted JAX calls, on random data.
+
+Usage: python3 benchmarks/experiments/ceilings.py [--json PATH]
+"""
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def median_seconds(fn, arg, reps=50):
+    out = fn(arg)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        out = fn(arg)
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    key = jax.random.key(0)
+    # 2 GiB of bf16: large enough that launch overhead is < 0.1% of the copy.
+    x = jax.random.normal(key, (1 << 30,), jnp.bfloat16)
+    copy = jax.jit(lambda a: a * jnp.bfloat16(1.0001))  # an elementwise pass: one read, one write per element
+    copy_s = median_seconds(copy, x)
+    copy_bw = 2 * x.nbytes / copy_s
+    del x
+    n = 8192
+    a = jax.random.normal(key, (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    matmul = jax.jit(lambda p: p[0] @ p[1])
+    mm_s = median_seconds(matmul, (a, b))
+    flops = 2 * n**3 / mm_s
+    record = {
+        "device": jax.devices()[0].device_kind,
+        "copy_bytes_per_s": copy_bw,
+        "bf16_matmul_flops": flops,
+    }
+    print(f"{record['device']}: copy {copy_bw / 1e12:.2f} TB/s (read + write), bf16 matmul {flops / 1e12:.0f} TFLOP/s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -85,6 +85,17 @@ def test_floors():
     assert t192.floor_ms() == pytest.approx(2 * 16 * (192 + 128) * pairs / 790e12 * 1e3)
 
 
+def test_floors_follow_the_device():
+    # Floors divide by the running GPU's measured rates; a GPU without figures gets the H200's and the note says so.
+    slower = bench.Ceilings(copy_bytes_per_s=2.15e12, bf16_matmul_flops=395e12)
+    for name in ("D1", "E2"):
+        assert bench.CASES[name].floor_ms(slower) == pytest.approx(2 * bench.CASES[name].floor_ms())
+    assert bench.ceilings_for("cpu") == ("NVIDIA H200", bench.CEILINGS["NVIDIA H200"])
+    assert bench.ceilings_for("NVIDIA H200")[1].copy_bytes_per_s == 4.3e12
+    assert bench.floor_note("decode", "cpu").endswith("at 4.3 TB/s, NVIDIA H200's)")
+    assert bench.floor_note("extend", "NVIDIA H200") == "extend: % of the matmul floor (bf16 at 790 TFLOP/s)"
+
+
 def test_mla_tuning_cases_run_only_by_name(monkeypatch):
     ran = []
     monkeypatch.setattr(cli, "run", lambda op, cases, *a, **k: ran.append(cases) or [])

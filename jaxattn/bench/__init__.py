@@ -6,17 +6,17 @@
 
 benchmarks/ANCHORS.md holds the shapes, how the floors are computed and the peers' figures the project compares
 against; benchmarks/RESULTS.md the runs. One job per module:
-    cases   Case, CASES (the anchor shapes and the tuning cases), the floor constants, Case.floor_ms, paged_case
-            (a case over KV pages, named D1-P16), case_named
+    cases   Case, CASES (the anchor shapes and the tuning cases), CEILINGS (each GPU's measured rates, ceilings_for),
+            Case.floor_ms, paged_case (a case over KV pages, named D1-P16), case_named
     inputs  Inputs, make_inputs: device-resident random inputs with scattered KV slots (or pages)
     timing  time_calls (N back-to-back calls, one sync, median of repeats), PerCall, jax_sync, torch_sync
     peers   the backend adapters (jaxattn, FlashInfer from torch and through the bridge, cuDNN, reference), Skip, BACKENDS
     sweeps  sweep_variants: candidate kernel configurations per shape (--sweep)
-    report  markdown_table, plot_rows, load_rows, device_name, commit, today
+    report  markdown_table, plot_rows, load_rows, device_name, floor_note, commit, today
     cli     run (times the work items, one row each) and main (the argparse command line)
 """
 
-from .cases import BF16_MATMUL_FLOPS, CASES, COPY_BANDWIDTH_BYTES_PER_S, Case, case_named, paged_case
+from .cases import BF16_MATMUL_FLOPS, CASES, CEILINGS, COPY_BANDWIDTH_BYTES_PER_S, Case, Ceilings, case_named, ceilings_for, paged_case
 from .cli import main, run
 from .inputs import Inputs, make_inputs
 from .peers import (
@@ -34,14 +34,14 @@ from .peers import (
     extend_reference,
     torch_views,
 )
-from .report import LABELS, commit, device_name, load_rows, markdown_table, plot_rows, today
+from .report import LABELS, commit, device_name, floor_note, load_rows, markdown_table, plot_rows, today
 from .sweeps import sweep_variants
 from .timing import PerCall, jax_sync, time_calls, torch_sync
 
 __all__ = [
-    "BACKENDS", "BF16_MATMUL_FLOPS", "CASES", "COPY_BANDWIDTH_BYTES_PER_S", "LABELS", "Case", "Inputs", "PerCall", "Skip",
+    "BACKENDS", "BF16_MATMUL_FLOPS", "CASES", "CEILINGS", "COPY_BANDWIDTH_BYTES_PER_S", "Ceilings", "ceilings_for", "LABELS", "Case", "Inputs", "PerCall", "Skip",
     "bridged", "case_named", "commit", "decode_flashinfer", "decode_jaxattn", "decode_reference", "device_name",
-    "extend_cudnn", "extend_flashinfer", "extend_jaxattn", "extend_meta", "extend_mgpu", "extend_reference", "jax_sync",
+    "extend_cudnn", "extend_flashinfer", "floor_note", "extend_jaxattn", "extend_meta", "extend_mgpu", "extend_reference", "jax_sync",
     "load_rows", "main", "make_inputs", "markdown_table", "paged_case", "plot_rows", "run", "sweep_variants", "time_calls",
     "today", "torch_sync", "torch_views",
 ]

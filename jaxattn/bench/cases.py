@@ -6,8 +6,36 @@ import dataclasses
 
 import numpy as np
 
-COPY_BANDWIDTH_BYTES_PER_S = 4.3e12  # measured device-to-device copy on the H200 (bytes read + written)
-BF16_MATMUL_FLOPS = 790e12  # measured bf16 matmul on the H200
+
+
+@dataclasses.dataclass(frozen=True)
+class Ceilings:
+    """What one GPU measured (benchmarks/experiments/ceilings.py): the rates the floors divide by."""
+
+    copy_bytes_per_s: float  # device-to-device copy, bytes read + written per second
+    bf16_matmul_flops: float  # dense bf16 matmul, FLOP/s
+
+
+# Keyed by JAX's device_kind. A device not listed gets the reference part's (the H200's) and the report says so.
+CEILINGS = {
+    "NVIDIA H200": Ceilings(copy_bytes_per_s=4.3e12, bf16_matmul_flops=790e12),
+}
+REFERENCE_DEVICE = "NVIDIA H200"
+COPY_BANDWIDTH_BYTES_PER_S = CEILINGS[REFERENCE_DEVICE].copy_bytes_per_s
+BF16_MATMUL_FLOPS = CEILINGS[REFERENCE_DEVICE].bf16_matmul_flops
+
+
+def ceilings_for(device_kind: str | None) -> tuple[str, Ceilings]:
+    """(the device whose figures apply, its Ceilings): `device_kind`'s own, else the reference part's."""
+    if device_kind in CEILINGS:
+        return device_kind, CEILINGS[device_kind]
+    return REFERENCE_DEVICE, CEILINGS[REFERENCE_DEVICE]
+
+
+def current_device_kind() -> str | None:
+    import jax  # here, so that the case table imports without a backend
+
+    return getattr(jax.devices()[0], "device_kind", None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,15 +77,18 @@ class Case:
     def fp8(self) -> bool:
         return self.kv_dtype.startswith("float8")
 
-    def floor_ms(self) -> float:
+    def floor_ms(self, ceilings: Ceilings | None = None) -> float:
+        """The floor on `ceilings`' GPU (default: the one this process runs on, see `ceilings_for`)."""
+        if ceilings is None:
+            ceilings = ceilings_for(current_device_kind())[1]
         if self.op == "decode":
             # Reading the pool once: 2 bytes per element, 1 for an fp8 pool (its own floor, half the bf16 one).
             tokens = self.batch * (self.prefix + self.new)
             per_token = self.kv_heads * (self.head_dim if self.v_in_k else self.head_dim + self.dv)
-            return tokens * per_token * (1 if self.fp8 else 2) / COPY_BANDWIDTH_BYTES_PER_S * 1e3
+            return tokens * per_token * (1 if self.fp8 else 2) / ceilings.copy_bytes_per_s * 1e3
         # QK^T and PV: 2 * (Dqk + Dv) FLOPs per visible (query, key) pair and head.
         flops = 2 * self.q_heads * (self.head_dim + self.dv) * self.visible_pairs() * self.batch
-        return flops / BF16_MATMUL_FLOPS * 1e3
+        return flops / ceilings.bf16_matmul_flops * 1e3
 
     def visible_pairs(self) -> float:
         """(query, key) pairs one sequence's queries see: causal, and at most W + 1 keys each under a window."""

@@ -10,8 +10,9 @@
 Every backend is timed the same way in one process on one GPU: N back-to-back calls on device-resident
 inputs, then one synchronisation; the figure is the median over repeats of (elapsed / N). Inputs are
 random normal (never zeros) and every sequence's KV slots are scattered at random over the pool, as a
-real allocator leaves them. Floors: decode reads every K and V byte once at 4.3 TB/s; extend does
-2 * q_heads * (qk_head_dim + v_head_dim) * new * (prefix + (new + 1) / 2) FLOPs per sequence at 790 TFLOP/s.
+real allocator leaves them. Floors: decode reads every K and V byte once at the GPU's measured copy rate (4.3 TB/s
+on the H200); extend does 2 * q_heads * (qk_head_dim + v_head_dim) * new * (prefix + (new + 1) / 2) FLOPs per
+sequence at its measured bf16 matmul rate (790 TFLOP/s on the H200): `cases.CEILINGS`, per device.
 (benchmarks/ANCHORS.md: the shapes, the floors and the peers' figures.)
 `--page-sizes` runs every case at each page size P (default 1 only): P > 1 scatters whole pages instead of slots,
 tokens contiguous within a page, FlashInfer planned with page_size P; its rows are named <case>-P<P> (D1-P16),
@@ -33,7 +34,7 @@ import sys
 from .cases import CASES, case_named, paged_case
 from .inputs import make_inputs
 from .peers import BACKENDS, Skip
-from .report import commit, device_name, load_rows, markdown_table, plot_rows, require_matplotlib, today
+from .report import commit, device_name, floor_note, load_rows, markdown_table, plot_rows, require_matplotlib, today
 from .sweeps import sweep_variants
 from .timing import jax_sync, time_calls
 
@@ -176,6 +177,7 @@ def main(argv=None) -> int:
     backends = args.backends.split(",") if args.backends else None
     page_sizes = page_sizes_argument(args.page_sizes)
     print(f"jaxattn.bench {args.command}: device {device_name()}, commit {commit()}")
+    print(floor_note(args.command, device_name()))
     rows = run(args.command, case_names, backends, sweep=args.sweep, log=lambda s: print(s, flush=True),
                progress=not args.no_progress, page_sizes=page_sizes, rounds=args.rounds)
     print()

@@ -8,7 +8,7 @@ import json
 import os
 import subprocess
 
-from .cases import BF16_MATMUL_FLOPS, COPY_BANDWIDTH_BYTES_PER_S, case_named
+from .cases import case_named, ceilings_for
 
 
 def device_name() -> str:
@@ -74,10 +74,17 @@ LABELS = {
     "cudnn": "cuDNN (dense only)",
     "reference": "reference (jnp)",
 }
-FLOOR_NOTES = {
-    "decode": f"decode: % of the memory floor (K and V read once at {COPY_BANDWIDTH_BYTES_PER_S / 1e12:.1f} TB/s)",
-    "extend": f"extend: % of the matmul floor (bf16 at {BF16_MATMUL_FLOPS / 1e12:.0f} TFLOP/s)",
-}
+
+
+def floor_note(op: str, device: str | None) -> str:
+    """What `op`'s floor is on `device` (the ceilings the rows were measured against)."""
+    source, ceilings = ceilings_for(device)
+    whose = "" if source == device else f", {source}'s"
+    if op == "decode":
+        return f"decode: % of the memory floor (K and V read once at {ceilings.copy_bytes_per_s / 1e12:.1f} TB/s{whose})"
+    if op == "extend":
+        return f"extend: % of the matmul floor (bf16 at {ceilings.bf16_matmul_flops / 1e12:.0f} TFLOP/s{whose})"
+    return op
 
 
 def require_matplotlib():
@@ -159,7 +166,7 @@ def plot_rows(rows: list[dict], path: str, title: str | None = None, include_swe
         ax.set_xticks(range(len(cases)), [_case_label(c) for c in cases], fontsize=8)
         ax.set_xlim(-0.5, len(cases) - 0.5)
         ax.set_ylim(0, top)
-        ax.set_title(FLOOR_NOTES.get(op, op), fontsize=9)
+        ax.set_title(floor_note(op, _summary(op_rows, 'device')), fontsize=9)
         ax.set_ylabel("% of floor (higher is better)")
         ax.grid(axis="y", alpha=0.3)
         ax.set_axisbelow(True)

@@ -2,21 +2,24 @@
 
 The FlashAttention-3 schedule (the structure of JAX's `pallas/ops/gpu/attention_mgpu.py`), made ragged and paged
 for serving: one CTA = 2 * block_q new tokens of one sequence x one q head (for short extends block_q tokens x two
-q heads of one kv head, `heads_per_cta`), three warpgroups:
+q heads of one kv head, `heads_per_cta`; at 64-dim heads optionally 3 * block_q tokens, `consumers`), three
+warpgroups (four with three consumers):
 
-* warpgroup 2 (producer, 40 registers) streams the sequence's K/V tiles into a `stages`-deep ring of shared memory:
-  first the cached prefix, row by row from the pool through kv_indices, then the new tokens (k_new/v_new rows
-  qo_indptr[b]:...), up to the CTA's last query row (causal). Hopper's TMA cannot gather single rows, so for prefix
-  tiles each of the 128 producer threads issues 16-byte `cp.async` copies straight into the 128-byte-swizzled layout
-  wgmma reads (8 threads per 128-byte row segment: coalesced), and a `cp.async.mbarrier.arrive.noinc` per thread
-  completes the tile's mbarrier when its copies land; the slots of the next tile are loaded while the current one is
-  issued. New-token tiles are contiguous: TMA loads them when the arrays allow (`tma_new_tiles`), cp.async otherwise
-  and for a tile that reaches past the batch's last token (its rows past it are zero-filled). Lists of whole pages
-  (`page_rows`): a prefix tile wholly inside the prefix is a few runs of consecutive slots, one TMA copy per page
-  (or per tile's rows of a larger page), completing a barrier that expects one arrival per copy.
-* warpgroups 0 and 1 (consumers, 232 registers) each own block_q query rows: S = Q K^T and O += P V with wgmma (P
-  stays in registers), online softmax in base 2 with the scale folded into the exponent's FMA. A shared "schedule"
-  barrier alternates their matrix work, so one warpgroup's softmax runs while the other's wgmma does.
+* the last warpgroup (producer, 40 registers; 24 beside three consumers) streams the sequence's K/V tiles into a
+  `stages`-deep ring of shared memory: first the cached prefix, row by row from the pool through kv_indices, then the
+  new tokens (k_new/v_new rows qo_indptr[b]:...), up to the CTA's last query row (causal). Hopper's TMA cannot gather
+  single rows, so for prefix tiles each of the 128 producer threads issues 16-byte `cp.async` copies straight into the
+  128-byte-swizzled layout wgmma reads (8 threads per 128-byte row segment: coalesced), and a
+  `cp.async.mbarrier.arrive.noinc` per thread completes the tile's mbarrier when its copies land; the slots of the
+  next tile are loaded while the current one is issued. New-token tiles are contiguous: TMA loads them when the arrays
+  allow (`tma_new_tiles`), cp.async otherwise and for a tile that reaches past the batch's last token (its rows past
+  it are zero-filled). Lists of whole pages (`page_rows`): a prefix tile wholly inside the prefix is a few runs of
+  consecutive slots, one TMA copy per page (or per tile's rows of a larger page), completing a barrier that expects
+  one arrival per copy.
+* warpgroups 0 and 1 (consumers, 232 registers; 0-2 with 160 each at 64-dim heads) each own block_q query rows: S = Q
+  K^T and O += P V with wgmma (P stays in registers), online softmax in base 2 with the scale folded into the
+  exponent's FMA. A shared "schedule" barrier alternates two consumers' matrix work, so one warpgroup's softmax runs
+  while the other's wgmma does.
 
 Tiles that cross the end of the prefix or the causal diagonal are masked; the others run unmasked. New-key tiles
 start on the 8-row grid the Q tiles use (Mosaic's TMA for Q/O needs provably 8-aligned rows): a tile may hold rows of
@@ -60,7 +63,10 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, nvvm, vector
 
 LOG2E = 1.4426950408889634
-COMPUTE_WARPGROUPS = 2
+COMPUTE_WARPGROUPS = 2  # consumer warpgroups of a CTA by default (`consumers`: 2 or 3)
+# Registers per thread of each warpgroup kind, by consumers (the file's 64K registers over 128 * (consumers + 1)
+# threads): three consumers hold 64-dim heads' accumulators in 160 (FlashAttention-3's split for its 192-row tiles).
+REGISTERS = {2: (232, 40), 3: (160, 24)}  # consumers -> (consumer, producer)
 WARPGROUP = 128
 SWIZZLE_BYTES = 128  # one swizzle atom row: 8 x 16-byte chunks; a tile of 8 rows is 1024 bytes
 _SCALAR = plgpu.Layout.WG_SPLAT(())
@@ -462,7 +468,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                                  causal=True, sliding_window=-1, logit_cap=0.0, sinks=None, xai_temperature_len=-1,
                                  kv_start_pos=None, prefix_lens=None, custom_mask=None, mask_indptr=None,
                                  skip_prefix_custom_mask=True, heads_per_cta=1, draft_mask=None, page_rows=0,
-                                 page_issue="pallas", latent_v_dim=None):
+                                 page_issue="pallas", latent_v_dim=None, consumers=COMPUTE_WARPGROUPS):
     """Runs the kernel; writes `out_ref` in place (rows it does not own are left as they were).
 
     q: [q_rows, q_heads, qk_dim] (q_rows a multiple of 8, >= block_q: Q/O move by TMA in 8-row tiles);
@@ -470,14 +476,17 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
     k_pool: [slots, kv_heads, qk_dim], v_pool: [slots, kv_heads, v_dim]; kv_indices: i32/i64[capacity]: sequence
       b's prefix slots at kv_indptr[b]:kv_indptr[b+1]; qo_indptr, kv_indptr: i32[batch + 1]; out_ref: a Ref
       [q_rows, q_heads, v_dim] of q's dtype.
-    qk_dim / v_dim: 64/64, 128/128, 192/128 or 256/256 (multiples of 64; the accumulators of both consumer warpgroups
+    qk_dim / v_dim: 64/64, 128/128, 192/128 or 256/256 (multiples of 64; the accumulators of the consumer warpgroups
       live in registers); block_kv 64 or 128. With v_dim != qk_dim, O is stored through its own buffer (not Q's).
     o_rows_columns: the width of the row-sliceable O buffer a partial q tile is stored through, in column chunks
       (v_dim, or a divisor of it when v_dim == qk_dim: at 256/256 a [block_q, 256] buffer per warpgroup would not fit
       beside Q and the ring; `MgpuExtendConfig.o_rows_columns` is the rule).
     heads_per_cta: 1, or 2 (two q heads of one kv head per CTA, each consumer warpgroup taking the same block_q
       rows of its own head: for short extends, e.g. a verify step's drafts, where a 2 * block_q-row tile of one
-      head would be mostly empty; needs (q_heads // kv_heads) % 2 == 0).
+      head would be mostly empty; needs (q_heads // kv_heads) % 2 == 0 and 2 consumers).
+    consumers: consumer warpgroups per CTA, 2 (ping-pong: a shared schedule barrier alternates their matrix work) or
+      3 (64/64 head dims only: 3 * block_q rows per CTA, 160 registers each, FlashAttention-3's tile for 64-dim heads,
+      whose softmax is as long as its matrix work; no schedule barrier, the warp schedulers interleave the three).
     tma_new_tiles: load new-key tiles that lie wholly before the batch's last token by TMA (needs tokens a multiple
       of 8 and >= block_kv: Mosaic's TMA moves whole 8-row tiles, no taller than the array); the others by cp.async.
     page_rows: 0, or P' = min(page size, block_kv) when the lists are whole pages (`ExtendMetadata.page_size`: each
@@ -546,10 +555,18 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
     batch = qo_indptr.shape[0] - 1
     group = q_heads // kv_heads
     dtype = q.dtype
-    if heads_per_cta not in (1, COMPUTE_WARPGROUPS) or group % heads_per_cta:
-        raise ValueError(f"heads_per_cta must be 1, or 2 with an even q/kv head group; got {heads_per_cta} at group {group}")
+    if consumers not in REGISTERS:
+        raise ValueError(f"consumers must be one of {sorted(REGISTERS)}; got {consumers!r}")
+    if consumers == 3 and (qk_dim > 64 or v_dim > 64 or latent):
+        raise ValueError(f"3 consumer warpgroups take head dims 64/64 (their accumulators in {REGISTERS[3][0]} "
+                         f"registers); got {qk_dim}/{v_dim}{' (latent)' if latent else ''}")
+    if heads_per_cta not in (1, 2) or group % heads_per_cta or (heads_per_cta == 2 and consumers != 2):
+        raise ValueError(f"heads_per_cta must be 1, or 2 with an even q/kv head group and 2 consumers; got "
+                         f"{heads_per_cta} at group {group} with {consumers} consumers")
     packed = heads_per_cta > 1
-    cta_rows = COMPUTE_WARPGROUPS * block_q // heads_per_cta
+    scheduled = consumers == 2  # the ping-pong schedule barrier (see `consumers`)
+    consumer_registers, producer_registers = REGISTERS[consumers]
+    cta_rows = consumers * block_q // heads_per_cta
     q_tiles = -(-(max_extend_len + 7) // cta_rows)  # + 7: tiles start up to 7 rows before a sequence
     window = int(sliding_window) if sliding_window is not None and sliding_window >= 0 else None
     byte_mask = custom_mask is not None
@@ -650,8 +667,9 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                                                window=window, block_kv=block_kv)
 
         def schedule_sync():
-            plgpu.barrier_arrive(schedule)
-            plgpu.barrier_wait(schedule)
+            if scheduled:
+                plgpu.barrier_arrive(schedule)
+                plgpu.barrier_wait(schedule)
 
         # New-key tiles wholly before token_end come by TMA (their rows are provably 8-aligned: base is): new tiles
         # [0, tma_tiles). The prefix tiles and the new tiles from tma_tiles on (they reach past token_end: rows
@@ -686,9 +704,9 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
         def _cta():
             init_barriers(kv_bars, WARPGROUP)  # K then V barrier of each slot: one arrival per producer thread
 
-            @pl.when(wg < COMPUTE_WARPGROUPS)
+            @pl.when(wg < consumers)
             def _consumer():
-                plgpu.set_max_registers(232, action="increase")
+                plgpu.set_max_registers(consumer_registers, action="increase")
                 qo_smem = qo_smem2.at[wg]
                 # This warpgroup's q head and first query row (it may hold no valid row): packed, the CTA's rows of
                 # head cta_head + wg; else the CTA's head, rows from cta_row + wg * block_q.
@@ -867,10 +885,12 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     l_i = l_i * alpha + p.sum(axis=1)
                     p16 = p.astype(dtype)
                     acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-                    plgpu.barrier_arrive(schedule)  # softmax done
+                    if scheduled:
+                        plgpu.barrier_arrive(schedule)  # softmax done
                     if not latent:
                         wait_ready(1, step, v_ready)
-                    plgpu.barrier_wait(schedule)  # the other warpgroup's matrix work is issued
+                    if scheduled:
+                        plgpu.barrier_wait(schedule)  # the other warpgroup's matrix work is issued
 
                     def pv(acc_ref):
                         v_tile = k_smem.at[slot, :, pl.ds(0, v_dim)] if latent else v_smem.at[slot]
@@ -886,10 +906,17 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     return acc, m_new, l_i
 
                 def flush_step(step, _):
-                    # Tiles the producer loaded for the other warpgroup's longer causal range: release them in step.
+                    # Tiles the producer loaded for another warpgroup's longer causal range: release them in step.
+                    # Without the schedule barrier's lockstep a flushing warpgroup could run ahead and arrive on a
+                    # slot's free barrier for a later tile before the others' arrivals for the earlier one completed
+                    # its phase: it waits for each tile to land first (the tile's load needed that phase).
                     slot = lax.rem(step, jnp.int32(stages))
+                    if not scheduled:
+                        wait_ready(0, step, k_ready)
                     plgpu.barrier_arrive(k_free.at[slot])
                     if not latent:
+                        if not scheduled:
+                            wait_ready(1, step, v_ready)
                         plgpu.barrier_arrive(v_free.at[slot])
                     schedule_sync()
                     schedule_sync()
@@ -1010,9 +1037,9 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
 
                 plgpu.wait_smem_to_gmem(0)
 
-            @pl.when(wg == COMPUTE_WARPGROUPS)
+            @pl.when(wg == consumers)
             def _producer():
-                plgpu.set_max_registers(40, action="decrease")
+                plgpu.set_max_registers(producer_registers, action="decrease")
                 kv_head = lax.div(cta_head, jnp.int32(group))  # packed heads share it (an even group)
 
                 def sources_of(step):
@@ -1116,8 +1143,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
         refs = dict(zip(present, rest[:len(present)]))
         (out_gmem,) = rest[len(present):]
         smem = (
-            plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, qk_dim), dtype, transforms=SWIZZLED),  # Q, then O (o_in_q)
-            plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, o_rows_columns), dtype),  # O of a partial tile (row-sliceable)
+            plgpu.SMEM((consumers, block_q, qk_dim), dtype, transforms=SWIZZLED),  # Q, then O (o_in_q)
+            plgpu.SMEM((consumers, block_q, o_rows_columns), dtype),  # O of a partial tile (row-sliceable)
             plgpu.SMEM((stages, block_kv, qk_dim), dtype, transforms=SWIZZLED),
             *(() if latent else (plgpu.SMEM((stages, block_kv, v_dim), dtype, transforms=SWIZZLED),)),
             plgpu.SMEM((2 * stages * 2,), jnp.int32),  # mbarriers (8 bytes each): K ready, V ready per slot
@@ -1130,9 +1157,9 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                                  refs.get("mask"), refs.get("mask_indptr"), refs.get("bits"), out_gmem, scoped),
             smem,
             (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
-             plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS)),
-            (plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages),) * 2,
-            plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),
+             plgpu.Barrier(num_barriers=consumers)),
+            (plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),) * 2,
+            plgpu.Barrier(num_arrivals=consumers),  # the schedule (used with 2 consumers)
             *pages,
             collective_axes="wg",
         )
@@ -1142,7 +1169,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
         out_type=(),
         grid=(q_heads // heads_per_cta, q_tiles, batch),
         grid_names=("heads", "q_tiles", "seq"),
-        num_threads=COMPUTE_WARPGROUPS + 1,
+        num_threads=consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(qo_indptr, kv_indptr, kv_indices, q, *new_operands, *pool_operands, *(optional[name] for name in present), out_ref)

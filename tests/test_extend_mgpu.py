@@ -562,6 +562,52 @@ def test_two_heads_per_cta_match_reference(rng, feature, whole_tiles):
         assert_output(extend_attention_unified_mgpu(*args, **kw), ref_unified(batch, **kw), batch, jnp.bfloat16)
 
 
+THREE_CONSUMER_FEATURES = [
+    ("plain", dict()),
+    ("window-cap-sinks", dict(sliding_window=100, logit_cap=3.0, sinks=True)),
+    ("noncausal-xai", dict(causal=False, xai_temperature_len=20)),
+    ("tree-mask", dict(mask=True)),
+]
+
+
+@pytest.mark.parametrize("feature", THREE_CONSUMER_FEATURES, ids=lambda f: f[0])
+@pytest.mark.parametrize("whole_tiles", [False, True], ids=["tokens-odd", "tokens-x8"])
+@pytest.mark.gpu
+@needs_hopper
+def test_three_consumers_match_reference_and_two(rng, feature, whole_tiles):
+    # MgpuExtendConfig(consumers=3) at 64-dim heads (192-row CTAs, no schedule barrier): the reference's output, and
+    # the two-consumer kernel's bits (each warpgroup's 64 rows run the same tiles in the same order either way), in
+    # both forms; lengths that end mid-CTA and start off the 8-row grid, prefixes ending mid-tile, a long extend.
+    prefix_lens, extend_lens = [0, 37, 1000, 300, 5], [130, 5, 700, 257, 191]
+    batch = make_batch(rng, prefix_lens, extend_lens, hq=8, hkv=2, dqk=64, dtype=jnp.bfloat16)
+    kw = _more_kwargs(rng, 8, feature[1])
+    if kw.pop("mask", False):
+        kw["custom_mask"] = _tree_masks(rng, prefix_lens, extend_lens)
+    q, k_new, v_new = _new_tokens(batch, whole_tiles)
+    three, two = MgpuExtendConfig(consumers=3), MgpuExtendConfig(consumers=2)
+    o = extend_attention_mgpu(q, k_new, v_new, batch.k_pool, batch.v_pool, batch.meta, config=three, **kw)
+    assert_output(o, ref_two_stage(batch, **kw), batch, jnp.bfloat16)
+    o2 = extend_attention_mgpu(q, k_new, v_new, batch.k_pool, batch.v_pool, batch.meta, config=two, **kw)
+    np.testing.assert_array_equal(np.asarray(o[: batch.tokens]), np.asarray(o2[: batch.tokens]))
+    if "sliding_window" not in kw and "custom_mask" not in kw:
+        args = (batch.q, batch.k_pool_unified, batch.v_pool_unified, batch.meta_unified)
+        o = extend_attention_unified_mgpu(*args, config=three, **kw)
+        assert_output(o, ref_unified(batch, **kw), batch, jnp.bfloat16)
+        np.testing.assert_array_equal(np.asarray(o), np.asarray(extend_attention_unified_mgpu(*args, config=two, **kw)))
+
+
+def test_three_consumers_take_64_dim_heads_only():
+    # The config takes 2 or 3; 3 never packs two heads per CTA (each warpgroup would need its own head) and its
+    # 192-row CTA's buffers fit sm_90 at 64/64.
+    from jaxattn import hardware
+    with pytest.raises(ValueError, match="consumers must be 2 or 3"):
+        MgpuExtendConfig(consumers=4)
+    three = MgpuExtendConfig(consumers=3)
+    assert heads_per_cta(64, 4, three) == 1 and heads_per_cta(64, 4, MgpuExtendConfig()) == 2
+    assert three.shared_memory_bytes(64) == MgpuExtendConfig().shared_memory_bytes(64) + 64 * 128 * 2
+    assert three.shared_memory_bytes(64) <= hardware.SM90.shared_memory_bytes
+
+
 def test_short_windows_over_short_extends_take_64_key_tiles():
     # tuning.sm90.EXTEND_MGPU_SHORT_WINDOW: a verify step on a window of <= 128 keys (V-TREE64-W128) takes 64-key
     # tiles; a longer window, a longer extend, no window, or a family without a measured entry keep the table's.
@@ -819,8 +865,9 @@ def test_window_schedule_of_every_cta(block_kv):
 
 def _cta_programs(first_step, cta_steps, wg_ranges, pre_steps, tail_step, uses, *, stages, tma_new_tiles,
                   page_steps=0, latent=False):
-    """The barrier operations of one CTA's producer and two consumer warpgroups, in the kernel's order. wg_ranges:
-    (wg_first, wg_steps) per warpgroup (wg_first = first_step without a window); uses[step]: the kernel's
+    """The barrier operations of one CTA's producer and its consumer warpgroups, in the kernel's order. wg_ranges:
+    (wg_first, wg_steps) per warpgroup (wg_first = first_step without a window; two consumers take the schedule
+    barrier, three none); uses[step]: the kernel's
     cp_async_uses of that step; steps below page_steps come page by page by TMA (their own barriers). latent: the
     latent-cache mode (`latent_v_dim`): K tiles only, each slot released after P V."""
     kinds = (0,) if latent else (0, 1)
@@ -841,7 +888,8 @@ def _cta_programs(first_step, cta_steps, wg_ranges, pre_steps, tail_step, uses, 
             if step >= first_step + stages:
                 producer.append(("wait", ("free", which, slot), None, step - stages))
             producer.append(("load", barrier(which, step), step))
-    sync = [("arrive", "schedule", None), ("wait", "schedule", None, None)]
+    scheduled = len(wg_ranges) == 2
+    sync = [("arrive", "schedule", None), ("wait", "schedule", None, None)] if scheduled else []
     programs = {"producer": producer}
     for wg, (wg_first, wg_steps) in enumerate(wg_ranges):
         ops = sync[:] if wg == 1 else []
@@ -856,16 +904,17 @@ def _cta_programs(first_step, cta_steps, wg_ranges, pre_steps, tail_step, uses, 
         for step in range(wg_first, wg_steps):  # kv_step
             slot = step % stages
             if latent:  # the K tile holds V: released after P V
-                ops += sync + [("arrive", "schedule", None), ("wait", "schedule", None, None)]
+                ops += sync + sync
             else:
-                ops += sync + [("arrive", ("free", 0, slot), step), ("arrive", "schedule", None), ready(1, step),
-                               ("wait", "schedule", None, None)]
+                ops += sync + [("arrive", ("free", 0, slot), step), *sync[:1], ready(1, step), *sync[1:]]
             if step + 1 < wg_steps:
                 ops.append(ready(0, step + 1))
             ops.append(("arrive", ("free", 0 if latent else 1, slot), step))
-        for step in range(wg_steps, cta_steps):  # flush_step
+        for step in range(wg_steps, cta_steps):  # flush_step (without the schedule: each tile waited first)
             slot = step % stages
-            ops += [("arrive", ("free", which, slot), step) for which in kinds] + sync + sync
+            for which in kinds:
+                ops += ([] if scheduled else [ready(which, step)]) + [("arrive", ("free", which, slot), step)]
+            ops += sync + sync
         if wg == 0:
             ops += sync
         programs[f"consumer{wg}"] = ops
@@ -887,7 +936,7 @@ def _check_cta(first_step, cta_steps, wg_ranges, pre_steps, tail_step, *, stages
     programs = _cta_programs(first_step, cta_steps, wg_ranges, pre_steps, tail_step, uses, stages=stages,
                              tma_new_tiles=tma_new_tiles, page_steps=page_steps, latent=latent)
     for _ in range(interleavings):
-        barriers = {("free", w, s): Barrier(2) for w in (0, 1) for s in range(stages)}
+        barriers = {("free", w, s): Barrier(len(wg_ranges)) for w in (0, 1) for s in range(stages)}
         barriers |= {(kind, w, s): Barrier(1) for kind in ("ready", "kv", "page") for w in (0, 1) for s in range(stages)}
         barriers["schedule"] = Barrier(2)
         run_protocol(programs, barriers, rng)
@@ -910,9 +959,12 @@ def test_barrier_protocol_never_hangs(tma_new_tiles, pages):
     block_q = 64
     cdiv = lambda x, d: -(-x // d)  # noqa: E731
     cases = 0
-    # (tile, stages, heads per CTA): two heads per CTA (short extends) give both warpgroups the CTA's block_q rows.
-    for block_kv, stages, packed in ((128, 2, False), (64, 3, False), (64, 2, False), (128, 2, True), (64, 3, True)):
-        cta_rows = block_q if packed else 2 * block_q
+    # (tile, stages, heads per CTA, consumers): two heads per CTA (short extends) give both warpgroups the CTA's
+    # block_q rows; three consumers (64-dim heads) take 192-row CTAs without the schedule barrier.
+    for block_kv, stages, packed, consumers in ((128, 2, False, 2), (64, 3, False, 2), (64, 2, False, 2),
+                                                (128, 2, True, 2), (64, 3, True, 2), (128, 2, False, 3),
+                                                (64, 3, False, 3)):
+        cta_rows = block_q if packed else consumers * block_q
         for q_start, prefix_len, q_len in ((5, 300, 257), (0, 0, 130), (13, 1000, 70), (8, 64, 700)):
             base, lead = q_start // 8 * 8, q_start % 8
             q_end = q_start + q_len
@@ -930,7 +982,7 @@ def test_barrier_protocol_never_hangs(tma_new_tiles, pages):
                         first = int(cta_window_first_step(cta_row, q_start, prefix_len, lead, pre_steps, cta_steps,
                                                           window=window, block_kv=block_kv))
                     ranges = []
-                    for wg in (0, 1):
+                    for wg in range(consumers):
                         wg_row = cta_row if packed else cta_row + wg * block_q
                         wg_steps = cta_steps if custom else pre_steps + cdiv(min(wg_row + block_q, q_end) - base, block_kv)
                         wg_first = first
@@ -981,10 +1033,11 @@ def test_barrier_protocol_never_hangs_unified_and_noncausal():
     from jaxattn.kernels.extend_attention_mgpu import unified_window_first_step
 
     rng = random.Random(1)
-    block_q, cta_rows = 64, 128
+    block_q = 64
     cdiv = lambda x, d: -(-x // d)  # noqa: E731
     cases = 0
-    for block_kv, stages in ((128, 2), (64, 3)):
+    for block_kv, stages, consumers in ((128, 2, 2), (64, 3, 2), (128, 2, 3)):  # 3: 64-dim heads' 192-row CTAs
+        cta_rows = consumers * block_q
         for q_start, q_prefix, q_len, listed in ((5, 300, 257, 557), (0, 0, 130, 130), (13, 1000, 70, 1070),
                                                  (8, 64, 700, 764), (3, 0, 40, 0), (0, 20, 9, 25)):
             base = q_start // 8 * 8
@@ -998,7 +1051,7 @@ def test_barrier_protocol_never_hangs_unified_and_noncausal():
                 # Unified: all steps from the pool (tail_step = pre_steps: no TMA new-key tiles); with whole pages
                 # the tiles inside the cached prefix by TMA.
                 cta_steps = unified_steps(min(cta_row + cta_rows, q_end) - 1)
-                ranges = [(0, unified_steps(min(cta_row + wg * block_q + block_q, q_end) - 1)) for wg in (0, 1)]
+                ranges = [(0, unified_steps(min(cta_row + wg * block_q + block_q, q_end) - 1)) for wg in range(consumers)]
                 layouts = [(0, cta_steps, ranges, pre_steps, pre_steps, False)]
                 paged = [(0, cta_steps, ranges, pre_steps, pre_steps, False, min(q_prefix, listed) // block_kv)]
                 # Unified under a window: the CTA's steps from its first row's window tile, each warpgroup's from its
@@ -1017,7 +1070,7 @@ def test_barrier_protocol_never_hangs_unified_and_noncausal():
                 for key_end in (q_end, q_start - 1):
                     nc_steps = two_pre + max(cdiv(key_end - base, block_kv), 1)
                     tail = two_pre + max((key_end - base) // block_kv, 0)
-                    layouts.append((0, nc_steps, [(0, nc_steps)] * 2, two_pre, tail, True))
+                    layouts.append((0, nc_steps, [(0, nc_steps)] * consumers, two_pre, tail, True))
                 for first, steps_total, wg_ranges, pre, tail_step, tma, *page_steps in layouts + paged:
                     cases += _check_cta(first, steps_total, wg_ranges, pre, tail_step, stages=stages, tma_new_tiles=tma,
                                         windowed=first > 0, rng=rng, page_steps=page_steps[0] if page_steps else 0)
@@ -1073,12 +1126,13 @@ class _RowScale:
 
 
 def _kernel_model(q, k_new, v_new, k_pool, v_pool, meta, *, window, logit_cap, sinks, block_kv, block_q=64, causal=True,
-                  xai=-1, custom_mask=None, skip_prefix_custom_mask=True, heads_per_cta=1, draft_mask=None):
+                  xai=-1, custom_mask=None, skip_prefix_custom_mask=True, heads_per_cta=1, draft_mask=None, consumers=2):
     """numpy model of the kernel's consumer warpgroups, f32: the CTA and warpgroup step ranges from the kernel's own
     helpers, its loop order and mask kinds (`kv_step`), base-2 online softmax from m_init, sinks at the end. A
     custom mask is gathered per tile as `custom_mask_tile` reads it (flat index, entries outside the mask hidden), a
     draft mask as `draft_bits_tile` reads it (the warpgroup's rows, the tile's draft indices).
-    heads_per_cta=2: block_q-row CTAs, both warpgroups on the same rows (the model runs every head at once)."""
+    heads_per_cta=2: block_q-row CTAs, both warpgroups on the same rows (the model runs every head at once).
+    consumers: consumer warpgroups per CTA (3: consumers * block_q-row CTAs)."""
     from jaxattn.kernels.extend_attention_mgpu import cta_window_first_step, warpgroup_window_steps
 
     cdiv = lambda x, d: -(-x // d)  # noqa: E731
@@ -1091,8 +1145,8 @@ def _kernel_model(q, k_new, v_new, k_pool, v_pool, meta, *, window, logit_cap, s
     sm_scale = 1 / np.sqrt(d)
     qo, kvp, kvi = (np.asarray(x) for x in (meta.qo_indptr, meta.kv_indptr, meta.kv_indices))
     start_pos = np.asarray(meta.kv_start_pos)
-    cta_rows = 2 * block_q // heads_per_cta
-    q_pad = np.zeros((cdiv(tokens, 8) * 8 + 4 * block_q, hq, d), np.float32)
+    cta_rows = consumers * block_q // heads_per_cta
+    q_pad = np.zeros((cdiv(tokens, 8) * 8 + 2 * cta_rows, hq, d), np.float32)
     q_pad[:tokens] = q
     out = np.zeros((len(q_pad), hq, d_v), np.float32)
     token_end = min(qo[-1], tokens)
@@ -1145,7 +1199,7 @@ def _kernel_model(q, k_new, v_new, k_pool, v_pool, meta, *, window, logit_cap, s
             if window >= 0:
                 first_step = int(cta_window_first_step(cta_row, q_start, prefix_len, lead, pre_steps, cta_steps,
                                                        window=window, block_kv=block_kv))
-            for wg in range(2 // heads_per_cta):
+            for wg in range(consumers // heads_per_cta):
                 wg_row = cta_row + wg * block_q
                 wg_rel = wg_row - base
                 t0 = wg_row - q_start
@@ -1227,7 +1281,7 @@ def _kernel_model(q, k_new, v_new, k_pool, v_pool, meta, *, window, logit_cap, s
 
 
 def _unified_kernel_model(q, k_pool, v_pool, meta, *, logit_cap, sinks, block_kv, block_q=64, causal=True, xai=-1,
-                          window=-1):
+                          window=-1, consumers=2):
     """numpy model of the unified form's consumers: tiles at listed-key offsets from step 0, [0, full_end) unmasked and
     the rest masked (key in the list and, causal, at or before the row's listed position), m_init finite, rows that
     saw nothing divided by 1. Also checks the producer's step count covers every warpgroup's. A window: the steps
@@ -1243,7 +1297,7 @@ def _unified_kernel_model(q, k_pool, v_pool, meta, *, logit_cap, sinks, block_kv
     kv_of = np.arange(hq) // (hq // k_pool.shape[1])
     qo, kvp, kvi = (np.asarray(x) for x in (meta.qo_indptr, meta.kv_indptr, meta.kv_indices))
     prefix_lens, start_pos = np.asarray(meta.prefix_lens), np.asarray(meta.kv_start_pos)
-    cta_rows = 2 * block_q
+    cta_rows = consumers * block_q
     q_pad = np.zeros((cdiv(tokens, 8) * 8 + 2 * cta_rows, hq, d), np.float32)
     q_pad[:tokens] = q
     out = np.zeros((len(q_pad), hq, d_v), np.float32)
@@ -1266,7 +1320,7 @@ def _unified_kernel_model(q, k_pool, v_pool, meta, *, logit_cap, sinks, block_kv
 
         for cta_row in range(base, q_end, cta_rows):
             cta_steps = steps_to(min(cta_row + cta_rows, q_end) - 1)
-            for wg in range(2):
+            for wg in range(consumers):
                 wg_row = cta_row + wg * block_q
                 t0 = wg_row - q_start
                 wg_steps = steps_to(min(wg_row + block_q, q_end) - 1)
@@ -1307,10 +1361,13 @@ def _unified_kernel_model(q, k_pool, v_pool, meta, *, logit_cap, sinks, block_kv
     return out[:tokens]
 
 
-@pytest.mark.parametrize("shape", SHAPES[1:3], ids=lambda s: f"{jnp.dtype(s[0]).name}-{s[1]}x{s[2]}-{s[3]}-{len(s[4])}seq")
-def test_kernel_model_matches_reference(rng, shape):
+@pytest.mark.parametrize("shape,consumers", [(SHAPES[1], 2), (SHAPES[2], 2), (SHAPES[2], 3)],
+                         ids=lambda s: f"{jnp.dtype(s[0]).name}-{s[1]}x{s[2]}-{s[3]}-{len(s[4])}seq" if isinstance(s, tuple)
+                         else f"{s}-consumers")
+def test_kernel_model_matches_reference(rng, shape, consumers):
     # CPU: the kernel's step ranges, skipped tiles and masks, run by a numpy model, give the reference's output for
-    # every feature (an error here is the schedule's or a mask's, not the GPU's). The GPU tests check the kernel itself.
+    # every feature (an error here is the schedule's or a mask's, not the GPU's), with 2 consumer warpgroups and with
+    # 3 (64-dim heads). The GPU tests check the kernel itself.
     _, hq, hkv, d, prefix_lens, extend_lens, config = shape
     block_kv = (config or MgpuExtendConfig()).block_kv
     for label, window, cut, logit_cap, sinks in FEATURES:
@@ -1320,13 +1377,15 @@ def test_kernel_model_matches_reference(rng, shape):
                            max_extend_len=max(extend_lens) + 9)
         kw = _feature_kwargs(rng, hq, window, logit_cap, sinks)
         o = _kernel_model(batch.q, batch.k_new, batch.v_new, batch.k_pool, batch.v_pool, batch.meta, window=window,
-                          logit_cap=logit_cap, sinks=kw.get("sinks"), block_kv=block_kv)
+                          logit_cap=logit_cap, sinks=kw.get("sinks"), block_kv=block_kv, consumers=consumers)
         ref = np.float32(ref_two_stage(batch, **kw))
         np.testing.assert_allclose(o[: batch.tokens], ref[: batch.tokens], atol=2e-5, rtol=2e-5, err_msg=label)
 
 
-@pytest.mark.parametrize("shape", SHAPES[1:3], ids=lambda s: f"{jnp.dtype(s[0]).name}-{s[1]}x{s[2]}-{s[3]}-{len(s[4])}seq")
-def test_kernel_model_of_the_new_features_matches_reference(rng, shape):
+@pytest.mark.parametrize("shape,consumers", [(SHAPES[1], 2), (SHAPES[2], 2), (SHAPES[2], 3)],
+                         ids=lambda s: f"{jnp.dtype(s[0]).name}-{s[1]}x{s[2]}-{s[3]}-{len(s[4])}seq" if isinstance(s, tuple)
+                         else f"{s}-consumers")
+def test_kernel_model_of_the_new_features_matches_reference(rng, shape, consumers):
     # CPU: as above for non-causal calls (new keys to the sequence's end, the neighbours' keys masked) and xai
     # temperature (a per-row factor of the exponent's scale, from absolute positions), and for the unified form
     # (tiles at listed-key offsets, [0, full_end) unmasked) with each of them.
@@ -1337,7 +1396,7 @@ def test_kernel_model_of_the_new_features_matches_reference(rng, shape):
         batch = make_batch(rng, prefix_lens, extend_lens, hq=hq, hkv=hkv, dqk=d, dtype=jnp.float32,
                            window=kw.get("sliding_window", -1), max_extend_len=max(extend_lens) + 9)
         model = dict(logit_cap=kw.get("logit_cap", 0.0), sinks=kw.get("sinks"), block_kv=block_kv,
-                     causal=kw.get("causal", True), xai=kw.get("xai_temperature_len", -1))
+                     causal=kw.get("causal", True), xai=kw.get("xai_temperature_len", -1), consumers=consumers)
         o = _kernel_model(batch.q, batch.k_new, batch.v_new, batch.k_pool, batch.v_pool, batch.meta,
                           window=kw.get("sliding_window", -1), **model)
         ref = np.float32(ref_two_stage(batch, **kw))
@@ -1581,7 +1640,7 @@ def test_lowers_for_cuda_on_cpu(part):
     from tests.lower_mgpu_kernel import DECODE_SHAPES, SHAPES
 
     shapes = len(SHAPES) + len(DECODE_SHAPES)
-    assert shapes == 62 and run.stdout.count("ok ") == len(range(part, shapes, 2)), run.stdout
+    assert shapes == 66 and run.stdout.count("ok ") == len(range(part, shapes, 2)), run.stdout
 
 
 def test_batches_past_the_grid_limit_are_declined():

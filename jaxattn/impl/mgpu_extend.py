@@ -339,8 +339,9 @@ def extend_attention_unified_mgpu(
 def heads_per_cta(max_extend_len: int, group: int, config: MgpuExtendConfig) -> int:
     """Q heads per CTA: 2 (each consumer warpgroup its own head's block_q rows, one K/V stream for both) when no
     sequence has more new tokens than one warpgroup's rows and the group is even, as in a verify step (64 drafts
-    per sequence: a one-head CTA's second warpgroup would compute rows of the next sequence); else 1."""
-    return 2 if max_extend_len <= config.block_q and group % 2 == 0 else 1
+    per sequence: a one-head CTA's second warpgroup would compute rows of the next sequence) with 2 consumer
+    warpgroups; else 1."""
+    return 2 if max_extend_len <= config.block_q and group % 2 == 0 and config.consumers == 2 else 1
 
 
 def page_copy_rows(page_size: int, block_kv: int, pool_rows: int) -> int:
@@ -408,7 +409,7 @@ def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: 
         q, None if unified else k_new, None if unified else v_new, k_pool, v_pool, kv_indices,
         meta.qo_indptr.astype(jnp.int32), meta.kv_indptr.astype(jnp.int32), out_ref,
         max_extend_len=meta.max_extend_len, sm_scale=sm_scale,
-        block_q=config.block_q, block_kv=config.block_kv, stages=config.stages,
+        block_q=config.block_q, block_kv=config.block_kv, stages=config.stages, consumers=config.consumers,
         o_rows_columns=64 if latent else config.o_rows_columns(q.shape[2], v_dim),
         causal=bool(causal),
         sliding_window=int(sliding_window) if sliding_window >= 0 else -1,

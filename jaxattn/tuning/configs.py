@@ -86,12 +86,14 @@ class ExtendConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MgpuExtendConfig:
-    """Tiles of the Mosaic GPU extend kernel: block_q rows per consumer warpgroup (a CTA takes 2 x block_q), block_kv
-    keys per tile, stages K/V tiles in flight."""
+    """Tiles of the Mosaic GPU extend kernel: block_q rows per consumer warpgroup (a CTA takes consumers x block_q),
+    block_kv keys per tile, stages K/V tiles in flight, consumers warpgroups per CTA: 2 (ping-pong) or 3 (64-dim
+    heads only, FlashAttention-3's tile there: `kernels/extend_attention_mgpu.py`; not yet timed on a GPU)."""
 
     block_q: int = 64
     block_kv: int = 128
     stages: int = 2
+    consumers: int = 2
 
     @staticmethod
     def o_rows_columns(qk_head_dim: int, v_head_dim: int | None = None) -> int:
@@ -103,10 +105,10 @@ class MgpuExtendConfig:
         return v_head_dim if v_head_dim != qk_head_dim or v_head_dim <= 128 else 64
 
     def shared_memory_bytes(self, qk_head_dim: int, v_head_dim: int | None = None) -> int:
-        """Q tiles of both consumer warpgroups (O reuses them), their O store buffers (`o_rows_columns`), the K/V
+        """Q tiles of the consumer warpgroups (O reuses them), their O store buffers (`o_rows_columns`), the K/V
         ring (16-bit), and 4 KiB for the barriers and Pallas' alignment padding (3160 B when lowered at 256/256)."""
         v_head_dim = qk_head_dim if v_head_dim is None else v_head_dim
-        q_and_o = 2 * self.block_q * (qk_head_dim + self.o_rows_columns(qk_head_dim, v_head_dim))
+        q_and_o = self.consumers * self.block_q * (qk_head_dim + self.o_rows_columns(qk_head_dim, v_head_dim))
         ring = self.stages * self.block_kv * (qk_head_dim + v_head_dim)
         return (q_and_o + ring) * 2 + 4096
 
@@ -124,6 +126,8 @@ class MgpuExtendConfig:
             raise ValueError(f"MgpuExtendConfig.block_kv must be 64 or 128; got {self.block_kv!r}")
         if not isinstance(self.stages, int) or self.stages < 2:
             raise ValueError(f"MgpuExtendConfig.stages must be an int >= 2; got {self.stages!r}")
+        if self.consumers not in (2, 3):
+            raise ValueError(f"MgpuExtendConfig.consumers must be 2 or 3; got {self.consumers!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call made of time-boxed steps (the H200's calls stop at 10 minutes and bring back at most 8 files).
-# Usage: JAXATTN_COMMIT=<hash> bash scripts/gpu_session.sh STEPS_FILE [TOTAL_SECONDS]
+# Usage: JAXATTN_COMMIT=<hash> bash scripts/gpu_session.sh STEPS_FILE... [TOTAL_SECONDS]
+#   Several STEPS_FILEs run one after the other in the one call, each step only where its box still fits: a later
+#   list's steps fill what the earlier ones' boxes did not use (a skipped step is listed in steps.txt).
 #   STEPS_FILE: one step per line, "<seconds> <name> <bash command>" ('#' lines and blank lines skipped), run in order
 #   from the checkout's root with what scripts/gpu_env.sh installs, jaxattn on PYTHONPATH and $STEP_OUT a folder for the
 #   step's own files (JSON records). A step runs under `timeout <seconds>`; a step that would end past TOTAL_SECONDS
@@ -9,8 +11,15 @@
 #   logs.tgz (every step's log and files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-steps_file=$1
-total=${2:-560}
+total=560
+steps_files=()
+for arg in "$@"; do
+  case "$arg" in
+    *[!0-9]*|'') steps_files+=("$arg") ;;
+    *) total=$arg ;;  # a bare number: the call's seconds
+  esac
+done
+[ ${#steps_files[@]} -gt 0 ] || { echo "usage: gpu_session.sh STEPS_FILE... [TOTAL_SECONDS]" >&2; exit 2; }
 FINAL=${OUT:-$PWD/out}
 work=/tmp/gpu_session
 mkdir -p "$FINAL" "$work"
@@ -28,7 +37,7 @@ while read -r -u 3 seconds name command; do  # fd 3: a step reading stdin must n
   began=$SECONDS
   OUT=$STEP_OUT timeout "$seconds" bash -c "$command" >"$work/$name.log" 2>&1 </dev/null
   echo "$name rc=$? ${seconds}s box, took $((SECONDS - began)) s" | tee -a "$FINAL/steps.txt"
-done 3<"$steps_file"
+done 3< <(cat "${steps_files[@]}")
 # A file comes back only under 16 MB: FlashInfer's JIT cache (gpu_check.sh saves it) stays out, and if the rest is
 # still too big, the logs and JSON records alone go.
 tar czf "$FINAL/logs.tgz" --exclude=flashinfer.tgz -C "$work" .

@@ -64,7 +64,7 @@ from jaxlib.mlir.dialects import arith, llvm, nvvm, vector
 
 LOG2E = 1.4426950408889634
 COMPUTE_WARPGROUPS = 2  # consumer warpgroups of a CTA by default (`consumers`: 2 or 3)
-# Registers per thread of each warpgroup kind, by consumers (the file's 64K registers over 128 * (consumers + 1)
+# Registers per thread of each warpgroup kind, by consumers (the register file's 64K over 128 * (consumers + 1)
 # threads): three consumers hold 64-dim heads' accumulators in 160 (FlashAttention-3's split for its 192-row tiles).
 REGISTERS = {2: (232, 40), 3: (160, 24)}  # consumers -> (consumer, producer)
 WARPGROUP = 128

@@ -16,7 +16,17 @@ against; benchmarks/RESULTS.md the runs. One job per module:
     cli     run (times the work items, one row each) and main (the argparse command line)
 """
 
-from .cases import BF16_MATMUL_FLOPS, CASES, CEILINGS, COPY_BANDWIDTH_BYTES_PER_S, Case, Ceilings, case_named, ceilings_for, paged_case
+from .cases import (
+    BF16_MATMUL_FLOPS,
+    CASES,
+    CEILINGS,
+    COPY_BANDWIDTH_BYTES_PER_S,
+    Case,
+    Ceilings,
+    case_named,
+    ceilings_for,
+    paged_case,
+)
 from .cli import main, run
 from .inputs import Inputs, make_inputs
 from .peers import (
@@ -39,9 +49,10 @@ from .sweeps import sweep_variants
 from .timing import PerCall, jax_sync, time_calls, torch_sync
 
 __all__ = [
-    "BACKENDS", "BF16_MATMUL_FLOPS", "CASES", "CEILINGS", "COPY_BANDWIDTH_BYTES_PER_S", "Ceilings", "ceilings_for", "LABELS", "Case", "Inputs", "PerCall", "Skip",
-    "bridged", "case_named", "commit", "decode_flashinfer", "decode_jaxattn", "decode_reference", "device_name",
-    "extend_cudnn", "extend_flashinfer", "floor_note", "extend_jaxattn", "extend_meta", "extend_mgpu", "extend_reference", "jax_sync",
-    "load_rows", "main", "make_inputs", "markdown_table", "paged_case", "plot_rows", "run", "sweep_variants", "time_calls",
-    "today", "torch_sync", "torch_views",
+    "BACKENDS", "BF16_MATMUL_FLOPS", "Case", "CASES", "Ceilings", "CEILINGS", "COPY_BANDWIDTH_BYTES_PER_S",
+    "Inputs", "LABELS", "PerCall", "Skip", "bridged", "case_named", "ceilings_for", "commit", "decode_flashinfer",
+    "decode_jaxattn", "decode_reference", "device_name", "extend_cudnn", "extend_flashinfer", "extend_jaxattn",
+    "extend_meta", "extend_mgpu", "extend_reference", "floor_note", "jax_sync", "load_rows", "main", "make_inputs",
+    "markdown_table", "paged_case", "plot_rows", "run", "sweep_variants", "time_calls", "today", "torch_sync",
+    "torch_views",
 ]

@@ -7,7 +7,6 @@ import dataclasses
 import numpy as np
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Ceilings:
     """What one GPU measured (benchmarks/experiments/ceilings.py): the rates the floors divide by."""

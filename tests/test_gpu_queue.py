@@ -19,7 +19,7 @@ STEP_FILES = sorted(name for name in os.listdir(QUEUE) if name.endswith(".steps"
 def session_budget() -> int:
     """gpu_session.sh's default TOTAL_SECONDS."""
     with open(os.path.join(ROOT, "scripts", "gpu_session.sh")) as f:
-        return int(re.search(r"total=\$\{2:-(\d+)\}", f.read()).group(1))
+        return int(re.search(r"^total=(\d+)$", f.read(), re.MULTILINE).group(1))
 
 
 def steps(name):

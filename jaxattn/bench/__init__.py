@@ -6,13 +6,13 @@
 
 benchmarks/ANCHORS.md holds the shapes, how the floors are computed and the peers' figures the project compares
 against; benchmarks/RESULTS.md the runs. One job per module:
-    cases   Case, CASES (the anchor shapes and the tuning cases), CEILINGS (each GPU's measured rates, ceilings_for),
-            Case.floor_ms, paged_case (a case over KV pages, named D1-P16), case_named
+    cases   Case, CASES (the anchor shapes and the tuning cases), CEILINGS (each GPU's measured rates, ceilings_for,
+            device_name), Case.floor_ms, paged_case (a case over KV pages, named D1-P16), case_named
     inputs  Inputs, make_inputs: device-resident random inputs with scattered KV slots (or pages)
     timing  time_calls (N back-to-back calls, one sync, median of repeats), PerCall, jax_sync, torch_sync
     peers   the backend adapters (jaxattn, FlashInfer from torch and through the bridge, cuDNN, reference), Skip, BACKENDS
     sweeps  sweep_variants: candidate kernel configurations per shape (--sweep)
-    report  markdown_table, plot_rows, load_rows, device_name, floor_note, commit, today
+    report  markdown_table, plot_rows, load_rows, floor_note, commit, today
     cli     run (times the work items, one row each) and main (the argparse command line)
 """
 
@@ -25,6 +25,7 @@ from .cases import (
     Ceilings,
     case_named,
     ceilings_for,
+    device_name,
     paged_case,
 )
 from .cli import main, run
@@ -44,7 +45,7 @@ from .peers import (
     extend_reference,
     torch_views,
 )
-from .report import LABELS, commit, device_name, floor_note, load_rows, markdown_table, plot_rows, today
+from .report import LABELS, commit, floor_note, load_rows, markdown_table, plot_rows, today
 from .sweeps import sweep_variants
 from .timing import PerCall, jax_sync, time_calls, torch_sync
 

@@ -31,10 +31,11 @@ def ceilings_for(device_kind: str | None) -> tuple[str, Ceilings]:
     return REFERENCE_DEVICE, CEILINGS[REFERENCE_DEVICE]
 
 
-def current_device_kind() -> str | None:
+def device_name() -> str:
+    """The device this process runs on, as JAX names its kind (the key of CEILINGS)."""
     import jax  # here, so that the case table imports without a backend
 
-    return getattr(jax.devices()[0], "device_kind", None)
+    return getattr(jax.devices()[0], "device_kind", str(jax.devices()[0]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +80,7 @@ class Case:
     def floor_ms(self, ceilings: Ceilings | None = None) -> float:
         """The floor on `ceilings`' GPU (default: the one this process runs on, see `ceilings_for`)."""
         if ceilings is None:
-            ceilings = ceilings_for(current_device_kind())[1]
+            ceilings = ceilings_for(device_name())[1]
         if self.op == "decode":
             # Reading the pool once: 2 bytes per element, 1 for an fp8 pool (its own floor, half the bf16 one).
             tokens = self.batch * (self.prefix + self.new)

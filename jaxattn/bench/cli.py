@@ -31,10 +31,10 @@ import re
 import statistics
 import sys
 
-from .cases import CASES, case_named, paged_case
+from .cases import CASES, case_named, device_name, paged_case
 from .inputs import make_inputs
 from .peers import BACKENDS, Skip
-from .report import commit, device_name, floor_note, load_rows, markdown_table, plot_rows, require_matplotlib, today
+from .report import commit, floor_note, load_rows, markdown_table, plot_rows, require_matplotlib, today
 from .sweeps import sweep_variants
 from .timing import jax_sync, time_calls
 

@@ -11,12 +11,6 @@ import subprocess
 from .cases import case_named, ceilings_for
 
 
-def device_name() -> str:
-    import jax
-
-    return getattr(jax.devices()[0], "device_kind", str(jax.devices()[0]))
-
-
 def commit() -> str:
     """$JAXATTN_COMMIT when set (the GPU machine's copy of the tree), else the checkout's short hash (+dirty)."""
     if os.environ.get("JAXATTN_COMMIT"):

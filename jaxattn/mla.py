@@ -42,7 +42,7 @@ def _run_triton(call: MlaExtendCall):
 
 
 TRITON = Implementation("triton", lambda call: None, _run_triton)
-IMPLEMENTATIONS = (mgpu_mla.EXTEND, mgpu_extend.LATENT, TRITON)
+IMPLEMENTATIONS = (mgpu_extend.LATENT, mgpu_mla.EXTEND, TRITON)
 
 
 def _check(q, k_new, k_pool, meta, sinks, v_head_dim, sm_scale) -> int:

@@ -6,6 +6,7 @@ import json
 import os
 import sys
 
+import numpy as np
 import pytest
 
 
@@ -148,3 +149,32 @@ def test_backend_stress_script_runs_and_catches_a_wrong_backend(tmp_path):
         assert script.main(["--backend", "triton", "--batches", "1", "--shapes", "tiny", "--profiles", "gqa-p1$"]) == 1
     finally:
         script.Runner.__init__ = correct_init
+
+    # The pools after the write: bit for bit but for the slots several tokens wrote (the padding slot, whose value
+    # write_kv leaves unspecified on a GPU), so a backend that moves only those passes and one that moves a real
+    # token's slot fails.
+    def pool_changed_where(pick):
+        def init(self, *a, **kw):
+            correct_init(self, *a, **kw)
+            step = self.step
+
+            def changed(*x):
+                o, k_pool, v_pool = step(*x)
+                several = ~script.single_writer_slots(np.asarray(x[6].out_cache_loc), k_pool.shape[0])
+                slots = pick(np.asarray(x[6].out_cache_loc), several)
+                seen.append(len(slots))
+                return o, k_pool.at[slots].add(1), v_pool
+
+            self.step = changed
+        return init
+
+    for pick, failures in ((lambda loc, several: np.flatnonzero(several), 0),
+                           (lambda loc, several: loc[~several[loc]][-1:], 1)):  # a token that alone writes its slot
+        seen = []
+        script.Runner.__init__ = pool_changed_where(pick)
+        try:
+            assert script.main(["--backend", "triton", "--batches", "1", "--shapes", "tiny", "--profiles", "gqa-p1$"]) \
+                == failures
+        finally:
+            script.Runner.__init__ = correct_init
+        assert all(n == 1 for n in seen) and seen  # each batch changed exactly one slot

@@ -55,6 +55,7 @@ from jaxattn.extend import (  # noqa: E402
     extend_unified_metadata,
 )
 from jaxattn.fp8 import per_head_factor  # noqa: E402
+from jaxattn.mla import mla_extend_attention, mla_extend_attention_reference  # noqa: E402
 from jaxattn.kv_pool import write_kv  # noqa: E402
 from jaxattn.paging import extend_metadata_from_pages, extend_unified_metadata_from_pages  # noqa: E402
 
@@ -84,7 +85,9 @@ class Profile:
     per_head_scales: bool = False  # fp8: one scale per kv head instead of one per layer
     tokens: int = 1  # decode only: query tokens per sequence (a verify step: the last `tokens` keys are theirs)
     tree: bool = False  # decode with tokens > 1: a random draft tree (draft_mask) instead of causal
-    v_in_k: bool = False  # decode only: V is the first v_dim dims of K (MLA's latent cache, v_pool=None)
+    # V is the first v_dim dims of K (MLA's latent cache): decode with v_pool=None; extend through
+    # jaxattn.mla.mla_extend_attention (two-stage, causal) and the unified op on V sliced from the pool
+    v_in_k: bool = False
     ext_bucket: int = 0  # extend only: max_extend_len when not the shapes' (<= 64: a verify step's short extends)
     page_size: int = 1  # extend only: pages of this many slots, metadata from the page table (whole-page copies)
 
@@ -137,6 +140,7 @@ def profiles(shapes: str) -> list[Profile]:
             Profile("tiny-fp8", 4, 2, 32, 32, "bfloat16", kv_dtype="float8_e4m3fn", per_head_scales=True),
             Profile("tiny-verify-tree", 4, 2, 32, 32, "float32", sinks=True, tokens=3, tree=True),
             Profile("tiny-pages", 4, 2, 32, 32, "float32", mask=True, page_size=8),
+            Profile("tiny-latent", 4, 1, 48, 32, "float32", sinks=True, v_in_k=True),  # MLA's latent cache, V in K
         ]
     return [
         Profile("llama-gqa4-bf16", 32, 8, 128, 128, "bfloat16"),
@@ -367,11 +371,15 @@ class ExtendRunner:
         key = jax.random.PRNGKey(seed)
         k1, k2, self.key = jax.random.split(key, 3)
         self.k_pool = scaled_pool(jax.random.normal(k1, (self.slots, profile.kv_heads, profile.qk_dim)), profile, "k").at[0].set(jnp.nan)
-        self.v_pool = scaled_pool(jax.random.normal(k2, (self.slots, profile.kv_heads, profile.v_dim)), profile, "v").at[0].set(jnp.nan)
+        self.v_pool = None if profile.v_in_k else scaled_pool(  # a latent pool has no V of its own
+            jax.random.normal(k2, (self.slots, profile.kv_heads, profile.v_dim)), profile, "v").at[0].set(jnp.nan)
         self.scales = profile.scales()
         p = profile
         kw = dict(causal=p.causal, sliding_window=p.window, logit_cap=p.logit_cap, xai_temperature_len=p.xai)
         self.two = functools.partial(extend_attention, mode=mode, skip_prefix_custom_mask=False, **kw)
+        if p.v_in_k:  # MLA's own extend op (causal, sinks only): the route serving DeepSeek's prefill
+            self.mla = functools.partial(mla_extend_attention, v_head_dim=p.v_dim, launch_mode=mode)
+            self.mla_ref = jax.jit(functools.partial(mla_extend_attention_reference, v_head_dim=p.v_dim))
         self.uni = functools.partial(extend_attention_unified, mode=mode, **kw)
         self.two_ref = jax.jit(functools.partial(extend_attention_reference, skip_prefix_custom_mask=False, **kw))
         self.uni_ref = jax.jit(functools.partial(extend_attention_unified_reference, **kw))
@@ -448,14 +456,20 @@ class ExtendRunner:
             mask = jnp.asarray(np.pad(np.concatenate(full), (0, self.mask_len - sum(map(len, full)))))
             mask_u = jnp.asarray(np.pad(np.concatenate(cut), (0, self.mask_len - sum(map(len, cut)))))
         sc = self.scales
-        o_two = self.two(q, k_new, v_new, self.k_pool, self.v_pool, meta, custom_mask=mask, sinks=sinks,
-                         draft_mask=draft_mask, **sc)
-        r_two = self.two_ref(q, k_new, v_new, jnp.nan_to_num(self.k_pool), jnp.nan_to_num(self.v_pool), meta, custom_mask=mask,
-                             sinks=sinks, draft_mask=draft_mask, **sc)
+        if p.v_in_k:
+            o_two = self.mla(q, k_new, self.k_pool, meta, sinks=sinks)
+            r_two = self.mla_ref(q, k_new, jnp.nan_to_num(self.k_pool), meta, sinks=sinks)
+            v_new = None
+        else:
+            o_two = self.two(q, k_new, v_new, self.k_pool, self.v_pool, meta, custom_mask=mask, sinks=sinks,
+                             draft_mask=draft_mask, **sc)
+            r_two = self.two_ref(q, k_new, v_new, jnp.nan_to_num(self.k_pool), jnp.nan_to_num(self.v_pool), meta,
+                                 custom_mask=mask, sinks=sinks, draft_mask=draft_mask, **sc)
         # Unified: write the new tokens into the pool first (slot 0 takes the padding tokens), then read all from it.
         self.k_pool, self.v_pool = self.write(self.k_pool, self.v_pool, jnp.asarray(loc), k_new, v_new, **sc)
-        o_uni = self.uni(q, self.k_pool, self.v_pool, meta_u, custom_mask=mask_u, sinks=sinks, **sc)
-        r_uni = self.uni_ref(q, self.k_pool, self.v_pool, meta_u, custom_mask=mask_u, sinks=sinks, **sc)
+        v_pool = self.k_pool[..., : p.v_dim] if p.v_in_k else self.v_pool
+        o_uni = self.uni(q, self.k_pool, v_pool, meta_u, custom_mask=mask_u, sinks=sinks, **sc)
+        r_uni = self.uni_ref(q, self.k_pool, v_pool, meta_u, custom_mask=mask_u, sinks=sinks, **sc)
         padding = np.arange(self.tokens) >= tokens
         results = []
         for name, o, r in (("extend", o_two, r_two), ("extend_unified", o_uni, r_uni)):

@@ -55,6 +55,20 @@ def test_verify_profile_runs_against_the_reference():
         assert ok, (reason, ratio, case)
 
 
+def test_latent_profile_runs_mla_extend_against_the_reference():
+    # A latent cache (V = K's first dims, no V pool): extend through jaxattn.mla.mla_extend_attention (two-stage) and
+    # the unified op on V sliced from the pool, two batches through the interpreter, no mismatch.
+    stress = load_stress_script()
+    profile = next(p for p in stress.profiles("tiny") if p.v_in_k)
+    runner = stress.ExtendRunner(profile, stress.SHAPES["tiny"], "interpret", seed=0)
+    assert runner.v_pool is None
+    for i in range(2):
+        results, _ = runner.run(stress.batch_rng(0, "extend", i), i)
+        assert [case["op"] for *_, case in results] == ["extend", "extend_unified"]
+        for ok, ratio, reason, case in results:
+            assert ok, (reason, ratio, case)
+
+
 def test_fp8_decode_form_runs_and_a_declined_profile_falls_back():
     # --fp8-decode: the Triton fp8-scores tile on the tiny fp8 profile (two batches, interpreter, no mismatch); a
     # profile the form declines (192/128: a rope-style second dot) runs the default route and says why.

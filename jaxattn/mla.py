@@ -5,11 +5,13 @@ same `ExtendMetadata`) without a separate V: k_new [tokens, 1, 576] holds the ne
 [slots, 1, 576] the cache, and V is their first 512 dims (`v_head_dim`), as SGLang's MLA backends store it.
 
 Implementations (`IMPLEMENTATIONS`, in order of preference):
-  * "mgpu" (`jaxattn.impl.mgpu_mla.EXTEND`): on sm_90, bf16/f16 at 576/512 and 288/256, a Mosaic GPU kernel reads
-    each latent row once for 64 (token, head) rows (16 heads x 4 tokens) and computes S = Q K^T once for all V columns.
-  * "mgpu-gqa" (`jaxattn.impl.mgpu_extend.LATENT`, by name only until it has run on a GPU): at 288/256 the GQA extend
-    kernel, one q head's 128 query rows per CTA sharing each latent K tile, V read from the K tiles, its two consumer
-    warpgroups alternating their softmax with each other's matrix work.
+  * "mgpu-gqa" (`jaxattn.impl.mgpu_extend.LATENT`): at 288/256 on sm_90 the GQA extend kernel, one q head's 128
+    query rows per CTA sharing each latent K tile, V read from the K tiles, its two consumer warpgroups alternating
+    their softmax with each other's matrix work (T288 on the H200: 0.631 ms, 60% of the floor, beside the MLA
+    kernel's 0.804, 2026-12-05).
+  * "mgpu" (`jaxattn.impl.mgpu_mla.EXTEND`): on sm_90, bf16/f16 at 576/512 (and 288/256 by name), a Mosaic GPU
+    kernel reads each latent row once for 64 (token, head) rows (16 heads x 4 tokens) and computes S = Q K^T once for
+    all V columns.
   * "triton": `extend_attention` on V sliced from K. The Triton kernels read V as an array of its own, so this route
     copies the first v_head_dim dims of k_pool and k_new on every call (a pool-sized copy): it is the fallback (other
     head dims such as 288/256, fp32, off Hopper), not a fast path. The cache is q's dtype: an fp8 latent cache goes

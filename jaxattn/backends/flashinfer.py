@@ -483,6 +483,8 @@ class FlashInferBackend:
     takes a fixed split size (`DETERMINISTIC_PREFILL_SPLIT_TOKENS` / `DETERMINISTIC_DECODE_SPLIT_TOKENS`, in pages of
     the plan's page size) on fa2 wrappers (the split size is fa2's) and decode runs on tensor cores
     (use_tensor_cores=False is refused); MLA layers are refused (FlashInfer's MLA wrapper has no fixed split size).
+    As in SGLang, extend is invariant only among batches whose average query length per sequence gives FlashInfer's
+    fa2 planner the same q tile (16, 64 or 128 rows, chosen per plan), which fixes a row's reduction order.
 
     Wrappers take fa3 (FlashInfer's Hopper kernels) where it takes the layer and dtypes, fa2 otherwise
     (`attention_backend`); layers whose V head dim differs from K's are refused unless they are MLA layers.

@@ -28,7 +28,9 @@ class DecodeConfig:
     # 4-token MLA verify with fewer splits; off in the tables.
     keys_as_rows: bool = False
     # Grouped kernel, fp8 pools without a rope split: q K^T on fp8 tensor cores from the K rows as loaded, q split into
-    # e4m3 parts (kernels/decode_attention.py, FP8_SCORES): no K conversion. Not yet timed on a GPU: off in the tables.
+    # e4m3 parts (kernels/decode_attention.py, FP8_SCORES): no K conversion. On the H200 (benchmarks/RESULTS.md,
+    # twenty-second session) 1.4-1.6x slower than the table's tile and outside bf16's tolerance on large scores: an
+    # experiment, off in the tables.
     fp8_scores: bool = False
 
     def __post_init__(self):
@@ -140,7 +142,9 @@ class MgpuDecodeConfig:
     kernel over fp8 pools computes S = Q K^T on fp8 tensor cores from the K tiles as stored (q split per row into e4m3
     parts: `kernels/decode_attention_mgpu.split_q_rows`) instead of converting each K tile to f16 first: half the
     conversions. pipelined_scores (with fp8_scores): the next tile's S wgmmas run during this tile's softmax and its V
-    conversion during this tile's P V (two f16 V tiles: a 2-deep ring). Neither is timed on a GPU yet: off by default."""
+    conversion during this tile's P V (two f16 V tiles: a 2-deep ring). Experiments, off by default: on the H200 fp8
+    scores missed bf16's tolerance on large scores with outlier q channels (benchmarks/RESULTS.md, twenty-second
+    session)."""
 
     splits: int | None = None
     stages: int | None = None

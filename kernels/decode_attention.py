@@ -32,16 +32,9 @@ V_IN_REGISTERS the tile is dequantised (times v_scale) to q's dot dtype in regis
 range must hold |V| (the dequantised value), which real activations do. Timed on the H200 (d3464cf) it was slower at
 every tile (D1-FP8 0.198 ms against 0.177 ms): off in the tables.
 
-FP8_SCORES (the grouped kernel, fp8 pools, no rope split; `DecodeConfig.fp8_scores`): S = q K^T on fp8 tensor cores
-from the K rows as loaded, no conversion: q is split once per program into three e4m3 parts (`kv_scales.split_q_rows`:
-per row scaled so its largest |q * SM_SCALE| is e4m3's largest value; an error within 2**-12 of the row's largest entry),
-one dot each, and each row's scale (times k_scale) is the scale the scores take. POOL_E5M2 names the
-pool's format, so interpreted runs (which see the pool as f32) give the dot the stored fp8 values. Only with
-KEYS_AS_ROWS is the dot fp8 wgmma (S^T = K q^T: both operands K-major, as fp8 wgmma needs); with the keys as columns
-Triton 3.6 lowers it to f16 mma.sync on sm_90 and converts the fp8 operands first. Compiled for sm_90 (SASS of the
-main loop, bf16 q over e4m3): the f16 dots' table tile (64 keys, 2 warps) issues 1081 instructions per warp and tile,
-2162 per 64 keys; fp8 scores with the keys as columns 2834; with the keys as rows at 128-key tiles, 4 warps, 3 stages
-1800 (17% fewer); the keys as rows without fp8 scores (64 keys, 4 warps) 2516. Not yet timed on a GPU.
+fp8 scores (q K^T on fp8 tensor cores from the stored K rows, q split into three e4m3 parts, with the keys as rows
+for fp8 wgmma) were tried and removed: on the H200 (2026-12-05) 1.4-1.6x slower than the f16 dots' table tile, whose
+SASS issues more instructions per key, and outside bf16's tolerance on large scores with outlier q channels.
 
 KEYS_AS_ROWS (the grouped kernel; `DecodeConfig.keys_as_rows`): both dots transposed, keys as their M dimension
 (S^T = K q^T, O^T += V^T p^T; the output transposed back at the end), so BLOCK_H rows are the dots' N: 16 head rows
@@ -63,7 +56,7 @@ row stores out 0 and LSE -inf, which stage 2 merges as an empty split.
 import triton
 import triton.language as tl
 
-from jaxattn.kernels.kv_scales import load_kv_scales, split_q_rows
+from jaxattn.kernels.kv_scales import load_kv_scales
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -194,13 +187,8 @@ def decode_stage1_kernel(
     Q_TOKENS: tl.constexpr,  # query tokens per sequence (module docstring)
     HAS_DRAFT_MASK: tl.constexpr,  # Q_TOKENS > 1: DRAFT_MASK gives each token's drafts; else causal
     KEYS_AS_ROWS: tl.constexpr,  # the dots with keys as their M dimension (module docstring)
-    FP8_SCORES: tl.constexpr,  # fp8 pool: q K^T on fp8 tensor cores, q in three e4m3 parts (docstring)
-    POOL_E5M2: tl.constexpr,  # FP8_SCORES: the pool holds e5m2 (else e4m3fn)
 ):
     tl.static_assert(BLOCK_H >= 16, "tl.dot needs at least 16 rows")
-    if FP8_SCORES:
-        tl.static_assert(HAS_KV_SCALES and BLOCK_DPE == 0 and BLOCK_D >= 32,
-                         "fp8 scores take an fp8 pool and one dot of at least 32 dims (no rope split)")
     if Q_TOKENS > 1:
         tl.static_assert(SLIDING_WINDOW < 0, "several query tokens take no sliding window")
         tl.static_assert(XAI_TEMPERATURE_LEN <= 0, "several query tokens take no xai temperature")
@@ -251,20 +239,13 @@ def decode_stage1_kernel(
     mask_dv = offs_dv < V_HEAD_DIM
 
     k_scale, v_scale = load_kv_scales(KV_SCALES, kv_head, KV_HEADS, HAS_KV_SCALES)
-    if FP8_SCORES:
-        q_part0, q_part1, q_part2, row_scale = split_q_rows(q, SM_SCALE)
-        sm_scale = (k_scale * row_scale)[:, None]  # what the dots leave to scale, per row
-    elif F16_DOTS:
+    if F16_DOTS:
         q = (q.to(tl.float32) * SM_SCALE).to(tl.float16)
         if BLOCK_DPE > 0:
             q_pe = (q_pe.to(tl.float32) * SM_SCALE).to(tl.float16)
         sm_scale = k_scale  # what the dots leave to scale
     else:
         sm_scale = SM_SCALE * k_scale
-    if FP8_SCORES:  # p and V in the p.v dot: fp8 V converts to f16 in one packed instruction per two elements
-        pv_dtype = tl.float16
-    else:
-        pv_dtype = q.dtype
     post_scale = _logit_scale(SEQ_LENS, seq, sm_scale, LOGIT_CAP, XAI_TEMPERATURE_LEN, XAI_INV_LOG2_LEN)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, log2 domain
@@ -283,30 +264,18 @@ def decode_stage1_kernel(
         slots = _checked_slots(tl.load(kv_base + offs_n, mask=mask_n, other=0).to(tl.int64), NUM_SLOTS)
         k_rows = k_head + slots[:, None] * STRIDE_K_SLOT
         k_stored = tl.load(k_rows + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        if FP8_SCORES:
-            k8 = k_stored.to(tl.float8e5 if POOL_E5M2 else tl.float8e4nv)  # a no-op on the GPU
-            if KEYS_AS_ROWS:  # S^T = K q^T: both operands K-major, as fp8 wgmma needs
-                # the parts accumulate in the dot (smallest first), no separate adds
-                qk_t = tl.dot(k8, tl.trans(q_part2))
-                qk_t = tl.dot(k8, tl.trans(q_part1), qk_t)
-                qk = tl.trans(tl.dot(k8, tl.trans(q_part0), qk_t))
-            else:
-                qk = tl.dot(q_part2, tl.trans(k8))
-                qk = tl.dot(q_part1, tl.trans(k8), qk)
-                qk = tl.dot(q_part0, tl.trans(k8), qk)
+        k = k_stored.to(q.dtype)
+        if KEYS_AS_ROWS:
+            qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_H] f32
+            if BLOCK_DPE > 0:
+                k_pe = tl.load(k_rows + offs_dpe[None, :], mask=mask_n[:, None] & mask_dpe[None, :], other=0.0)
+                qk_t += tl.dot(k_pe.to(q_pe.dtype), tl.trans(q_pe), input_precision=DOT_PRECISION)
+            qk = tl.trans(qk_t)
         else:
-            k = k_stored.to(q.dtype)
-            if KEYS_AS_ROWS:
-                qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_H] f32
-                if BLOCK_DPE > 0:
-                    k_pe = tl.load(k_rows + offs_dpe[None, :], mask=mask_n[:, None] & mask_dpe[None, :], other=0.0)
-                    qk_t += tl.dot(k_pe.to(q_pe.dtype), tl.trans(q_pe), input_precision=DOT_PRECISION)
-                qk = tl.trans(qk_t)
-            else:
-                qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N] f32
-                if BLOCK_DPE > 0:
-                    k_pe = tl.load(k_rows + offs_dpe[None, :], mask=mask_n[:, None] & mask_dpe[None, :], other=0.0)
-                    qk += tl.dot(q_pe, tl.trans(k_pe.to(q_pe.dtype)), input_precision=DOT_PRECISION)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N] f32
+            if BLOCK_DPE > 0:
+                k_pe = tl.load(k_rows + offs_dpe[None, :], mask=mask_n[:, None] & mask_dpe[None, :], other=0.0)
+                qk += tl.dot(q_pe, tl.trans(k_pe.to(q_pe.dtype)), input_precision=DOT_PRECISION)
         if LOGIT_CAP > 0:
             qk = _soft_cap(qk, sm_scale, LOGIT_CAP)
         qk = qk * post_scale
@@ -335,15 +304,15 @@ def decode_stage1_kernel(
                 v_head + slots[:, None] * STRIDE_V_SLOT + offs_dv[None, :], mask=mask_n[:, None] & mask_dv[None, :], other=0.0
             )
         if V_IN_REGISTERS:
-            v = (v_stored.to(tl.float32) * v_scale).to(pv_dtype)
+            v = (v_stored.to(tl.float32) * v_scale).to(q.dtype)
         elif V_FROM_K:
             v = k
         else:
-            v = v_stored.to(pv_dtype)
+            v = v_stored.to(q.dtype)
         if KEYS_AS_ROWS:
-            acc = acc * alpha[None, :] + tl.dot(tl.trans(v), tl.trans(p.to(pv_dtype)), input_precision=DOT_PRECISION)
+            acc = acc * alpha[None, :] + tl.dot(tl.trans(v), tl.trans(p.to(q.dtype)), input_precision=DOT_PRECISION)
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(pv_dtype), v, input_precision=DOT_PRECISION)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     # "No keys" is l == 0 exactly; a NaN l (NaN in q, a visited K/V or the scale) is not hidden: it stays NaN.

@@ -8,11 +8,9 @@ consumer converts each fp8 tile to f16 in shared memory (32-bit loads, packed f1
 in its transposed (MN-major) form, which needs no byte shuffles; so far that runs 1.3x slower than Triton over fp8
 pools (the conversions and the softmax sit on each consumer's critical path), so fp8 pools take it by name only.
 Moving the conversions to the producer warpgroup was 20-33% slower still (H200, 2026-12-05: one warpgroup converting
-both consumers' tiles has half the threads for the conversions that bind it) and was removed. `fp8_scores` halves
-the conversions instead: S = Q K^T runs on fp8 tensor cores straight from the K ring (q split per row into e4m3 parts,
-`split_q_rows`), and only V is converted; `pipelined_scores` also issues the next tile's S wgmmas before this tile's
-softmax and converts the next tile's V during this tile's P V, so a consumer's tiles overlap (neither timed on a GPU
-yet).
+both consumers' tiles has half the threads for the conversions that bind it) and was removed, as were fp8 scores
+(S = Q K^T on fp8 tensor cores from the K ring, q split into three e4m3 parts: outside bf16's tolerance on large scores
+with outlier q channels on the H200, 2026-12-05).
 
 A work item = one sequence x two kv heads x one split of its keys; the launch is one CTA per item, or (many short
 items) one persistent CTA per multiprocessor taking items in turn, whose producer fills the rings with the next
@@ -57,7 +55,6 @@ from jaxattn.kernels.extend_attention_mgpu import (
     row_sources,
     wait_barrier,
 )
-from jaxattn.kernels.kv_scales import E4M3_MAX, Q_PARTS, TINY_ROW_MAX
 from jaxattn.kernels.mla_attention_mgpu import (
     BLOCK_KV,
     BLOCK_ROWS,
@@ -75,35 +72,12 @@ HEAD_DIMS = {1: (128,), 2: (64, 128)}  # by the pool's bytes per element
 CONSUMERS = 2  # kv heads per CTA, one consumer warpgroup each
 
 
-def shared_bytes(head_dim: int, pool_itemsize: int, stages: int, q_parts: int = 0, pipelined: bool = False) -> int:
-    """A CTA's shared memory: per consumer Q, its K and V rings, (fp8) its f16 V tile (two when `pipelined`) and either
-    its f16 K tile or (q_parts > 0: fp8 scores) its Q's e4m3 parts; 4 KB for the mbarriers and Pallas' alignment
-    padding (a kernel within 2 KB of the limit failed to launch: `MgpuExtendConfig`'s rule)."""
+def shared_bytes(head_dim: int, pool_itemsize: int, stages: int) -> int:
+    """A CTA's shared memory: per consumer Q, its K and V rings, (fp8) its f16 K and V tiles; 4 KB for the mbarriers
+    and Pallas' alignment padding (a kernel within 2 KB of the limit failed to launch: `MgpuExtendConfig`'s rule)."""
     tile = BLOCK_KV * head_dim
-    converted = 0
-    if pool_itemsize == 1:
-        converted = (2 if pipelined else 1) * tile * 2 + (q_parts * BLOCK_ROWS * head_dim if q_parts else tile * 2)
+    converted = 2 * tile * 2 if pool_itemsize == 1 else 0
     return CONSUMERS * (BLOCK_ROWS * head_dim * 2 + 2 * stages * tile * pool_itemsize + converted) + 4096
-
-
-def split_q_rows(q_regs, sm_scale: float, parts: int):
-    """Q's rows for fp8 scores: (the e4m3 parts, [64, head_dim] each in q_regs' layout, the row scales f32[64]) with
-    q * sm_scale ~= row_scale * (part 0 + part 1 + ...). Each row is scaled so its largest |q| is e4m3's largest
-    finite value, rounded to e4m3, and each further part holds the rounding left by the parts before it (4
-    significant bits per part; `kernels/kv_scales.py` holds the rule, and its Triton twin). A row whose largest
-    |q * sm_scale| is under TINY_ROW_MAX has scale 1, its parts 0. A NaN in q is NaN in every part, so each of its
-    row's scores is NaN, whether or not the row's max (PTX's max.f32 drops NaN) made the scale NaN."""
-    scaled = q_regs.astype(jnp.float32) * sm_scale
-    row_max = jnp.abs(scaled).max(axis=1)
-    row_scale = jnp.where(row_max < TINY_ROW_MAX, 1.0, row_max * (1.0 / E4M3_MAX))
-    left = scaled / lax.broadcast_in_dim(row_scale, scaled.shape, [0])
-    out = []
-    for i in range(parts):
-        part = left.astype(jnp.float8_e4m3fn)
-        out.append(part)
-        if i + 1 < parts:
-            left = left - part.astype(jnp.float32)
-    return out, row_scale
 
 
 def _barriers(stages: int):
@@ -116,7 +90,7 @@ def _barriers(stages: int):
 
 def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_splits, kv_scales, *, sm_scale,
                            max_kv_splits, stages, sliding_window=-1, min_block_kv=32, persistent_ctas=0,
-                           final=False, fp8_scores=False, pipelined_scores=False):
+                           final=False):
     """Stage 1 of split-KV decode, one query token per sequence. Returns (mid_o f32[batch * q_heads * max_kv_splits,
     head_dim], mid_lse f32[batch * q_heads * max_kv_splits]): row g = b * q_heads + h, split s at g * max_kv_splits + s
     (`decode_stage1_kernel`'s MID_O / MID_LSE flattened). Entries of empty splits are not written.
@@ -132,11 +106,6 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
     final (max_kv_splits 1 only): returns the attention itself instead, (o [batch * q_heads, head_dim] in q's dtype,
     lse f32[batch * q_heads]), what stage 2 makes of one split (bit for bit, without sinks): rows of empty sequences
     0 with LSE -inf; no merge launch.
-    fp8_scores (fp8 pools only): S = Q K^T on fp8 tensor cores, K read from its ring as stored (no f16 copy), q split
-    per row into Q_PARTS e4m3 parts (`split_q_rows`), one wgmma each, the row scales folded into the softmax's
-    scale; V is converted to f16 as without it.
-    pipelined_scores (with fp8_scores): the next tile's S wgmmas are issued before this tile's softmax, which runs while
-    they do, and the next tile's V is converted while this tile's P V runs (into the second of two f16 V tiles).
     """
     batch, q_heads, head_dim = q.shape
     slots, kv_heads, _ = k_pool.shape
@@ -153,14 +122,9 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
         raise ValueError(f"the pools must be q's dtype or fp8; got {k_pool.dtype} with q {q.dtype}")
     if fp8 != (kv_scales is not None):
         raise ValueError("kv_scales is given exactly when the pools are fp8")
-    if fp8_scores and not fp8:
-        raise ValueError("fp8_scores takes fp8 pools only")
-    if pipelined_scores and not fp8_scores:
-        raise ValueError("pipelined_scores takes fp8_scores")
     if final and max_kv_splits != 1:
         raise ValueError(f"final outputs take max_kv_splits == 1; got {max_kv_splits}")
     itemsize = k_pool.dtype.itemsize
-    q_parts = Q_PARTS if fp8_scores else 0
     group = q_heads // kv_heads
     capacity = kv_indices.shape[0]
     ring_transforms = SWIZZLED_8BIT if fp8 else SWIZZLED
@@ -171,7 +135,7 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
 
     def body(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_ref, v_ref, scales_ref, mid_o_ref, mid_lse_ref,
              scoped):
-        q_smem, k_rings, v_rings, converted, q8, bars = scoped
+        q_smem, k_rings, v_rings, converted, bars = scoped
         wg = lax.axis_index("wg")
 
         def item_at(k):
@@ -214,8 +178,8 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
             """Consumer warpgroup c (a traced index) on kv head CONSUMERS * head_pair + c of each item. Counters:
             (ring tiles it has consumed, Q loads it has read)."""
             ring0 = c * stages  # consumer c's slots of the rings, and of their barriers
-            v16 = converted[0].at[c] if fp8 else None  # pipelined: [2, BLOCK_KV, head_dim], tile t in t % 2
-            k16 = converted[1].at[c] if fp8 and not q_parts else None  # fp8 scores read K's ring tile itself
+            v16 = converted[0].at[c] if fp8 else None
+            k16 = converted[1].at[c] if fp8 else None
             plgpu.set_max_registers(232, action="increase")
 
             def ring_slot(tile):  # ring tile number -> (slot, phase parity)
@@ -243,14 +207,7 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
                     q_regs = plgpu.load(q_smem.at[c], layout=plgpu.Layout.WGMMA)
                     if ctas:  # the producer may load the next item's Q
                         arrive_barrier(bars, q_free + c)
-                    if q_parts:  # Q's e4m3 parts to shared memory for the S wgmmas; each row's scale joins k_scale
-                        parts, row_scale = split_q_rows(q_regs, sm_scale, q_parts)
-                        for i, part in enumerate(parts):
-                            q8.at[c, i][...] = part
-                        plgpu.commit_smem()
-                        scale_log2 = row_scale * (scales_ref[kv_head] * LOG2E)
-                        v_scale = scales_ref[kv_heads + kv_head]
-                    elif fp8:  # f16 dots (f16 holds fp8 exactly)
+                    if fp8:  # f16 dots (f16 holds fp8 exactly)
                         if q.dtype == jnp.bfloat16:  # rounded to f16 once, sm_scale applied before (f16's range)
                             q_regs = (q_regs.astype(jnp.float32) * sm_scale).astype(jnp.float16)
                             scale_log2 = scales_ref[kv_head] * LOG2E
@@ -261,63 +218,23 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
                         scale_log2 = float(sm_scale) * LOG2E
                         v_scale = None
 
-                    if fp8 and not q_parts:  # tile 0's K; each step converts the next tile's K while its P V runs
+                    if fp8:  # tile 0's K; each step converts the next tile's K while its P V runs
                         convert(k_rings, k16, ring_done, k_ready)
                         plgpu.commit_smem()
-
-                    def scores(s_ref, tile):
-                        """Issues S = Q K^T of ring tile `tile` (fp8 scores: one wgmma per q part) into s_ref."""
-                        slot, _ = ring_slot(tile)
-                        for i in range(q_parts):
-                            plgpu.wgmma(s_ref, q8.at[c, i], k_rings.at[slot].transpose((1, 0)))
-
-                    def pipelined_step(step, carry, masked, has_next):
-                        """One tile with fp8 scores, pipelined: carry's s is this tile's S (issued the step before);
-                        the next tile's S wgmmas run during this tile's softmax, its V conversion during P V, then its
-                        ring slot is released (its K read by the completed wgmmas, its V converted)."""
-                        acc, m_i, l_i, s = carry
-                        following = ring_done + step + 1
-                        slot_f, parity_f = ring_slot(following)
-                        if masked:
-                            cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
-                            s = jnp.where(decode_visible(cta, step, cols, 1), s, -jnp.inf)
-
-                        def next_scores_and_softmax(s_ref):
-                            if has_next:
-                                wait_barrier(bars, k_ready + slot_f, parity_f)
-                                scores(s_ref, following)
-                            p, acc_scaled, m_new, l_new, _ = online_softmax_tile(s, acc, m_i, l_i, scale_log2)
-                            return s_ref[...], p.astype(jnp.float16), acc_scaled, m_new, l_new
-
-                        s_next, p16, acc, m_new, l_i = pl.run_scoped(next_scores_and_softmax,
-                                                                     plgpu.ACC((BLOCK_ROWS, BLOCK_KV), jnp.float32))
-
-                        def pv(acc_ref):
-                            plgpu.wgmma(acc_ref, p16, v16.at[lax.rem(step, 2)])
-                            if has_next:
-                                convert(v_rings, v16.at[lax.rem(step + 1, 2)], following, v_ready)
-                                arrive_barrier(bars, free + slot_f)
-                                plgpu.commit_smem()
-
-                        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                        return acc, m_new, l_i, s_next
 
                     def step_fn(step, carry, masked):
                         acc, m_i, l_i = carry
                         tile = ring_done + step  # traced here: the closures below must not capture a constant
                         slot, parity = ring_slot(tile)
-                        if not fp8 or q_parts:
+                        if not fp8:
                             wait_barrier(bars, k_ready + slot, parity)
-                        k_tile = k16 if k16 is not None else k_rings.at[slot]
+                        k_tile = k16 if fp8 else k_rings.at[slot]
 
                         def qk(s_ref):
-                            if q_parts:
-                                scores(s_ref, tile)
-                            else:
-                                plgpu.wgmma(s_ref, q_regs, k_tile.transpose((1, 0)))
+                            plgpu.wgmma(s_ref, q_regs, k_tile.transpose((1, 0)))
                             if fp8:  # V's conversion overlaps the wgmma; then both fp8 tiles are read: release the slot
                                 convert(v_rings, v16, tile, v_ready)
-                                s = s_ref[...]  # the S wgmmas done: (fp8 scores) they have read K's ring tile
+                                s = s_ref[...]
                                 arrive_barrier(bars, free + slot)
                                 plgpu.commit_smem()
                                 return s
@@ -335,7 +252,7 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
 
                         def pv(acc_ref):
                             plgpu.wgmma(acc_ref, p16, v_tile)
-                            if fp8 and not q_parts:  # S = Q K^T has completed: K's f16 tile takes the next tile
+                            if fp8:  # S = Q K^T has completed: K's f16 tile takes the next tile
                                 @pl.when(step + 1 < cta.steps)
                                 def _():
                                     convert(k_rings, k16, tile + 1, k_ready)
@@ -346,32 +263,10 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
                             arrive_barrier(bars, free + slot)
                         return acc, m_new, l_i
 
-                    if pipelined_scores:
-                        # Tile 0's S and V before the loops; every step but the last issues the next tile's work; the
-                        # last step (masked: a full tile's mask is all visible) closes the item.
-                        tile0 = ring_done
-                        slot0, parity0 = ring_slot(tile0)
-                        wait_barrier(bars, k_ready + slot0, parity0)
-
-                        def first_scores(s_ref):
-                            scores(s_ref, tile0)
-                            convert(v_rings, v16.at[0], tile0, v_ready)
-                            s = s_ref[...]
-                            arrive_barrier(bars, free + slot0)
-                            plgpu.commit_smem()
-                            return s
-
-                        carry = (acc, m_i, l_i, pl.run_scoped(first_scores, plgpu.ACC((BLOCK_ROWS, BLOCK_KV), jnp.float32)))
-                        last = cta.steps - 1
-                        unmasked_end = jnp.minimum(cta.full_steps, last)
-                        carry = lax.fori_loop(0, unmasked_end, lambda i, c: pipelined_step(i, c, False, True), carry)
-                        carry = lax.fori_loop(unmasked_end, last, lambda i, c: pipelined_step(i, c, True, True), carry)
-                        acc, m_i, l_i, _ = pipelined_step(last, carry, True, False)
-                    else:
-                        carry = (acc, m_i, l_i)
-                        carry = lax.fori_loop(0, cta.full_steps, lambda i, c: step_fn(i, c, False), carry)
-                        carry = lax.fori_loop(cta.full_steps, cta.steps, lambda i, c: step_fn(i, c, True), carry)
-                        acc, m_i, l_i = carry
+                    carry = (acc, m_i, l_i)
+                    carry = lax.fori_loop(0, cta.full_steps, lambda i, c: step_fn(i, c, False), carry)
+                    carry = lax.fori_loop(cta.full_steps, cta.steps, lambda i, c: step_fn(i, c, True), carry)
+                    acc, m_i, l_i = carry
                     factor = inverse_sum(l_i)
                     if v_scale is not None:
                         factor = factor * v_scale
@@ -449,12 +344,7 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
             # K and V rings, consumer c's slots at [c * stages, (c + 1) * stages)
             plgpu.SMEM((CONSUMERS * stages, BLOCK_KV, head_dim), k_pool.dtype, transforms=ring_transforms),
             plgpu.SMEM((CONSUMERS * stages, BLOCK_KV, head_dim), k_pool.dtype, transforms=ring_transforms),
-            # f16 V (two when pipelined) and (unless fp8 scores) K per consumer
-            ([plgpu.SMEM((CONSUMERS, 2, BLOCK_KV, head_dim), jnp.float16, transforms=SWIZZLED)] if pipelined_scores
-             else [plgpu.SMEM(tiles, jnp.float16, transforms=SWIZZLED)] * (2 if fp8 and not q_parts else 1 if fp8 else 0)),
-            # fp8 scores: Q's e4m3 parts per consumer
-            plgpu.SMEM((CONSUMERS, q_parts, BLOCK_ROWS, head_dim), jnp.float8_e4m3fn, transforms=SWIZZLED_8BIT)
-            if q_parts else [],
+            [plgpu.SMEM(tiles, jnp.float16, transforms=SWIZZLED)] * (2 if fp8 else 0),  # fp8: f16 V and K per consumer
             plgpu.SMEM((2 * len(counts),), jnp.int32),  # the mbarriers, 8 bytes each
         ]
         pl.run_scoped(lambda *scoped: body(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_ref, v_ref, scales_ref,

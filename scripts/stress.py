@@ -13,7 +13,6 @@ batch (zero-length sequences included).
     python scripts/stress.py --batches 1000 --json benchmarks/results/stress_h200.json        # on the H200
     python scripts/stress.py --batches 5 --mode interpret --shapes tiny --json /tmp/s.json    # CPU smoke run
     python scripts/stress.py --batches 1000 --workers 5 --json s.json     # profiles split over 5 processes
-    python scripts/stress.py --ops decode --profiles fp8 --fp8-decode mgpu-pipelined   # an opt-in fp8 decode form
 
 Batch i of an op draws its lengths, slots and masks from its own generator (seed, op, i); the data (q, K/V) come
 from its profile's runner, whose state depends only on that profile's earlier batches. A profile always runs whole
@@ -59,9 +58,7 @@ from jaxattn.mla import mla_extend_attention, mla_extend_attention_reference  # 
 from jaxattn.kv_pool import write_kv  # noqa: E402
 from jaxattn.paging import extend_metadata_from_pages, extend_unified_metadata_from_pages  # noqa: E402
 
-from jaxattn.registry import Declined  # noqa: E402
 from jaxattn.testing import tolerance  # noqa: E402  (the test suite's table)
-from jaxattn.tuning import DecodeConfig, MgpuDecodeConfig  # noqa: E402
 
 TOLERANCES = {name: tuple(tolerance(name).values()) for name in ("float32", "float16", "bfloat16")}  # for the record
 
@@ -257,24 +254,9 @@ class Tally:
 # ---------------------------------------------------------------------------------------------
 # Decode
 
-# `--fp8-decode`: decode over fp8 pools through an opt-in form instead of the default route ("table"), before it is
-# made a default (kernels/decode_attention.py and kernels/decode_attention_mgpu.py: fp8 scores). A profile the form
-# declines (an MLA latent head, a soft cap on the Mosaic GPU kernel, ...) runs the default route; the run says so.
-FP8_DECODE_FORMS = {
-    "table": {},
-    "triton-fp8-scores": dict(config=DecodeConfig(block_n=128, num_warps=4, num_stages=3, keys_as_rows=True,
-                                                  fp8_scores=True)),
-    "mgpu-fp8-scores": dict(impl="mgpu-gqa-fp8", config=MgpuDecodeConfig(fp8_scores=True)),
-    "mgpu-pipelined": dict(impl="mgpu-gqa-fp8", config=MgpuDecodeConfig(fp8_scores=True, pipelined_scores=True)),
-}
-
-
 class DecodeRunner:
-    def __init__(self, profile: Profile, shapes: Shapes, mode: str, seed: int, fp8_form: str = "table"):
+    def __init__(self, profile: Profile, shapes: Shapes, mode: str, seed: int):
         self.p, self.s, self.mode = profile, shapes, mode
-        # the fp8 form's arguments for fp8 pools (dropped, with the reason, if the form declines the profile)
-        self.form_kw = FP8_DECODE_FORMS[fp8_form] if profile.kv_dtype else {}
-        self.declined = None
         self.dtype = jnp.dtype(profile.dtype)
         self.slots = shapes.dec_batch * shapes.dec_max_len + 64
         self.capacity = shapes.dec_batch * shapes.dec_max_len
@@ -334,14 +316,7 @@ class DecodeRunner:
         sinks = jax.random.normal(ks, (p.q_heads,)) * 2 if p.sinks else None
         meta = self.meta(jnp.asarray(table), jnp.asarray(rows), jnp.asarray(lens))
         args = (q, self.k_pool, self.v_pool, meta)
-        try:
-            o = self.attn(*args, sinks=sinks, draft_mask=draft_mask, **self.scales, **self.form_kw)
-        except Declined as error:  # the fp8 form declines this profile: the default route from here on
-            if not self.form_kw:
-                raise
-            self.declined, self.form_kw = str(error).splitlines()[0][:300], {}
-            print(f"  {p.name}: the fp8 form declines it ({self.declined}); the default route instead", flush=True)
-            o = self.attn(*args, sinks=sinks, draft_mask=draft_mask, **self.scales)
+        o = self.attn(*args, sinks=sinks, draft_mask=draft_mask, **self.scales)
         ref = self.ref(q, self.k_pool, self.v_pool, meta, sinks=sinks, draft_mask=draft_mask, **self.scales)
         # Rows with no key: padding sequences, and (causal, no sinks) the tokens placed before a short list's start.
         empty = np.broadcast_to((lens == 0)[:, None], (s.dec_batch, t)).copy()
@@ -558,8 +533,6 @@ def main(argv=None):
     parser.add_argument("--workers", type=int, default=1, help="processes to split the profiles over")
     parser.add_argument("--profiles", default=None, metavar="REGEX",
                         help="only the profiles whose name this regular expression finds (default: all)")
-    parser.add_argument("--fp8-decode", choices=sorted(FP8_DECODE_FORMS), default="table",
-                        help="decode over fp8 pools through this opt-in form (default: the default route)")
     parser.add_argument("--shard", default=None, help=argparse.SUPPRESS)  # "w/N": set by --workers for its children
     args = parser.parse_args(argv)
     if args.workers < 1:
@@ -582,7 +555,7 @@ def main(argv=None):
         mismatches = sum(t.mismatches for t in tallies.values())
         return dict(
             environment=environment(mode),
-            settings=dict(batches_per_op=args.batches, ops=args.ops, seed=args.seed, fp8_decode=args.fp8_decode,
+            settings=dict(batches_per_op=args.batches, ops=args.ops, seed=args.seed,
                           shapes=dataclasses.asdict(shapes),
                           shapes_name=shapes_name, profiles=[dataclasses.asdict(p) for p in profs], tolerances=TOLERANCES,
                           workers=args.workers, shard=args.shard),
@@ -600,8 +573,7 @@ def main(argv=None):
 
     if args.workers > 1 and args.shard is None:
         # The children get the parent's resolved settings; --shard and --json are added per child.
-        child_argv = ["--batches", str(args.batches), "--ops", *args.ops, "--mode", mode, "--shapes", shapes_name, "--seed", str(args.seed),
-                      "--fp8-decode", args.fp8_decode]
+        child_argv = ["--batches", str(args.batches), "--ops", *args.ops, "--mode", mode, "--shapes", shapes_name, "--seed", str(args.seed)]
         if args.profiles is not None:
             child_argv += ["--profiles", args.profiles]
         records = run_workers(child_argv, args.workers, args.json)
@@ -622,7 +594,7 @@ def main(argv=None):
             if profile.name not in runners:
                 seed = args.seed * 1000 + profile_index
                 if op == "decode":
-                    runners[profile.name] = DecodeRunner(profile, shapes, mode, seed=seed, fp8_form=args.fp8_decode)
+                    runners[profile.name] = DecodeRunner(profile, shapes, mode, seed=seed)
                 else:
                     runners[profile.name] = ExtendRunner(profile, shapes, mode, seed=seed)
             runner = runners[profile.name]

@@ -177,17 +177,6 @@ DECODE_SHAPES = [
     # One split: the kernel writes o and the LSE (no merge), persistent and not.
     ("gqa-decode-bf16-32x8-final", "gqa", 4, 32, jnp.bfloat16, dict(kv_heads=8, splits=1, persistent=False)),
     ("gqa-decode-e4m3-12x3-bf16-final-persistent", "gqa", 5, 12, jnp.bfloat16, dict(kv_heads=3, pool=jnp.float8_e4m3fn, splits=1, persistent=True)),
-    # fp8 scores (S on fp8 tensor cores from the K ring, q in three e4m3 parts): bf16 q persistent; f16 q
-    # over e5m2 with a window, one split (final write).
-    ("gqa-decode-e4m3-32x8-bf16-fp8-scores-persistent", "gqa", 4, 32, jnp.bfloat16,
-     dict(kv_heads=8, pool=jnp.float8_e4m3fn, fp8_scores=True, persistent=True)),
-    ("gqa-decode-e5m2-8x1-f16-fp8-scores-window-final", "gqa", 3, 8, jnp.float16,
-     dict(kv_heads=1, pool=jnp.float8_e5m2, fp8_scores=True, sliding_window=50, splits=1)),
-    # ... pipelined (the next tile's S during this tile's softmax): persistent with several splits, and one CTA per item.
-    ("gqa-decode-e4m3-12x3-bf16-fp8-scores-pipelined-persistent", "gqa", 5, 12, jnp.bfloat16,
-     dict(kv_heads=3, pool=jnp.float8_e4m3fn, fp8_scores=True, pipelined_scores=True, persistent=True)),
-    ("gqa-decode-e5m2-32x8-f16-fp8-scores-pipelined-window", "gqa", 4, 32, jnp.float16,
-     dict(kv_heads=8, pool=jnp.float8_e5m2, fp8_scores=True, pipelined_scores=True, sliding_window=70, persistent=False)),
 ]
 
 
@@ -236,9 +225,7 @@ def lower_gqa_decode(batch, q_heads, dtype, features, *, slots, capacity):
         decode_call = DecodeCall(q=q, k_pool=k_pool, v_pool=v_pool, meta=meta, sinks=None, sm_scale=0.07, logit_cap=0.0,
                                  xai_temperature_len=-1, sliding_window=window, v_head_dim=dim, return_lse=False,
                                  config=MgpuDecodeConfig(stages=features.pop("stages", None), splits=features.pop("splits", None),
-                                                         persistent=features.pop("persistent", None),
-                                                         fp8_scores=features.pop("fp8_scores", False),
-                                                         pipelined_scores=features.pop("pipelined_scores", False)),
+                                                         persistent=features.pop("persistent", None)),
                                  launch_mode="gpu",
                                  kv_scales=kv_scales)
         if kernel_split_bound(decode_call) == 1:  # the kernel writes the result (stage 2 is Triton: not lowered here)

@@ -303,8 +303,6 @@ def test_config_table():
         DecodeConfig(block_h=1, keys_as_rows=True)
     with pytest.raises(ValueError, match="keys_as_rows must be a bool"):
         DecodeConfig(keys_as_rows=1)
-    with pytest.raises(ValueError, match="fp8_scores takes the grouped kernel"):
-        DecodeConfig(block_h=1, fp8_scores=True)
 
 
 def test_clear_errors(rng):

@@ -89,78 +89,19 @@ def test_decode_matches_reference(rng, dtypes, shape):
     assert np.all(np.asarray(lse[2]) == -np.inf)
 
 
-FP8_SCORES = MgpuDecodeConfig(fp8_scores=True)
-PIPELINED = MgpuDecodeConfig(fp8_scores=True, pipelined_scores=True)
-FP8_SCORES_FORMS = [pytest.param(FP8_SCORES, id="fp8-scores"), pytest.param(PIPELINED, id="fp8-scores-pipelined")]
-
-
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("dtypes", POOLS[:2])
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("config", FP8_SCORES_FORMS)
-def test_fp8_scores_match_reference(rng, dtypes, shape, config):
-    # S = Q K^T on fp8 tensor cores (q in three e4m3 parts) within q's dtype's tolerance; pipelined: the next tile's S
-    # issued before this tile's softmax.
-    dtype, pool = dtypes
-    q_heads, kv_heads, dim = shape
-    q, k_pool, v_pool, meta, kwargs = make_case(rng, q_heads, kv_heads, dim, dtype, pool)
-    o, lse, ref_o, ref_lse = run_both(q, k_pool, v_pool, meta, config=config, **kwargs)
-    assert_close(o, lse, ref_o, ref_lse, dtype)
-    np.testing.assert_array_equal(np.float32(o[2]), 0.0)  # padding row
-    assert np.all(np.asarray(lse[2]) == -np.inf)
-
-
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("dtypes", POOLS[:2])
-@pytest.mark.parametrize("persistent", [False, True], ids=["one-cta-per-item", "persistent"])
-def test_pipelined_scores_are_the_same_bits(rng, dtypes, persistent):
-    # Pipelining moves when a tile's S wgmmas and V conversion run, not what they compute: every tile's scores, softmax
-    # and P V are the unpipelined fp8-scores form's, bit for bit (over items of 0, 1 and many tiles, windows, splits).
-    dtype, pool = dtypes
-    q, k_pool, v_pool, meta, kwargs = make_case(rng, 12, 3, 128, dtype, pool, kv_lens=KV_LENS * 3, window=700)
-    config = MgpuDecodeConfig(fp8_scores=True, splits=3, persistent=persistent, stages=2)
-    plain = decode_attention(q, k_pool, v_pool, meta, impl="mgpu-gqa-fp8", config=config, **kwargs)
-    pipelined = decode_attention(q, k_pool, v_pool, meta, impl="mgpu-gqa-fp8",
-                                 config=dataclasses.replace(config, pipelined_scores=True), **kwargs)
-    np.testing.assert_array_equal(np.float32(pipelined), np.float32(plain))
-
-
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("dtypes", POOLS[:2])
-@pytest.mark.parametrize("config", [pytest.param(None, id="consumers-convert")] + FP8_SCORES_FORMS)
-def test_fp8_large_scores_and_outlier_channels(rng, dtypes, config):
-    # Scores of tens (q x 20: a sharp softmax magnifies score errors) and q rows with two channels x 100 (the q split's
-    # error is relative to its row's largest entry): within q's tolerance of the reference, with fp8 scores (whose
-    # wgmmas also accumulate at the tensor cores' fp8 precision) as with the f16 dots.
+def test_fp8_large_scores_and_outlier_channels(rng, dtypes):
+    # Scores of tens (q x 20: a sharp softmax magnifies score errors) and q rows with two channels x 100: within q's
+    # tolerance of the reference (the f16 dots round bf16 q * sm_scale to f16 once).
     dtype, pool = dtypes
     q, k_pool, v_pool, meta, kwargs = make_case(rng, 32, 8, 128, dtype, pool)
     q = (q.astype(jnp.float32) * 20).astype(dtype)
-    assert_close(*run_both(q, k_pool, v_pool, meta, config=config, **kwargs), dtype)
+    assert_close(*run_both(q, k_pool, v_pool, meta, **kwargs), dtype)
     q, k_pool, v_pool, meta, kwargs = make_case(rng, 32, 8, 128, dtype, pool)
     q = q.at[:, :, 3].multiply(100).at[:, :, 77].multiply(100)
-    assert_close(*run_both(q, k_pool, v_pool, meta, config=config, **kwargs), dtype)
-
-
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("dtypes", POOLS[:2])
-@pytest.mark.parametrize("config", [MgpuDecodeConfig(fp8_scores=True, splits=1, persistent=True),
-                                    MgpuDecodeConfig(fp8_scores=True, splits=3, persistent=True),
-                                    MgpuDecodeConfig(fp8_scores=True, splits=2, stages=2, persistent=False),
-                                    MgpuDecodeConfig(fp8_scores=True, pipelined_scores=True, splits=1, persistent=True),
-                                    MgpuDecodeConfig(fp8_scores=True, pipelined_scores=True, splits=3, persistent=True),
-                                    MgpuDecodeConfig(fp8_scores=True, pipelined_scores=True, splits=2, persistent=False)],
-                         ids=["final-persistent", "3-splits-persistent", "2-stages", "pipelined-final-persistent",
-                              "pipelined-3-splits-persistent", "pipelined-2-splits"])
-def test_fp8_scores_launches_window_and_sinks(rng, dtypes, config):
-    # Persistent CTAs carry Q's parts across items; a window and sinks; the final write; a 2-stage ring.
-    dtype, pool = dtypes
-    q, k_pool, v_pool, meta, kwargs = make_case(rng, 12, 3, 128, dtype, pool, kv_lens=KV_LENS * 6, window=700)
-    sinks = None if config.splits == 1 else jnp.asarray(rng.standard_normal(12).astype(np.float32))
-    assert_close(*run_both(q, k_pool, v_pool, meta, config=config, sinks=sinks, **kwargs), dtype)
+    assert_close(*run_both(q, k_pool, v_pool, meta, **kwargs), dtype)
 
 
 @pytest.mark.gpu
@@ -239,13 +180,11 @@ def test_window_sinks_and_deterministic(rng):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("pool, config", [(jnp.float8_e4m3fn, None), (jnp.bfloat16, None),
-                                          (jnp.float8_e4m3fn, FP8_SCORES), (jnp.float8_e4m3fn, PIPELINED)],
-                         ids=["e4m3", "bf16", "e4m3-fp8-scores", "e4m3-fp8-scores-pipelined"])
-def test_nan_stays_in_its_row(rng, pool, config):
+@pytest.mark.parametrize("pool", [jnp.float8_e4m3fn, jnp.bfloat16], ids=["e4m3", "bf16"])
+def test_nan_stays_in_its_row(rng, pool):
     q, k_pool, v_pool, meta, kwargs = make_case(rng, 32, 8, 128, jnp.bfloat16, pool)
-    q = q.at[4, 3, 100].set(jnp.nan)  # fp8 scores: the row's scale is NaN, its neighbours' parts unaffected
-    o = decode_attention(q, k_pool, v_pool, meta, impl=impl_for(q, k_pool), config=config, **kwargs)
+    q = q.at[4, 3, 100].set(jnp.nan)
+    o = decode_attention(q, k_pool, v_pool, meta, impl=impl_for(q, k_pool), **kwargs)
     assert_nan_confined(o, (4, 3))
 
 
@@ -292,45 +231,10 @@ def test_declines_name_the_reason():
     assert "grid's third dimension" in declines(_call(batch=70000, config=MgpuDecodeConfig(persistent=False)))
     assert declines(_call(batch=70000)) == hardware.mosaic_gpu_unavailable("gpu")  # persistent CTAs: a 1-D grid
     assert "MgpuDecodeConfig" in declines(_call(config=object()))
-    assert "fp8_scores" in declines(_call(config=MgpuDecodeConfig(fp8_scores=True)))  # a 16-bit pool
     assert "interpreted" in declines(_call(launch_mode="interpret"))
     if not HAS_GPU:
         assert "sm_90" in declines(_call())
         assert "sm_90" in declines(_call(dim=64))  # 16-bit pools take head dim 64
-
-
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_q_parts_keep_q_precision(rng, dtype):
-    # CPU, the kernel's own `split_q_rows` on jnp arrays: each row rebuilt from its e4m3 parts within 2**(-4 * parts)
-    # of its largest |q| (rows of any magnitude, a zero row stays 0, NaN stays NaN), and attention over the
-    # rebuilt q (the fp8-scores kernel's scores) within q's dtype's tolerance of attention over q itself.
-    from jaxattn.kernels.decode_attention_mgpu import split_q_rows
-    from jaxattn.kernels.kv_scales import Q_PARTS, TINY_ROW_MAX
-
-    sm_scale = 128 ** -0.5
-    parts = Q_PARTS
-    rows = rng.standard_normal((64, 128)) * np.exp(rng.uniform(-8, 8, (64, 1)))
-    rows[5] = 0.0
-    rows[6] = 2.0**-70  # under TINY_ROW_MAX: parts 0 (f16 flushes it to 0 anyway)
-    rows[9, 17] = np.nan
-    q = jnp.asarray(rows, dtype)
-    q_parts, row_scale = split_q_rows(q, sm_scale, parts)
-    assert len(q_parts) == parts and all(p.dtype == jnp.float8_e4m3fn for p in q_parts)
-    rebuilt = np.float32(row_scale)[:, None] * sum(np.float32(p) for p in q_parts)
-    exact = np.float32(q) * np.float32(sm_scale)
-    finite = np.isfinite(exact).all(axis=1)
-    bound = np.maximum(2.0 ** (-4 * parts) * np.abs(exact[finite]).max(axis=1, keepdims=True), TINY_ROW_MAX)
-    assert np.all(np.abs(rebuilt[finite] - exact[finite]) <= bound)
-    assert np.all(rebuilt[5:7] == 0.0) and finite.sum() == 63
-    # NaN stays in every part (so each of the row's scores is NaN), whatever max() makes of it in the row's scale.
-    assert all(np.isnan(np.float32(p[9, 17])) for p in q_parts)
-
-    q, k_pool, v_pool, meta, kwargs = make_case(rng, 32, 8, 128, dtype, jnp.float8_e4m3fn)
-    flat_parts, flat_scale = split_q_rows(q.reshape(-1, 128), sm_scale, parts)
-    q_rebuilt = (flat_scale[:, None] * sum(p.astype(jnp.float32) for p in flat_parts) / sm_scale).reshape(q.shape)
-    o = decode_attention_reference(q_rebuilt, k_pool, v_pool, meta, **kwargs)
-    ref_o = decode_attention_reference(q, k_pool, v_pool, meta, **kwargs)
-    np.testing.assert_allclose(np.float32(o), np.float32(ref_o), **testing.tolerance(dtype))
 
 
 def test_split_rule_fills_the_gpu_once():
@@ -369,13 +273,6 @@ def test_stages_that_do_not_fit_are_refused():
     assert mgpu_decode.ring_stages(128, 1) == 3 and mgpu_decode.ring_stages(128, 2) == 2
     assert mgpu_decode.ring_stages(64, 2) == 3 and mgpu_decode.ring_stages(128, 1, 2) == 2
     assert shared_bytes(128, 1, 3) <= 232448 < shared_bytes(128, 2, 3)
-    # fp8 scores: Q's e4m3 parts (8 KB per part and consumer) instead of the f16 K tile (16 KB): 3 stages still fit
-    assert shared_bytes(128, 1, 3, q_parts=2) == shared_bytes(128, 1, 3)
-    assert shared_bytes(128, 1, 3, q_parts=3) == shared_bytes(128, 1, 3) + 2 * 8192 <= 232448
-    assert mgpu_decode.ring_stages(128, 1, q_parts=3) == 3
-    # pipelined: two f16 V tiles (16 KB more per consumer), so a 2-deep ring
-    assert shared_bytes(128, 1, 2, q_parts=3, pipelined=True) <= 232448 < shared_bytes(128, 1, 3, q_parts=3, pipelined=True)
-    assert mgpu_decode.ring_stages(128, 1, q_parts=3, pipelined=True) == 2
     with pytest.raises(ValueError, match=r"stages=3\) needs 233472 bytes of shared memory"):
         mgpu_decode.ring_stages(128, 2, 3)
 
@@ -389,14 +286,8 @@ def test_stages_is_the_gqa_kernels_own():
         MgpuDecodeConfig(stages=1)
     call = _call(q_heads=16, kv_heads=1, dim=576, v_head_dim=512, latent=True, config=MgpuDecodeConfig(persistent=True))
     assert "one CTA per work item" in mgpu_mla.declines_decode(call)
-    call = _call(q_heads=16, kv_heads=1, dim=576, v_head_dim=512, latent=True, config=MgpuDecodeConfig(fp8_scores=True))
-    assert "the GQA kernel's" in mgpu_mla.declines_decode(call)
     with pytest.raises(ValueError, match="persistent"):
         MgpuDecodeConfig(persistent=1)
-    with pytest.raises(ValueError, match="fp8_scores"):
-        MgpuDecodeConfig(fp8_scores=1)
-    with pytest.raises(ValueError, match="pipelined_scores takes fp8_scores=True"):
-        MgpuDecodeConfig(pipelined_scores=True)
 
 
 def test_route_order():
@@ -413,8 +304,7 @@ def test_route_order():
 def _decode_cta_programs(items, *, stages, form, persistent):
     """The barrier operations of one CTA's producer and two consumers over its work items, in the kernel's order
     (`gqa_decode_mgpu_kernel`): items are (steps, (consumer 0 active, consumer 1 active)); form "16-bit", "consumers"
-    (fp8, each consumer converts its tiles) or "fp8-scores" (S from K's fp8 ring tile, V converted; pipelined, the
-    next tile's S and V are waited during this tile's work, in the same order: the model is the same). Tags: a consumer's tile number over all its items, a Q load's number."""
+    (fp8, each consumer converts its tiles). Tags: a consumer's tile number over all its items, a Q load's number."""
     producer, consumers = [], [[], []]
     filled, q_loads = [0, 0], [0, 0]
 
@@ -449,9 +339,9 @@ def _decode_cta_programs(items, *, stages, form, persistent):
             for step in range(steps):
                 tile = done + step
                 parity = (tile // stages) % 2
-                if form in ("16-bit", "fp8-scores"):
+                if form == "16-bit":
                     ops.append(("wait", ring("k_ready", c, tile), parity, tile))
-                if form in ("consumers", "fp8-scores"):  # V converted during S = Q K^T, then the slot released
+                if form == "consumers":  # V converted during S = Q K^T, then the slot released
                     ops += [("wait", ring("v_ready", c, tile), parity, tile), ("arrive", ring("free", c, tile), tile)]
                 if form == "16-bit":
                     ops.append(("wait", ring("v_ready", c, tile), parity, tile))
@@ -466,7 +356,7 @@ def _decode_cta_programs(items, *, stages, form, persistent):
     return {"producer": producer, "consumer0": consumers[0], "consumer1": consumers[1]}
 
 
-@pytest.mark.parametrize("form", ["16-bit", "consumers", "fp8-scores"])
+@pytest.mark.parametrize("form", ["16-bit", "consumers"])
 def test_barrier_protocol_never_hangs(form):
     # CPU: one CTA's producer and consumers (their barrier operations in the kernel's order) in random interleavings
     # with loads landing late: no deadlock, no wait passing early or on another tile's phase; one CTA per item (one

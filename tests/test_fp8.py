@@ -61,10 +61,6 @@ DECODE_CASES = [
     # Keys as the dots' M (DecodeConfig.keys_as_rows): the fp8 tiles convert in registers and feed wgmma.
     pytest.param((8, 2, 128, 128, False, DecodeConfig(block_n=32, keys_as_rows=True)), id="gqa4-128-keys-as-rows"),
     pytest.param((4, 1, 576, 512, True, DecodeConfig(block_n=32, keys_as_rows=True)), id="mla-576-keys-as-rows"),
-    # fp8 scores (DecodeConfig.fp8_scores): q K^T on fp8 tensor cores from the K rows as stored, q in e4m3 parts (with
-    # the keys as rows: fp8 wgmma; as columns, which Triton runs as f16 mma, only the NaN test below).
-    pytest.param((8, 2, 128, 128, False, DecodeConfig(block_n=64, fp8_scores=True, keys_as_rows=True)),
-                 id="gqa4-128-fp8-scores-keys-as-rows"),
 ]
 
 
@@ -94,12 +90,9 @@ def test_decode_reads_fp8_pools(rng, mode, fmt, case, scales):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("logit_cap", [0.0, 20.0])
-@pytest.mark.parametrize("config", [None, DecodeConfig(block_n=64, fp8_scores=True, keys_as_rows=True)],
-                         ids=["f16-dots", "fp8-scores-keys-as-rows"])
-def test_decode_f16_dots_keep_large_scores(rng, mode, logit_cap, config):
-    """bf16 q over an fp8 pool runs the grouped kernel's dots in f16 with q pre-scaled (kernels/decode_attention.py),
-    or (fp8 scores) its q K^T over q's e4m3 parts: scores of tens (q x 20), with and without a soft cap, still match
-    the reference on the same pool."""
+def test_decode_f16_dots_keep_large_scores(rng, mode, logit_cap):
+    """bf16 q over an fp8 pool runs the grouped kernel's dots in f16 with q pre-scaled (kernels/decode_attention.py):
+    scores of tens (q x 20), with and without a soft cap, still match the reference on the same pool."""
     q_heads, kv_heads, dim = 8, 2, 128
     q, k_pool, v_pool, kv_indptr, kv_indices = make_pools(rng, [5, 300, 77], q_heads, kv_heads, dim, dim, jnp.bfloat16)
     q = (q.astype(jnp.float32) * 20).astype(jnp.bfloat16)
@@ -107,7 +100,7 @@ def test_decode_f16_dots_keep_large_scores(rng, mode, logit_cap, config):
     meta = decode_metadata_from_indptr(kv_indptr, kv_indices, q_heads=q_heads, kv_heads=kv_heads, max_kv_splits=4,
                                        min_split_len=32, programs_per_sm=10**6)
     kwargs = dict(k_scale=0.5, v_scale=2.0, logit_cap=logit_cap, return_lse=True)
-    o, lse = decode_attention(q, k8, v8, meta, mode=mode, config=config, **kwargs)
+    o, lse = decode_attention(q, k8, v8, meta, mode=mode, **kwargs)
     ref_o, ref_lse = decode_attention_reference(q, _clean(k8), _clean(v8), meta, **kwargs)
     assert np.abs(np.float32(ref_lse)).max() > 10  # the scores are large: the test is not about near-uniform softmax
     np.testing.assert_allclose(np.float32(o), np.float32(ref_o), **testing.tolerance(jnp.bfloat16))
@@ -116,9 +109,8 @@ def test_decode_f16_dots_keep_large_scores(rng, mode, logit_cap, config):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("config", [None, DecodeConfig(block_n=32, fp8_v_in_registers=True),
-                                    DecodeConfig(block_n=32, keys_as_rows=True), DecodeConfig(block_n=32, fp8_scores=True),
-                                    DecodeConfig(block_n=64, fp8_scores=True, keys_as_rows=True)],
-                         ids=["table", "v-in-registers", "keys-as-rows", "fp8-scores", "fp8-scores-keys-as-rows"])
+                                    DecodeConfig(block_n=32, keys_as_rows=True)],
+                         ids=["table", "v-in-registers", "keys-as-rows"])
 def test_fp8_decode_nan_reaches_exactly_the_rows_that_see_it(rng, mode, config):
     """NaN in one sequence's q (through the f16 dots) and in one listed fp8 V entry of another sequence (through the
     V dequantisation): exactly those rows come out NaN, the others stay finite and correct."""
@@ -137,43 +129,6 @@ def test_fp8_decode_nan_reaches_exactly_the_rows_that_see_it(rng, mode, config):
     np.testing.assert_array_equal(np.isnan(o), want)
     ref = np.float32(decode_attention_reference(q, _clean(k8), _clean(v8), meta, k_scale=0.5, v_scale=2.0))
     np.testing.assert_allclose(o[~want], ref[~want], **testing.tolerance(jnp.bfloat16))  # every other entry
-
-
-def test_fp8_scores_without_scales(rng):
-    """An fp8 pool passed without k/v scales (stored values taken as they are) under DecodeConfig(fp8_scores=True):
-    the kernel folds scales of 1 into the rows' score scales and matches the reference."""
-    q, k_pool, v_pool, kv_indptr, kv_indices = make_pools(rng, [1, 37, 0, 161], 8, 2, 128, 128, jnp.bfloat16)
-    k8, v8 = quantised(k_pool, 1.0, jnp.float8_e5m2), quantised(v_pool, 1.0, jnp.float8_e5m2)
-    meta = decode_metadata_from_indptr(kv_indptr, kv_indices, q_heads=8, kv_heads=2, max_kv_splits=4,
-                                       min_split_len=32, programs_per_sm=10**6)
-    config = DecodeConfig(block_n=64, fp8_scores=True, keys_as_rows=True)
-    o = decode_attention(q, k8, v8, meta, mode="interpret", config=config)
-    ref = decode_attention_reference(q, k8, v8, meta)
-    np.testing.assert_allclose(np.float32(o), np.float32(ref), **testing.tolerance(jnp.bfloat16))
-    np.testing.assert_array_equal(np.float32(o[2]), 0.0)
-
-
-def test_fp8_scores_decline_what_they_cannot_take(rng):
-    """DecodeConfig(fp8_scores=True) names why it cannot run a call: a 16-bit pool, f32 q, a rope split (MLA)."""
-    config = DecodeConfig(block_n=64, fp8_scores=True, keys_as_rows=True)
-    q, k_pool, v_pool, kv_indptr, kv_indices = make_pools(rng, [5, 9], 8, 2, 128, 128, jnp.bfloat16)
-    meta = decode_metadata_from_indptr(kv_indptr, kv_indices, q_heads=8, kv_heads=2)
-    with pytest.raises(ValueError, match=r"fp8_scores=True\) over a bfloat16 pool \(fp8 pools only\)"):
-        decode_attention(q, k_pool, v_pool, meta, mode="interpret", config=config)
-    k8, v8 = quantised(k_pool, 0.5, jnp.float8_e4m3fn), quantised(v_pool, 0.5, jnp.float8_e4m3fn)
-    with pytest.raises(ValueError, match=r"with float32 q \(bf16/f16 only\)"):
-        decode_attention(q.astype(jnp.float32), k8, v8, meta, mode="interpret", config=config, k_scale=0.5, v_scale=0.5)
-    q, k_pool, _, kv_indptr, kv_indices = make_pools(rng, [5, 9], 4, 1, 576, 512, jnp.bfloat16, v_from_k=True)
-    meta = decode_metadata_from_indptr(kv_indptr, kv_indices, q_heads=4, kv_heads=1)
-    with pytest.raises(ValueError, match="at head dim 576 \\(one power-of-2 dot of at least 32"):
-        decode_attention(q, quantised(k_pool, 0.5, jnp.float8_e4m3fn), None, meta, mode="interpret", config=config,
-                         v_head_dim=512, k_scale=0.5)
-    # head dim 16: fp8 dots take K >= 32 (the interpreter would run it; sm_90's compile would not)
-    q, k_pool, v_pool, kv_indptr, kv_indices = make_pools(rng, [5, 9], 4, 2, 16, 16, jnp.bfloat16)
-    meta = decode_metadata_from_indptr(kv_indptr, kv_indices, q_heads=4, kv_heads=2)
-    with pytest.raises(ValueError, match="at head dim 16 \\(one power-of-2 dot of at least 32"):
-        decode_attention(q, quantised(k_pool, 0.5, jnp.float8_e4m3fn), quantised(v_pool, 0.5, jnp.float8_e4m3fn), meta,
-                         mode="interpret", config=config, k_scale=0.5, v_scale=0.5)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

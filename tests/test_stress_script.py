@@ -69,23 +69,6 @@ def test_latent_profile_runs_mla_extend_against_the_reference():
             assert ok, (reason, ratio, case)
 
 
-def test_fp8_decode_form_runs_and_a_declined_profile_falls_back():
-    # --fp8-decode: the Triton fp8-scores tile on the tiny fp8 profile (two batches, interpreter, no mismatch); a
-    # profile the form declines (192/128: a rope-style second dot) runs the default route and says why.
-    stress = load_stress_script()
-    profile = next(p for p in stress.profiles("tiny") if p.name == "tiny-fp8")
-    runner = stress.DecodeRunner(profile, stress.SHAPES["tiny"], "interpret", seed=0, fp8_form="triton-fp8-scores")
-    for i in range(2):
-        ok, ratio, reason, case, _ = runner.run(stress.batch_rng(0, "decode", i), i)
-        assert ok, (reason, ratio, case)
-    assert runner.declined is None and runner.form_kw["config"].fp8_scores
-    split = stress.Profile("tiny-192-fp8", 4, 1, 192, 128, "bfloat16", kv_dtype="float8_e4m3fn")
-    runner = stress.DecodeRunner(split, stress.SHAPES["tiny"], "interpret", seed=0, fp8_form="triton-fp8-scores")
-    ok, ratio, reason, case, _ = runner.run(stress.batch_rng(0, "decode", 0), 0)
-    assert ok, (reason, ratio, case)
-    assert "fp8_scores=True) at head dim 192" in runner.declined and runner.form_kw == {}
-
-
 def test_draft_words_profile_runs_against_the_reference():
     # The compact tree form on the extend ops (draft words for the two-stage form, the same rows as a mask for the
     # unified one), under a window: two batches through the interpreter, no mismatch.

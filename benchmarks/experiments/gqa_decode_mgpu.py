@@ -4,10 +4,8 @@ one GPU run.
 For each case (D1-D3, with fp8 and bf16 pools): jaxattn's default route, the Triton kernel, and the Mosaic GPU kernel
 (its fp8 entry for fp8 pools; runs before 0052c73 named both "mgpu-gqa") with one CTA per work item ("items") or
 persistent CTAs ("persistent"), at its rule's split bound and at twice and four times that bound
-(`mgpu_decode.kernel_splits`), at ring depths 2 and 3 with `--stages` (default: the kernel's own depth); for fp8
-pools each launch also with fp8 scores (`MgpuDecodeConfig(fp8_scores=True)`: S on fp8 tensor cores from the K ring, q in
-e4m3 parts, no K conversion) and, at the rule's split bound, pipelined fp8 scores (`pipelined_scores=True`); ms and %
-of the case's floor (its own: one byte per element for fp8).
+(`mgpu_decode.kernel_splits`; fp8 pools at the rule's bound only, swept before), at ring depths 2 and 3 with
+`--stages` (default: the kernel's own depth); ms and % of the case's floor (its own: one byte per element for fp8).
 
     python benchmarks/experiments/gqa_decode_mgpu.py --cases D1-FP8,D2-FP8,D3-FP8,D1,D2,D3 --json out.json
 """
@@ -39,23 +37,13 @@ def main(argv=None) -> int:
         inp = bench.make_inputs(case)
         rule = mgpu_decode.kernel_splits(case.batch, case.kv_heads)
         variants = [("default route", dict(impl=None)), ("triton", dict(impl="triton"))]  # fp8: Triton is the default
-        if case.fp8:  # pipelined fp8 scores (the next tile's S during this tile's softmax), first
-            for persistent in (False, True):
-                config = MgpuDecodeConfig(splits=rule, persistent=persistent, fp8_scores=True, pipelined_scores=True)
-                launch = "persistent" if persistent else "items"
-                variants.append((f"mgpu fp8-scores pipelined {launch} splits{rule}",
-                                 dict(impl="mgpu-gqa-fp8", config=config)))
-        for fp8_scores in (True, False) if case.fp8 else (False,):  # the new form first, should the box run out
-            for persistent in (False, True):
-                # (the consumers-convert form's split counts were swept before: its rule's only)
-                for splits in (rule,) if case.fp8 and not fp8_scores else (rule, 2 * rule, 4 * rule):
-                    for stages in (2, 3) if args.stages else (None,):  # 16-bit at 128 fits 2 only
-                        launch = "persistent" if persistent else "items"
-                        form = " fp8-scores" if fp8_scores else ""
-                        config = MgpuDecodeConfig(splits=splits, stages=stages, persistent=persistent,
-                                                  fp8_scores=fp8_scores)
-                        variants.append((f"mgpu{form} {launch} s{stages or 'default'} splits{splits}",
-                                         dict(impl="mgpu-gqa-fp8" if case.fp8 else "mgpu-gqa", config=config)))
+        for persistent in (False, True):
+            for splits in (rule,) if case.fp8 else (rule, 2 * rule, 4 * rule):
+                for stages in (2, 3) if args.stages else (None,):  # 16-bit at 128 fits 2 only
+                    launch = "persistent" if persistent else "items"
+                    config = MgpuDecodeConfig(splits=splits, stages=stages, persistent=persistent)
+                    variants.append((f"mgpu {launch} s{stages or 'default'} splits{splits}",
+                                     dict(impl="mgpu-gqa-fp8" if case.fp8 else "mgpu-gqa", config=config)))
         for label, kw in variants:
             time_variant(rows, f"{name:7s} {label:45s}", bench.decode_jaxattn(inp, **kw), case, variant=label)
         write_record(args.json, rows)  # after each case: a run cut by its time box keeps the cases it finished

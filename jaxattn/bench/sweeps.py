@@ -34,14 +34,6 @@ def sweep_variants(op: str, case: Case):
                 config = DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages, fp8_v_in_registers=True)
                 label = f"n{block_n} w{num_warps} s{num_stages} v-in-registers"
                 variants.append((label, lambda inp, c=config: decode_jaxattn(inp, config=c)))
-        if case.fp8 and not mla:  # fp8 scores (DecodeConfig.fp8_scores): q K^T over q's e4m3 parts and the fp8 K rows;
-            # with the keys as M both operands are K-major and the dot is fp8 wgmma (as columns Triton upcasts to f16)
-            for block_n, num_warps, num_stages, keys_as_rows in ((64, 2, 6, False), (64, 4, 2, True), (64, 4, 4, True),
-                                                                 (128, 4, 2, True), (128, 4, 3, True), (128, 8, 2, True)):
-                config = DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                                      keys_as_rows=keys_as_rows, fp8_scores=True)
-                label = f"fp8-scores{' keys-as-rows' if keys_as_rows else ''} n{block_n} w{num_warps} s{num_stages}"
-                variants.append((label, lambda inp, c=config: decode_jaxattn(inp, config=c)))
         if mla and not case.fp8:  # 64-row tiles (MLA's 16 heads padded, or 16 heads x 4 tokens): wgmma, 8 warps
             for block_n, num_stages in ((16, 2), (16, 3), (32, 2), (32, 3)):
                 config = DecodeConfig(block_n=block_n, block_h=64, num_warps=8, num_stages=num_stages)

@@ -4,8 +4,7 @@ per sequence and no sinks the kernel writes the result itself (no merge launch).
 
 Two implementations of `jaxattn.decode`'s contract on it: `DECODE` ("mgpu-gqa", the default on sm_90) for 16-bit
 pools, and `DECODE_FP8` ("mgpu-gqa-fp8", by name only) for fp8 pools (e4m3fn / e5m2 with per-layer or per-head
-scales), where the Triton kernel is still faster; `MgpuDecodeConfig(fp8_scores=True)` runs its S = Q K^T on fp8
-tensor cores (untimed yet, opt-in). Both take separate K and V pools, bf16/f16 q, head dim 128 (and 64
+scales), where the Triton kernel is still faster. Both take separate K and V pools, bf16/f16 q, head dim 128 (and 64
 for 16-bit pools), at most 64 q heads per kv head, one query token per sequence, a sliding window and sinks; they
 decline soft caps, xai temperature, several query tokens and latent (MLA) pools, which the Triton kernels take.
 
@@ -64,8 +63,6 @@ def declines(call: DecodeCall) -> str | None:
     if call.v_pool is not None and is_fp8(call.k_pool.dtype):
         return (f"a {jnp.dtype(call.k_pool.dtype).name} pool (fp8 pools: impl=\"mgpu-gqa-fp8\", opt-in, slower "
                 f"than the Triton kernel in its H200 runs)")
-    if isinstance(call.config, MgpuDecodeConfig) and call.config.fp8_scores:
-        return f"MgpuDecodeConfig(fp8_scores=True) over a {jnp.dtype(call.k_pool.dtype).name} pool (fp8 pools only)"
     return _declines(call)
 
 
@@ -76,18 +73,16 @@ def declines_fp8(call: DecodeCall) -> str | None:
     return _declines(call)
 
 
-def ring_stages(head_dim: int, pool_itemsize: int, stages: int | None = None, q_parts: int = 0,
-                pipelined: bool = False) -> int:
+def ring_stages(head_dim: int, pool_itemsize: int, stages: int | None = None) -> int:
     """The kernel's ring depth: `stages` if it fits in sm_90's shared memory (else ValueError with the byte count),
-    by default the deepest that fits, at most 3 (fp8 at head dim 128: 3, 196 KB, with fp8 scores 212 KB; 16-bit at
-    128: 2; pipelined fp8 scores, two f16 V tiles: 2). q_parts: Q's e4m3 parts under fp8 scores (0 without)."""
+    by default the deepest that fits, at most 3 (fp8 at head dim 128: 3, 196 KB; 16-bit at 128: 2)."""
     from jaxattn.kernels.decode_attention_mgpu import shared_bytes
 
     limit = hardware.SM90.shared_memory_bytes
     if stages is None:
-        return max((s for s in (2, 3) if shared_bytes(head_dim, pool_itemsize, s, q_parts, pipelined) <= limit),
+        return max((s for s in (2, 3) if shared_bytes(head_dim, pool_itemsize, s) <= limit),
                    default=2)
-    needed = shared_bytes(head_dim, pool_itemsize, stages, q_parts, pipelined)
+    needed = shared_bytes(head_dim, pool_itemsize, stages)
     if needed > limit:
         raise ValueError(f"MgpuDecodeConfig(stages={stages}) needs {needed} bytes of shared memory at head dim "
                          f"{head_dim} over {pool_itemsize}-byte rows (sm_90 has {limit})")
@@ -132,7 +127,6 @@ def kernel_split_bound(call: DecodeCall) -> int:
 
 def _launch(call: DecodeCall, splits: int, final: bool):
     from jaxattn.kernels.decode_attention_mgpu import gqa_decode_mgpu_kernel
-    from jaxattn.kernels.kv_scales import Q_PARTS
 
     meta = call.meta
     config = call.config or MgpuDecodeConfig()
@@ -140,8 +134,6 @@ def _launch(call: DecodeCall, splits: int, final: bool):
     # The metadata's splits per sequence under this kernel's static bound: both stages clamp them to it alike.
     num_kv_splits = meta.num_kv_splits.astype(jnp.int32)
     fp8 = call.k_pool.dtype != call.q.dtype
-    fp8_scores = fp8 and config.fp8_scores
-    pipelined = fp8_scores and config.pipelined_scores
     kv_scales = None
     if fp8:  # f32[2 * kv_heads]: K scales, then V scales
         kv_scales = (jnp.ones((2 * call.kv_heads,), jnp.float32) if call.kv_scales is None
@@ -149,10 +141,9 @@ def _launch(call: DecodeCall, splits: int, final: bool):
     out, lse = gqa_decode_mgpu_kernel(
         call.q, call.k_pool, call.v_pool, meta.kv_indptr.astype(jnp.int32), kv_indices, num_kv_splits, kv_scales,
         sm_scale=call.sm_scale, max_kv_splits=splits,
-        stages=ring_stages(call.qk_head_dim, jnp.dtype(call.k_pool.dtype).itemsize, config.stages,
-                           Q_PARTS if fp8_scores else 0, pipelined),
+        stages=ring_stages(call.qk_head_dim, jnp.dtype(call.k_pool.dtype).itemsize, config.stages),
         sliding_window=call.sliding_window if call.sliding_window >= 0 else -1, min_block_kv=MIN_BLOCK_KV,
-        persistent_ctas=persistent_ctas(call, splits), final=final, fp8_scores=fp8_scores, pipelined_scores=pipelined)
+        persistent_ctas=persistent_ctas(call, splits), final=final)
     return out, lse, num_kv_splits
 
 

@@ -54,8 +54,6 @@ def declines_decode(call: DecodeCall) -> str | None:
         return "MgpuDecodeConfig(stages=) (the MLA kernel's ring depth is fixed by its shared memory)"
     if call.config is not None and call.config.persistent:
         return "MgpuDecodeConfig(persistent=True) (the MLA kernel launches one CTA per work item)"
-    if call.config is not None and call.config.fp8_scores:
-        return "MgpuDecodeConfig(fp8_scores=True) (the GQA kernel's, over fp8 pools; the MLA kernel reads 16-bit ones)"
     if (call.qk_head_dim, call.v_head_dim) not in MLA_HEAD_DIMS:
         return f"head dims {call.qk_head_dim}/{call.v_head_dim} (MLA's latent heads {MLA_HEAD_DIMS} only)"
     if call.v_pool is not None:

@@ -19,8 +19,6 @@ import triton
 from jaxattn import hardware, tuning
 from jaxattn.aot import build
 from jaxattn.calls import DecodeCall
-from jaxattn.fp8 import is_fp8
-from jaxattn.kernels.kv_scales import Q_DTYPES
 from jaxattn.launch import launch
 from jaxattn.metadata import MIN_BLOCK_KV, rope_split
 from jaxattn.registry import Implementation
@@ -35,21 +33,12 @@ def declines(call: DecodeCall) -> str | None:
         return f"config is a {type(call.config).__name__}, not a DecodeConfig"
     if call.tokens_per_seq > 1 and call.config is not None and call.config.block_h == 1:
         return "DecodeConfig(block_h=1) (the vector kernel) takes one query token per sequence"
-    if call.config is not None and call.config.fp8_scores:
-        if not is_fp8(call.k_pool.dtype):
-            return f"DecodeConfig(fp8_scores=True) over a {jnp.dtype(call.k_pool.dtype).name} pool (fp8 pools only)"
-        if jnp.dtype(call.q.dtype).name not in Q_DTYPES:
-            return f"DecodeConfig(fp8_scores=True) with {jnp.dtype(call.q.dtype).name} q (bf16/f16 only)"
-        block_d, second_dot = rope_split(call.qk_head_dim)
-        if second_dot or block_d < 32:
-            return (f"DecodeConfig(fp8_scores=True) at head dim {call.qk_head_dim} (one power-of-2 dot of at least 32 "
-                    f"dims: fp8 dots take K >= 32, and head dims cut into two dots, e.g. MLA's 576, are not split)")
     return None
 
 
 def stage1_constexprs(*, q_heads, kv_heads, qk_head_dim, v_head_dim, config, sm_scale, logit_cap, xai_temperature_len,
                       sliding_window, max_kv_splits, v_in_k, v_from_k, dot_precision, num_slots, kv_capacity,
-                      has_kv_scales=False, f16_dots=False, q_tokens=1, has_draft_mask=False, pool_e5m2=False):
+                      has_kv_scales=False, f16_dots=False, q_tokens=1, has_draft_mask=False):
     """Stage 1's constexprs (shared by `run` and `kernel_builds`, so the AOT check compiles what runs).
 
     v_in_k: V's buffer is the K pool (its first v_head_dim dims); v_from_k: the kernel also reuses the loaded K tile.
@@ -58,7 +47,6 @@ def stage1_constexprs(*, q_heads, kv_heads, qk_head_dim, v_head_dim, config, sm_
     f16_dots: fp8 pool with bf16 q: the grouped kernel's dots run in f16 (see `uses_f16_dots`).
     q_tokens, has_draft_mask: query tokens per sequence, and whether a draft mask (else causal) says which drafts each
     sees (the grouped kernel; see kernels/decode_attention.py).
-    pool_e5m2: the fp8 pool is e5m2 (config.fp8_scores gives the dot the stored values in interpreted runs).
     """
     block_d, block_dpe = rope_split(qk_head_dim)
     group = q_heads // kv_heads
@@ -90,9 +78,7 @@ def stage1_constexprs(*, q_heads, kv_heads, qk_head_dim, v_head_dim, config, sm_
     if config.block_h != 1:  # the grouped kernel's extra constexprs (the vector kernel has none)
         constexprs.update(V_FROM_K=v_from_k, BLOCK_H=config.block_h, DOT_PRECISION=dot_precision,
                           F16_DOTS=bool(f16_dots), V_IN_REGISTERS=bool(has_kv_scales) and config.fp8_v_in_registers,
-                          Q_TOKENS=int(q_tokens), HAS_DRAFT_MASK=bool(has_draft_mask), KEYS_AS_ROWS=config.keys_as_rows,
-                          FP8_SCORES=bool(has_kv_scales) and config.fp8_scores,
-                          POOL_E5M2=bool(has_kv_scales) and config.fp8_scores and bool(pool_e5m2))
+                          Q_TOKENS=int(q_tokens), HAS_DRAFT_MASK=bool(has_draft_mask), KEYS_AS_ROWS=config.keys_as_rows)
     return constexprs
 
 
@@ -132,8 +118,7 @@ def run(call: DecodeCall):
         config = tuning.decode_config(qk_dim, v_dim, rows, dtype=q.dtype, fp8_pool=call.kv_scales is not None)
     else:
         config = tuning.clamp_decode_config(call.config, rows)
-    # fp8 scores fold the K scale into each row's score scale: an fp8 pool passed without scales takes scales of 1.
-    has_kv_scales = call.kv_scales is not None or (config.fp8_scores and is_fp8(k_pool.dtype))
+    has_kv_scales = call.kv_scales is not None
     v_in_k = v_pool is None
     max_splits = meta.max_kv_splits
     constexprs = stage1_constexprs(
@@ -143,7 +128,7 @@ def run(call: DecodeCall):
         dot_precision="ieee" if (mode == "interpret" or q.dtype == jnp.float32) else "tf32",
         num_slots=k_pool.shape[0], kv_capacity=meta.kv_indices.shape[0], has_kv_scales=has_kv_scales,
         f16_dots=uses_f16_dots(q.dtype, has_kv_scales), q_tokens=tokens,
-        has_draft_mask=call.draft_mask is not None, pool_e5m2=jnp.dtype(k_pool.dtype) == jnp.dtype(jnp.float8_e5m2),
+        has_draft_mask=call.draft_mask is not None,
     )
     kv_scales = jnp.ones((2, kv_heads), jnp.float32) if call.kv_scales is None else call.kv_scales
     # The kernel reads 32 bits per row: u32 masks are reinterpreted, not converted (bit 31 would not survive a cast).
@@ -311,21 +296,6 @@ def kernel_builds():
                     expects_pipelining=config.num_stages > 1,
                     label=f"{dtype} q, {pool_dtype} pool {qk_dim}/{v_dim}{' v in registers' if v_in_registers else ''}",
                 ))
-        # fp8 scores (opt-in `DecodeConfig.fp8_scores`): GQA over e4m3 and e5m2 pools, the keys as rows (fp8 wgmma).
-        for pool_dtype in ("fp8e4nv", "fp8e5"):
-            config = DecodeConfig(block_n=128, num_warps=4, num_stages=3, keys_as_rows=True, fp8_scores=True)
-            constexprs = stage1_constexprs(
-                q_heads=64, kv_heads=8, qk_head_dim=128, v_head_dim=128, config=config, sm_scale=1.0 / math.sqrt(128),
-                logit_cap=0.0, xai_temperature_len=-1, sliding_window=-1, max_kv_splits=_BUILD_MAX_SPLITS, v_in_k=False,
-                v_from_k=False, dot_precision="tf32", has_kv_scales=True,
-                f16_dots=uses_f16_dots({"bf16": jnp.bfloat16, "fp16": jnp.float16}[dtype], True),
-                pool_e5m2=pool_dtype == "fp8e5",
-                **_BUILD_BOUNDS)
-            builds.append(build(
-                "decode_attention", stage1_kernel(config), stage1_signature(dtype, pool_dtype), constexprs,
-                num_warps=config.num_warps, num_stages=config.num_stages, expects_wgmma=True, expects_pipelining=True,
-                label=f"{dtype} q, {pool_dtype} pool 128/128 fp8 scores, keys as rows",
-            ))
         # Keys as the dots' M (opt-in `DecodeConfig.keys_as_rows`): MLA's 16 heads on a bf16/f16 latent cache and
         # GQA on an fp8 pool; both dots are wgmma with the heads as N.
         for (qk_dim, v_dim, q_heads, kv_heads, v_from_k), pool_dtype in (

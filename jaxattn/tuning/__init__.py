@@ -102,9 +102,8 @@ def float32_decode_config(config: DecodeConfig, qk_head_dim: int, v_head_dim: in
     if config.block_h == 1:  # the vector kernel (opt-in): no tl.dot
         return config
     width = triton.next_power_of_2(qk_head_dim) + triton.next_power_of_2(v_head_dim)
-    # fp8 scores keep 12 bits of q: bf16/f16 q only (a table tile with them falls back to the f16 dots for fp32)
     return dataclasses.replace(config, block_n=min(config.block_n, 64), block_h=16, num_stages=min(config.num_stages, 2),
-                               num_warps=8 if width >= 256 else config.num_warps, fp8_scores=False)
+                               num_warps=8 if width >= 256 else config.num_warps)
 
 
 def decode_config(qk_head_dim: int, v_head_dim: int, group: int, family: str | None = None, dtype=None,

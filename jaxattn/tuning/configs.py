@@ -27,19 +27,13 @@ class DecodeConfig:
     # padding them to 64 rows. Timed on the H200 (benchmarks/RESULTS.md, eleventh session): slower except for the
     # 4-token MLA verify with fewer splits; off in the tables.
     keys_as_rows: bool = False
-    # Grouped kernel, fp8 pools without a rope split: q K^T on fp8 tensor cores from the K rows as loaded, q split into
-    # e4m3 parts (kernels/decode_attention.py, FP8_SCORES): no K conversion. On the H200 (benchmarks/RESULTS.md,
-    # twenty-second session) 1.4-1.6x slower than the table's tile and outside bf16's tolerance on large scores: an
-    # experiment, off in the tables.
-    fp8_scores: bool = False
 
     def __post_init__(self):
-        for name in ("fp8_v_in_registers", "keys_as_rows", "fp8_scores"):
+        for name in ("fp8_v_in_registers", "keys_as_rows"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"DecodeConfig.{name} must be a bool; got {getattr(self, name)!r}")
-        for name in ("keys_as_rows", "fp8_scores"):
-            if getattr(self, name) and self.block_h == 1:
-                raise ValueError(f"DecodeConfig.{name} takes the grouped kernel (block_h >= 16), not block_h=1")
+        if self.keys_as_rows and self.block_h == 1:
+            raise ValueError("DecodeConfig.keys_as_rows takes the grouped kernel (block_h >= 16), not block_h=1")
         for name in ("block_n", "block_h", "num_warps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0 or value & (value - 1):
@@ -138,19 +132,11 @@ class MgpuDecodeConfig:
     split bound, None for the kernel's own rule (`jaxattn.impl.mgpu_mla.kernel_splits`, `jaxattn.impl.mgpu_decode.
     kernel_splits`: fill every multiprocessor once). stages: the GQA kernel's ring depth (None: its default); the
     MLA kernel's is fixed by its shared memory and must be None. persistent: the GQA kernel's launch, one CTA per
-    multiprocessor taking work items in turn (True) or one CTA per item (False); None: its default. fp8_scores: the GQA
-    kernel over fp8 pools computes S = Q K^T on fp8 tensor cores from the K tiles as stored (q split per row into e4m3
-    parts: `kernels/decode_attention_mgpu.split_q_rows`) instead of converting each K tile to f16 first: half the
-    conversions. pipelined_scores (with fp8_scores): the next tile's S wgmmas run during this tile's softmax and its V
-    conversion during this tile's P V (two f16 V tiles: a 2-deep ring). Experiments, off by default: on the H200 fp8
-    scores missed bf16's tolerance on large scores with outlier q channels (benchmarks/RESULTS.md, twenty-second
-    session)."""
+    multiprocessor taking work items in turn (True) or one CTA per item (False); None: its default."""
 
     splits: int | None = None
     stages: int | None = None
     persistent: bool | None = None
-    fp8_scores: bool = False
-    pipelined_scores: bool = False
 
     def __post_init__(self):
         if self.splits is not None and (not isinstance(self.splits, int) or self.splits < 1):
@@ -159,9 +145,4 @@ class MgpuDecodeConfig:
             raise ValueError(f"MgpuDecodeConfig.stages must be None or an int >= 2; got {self.stages!r}")
         if self.persistent is not None and not isinstance(self.persistent, bool):
             raise ValueError(f"MgpuDecodeConfig.persistent must be None, True or False; got {self.persistent!r}")
-        for name in ("fp8_scores", "pipelined_scores"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"MgpuDecodeConfig.{name} must be True or False; got {getattr(self, name)!r}")
-        if self.pipelined_scores and not self.fp8_scores:
-            raise ValueError("MgpuDecodeConfig.pipelined_scores takes fp8_scores=True")
 

@@ -19,7 +19,8 @@ warpgroups (four with three consumers):
 * warpgroups 0 and 1 (consumers, 232 registers; 0-2 with 160 each at 64-dim heads) each own block_q query rows: S = Q
   K^T and O += P V with wgmma (P stays in registers), online softmax in base 2 with the scale folded into the
   exponent's FMA. A shared "schedule" barrier alternates two consumers' matrix work, so one warpgroup's softmax runs
-  while the other's wgmma does.
+  while the other's wgmma does. Three consumers run without it, optionally (`overlap`) each issuing its next tile's
+  S = Q K^T before this tile's softmax on runs of unmasked tiles (FlashAttention-3's intra-warpgroup overlap).
 
 Tiles that cross the end of the prefix or the causal diagonal are masked; the others run unmasked. New-key tiles
 start on the 8-row grid the Q tiles use (Mosaic's TMA for Q/O needs provably 8-aligned rows): a tile may hold rows of
@@ -468,7 +469,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                                  causal=True, sliding_window=-1, logit_cap=0.0, sinks=None, xai_temperature_len=-1,
                                  kv_start_pos=None, prefix_lens=None, custom_mask=None, mask_indptr=None,
                                  skip_prefix_custom_mask=True, heads_per_cta=1, draft_mask=None, page_rows=0,
-                                 page_issue="pallas", latent_v_dim=None, consumers=COMPUTE_WARPGROUPS):
+                                 page_issue="pallas", latent_v_dim=None, consumers=COMPUTE_WARPGROUPS,
+                                 overlap=False):
     """Runs the kernel; writes `out_ref` in place (rows it does not own are left as they were).
 
     q: [q_rows, q_heads, qk_dim] (q_rows a multiple of 8, >= block_q: Q/O move by TMA in 8-row tiles);
@@ -487,6 +489,9 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
     consumers: consumer warpgroups per CTA, 2 (ping-pong: a shared schedule barrier alternates their matrix work) or
       3 (64/64 head dims only: 3 * block_q rows per CTA, 160 registers each, FlashAttention-3's tile for 64-dim heads,
       whose softmax is as long as its matrix work; no schedule barrier, the warp schedulers interleave the three).
+    overlap (3 consumers): FlashAttention-3's intra-warpgroup overlap on the runs of unmasked tiles: tile t + 1's
+      S = Q K^T is issued before tile t's softmax, which runs while the tensor cores compute it. The same tiles, order
+      and arithmetic as without it (the same bits); masked tiles run as before.
     tma_new_tiles: load new-key tiles that lie wholly before the batch's last token by TMA (needs tokens a multiple
       of 8 and >= block_kv: Mosaic's TMA moves whole 8-row tiles, no taller than the array); the others by cp.async.
     page_rows: 0, or P' = min(page size, block_kv) when the lists are whole pages (`ExtendMetadata.page_size`: each
@@ -565,6 +570,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                          f"{heads_per_cta} at group {group} with {consumers} consumers")
     packed = heads_per_cta > 1
     scheduled = consumers == 2  # the ping-pong schedule barrier (see `consumers`)
+    if overlap and (scheduled or latent):
+        raise ValueError("overlap takes 3 consumer warpgroups (no schedule barrier) and K/V tiles of their own")
     consumer_registers, producer_registers = REGISTERS[consumers]
     cta_rows = consumers * block_q // heads_per_cta
     q_tiles = -(-(max_extend_len + 7) // cta_rows)  # + 7: tiles start up to 7 rows before a sequence
@@ -784,6 +791,23 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                             block_q=block_q, block_kv=block_kv)
                     pl.when(wg == 1)(schedule_sync)
 
+                def online_softmax(s, acc, m_i, l_i):
+                    # Base-2 online softmax; m_i is kept in log2 units so p = exp2(s * c - m) is one FMA + exp2
+                    # (c = sm_scale * log2(e), or with a soft cap cap * log2(e): s is then the tanh; times each row's
+                    # xai factor). Returns (acc rescaled, l, m, p in q's dtype).
+                    if xai is None:
+                        m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
+                        scaled = s * scale_log2
+                    else:
+                        m_new = jnp.maximum(m_i, s.max(axis=1) * row_scale)
+                        scaled = s * lax.broadcast_in_dim(row_scale, s.shape, [0])
+                    alpha = jnp.exp2(m_i - m_new)
+                    p = jnp.exp2(scaled - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    l_i = l_i * alpha + p.sum(axis=1)
+                    p16 = p.astype(dtype)
+                    return lax.optimization_barrier((acc, l_i, m_new, p16))
+
                 def kv_step(step, carry, mask_kind=None):
                     acc, m_i, l_i = carry
                     slot = lax.rem(step, jnp.int32(stages))
@@ -870,21 +894,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                             key = (step - pre_steps) * block_kv + cols
                             visible = (key >= lead) & (key <= wg_rel + rows())
                         s = jnp.where(visible, s, -jnp.inf)
-                    # Base-2 online softmax; m_i is kept in log2 units so p = exp2(s * c - m) is one FMA + exp2
-                    # (c = sm_scale * log2(e), or with a soft cap cap * log2(e): s is then the tanh; times each row's
-                    # xai factor).
-                    if xai is None:
-                        m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
-                        scaled = s * scale_log2
-                    else:
-                        m_new = jnp.maximum(m_i, s.max(axis=1) * row_scale)
-                        scaled = s * lax.broadcast_in_dim(row_scale, s.shape, [0])
-                    alpha = jnp.exp2(m_i - m_new)
-                    p = jnp.exp2(scaled - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                    l_i = l_i * alpha + p.sum(axis=1)
-                    p16 = p.astype(dtype)
-                    acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+                    acc, l_i, m_new, p16 = online_softmax(s, acc, m_i, l_i)
                     if scheduled:
                         plgpu.barrier_arrive(schedule)  # softmax done
                     if not latent:
@@ -904,6 +914,63 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                     plgpu.barrier_arrive((k_free if latent else v_free).at[slot])
                     return acc, m_new, l_i
+
+                def overlapped_run(lo, hi, carry):
+                    # The unmasked tiles [lo, hi) with FlashAttention-3's intra-warpgroup overlap: tile t + 1's
+                    # S = Q K^T is issued before tile t's softmax and read after it, so the tensor cores compute it
+                    # while this warpgroup's softmax runs. The same tiles, order and arithmetic as kv_step's; entered,
+                    # like kv_step, with tile lo's K landed, and leaves tile hi's K waited (if the range has it).
+                    def cap(s):
+                        return s if logit_cap is None else jnp.tanh(s * (float(sm_scale) / logit_cap))
+
+                    def run(carry):
+                        def first(s_ref):
+                            plgpu.wgmma(s_ref, qo_smem, k_smem.at[lax.rem(lo, jnp.int32(stages))].transpose((1, 0)))
+                            return s_ref[...]
+
+                        s = pl.run_scoped(first, plgpu.ACC((block_q, block_kv), jnp.float32))
+                        plgpu.barrier_arrive(k_free.at[lax.rem(lo, jnp.int32(stages))])
+
+                        def tile(step, acc, m_i, l_i, s, has_next):
+                            slot = lax.rem(step, jnp.int32(stages))
+                            s = cap(s)
+                            if has_next:
+                                next_slot = lax.rem(step + 1, jnp.int32(stages))
+
+                                def next_scores_and_softmax(s_ref):
+                                    wait_ready(0, step + 1, k_ready)
+                                    plgpu.wgmma(s_ref, qo_smem, k_smem.at[next_slot].transpose((1, 0)))
+                                    return (*online_softmax(s, acc, m_i, l_i), s_ref[...])
+
+                                acc, l_i, m_new, p16, s_next = pl.run_scoped(
+                                    next_scores_and_softmax, plgpu.ACC((block_q, block_kv), jnp.float32))
+                                plgpu.barrier_arrive(k_free.at[next_slot])  # read by the completed S wgmma
+                            else:
+                                acc, l_i, m_new, p16 = online_softmax(s, acc, m_i, l_i)
+                                s_next = None
+                            wait_ready(1, step, v_ready)
+
+                            def pv(acc_ref):
+                                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                                if not has_next:  # kv_step's entry condition for the step after the range
+                                    pl.when(hi < wg_steps)(lambda: wait_ready(0, hi, k_ready))
+
+                            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                            plgpu.barrier_arrive(v_free.at[slot])
+                            return acc, m_new, l_i, s_next
+
+                        def body(step, state):
+                            return tile(step, *state, has_next=True)
+
+                        acc, m_i, l_i, s = lax.fori_loop(lo, hi - 1, body, (*carry, s))
+                        return tile(hi - 1, acc, m_i, l_i, s, has_next=False)[:3]
+
+                    return lax.cond(lo < hi, run, lambda carry: carry, carry)
+
+                def unmasked(lo, hi, carry):  # a run of tiles every row sees whole
+                    if overlap:
+                        return overlapped_run(lo, hi, carry)
+                    return lax.fori_loop(lo, hi, kv_step, carry)
 
                 def flush_step(step, _):
                     # Tiles the producer loaded for another warpgroup's longer causal range: release them in step.
@@ -954,12 +1021,12 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                         full_end = jnp.int32(0)  # the mask covers every listed key: every tile is masked
                     unified_masked = functools.partial(kv_step, mask_kind="unified")
                     if window is None:
-                        carry = lax.fori_loop(0, full_end, kv_step, carry)
+                        carry = unmasked(0, full_end, carry)
                         carry = lax.fori_loop(full_end, wg_steps, unified_masked, carry)
                     else:
                         masked_from = jnp.maximum(full_end, win_full)
                         carry = lax.fori_loop(wg_first, win_full, unified_masked, carry)
-                        carry = lax.fori_loop(win_full, masked_from, kv_step, carry)
+                        carry = unmasked(win_full, masked_from, carry)
                         carry = lax.fori_loop(masked_from, wg_steps, unified_masked, carry)
                 else:
                     if window is None:
@@ -975,12 +1042,12 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                             carry = lax.fori_loop(wg_first, win_full, functools.partial(kv_step, mask_kind="window"),
                                                   carry)
                         bound = lambda x: jnp.maximum(x, win_full)  # noqa: E731  the steps below are done
-                    carry = lax.fori_loop(bound(0), bound(full_pre), kv_step, carry)
+                    carry = unmasked(bound(0), bound(full_pre), carry)
                     prefix_kind = "custom_prefix" if mask_prefix else "prefix"
                     carry = lax.fori_loop(bound(full_pre), bound(pre_steps), functools.partial(kv_step, mask_kind=prefix_kind),
                                           carry)
                     carry = lax.fori_loop(bound(pre_steps), bound(pre_steps + first_full), masked, carry)
-                    carry = lax.fori_loop(bound(pre_steps + first_full), bound(pre_steps + end_full), kv_step, carry)
+                    carry = unmasked(bound(pre_steps + first_full), bound(pre_steps + end_full), carry)
                     carry = lax.fori_loop(bound(pre_steps + end_full), wg_steps, masked, carry)
                 lax.fori_loop(wg_steps, cta_steps, flush_step, None)
                 pl.when(wg == 0)(schedule_sync)

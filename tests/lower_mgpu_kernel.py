@@ -74,6 +74,13 @@ SHAPES = [  # label, tokens, q heads, kv heads, head dim, dtype, config, feature
     ("three-unified-64-bf16-noncausal", 300, 4, 1, 64, jnp.bfloat16, MgpuExtendConfig(consumers=3, block_kv=64, stages=3),
      dict(unified=True, causal=False)),
     ("three-mask-64-bf16", 300, 8, 2, 64, jnp.bfloat16, MgpuExtendConfig(consumers=3), dict(mask=True, max_extend_len=64)),
+    # ... with the intra-warpgroup overlap on their unmasked runs: plain by TMA, every score feature on a cut list, the
+    # unified form under a window (its unmasked middle run).
+    ("overlap-64-bf16-tma", 512, 8, 2, 64, jnp.bfloat16, MgpuExtendConfig(consumers=3, overlap=True), {}),
+    ("overlap-64-f16-all", 300, 4, 2, 64, jnp.float16, MgpuExtendConfig(consumers=3, overlap=True),
+     dict(sliding_window=100, cut=True, logit_cap=5.0, sinks=True, xai_temperature_len=16)),
+    ("overlap-unified-window-64-bf16", 300, 4, 1, 64, jnp.bfloat16, MgpuExtendConfig(consumers=3, overlap=True),
+     dict(unified=True, sliding_window=100, sinks=True)),
     # The unified form under a window (uncut lists): with a soft cap and sinks, and at 64-key tiles.
     ("unified-window-128-bf16-cap-sinks", 512, 8, 2, 128, jnp.bfloat16, None,
      dict(unified=True, sliding_window=100, logit_cap=30.0, sinks=True)),

@@ -572,19 +572,21 @@ THREE_CONSUMER_FEATURES = [
 
 @pytest.mark.parametrize("feature", THREE_CONSUMER_FEATURES, ids=lambda f: f[0])
 @pytest.mark.parametrize("whole_tiles", [False, True], ids=["tokens-odd", "tokens-x8"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["", "overlap"])
 @pytest.mark.gpu
 @needs_hopper
-def test_three_consumers_match_reference_and_two(rng, feature, whole_tiles):
-    # MgpuExtendConfig(consumers=3) at 64-dim heads (192-row CTAs, no schedule barrier): the reference's output, and
-    # the two-consumer kernel's bits (each warpgroup's 64 rows run the same tiles in the same order either way), in
-    # both forms; lengths that end mid-CTA and start off the 8-row grid, prefixes ending mid-tile, a long extend.
+def test_three_consumers_match_reference_and_two(rng, feature, whole_tiles, overlap):
+    # MgpuExtendConfig(consumers=3) at 64-dim heads (192-row CTAs, no schedule barrier), with and without the
+    # intra-warpgroup overlap: the reference's output, and the two-consumer kernel's bits (each warpgroup's 64 rows run
+    # the same tiles in the same order, with the same arithmetic, either way), in both forms; lengths that end mid-CTA
+    # and start off the 8-row grid, prefixes ending mid-tile, a long extend.
     prefix_lens, extend_lens = [0, 37, 1000, 300, 5], [130, 5, 700, 257, 191]
     batch = make_batch(rng, prefix_lens, extend_lens, hq=8, hkv=2, dqk=64, dtype=jnp.bfloat16)
     kw = _more_kwargs(rng, 8, feature[1])
     if kw.pop("mask", False):
         kw["custom_mask"] = _tree_masks(rng, prefix_lens, extend_lens)
     q, k_new, v_new = _new_tokens(batch, whole_tiles)
-    three, two = MgpuExtendConfig(consumers=3), MgpuExtendConfig(consumers=2)
+    three, two = MgpuExtendConfig(consumers=3, overlap=overlap), MgpuExtendConfig(consumers=2)
     o = extend_attention_mgpu(q, k_new, v_new, batch.k_pool, batch.v_pool, batch.meta, config=three, **kw)
     assert_output(o, ref_two_stage(batch, **kw), batch, jnp.bfloat16)
     o2 = extend_attention_mgpu(q, k_new, v_new, batch.k_pool, batch.v_pool, batch.meta, config=two, **kw)
@@ -602,6 +604,12 @@ def test_three_consumers_take_64_dim_heads_only():
     from jaxattn import hardware
     with pytest.raises(ValueError, match="consumers must be 2 or 3"):
         MgpuExtendConfig(consumers=4)
+    with pytest.raises(ValueError, match="True with consumers=3 only"):  # two consumers keep their schedule barrier
+        MgpuExtendConfig(overlap=True)
+    with pytest.raises(ValueError, match="overlap must be a bool"):
+        MgpuExtendConfig(consumers=3, overlap=1)
+    assert MgpuExtendConfig(consumers=3, overlap=True).shared_memory_bytes(64) == \
+        MgpuExtendConfig(consumers=3).shared_memory_bytes(64)  # S of the next tile lives in registers
     three = MgpuExtendConfig(consumers=3)
     assert heads_per_cta(64, 4, three) == 1 and heads_per_cta(64, 4, MgpuExtendConfig()) == 2
     assert three.shared_memory_bytes(64) == MgpuExtendConfig().shared_memory_bytes(64) + 64 * 128 * 2
@@ -864,12 +872,14 @@ def test_window_schedule_of_every_cta(block_kv):
 
 
 def _cta_programs(first_step, cta_steps, wg_ranges, pre_steps, tail_step, uses, *, stages, tma_new_tiles,
-                  page_steps=0, latent=False):
+                  page_steps=0, latent=False, overlap_runs=None):
     """The barrier operations of one CTA's producer and its consumer warpgroups, in the kernel's order. wg_ranges:
     (wg_first, wg_steps) per warpgroup (wg_first = first_step without a window; two consumers take the schedule
     barrier, three none); uses[step]: the kernel's
     cp_async_uses of that step; steps below page_steps come page by page by TMA (their own barriers). latent: the
-    latent-cache mode (`latent_v_dim`): K tiles only, each slot released after P V."""
+    latent-cache mode (`latent_v_dim`): K tiles only, each slot released after P V. overlap_runs: per warpgroup, the
+    (lo, hi) runs of its steps taken with the intra-warpgroup overlap (`overlapped_run`: tile t + 1's K waited and
+    released before tile t's V)."""
     kinds = (0,) if latent else (0, 1)
     by_tma = lambda step: tma_new_tiles and pre_steps <= step < tail_step  # noqa: E731
 
@@ -901,7 +911,22 @@ def _cta_programs(first_step, cta_steps, wg_ranges, pre_steps, tail_step, uses, 
             ops += sync
         if wg_first < wg_steps:
             ops.append(ready(0, wg_first))
-        for step in range(wg_first, wg_steps):  # kv_step
+        runs = dict((overlap_runs or {}).get(wg, ()))  # lo -> hi
+        step = wg_first
+        while step < wg_steps:
+            if step in runs:  # overlapped_run(lo, hi)
+                lo, hi = step, runs[step]
+                ops.append(("arrive", ("free", 0, lo % stages), lo))
+                for t in range(lo, hi):
+                    if t + 1 < hi:
+                        ops += [ready(0, t + 1), ("arrive", ("free", 0, (t + 1) % stages), t + 1)]
+                    ops.append(ready(1, t))
+                    if t + 1 == hi and hi < wg_steps:
+                        ops.append(ready(0, hi))
+                    ops.append(("arrive", ("free", 1, t % stages), t))
+                step = hi
+                continue
+            # kv_step
             slot = step % stages
             if latent:  # the K tile holds V: released after P V
                 ops += sync + sync
@@ -910,6 +935,7 @@ def _cta_programs(first_step, cta_steps, wg_ranges, pre_steps, tail_step, uses, 
             if step + 1 < wg_steps:
                 ops.append(ready(0, step + 1))
             ops.append(("arrive", ("free", 0 if latent else 1, slot), step))
+            step += 1
         for step in range(wg_steps, cta_steps):  # flush_step (without the schedule: each tile waited first)
             slot = step % stages
             for which in kinds:
@@ -922,10 +948,10 @@ def _cta_programs(first_step, cta_steps, wg_ranges, pre_steps, tail_step, uses, 
 
 
 def _check_cta(first_step, cta_steps, wg_ranges, pre_steps, tail_step, *, stages, tma_new_tiles, windowed, rng,
-               interleavings=3, page_steps=0, latent=False):
+               interleavings=3, page_steps=0, latent=False, overlap_runs=None):
     """One CTA's barrier programs (cp.async parities from the kernel's `cp_async_uses`, counted from first_step when
-    windowed; prefix steps below page_steps by TMA page by page) run in `interleavings` random interleavings on fresh
-    barriers; returns how many ran."""
+    windowed; prefix steps below page_steps by TMA page by page; overlap_runs as `_cta_programs`) run in
+    `interleavings` random interleavings on fresh barriers; returns how many ran."""
     from jaxattn.kernels.extend_attention_mgpu import cp_async_uses
 
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
@@ -934,13 +960,28 @@ def _check_cta(first_step, cta_steps, wg_ranges, pre_steps, tail_step, *, stages
                                     stages=stages, first_step=i32(first_step) if windowed else None,
                                     page_steps=i32(page_steps) if page_steps else 0))
     programs = _cta_programs(first_step, cta_steps, wg_ranges, pre_steps, tail_step, uses, stages=stages,
-                             tma_new_tiles=tma_new_tiles, page_steps=page_steps, latent=latent)
+                             tma_new_tiles=tma_new_tiles, page_steps=page_steps, latent=latent,
+                             overlap_runs=overlap_runs)
     for _ in range(interleavings):
         barriers = {("free", w, s): Barrier(len(wg_ranges)) for w in (0, 1) for s in range(stages)}
         barriers |= {(kind, w, s): Barrier(1) for kind in ("ready", "kv", "page") for w in (0, 1) for s in range(stages)}
         barriers["schedule"] = Barrier(2)
         run_protocol(programs, barriers, rng)
     return interleavings
+
+
+def _random_runs(rng, wg_ranges):
+    """Per warpgroup, random (lo, hi) runs of its steps for the intra-warpgroup overlap, between steps taken one by
+    one (the kernel's unmasked runs sit between masked steps)."""
+    runs = {}
+    for wg, (wg_first, wg_steps) in enumerate(wg_ranges):
+        runs[wg], step = [], wg_first
+        while step < wg_steps:
+            hi = rng.randint(step + 1, wg_steps)
+            if rng.random() < 0.6:
+                runs[wg].append((step, hi))
+            step = hi
+    return runs
 
 
 @pytest.mark.parametrize("pages", [False, True], ids=["rows", "pages"])
@@ -960,7 +1001,8 @@ def test_barrier_protocol_never_hangs(tma_new_tiles, pages):
     cdiv = lambda x, d: -(-x // d)  # noqa: E731
     cases = 0
     # (tile, stages, heads per CTA, consumers): two heads per CTA (short extends) give both warpgroups the CTA's
-    # block_q rows; three consumers (64-dim heads) take 192-row CTAs without the schedule barrier.
+    # block_q rows; three consumers (64-dim heads) take 192-row CTAs without the schedule barrier, each CTA also with
+    # random runs of its steps under the intra-warpgroup overlap.
     for block_kv, stages, packed, consumers in ((128, 2, False, 2), (64, 3, False, 2), (64, 2, False, 2),
                                                 (128, 2, True, 2), (64, 3, True, 2), (128, 2, False, 3),
                                                 (64, 3, False, 3)):
@@ -991,9 +1033,11 @@ def test_barrier_protocol_never_hangs(tma_new_tiles, pages):
                                 wg_row, q_start, q_end, prefix_len, lead, pre_steps, first, wg_steps, window=window,
                                 block_q=block_q, block_kv=block_kv)[0])
                         ranges.append((wg_first, wg_steps))
-                    cases += _check_cta(first, cta_steps, ranges, pre_steps, tail_step, stages=stages,
-                                        tma_new_tiles=tma_new_tiles, windowed=window >= 0, rng=rng,
-                                        page_steps=prefix_len // block_kv if pages else 0)
+                    for overlap_runs in [None] + ([_random_runs(rng, ranges)] if consumers == 3 else []):
+                        cases += _check_cta(first, cta_steps, ranges, pre_steps, tail_step, stages=stages,
+                                            tma_new_tiles=tma_new_tiles, windowed=window >= 0, rng=rng,
+                                            page_steps=prefix_len // block_kv if pages else 0,
+                                            overlap_runs=overlap_runs)
     assert cases > 100
 
 
@@ -1640,7 +1684,7 @@ def test_lowers_for_cuda_on_cpu(part):
     from tests.lower_mgpu_kernel import DECODE_SHAPES, SHAPES
 
     shapes = len(SHAPES) + len(DECODE_SHAPES)
-    assert shapes == 62 and run.stdout.count("ok ") == len(range(part, shapes, 2)), run.stdout
+    assert shapes == 65 and run.stdout.count("ok ") == len(range(part, shapes, 2)), run.stdout
 
 
 def test_batches_past_the_grid_limit_are_declined():

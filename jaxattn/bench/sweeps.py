@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from .cases import Case
 from .peers import decode_jaxattn, extend_jaxattn
 
@@ -94,9 +96,10 @@ def sweep_variants(op: str, case: Case):
                         continue
                     variants.append((f"mgpu kv{block_kv} s{stages}",
                                      lambda inp, c=config: extend_jaxattn(inp, config=c, impl="mgpu")))
-            if (case.head_dim, case.dv) == (64, 64):  # three consumer warpgroups (192-row CTAs, FA3's 64-dim tile)
-                for block_kv, stages in ((128, 2), (128, 3), (64, 3)):
-                    config = MgpuExtendConfig(block_kv=block_kv, stages=stages, consumers=3)
-                    variants.append((f"mgpu consumers3 kv{block_kv} s{stages}",
+            if (case.head_dim, case.dv) == (64, 64):  # three consumer warpgroups (192-row CTAs, FA3's 64-dim tile),
+                # with and without the intra-warpgroup overlap FA3 runs it with
+                for (block_kv, stages), overlap in itertools.product(((128, 2), (128, 3), (64, 3)), (False, True)):
+                    config = MgpuExtendConfig(block_kv=block_kv, stages=stages, consumers=3, overlap=overlap)
+                    variants.append((f"mgpu consumers3{' overlap' if overlap else ''} kv{block_kv} s{stages}",
                                      lambda inp, c=config: extend_jaxattn(inp, config=c, impl="mgpu")))
     return variants

@@ -410,6 +410,7 @@ def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: 
         meta.qo_indptr.astype(jnp.int32), meta.kv_indptr.astype(jnp.int32), out_ref,
         max_extend_len=meta.max_extend_len, sm_scale=sm_scale,
         block_q=config.block_q, block_kv=config.block_kv, stages=config.stages, consumers=config.consumers,
+        overlap=config.overlap,
         o_rows_columns=64 if latent else config.o_rows_columns(q.shape[2], v_dim),
         causal=bool(causal),
         sliding_window=int(sliding_window) if sliding_window >= 0 else -1,

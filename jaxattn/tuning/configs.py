@@ -84,12 +84,16 @@ class ExtendConfig:
 class MgpuExtendConfig:
     """Tiles of the Mosaic GPU extend kernel: block_q rows per consumer warpgroup (a CTA takes consumers x block_q),
     block_kv keys per tile, stages K/V tiles in flight, consumers warpgroups per CTA: 2 (ping-pong) or 3 (64-dim
-    heads only, FlashAttention-3's tile there: `kernels/extend_attention_mgpu.py`; not yet timed on a GPU)."""
+    heads only, FlashAttention-3's tile there: `kernels/extend_attention_mgpu.py`; level with 2 at T64 on the H200).
+    overlap (3 consumers): each warpgroup issues its next tile's S = Q K^T before this tile's softmax on the runs of
+    unmasked tiles (FlashAttention-3's intra-warpgroup overlap, which its 64-dim tile runs with); not yet run on a
+    GPU."""
 
     block_q: int = 64
     block_kv: int = 128
     stages: int = 2
     consumers: int = 2
+    overlap: bool = False
 
     @staticmethod
     def o_rows_columns(qk_head_dim: int, v_head_dim: int | None = None) -> int:
@@ -124,6 +128,10 @@ class MgpuExtendConfig:
             raise ValueError(f"MgpuExtendConfig.stages must be an int >= 2; got {self.stages!r}")
         if self.consumers not in (2, 3):
             raise ValueError(f"MgpuExtendConfig.consumers must be 2 or 3; got {self.consumers!r}")
+        if not isinstance(self.overlap, bool) or (self.overlap and self.consumers != 3):
+            raise ValueError(f"MgpuExtendConfig.overlap must be a bool, True with consumers=3 only (the two-consumer "
+                             f"schedule barrier orders the matrix work itself); got overlap={self.overlap!r} with "
+                             f"consumers={self.consumers}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -791,6 +791,9 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                             block_q=block_q, block_kv=block_kv)
                     pl.when(wg == 1)(schedule_sync)
 
+                def soft_cap(s):  # tanh(s * sm_scale / cap); the cap's multiply joins the exponent's FMA
+                    return s if logit_cap is None else jnp.tanh(s * (float(sm_scale) / logit_cap))
+
                 def online_softmax(s, acc, m_i, l_i):
                     # Base-2 online softmax; m_i is kept in log2 units so p = exp2(s * c - m) is one FMA + exp2
                     # (c = sm_scale * log2(e), or with a soft cap cap * log2(e): s is then the tanh; times each row's
@@ -837,8 +840,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
                     if not latent:  # (a latent tile holds V too: released after P V)
                         plgpu.barrier_arrive(k_free.at[slot])
-                    if logit_cap is not None:  # tanh(s * sm_scale / cap); the cap's multiply joins the exponent's FMA
-                        s = jnp.tanh(s * (float(sm_scale) / logit_cap))
+                    s = soft_cap(s)
                     if mask_kind is not None:
                         cols = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA)
                         rows = functools.partial(plgpu.broadcasted_iota, jnp.int32, (block_q, block_kv), 0,
@@ -920,9 +922,6 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     # S = Q K^T is issued before tile t's softmax and read after it, so the tensor cores compute it
                     # while this warpgroup's softmax runs. The same tiles, order and arithmetic as kv_step's; entered,
                     # like kv_step, with tile lo's K landed, and leaves tile hi's K waited (if the range has it).
-                    def cap(s):
-                        return s if logit_cap is None else jnp.tanh(s * (float(sm_scale) / logit_cap))
-
                     def run(carry):
                         def first(s_ref):
                             plgpu.wgmma(s_ref, qo_smem, k_smem.at[lax.rem(lo, jnp.int32(stages))].transpose((1, 0)))
@@ -933,7 +932,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
 
                         def tile(step, acc, m_i, l_i, s, has_next):
                             slot = lax.rem(step, jnp.int32(stages))
-                            s = cap(s)
+                            s = soft_cap(s)
                             if has_next:
                                 next_slot = lax.rem(step + 1, jnp.int32(stages))
 

@@ -178,8 +178,7 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
             """Consumer warpgroup c (a traced index) on kv head CONSUMERS * head_pair + c of each item. Counters:
             (ring tiles it has consumed, Q loads it has read)."""
             ring0 = c * stages  # consumer c's slots of the rings, and of their barriers
-            v16 = converted[0].at[c] if fp8 else None
-            k16 = converted[1].at[c] if fp8 else None
+            k16, v16 = (converted[0].at[c], converted[1].at[c]) if fp8 else (None, None)
             plgpu.set_max_registers(232, action="increase")
 
             def ring_slot(tile):  # ring tile number -> (slot, phase parity)
@@ -234,10 +233,8 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
                             plgpu.wgmma(s_ref, q_regs, k_tile.transpose((1, 0)))
                             if fp8:  # V's conversion overlaps the wgmma; then both fp8 tiles are read: release the slot
                                 convert(v_rings, v16, tile, v_ready)
-                                s = s_ref[...]
                                 arrive_barrier(bars, free + slot)
                                 plgpu.commit_smem()
-                                return s
                             return s_ref[...]
 
                         s = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, BLOCK_KV), jnp.float32))
@@ -344,7 +341,7 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
             # K and V rings, consumer c's slots at [c * stages, (c + 1) * stages)
             plgpu.SMEM((CONSUMERS * stages, BLOCK_KV, head_dim), k_pool.dtype, transforms=ring_transforms),
             plgpu.SMEM((CONSUMERS * stages, BLOCK_KV, head_dim), k_pool.dtype, transforms=ring_transforms),
-            [plgpu.SMEM(tiles, jnp.float16, transforms=SWIZZLED)] * (2 if fp8 else 0),  # fp8: f16 V and K per consumer
+            [plgpu.SMEM(tiles, jnp.float16, transforms=SWIZZLED)] * 2 if fp8 else [],  # f16 K and V per consumer
             plgpu.SMEM((2 * len(counts),), jnp.int32),  # the mbarriers, 8 bytes each
         ]
         pl.run_scoped(lambda *scoped: body(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_ref, v_ref, scales_ref,

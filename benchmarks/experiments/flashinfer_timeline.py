@@ -59,6 +59,7 @@ def main():
     args = parser.parse_args()
 
     import jax
+    import jax.numpy as jnp
     import torch
     import flashinfer
     from torch.profiler import ProfilerActivity, profile
@@ -97,9 +98,18 @@ def main():
                                           for _ in range(layers)])
             return lambda: fn(inp.q, inp.k_pool, inp.v_pool)
 
+        # As a model's step calls it: a distinct q per layer and no side effect (which XLA's scheduling and JAX's
+        # dispatch treat differently), so identical calls cannot be merged either way.
+        layer_qs = [jnp.array(inp.q, copy=True) for _ in range(layers)]
+
+        def jitted_distinct(run):
+            fn = jax.jit(lambda qs, k, v: [run(wrapper, q, k, v, case.dv)[0] for q in qs])
+            return lambda: fn(layer_qs, inp.k_pool, inp.v_pool)
+
         variants = {"torch": (torch_step, bench.torch_sync), "bridge x8": (jitted(bridged_run), bench.jax_sync)}
         if launcher is not None:
             variants["ffi x8"] = (jitted(launcher.run), bench.jax_sync)
+            variants["ffi x8 distinct q"] = (jitted_distinct(launcher.run), bench.jax_sync)
         for variant, (fn, sync) in variants.items():
             for _ in range(3):  # compile, plan recordings, allocator warm
                 sync(fn())

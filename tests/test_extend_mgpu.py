@@ -721,6 +721,78 @@ def test_rows_past_max_extend_len_are_zero(rng):
     np.testing.assert_array_equal(o[240:], 0.0)
 
 
+def _written_rows(qo, rows, max_extend_len, kernel):
+    """bool[rows]: the rows an extend kernel writes for qo_indptr `qo` (numpy): the GQA kernel from the raw starts,
+    the MLA kernel from starts clamped into the rows (kernels/mla_attention_mgpu.py extend_cta)."""
+    written = np.zeros(rows, bool)
+    for b in range(len(qo) - 1):
+        if kernel == "gqa":
+            lo, hi = qo[b], min(qo[b + 1], qo[b] + max_extend_len)
+        else:
+            lo = min(max(qo[b], 0), rows)
+            hi = lo + min(max(min(qo[b + 1], rows) - lo, 0), max_extend_len)
+        written[max(lo, 0):max(min(hi, rows), 0)] = True
+    return written
+
+
+def test_zero_spans_complement_the_written_rows(rng):
+    # The extend output buffer (kernels/zero_rows_mgpu.py) clears only the rows no CTA writes: every row is written or
+    # cleared, for monotone qo_indptr (padding rows, sequences past the bucket, a batch not starting at row 0) and for
+    # hostile ones (negative, decreasing, past the rows); monotone in-range ones clear no written row; spans stay
+    # inside the buffer.
+    from jaxattn.kernels.zero_rows_mgpu import zero_span
+
+    for trial in range(60):
+        batch, rows, max_extend_len = int(rng.integers(0, 6)), int(rng.integers(1, 90)), int(rng.integers(1, 40))
+        monotone = trial % 2 == 0
+        if monotone:
+            start = 0 if trial % 4 == 0 else int(rng.integers(0, 10))
+            qo = np.concatenate([[start], start + np.cumsum(rng.integers(0, 25, batch))]).astype(np.int32)
+        else:
+            qo = rng.integers(-40, 120, batch + 1).astype(np.int32)
+        qo_array = jnp.asarray(qo)
+        lo, hi = jax.vmap(lambda s: zero_span(s, lambda i: qo_array[i], batch=batch, rows=rows,
+                                              max_extend_len=max_extend_len))(jnp.arange(batch + 2, dtype=jnp.int32))
+        lo, hi = np.asarray(lo), np.asarray(hi)
+        assert np.all((0 <= lo) & (lo <= hi) & (hi <= rows)), (qo, rows, lo, hi)
+        cleared = np.zeros(rows, bool)
+        for a, b in zip(lo, hi):
+            cleared[a:b] = True
+        for kernel in ("gqa", "mla"):
+            written = _written_rows(qo, rows, max_extend_len, kernel)
+            assert np.all(cleared | written), (kernel, qo.tolist(), rows, max_extend_len, np.flatnonzero(~(cleared | written)))
+            if monotone and qo[-1] <= rows:
+                assert not np.any(cleared & written), (kernel, qo.tolist(), rows, max_extend_len)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("qo, rows, row_shape, max_extend_len", [
+    ([0, 5, 9, 30], 40, (4, 64), 16),  # padding rows and a sequence past the bucket
+    ([3, 3, 70], 64, (2, 128), 50),  # a batch not starting at row 0; qo_indptr[-1] past the rows
+    ([0, 100, 20, 400], 300, (8, 128), 128),  # hostile: decreasing, past the rows
+    ([0, 100], 20000, (32, 128), 4096),  # mostly padding: the padding span's many CTAs
+    ([0, 0], 7, (1, 8), 8),  # one 16-byte word per row, nothing written
+])
+def test_unwritten_rows_zeroed_on_dirty_memory(qo, rows, row_shape, max_extend_len):
+    # The extend output buffer's cleared rows are exactly 0 although the memory it reuses held NaN.
+    from jaxattn.kernels.zero_rows_mgpu import unwritten_rows_zeroed, zero_span
+
+    dirty = jnp.full((rows, *row_shape), jnp.nan, jnp.bfloat16).block_until_ready()
+    del dirty  # its block goes back to the allocator, which hands it to the next buffer of this size
+    qo = jnp.asarray(qo, jnp.int32)
+    run = jax.jit(lambda qo: unwritten_rows_zeroed(qo, rows=rows, row_shape=row_shape, dtype=jnp.bfloat16,
+                                                   max_extend_len=max_extend_len))
+    out = np.asarray(run(qo), np.float32)
+    batch = qo.shape[0] - 1
+    cleared = np.zeros(rows, bool)
+    for span in range(batch + 2):
+        lo, hi = zero_span(jnp.int32(span), lambda i: qo[i], batch=batch, rows=rows, max_extend_len=max_extend_len)
+        cleared[int(lo):int(hi)] = True
+    assert cleared.any()
+    np.testing.assert_array_equal(out[cleared], 0.0)
+
+
 def test_cp_async_phase_counts():
     # The kernel's own phase arithmetic (runs on CPU): against counting the cp.async steps one by one, for prefix
     # lengths, TMA ranges (empty included) and any number of tail tiles.

@@ -9,6 +9,7 @@ Usage: python benchmarks/experiments/mgpu_options.py --cases T64,E1 --force head
 """
 import argparse
 import ast
+import contextlib
 import functools
 import os
 import statistics
@@ -16,6 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from variant_timing import write_record  # noqa: E402  (this folder: the script's own directory)
@@ -34,8 +36,29 @@ parser.add_argument("--cases", default="T64,E1")
 parser.add_argument("--force", action="append", default=[], help="name=value[,name=value]: one variant (repeatable)")
 parser.add_argument("--unified", action="store_true", help="the unified form (every key from the pool) instead")
 parser.add_argument("--rounds", type=int, default=3)
+parser.add_argument("--memset", action="store_true",
+                    help="also the default with the whole output zeroed first (XLA's memset, as before the output "
+                         "buffer cleared only its unwritten rows, kernels/zero_rows_mgpu.py)")
 args = parser.parse_args()
 variants = {"default": {}, **{spec: parse_force(spec) for spec in args.force}}
+MEMSET = "default, whole output zeroed (memset)"
+if args.memset:
+    variants[MEMSET] = {}
+
+
+@contextlib.contextmanager
+def whole_output_zeroed(enabled: bool):
+    """While tracing: the extend wrappers' output buffer all zeros (jnp.zeros), the form before zero_rows_mgpu."""
+    import jaxattn.kernels.zero_rows_mgpu as zero_rows
+
+    original = zero_rows.unwritten_rows_zeroed
+    if enabled:
+        zero_rows.unwritten_rows_zeroed = lambda qo_indptr, *, rows, row_shape, dtype, max_extend_len: jnp.zeros(
+            (rows, *row_shape), dtype)
+    try:
+        yield
+    finally:
+        zero_rows.unwritten_rows_zeroed = original
 
 rows = []
 for name in args.cases.split(","):
@@ -52,8 +75,8 @@ for name in args.cases.split(","):
     fns = {}
     for label, forced in variants.items():
         try:
-            with kernel_options_forced(lambda kw, forced=forced: dict(kw, **forced)):  # undecorated: no trace reuse
-                compiled = jax.jit(fn.__wrapped__).lower(*operands).compile()
+            with kernel_options_forced(lambda kw, forced=forced: dict(kw, **forced)), whole_output_zeroed(label == MEMSET):
+                compiled = jax.jit(fn.__wrapped__).lower(*operands).compile()  # undecorated: no trace reuse
             call = functools.partial(compiled, *operands)
             out = np.asarray(call(), np.float32)
             worst = float(np.max(np.abs(out - ref) / limit))

@@ -378,6 +378,7 @@ def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: 
     bool/u8 at meta.mask_indptr. draft_mask: i32/u32[tokens, words] (two-stage form). latent_v_dim: a latent cache
     (v_new = v_pool = None, V = K's first latent_v_dim dims; q's columns padded to a multiple of 64 here)."""
     from jaxattn.kernels.extend_attention_mgpu import extend_attention_mgpu_kernel
+    from jaxattn.kernels.zero_rows_mgpu import unwritten_rows_zeroed
     tokens, q_heads = q.shape[:2]
     latent = latent_v_dim is not None
     v_dim = latent_v_dim if latent else v_pool.shape[2]
@@ -393,8 +394,9 @@ def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: 
     width = -(-q.shape[2] // 64) * 64 if latent else q.shape[2]
     if rows > tokens or width > q.shape[2]:
         q = jnp.pad(q, ((0, rows - tokens), (0, 0), (0, width - q.shape[2])))
-    # Zeros that the kernel overwrites in place (aliased): rows it does not compute stay 0.
-    out_ref = jax.new_ref(jnp.zeros((rows, q_heads, v_dim), q.dtype))
+    # The kernel fills the buffer in place (aliased); the rows it does not compute are 0 (only those are cleared).
+    out_ref = jax.new_ref(unwritten_rows_zeroed(meta.qo_indptr, rows=rows, row_shape=(q_heads, v_dim), dtype=q.dtype,
+                                                max_extend_len=meta.max_extend_len))
     kv_indices = meta.kv_indices
     if kv_indices.shape[0] == 0:  # a kernel operand needs an address; no row of it is listed
         kv_indices = jnp.zeros((1,), kv_indices.dtype)

@@ -148,14 +148,18 @@ def declines_extend(call: MlaExtendCall) -> str | None:
 
 def run_extend(call: MlaExtendCall):
     from jaxattn.kernels.mla_attention_mgpu import mla_extend_mgpu_kernel
+    from jaxattn.kernels.zero_rows_mgpu import unwritten_rows_zeroed
 
     tokens, q_heads, dim = call.q.shape
     meta = call.meta
     if tokens == 0 or call.meta.qo_indptr.shape[0] == 1:
         return jnp.zeros((tokens, q_heads, call.v_head_dim), call.q.dtype)
     kv_indices = meta.kv_indices if meta.kv_indices.shape[0] else jnp.zeros((1,), meta.kv_indices.dtype)
-    # Zeros the kernel overwrites in place: rows it does not compute (padding tokens, past max_extend_len) stay 0.
-    out_ref = jax.new_ref(jnp.zeros((tokens * q_heads, call.v_head_dim), call.q.dtype))
+    # The kernel fills the buffer in place; rows it does not compute (padding tokens, past max_extend_len) are 0
+    # (only those are cleared). Its (token, head) rows are the [tokens, q_heads, v] buffer's bytes.
+    out = unwritten_rows_zeroed(meta.qo_indptr, rows=tokens, row_shape=(q_heads, call.v_head_dim), dtype=call.q.dtype,
+                                max_extend_len=meta.max_extend_len)
+    out_ref = jax.new_ref(out.reshape(tokens * q_heads, call.v_head_dim))
     mla_extend_mgpu_kernel(
         call.q.reshape(tokens * q_heads, 1, dim), call.k_new, call.k_pool, meta.qo_indptr.astype(jnp.int32),
         meta.kv_indptr.astype(jnp.int32), kv_indices, out_ref, q_heads=q_heads, sm_scale=call.sm_scale,

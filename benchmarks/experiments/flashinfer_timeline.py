@@ -125,11 +125,17 @@ def main():
                 prof.export_chrome_trace(path)
                 summary = summarise(kernel_events(path), args.steps)
             summary["ms_per_call_span"] = round(summary.get("span_us_per_step", 0) / layers / 1e3, 5)
+            # The same variant on the host's clock (bench.time_calls: steps back to back for ~target_ms, one sync),
+            # short and long samples: a fixed cost per sample (first dispatch, final sync) shrinks in the long one.
+            per_call = bench.PerCall(fn, layers)
+            summary["wall_ms_per_call"] = {str(target): round(bench.time_calls(per_call, sync, target_ms=target,
+                                                                               repeats=5), 5) for target in (30, 300)}
             report["rows"].append(dict(case=name, variant=variant, **summary))
             print(f"{name} {variant}: {summary.get('kernels_per_step')} kernels/step, busy "
                   f"{summary.get('busy_us_per_step', 0):.1f} us/step, span {summary.get('span_us_per_step', 0):.1f}, "
                   f"gaps {summary.get('gap_us_per_step', 0):.1f} (median {summary.get('gap_median_us', 0):.2f}, max "
-                  f"{summary.get('gap_max_us', 0):.1f}), streams {summary.get('streams')}", flush=True)
+                  f"{summary.get('gap_max_us', 0):.1f}), streams {summary.get('streams')}; host clock ms/call "
+                  f"{summary['wall_ms_per_call']} against {summary['ms_per_call_span']} on the GPU's", flush=True)
             for kernel, mean in summary.get("mean_us_by_kernel", {}).items():
                 print(f"    {mean:9.2f} us x{summary['count_by_kernel'][kernel] / args.steps:g}/step  {kernel}",
                       flush=True)

@@ -378,15 +378,23 @@ def main(argv=None) -> int:
         print(f"{profile.name:18s} {sum(ran.values())} batches {ran}, {bad} mismatches, worst |err| / tolerance "
               f"{worst:.3f}" + (f"; declined {sorted(declined)}" if declined else "")
               + (f"; first: {first_bad}" if first_bad else ""), flush=True)
-    record = dict(backend=args.backend, deterministic=args.deterministic, shapes=dataclasses.asdict(shapes),
-                  device=str(jax.devices()[0]), seconds=round(time.time() - t0, 1), commit=os.environ.get("JAXATTN_COMMIT"),
-                  total_mismatches=total_bad, results=results)
+        write_record(args, shapes, t0, total_bad, results, profiles_left=len(profiles) - index - 1)
     print(f"stress_backends: {args.backend}{' deterministic' if args.deterministic else ''}, "
           f"{sum(r.get('batches', 0) for r in results.values())} batches, {total_bad} mismatches", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=1)
+    write_record(args, shapes, t0, total_bad, results, profiles_left=0)
     return 1 if total_bad else 0
+
+
+def write_record(args, shapes, t0, total_bad, results, *, profiles_left: int):
+    """The run's JSON (if --json), rewritten after every profile: a run its time box cuts keeps what it finished
+    (profiles_left > 0 says it was cut)."""
+    if not args.json:
+        return
+    record = dict(backend=args.backend, deterministic=args.deterministic, shapes=dataclasses.asdict(shapes),
+                  device=str(jax.devices()[0]), seconds=round(time.time() - t0, 1), commit=os.environ.get("JAXATTN_COMMIT"),
+                  total_mismatches=total_bad, profiles_left=profiles_left, results=results)
+    with open(args.json, "w") as f:
+        json.dump(record, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -123,7 +123,7 @@ def test_backend_stress_script_runs_and_catches_a_wrong_backend(tmp_path):
             "--json", str(out)]
     assert script.main(args) == 0
     record = json.loads(out.read_text())
-    assert record["total_mismatches"] == 0
+    assert record["total_mismatches"] == 0 and record["profiles_left"] == 0
     assert {name: r["batches"] for name, r in record["results"].items()} == {"sinks-window-p16": 2, "mla-p16": 2}
     # A spent time budget still runs each mode of each profile once, then stops.
     assert script.main(args[:3] + ["50", "--seconds", "0"] + args[4:]) == 0
@@ -175,3 +175,20 @@ def test_backend_stress_script_runs_and_catches_a_wrong_backend(tmp_path):
         finally:
             script.Runner.__init__ = correct_init
         assert all(n == 1 for n in seen) and seen  # each batch changed exactly one slot
+
+    # A run cut after its first profile (the device's time box) keeps that profile's figures in the JSON.
+    def cut_after_first(self, profile, *a, **kw):
+        if profile.name != "gqa-p1":
+            raise KeyboardInterrupt("the time box")
+        correct_init(self, profile, *a, **kw)
+
+    script.Runner.__init__ = cut_after_first
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            script.main(["--backend", "triton", "--batches", "1", "--shapes", "tiny", "--profiles", "gqa-p1$|gqa-p16",
+                         "--json", str(out)])
+    finally:
+        script.Runner.__init__ = correct_init
+    record = json.loads(out.read_text())
+    assert list(record["results"]) == ["gqa-p1"] and record["results"]["gqa-p1"]["batches"] == 1
+    assert record["profiles_left"] == 1

@@ -67,7 +67,7 @@ def main():
     from jaxattn import bench
     from jaxattn.backends.flashinfer import bridged_run
     from jaxattn.backends.flashinfer_ffi import FfiLauncher
-    from flashinfer_ffi import plan_wrapper  # the experiment beside this one plans the same way
+    from flashinfer_ffi import plan_wrapper, torch_layers  # the experiment beside this one plans and launches so
 
     if not os.environ.get("TRITON_CACHE_DIR"):
         os.environ["TRITON_CACHE_DIR"] = os.path.expanduser("~/.triton/cache")
@@ -85,13 +85,7 @@ def main():
         inp = bench.make_inputs(case)
         _, tv = bench.torch_views(inp)
         wrapper = plan_wrapper(flashinfer, torch, case, tv, workspace, args.e1_backend)
-        k, v, q = tv["k_pool"].unsqueeze(1), tv["v_pool"].unsqueeze(1), tv["q"]
-        outs = [torch.empty(q.shape[0], q.shape[1], case.dv, dtype=q.dtype, device="cuda") for _ in range(layers)]
-        lses = [torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device="cuda") for _ in range(layers)]
-
-        def torch_step():
-            for o, lse in zip(outs, lses):
-                wrapper.run(q, (k, v), out=o, lse=lse, return_lse=True)
+        torch_step = torch_layers(torch, case, tv, wrapper, layers)[-1]
 
         def jitted(run):
             fn = jax.jit(lambda q, k, v: [run(wrapper, q, k, v, case.dv, has_side_effect=True)[0]

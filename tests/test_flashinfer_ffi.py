@@ -3,6 +3,7 @@ wrapper whose "kernel" is a Python function, through a real XLA FFI call when ja
 bridged_run and the reference on the GPU."""
 
 import dataclasses
+import shutil
 from types import SimpleNamespace
 
 import jax
@@ -62,10 +63,17 @@ class StandInWrapper:
 
     def kernel(self, workspace, plan_info, q, k, v, out, lse, layout, kv_pair, scale):
         self.kernel_calls += 1
-        assert kv_pair[0] is k and kv_pair[1] is v and layout == 1
+        assert same_buffer(kv_pair[0], k) and same_buffer(kv_pair[1], v) and layout == 1
         out, lse = np.from_dlpack(out), np.from_dlpack(lse)
         out[...] = np.from_dlpack(q) * scale * plan_info[0] + np.from_dlpack(k)[0, 0, 0, 0]
         lse[...] = plan_info[0]
+
+
+def same_buffer(a, b) -> bool:
+    """Whether two tensors are views of the same memory (the native replay hands the K/V pair over as a tvm-ffi array
+    of the tensors it also passes alone: other Python objects, one buffer)."""
+    a, b = np.from_dlpack(a), np.from_dlpack(b)
+    return a.ctypes.data == b.ctypes.data and a.shape == b.shape
 
 
 def numpy_placeholders(q_shape, q_dtype, k_shape, v_shape, kv_dtype, page_size=1, variant_shapes=()):
@@ -124,12 +132,13 @@ def test_a_run_that_drops_an_operand_is_refused():
 
 
 @pytest.mark.skipif(not HAS_FFI, reason="needs jax-tvm-ffi")
-def test_ffi_launch_on_cpu_follows_every_new_plan():
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python-callback"])
+def test_ffi_launch_on_cpu_follows_every_new_plan(native):
     from jaxattn.backends.flashinfer_ffi import FfiLauncher
 
     wrapper = StandInWrapper()
     wrapper.plan(2.0)
-    launcher = FfiLauncher(platform="cpu", placeholders=numpy_placeholders)
+    launcher = FfiLauncher(platform="cpu", placeholders=numpy_placeholders, native=native)
     q = jnp.arange(24, dtype=jnp.float32).reshape(3, 2, 4)
     k_pool = jnp.full((5, 1, 4), 10.0)
     v_pool = jnp.zeros((5, 1, 4))
@@ -142,16 +151,35 @@ def test_ffi_launch_on_cpu_follows_every_new_plan():
     np.testing.assert_allclose(o, (q * 0.5 * 3.0 + 10.0) * 2.0)
     np.testing.assert_allclose(lse, np.full((3, 2), 3.0))
     assert wrapper.kernel_calls == 2 and step._cache_size() == 1
+    from jaxattn.backends.flashinfer_ffi import native_replay_error
+
+    assert [run.native for run in launcher.runs.values()] == [native and native_replay_error() is None]
 
 
 @pytest.mark.skipif(not HAS_FFI, reason="needs jax-tvm-ffi")
-def test_ffi_launch_on_cpu_passes_a_variants_tensors_from_jit():
+def test_without_a_compiler_the_launch_falls_back_to_the_callback(monkeypatch):
+    import jaxattn.backends.flashinfer_ffi as ffi
+
+    monkeypatch.setattr(ffi, "native_replay_error", lambda: "RuntimeError: no C++ compiler")
+    wrapper = StandInWrapper()
+    wrapper.plan(2.0)
+    launcher = ffi.FfiLauncher(platform="cpu", placeholders=numpy_placeholders)
+    q = jnp.arange(24, dtype=jnp.float32).reshape(3, 2, 4)
+    with pytest.warns(RuntimeWarning, match="no C.. compiler"):
+        o, _ = jax.jit(lambda q, k, v: launcher.run(wrapper, q, k, v, 4))(q, jnp.full((5, 1, 4), 10.0), jnp.zeros((5, 1, 4)))
+    np.testing.assert_allclose(o, q * 2.0 + 10.0)
+    assert [run.native for run in launcher.runs.values()] == [False]
+
+
+@pytest.mark.skipif(not HAS_FFI, reason="needs jax-tvm-ffi")
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python-callback"])
+def test_ffi_launch_on_cpu_passes_a_variants_tensors_from_jit(native):
     from jaxattn.backends.flashinfer import sink_variant_args
     from jaxattn.backends.flashinfer_ffi import FfiLauncher
 
     wrapper = SinkStandInWrapper()
     wrapper.plan(2.0)
-    launcher = FfiLauncher(platform="cpu", placeholders=numpy_placeholders)
+    launcher = FfiLauncher(platform="cpu", placeholders=numpy_placeholders, native=native)
     q = jnp.arange(24, dtype=jnp.float32).reshape(3, 2, 4)
     k_pool = v_pool = jnp.zeros((5, 1, 4))
     step = jax.jit(lambda q, k, v, sinks: launcher.run(wrapper, q, k, v, 4,
@@ -160,6 +188,73 @@ def test_ffi_launch_on_cpu_passes_a_variants_tensors_from_jit():
         o, _ = step(q, k_pool, v_pool, sinks)
         np.testing.assert_allclose(o, q * 0.125 * 2.0 + sinks[None, :, None])
     assert wrapper.kernel_calls == 2 and step._cache_size() == 1
+
+
+# A C++ stand-in kernel (StandInWrapper.kernel's arithmetic, f32, contiguous) for the launch with no Python in it.
+CPP_KERNEL = r"""
+#include <tvm/ffi/any.h>
+#include <tvm/ffi/container/array.h>
+#include <tvm/ffi/container/tensor.h>
+namespace ffi = tvm::ffi;
+void kernel(ffi::Any workspace, ffi::Array<ffi::Any> plan_info, ffi::TensorView q, ffi::TensorView k, ffi::TensorView v,
+            ffi::TensorView out, ffi::TensorView lse, int64_t layout, ffi::Array<ffi::Any> kv_pair, double scale) {
+  double factor = plan_info[0].cast<double>();
+  float k0 = static_cast<const float*>(k.data_ptr())[0];
+  const float* q_data = static_cast<const float*>(q.data_ptr());
+  float* out_data = static_cast<float*>(out.data_ptr());
+  float* lse_data = static_cast<float*>(lse.data_ptr());
+  for (int64_t i = 0; i < out.numel(); ++i) out_data[i] = static_cast<float>(q_data[i] * scale * factor + k0);
+  for (int64_t i = 0; i < lse.numel(); ++i) lse_data[i] = static_cast<float>(factor);
+  if (layout != 1 || kv_pair.size() != 2) lse_data[0] = -1.0f;  // the recorded layout and the K/V pair reached it
+}
+"""
+
+
+class CppStandInWrapper(StandInWrapper):
+    """StandInWrapper whose module function is compiled C++ (a tvm-ffi function, as FlashInfer's are)."""
+
+    def __init__(self):
+        import tvm_ffi.cpp
+
+        super().__init__()
+        module = tvm_ffi.cpp.load_inline("jaxattn_test_ffi_stand_in", cpp_sources=CPP_KERNEL, functions=["kernel"])
+        self._cached_module = SimpleNamespace(run=module.kernel)
+
+
+@pytest.mark.skipif(not HAS_FFI or shutil.which("c++") is None, reason="needs jax-tvm-ffi and a C++ compiler")
+def test_the_native_launch_runs_no_python(monkeypatch):
+    # With a C++ module function the native launch calls it from C++: the Python callback never runs (so a launch
+    # never waits for the GIL), and a new plan still reaches the next launch of the same executable.
+    from jaxattn.backends.flashinfer_ffi import FfiLauncher, FfiRun
+
+    wrapper = CppStandInWrapper()
+    wrapper.plan(2.0)
+    launcher = FfiLauncher(platform="cpu", placeholders=numpy_placeholders)
+    q = jnp.arange(24, dtype=jnp.float32).reshape(3, 2, 4)
+    k_pool, v_pool = jnp.full((5, 1, 4), 10.0), jnp.zeros((5, 1, 4))
+    step = jax.jit(lambda q, k, v: launcher.run(wrapper, q, k, v, 4, k_scale=0.5, has_side_effect=True))
+
+    def no_python(*_):
+        raise AssertionError("the Python callback ran")
+
+    monkeypatch.setattr(FfiRun, "callback", no_python)
+    for factor in (2.0, 3.0):
+        wrapper.plan(factor)
+        o, lse = step(q, k_pool, v_pool)
+        np.testing.assert_allclose(o, q * 0.5 * factor + 10.0)
+        np.testing.assert_allclose(lse, np.full((3, 2), factor))
+    assert step._cache_size() == 1 and all(run.native for run in launcher.runs.values())
+
+
+def test_native_codes_place_operands_and_tuples():
+    from jaxattn.backends.flashinfer_ffi import native_codes
+
+    template = ("ws", [2.0, 7], Operand(0), (Operand(1), Operand(2)), Operand(3), Operand(4), 1, Operand(5))
+    position = {0: 0, 1: 1, 2: 2, 3: 4, 4: 5, 5: 3}.get  # XLA's order: q, k, v, one variant tensor, out, lse
+    fixed, codes = native_codes(template, position)
+    assert codes == [-1, -1, 0, [1, 2], 4, 5, -1, 3]
+    assert fixed == ["ws", [2.0, 7], None, [None, None], None, None, 1, None]
+    assert native_codes(((Operand(0), (Operand(1),)),), position) is None  # deeper nesting: the Python callback
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,14 +3,17 @@
 Times jitted steps of 8 calls each (has_side_effect, so none is merged), on tiny arrays, per call:
   * "xla op": one XLA add (the step's own cost per op);
   * "ffi direct": an XLA FFI call (jax-tvm-ffi) of a C++ no-op built with tvm-ffi, taking (q, k, v, out, lse);
-  * "ffi launcher": the FFI launch as FlashInferBackend(launch="ffi") does it (`FfiLauncher`: a Python callback
-    replaying a wrapper's recorded run() call), whose module function is the same C++ no-op.
+  * "ffi launcher": the FFI launch as FlashInferBackend(launch="ffi") does it (`FfiLauncher`: the C++ replay of a
+    wrapper's recorded run() call), whose module function is the same C++ no-op;
+  * "ffi launcher, python callback": the same through the Python callback (`FfiLauncher(native=False)`).
 The difference between the last two is the Python callback's share; the second's is jax-tvm-ffi's and XLA's.
 Needs jax-tvm-ffi and a C++ compiler (tvm_ffi.cpp.load_inline). Writes $OUT/ffi_call_overhead.json.
 
-Measured on CPU (2 cores, 2026-12-04, best of 5): xla op 1.8 us, ffi direct 13.6 us, ffi launcher 16.3-17.9 us: the
-callback adds ~3 us; jax-tvm-ffi's call path is most of a launch's host cost. A native (C++) replay of the recorded
-call was tried the same day and measured 16.9-17.3 us, no better, so the launcher kept its Python callback.
+Measured on CPU (2 cores, 2026-12-04, best of 5): xla op 1.8 us, ffi direct 13.6 us, ffi launcher (then the Python
+callback) 16.3-17.9 us: the callback adds ~3 us; jax-tvm-ffi's call path is most of a launch's host cost. A C++
+replay measured 16.9-17.3 us that day and was not kept then; the one kept since (2026-12-05) measured 13.3 us against
+ffi direct's 13.4, and, what matters more, needs no GIL: beside a busy Python thread a step of 8 callback launches
+took 50 ms against 13 ms for C++ FFI calls (the callbacks wait for the GIL, CPU).
 """
 import os
 import sys
@@ -74,6 +77,7 @@ out_shape = (jax.ShapeDtypeStruct((8, 2, 4), jnp.float32), jax.ShapeDtypeStruct(
 jax_tvm_ffi.register_ffi_target("jaxattn_ffi_overhead_direct", NOOP.direct, arg_spec=["args", "rets"],
                                 platform=PLATFORM)
 launcher = FfiLauncher(platform=PLATFORM, placeholders=host_placeholders)
+callback_launcher = FfiLauncher(platform=PLATFORM, placeholders=host_placeholders, native=False)
 wrapper = NoopWrapper()
 steps = {
     "xla op": jax.jit(lambda q, k, v: [q + i for i in range(8)]),
@@ -81,10 +85,12 @@ steps = {
                                                             has_side_effect=True)(q, k, v)[0] for _ in range(8)]),
     "ffi launcher": jax.jit(lambda q, k, v: [launcher.run(wrapper, q, k, v, 4, has_side_effect=True)[0]
                                              for _ in range(8)]),
+    "ffi launcher, python callback": jax.jit(lambda q, k, v: [
+        callback_launcher.run(wrapper, q, k, v, 4, has_side_effect=True)[0] for _ in range(8)]),
 }
 rows = []
 for label, step in steps.items():
     us = per_call_us(step, q, k_pool, v_pool)
     rows.append(dict(variant=label, us_per_call=round(us, 2), platform=PLATFORM))
-    print(f"{label:14s} {us:6.1f} us per call", flush=True)
+    print(f"{label:30s} {us:6.1f} us per call", flush=True)
 write_record(os.path.join(os.environ.get("OUT", "/tmp"), "ffi_call_overhead.json"), rows)

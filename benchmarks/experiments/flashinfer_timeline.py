@@ -72,10 +72,10 @@ def main():
     if not os.environ.get("TRITON_CACHE_DIR"):
         os.environ["TRITON_CACHE_DIR"] = os.path.expanduser("~/.triton/cache")
     try:
-        launcher = FfiLauncher()
+        launcher, callback_launcher = FfiLauncher(), FfiLauncher(native=False)  # C++ replay; Python callback
     except Exception as error:
         print(f"FFI launch unavailable: {error}")
-        launcher = None
+        launcher = callback_launcher = None
     report = dict(experiment="flashinfer_timeline", device=bench.device_name(), commit=bench.commit(),
                   date=bench.today(), layers=args.layers, steps=args.steps, rows=[])
     workspace = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
@@ -104,6 +104,7 @@ def main():
         if launcher is not None:
             variants["ffi x8"] = (jitted(launcher.run), bench.jax_sync)
             variants["ffi x8 distinct q"] = (jitted_distinct(launcher.run), bench.jax_sync)
+            variants["ffi x8 python callback"] = (jitted(callback_launcher.run), bench.jax_sync)
         for variant, (fn, sync) in variants.items():
             for _ in range(3):  # compile, plan recordings, allocator warm
                 sync(fn())

@@ -5,22 +5,24 @@
 
 `plan()` stays on the host with torch, as for `bridged_run`. FlashInfer's kernels are tvm-ffi functions; jax-tvm-ffi
 registers a function as an XLA FFI target and, per call, hands it XLA's buffers as tvm-ffi tensors with XLA's
-stream set as tvm-ffi's current stream (which the kernels launch on). The registered function is a small Python
-callback, not the module function itself, for two reasons (jax-tvm-ffi 0.1.3, src/jax_tvm_ffi.cc):
+stream set as tvm-ffi's current stream (which the kernels launch on). The registered function is a replay of the
+recorded call, not the module function itself, for two reasons (jax-tvm-ffi 0.1.3, src/jax_tvm_ffi.cc):
   * its arg_spec places all operands as one block ("args"), all results as one block ("rets") and attributes; the
     module's run takes tensors at positions 0-1, 3-10 and 14 between non-tensor arguments (flashinfer 0.6.0
     decode.py BatchDecodeWithPagedKVCacheWrapper.run, run_args), which no arg_spec can express;
   * attributes are compile-time constants, and plan_info (and the plan's index buffers) change at every plan():
     as attributes every new plan would be a new executable.
-So the callback calls the module's run with the argument list the planned wrapper's own run() would pass, with
+So the replay calls the module's run with the argument list the planned wrapper's own run() would pass, with
 XLA's q, K, V, out and lse in it. That list is recorded from `wrapper.run` itself (with the module replaced by a
-recorder, on placeholder tensors) rather than rebuilt here, and recorded again whenever the wrapper has been
-re-planned (a new `plan_info` object), so a step jitted once keeps serving new plans, as with `bridged_run`.
+recorder, on placeholder tensors) rather than rebuilt here, and recorded again by the wrapper's plan() (which the
+launcher wraps), so a step jitted once keeps serving new plans, as with `bridged_run`. The replay is C++ by default
+(`NATIVE_REPLAY_SOURCE`, compiled once per machine): a launch runs no Python and never waits for the GIL; with
+`FfiLauncher(native=False)`, or a call nested deeper than one tuple, it is a Python callback.
 
 Memory: XLA owns q, K, V (read only) and out, lse (results); the workspaces and the plan's index buffers stay the
 wrapper's torch tensors, passed as tvm-ffi views made once per plan (not XLA operands, so XLA's assumption that
 operands are immutable is not touched). plan() fills them with host->device copies on torch's stream: synchronise
-after plan() and before the step (FlashInferBackend.plan does). Not CUDA-graph safe (the callback reads the current
+after plan() and before the step (FlashInferBackend.plan does). Not CUDA-graph safe (a launch reads the current
 plan), so the target is registered without the command-buffer trait and XLA launches it eagerly.
 
 jax-tvm-ffi and apache-tvm-ffi are imported only when a launcher is made; `choose_launch` picks this path only when
@@ -30,8 +32,10 @@ asked (`FlashInferBackend(launch="ffi")` or $JAXATTN_FLASHINFER_LAUNCH=ffi) and 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -199,6 +203,135 @@ def result_shapes(q, v_head_dim: int) -> tuple:
 
 _target_numbers = itertools.count()
 
+# The launch without Python (`native`): a tvm-ffi function, compiled once per machine (tvm_ffi.cpp.load_inline, a C++
+# compiler; FlashInfer's own JIT needs one too), that calls the module function with the recorded arguments and
+# XLA's tensors in place, so a launch never waits for the GIL. The Python callback does: XLA's thread runs it once per
+# call, and while the host's Python thread holds the GIL (dispatching the next steps, scheduling) each launch waits
+# for it (on CPU, beside a busy Python thread, a step of 8 launches took 50 ms against 13 ms for a C++ FFI call; on
+# the H100 the jitted steps' 30-ms samples lost 0.5-1 ms per burst). Recorded lists are pushed to it at every plan().
+# Arguments: `fixed` holds the recorded values (None where an operand goes), `codes` says per argument where it comes
+# from: -1 fixed, i >= 0 XLA's argument i, or (for a tuple, e.g. the K/V pair) an array of such codes per element.
+NATIVE_REPLAY_SOURCE = r"""
+#include <tvm/ffi/any.h>
+#include <tvm/ffi/container/array.h>
+#include <tvm/ffi/function.h>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+namespace ffi = tvm::ffi;
+
+namespace {
+struct Argument {
+  int64_t code = -1;                 // -1: the recorded value; >= 0: XLA's argument at this position
+  std::vector<int64_t> element_codes;  // a tuple: one code per element
+  bool is_tuple = false;
+};
+
+struct Replay {
+  ffi::Function function;
+  std::vector<ffi::Any> fixed;
+  std::vector<std::vector<ffi::Any>> fixed_elements;
+  std::vector<Argument> arguments;
+};
+
+std::mutex replays_mutex;
+std::unordered_map<int64_t, std::shared_ptr<const Replay>> replays;
+}  // namespace
+
+void set_replay(int64_t id, ffi::Function function, ffi::Array<ffi::Any> fixed, ffi::Array<ffi::Any> codes) {
+  auto replay = std::make_shared<Replay>();
+  replay->function = function;
+  for (size_t i = 0; i < codes.size(); ++i) {
+    Argument argument;
+    std::vector<ffi::Any> elements;
+    if (auto code = codes[i].try_cast<int64_t>()) {
+      argument.code = *code;
+    } else {
+      argument.is_tuple = true;
+      auto element_codes = codes[i].cast<ffi::Array<ffi::Any>>();
+      auto element_values = fixed[i].cast<ffi::Array<ffi::Any>>();
+      for (size_t j = 0; j < element_codes.size(); ++j) {
+        argument.element_codes.push_back(element_codes[j].cast<int64_t>());
+        elements.push_back(element_values[j]);
+      }
+    }
+    replay->fixed.push_back(fixed[i]);
+    replay->fixed_elements.push_back(std::move(elements));
+    replay->arguments.push_back(std::move(argument));
+  }
+  std::lock_guard<std::mutex> lock(replays_mutex);
+  replays[id] = std::move(replay);
+}
+
+ffi::Function make_launch(int64_t id) {
+  return ffi::Function::FromPacked([id](ffi::PackedArgs args, ffi::Any* result) {
+    std::shared_ptr<const Replay> replay;
+    {
+      std::lock_guard<std::mutex> lock(replays_mutex);
+      replay = replays.at(id);
+    }
+    const size_t n = replay->arguments.size();
+    std::vector<ffi::Any> tuples(n);
+    std::vector<ffi::AnyView> call(n);
+    for (size_t i = 0; i < n; ++i) {
+      const Argument& argument = replay->arguments[i];
+      if (!argument.is_tuple) {
+        call[i] = argument.code < 0 ? ffi::AnyView(replay->fixed[i]) : args[argument.code];
+        continue;
+      }
+      ffi::Array<ffi::Any> tuple;
+      for (size_t j = 0; j < argument.element_codes.size(); ++j) {
+        int64_t code = argument.element_codes[j];
+        tuple.push_back(code < 0 ? replay->fixed_elements[i][j] : ffi::Any(args[code]));
+      }
+      tuples[i] = tuple;
+      call[i] = tuples[i];
+    }
+    replay->function.CallPacked(call.data(), static_cast<int32_t>(n), result);
+  });
+}
+"""
+
+
+@functools.cache
+def native_replay():
+    """The compiled replay module (set_replay, make_launch), built on first use and cached by tvm-ffi."""
+    import tvm_ffi.cpp
+
+    return tvm_ffi.cpp.load_inline("jaxattn_flashinfer_replay", cpp_sources=NATIVE_REPLAY_SOURCE,
+                                   functions=["set_replay", "make_launch"])
+
+
+@functools.cache
+def native_replay_error() -> str | None:
+    """Why the native replay cannot be built here (e.g. no C++ compiler), or None once it is."""
+    try:
+        native_replay()
+    except Exception as error:  # noqa: BLE001  (any build failure: the launcher falls back to the Python callback)
+        return f"{type(error).__name__}: {str(error)[-300:]}"
+    return None
+
+
+def native_codes(template, xla_position) -> tuple[list, list] | None:
+    """(fixed, codes) for the native replay from a call template (see NATIVE_REPLAY_SOURCE), or None where it nests
+    deeper than one tuple. xla_position(operand index) -> the operand's position among XLA's arguments."""
+    fixed, codes = [], []
+    for item in template:
+        if type(item) is Operand:
+            fixed.append(None)
+            codes.append(xla_position(item.index))
+        elif type(item) is tuple:
+            if any(type(e) is tuple for e in item):
+                return None
+            fixed.append([None if type(e) is Operand else e for e in item])
+            codes.append([xla_position(e.index) if type(e) is Operand else -1 for e in item])
+        else:
+            fixed.append(item)
+            codes.append(-1)
+    return fixed, codes
+
 
 class FfiRun:
     """One XLA FFI target running one planned wrapper for fixed head shapes, dtypes and k_scale.
@@ -210,26 +343,61 @@ class FfiRun:
     or "cpu" in tests.
     """
 
-    def __init__(self, wrapper, placeholders, *, k_scale=None, variant_args=(), platform: str = "gpu"):
+    def __init__(self, wrapper, placeholders, *, k_scale=None, variant_args=(), platform: str = "gpu",
+                 native: bool = True):
         import jax_tvm_ffi
 
         self.wrapper = wrapper
         self.placeholders = placeholders
         self.k_scale = k_scale
         self.variant_args = variant_args
+        self.number = next(_target_numbers)
+        self.target = f"jaxattn_flashinfer_run_{self.number}"
+        self.native = False
         self.record()
-        self.target = f"jaxattn_flashinfer_run_{next(_target_numbers)}"
-        # pass_owned_tensor: XLA's buffers reach Python as tvm-ffi tensors (a Python callback needs it); no
-        # allow_cuda_graph: the callback reads the current plan, so it must run at every launch.
-        jax_tvm_ffi.register_ffi_target(self.target, self.callback, arg_spec=["args", "rets"], platform=platform,
+        if native and native_replay_error() is not None:
+            warnings.warn("FlashInfer FFI launch: the native replay could not be built, so each launch runs a Python "
+                          f"callback (which waits for the GIL): {native_replay_error()}", RuntimeWarning, stacklevel=3)
+        self.native = native and native_replay_error() is None and self.native_lists() is not None
+        if self.native:
+            self.push_native()
+        # pass_owned_tensor: XLA's buffers reach the launch as tvm-ffi tensors (a Python callback needs them; the
+        # module functions take them as tensors or views alike); no allow_cuda_graph: each launch reads the
+        # current plan, so it must run at every step.
+        launch = native_replay().make_launch(self.number) if self.native else self.callback
+        jax_tvm_ffi.register_ffi_target(self.target, launch, arg_spec=["args", "rets"], platform=platform,
                                         pass_owned_tensor=True)
 
     def record(self):
+        """Records the wrapper's current run() call (again after every plan(): FfiLauncher wraps the wrapper's plan)."""
         name, args = record_run_call(self.wrapper, *self.placeholders[:5], k_scale=self.k_scale,
                                      variant_args=self.variant_args)
         self.function = getattr(self.wrapper._cached_module, name)
         self.template = call_template(args, self.placeholders, tvm_ffi_view)
         self.plan_info = self.wrapper._plan_info  # plan() makes a new one each time
+        if self.native:
+            self.push_native()
+
+    def native_lists(self):
+        """(fixed, codes) of the current template for the native replay; XLA's arguments are (q, k, v, *variant,
+        out, lse), the template's operands (q, k, v, out, lse, *variant)."""
+        variants = len(self.placeholders) - 5
+
+        def xla_position(index):
+            return index if index < 3 else index + variants if index < 5 else index - 2
+
+        return native_codes(self.template, xla_position)
+
+    def push_native(self):
+        import tvm_ffi
+
+        lists = self.native_lists()
+        if lists is None:
+            raise RuntimeError("FlashInfer FFI launch: a re-planned run() call nests its arguments deeper than the "
+                               "native replay takes; use FfiLauncher(native=False)")
+        fixed, codes = lists
+        function = self.function if isinstance(self.function, tvm_ffi.Function) else tvm_ffi.convert(self.function)
+        native_replay().set_replay(self.number, function, fixed, codes)
 
     def callback(self, *tensors):  # XLA's operands (q, k, v, *variant tensors), then its results (out, lse)
         if self.wrapper._plan_info is not self.plan_info:
@@ -238,14 +406,36 @@ class FfiRun:
         self.function(*fill_template(self.template, (q, k, v, out, lse, *variant)))
 
 
+def record_at_every_plan(wrapper, run: FfiRun) -> None:
+    """Makes the wrapper's plan() record `run`'s call again once it has planned (the native replay has no Python at
+    launch to notice a new plan). The first call wraps the wrapper's own plan (an instance attribute)."""
+    runs = wrapper.__dict__.get("_jaxattn_ffi_runs")
+    if runs is None:
+        runs = wrapper.__dict__["_jaxattn_ffi_runs"] = []
+        plan = getattr(wrapper, "plan", None)
+        if plan is not None:  # (a stand-in without plan() is never re-planned)
+            @functools.wraps(plan)
+            def plan_and_record(*args, **kwargs):
+                result = plan(*args, **kwargs)
+                for planned in runs:
+                    planned.record()
+                return result
+
+            wrapper.plan = plan_and_record
+    runs.append(run)
+
+
 class FfiLauncher:
     """Runs planned FlashInfer wrappers inside jit through XLA FFI targets, one per wrapper, head shapes and k_scale.
 
     `run` has `bridged_run`'s arguments and results. Call it at trace time after the wrapper's first plan().
     platform / placeholders: "gpu" and torch_placeholders; tests on CPU pass "cpu" and numpy placeholders.
+    native: launch through the compiled C++ replay (needs a C++ compiler once; see NATIVE_REPLAY_SOURCE), else
+    through a Python callback.
     """
 
-    def __init__(self, platform: str = "gpu", placeholders=torch_placeholders, flashinfer_version: str | None = None):
+    def __init__(self, platform: str = "gpu", placeholders=torch_placeholders, flashinfer_version: str | None = None,
+                 native: bool = True):
         if not ffi_available():
             choose_launch("ffi", available=False)  # raises the ImportError naming the wheel
         if flashinfer_version is not None and not flashinfer_version.startswith(FFI_FLASHINFER_VERSION):
@@ -255,6 +445,7 @@ class FfiLauncher:
                                       f"calls; flashinfer {flashinfer_version} is installed: use launch='bridge'")
         self.platform = platform
         self.placeholders = placeholders
+        self.native = native
         self.runs: dict = {}
 
     def target(self, wrapper, q, k_pool, v_pool, k_scale=None, page_size: int = 1, variant_args=()) -> FfiRun:
@@ -269,7 +460,10 @@ class FfiLauncher:
                                              variant_shapes=shapes)
             stand_ins = iter(placeholders[5:])
             recorded = tuple(next(stand_ins) if isinstance(a, jax.Array) else a for a in variant_args)
-            self.runs[key] = FfiRun(wrapper, placeholders, k_scale=k_scale, variant_args=recorded, platform=self.platform)
+            run = FfiRun(wrapper, placeholders, k_scale=k_scale, variant_args=recorded, platform=self.platform,
+                         native=self.native)
+            record_at_every_plan(wrapper, run)
+            self.runs[key] = run
         return self.runs[key]
 
     def run(self, wrapper, q, k_pool, v_pool, v_head_dim: int, *, k_scale=None, v_scale=None, has_side_effect=False,

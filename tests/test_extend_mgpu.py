@@ -793,6 +793,29 @@ def test_unwritten_rows_zeroed_on_dirty_memory(qo, rows, row_shape, max_extend_l
     np.testing.assert_array_equal(out[cleared], 0.0)
 
 
+@pytest.mark.gpu
+@needs_hopper
+def test_the_output_buffer_is_neither_zeroed_whole_nor_copied(rng, monkeypatch):
+    # The compiled step has no whole-output broadcast (the memset) and no copy of the output: the kernel fills the
+    # buffer the clearing kernel made, in place. Control: with the whole output zeroed the same check finds it.
+    import re
+
+    import jaxattn.kernels.zero_rows_mgpu as zero_rows
+
+    batch = make_batch(rng, [50, 7], [100, 57], hq=4, hkv=2, dqk=128, dtype=jnp.bfloat16)  # 157 + 3 rows: x8
+    operands = (batch.q, batch.k_new, batch.v_new, batch.k_pool, batch.v_pool, batch.meta)
+    out_shape = re.escape(f"bf16[{batch.q.shape[0]},4,128]")
+    whole_output = re.compile(rf"{out_shape}\S* (broadcast|copy)\(")
+
+    def compiled_text():  # the undecorated function: no trace reused from an earlier call
+        return jax.jit(extend_attention_mgpu.__wrapped__).lower(*operands).compile().as_text()
+
+    assert not whole_output.search(compiled_text())
+    monkeypatch.setattr(zero_rows, "unwritten_rows_zeroed",
+                        lambda qo, *, rows, row_shape, dtype, max_extend_len: jnp.zeros((rows, *row_shape), dtype))
+    assert whole_output.search(compiled_text())
+
+
 def test_cp_async_phase_counts():
     # The kernel's own phase arithmetic (runs on CPU): against counting the cp.async steps one by one, for prefix
     # lengths, TMA ranges (empty included) and any number of tail tiles.

@@ -207,8 +207,9 @@ _target_numbers = itertools.count()
 # compiler; FlashInfer's own JIT needs one too), that calls the module function with the recorded arguments and
 # XLA's tensors in place, so a launch never waits for the GIL. The Python callback does: XLA's thread runs it once per
 # call, and while the host's Python thread holds the GIL (dispatching the next steps, scheduling) each launch waits
-# for it (on CPU, beside a busy Python thread, a step of 8 launches took 50 ms against 13 ms for a C++ FFI call; on
-# the H100 the jitted steps' 30-ms samples lost 0.5-1 ms per burst). Recorded lists are pushed to it at every plan().
+# for it (on CPU, beside a busy Python thread, a step of 8 launches took 50 ms against 13 ms for a C++ FFI call; the
+# likely cause of the 0.5-1 ms per burst of steps that the callbacks lost on the H100, not yet measured without them).
+# Recorded lists are pushed to it at every plan().
 # Arguments: `fixed` holds the recorded values (None where an operand goes), `codes` says per argument where it comes
 # from: -1 fixed, i >= 0 XLA's argument i, or (for a tuple, e.g. the K/V pair) an array of such codes per element.
 NATIVE_REPLAY_SOURCE = r"""

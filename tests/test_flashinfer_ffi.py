@@ -246,6 +246,80 @@ def test_the_native_launch_runs_no_python(monkeypatch):
     assert step._cache_size() == 1 and all(run.native for run in launcher.runs.values())
 
 
+class ForwardingStandInWrapper(CppStandInWrapper):
+    """Shaped like FlashInfer 0.6's prefill modules: the module function is Python, holds the compiled kernel in its
+    closure, forwards to it and returns `out` (prefill.py's paged_run). hidden: the kernel is reached through an
+    object instead, a forwarder the native replay cannot take apart (it then replays the Python function itself)."""
+
+    def __init__(self, hidden=False):
+        super().__init__()
+        kernel, self.forwards = self._cached_module.run, []
+        holder = SimpleNamespace(kernel=kernel)
+
+        def forward(workspace, plan_info, q, k, v, out, lse, layout, kv_pair, scale):
+            self.forwards.append(1)
+            if hidden:
+                holder.kernel(workspace, plan_info, q, k, v, out, lse, layout, kv_pair, scale)
+            else:
+                kernel(workspace, plan_info, q, k, v, out, lse, layout, kv_pair, scale)
+            return out
+
+        self._cached_module = SimpleNamespace(run=forward)
+
+
+@pytest.mark.skipif(not HAS_FFI or shutil.which("c++") is None, reason="needs jax-tvm-ffi and a C++ compiler")
+@pytest.mark.parametrize("hidden", [False, True], ids=["forwarded", "hidden-kernel"])
+def test_the_native_launch_replays_past_a_python_forwarder(monkeypatch, hidden):
+    # FlashInfer's prefill forwarder returns `o`: the launch must not hand XLA's tensor back as its result (jax-tvm-ffi
+    # refuses a call that keeps it: "Leaked temp owned tensors", the H100 at 7c92694). Where the forwarder's one call
+    # is positional, the launch calls the compiled kernel itself, so the forwarder runs only when a plan is recorded.
+    from jaxattn.backends.flashinfer_ffi import FfiLauncher, FfiRun
+
+    wrapper = ForwardingStandInWrapper(hidden)
+    wrapper.plan(2.0)
+    launcher = FfiLauncher(platform="cpu", placeholders=numpy_placeholders)
+    q = jnp.arange(24, dtype=jnp.float32).reshape(3, 2, 4)
+    k_pool, v_pool = jnp.full((5, 1, 4), 10.0), jnp.zeros((5, 1, 4))
+    step = jax.jit(lambda q, k, v: launcher.run(wrapper, q, k, v, 4, k_scale=0.5, has_side_effect=True))
+    monkeypatch.setattr(FfiRun, "callback", lambda *_: pytest.fail("the Python callback ran"))
+    for factor in (2.0, 3.0):
+        wrapper.plan(factor)
+        for launch in range(2):
+            forwards = len(wrapper.forwards)  # (the first launch of the first plan also traces and records)
+            o, lse = step(q, k_pool, v_pool)
+            np.testing.assert_allclose(o, q * 0.5 * factor + 10.0)
+            np.testing.assert_allclose(lse, np.full((3, 2), factor))
+        assert len(wrapper.forwards) - forwards == (1 if hidden else 0)
+    assert all(run.native for run in launcher.runs.values())
+
+
+def test_a_forwarded_call_is_found_without_touching_the_forwarder():
+    from jaxattn.backends.flashinfer_ffi import forwarded_call
+
+    def compiled(*args):
+        raise AssertionError("the compiled function ran")
+
+    def make(kind):
+        other = "a non-compiled closure value"
+
+        def forward(a, b, c=5):
+            if kind == "twice":
+                compiled(a)
+            compiled(b, a, c + 1, other) if kind != "keyword" else compiled(b, key=a)
+            return a
+
+        return forward
+
+    is_compiled = lambda value: value is compiled  # noqa: E731
+    forward = make("once")
+    assert forwarded_call(forward, (1, 2), is_compiled) == (compiled, (2, 1, 6, "a non-compiled closure value"))
+    assert forward.__closure__[0].cell_contents is compiled  # the forwarder's own closure is untouched
+    assert forwarded_call(make("twice"), (1, 2), is_compiled) is None
+    assert forwarded_call(make("keyword"), (1, 2), is_compiled) is None
+    assert forwarded_call(compiled, (1,), is_compiled) is None  # no closure: not a forwarder
+    assert forwarded_call(forward, (1, 2), lambda value: False) is None  # nothing compiled in its closure
+
+
 def test_native_codes_place_operands_and_tuples():
     from jaxattn.backends.flashinfer_ffi import native_codes
 

@@ -60,12 +60,15 @@ def main():
             config = None if splits is None else MgpuDecodeConfig(splits=splits)
             label = "own bound" if splits is None else f"{splits} splits"
 
-            def op(q, k, m, config=config):
-                return decode.decode_attention(q, k, None, m, v_head_dim=case.dv, config=config, impl="mgpu")
+            def make_op(config=config):  # a new function per jit: JAX caches traces by function, and each variant
+                def op(q, k, m):         # must be traced under its own run_merged
+                    return decode.decode_attention(q, k, None, m, v_head_dim=case.dv, config=config, impl="mgpu")
 
-            full = jax.jit(op)
+                return op
+
+            full = jax.jit(make_op()).lower(inp.q, inp.k_pool, meta).compile()
             with run_merged_as(lambda call, partials: partials(call)[:2]):
-                stage1 = jax.jit(op).lower(inp.q, inp.k_pool, meta).compile()
+                stage1 = jax.jit(make_op()).lower(inp.q, inp.k_pool, meta).compile()
                 mid_o, mid_lse = stage1(inp.q, inp.k_pool, meta)
             captured = {}
 
@@ -75,7 +78,7 @@ def main():
                 return triton_decode.merge_splits(call, mid_o, mid_lse, num_kv_splits, max_splits)
 
             with run_merged_as(merge_only):
-                merge = jax.jit(op).lower(inp.q, inp.k_pool, meta).compile()
+                merge = jax.jit(make_op()).lower(inp.q, inp.k_pool, meta).compile()
             timed[f"{label}: op"] = lambda full=full: full(inp.q, inp.k_pool, meta)
             timed[f"{label}: stage 1"] = lambda stage1=stage1: stage1(inp.q, inp.k_pool, meta)
             timed[f"{label}: merge"] = lambda merge=merge: merge(inp.q, inp.k_pool, meta)

@@ -35,6 +35,7 @@ import dataclasses
 import functools
 import itertools
 import os
+import types
 import warnings
 
 import jax
@@ -114,6 +115,38 @@ def record_run_call(wrapper, q, k, v, out, lse, *, k_scale=None, variant_args=()
                            f"{[(name, len(args), sorted(kwargs)) for name, args, kwargs in recorder.calls]}")
     name, args, _ = recorder.calls[0]
     return name, args
+
+
+def forwarded_call(function, args, is_compiled) -> tuple | None:
+    """(compiled function, its positional arguments) that a Python `function` forwards `args` to, or None.
+
+    FlashInfer 0.6's prefill modules wrap their compiled `paged_run` in a Python function (prefill.py,
+    get_batch_prefill_module) that reorders the arguments, calls the compiled function held in its closure once and
+    returns `o`; replaying that Python function would put the GIL back into every launch. The function is called once
+    as a copy whose closure holds recorders in place of every compiled function (the original and its closure are not
+    touched), and the forwarded call is taken if there was exactly one, with positional arguments only.
+    is_compiled(value): whether a closure value is a compiled (tvm-ffi) function."""
+    code, closure = getattr(function, "__code__", None), getattr(function, "__closure__", None)
+    if code is None or not closure:
+        return None
+    calls = []
+
+    def recorder(target):
+        def record(*call_args, **call_kwargs):
+            calls.append((target, call_args, call_kwargs))
+
+        return record
+
+    cells = tuple(types.CellType(recorder(cell.cell_contents)) if is_compiled(cell.cell_contents) else cell
+                  for cell in closure)
+    if all(new is old for new, old in zip(cells, closure)):
+        return None
+    copy = types.FunctionType(code, function.__globals__, function.__name__, function.__defaults__, cells)
+    copy.__kwdefaults__ = function.__kwdefaults__
+    copy(*args)
+    if len(calls) != 1 or calls[0][2]:
+        return None
+    return calls[0][0], calls[0][1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,8 +270,10 @@ struct Replay {
   std::vector<Argument> arguments;
 };
 
-std::mutex replays_mutex;
-std::unordered_map<int64_t, std::shared_ptr<const Replay>> replays;
+// Never freed: at exit a static map's destructor would release Python-made values after the interpreter is gone
+// (a segfault on the H100 at 7c92694).
+std::mutex& replays_mutex = *new std::mutex;
+auto& replays = *new std::unordered_map<int64_t, std::shared_ptr<const Replay>>;
 }  // namespace
 
 void set_replay(int64_t id, ffi::Function function, ffi::Array<ffi::Any> fixed, ffi::Array<ffi::Any> codes) {
@@ -267,7 +302,7 @@ void set_replay(int64_t id, ffi::Function function, ffi::Array<ffi::Any> fixed, 
 }
 
 ffi::Function make_launch(int64_t id) {
-  return ffi::Function::FromPacked([id](ffi::PackedArgs args, ffi::Any* result) {
+  return ffi::Function::FromPacked([id](ffi::PackedArgs args, ffi::Any*) {
     std::shared_ptr<const Replay> replay;
     {
       std::lock_guard<std::mutex> lock(replays_mutex);
@@ -290,7 +325,10 @@ ffi::Function make_launch(int64_t id) {
       tuples[i] = tuple;
       call[i] = tuples[i];
     }
-    replay->function.CallPacked(call.data(), static_cast<int32_t>(n), result);
+    // The callee's return value is dropped here: FlashInfer's Python prefill forwarder returns `o`, and a result
+    // holding XLA's tensor past the call is a leak jax-tvm-ffi refuses ("Leaked temp owned tensors").
+    ffi::Any ignored;
+    replay->function.CallPacked(call.data(), static_cast<int32_t>(n), &ignored);
   });
 }
 """
@@ -355,6 +393,7 @@ class FfiRun:
         self.number = next(_target_numbers)
         self.target = f"jaxattn_flashinfer_run_{self.number}"
         self.native = False
+        self.native_requested = native and native_replay_error() is None
         self.record()
         if native and native_replay_error() is not None:
             warnings.warn("FlashInfer FFI launch: the native replay could not be built, so each launch runs a Python "
@@ -374,6 +413,12 @@ class FfiRun:
         name, args = record_run_call(self.wrapper, *self.placeholders[:5], k_scale=self.k_scale,
                                      variant_args=self.variant_args)
         self.function = getattr(self.wrapper._cached_module, name)
+        if self.native_requested:  # the compiled function behind a Python forwarder: no Python at launch
+            import tvm_ffi
+
+            forwarded = forwarded_call(self.function, args, lambda value: isinstance(value, tvm_ffi.Function))
+            if forwarded is not None:
+                self.function, args = forwarded
         self.template = call_template(args, self.placeholders, tvm_ffi_view)
         self.plan_info = self.wrapper._plan_info  # plan() makes a new one each time
         if self.native:

@@ -807,13 +807,36 @@ def test_the_output_buffer_is_neither_zeroed_whole_nor_copied(rng, monkeypatch):
     out_shape = re.escape(f"bf16[{batch.q.shape[0]},4,128]")
     whole_output = re.compile(rf"{out_shape}\S* (broadcast|copy)\(")
 
-    def compiled_text():  # the undecorated function: no trace reused from an earlier call
-        return jax.jit(extend_attention_mgpu.__wrapped__).lower(*operands).compile().as_text()
+    def compiled_text():  # a new function each time: JAX caches traces by function (the control's first run here
+        return jax.jit(lambda *a: extend_attention_mgpu.__wrapped__(*a)).lower(*operands).compile().as_text()  # reused one)
 
     assert not whole_output.search(compiled_text())
     monkeypatch.setattr(zero_rows, "unwritten_rows_zeroed",
                         lambda qo, *, rows, row_shape, dtype, max_extend_len: jnp.zeros((rows, *row_shape), dtype))
     assert whole_output.search(compiled_text())
+
+
+def test_forced_kernel_options_reach_traces_of_a_function_traced_before(rng, monkeypatch):
+    # JAX caches traces by function: without clearing, a variant traced under kernel_options_forced after the default
+    # got the default's trace back (every forced variant of the options experiments timed the default kernel), and a
+    # trace after it would keep the forced option.
+    import jaxattn.kernels.extend_attention_mgpu as kernel_module
+    from jaxattn.impl.mgpu_extend import kernel_options_forced
+
+    seen = []
+    monkeypatch.setattr(kernel_module, "extend_attention_mgpu_kernel", lambda *args, **kwargs: seen.append(kwargs))
+    batch = make_batch(rng, [50, 7], [100, 57], hq=4, hkv=2, dqk=128, dtype=jnp.bfloat16)
+    operands = (batch.q, batch.k_new, batch.v_new, batch.k_pool, batch.v_pool, batch.meta)
+
+    def trace():
+        jax.jit(extend_attention_mgpu.__wrapped__).trace(*operands)
+
+    trace()
+    with kernel_options_forced(lambda kwargs: dict(kwargs, heads_per_cta=7)):
+        trace()
+    trace()
+    assert [kwargs["heads_per_cta"] for kwargs in seen] == [seen[0]["heads_per_cta"], 7, seen[0]["heads_per_cta"]]
+    assert seen[0]["heads_per_cta"] != 7
 
 
 def test_cp_async_phase_counts():

@@ -25,12 +25,16 @@ def run_merged_as(replacement):
     """While tracing: the MLA route's `triton_decode.run_merged(call, partials)` replaced (undecorated functions)."""
     from jaxattn.impl import triton_decode
 
+    import jax
+
     original = triton_decode.run_merged
+    jax.clear_caches()  # JAX caches traces by function (also jitted ones inside): trace anew under the replacement
     triton_decode.run_merged = replacement
     try:
         yield
     finally:
         triton_decode.run_merged = original
+        jax.clear_caches()
 
 
 def main():

@@ -35,7 +35,7 @@ def compiled(fn, operands, page_size, copies):
         pages = 0 if copies == "rows" else min(page_size, kw["block_kv"])
         return dict(kw, page_rows=pages, page_issue="pallas" if copies == "rows" else copies)
 
-    with kernel_options_forced(forced):  # the undecorated wrapper: jit's trace cache would hand back another trace
+    with kernel_options_forced(forced):  # (it clears JAX's caches: each variant is traced anew)
         return functools.partial(jax.jit(fn.__wrapped__).lower(*operands).compile(), *operands)
 
 

@@ -358,16 +358,20 @@ def page_copy_rows(page_size: int, block_kv: int, pool_rows: int) -> int:
 def kernel_options_forced(adjust):
     """While active, every launch of the Mosaic GPU extend kernel traced takes its keyword arguments through
     `adjust(kwargs) -> kwargs`: experiments and the lowering test force an option the tuned rules would not pick (page
-    copies below the rule, no TMA for new tiles). Only tracing sees it: trace an undecorated function (a jit's trace
-    cache would hand back an earlier trace). Not for serving."""
+    copies below the rule, no TMA for new tiles). Only tracing sees it, so JAX's caches are cleared on entry and on
+    exit: JAX caches a trace by function and arguments, also for `jax.jit(f.__wrapped__)` made anew, and would hand
+    back a trace made without the option (before 2026-12-05 every forced variant timed this way ran the default
+    kernel), or later one made with it. Not for serving."""
     import jaxattn.kernels.extend_attention_mgpu as kernel_module
 
     original = kernel_module.extend_attention_mgpu_kernel
+    jax.clear_caches()
     kernel_module.extend_attention_mgpu_kernel = lambda *args, **kwargs: original(*args, **adjust(dict(kwargs)))
     try:
         yield
     finally:
         kernel_module.extend_attention_mgpu_kernel = original
+        jax.clear_caches()
 
 
 def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: MgpuExtendConfig, *, causal: bool,

@@ -71,12 +71,10 @@ EXTEND: dict[str, ExtendConfig] = {
 }
 
 # Measured on the H200 (E1-E3): 64 x 128 with 2 stages beats 64 x 64 with 3-4 stages by 9-27%
-# (results/2026-12-03_h200_mgpu_extend_first.log). Head dim 64: three consumer warpgroups (192 q rows per CTA, as
-# FlashAttention-3 tiles 64-dim heads) 0.971x two at T64, H100, one run of 5 rounds (1.053 vs 1.084 ms;
-# results/2026-12-05_h100_mgpu_options_t64_f890269); with FA3's intra-warpgroup overlap added 1.58x slower.
+# (results/2026-12-03_h200_mgpu_extend_first.log).
 # 192/128: 128-key tiles would need 240 KB of shared memory at 2 stages; 64-key tiles with 2 stages (not yet tuned).
 EXTEND_MGPU: dict[str, MgpuExtendConfig] = {
-    "64": MgpuExtendConfig(block_q=64, block_kv=128, stages=2, consumers=3),
+    "64": MgpuExtendConfig(block_q=64, block_kv=128, stages=2),
     "128": MgpuExtendConfig(block_q=64, block_kv=128, stages=2),
     "192/128": MgpuExtendConfig(block_q=64, block_kv=64, stages=2),
     # The only tile that fits at 256: Q 64 KB + the 2-stage 64-key ring 128 KB + 16 KB of O chunk buffers.

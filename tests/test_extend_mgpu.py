@@ -261,15 +261,16 @@ def test_unified_custom_masks_match_reference(rng, feature):
     np.testing.assert_array_equal(np.float32(extend_attention_unified(*args, **kw)), np.float32(o))  # the default route
 
 
-def _paged_extend(rng, page_size):
+def _paged_extend(rng, page_size, dim=128):
     """A ragged batch over a page table (prefixes ending mid-page, on a page, sharing sequence 0's first page, none;
-    NaN in every pool row no token owns), bf16: (q, k_new, v_new, k_pool, v_pool, two-stage meta, unified meta)."""
+    NaN in every pool row no token owns), bf16, heads of `dim`: (q, k_new, v_new, k_pool, v_pool, two-stage meta,
+    unified meta)."""
     from jaxattn.paging import extend_metadata_from_pages, extend_unified_metadata_from_pages, out_cache_loc_from_pages
     from tests.test_paging import paged_batch
 
     prefix_lens = np.array([3 * page_size + 5, page_size, 700, 2 * page_size, 0], np.int32)
     extend_lens = np.array([130, 37, 64, 257, 8], np.int32)  # 496 tokens: whole new-key tiles by TMA as well
-    paged = paged_batch(rng, page_size, prefix_lens + extend_lens, hkv=2, dim=128)
+    paged = paged_batch(rng, page_size, prefix_lens + extend_lens, hkv=2, dim=dim)
     k_pool, v_pool = paged.k_pool.astype(jnp.bfloat16), paged.v_pool.astype(jnp.bfloat16)
     args = (jnp.asarray(paged.req_to_page), jnp.asarray(paged.rows), jnp.asarray(prefix_lens), jnp.asarray(extend_lens))
     pages = dict(page_size=page_size, num_slots=paged.num_slots)
@@ -279,7 +280,7 @@ def _paged_extend(rng, page_size):
     meta = extend_metadata_from_pages(*args, **pages, **sizes)
     meta_u = extend_unified_metadata_from_pages(*args, loc, **pages, **sizes)
     assert meta.page_size == meta_u.page_size == page_size
-    q = random_normal(rng, (tokens, 8, 128), jnp.bfloat16)
+    q = random_normal(rng, (tokens, 8, dim), jnp.bfloat16)
     return q, k_pool[loc], v_pool[loc], k_pool, v_pool, meta, meta_u
 
 
@@ -313,6 +314,26 @@ def test_whole_pages_match_row_copies_and_reference(rng, page_size, config):
         np.testing.assert_array_equal(np.float32(o_u), np.float32(o_u_rows))
         ref_u = extend_attention_unified_reference(q, k_pool, v_pool, meta_u, sliding_window=window)
         np.testing.assert_allclose(np.float32(o_u), np.float32(ref_u), **tolerance(jnp.bfloat16))
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_three_consumers_over_pages_match_two_and_reference(rng, page_size):
+    # MgpuExtendConfig(consumers=3) (the candidate 64-dim default) over page tables, by row copies (16) and page
+    # copies (64), in both forms: two consumers' bits and the reference.
+    q, k_new, v_new, k_pool, v_pool, meta, meta_u = _paged_extend(rng, page_size, dim=64)
+    three, two = MgpuExtendConfig(consumers=3), MgpuExtendConfig(consumers=2)
+    o = extend_attention_mgpu(q, k_new, v_new, k_pool, v_pool, meta, config=three)
+    np.testing.assert_allclose(np.float32(o), np.float32(extend_attention_reference(q, k_new, v_new, k_pool, v_pool, meta)),
+                               **tolerance(jnp.bfloat16))
+    np.testing.assert_array_equal(np.float32(o), np.float32(
+        extend_attention_mgpu(q, k_new, v_new, k_pool, v_pool, meta, config=two)))
+    o_u = extend_attention_unified_mgpu(q, k_pool, v_pool, meta_u, config=three)
+    np.testing.assert_allclose(np.float32(o_u), np.float32(extend_attention_unified_reference(q, k_pool, v_pool, meta_u)),
+                               **tolerance(jnp.bfloat16))
+    np.testing.assert_array_equal(np.float32(o_u), np.float32(
+        extend_attention_unified_mgpu(q, k_pool, v_pool, meta_u, config=two)))
 
 
 @pytest.mark.gpu

@@ -79,13 +79,18 @@ def main():
             def merge_only(call, partials):
                 _, _, num_kv_splits, max_splits = partials(call)  # traced, then unused: only the merge is launched
                 captured["splits"] = max_splits
-                return triton_decode.merge_splits(call, mid_o, mid_lse, num_kv_splits, max_splits)
+                return triton_decode.merge_splits(call, captured["mid_o"], captured["mid_lse"], num_kv_splits,
+                                                  max_splits)
+
+            def merge_op(q, k, m, mid_o, mid_lse):  # the partials as arguments (closed over, they became constants)
+                captured.update(mid_o=mid_o, mid_lse=mid_lse)
+                return make_op()(q, k, m)
 
             with run_merged_as(merge_only):
-                merge = jax.jit(make_op()).lower(inp.q, inp.k_pool, meta).compile()
+                merge = jax.jit(merge_op).lower(inp.q, inp.k_pool, meta, mid_o, mid_lse).compile()
             timed[f"{label}: op"] = lambda full=full: full(inp.q, inp.k_pool, meta)
             timed[f"{label}: stage 1"] = lambda stage1=stage1: stage1(inp.q, inp.k_pool, meta)
-            timed[f"{label}: merge"] = lambda merge=merge: merge(inp.q, inp.k_pool, meta)
+            timed[f"{label}: merge"] = lambda merge=merge, o=mid_o, lse=mid_lse: merge(inp.q, inp.k_pool, meta, o, lse)
             print(f"{name} {label}: {captured['splits']} splits at most", flush=True)
         samples = {label: [] for label in timed}
         for _ in range(args.rounds):

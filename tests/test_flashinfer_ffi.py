@@ -305,6 +305,8 @@ def test_a_forwarded_call_is_found_without_touching_the_forwarder():
         def forward(a, b, c=5):
             if kind == "twice":
                 compiled(a)
+            if kind == "uses-result":
+                return compiled(b, a).shape  # a recorder returns None: not a plain forwarder
             compiled(b, a, c + 1, other) if kind != "keyword" else compiled(b, key=a)
             return a
 
@@ -316,6 +318,7 @@ def test_a_forwarded_call_is_found_without_touching_the_forwarder():
     assert forward.__closure__[0].cell_contents is compiled  # the forwarder's own closure is untouched
     assert forwarded_call(make("twice"), (1, 2), is_compiled) is None
     assert forwarded_call(make("keyword"), (1, 2), is_compiled) is None
+    assert forwarded_call(make("uses-result"), (1, 2), is_compiled) is None
     assert forwarded_call(compiled, (1,), is_compiled) is None  # no closure: not a forwarder
     assert forwarded_call(forward, (1, 2), lambda value: False) is None  # nothing compiled in its closure
 

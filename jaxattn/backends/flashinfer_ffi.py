@@ -124,7 +124,8 @@ def forwarded_call(function, args, is_compiled) -> tuple | None:
     get_batch_prefill_module) that reorders the arguments, calls the compiled function held in its closure once and
     returns `o`; replaying that Python function would put the GIL back into every launch. The function is called once
     as a copy whose closure holds recorders in place of every compiled function (the original and its closure are not
-    touched), and the forwarded call is taken if there was exactly one, with positional arguments only.
+    touched), and the forwarded call is taken if there was exactly one, with positional arguments only; a forwarder
+    that fails without its compiled functions (it uses their results) is replayed as it is.
     is_compiled(value): whether a closure value is a compiled (tvm-ffi) function."""
     code, closure = getattr(function, "__code__", None), getattr(function, "__closure__", None)
     if code is None or not closure:
@@ -143,7 +144,10 @@ def forwarded_call(function, args, is_compiled) -> tuple | None:
         return None
     copy = types.FunctionType(code, function.__globals__, function.__name__, function.__defaults__, cells)
     copy.__kwdefaults__ = function.__kwdefaults__
-    copy(*args)
+    try:
+        copy(*args)
+    except Exception:  # noqa: BLE001  (whatever a forwarder does with a recorder's None: not a plain forwarder)
+        return None
     if len(calls) != 1 or calls[0][2]:
         return None
     return calls[0][0], calls[0][1]

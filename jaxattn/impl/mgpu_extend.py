@@ -361,7 +361,7 @@ def kernel_options_forced(adjust):
     copies below the rule, no TMA for new tiles). Only tracing sees it, so JAX's caches are cleared on entry and on
     exit: JAX caches a trace by function and arguments, also for `jax.jit(f.__wrapped__)` made anew, and would hand
     back a trace made without the option (before 2026-12-05 every forced variant timed this way ran the default
-    kernel), or later one made with it. Not for serving."""
+    kernel), or, after the context, one made with it. Not for serving."""
     import jaxattn.kernels.extend_attention_mgpu as kernel_module
 
     original = kernel_module.extend_attention_mgpu_kernel

@@ -828,8 +828,9 @@ def test_the_output_buffer_is_neither_zeroed_whole_nor_copied(rng, monkeypatch):
     out_shape = re.escape(f"bf16[{batch.q.shape[0]},4,128]")
     whole_output = re.compile(rf"{out_shape}\S* (broadcast|copy)\(")
 
-    def compiled_text():  # a new function each time: JAX caches traces by function (the control's first run here
-        return jax.jit(lambda *a: extend_attention_mgpu.__wrapped__(*a)).lower(*operands).compile().as_text()  # reused one)
+    # A new function each time: JAX caches traces by function (the control's first GPU run reused the first trace).
+    def compiled_text():
+        return jax.jit(lambda *a: extend_attention_mgpu.__wrapped__(*a)).lower(*operands).compile().as_text()
 
     assert not whole_output.search(compiled_text())
     monkeypatch.setattr(zero_rows, "unwritten_rows_zeroed",

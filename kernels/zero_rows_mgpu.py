@@ -4,7 +4,8 @@ The Mosaic GPU extend kernels write rows [qo_indptr[b], min(qo_indptr[b + 1], qo
 each sequence b and nothing else; the op's contract says every other row is 0 (padding tokens past qo_indptr[-1],
 rows past the static bucket). Zeroing the whole buffer first is an XLA memset of the whole output (134 MB at E1);
 this kernel writes zeros only where no CTA of the extend kernel will, into a fresh buffer that the extend kernel then
-fills in place. On the H200 the saving stayed within a run's spread (benchmarks/RESULTS.md, twenty-third session).
+fills in place: 3.4% / 4.3% faster than the memset at E3 / E1 on the H100 (benchmarks/RESULTS.md, twenty-fourth
+session).
 
 Rows are contiguous in the row-major output, so each span of unwritten rows is one contiguous byte range, cleared
 with 16-byte stores. The spans (`zero_span`): span 0 = [0, qo_indptr[0]), span s = 1..batch = sequence s - 1's rows

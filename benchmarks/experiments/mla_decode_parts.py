@@ -64,15 +64,12 @@ def main():
             config = None if splits is None else MgpuDecodeConfig(splits=splits)
             label = "own bound" if splits is None else f"{splits} splits"
 
-            def make_op(config=config):  # a new function per jit: JAX caches traces by function, and each variant
-                def op(q, k, m):         # must be traced under its own run_merged
-                    return decode.decode_attention(q, k, None, m, v_head_dim=case.dv, config=config, impl="mgpu")
+            def op(q, k, m, config=config):  # traced anew under each run_merged_as (it clears JAX's caches)
+                return decode.decode_attention(q, k, None, m, v_head_dim=case.dv, config=config, impl="mgpu")
 
-                return op
-
-            full = jax.jit(make_op()).lower(inp.q, inp.k_pool, meta).compile()
+            full = jax.jit(op).lower(inp.q, inp.k_pool, meta).compile()
             with run_merged_as(lambda call, partials: partials(call)[:2]):
-                stage1 = jax.jit(make_op()).lower(inp.q, inp.k_pool, meta).compile()
+                stage1 = jax.jit(op).lower(inp.q, inp.k_pool, meta).compile()
                 mid_o, mid_lse = stage1(inp.q, inp.k_pool, meta)
             captured = {}
 
@@ -84,7 +81,7 @@ def main():
 
             def merge_op(q, k, m, mid_o, mid_lse):  # the partials as arguments (closed over, they became constants)
                 captured.update(mid_o=mid_o, mid_lse=mid_lse)
-                return make_op()(q, k, m)
+                return op(q, k, m)
 
             with run_merged_as(merge_only):
                 merge = jax.jit(merge_op).lower(inp.q, inp.k_pool, meta, mid_o, mid_lse).compile()

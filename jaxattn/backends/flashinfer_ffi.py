@@ -396,13 +396,13 @@ class FfiRun:
         self.variant_args = variant_args
         self.number = next(_target_numbers)
         self.target = f"jaxattn_flashinfer_run_{self.number}"
-        self.native = False
-        self.native_requested = native and native_replay_error() is None
-        self.record()
         if native and native_replay_error() is not None:
             warnings.warn("FlashInfer FFI launch: the native replay could not be built, so each launch runs a Python "
                           f"callback (which waits for the GIL): {native_replay_error()}", RuntimeWarning, stacklevel=3)
-        self.native = native and native_replay_error() is None and self.native_lists() is not None
+        self.native_requested = native and native_replay_error() is None
+        self.native = False  # until the first recorded call is known to fit the replay
+        self.record()
+        self.native = self.native_requested and self.native_lists() is not None
         if self.native:
             self.push_native()
         # pass_owned_tensor: XLA's buffers reach the launch as tvm-ffi tensors (a Python callback needs them; the

@@ -648,7 +648,20 @@ def test_short_windows_over_short_extends_take_64_key_tiles():
     for kw in (dict(sliding_window=129, max_extend_len=64), dict(sliding_window=128, max_extend_len=65),
                dict(sliding_window=-1, max_extend_len=64), dict(sliding_window=128)):
         assert pick(128, **kw) == pick(128), kw
-    assert pick(64, sliding_window=128, max_extend_len=64) == pick(64)
+    assert pick(64, sliding_window=128, max_extend_len=65) == pick(64)
+
+
+def test_head_dim_64_takes_three_consumers_except_over_short_extends():
+    # tuning.sm90.EXTEND_MGPU["64"]: three consumer warpgroups (FA3's 64-dim tile); an extend of at most block_q new
+    # tokens keeps two, which pack two heads per CTA (a verify step), at every window.
+    from jaxattn import hardware, tuning
+    from jaxattn.impl.mgpu_extend import heads_per_cta
+    pick = lambda **kw: tuning.mgpu_extend_config(64, family=hardware.SM90.name, **kw)  # noqa: E731
+    assert pick().consumers == 3 and pick(max_extend_len=65).consumers == 3
+    for kw in (dict(max_extend_len=64), dict(max_extend_len=1), dict(max_extend_len=64, sliding_window=128)):
+        assert pick(**kw) == dataclasses.replace(pick(), consumers=2), kw
+        assert heads_per_cta(kw["max_extend_len"], 4, pick(**kw)) == 2
+    assert tuning.mgpu_extend_config(128, family=hardware.SM90.name, max_extend_len=64).consumers == 2
 
 
 def test_head_dim_256_tiles_fit_shared_memory():

@@ -7,6 +7,9 @@ The rows' values were plausible attention outputs, and the valid rows matched, w
       the plan 21), and
   (b) the kernel runs after the step's `jnp.where` (done in place on the output buffer): the launch is not ordered
       with XLA's stream.
+(b) saw 0 of 50 dirty steps on the H200 while the GPU test keeps failing (H200 and H100): (c) replays the test's own
+sequence (the reference backend first, two batches planned one after the other on one backend, return_lse=True) and
+varies one thing at a time, to find which of them the fault needs.
 This script tests each on the same batch and wrapper:
   (a) torch only: run() on the full 24-row q with `out` filled with NaN: which rows past qo_indptr[-1] it writes;
   (b) jitted FFI launch then the backend's zeroing, `repeats` times: how many steps leave a padding row non-zero,
@@ -30,6 +33,56 @@ from jaxattn.backends import AttentionLayer  # noqa: E402
 from jaxattn.backends.flashinfer import FlashInferBackend, paged_pool_view  # noqa: E402
 from jaxattn.batch import ForwardMode  # noqa: E402
 from tests.test_flashinfer_ffi import scheduled_batch  # noqa: E402  (the failing GPU test's batches)
+
+
+def dirty_rows(o, planned: int) -> list[int]:
+    """The rows past the plan that hold anything but zeros."""
+    o = np.float32(o)
+    return [int(r) + planned for r in np.flatnonzero(np.any(o[planned:] != 0, axis=(1, 2)))]
+
+
+def test_sequence() -> dict:
+    """(c) tests/test_flashinfer_ffi.py's "extend" case step by step, with one change per variant; per variant and
+    batch, the padding rows left non-zero after the backend's zeroing, on each of two calls of the step."""
+    from jaxattn.backends import ReferenceBackend
+    from tests.test_flashinfer_ffi import GPU_CASES
+
+    case = GPU_CASES["extend"]
+    tokens, num_slots, hq, hkv, d = case["tokens"], 4096, 4, 2, 128
+    variants = {
+        "as the test": dict(reference=True, return_lse=True, batches=(0, 1)),
+        "no reference first": dict(reference=False, return_lse=True, batches=(0, 1)),
+        "return_lse=False": dict(reference=True, return_lse=False, batches=(0, 1)),
+        "first batch only": dict(reference=True, return_lse=True, batches=(0,)),
+        "second batch first": dict(reference=True, return_lse=True, batches=(1, 0)),
+    }
+    found = {}
+    for name, variant in variants.items():
+        rng = np.random.default_rng(0)  # the same inputs in every variant
+        batches = [scheduled_batch(rng, ForwardMode.EXTEND, s, e, tokens, num_slots)
+                   for s, e in zip(case["seq_lens"], case["extend_lens"])]
+        layer = AttentionLayer(0, hq, hkv, d)
+        pools = [jnp.asarray(rng.standard_normal((num_slots, hkv, d)), jnp.bfloat16) for _ in range(2)]
+        q, k, v = (jnp.asarray(rng.standard_normal((tokens, h, d)), jnp.bfloat16) for h in (hq, hkv, hkv))
+        if variant["reference"]:
+            ref = ReferenceBackend()
+            for batch, r2t in batches:
+                ref_step = jax.jit(lambda *a, b=batch, r=r2t: ref.forward(*a, layer, ref.init_forward_metadata(b, jnp.asarray(r))))
+                jax.block_until_ready(ref_step(q, k, v, *pools))
+        backend = FlashInferBackend(launch="ffi")
+        lse = variant["return_lse"]
+        step = jax.jit(lambda q, k, v, kb, vb, m: backend.forward(q, k, v, kb, vb, layer, m, return_lse=lse)[0])
+        rows = {}
+        for index in variant["batches"]:
+            batch, r2t = batches[index]
+            planned = int(np.asarray(batch.extend_lens).sum())
+            meta = backend.plan(batch, r2t, [layer])
+            valid = int(np.asarray(meta.token_valid).sum())
+            rows[f"batch {index} (plan {planned}, valid {valid})"] = [dirty_rows(step(q, k, v, *pools, meta), planned)
+                                                                      for _ in range(2)]
+        found[name] = rows
+        print(f"(c) {name}: {rows}", flush=True)
+    return found
 
 
 def main() -> int:
@@ -75,6 +128,7 @@ def main() -> int:
         record[f"{launch}_steps_with_nonzero_padding"] = dirty
         print(f"(b) {launch}: {dirty} of {args.repeats} jitted steps left a padding row non-zero after the zeroing",
               flush=True)
+    record["test_sequence"] = test_sequence()
     out_dir = os.environ.get("OUT", ".")
     with open(os.path.join(out_dir, "ffi_padding_rows.json"), "w") as f:
         json.dump(record, f, indent=1)

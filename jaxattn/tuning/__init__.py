@@ -190,7 +190,9 @@ def mgpu_extend_config(qk_head_dim: int, v_head_dim: int | None = None, family: 
                        sliding_window: int = -1, max_extend_len: int | None = None) -> MgpuExtendConfig:
     """The Mosaic GPU extend kernel's tiles for these head dims (v_head_dim default: qk_head_dim), keyed as the
     Triton extend table (`head_dim_family`); the default config on a miss, warning once. A window of at most the
-    "extend_mgpu_short_window" table's W over extends of at most block_q new tokens takes that table's tile."""
+    "extend_mgpu_short_window" table's W over extends of at most block_q new tokens takes that table's tile, and such
+    short extends take two consumer warpgroups where the table has three: two then hold two heads' rows of one
+    sequence (`jaxattn.impl.mgpu_extend.heads_per_cta`), where three would hold one head's and compute padding in two."""
     v_head_dim = qk_head_dim if v_head_dim is None else v_head_dim
     key = head_dim_family(qk_head_dim, v_head_dim)
     config = table("extend_mgpu", family).get(key)
@@ -201,4 +203,6 @@ def mgpu_extend_config(qk_head_dim: int, v_head_dim: int | None = None, family: 
     if short is not None and 0 <= sliding_window <= short[0] and max_extend_len is not None \
             and max_extend_len <= short[1].block_q:
         config = short[1]
+    if config.consumers == 3 and max_extend_len is not None and max_extend_len <= config.block_q:
+        config = dataclasses.replace(config, consumers=2, overlap=False)
     return config

@@ -84,7 +84,7 @@ class ExtendConfig:
 class MgpuExtendConfig:
     """Tiles of the Mosaic GPU extend kernel: block_q rows per consumer warpgroup (a CTA takes consumers x block_q),
     block_kv keys per tile, stages K/V tiles in flight, consumers warpgroups per CTA: 2 (ping-pong) or 3 (64-dim
-    heads only, FlashAttention-3's tile there: `kernels/extend_attention_mgpu.py`; 0.971x two at T64 on the H100).
+    heads only, FlashAttention-3's tile there: `kernels/extend_attention_mgpu.py`; 0.946-0.971x two at T64 on the H100).
     overlap (3 consumers): each warpgroup issues its next tile's S = Q K^T before this tile's softmax on the runs of
     unmasked tiles (FlashAttention-3's intra-warpgroup overlap, which its 64-dim tile runs with); 1.58x slower than
     two consumers at T64 on the H100 (benchmarks/RESULTS.md, twenty-fourth session)."""

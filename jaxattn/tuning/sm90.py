@@ -71,10 +71,13 @@ EXTEND: dict[str, ExtendConfig] = {
 }
 
 # Measured on the H200 (E1-E3): 64 x 128 with 2 stages beats 64 x 64 with 3-4 stages by 9-27%
-# (results/2026-12-03_h200_mgpu_extend_first.log).
+# (results/2026-12-03_h200_mgpu_extend_first.log). Head dim 64: three consumer warpgroups (192 q rows per CTA, as
+# FlashAttention-3 tiles 64-dim heads), H100, 5 rounds each: 0.971x two at T64 (f890269), 0.946x (6fd99af); with FA3's
+# intra-warpgroup overlap 1.58x slower (ptxas: 128 registers a thread, 292-612 bytes spilled). Extends of at most
+# block_q new tokens keep two (`jaxattn.tuning.mgpu_extend_config`: they pack two heads per CTA instead).
 # 192/128: 128-key tiles would need 240 KB of shared memory at 2 stages; 64-key tiles with 2 stages (not yet tuned).
 EXTEND_MGPU: dict[str, MgpuExtendConfig] = {
-    "64": MgpuExtendConfig(block_q=64, block_kv=128, stages=2),
+    "64": MgpuExtendConfig(block_q=64, block_kv=128, stages=2, consumers=3),
     "128": MgpuExtendConfig(block_q=64, block_kv=128, stages=2),
     "192/128": MgpuExtendConfig(block_q=64, block_kv=64, stages=2),
     # The only tile that fits at 256: Q 64 KB + the 2-stage 64-key ring 128 KB + 16 KB of O chunk buffers.

@@ -13,13 +13,15 @@ from jaxattn.flashinfer_backend import plan_arguments, should_use_tensor_cores, 
 from tests.helpers import HAS_GPU
 
 
-def make_batch(rng, mode, seq_lens, extend_lens, tokens, max_ctx=64, custom_mask=None, encoder_lens=None):
+def make_batch(rng, mode, seq_lens, extend_lens, tokens, max_ctx=64, custom_mask=None, encoder_lens=None, max_extend_len=None):
     b = len(seq_lens)
     req_to_token = rng.permutation(8 * max_ctx).reshape(8, max_ctx).astype(np.int32) + 1
     rows = rng.choice(8, b, replace=False).astype(np.int32)
     batch = ForwardBatch(
         req_pool_indices=jnp.asarray(rows), seq_lens=jnp.asarray(seq_lens, jnp.int32), extend_lens=jnp.asarray(extend_lens, jnp.int32),
-        out_cache_loc=jnp.zeros(tokens, jnp.int32), positions=jnp.zeros(tokens, jnp.int32), mode=mode, max_extend_len=16,
+        out_cache_loc=jnp.zeros(tokens, jnp.int32), positions=jnp.zeros(tokens, jnp.int32), mode=mode,
+        # The bucket holds every sequence's new tokens (checked mode's rule: longer rows are not computed).
+        max_extend_len=max([16, *extend_lens]) if max_extend_len is None else max_extend_len,
         kv_capacity=256, max_seq_len=max_ctx, custom_mask=custom_mask,
         encoder_lens=None if encoder_lens is None else jnp.asarray(encoder_lens, jnp.int32),
     )

@@ -1,5 +1,6 @@
 """Measure this GPU's ceilings the benchmark's floors use: device-to-device copy (bytes read + written per second)
-and bf16 matmul (FLOP/s), as medians over timed repetitions of jitted JAX calls, on random data.
+and bf16 matmul (FLOP/s), and beside them a read-only pass (bytes read per second), as medians over timed repetitions
+of jitted JAX calls, on random data.
 
 Usage: python3 benchmarks/experiments/ceilings.py [--json PATH]
 """
@@ -34,6 +35,10 @@ def main():
     copy = jax.jit(lambda a: a * jnp.bfloat16(1.0001))  # an elementwise pass: one read, one write per element
     copy_s = median_seconds(copy, x)
     copy_bw = 2 * x.nbytes / copy_s
+    # A read-only pass (decode reads far more than it writes): a sum over rows of 4096, f32 accumulation.
+    read = jax.jit(lambda a: jnp.sum(a.reshape(-1, 4096), axis=1, dtype=jnp.float32))
+    read_s = median_seconds(read, x)
+    read_bw = x.nbytes / read_s
     del x
     n = 8192
     a = jax.random.normal(key, (n, n), jnp.bfloat16)
@@ -44,9 +49,11 @@ def main():
     record = {
         "device": jax.devices()[0].device_kind,
         "copy_bytes_per_s": copy_bw,
+        "read_bytes_per_s": read_bw,
         "bf16_matmul_flops": flops,
     }
-    print(f"{record['device']}: copy {copy_bw / 1e12:.2f} TB/s (read + write), bf16 matmul {flops / 1e12:.0f} TFLOP/s")
+    print(f"{record['device']}: copy {copy_bw / 1e12:.2f} TB/s (read + write), read {read_bw / 1e12:.2f} TB/s, "
+          f"bf16 matmul {flops / 1e12:.0f} TFLOP/s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(record, f, indent=1)

@@ -1,6 +1,8 @@
 """Measure this GPU's ceilings the benchmark's floors use: device-to-device copy (bytes read + written per second)
 and bf16 matmul (FLOP/s), and beside them a read-only pass (bytes read per second), as medians over timed repetitions
-of jitted JAX calls, on random data.
+of jitted JAX calls, on random data; where torch is installed, also torch's memcpy (`copy_`) and row sum, timed with CUDA
+events. XLA's elementwise pass and reduction fall short of the memory on the H100 (2.5-2.6 / 2.3-2.5 TB/s against
+torch's 3.0 / 3.0, 2026-12-05), so `jaxattn.bench.cases.CEILINGS` takes the best copy measured.
 
 Usage: python3 benchmarks/experiments/ceilings.py [--json PATH]
 """
@@ -23,6 +25,37 @@ def median_seconds(fn, arg, reps=50):
         jax.block_until_ready(out)
         times.append(time.perf_counter() - start)
     return float(np.median(times))
+
+
+def torch_rates(elements: int = 1 << 30, reps: int = 30):
+    """(memcpy bytes read + written per second, row-sum bytes read per second) of 2 GiB of bf16 through torch, or None
+    without torch or a CUDA device."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    x = torch.randn(elements, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+
+    def median(fn):
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(reps):
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return float(np.median(times))
+
+    nbytes = x.numel() * x.element_size()
+    copy = 2 * nbytes / median(lambda: y.copy_(x))
+    read = nbytes / median(lambda: x.view(-1, 4096).sum(dim=1, dtype=torch.float32))
+    return copy, read
 
 
 def main():
@@ -54,6 +87,11 @@ def main():
     }
     print(f"{record['device']}: copy {copy_bw / 1e12:.2f} TB/s (read + write), read {read_bw / 1e12:.2f} TB/s, "
           f"bf16 matmul {flops / 1e12:.0f} TFLOP/s")
+    del a, b
+    rates = torch_rates()
+    if rates is not None:
+        record["torch_copy_bytes_per_s"], record["torch_read_bytes_per_s"] = rates
+        print(f"torch: memcpy {rates[0] / 1e12:.2f} TB/s (read + write), row sum {rates[1] / 1e12:.2f} TB/s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(record, f, indent=1)

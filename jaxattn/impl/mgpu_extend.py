@@ -327,7 +327,8 @@ def extend_attention_unified_mgpu(
                          "without one and pass sliding_window here (or use jaxattn.extend.extend_attention_unified)")
     if sliding_window >= 0 and not causal and custom_mask is None:
         raise ValueError("extend_attention_unified_mgpu takes a sliding_window with causal=True (or a custom mask) only")
-    config = _config(config, q.shape[2], v_pool.shape[2])
+    # No window here: the short-window tile would make block_kv, and so the bits, depend on the extend length.
+    config = _config(config, q.shape[2], v_pool.shape[2], max_extend_len=meta.max_extend_len)
     sm_scale = 1.0 / math.sqrt(q.shape[2]) if sm_scale is None else float(sm_scale)
     return _run_kernel(q, None, None, k_pool, v_pool, meta, sm_scale, config, causal=causal,
                        sliding_window=sliding_window,

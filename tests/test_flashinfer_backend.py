@@ -748,6 +748,16 @@ def test_plans_refuse_batches_the_kernels_cannot_take(rng, field, value, message
         plan_arguments(batch, r2t)
 
 
+def test_plans_refuse_extends_longer_than_the_bucket(rng):
+    # The other backends leave a sequence's rows past max_extend_len uncomputed (0); FlashInfer plans from the host's
+    # lengths and would compute them, so the backends would disagree: the plan says so instead.
+    batch, r2t = make_batch(rng, ForwardMode.EXTEND, [10, 3], [4, 3], 8)
+    plan_arguments(dataclasses.replace(batch, max_extend_len=4), r2t)
+    with pytest.raises(ValueError, match=r"batch.extend_lens must be <= batch.max_extend_len \(3, the bucket.*"
+                                         r"sequences \[0\] have \[4\]"):
+        plan_arguments(dataclasses.replace(batch, max_extend_len=3), r2t)
+
+
 def test_wrappers_take_fa3_only_where_it_takes_the_layer(rng, stand_in_flashinfer, monkeypatch):
     # FlashInfer 0.6.0's backend="auto" picks fa3 on sm_90 whatever the dtypes and head dims: the backend names fa2
     # where fa3 would fail (16-bit q over an fp8 pool, head dims other than 64/128/256) and off Hopper.

@@ -150,7 +150,8 @@ def plan_arguments(batch: ForwardBatch, req_to_token, *, sliding_window: int = -
     seq_lens = np.asarray(batch.seq_lens)
     extend_lens = np.asarray(batch.extend_lens)
     encoder = None if batch.encoder_lens is None else np.asarray(batch.encoder_lens)
-    check_plan_batch(rows, seq_lens, extend_lens, encoder, table.shape[0])
+    check_plan_batch(rows, seq_lens, extend_lens, encoder, table.shape[0],
+                     max_extend_len=batch.max_extend_len if batch.mode.is_extend_like else None)
     decode = batch.mode == ForwardMode.DECODE
     q_lens = np.ones_like(seq_lens) if decode else extend_lens
     dropped = np.zeros_like(seq_lens)  # keys before the window's first key (none without a window)
@@ -192,10 +193,12 @@ def plan_arguments(batch: ForwardBatch, req_to_token, *, sliding_window: int = -
     return args
 
 
-def check_plan_batch(rows, seq_lens, extend_lens, encoder_lens, table_rows: int) -> None:
+def check_plan_batch(rows, seq_lens, extend_lens, encoder_lens, table_rows: int, max_extend_len: int | None = None) -> None:
     """ValueError naming the field when a batch's host values cannot be planned: every request row inside the table
-    (padding sequences' too: their padding key is listed from their row), lengths >= 0, extend_lens <= seq_lens.
-    FlashInfer's kernels trust the plan's lists, so they are checked on the host before any is built."""
+    (padding sequences' too: their padding key is listed from their row), lengths >= 0, extend_lens <= seq_lens, and
+    (extend-like modes: max_extend_len given) extend_lens <= the batch's max_extend_len bucket, whose longer rows the
+    other backends do not compute (FlashInfer would: the backends would disagree). FlashInfer's kernels trust the
+    plan's lists, so they are checked on the host before any is built."""
     def bad(name, values, mask, expected):
         where = np.flatnonzero(mask)
         raise ValueError(f"FlashInferBackend.plan: batch.{name} must be {expected}; sequences {where[:8].tolist()} have "
@@ -208,6 +211,10 @@ def check_plan_batch(rows, seq_lens, extend_lens, encoder_lens, table_rows: int)
             bad(name, values, values < 0, ">= 0")
     if np.any(extend_lens > seq_lens):
         bad("extend_lens", extend_lens, extend_lens > seq_lens, "<= seq_lens (new tokens are part of the sequence)")
+    if max_extend_len is not None and np.any(extend_lens > max_extend_len):
+        bad("extend_lens", extend_lens, extend_lens > max_extend_len,
+            f"<= batch.max_extend_len ({max_extend_len}, the bucket; TritonBackend and ReferenceBackend leave longer "
+            "rows uncomputed)")
 
 
 def listed_verify_mask(full_mask, extend_lens, seq_lens, qo_lens, first, listed) -> tuple[np.ndarray, np.ndarray]:

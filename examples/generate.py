@@ -137,7 +137,8 @@ def main(argv=None) -> int:
         padded = np.zeros(batch.batch_size, np.int32)  # a static row count per bucket: one compile each
         padded[: len(rows)] = rows
         if backend_name == "flashinfer":  # FlashInfer plans on the host before the jitted step
-            meta = backend.plan(batch, table.req_to_token, list(config.attention_layers()), q_dtype=dtype, kv_dtype=dtype)
+            meta = backend.plan(batch, table.req_to_token, list(config.attention_layers()), q_dtype=dtype, kv_dtype=dtype,
+                                num_slots=num_slots)
             ids, logits, cache = step(params, cache, batch, None, token_ids, jnp.asarray(padded), meta)
         else:
             ids, logits, cache = step(params, cache, batch, jnp.asarray(table.req_to_token), token_ids, jnp.asarray(padded))

@@ -77,7 +77,7 @@ def main(argv=None) -> int:
         if backend_name == "flashinfer":  # the plan is host work before the jitted step
             layers = [config.attention_layer(i) for i in range(config.layers)]
             meta = backend.plan(batch, table.req_to_token if args.page_size == 1 else table.page_table(), layers,
-                                q_dtype=dtype, kv_dtype=dtype)
+                                q_dtype=dtype, kv_dtype=dtype, num_slots=NUM_SLOTS)
             logits, cache = planned_step(cache, batch, meta, token_ids)
         else:
             logits, cache = step(cache, batch, kv_table(), token_ids)

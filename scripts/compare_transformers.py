@@ -134,7 +134,8 @@ def jaxattn_serve(config, params, backend_name: str, system, users, steps: int, 
         nonlocal cache
         batch, ids = table.schedule(requests, counts, mode=mode, **buckets)
         if backend_name == "flashinfer":  # FlashInfer plans on the host before the jitted step
-            meta = backend.plan(batch, table.req_to_token, list(config.attention_layers()), q_dtype=dtype, kv_dtype=dtype)
+            meta = backend.plan(batch, table.req_to_token, list(config.attention_layers()), q_dtype=dtype, kv_dtype=dtype,
+                                num_slots=num_slots)
             logits, greedy, cache = step(params, cache, batch, None, ids, meta)
         else:
             logits, greedy, cache = step(params, cache, batch, jnp.asarray(table.req_to_token), ids)

@@ -758,6 +758,31 @@ def test_plans_refuse_extends_longer_than_the_bucket(rng):
         plan_arguments(dataclasses.replace(batch, max_extend_len=3), r2t)
 
 
+def test_plans_list_slots_outside_the_pool_as_the_padding_slot(rng, stand_in_flashinfer):
+    # FlashInfer's kernels read every slot a list names: a table entry outside [1, num_slots) is listed as the padding
+    # slot 0 (the kernels' own clamp), negative ones also without num_slots; a pool smaller than planned is refused.
+    batch, r2t = make_batch(rng, ForwardMode.DECODE, [5, 0, 17], [1, 0, 1], 3)
+    rows = np.asarray(batch.req_pool_indices)
+    r2t = r2t.copy()
+    r2t[rows[0], 1], r2t[rows[0], 3], r2t[rows[2], 16] = 10**6, -7, 512
+    listed = plan_arguments(batch, r2t, num_slots=512)["kv_indices"]
+    want = np.concatenate([r2t[rows[0], :5], [0], r2t[rows[2], :17]])
+    want[[1, 3, 5 + 1 + 16]] = 0
+    np.testing.assert_array_equal(listed, want)
+    unbounded = plan_arguments(batch, r2t)["kv_indices"]
+    assert unbounded[1] == 10**6 and unbounded[3] == 0 and unbounded[-1] == 512
+
+    backend = stand_in_flashinfer
+    layer = AttentionLayer(0, 4, 2, 64)
+    meta = backend.plan(batch, r2t, [layer], num_slots=512)
+    assert meta.num_slots == 512
+    pools = [jnp.zeros((256, 2, 64), jnp.bfloat16)] * 2
+    with pytest.raises(ValueError, match=r"k_pool has 256 rows; the step was planned for a pool of 512 slots"):
+        backend.forward(jnp.ones((3, 4 * 64), jnp.bfloat16), None, None, *pools, layer, meta, save_kv=False)
+    with pytest.raises(ValueError, match=r"num_slots must be a positive Python int"):
+        backend.plan(batch, r2t, [layer], num_slots=0)
+
+
 def test_wrappers_take_fa3_only_where_it_takes_the_layer(rng, stand_in_flashinfer, monkeypatch):
     # FlashInfer 0.6.0's backend="auto" picks fa3 on sm_90 whatever the dtypes and head dims: the backend names fa2
     # where fa3 would fail (16-bit q over an fp8 pool, head dims other than 64/128/256) and off Hopper.

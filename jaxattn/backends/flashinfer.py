@@ -29,7 +29,7 @@ import numpy as np
 
 from jaxattn.backends.flashinfer_ffi import FfiLauncher, choose_launch, result_shapes
 from jaxattn.backends.layer import AttentionLayer, split_heads
-from jaxattn.checks import check_sinks
+from jaxattn.checks import check_positive_int, check_sinks
 from jaxattn.metadata import window_first_key
 from jaxattn.paging import PageTable, page_in_pool
 from jaxattn.serving.batch import ForwardBatch, ForwardMode
@@ -123,7 +123,8 @@ def paged_kv_lists(table, rows, kv_starts, kv_lens, page_size: int) -> tuple[np.
     return kv_indptr, kv_indices, (listed - (num_pages - 1) * page_size).astype(np.int32)
 
 
-def plan_arguments(batch: ForwardBatch, req_to_token, *, sliding_window: int = -1, cross_attention: bool = False) -> dict:
+def plan_arguments(batch: ForwardBatch, req_to_token, *, sliding_window: int = -1, cross_attention: bool = False,
+                   num_slots: int | None = None) -> dict:
     """FlashInfer's plan inputs for one wrapper, as numpy arrays (host sync on the batch's arrays).
 
     Keys: qo_indptr (extend-like modes), kv_indptr, kv_indices, kv_last_page_len, and for TARGET_VERIFY (self
@@ -131,6 +132,11 @@ def plan_arguments(batch: ForwardBatch, req_to_token, *, sliding_window: int = -
     under a window (the mask's columns cut to the listed keys). With a sliding window the kv list keeps the last
     min(seq_len, W + q_len) keys (decode: W + 1), like SGLang's window wrapper; with cross attention it is the
     encoder's tokens; a decoder with encoder tokens lists its own tokens after them.
+
+    Slots: FlashInfer's kernels read whatever the lists name, so slots outside the pool are listed as the padding
+    slot 0, as the Triton and Mosaic GPU kernels read them (`jaxattn.paging.page_in_pool`, the one rule): a
+    req_to_token table's slots outside [1, num_slots) (num_slots None: its negative slots only), a PageTable's pages
+    outside its num_slots.
 
     Pages: a req_to_token table is planned with page size 1 (one slot per key, every last_page_len 1). A
     `jaxattn.paging.PageTable` is planned with its page_size P (`plan_page_size`): kv_indices are page ids (ids
@@ -146,6 +152,8 @@ def plan_arguments(batch: ForwardBatch, req_to_token, *, sliding_window: int = -
         table = np.where(page_in_pool(pages, page_size, num_slots=req_to_token.num_slots), pages, 0)
     else:
         table = np.asarray(req_to_token)
+        bound = np.iinfo(np.int64).max if num_slots is None else num_slots
+        table = np.where(page_in_pool(table, 1, num_slots=bound), table, 0)
     rows = np.asarray(batch.req_pool_indices)
     seq_lens = np.asarray(batch.seq_lens)
     extend_lens = np.asarray(batch.extend_lens)
@@ -472,6 +480,8 @@ class FlashInferMetadata:
     mode: ForwardMode = dataclasses.field(metadata=dict(static=True))
     num_tokens: int = dataclasses.field(metadata=dict(static=True))
     page_size: int = dataclasses.field(default=1, metadata=dict(static=True))  # the wrappers' planned page size
+    # The pool rows the plan was made for (its lists name no slot past them); None: not given to plan().
+    num_slots: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 class FlashInferBackend:
@@ -561,18 +571,29 @@ class FlashInferBackend:
                 self._wrappers[key] = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=backend)
         return self._wrappers[key]
 
-    def plan(self, batch: ForwardBatch, req_to_token, layers, *, q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16) -> FlashInferMetadata:
+    def plan(self, batch: ForwardBatch, req_to_token, layers, *, q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16,
+             num_slots: int | None = None) -> FlashInferMetadata:
         """Host work before the step: plans one wrapper per distinct layer kind. Waits for the previous step.
 
         req_to_token: i32[max_reqs, max_context_len] (page size 1), or a `jaxattn.paging.PageTable`: planned with
         its page_size (`plan_arguments`), and `forward` hands FlashInfer the pools as pages (`paged_pool_view`).
+        num_slots: the pools' rows, for a req_to_token table (a PageTable has its own): slots outside them are
+        listed as the padding slot 0 (FlashInfer's kernels would read past the pool), and `forward` refuses a
+        smaller pool. Without it only negative slots are caught.
         """
+        if isinstance(req_to_token, PageTable):
+            if num_slots is not None and num_slots != req_to_token.num_slots:
+                raise ValueError(f"num_slots {num_slots} differs from the PageTable's num_slots {req_to_token.num_slots}")
+            num_slots = req_to_token.num_slots
+        elif num_slots is not None:
+            check_positive_int("num_slots", num_slots)
+            num_slots = int(num_slots)
         torch = self.torch
         q_name, kv_name = plan_dtype_names(q_dtype, kv_dtype)
         valid = jnp.asarray(token_valid(batch))
         page_size = plan_page_size(req_to_token)
         if batch.mode == ForwardMode.IDLE:
-            return FlashInferMetadata(batch.out_cache_loc, valid, batch.mode, batch.num_tokens, page_size)
+            return FlashInferMetadata(batch.out_cache_loc, valid, batch.mode, batch.num_tokens, page_size, num_slots)
         for layer in layers:
             if is_flashinfer_mla(layer):
                 _check_mla_layer(layer, batch.mode, kv_dtype)
@@ -594,7 +615,7 @@ class FlashInferBackend:
         q_t, kv_t = getattr(torch, q_name), getattr(torch, kv_name)
         for kind in dict.fromkeys(self.layer_kind(layer) for layer in layers):
             window, cross, cap, scale, q_heads, kv_heads, head_dim, dv, sinks = kind
-            args = plan_arguments(batch, req_to_token, sliding_window=window, cross_attention=cross)
+            args = plan_arguments(batch, req_to_token, sliding_window=window, cross_attention=cross, num_slots=num_slots)
             mla = _mla_kind(kind)
             if (sinks or mla) and batch.mode == ForwardMode.DECODE:  # a prefill-style plan: one query row per sequence
                 args["qo_indptr"] = np.arange(len(args["kv_last_page_len"]) + 1, dtype=np.int32)
@@ -622,7 +643,7 @@ class FlashInferBackend:
                              head_dim, page_size, head_dim_vo=dv, custom_mask=dev.get("custom_mask"), causal=not cross and "custom_mask" not in dev,
                              window_left=window, **common)
         torch.cuda.synchronize()
-        return FlashInferMetadata(batch.out_cache_loc, valid, batch.mode, batch.num_tokens, page_size)
+        return FlashInferMetadata(batch.out_cache_loc, valid, batch.mode, batch.num_tokens, page_size, num_slots)
 
     def forward(self, q, k, v, k_pool, v_pool, layer: AttentionLayer, meta: FlashInferMetadata, *, sinks=None, save_kv=True,
                 return_lse=False):
@@ -654,6 +675,9 @@ class FlashInferBackend:
                              "q_dtype=, kv_dtype=)")
         if k_pool.shape[0] % meta.page_size:
             raise ValueError(f"k_pool's {k_pool.shape[0]} rows are not a multiple of the planned page_size {meta.page_size}")
+        if meta.num_slots is not None and k_pool.shape[0] < meta.num_slots:
+            raise ValueError(f"k_pool has {k_pool.shape[0]} rows; the step was planned for a pool of {meta.num_slots} "
+                             "slots, whose lists may name slots past it")
         if mla:
             o, lse2 = bridged_mla_run(self._wrappers[key], q, k_pool, layer.dv, page_size=meta.page_size,
                                       planned_rows=lambda: self._planned_rows[key])

@@ -29,7 +29,8 @@ def median_seconds(fn, arg, reps=50):
 
 def torch_rates(elements: int = 1 << 30, reps: int = 30):
     """(memcpy bytes read + written per second, row-sum bytes read per second) of 2 GiB of bf16 through torch, or None
-    without torch or a CUDA device."""
+    without torch or a CUDA device. Needs XLA_PYTHON_CLIENT_PREALLOCATE=false (scripts/gpu_env.sh sets it) so that
+    JAX leaves torch the 4 GiB."""
     try:
         import torch
     except ImportError:

@@ -174,7 +174,8 @@ def decode_flashinfer_backend(case, tensor_cores: bool) -> str:
     return "auto"
 
 
-def decode_flashinfer(inp: Inputs, tensor_cores: bool, through_jax: bool = False, layers: int = 1):
+def decode_flashinfer(inp: Inputs, tensor_cores: bool, through_jax: bool = False, layers: int = 1,
+                      launch: str = "bridge"):
     case = inp.case
     reason = decode_flashinfer_declines(case, through_jax)
     if reason:
@@ -191,7 +192,7 @@ def decode_flashinfer(inp: Inputs, tensor_cores: bool, through_jax: bool = False
     k, v = flashinfer_cache(inp, tv)  # [slots // P, P, Hkv, D]
     q = tv["q"]
     if through_jax:
-        return bridged(wrapper, inp, layers)
+        return bridged(wrapper, inp, layers, launch=launch)
     return lambda: wrapper.run(q, (k, v), **scales(inp))
 
 
@@ -225,8 +226,27 @@ def decode_flashinfer_mla(inp: Inputs):
     return lambda: wrapper.run(q_nope, q_pe, ckv, kpe)
 
 
-def bridged(wrapper, inp: Inputs, layers: int = 1, variant_args: tuple = ()):
-    """The same planned wrapper, called from a jitted JAX function through jaxattn's DLPack bridge.
+_FFI_LAUNCHERS = {}  # one FfiLauncher per process (its FFI targets are registered once per wrapper and shapes)
+
+
+def ffi_launcher():
+    """The process's `FfiLauncher` (FlashInferBackend(launch="ffi")'s launch path), or Skip naming what is missing."""
+    from jaxattn.backends.flashinfer_ffi import FFI_FLASHINFER_VERSION, FfiLauncher, ffi_available
+
+    if not ffi_available():
+        raise Skip("the FFI launch needs jax-tvm-ffi (pip install 'jaxattn[flashinfer-ffi]')")
+    import flashinfer
+
+    if not flashinfer.__version__.startswith(FFI_FLASHINFER_VERSION):
+        raise Skip(f"the FFI launch replays flashinfer {FFI_FLASHINFER_VERSION}x; {flashinfer.__version__} is installed")
+    if "ffi" not in _FFI_LAUNCHERS:
+        _FFI_LAUNCHERS["ffi"] = FfiLauncher(flashinfer_version=flashinfer.__version__)
+    return _FFI_LAUNCHERS["ffi"]
+
+
+def bridged(wrapper, inp: Inputs, layers: int = 1, variant_args: tuple = (), launch: str = "bridge"):
+    """The same planned wrapper, called from a jitted JAX function through jaxattn's DLPack bridge, or (launch "ffi")
+    through the XLA FFI launch FlashInferBackend(launch="ffi") uses.
 
     layers > 1: one jitted step makes that many calls, like a model's attention layers (time_calls divides by it),
     so the per-call dispatch of the jitted function is shared as in a real forward step.
@@ -235,9 +255,11 @@ def bridged(wrapper, inp: Inputs, layers: int = 1, variant_args: tuple = ()):
 
     from jaxattn.backends.flashinfer import bridged_run
 
+    run = ffi_launcher().run if launch == "ffi" else bridged_run
+
     def step(q, k, v):
-        return [bridged_run(wrapper, q, k, v, inp.case.dv, has_side_effect=layers > 1, page_size=inp.case.page_size,
-                            variant_args=variant_args)[0] for _ in range(layers)]
+        return [run(wrapper, q, k, v, inp.case.dv, has_side_effect=layers > 1, page_size=inp.case.page_size,
+                    variant_args=variant_args)[0] for _ in range(layers)]
 
     fn = jax.jit(step)
     return PerCall(lambda: fn(inp.q, inp.k_pool, inp.v_pool), layers)
@@ -385,7 +407,7 @@ def extend_flashinfer_declines(case, backend: str, through_jax: bool = False) ->
     return None
 
 
-def extend_flashinfer(inp: Inputs, backend: str, through_jax: bool = False):
+def extend_flashinfer(inp: Inputs, backend: str, through_jax: bool = False, layers: int = 1, launch: str = "bridge"):
     case = inp.case
     reason = extend_flashinfer_declines(case, backend, through_jax)
     if reason:
@@ -413,7 +435,7 @@ def extend_flashinfer(inp: Inputs, backend: str, through_jax: bool = False):
 
         variant = sink_variant_args(inp.sinks, 1.0 / float(np.sqrt(case.head_dim)), run_scales.pop("k_scale", None))
     if through_jax:
-        return bridged(wrapper, inp, variant_args=variant)
+        return bridged(wrapper, inp, layers, variant_args=variant, launch=launch)
     torch_variant = tuple(torch.from_dlpack(a) if hasattr(a, "__dlpack__") else a for a in variant)
     return lambda: wrapper.run(q, (k, v), *torch_variant, **run_scales)
 
@@ -446,6 +468,8 @@ BACKENDS = {
         "flashinfer-fa3": (verify_flashinfer_fa3, torch_sync),
         "flashinfer-in-jit": (lambda inp: decode_flashinfer(inp, False, through_jax=True), jax_sync),
         "flashinfer-in-jit-8-layers": (lambda inp: decode_flashinfer(inp, False, through_jax=True, layers=8), jax_sync),
+        "flashinfer-ffi-8-layers": (lambda inp: decode_flashinfer(inp, False, through_jax=True, layers=8, launch="ffi"),
+                                    jax_sync),
         "reference": (decode_reference, jax_sync),
     },
     "extend": {
@@ -461,6 +485,10 @@ BACKENDS = {
         "flashinfer-fa2": (lambda inp: extend_flashinfer(inp, "fa2"), torch_sync),
         "flashinfer-fa3": (lambda inp: extend_flashinfer(inp, "fa3"), torch_sync),
         "flashinfer-fa3-in-jit": (lambda inp: extend_flashinfer(inp, "fa3", through_jax=True), jax_sync),
+        "flashinfer-fa3-in-jit-8-layers": (lambda inp: extend_flashinfer(inp, "fa3", through_jax=True, layers=8),
+                                           jax_sync),
+        "flashinfer-fa3-ffi-8-layers": (lambda inp: extend_flashinfer(inp, "fa3", through_jax=True, layers=8,
+                                                                      launch="ffi"), jax_sync),
         "cudnn": (extend_cudnn, jax_sync),
         "reference": (extend_reference, jax_sync),
     },

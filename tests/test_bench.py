@@ -308,9 +308,17 @@ def test_ffi_rows_skip_without_jax_tvm_ffi(monkeypatch):
     from jaxattn.backends import flashinfer_ffi
     from jaxattn.bench import peers
 
+    import sys
+    import types
+
     monkeypatch.setattr(flashinfer_ffi, "ffi_available", lambda: False)
-    monkeypatch.setattr(peers, "_FFI_LAUNCHERS", {})
-    with pytest.raises(bench.Skip, match=r"the FFI launch needs jax-tvm-ffi"):
+    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(__version__="0.6.0"))
+    peers.ffi_launcher.cache_clear()
+    with pytest.raises(bench.Skip, match=r"the FlashInfer FFI launch needs jax-tvm-ffi \(pip install 'jaxattn\[flashinfer-ffi\]'"):
+        peers.ffi_launcher()
+    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(__version__="0.7.4"))
+    monkeypatch.setattr(flashinfer_ffi, "ffi_available", lambda: True)
+    with pytest.raises(bench.Skip, match=r"replays flashinfer 0\.6\.x's run\(\) calls; flashinfer 0\.7\.4 is installed"):
         peers.ffi_launcher()
     assert {"flashinfer-ffi-8-layers"} <= set(bench.BACKENDS["decode"])
     assert {"flashinfer-fa3-ffi-8-layers", "flashinfer-fa3-in-jit-8-layers"} <= set(bench.BACKENDS["extend"])

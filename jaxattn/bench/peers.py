@@ -12,6 +12,8 @@ kernel copies as blocks; FlashInfer is planned with page_size P over the page id
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .cases import draft_tree
@@ -226,22 +228,18 @@ def decode_flashinfer_mla(inp: Inputs):
     return lambda: wrapper.run(q_nope, q_pe, ckv, kpe)
 
 
-_FFI_LAUNCHERS = {}  # one FfiLauncher per process (its FFI targets are registered once per wrapper and shapes)
-
-
+@functools.cache
 def ffi_launcher():
-    """The process's `FfiLauncher` (FlashInferBackend(launch="ffi")'s launch path), or Skip naming what is missing."""
-    from jaxattn.backends.flashinfer_ffi import FFI_FLASHINFER_VERSION, FfiLauncher, ffi_available
+    """The process's `FfiLauncher` (FlashInferBackend(launch="ffi")'s launch path; its FFI targets are registered once
+    per wrapper and shapes), or Skip with the launcher's own refusal (no jax-tvm-ffi, a FlashInfer it cannot replay)."""
+    from jaxattn.backends.flashinfer_ffi import FfiLauncher
 
-    if not ffi_available():
-        raise Skip("the FFI launch needs jax-tvm-ffi (pip install 'jaxattn[flashinfer-ffi]')")
-    import flashinfer
+    try:
+        import flashinfer
 
-    if not flashinfer.__version__.startswith(FFI_FLASHINFER_VERSION):
-        raise Skip(f"the FFI launch replays flashinfer {FFI_FLASHINFER_VERSION}x; {flashinfer.__version__} is installed")
-    if "ffi" not in _FFI_LAUNCHERS:
-        _FFI_LAUNCHERS["ffi"] = FfiLauncher(flashinfer_version=flashinfer.__version__)
-    return _FFI_LAUNCHERS["ffi"]
+        return FfiLauncher(flashinfer_version=flashinfer.__version__)
+    except (ImportError, NotImplementedError) as error:
+        raise Skip(str(error)) from error
 
 
 def bridged(wrapper, inp: Inputs, layers: int = 1, variant_args: tuple = (), launch: str = "bridge"):

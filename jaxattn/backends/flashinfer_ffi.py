@@ -59,12 +59,9 @@ def ffi_available() -> bool:
 def choose_launch(requested: str | None = None, *, available: bool | None = None) -> str:
     """The launch path, "ffi" or "bridge": `requested`, else $JAXATTN_FLASHINFER_LAUNCH, else "bridge".
 
-    The FFI launch is opt-in, also where jax-tvm-ffi is installed: on the H200 (55e003d) its paged-prefill output had
-    non-zero padding rows in one of four GPU cases, and it was no closer to torch-launched FlashInfer than the bridge
-    at D1-D3 (records 2026-12-03_h200_flashinfer_ffi_11e9d5a.*). Not diagnosed: flashinfer 0.6.0's fa2 and fa3
-    epilogues write no row past qo_indptr[-1] (prefill.cuh, hopper/epilogue.cuh), and the backend zeroes those rows
-    after the call, so the values came from outside the kernels (an ordering race between the launch's stream and
-    XLA's is the first suspect: `benchmarks/experiments/ffi_padding_rows.py` tests it). Asking for "ffi" without the
+    The FFI launch is opt-in, also where jax-tvm-ffi is installed: no run has shown it within 1% of torch-launched
+    FlashInfer at D1-D3 and E1 (records 2026-12-03_h200_flashinfer_ffi_11e9d5a.*, 2026-12-05_h100_flashinfer_clocks_*). (The non-zero rows its GPU test found at 55e003d were the test's: an extend longer than its batch's
+    max_extend_len bucket, which the reference leaves uncomputed; fixed 2026-12-05.) Asking for "ffi" without the
     wheel raises ImportError naming it."""
     requested = requested or os.environ.get(LAUNCH_ENV) or "bridge"
     if requested == "auto":

@@ -22,6 +22,9 @@ rest, `impl=` forces one):
   "mgpu-unified"    unified     The Mosaic GPU kernel over one list per sequence, tiles at fixed listed-key
                                 offsets (deterministic): as "mgpu" less draft masks, on lists not cut for a window.
   "triton-unified"  unified     SGLang's deterministic unified Triton kernel, every feature.
+  "mgpu-fp8",       both        By name only (not yet run on a GPU): the Mosaic GPU kernel reading fp8 pools itself
+  "mgpu-unified-                (its producer converts each tile in shared memory) where "mgpu" and "mgpu-unified"
+  fp8"                          gather and dequantise the listed keys first; head dims 64, 128, 256.
   ================  ==========  ==================================================================================
 
 A `config=` picks among them by its type (`ExtendConfig`: the Triton kernels; `MgpuExtendConfig`: Mosaic GPU).
@@ -77,7 +80,8 @@ from jaxattn.tuning import (  # noqa: F401  (re-exported)
 )
 from jaxattn.tuning.sm90 import EXTEND as SM90_CONFIGS  # noqa: F401  (re-exported)
 
-IMPLEMENTATIONS = (mgpu_extend.IMPLEMENTATION, triton_extend.TWO_STAGE, mgpu_extend.UNIFIED, triton_extend.UNIFIED)
+IMPLEMENTATIONS = (mgpu_extend.IMPLEMENTATION, triton_extend.TWO_STAGE, mgpu_extend.UNIFIED, triton_extend.UNIFIED,
+                   mgpu_extend.FP8, mgpu_extend.UNIFIED_FP8)
 CONFIG_TYPES = (ExtendConfig, MgpuExtendConfig)
 
 _STATIC = ("causal", "skip_prefix_custom_mask", "sliding_window", "logit_cap", "xai_temperature_len", "sm_scale", "config",

@@ -39,6 +39,10 @@ masked tile's entries gathered into the accumulator's layout by `custom_mask_til
 head dims may differ (192/128): O then goes through its own buffer. At 256/256 a partial q tile is stored through a
 64-column buffer in four chunks (a whole-width one would not fit beside Q and the ring).
 
+fp8 pools (`kv_scales`): the producer copies a pool tile's fp8 rows into the upper half of its 16-bit ring slot and
+rewrites the slot in place as the 16-bit tile (`convert_fp8_tile`), stages - 1 tiles ahead of the consumers, whose
+work does not change. Not yet run on a GPU.
+
 The unified form (`prefix_lens` given; no k_new/v_new): every key comes from the pool through one list per sequence,
 all tiles by cp.async at fixed listed-key offsets from step 0, the CTA taking the tiles up to its last row's listed
 position. Tiles every valid row of a warpgroup sees whole run unmasked, the others masked; the mask only replaces
@@ -375,6 +379,206 @@ def issue_pages(pool_ref, smem, bars, starts, slot, barrier, kv_head, *, page_ro
     run(pool_ref, smem, bars, slot, barrier, kv_head, *starts)
 
 
+# --- fp8 pools (issue 26): the producer converts each prefix tile in place in its ring slot. ---
+# A 16-bit ring slot holds block_kv * head_dim * 2 bytes; an fp8 tile of the same rows is half that. The producer
+# copies the fp8 rows (cp.async) row-major into the slot's upper half, then rewrites the slot as the 16-bit tile wgmma
+# reads, in rounds of FP8_ROUND_BYTES of fp8 rows: every thread loads its 16 fp8 bytes of the round, the warpgroup
+# syncs, every thread stores its 32 converted bytes. A round's stores reach only fp8 rows of this round or earlier
+# (16-bit rows [0, R(r + 1)) lie in bytes [0, 2 * hd * R(r + 1)), fp8 rows from R(r + 1) on start at
+# hd * (block_kv + R(r + 1)) >= that), so no row is overwritten before it is read, and the next round's loads read
+# no byte this round stores: no second sync per round. `tests/test_fp8_extend_layout.py` replays these formulas on
+# bytes. No staging buffer: the kernel's shared memory is already full at 128-dim heads.
+FP8_ROUND_BYTES = WARPGROUP * 16  # one round: 16 fp8 bytes per producer thread
+FP8_HEAD_DIMS = (64, 128, 256)  # rows of whole 16-byte chunks and whole 128-byte 16-bit column tiles
+
+
+class IntOps:
+    """The layout formulas' arithmetic on Python ints (the CPU model in tests/)."""
+    add = staticmethod(lambda a, b: a + b)
+    mul = staticmethod(lambda a, b: a * b)
+    div = staticmethod(lambda a, b: a // b)
+    rem = staticmethod(lambda a, b: a % b)
+    xor = staticmethod(lambda a, b: a ^ b)
+
+
+class IrOps:
+    """The same arithmetic on non-negative i32 MLIR values (ints become constants)."""
+
+    @staticmethod
+    def _v(x):
+        return _i32(x) if isinstance(x, int) else x
+
+    add = staticmethod(lambda a, b: arith.addi(IrOps._v(a), IrOps._v(b)))
+    mul = staticmethod(lambda a, b: arith.muli(IrOps._v(a), IrOps._v(b)))
+    div = staticmethod(lambda a, b: arith.divui(IrOps._v(a), IrOps._v(b)))
+    rem = staticmethod(lambda a, b: arith.remui(IrOps._v(a), IrOps._v(b)))
+    xor = staticmethod(lambda a, b: arith.xori(IrOps._v(a), IrOps._v(b)))
+
+
+def fp8_staged_byte(row, chunk, *, block_kv: int, head_dim: int, ops=IntOps):
+    """Byte offset in a ring slot of 16-byte chunk `chunk` of fp8 row `row`: row-major from the slot's middle."""
+    return ops.add(ops.mul(ops.add(row, block_kv), head_dim), ops.mul(chunk, 16))
+
+
+def swizzled_16bit_byte(row, chunk, *, head_dim: int, ops=IntOps):
+    """Byte offset in a ring slot of 16-byte chunk `chunk` (elements 8 * chunk...) of 16-bit row `row` in `SWIZZLED`
+    ((8, 64) tiles of 1024 bytes, row-major over [rows / 8, head_dim / 64]; 16-byte chunks XOR-swizzled by row % 8)."""
+    row_in_tile = ops.rem(row, 8)
+    tile = ops.add(ops.mul(ops.div(row, 8), head_dim // 64), ops.div(chunk, 8))
+    swizzled = ops.xor(ops.rem(chunk, 8), row_in_tile)
+    return ops.add(ops.add(ops.mul(tile, 1024), ops.mul(row_in_tile, SWIZZLE_BYTES)), ops.mul(swizzled, 16))
+
+
+def fp8_copy_position(warp, lane, p: int, *, block_kv: int, head_dim: int, ops=IntOps):
+    """(holder, row, chunk) of copy p of thread (warp, lane) in `issue_fp8_rows`: head_dim / 16 threads per row, so a
+    warp instruction reads 32 / (head_dim / 16) whole rows; the warp's rows are those whose sources it holds
+    (`row_sources`: lane h < block_kv / 4 holds row warp * block_kv / 4 + h)."""
+    chunks = head_dim // 16
+    holder = ops.add(p * (32 // chunks), ops.div(lane, chunks))
+    return holder, ops.add(ops.mul(warp, block_kv // 4), holder), ops.rem(lane, chunks)
+
+
+def fp8_copies_per_thread(block_kv: int, head_dim: int) -> int:
+    return (block_kv // 4) // (32 // (head_dim // 16))
+
+
+def fp8_round_position(round_: int, thread, *, head_dim: int, ops=IntOps):
+    """(row, chunk) of the 16 fp8 bytes thread `thread` converts in round `round_` (`FP8_ROUND_BYTES` per round)."""
+    chunks = head_dim // 16
+    return ops.add(round_ * (FP8_ROUND_BYTES // head_dim), ops.div(thread, chunks)), ops.rem(thread, chunks)
+
+
+def fp8_rounds(block_kv: int, head_dim: int) -> int:
+    return block_kv * head_dim // FP8_ROUND_BYTES
+
+
+def check_fp8_tile(block_kv: int, head_dim: int) -> None:
+    if head_dim not in FP8_HEAD_DIMS or block_kv % (FP8_ROUND_BYTES // head_dim) or block_kv % 4:
+        raise ValueError(f"fp8 tiles are converted at head dims {FP8_HEAD_DIMS} with block_kv a multiple of "
+                         f"{FP8_ROUND_BYTES} // head_dim; got head_dim {head_dim}, block_kv {block_kv}")
+
+
+def issue_fp8_rows(pool_ref, smem, sources, slot, kv_head, *, block_kv: int, head_dim: int):
+    """Starts the cp.async copies of one fp8 K or V tile into the upper half of ring slot `slot` of `smem` (a 16-bit
+    [stages, block_kv, head_dim] ring, `SWIZZLED`; the fp8 rows stored as `fp8_staged_byte` lays them out): tile row
+    r <- row sources[r] of pool_ref ([slots, kv_heads, head_dim] fp8), head kv_head; zeros where the source is -1.
+    Not committed: the caller commits the step's copies as one cp.async group (`commit_copies`)."""
+    check_fp8_tile(block_kv, head_dim)
+    kv_heads = pool_ref.shape[1]
+    row_bytes = kv_heads * head_dim
+    slot_bytes = 2 * block_kv * head_dim
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(SWIZZLED), _ROW_SOURCES, _SCALAR, _SCALAR))
+    def run(ctx, pool, smem, sources, slot, kv_head):
+        del ctx
+        i8, i64 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(64)
+        slot, kv_head = _scalar(slot), _scalar(kv_head)
+        my_source = vector.extract(sources.registers.flat[0], [], [0])
+        warp, lane = _lane_ids()
+        smem_base = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(smem), [arith.muli(slot, _i32(slot_bytes))], i8)
+        base = arith.addi(global_address(pool), arith.extui(i64, arith.muli(kv_head, _i32(head_dim))))
+        full = _i32(0xFFFFFFFF)
+        for p in range(fp8_copies_per_thread(block_kv, head_dim)):
+            holder, row, chunk = fp8_copy_position(warp, lane, p, block_kv=block_kv, head_dim=head_dim, ops=IrOps)
+            source = nvvm.shfl_sync(full, my_source, holder, _i32(0x1F), nvvm.ShflKind.idx)
+            valid = arith.cmpi(arith.CmpIPredicate.sge, source, _i32(0))
+            source = arith.extui(i64, arith.maxsi(source, _i32(0)))
+            at = arith.addi(arith.addi(base, arith.muli(source, _i64(row_bytes))),
+                            arith.extui(i64, arith.muli(chunk, _i32(16))))
+            dst = mgpu_utils.getelementptr(
+                smem_base, [fp8_staged_byte(row, chunk, block_kv=block_kv, head_dim=head_dim, ops=IrOps)], i8)
+            nvvm.cp_async_shared_global(dst, llvm.inttoptr(llvm.PointerType.get(1), at), 16,
+                                        nvvm.LoadCacheModifierKind.CG, cp_size=arith.select(valid, _i32(16), _i32(0)))
+
+    run(pool_ref, smem, sources, slot, kv_head)
+
+
+def commit_copies():
+    """Closes this thread's cp.async copies issued so far into one group (an empty group when there were none)."""
+
+    @plgpu.inline_mgpu()
+    def run(ctx):
+        del ctx
+        nvvm.cp_async_commit_group()
+
+    run()
+
+
+# e4m3fn / e5m2 -> f32 (through f16x2: exact), times the scale, rounded to q's dtype: the 4 elements of one 32-bit word
+# into two words of 16-bit pairs (element 0 in the low half), as `jaxattn.fp8.dequantised_rows` computes them.
+FP8_CONVERT_PTX = """{{
+.reg .b16 b01, b23, a0, a1, a2, a3;
+.reg .b32 h0, h1;
+.reg .f32 f0, f1, f2, f3;
+mov.b32 {{b01, b23}}, $2;
+cvt.rn.f16x2.{fp8}x2 h0, b01;
+cvt.rn.f16x2.{fp8}x2 h1, b23;
+mov.b32 {{a0, a1}}, h0;
+mov.b32 {{a2, a3}}, h1;
+cvt.f32.f16 f0, a0;
+cvt.f32.f16 f1, a1;
+cvt.f32.f16 f2, a2;
+cvt.f32.f16 f3, a3;
+mul.rn.f32 f0, f0, $3;
+mul.rn.f32 f1, f1, $3;
+mul.rn.f32 f2, f2, $3;
+mul.rn.f32 f3, f3, $3;
+cvt.rn.{out}x2.f32 $0, f1, f0;
+cvt.rn.{out}x2.f32 $1, f3, f2;
+}}"""
+FP8_PTX_NAMES = {jnp.dtype(jnp.float8_e4m3fn): "e4m3", jnp.dtype(jnp.float8_e5m2): "e5m2"}
+OUT_PTX_NAMES = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float16): "f16"}
+
+
+def fp8_convert_ptx(fp8_dtype, dtype) -> str:
+    return FP8_CONVERT_PTX.format(fp8=FP8_PTX_NAMES[jnp.dtype(fp8_dtype)], out=OUT_PTX_NAMES[jnp.dtype(dtype)])
+
+
+def convert_fp8_tile(smem, bars, slot, barrier, scale, *, block_kv: int, head_dim: int, fp8_dtype, dtype,
+                     wait_pending: int | None):
+    """Rewrites the fp8 tile `issue_fp8_rows` copied into ring slot `slot` of `smem` as the `SWIZZLED` tile of q's
+    `dtype` (each value times `scale`, an f32 scalar, in f32), then completes mbarrier `barrier` of `bars` (each
+    producer thread arrives once: its 128 arrivals, as a cp.async tile's). wait_pending: None (the copies were waited
+    for by an earlier call), or wait until at most this many of the thread's cp.async groups are in flight, then sync
+    the warpgroup so every thread's copies are visible."""
+    check_fp8_tile(block_kv, head_dim)
+    slot_bytes = 2 * block_kv * head_dim
+    ptx = fp8_convert_ptx(fp8_dtype, dtype)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(SWIZZLED), plgpu.RefType(), _SCALAR, _SCALAR, _SCALAR))
+    def run(ctx, smem, bars, slot, barrier, scale):
+        del ctx
+        i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
+        words = ir.VectorType.get((4,), i32)
+        slot, barrier, scale = _scalar(slot), _scalar(barrier), _scalar(scale)
+        sync = mgpu_utils.warpgroup_barrier  # bar.sync on the producer warpgroup's own barrier (as Mosaic's)
+        if wait_pending is not None:
+            nvvm.cp_async_wait_group(wait_pending)
+            sync()
+        thread = arith.remui(mgpu_utils.thread_idx(), _i32(WARPGROUP))
+        base = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(smem), [arith.muli(slot, _i32(slot_bytes))], i8)
+        for r in range(fp8_rounds(block_kv, head_dim)):
+            row, chunk = fp8_round_position(r, thread, head_dim=head_dim, ops=IrOps)
+            src = mgpu_utils.getelementptr(
+                base, [fp8_staged_byte(row, chunk, block_kv=block_kv, head_dim=head_dim, ops=IrOps)], i8)
+            loaded = llvm.load(words, src, alignment=16)
+            sync()  # every thread's round-r bytes read before any is overwritten
+            out = []
+            for i in range(4):
+                word = vector.extract(loaded, [], [i])
+                out += mgpu_utils.inline_ptx(ptx, word, scale, result_types=[i32, i32])
+            for half in range(2):
+                at = swizzled_16bit_byte(row, IrOps.add(IrOps.mul(chunk, 2), half), head_dim=head_dim, ops=IrOps)
+                llvm.store(vector.from_elements(words, out[4 * half:4 * half + 4]),
+                           mgpu_utils.getelementptr(base, [at], i8), alignment=16)
+        # wgmma reads the tile through the async proxy: order this thread's stores before it, then release.
+        nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
+        mgpu_utils.inline_ptx("mbarrier.arrive.release.cta.shared::cta.b64 _, [$0];", _barrier_ptr(bars, barrier),
+                              has_side_effects=True)
+
+    run(smem, bars, slot, barrier, scale)
+
+
 def cp_async_uses(step, slot, *, pre_steps, tail_step, stages: int, first_step=None, page_steps=0):
     """How many cp.async tiles before `step` used ring slot `slot` (= step % stages). Each completes the slot's
     mbarrier once, so this count's parity is the phase tile `step` waits for. The cp.async steps are
@@ -470,7 +674,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                                  kv_start_pos=None, prefix_lens=None, custom_mask=None, mask_indptr=None,
                                  skip_prefix_custom_mask=True, heads_per_cta=1, draft_mask=None, page_rows=0,
                                  page_issue="pallas", latent_v_dim=None, consumers=COMPUTE_WARPGROUPS,
-                                 overlap=False):
+                                 overlap=False, kv_scales=None):
     """Runs the kernel; writes `out_ref` in place (rows it does not own are left as they were).
 
     q: [q_rows, q_heads, qk_dim] (q_rows a multiple of 8, >= block_q: Q/O move by TMA in 8-row tiles);
@@ -489,6 +693,12 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
     consumers: consumer warpgroups per CTA, 2 (ping-pong: a shared schedule barrier alternates their matrix work) or
       3 (64/64 head dims only: 3 * block_q rows per CTA, 160 registers each, FlashAttention-3's tile for 64-dim heads,
       whose softmax is as long as its matrix work; no schedule barrier, the warp schedulers interleave the three).
+    kv_scales: f32[2 * kv_heads] (K scales, then V scales) exactly when k_pool / v_pool are fp8 (e4m3fn or e5m2, one
+      format; qk_dim == v_dim in `FP8_HEAD_DIMS`, not latent, page_rows 0): the producer copies each pool tile's fp8
+      rows into the upper half of its 16-bit ring slot and converts them there (`convert_fp8_tile`: value * scale in
+      f32, rounded to q's dtype, as `jaxattn.fp8.dequantised_rows`), so the consumers' work is unchanged. Its copies
+      run stages - 1 tiles ahead of its conversions (cp.async groups, one per step). New tokens' K/V (two-stage) stay
+      in q's dtype, unscaled. Not yet run on a GPU (lowered for sm_90 on CPU; opt-in, `impl="mgpu-fp8"`).
     overlap (3 consumers): FlashAttention-3's intra-warpgroup overlap on the runs of unmasked tiles: tile t + 1's
       S = Q K^T is issued before tile t's softmax, which runs while the tensor cores compute it. The same tiles, order
       and arithmetic as without it (the same bits); masked tiles run as before.
@@ -606,9 +816,21 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
         raise ValueError(f"page_issue must be 'pallas' or 'inline'; got {page_issue!r}")
     pallas_pages = bool(page_rows) and page_issue == "pallas"  # page tiles on their own (Pallas) barriers
     capacity = kv_indices.shape[0]
+    fp8 = jnp.dtype(k_pool.dtype).itemsize == 1
+    if fp8:
+        if (kv_scales is None or latent or page_rows or v_pool.dtype != k_pool.dtype or qk_dim != v_dim
+                or jnp.dtype(k_pool.dtype) not in FP8_PTX_NAMES or jnp.dtype(dtype) not in OUT_PTX_NAMES):
+            raise ValueError(f"fp8 pools ({k_pool.dtype}/{v_pool.dtype}) take kv_scales, one fp8 format (e4m3fn or "
+                             f"e5m2), bf16/f16 q, equal head dims, no latent cache and no page copies")
+        if kv_scales.shape != (2 * kv_heads,) or kv_scales.dtype != jnp.float32:
+            raise ValueError(f"kv_scales must be f32[{2 * kv_heads}]; got {kv_scales.dtype}{list(kv_scales.shape)}")
+        check_fp8_tile(block_kv, qk_dim)
+    elif kv_scales is not None:
+        raise ValueError("kv_scales is given exactly when the pools are fp8")
 
     def body(qo_indptr_ref, kv_indptr_ref, kv_indices_ref, q_ref, k_new_ref, v_new_ref, k_pool_ref, v_pool_ref,
-             sinks_ref, start_pos_ref, prefix_lens_ref, mask_ref, mask_indptr_ref, bits_ref, out_gmem, scoped):
+             sinks_ref, start_pos_ref, prefix_lens_ref, mask_ref, mask_indptr_ref, bits_ref, scales_ref, out_gmem,
+             scoped):
         buffers, (k_ready, v_ready, q_ready), (k_free, v_free), schedule = scoped[:4]
         if latent:  # no V ring: V is read from the K tiles
             (qo_smem2, o_rows_smem2, k_smem, kv_bars), v_smem = buffers, None
@@ -1172,6 +1394,48 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     if not latent:
                         load(1, v_new_ref, v_pool_ref, v_smem, v_free, v_ready, v_dim)
 
+                def fp8_start(step):
+                    """fp8 pools: issues tile `step`'s copies (a pool tile's fp8 rows into its slots' upper halves, a
+                    new-key tile as 16-bit pools do; nothing past cta_steps), then closes them into one group."""
+                    @pl.when(step < cta_steps)
+                    def _():
+                        sources = sources_of(step)
+                        slot = lax.rem(step, jnp.int32(stages))
+
+                        def pool_tile():
+                            for pool_ref, smem, free in ((k_pool_ref, k_smem, k_free), (v_pool_ref, v_smem, v_free)):
+                                pl.when(step >= first_step + stages)(lambda free=free: plgpu.barrier_wait(free.at[slot]))
+                                issue_fp8_rows(pool_ref, smem, sources, slot, kv_head, block_kv=block_kv, head_dim=qk_dim)
+
+                        if unified:  # every tile from the pool
+                            pool_tile()
+                        else:
+                            pl.when(step < pre_steps)(pool_tile)
+                            pl.when(step >= pre_steps)(lambda: issue(step, sources, None))
+                    commit_copies()
+
+                def fp8_producer_loop(first):
+                    # Copies run stages - 1 tiles ahead: tile s + stages - 1's start after tile s's conversion (its
+                    # slot frees when the consumers are done with tile s - 1), so a conversion finds its copies landed
+                    # while the consumers work on the tile before.
+                    k_scale, v_scale = scales_ref[kv_head], scales_ref[kv_heads + kv_head]
+                    for ahead in range(stages - 1):
+                        fp8_start(first + ahead)
+
+                    def fp8_step(step, carry):
+                        @pl.when(step < pre_steps)
+                        def _():
+                            slot = lax.rem(step, jnp.int32(stages))
+                            # Groups in flight may be those of tiles step + 1 .. step + stages - 2.
+                            convert_fp8_tile(k_smem, kv_bars, slot, slot, k_scale, block_kv=block_kv, head_dim=qk_dim,
+                                             fp8_dtype=k_pool.dtype, dtype=dtype, wait_pending=stages - 2)
+                            convert_fp8_tile(v_smem, kv_bars, slot, stages + slot, v_scale, block_kv=block_kv,
+                                             head_dim=qk_dim, fp8_dtype=k_pool.dtype, dtype=dtype, wait_pending=None)
+                        fp8_start(step + (stages - 1))
+                        return carry
+
+                    lax.fori_loop(first_step, cta_steps, fp8_step, jnp.int32(0))
+
                 def step_body(step, sources):
                     next_sources = sources_of(step + 1)  # its loads overlap this tile's waits and copies
                     issue(step, sources, None)
@@ -1184,7 +1448,9 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     return next_carry
 
                 first = jnp.int32(first_step)
-                if page_rows:
+                if fp8:
+                    fp8_producer_loop(first)
+                elif page_rows:
                     lax.fori_loop(first_step, cta_steps, paged_step_body, (sources_of(first), page_starts(first)))
                 else:
                     lax.fori_loop(first_step, cta_steps, step_body, sources_of(first))
@@ -1192,7 +1458,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
     # Operands: the optional ones only when their feature is on (a plain call's kernel is unchanged).
     optional = {"sinks": sinks if has_sinks else None,
                 "start_pos": kv_start_pos if xai is not None or byte_mask else None, "prefix_lens": prefix_lens,
-                "mask": custom_mask, "mask_indptr": mask_indptr if byte_mask else None, "bits": draft_mask}
+                "mask": custom_mask, "mask_indptr": mask_indptr if byte_mask else None, "bits": draft_mask,
+                "scales": kv_scales}
     present = tuple(name for name, value in optional.items() if value is not None)
     new_operands = () if unified else (k_new,) if latent else (k_new, v_new)
     pool_operands = (k_pool,) if latent else (k_pool, v_pool)
@@ -1220,7 +1487,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
         pl.run_scoped(
             lambda *scoped: body(qo_indptr_ref, kv_indptr_ref, kv_indices_ref, q_ref, k_new_ref, v_new_ref, k_pool_ref,
                                  v_pool_ref, refs.get("sinks"), refs.get("start_pos"), refs.get("prefix_lens"),
-                                 refs.get("mask"), refs.get("mask_indptr"), refs.get("bits"), out_gmem, scoped),
+                                 refs.get("mask"), refs.get("mask_indptr"), refs.get("bits"), refs.get("scales"),
+                                 out_gmem, scoped),
             smem,
             (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
              plgpu.Barrier(num_barriers=consumers)),

@@ -14,12 +14,12 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from jaxattn.calls import DecodeCall, MlaExtendCall
+from jaxattn.calls import DecodeCall, ExtendCall, MlaExtendCall
 from jaxattn.decode import DecodeMetadata
 from jaxattn.extend import extend_metadata, extend_unified_metadata
 from jaxattn.extend_mgpu import MgpuExtendConfig, extend_attention_mgpu, extend_attention_unified_mgpu
 from jaxattn.impl.mgpu_decode import gqa_decode_partials, kernel_split_bound, run as gqa_decode_run
-from jaxattn.impl.mgpu_extend import LATENT
+from jaxattn.impl.mgpu_extend import FP8, LATENT, UNIFIED_FP8
 from jaxattn.impl.mgpu_mla import mla_decode_partials, run_extend
 from jaxattn.tuning import MgpuDecodeConfig
 
@@ -101,6 +101,17 @@ SHAPES = [  # label, tokens, q heads, kv heads, head dim, dtype, config, feature
     ("pages16-inline-128-bf16-unified", 300, 8, 2, 128, jnp.bfloat16, None,
      dict(unified=True, page_size=16, page_issue="inline")),
     ("pages32-inline-128-bf16", 512, 8, 2, 128, jnp.bfloat16, None, dict(page_size=32, page_issue="inline")),
+    # fp8 pools read by the kernel (`impl="mgpu-fp8"` / "mgpu-unified-fp8": the producer converts each pool tile in
+    # its ring slot): e4m3 beside TMA new tiles; e5m2 with f16 q, a window and a soft cap (64-key tiles, 4 stages);
+    # three consumers at 64; 256 with sinks; the unified form with a custom mask; a page-16 list (copied row by row).
+    ("fp8-e4m3-128-bf16-tma", 512, 8, 2, 128, jnp.bfloat16, None, dict(pool=jnp.float8_e4m3fn)),
+    ("fp8-e5m2-128-f16-kv64s4-window-cap", 300, 8, 2, 128, jnp.float16, MgpuExtendConfig(block_kv=64, stages=4),
+     dict(pool=jnp.float8_e5m2, sliding_window=100, logit_cap=30.0)),
+    ("fp8-e4m3-64-bf16-three", 300, 8, 2, 64, jnp.bfloat16, None, dict(pool=jnp.float8_e4m3fn)),
+    ("fp8-e4m3-256-bf16-sinks", 300, 8, 4, 256, jnp.bfloat16, None, dict(pool=jnp.float8_e4m3fn, sinks=True)),
+    ("fp8-e5m2-unified-128-bf16-mask", 300, 8, 2, 128, jnp.bfloat16, None,
+     dict(pool=jnp.float8_e5m2, unified=True, mask=True)),
+    ("fp8-e4m3-pages16-128-bf16", 512, 8, 2, 128, jnp.bfloat16, None, dict(pool=jnp.float8_e4m3fn, page_size=16)),
 ]
 
 
@@ -130,7 +141,11 @@ def lower(tokens, hq, hkv, d, dtype, config, features=None, batch=3, slots=1000,
     page_size = features.pop("page_size", 1)
     page_issue = features.pop("page_issue", None)
     slots = slots // page_size * page_size  # a pool of whole pages
-    pool = (S((slots, hkv, d), dtype), S((slots, hkv, dv), dtype))
+    pool_dtype = features.pop("pool", dtype)
+    pool = (S((slots, hkv, d), pool_dtype), S((slots, hkv, dv), pool_dtype))
+    if pool_dtype != dtype:
+        return _lower_fp8(tokens, hq, hkv, d, dtype, config, pool, unified=unified, window=window, sinks=sinks,
+                          page_size=page_size, max_extend_len=max_extend_len, capacity=capacity, batch=batch, **features)
     if unified:
         meta = jax.eval_shape(lambda: extend_unified_metadata(idx(4, 600), idx(batch), idx(batch), idx(batch), idx(tokens),
                                                               max_extend_len=max_extend_len, kv_capacity=capacity))
@@ -149,6 +164,35 @@ def lower(tokens, hq, hkv, d, dtype, config, features=None, batch=3, slots=1000,
         call = lambda *a: extend_attention_mgpu(*a[:-3], sinks=a[-3], custom_mask=a[-2], draft_mask=a[-1],  # noqa: E731
                                                 sliding_window=window, config=config, **features)
     exported = _export(call, args, page_issue, page_size)
+    if "mosaic_gpu" not in exported.mlir_module():
+        raise AssertionError("no Mosaic GPU custom call in the lowered module")
+
+
+def _lower_fp8(tokens, hq, hkv, d, dtype, config, pool, *, unified, window, sinks, page_size, max_extend_len, capacity,
+               batch, custom_mask=None, **features):
+    """The fp8 implementations' kernel launch (built as `ExtendCall`s: on CPU the registry declines the kernel)."""
+    S = jax.ShapeDtypeStruct
+    idx = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
+    if unified:
+        meta = jax.eval_shape(lambda: extend_unified_metadata(idx(4, 600), idx(batch), idx(batch), idx(batch), idx(tokens),
+                                                              max_extend_len=max_extend_len, kv_capacity=capacity))
+        new = (None, None)
+    else:
+        meta = jax.eval_shape(lambda: extend_metadata(idx(4, 600), idx(batch), idx(batch), idx(batch),
+                                                      max_extend_len=max_extend_len, kv_capacity=capacity))
+        new = (S((tokens, hkv, d), dtype), S((tokens, hkv, d), dtype))
+    meta = dataclasses.replace(meta, page_size=page_size)
+    args = (S((tokens, hq, d), dtype), *new, *pool, meta, sinks, custom_mask, S((2, hkv), jnp.float32))
+
+    def call(q, k_new, v_new, k_pool, v_pool, meta, sinks, custom_mask, kv_scales):
+        extend_call = ExtendCall(
+            form="unified" if unified else "two_stage", q=q, k_new=k_new, v_new=v_new, k_pool=k_pool, v_pool=v_pool,
+            meta=meta, kv_start_pos=meta.kv_start_pos, causal=features.get("causal", True), custom_mask=custom_mask,
+            skip_prefix_custom_mask=not unified, sliding_window=window, logit_cap=features.get("logit_cap", 0.0),
+            sinks=sinks, xai_temperature_len=-1, sm_scale=0.09, config=config, launch_mode="gpu", kv_scales=kv_scales)
+        return (UNIFIED_FP8 if unified else FP8).run(extend_call)
+
+    exported = jax.export.export(jax.jit(call), platforms=["cuda"])(*args)
     if "mosaic_gpu" not in exported.mlir_module():
         raise AssertionError("no Mosaic GPU custom call in the lowered module")
 

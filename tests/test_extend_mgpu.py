@@ -1025,14 +1025,16 @@ def test_window_schedule_of_every_cta(block_kv):
 
 
 def _cta_programs(first_step, cta_steps, wg_ranges, pre_steps, tail_step, uses, *, stages, tma_new_tiles,
-                  page_steps=0, latent=False, overlap_runs=None):
+                  page_steps=0, latent=False, overlap_runs=None, fp8=False):
     """The barrier operations of one CTA's producer and its consumer warpgroups, in the kernel's order. wg_ranges:
     (wg_first, wg_steps) per warpgroup (wg_first = first_step without a window; two consumers take the schedule
     barrier, three none); uses[step]: the kernel's
     cp_async_uses of that step; steps below page_steps come page by page by TMA (their own barriers). latent: the
     latent-cache mode (`latent_v_dim`): K tiles only, each slot released after P V. overlap_runs: per warpgroup, the
     (lo, hi) runs of its steps taken with the intra-warpgroup overlap (`overlapped_run`: tile t + 1's K waited and
-    released before tile t's V)."""
+    released before tile t's V). fp8: the fp8 pools' producer (`fp8_producer_loop`): a step's slots waited for and its
+    copies issued stages - 1 steps before its conversion, whose arrivals complete a prefix tile's barriers (a "load"
+    here: it completes at some later time)."""
     kinds = (0,) if latent else (0, 1)
     by_tma = lambda step: tma_new_tiles and pre_steps <= step < tail_step  # noqa: E731
 
@@ -1044,13 +1046,26 @@ def _cta_programs(first_step, cta_steps, wg_ranges, pre_steps, tail_step, uses, 
         name = barrier(which, step)
         return ("wait", name, None if name[0] != "kv" else uses[step] % 2, step)
 
-    producer = []
-    for step in range(first_step, cta_steps):
-        slot = step % stages
-        for which in kinds:
+    def start(step):  # a step's slot waits and (but a prefix tile's, which its conversion completes) its loads
+        ops = []
+        for which in kinds if step < cta_steps else ():
             if step >= first_step + stages:
-                producer.append(("wait", ("free", which, slot), None, step - stages))
-            producer.append(("load", barrier(which, step), step))
+                ops.append(("wait", ("free", which, step % stages), None, step - stages))
+            if not (fp8 and step < pre_steps):
+                ops.append(("load", barrier(which, step), step))
+        return ops
+
+    producer = []
+    if fp8:
+        for ahead in range(stages - 1):
+            producer += start(first_step + ahead)
+    for step in range(first_step, cta_steps):
+        if not fp8:
+            producer += start(step)
+            continue
+        if step < pre_steps:  # convert_fp8_tile: K's, then V's
+            producer += [("load", barrier(which, step), step) for which in kinds]
+        producer += start(step + stages - 1)
     scheduled = len(wg_ranges) == 2
     sync = [("arrive", "schedule", None), ("wait", "schedule", None, None)] if scheduled else []
     programs = {"producer": producer}
@@ -1101,7 +1116,7 @@ def _cta_programs(first_step, cta_steps, wg_ranges, pre_steps, tail_step, uses, 
 
 
 def _check_cta(first_step, cta_steps, wg_ranges, pre_steps, tail_step, *, stages, tma_new_tiles, windowed, rng,
-               interleavings=3, page_steps=0, latent=False, overlap_runs=None):
+               interleavings=3, page_steps=0, latent=False, overlap_runs=None, fp8=False):
     """One CTA's barrier programs (cp.async parities from the kernel's `cp_async_uses`, counted from first_step when
     windowed; prefix steps below page_steps by TMA page by page; overlap_runs as `_cta_programs`) run in
     `interleavings` random interleavings on fresh barriers; returns how many ran."""
@@ -1114,7 +1129,7 @@ def _check_cta(first_step, cta_steps, wg_ranges, pre_steps, tail_step, *, stages
                                     page_steps=i32(page_steps) if page_steps else 0))
     programs = _cta_programs(first_step, cta_steps, wg_ranges, pre_steps, tail_step, uses, stages=stages,
                              tma_new_tiles=tma_new_tiles, page_steps=page_steps, latent=latent,
-                             overlap_runs=overlap_runs)
+                             overlap_runs=overlap_runs, fp8=fp8)
     for _ in range(interleavings):
         barriers = {("free", w, s): Barrier(len(wg_ranges)) for w in (0, 1) for s in range(stages)}
         barriers |= {(kind, w, s): Barrier(1) for kind in ("ready", "kv", "page") for w in (0, 1) for s in range(stages)}
@@ -1137,13 +1152,14 @@ def _random_runs(rng, wg_ranges):
     return runs
 
 
-@pytest.mark.parametrize("pages", [False, True], ids=["rows", "pages"])
+@pytest.mark.parametrize("prefix_tiles", ["rows", "pages", "fp8"])
 @pytest.mark.parametrize("tma_new_tiles", [False, True], ids=["cp-async", "tma"])
-def test_barrier_protocol_never_hangs(tma_new_tiles, pages):
+def test_barrier_protocol_never_hangs(tma_new_tiles, prefix_tiles):
     # CPU: every CTA's producer and consumers (their barrier operations in the kernel's order, step ranges and
     # cp.async parities from the kernel's own helpers) in random interleavings with loads landing late: no deadlock,
     # no wait passing early or on another tile's phase, with and without a window (head flushes included), causal
-    # and with a custom mask's non-causal schedule; with whole pages, the prefix tiles inside the prefix by TMA.
+    # and with a custom mask's non-causal schedule; with whole pages, the prefix tiles inside the prefix by TMA; over
+    # fp8 pools, the prefix tiles converted by the producer stages - 1 steps after their copies.
     import itertools
     import random
 
@@ -1189,8 +1205,8 @@ def test_barrier_protocol_never_hangs(tma_new_tiles, pages):
                     for overlap_runs in [None] + ([_random_runs(rng, ranges)] if consumers == 3 else []):
                         cases += _check_cta(first, cta_steps, ranges, pre_steps, tail_step, stages=stages,
                                             tma_new_tiles=tma_new_tiles, windowed=window >= 0, rng=rng,
-                                            page_steps=prefix_len // block_kv if pages else 0,
-                                            overlap_runs=overlap_runs)
+                                            page_steps=prefix_len // block_kv if prefix_tiles == "pages" else 0,
+                                            overlap_runs=overlap_runs, fp8=prefix_tiles == "fp8")
     assert cases > 100
 
 
@@ -1837,7 +1853,7 @@ def test_lowers_for_cuda_on_cpu(part):
     from tests.lower_mgpu_kernel import DECODE_SHAPES, SHAPES
 
     shapes = len(SHAPES) + len(DECODE_SHAPES)
-    assert shapes == 65 and run.stdout.count("ok ") == len(range(part, shapes, 2)), run.stdout
+    assert shapes == 71 and run.stdout.count("ok ") == len(range(part, shapes, 2)), run.stdout
 
 
 def test_batches_past_the_grid_limit_are_declined():

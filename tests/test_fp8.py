@@ -25,7 +25,7 @@ from jaxattn.extend import (
 from jaxattn.impl.mgpu_extend import dequantised_prefix
 from jaxattn.serving import ForwardMode, write_kv
 from tests import test_triton_backend as tb
-from tests.helpers import MODES
+from tests.helpers import HAS_GPU, MODES
 from tests.test_decode import make_pools
 from tests.test_extend import make_batch
 
@@ -290,3 +290,76 @@ def test_mgpu_entry_point_sends_fp8_pools_to_the_op(rng):
     with pytest.raises(ValueError, match="fp8 pools go through jaxattn.extend.extend_attention"):
         extend_attention_mgpu(batch.q, batch.k_new, batch.v_new, batch.k_pool.astype(jnp.float8_e4m3fn),
                               batch.v_pool.astype(jnp.float8_e4m3fn), batch.meta)
+
+
+def test_mgpu_fp8_implementations_are_by_name_and_decline_with_reasons(rng):
+    # "mgpu-fp8" / "mgpu-unified-fp8" (the kernel converting fp8 tiles itself) come after every other implementation,
+    # so a call picks them only by name until their GPU record exists; they take fp8 pools at head dims 64/128/256.
+    from jaxattn import extend
+    from jaxattn.impl import mgpu_extend
+    from jaxattn.registry import declined
+
+    assert extend.IMPLEMENTATIONS[-2:] == (mgpu_extend.FP8, mgpu_extend.UNIFIED_FP8)
+    batch = make_batch(rng, [5, 3], [8, 8], hq=4, hkv=2, dqk=64, dtype=jnp.bfloat16, max_extend_len=8)
+    kp, vp = batch.k_pool.astype(jnp.float8_e4m3fn), batch.v_pool.astype(jnp.float8_e4m3fn)
+
+    def call(k_pool, v_pool, form="two_stage"):
+        from jaxattn.calls import ExtendCall
+
+        return ExtendCall(form=form, q=batch.q, k_new=batch.k_new, v_new=batch.v_new, k_pool=k_pool, v_pool=v_pool,
+                          meta=batch.meta, kv_start_pos=batch.meta.kv_start_pos, causal=True, custom_mask=None,
+                          skip_prefix_custom_mask=True, sliding_window=-1, logit_cap=0.0, sinks=None,
+                          xai_temperature_len=-1, sm_scale=0.125, config=None, launch_mode="interpret")
+
+    reasons = declined(extend.IMPLEMENTATIONS, call(batch.k_pool, batch.v_pool))
+    assert "one fp8 format only" in reasons["mgpu-fp8"] and "one fp8 format only" in reasons["mgpu-unified-fp8"]
+    assert "one fp8 format only" in declined(extend.IMPLEMENTATIONS, call(kp, batch.v_pool))["mgpu-fp8"]
+    fp8 = declined(extend.IMPLEMENTATIONS, call(kp, vp))
+    assert fp8["mgpu-fp8"] == "no GPU (or an interpreted launch mode)"  # on CPU: only the launch mode is missing
+    assert fp8["mgpu-unified-fp8"] == "takes the unified form only"
+    narrow_v = call(kp, jnp.zeros((9, 2, 32), jnp.float8_e4m3fn))  # q/k 64, v 32
+    assert "head dims 64/32 over fp8 pools" in mgpu_extend.FP8.declines(narrow_v)
+
+
+# (prefix lens, extend lens, q heads, kv heads, head dim, features): long prefixes (many tiles, so the copies run
+# ahead of the conversions), odd lengths, an empty prefix, and the features that change the producer's steps.
+MGPU_FP8_CASES = [
+    pytest.param(([300, 0, 1000], [100, 64, 37], 8, 2, 128, {}), id="128"),
+    pytest.param(([700, 130, 1], [200, 5, 300], 8, 2, 128, dict(sliding_window=200, logit_cap=30.0)), id="128-window-cap"),
+    pytest.param(([513, 64], [129, 7], 4, 1, 64, dict(sinks=True)), id="64-sinks"),
+    pytest.param(([77, 300], [40, 33], 8, 4, 256, {}), id="256"),
+    pytest.param(([400, 90], [20, 50], 8, 2, 128, dict(causal=False)), id="128-noncausal"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU (the Mosaic GPU kernel)")
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("case", MGPU_FP8_CASES)
+@pytest.mark.parametrize("form", ["two_stage", "unified"])
+def test_mgpu_kernel_converts_fp8_tiles_itself(rng, fmt, case, form):
+    # impl="mgpu-fp8" / "mgpu-unified-fp8" against the reference on the dequantised pool, and bit for bit against the
+    # dequantising route ("mgpu" / "mgpu-unified": the same 16-bit operands, the same tiles and order).
+    prefix_lens, extend_lens, hq, hkv, dim, features = case
+    features = dict(features)
+    if features.pop("sinks", False):
+        features["sinks"] = jnp.asarray(rng.standard_normal(hq), jnp.float32)
+    batch = make_batch(rng, prefix_lens, extend_lens, hq=hq, hkv=hkv, dqk=dim, dtype=jnp.bfloat16,
+                       max_extend_len=max(extend_lens), window=features.get("sliding_window", -1) if form == "two_stage" else -1)
+    k_scale, v_scale = per_head(hkv), 0.75
+    kw = dict(k_scale=k_scale, v_scale=v_scale, **features)
+    if form == "two_stage":
+        kp, vp = quantised(batch.k_pool, k_scale, fmt), quantised(batch.v_pool, v_scale, fmt)
+        args = (batch.q, batch.k_new, batch.v_new, kp, vp, batch.meta)
+        run, reference, names = extend_attention, extend_attention_reference, ("mgpu-fp8", "mgpu")
+        want = reference(batch.q, batch.k_new, batch.v_new, _clean(kp), _clean(vp), batch.meta, **kw)
+    else:
+        kp, vp = quantised(batch.k_pool_unified, k_scale, fmt), quantised(batch.v_pool_unified, v_scale, fmt)
+        args = (batch.q, kp, vp, batch.meta_unified)
+        run, reference, names = extend_attention_unified, extend_attention_unified_reference, ("mgpu-unified-fp8", "mgpu-unified")
+        want = reference(batch.q, _clean(kp), _clean(vp), batch.meta_unified, **kw)
+    got, dequantised = (np.float32(run(*args, impl=name, **kw)) for name in names)
+    assert not np.isnan(got).any()  # the pools' unlisted rows are NaN
+    np.testing.assert_array_equal(got, dequantised)
+    np.testing.assert_array_equal(got[batch.tokens:], 0.0)
+    np.testing.assert_allclose(got[: batch.tokens], np.float32(want)[: batch.tokens], **testing.tolerance(jnp.bfloat16))

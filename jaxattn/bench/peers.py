@@ -301,6 +301,14 @@ def extend_jaxattn(inp: Inputs, config=None, unified=False, impl="triton"):
     return lambda: fn(inp.q, inp.k_new, inp.v_new, inp.k_pool, inp.v_pool, meta, inp.sinks, inp.custom_mask)
 
 
+def extend_mgpu_fp8(inp: Inputs, unified=False):
+    """fp8 cases on the Mosaic GPU kernel that reads the fp8 pool itself (`impl="mgpu-fp8"` / "mgpu-unified-fp8":
+    its producer converts each tile in shared memory), beside `jaxattn`'s route, which dequantises the listed keys."""
+    if not inp.case.fp8:
+        raise Skip("fp8 cases only")
+    return extend_jaxattn(inp, unified=unified, impl="mgpu-unified-fp8" if unified else "mgpu-fp8")
+
+
 def extend_mla(inp: Inputs, impl: str | None = None):
     """Absorbed-MLA cases through `jaxattn.mla.mla_extend_attention` (V read from the latent rows, no V arrays):
     what it picks, or `impl` ("mgpu-gqa": the GQA extend kernel over the latent cache, 288/256 only)."""
@@ -475,6 +483,8 @@ BACKENDS = {
         "jaxattn-triton": (extend_jaxattn, jax_sync),
         "jaxattn-unified": (lambda inp: extend_jaxattn(inp, unified=True, impl=None), jax_sync),  # what it picks
         "jaxattn-unified-triton": (lambda inp: extend_jaxattn(inp, unified=True, impl="triton-unified"), jax_sync),
+        "jaxattn-mgpu-fp8": (extend_mgpu_fp8, jax_sync),  # fp8 cases: the kernel converts tiles itself
+        "jaxattn-mgpu-unified-fp8": (lambda inp: extend_mgpu_fp8(inp, unified=True), jax_sync),
         "jaxattn-mla": (extend_mla, jax_sync),  # absorbed MLA: mla_extend_attention (V inside the latent rows)
         # ... on the GQA extend kernel (V read from the latent K tiles; 288/256): impl "mgpu-gqa"
         "jaxattn-mla-gqa": (lambda inp: extend_mla(inp, impl="mgpu-gqa"), jax_sync),

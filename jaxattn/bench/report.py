@@ -52,6 +52,8 @@ LABELS = {
     "jaxattn": "jaxattn",
     "jaxattn-unified": "jaxattn unified (deterministic)",
     "jaxattn-unified-triton": "jaxattn unified (deterministic), Triton kernel",
+    "jaxattn-mgpu-fp8": "jaxattn extend, Mosaic GPU kernel converting fp8 tiles itself",
+    "jaxattn-mgpu-unified-fp8": "jaxattn unified extend, Mosaic GPU kernel converting fp8 tiles itself",
     "jaxattn-triton": "jaxattn, Triton kernels (extend: two-stage)",
     "jaxattn-mgpu": "jaxattn MLA decode, Mosaic GPU kernel",
     "jaxattn-mgpu-gqa": "jaxattn GQA decode, Mosaic GPU kernel",

@@ -10,7 +10,11 @@ Two implementations of `jaxattn.extend`'s contract on one kernel:
   replaces invisible scores, so a token's row is bit-identical however its sequence is split into prefix and new
   tokens. Causal or not, soft cap, sinks, xai temperature, a sliding window (causal, on uncut lists).
 
-Both exist for speed: the FlashAttention-3 schedule (a producer warpgroup, two consumer warpgroups with wgmma from
+* "mgpu-fp8" / "mgpu-unified-fp8" (`FP8`, `UNIFIED_FP8`; by name only, not yet run on a GPU): either form over fp8
+  pools read by the kernel (its producer converts each tile in shared memory), where the two above gather and
+  dequantise the listed keys first (`dequantised_prefix`).
+
+They exist for speed: the FlashAttention-3 schedule (a producer warpgroup, two consumer warpgroups with wgmma from
 registers) that the Triton kernels cannot express on this stack. The producer reads pool rows straight through the
 index list (`cp.async`: Hopper's TMA cannot gather single rows), so a call needs no scratch beyond its output and,
 when tokens is not a multiple of 8, a padded copy of q. Under a window it loads only the K/V tiles the window reaches.
@@ -160,6 +164,43 @@ def dequantised_prefix(k_pool, v_pool, meta: ExtendMetadata | ExtendUnifiedMetad
 
 IMPLEMENTATION = Implementation("mgpu", _declines_form("two_stage"), _run)
 UNIFIED = Implementation("mgpu-unified", _declines_form("unified"), _run)
+
+
+def _declines_fp8_form(form: str):
+    """The form's limits, over fp8 pools read by the kernel itself (`FP8_HEAD_DIMS`, equal head dims)."""
+    declines_form = _declines_form(form)
+
+    def declines(call: ExtendCall) -> str | None:
+        from jaxattn.kernels.extend_attention_mgpu import FP8_HEAD_DIMS
+
+        pools = jnp.dtype(call.k_pool.dtype), jnp.dtype(call.v_pool.dtype)
+        if not is_fp8(pools[0]) or pools[0] != pools[1]:
+            return (f"{pools[0].name}/{pools[1].name} pools (one fp8 format only; other pools: impl=\"mgpu\" or "
+                    "\"mgpu-unified\")")
+        if call.qk_head_dim != call.v_head_dim or call.qk_head_dim not in FP8_HEAD_DIMS:
+            return f"head dims {call.qk_head_dim}/{call.v_head_dim} over fp8 pools (equal, one of {FP8_HEAD_DIMS})"
+        return declines_form(call)
+
+    return declines
+
+
+def _run_fp8(call: ExtendCall):
+    config = _config(call.config, call.qk_head_dim, call.v_head_dim, sliding_window=call.sliding_window,
+                     max_extend_len=call.meta.max_extend_len)
+    scales = call.kv_scales if call.kv_scales is not None else jnp.ones((2, call.kv_heads), jnp.float32)
+    return _run_kernel(call.q, call.k_new, call.v_new, call.k_pool, call.v_pool, call.meta, call.sm_scale, config,
+                       causal=call.causal, sliding_window=call.sliding_window, logit_cap=call.logit_cap, sinks=call.sinks,
+                       xai_temperature_len=call.xai_temperature_len, kv_start_pos=call.kv_start_pos,
+                       prefix_lens=call.meta.prefix_lens if call.form == "unified" else None,
+                       custom_mask=call.custom_mask, skip_prefix_custom_mask=call.skip_prefix_custom_mask,
+                       draft_mask=call.draft_mask, kv_scales=scales.astype(jnp.float32).reshape(-1))
+
+
+# fp8 pools read by the kernel (issue 26): the producer converts each pool tile in shared memory, so no step gathers
+# and converts the listed prefix first (`dequantised_prefix`: about +28% at E3-FP8 on the H200). By name only until
+# its GPU tests and timing have run (`impl="mgpu-fp8"` / `"mgpu-unified-fp8"`); "mgpu" dequantises meanwhile.
+FP8 = Implementation("mgpu-fp8", _declines_fp8_form("two_stage"), _run_fp8)
+UNIFIED_FP8 = Implementation("mgpu-unified-fp8", _declines_fp8_form("unified"), _run_fp8)
 
 
 def _latent_config(qk_head_dim: int, v_head_dim: int) -> MgpuExtendConfig | None:
@@ -377,11 +418,12 @@ def kernel_options_forced(adjust):
 
 def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: MgpuExtendConfig, *, causal: bool,
                 sliding_window: int, logit_cap: float, sinks, xai_temperature_len: int, kv_start_pos, prefix_lens=None,
-                custom_mask=None, skip_prefix_custom_mask=True, draft_mask=None, latent_v_dim=None):
+                custom_mask=None, skip_prefix_custom_mask=True, draft_mask=None, latent_v_dim=None, kv_scales=None):
     """The kernel launch on checked arguments (the registry's routes and `extend_attention_mgpu` share it).
     prefix_lens (i32[batch]): the unified form (k_new, v_new unused: every key from the pool). custom_mask: flat
     bool/u8 at meta.mask_indptr. draft_mask: i32/u32[tokens, words] (two-stage form). latent_v_dim: a latent cache
-    (v_new = v_pool = None, V = K's first latent_v_dim dims; q's columns padded to a multiple of 64 here)."""
+    (v_new = v_pool = None, V = K's first latent_v_dim dims; q's columns padded to a multiple of 64 here).
+    kv_scales: f32[2 * kv_heads] with fp8 pools (converted by the kernel's producer; rows copied row by row)."""
     from jaxattn.kernels.extend_attention_mgpu import extend_attention_mgpu_kernel
     from jaxattn.kernels.zero_rows_mgpu import unwritten_rows_zeroed
     tokens, q_heads = q.shape[:2]
@@ -431,7 +473,8 @@ def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: 
         heads_per_cta=heads_per_cta(meta.max_extend_len, q_heads // k_pool.shape[1], config),
         # Whole new-key tiles by TMA where Mosaic allows it (an array of whole 8-row tiles, no shorter than a box).
         tma_new_tiles=not unified and not latent and tokens % 8 == 0 and tokens >= config.block_kv,
-        page_rows=0 if latent else page_copy_rows(meta.page_size, config.block_kv, k_pool.shape[0]),
-        **(dict(latent_v_dim=latent_v_dim) if latent else {}),
+        page_rows=0 if latent or kv_scales is not None else page_copy_rows(meta.page_size, config.block_kv,
+                                                                            k_pool.shape[0]),
+        **(dict(latent_v_dim=latent_v_dim) if latent else {}), **(dict(kv_scales=kv_scales) if kv_scales is not None else {}),
     )
     return out_ref[...][:tokens]

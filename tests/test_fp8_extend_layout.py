@@ -1,0 +1,134 @@
+"""The Mosaic GPU extend kernel's fp8 tiles (issue 26), replayed on bytes: `issue_fp8_rows`' copies into the upper
+half of a 16-bit ring slot, then `convert_fp8_tile`'s in-place rounds (every thread's loads, one warpgroup sync, every
+thread's stores), through the kernel module's own layout formulas (`IntOps`). The slot must end up holding the tile
+wgmma reads (Mosaic's (8, 64)-tiled, 128-byte-swizzled layout, written out independently here) with the values
+`jaxattn.fp8.dequantised_rows` gives, bit for bit. The kernel itself runs only on a GPU.
+"""
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxattn.fp8 import dequantised_rows
+from jaxattn.kernels import extend_attention_mgpu as kernel
+
+THREADS = 128
+
+
+def swizzled_tile(slot: np.ndarray, block_kv: int, head_dim: int, dtype) -> np.ndarray:
+    """[block_kv, head_dim] of `dtype` read from a slot in Mosaic's SWIZZLED layout: (8, 64) tiles of 1024 bytes in
+    row-major order, each tile's 128-byte rows holding 8 chunks of 16 bytes, chunk c of row r at position c ^ (r % 8)."""
+    out = np.zeros((block_kv, head_dim), np.uint16)
+    for r in range(block_kv):
+        for c in range(head_dim // 8):
+            tile = (r // 8) * (head_dim // 64) + c // 8
+            at = tile * 1024 + (r % 8) * 128 + ((c % 8) ^ (r % 8)) * 16
+            out[r, 8 * c:8 * c + 8] = slot[at:at + 16].view(np.uint16)
+    return out.view(np.dtype(dtype))
+
+
+def copy_tile(slot, pool, sources, kv_head, *, block_kv, head_dim):
+    """issue_fp8_rows: each (warp, lane, copy) moves 16 bytes of its row's source (zeros for source -1)."""
+    rows_per_warp = block_kv // 4
+    written = np.zeros((block_kv, head_dim // 16), int)
+    raw = pool.view(np.uint8)
+    for warp in range(4):
+        for lane in range(32):
+            for p in range(kernel.fp8_copies_per_thread(block_kv, head_dim)):
+                holder, row, chunk = kernel.fp8_copy_position(warp, lane, p, block_kv=block_kv, head_dim=head_dim)
+                assert holder < rows_per_warp  # the lane whose `row_sources` entry the shuffle reads
+                source = sources[warp * rows_per_warp + holder]
+                data = raw[source, kv_head, 16 * chunk:16 * chunk + 16] if source >= 0 else np.zeros(16, np.uint8)
+                at = kernel.fp8_staged_byte(row, chunk, block_kv=block_kv, head_dim=head_dim)
+                slot[at:at + 16] = data
+                written[row, chunk] += 1
+    assert (written == 1).all()  # every 16 bytes of the tile copied once
+
+
+def convert_tile(slot, fp8_dtype, scale, dtype, *, block_kv, head_dim, synced=True):
+    """convert_fp8_tile's rounds. synced=False replays them without the sync between loads and stores (each thread
+    loads and stores before the next): the in-place rewrite then must fail, which shows this test can."""
+    for r in range(kernel.fp8_rounds(block_kv, head_dim)):
+        positions = [kernel.fp8_round_position(r, t, head_dim=head_dim) for t in range(THREADS)]
+
+        def load(row, chunk):
+            at = kernel.fp8_staged_byte(row, chunk, block_kv=block_kv, head_dim=head_dim)
+            return slot[at:at + 16].copy()
+
+        def store(row, chunk, data):
+            values = (data.view(fp8_dtype).astype(np.float32) * np.float32(scale)).astype(dtype).view(np.uint8)
+            for half in range(2):
+                at = kernel.swizzled_16bit_byte(row, 2 * chunk + half, head_dim=head_dim)
+                slot[at:at + 16] = values[16 * half:16 * half + 16]
+
+        if synced:
+            loaded = [load(*position) for position in positions]
+            for position, data in zip(positions, loaded):
+                store(*position, data)
+        else:
+            for position in reversed(positions):
+                store(*position, load(*position))
+
+
+def random_fp8_pool(rng, fp8_dtype, slots, kv_heads, head_dim):
+    """Every byte pattern a pool can hold, NaN and subnormals included (e5m2's infinities too)."""
+    return rng.integers(0, 256, (slots, kv_heads, head_dim), dtype=np.uint8).view(fp8_dtype)
+
+
+CASES = [(64, 128), (128, 128), (64, 64), (128, 64), (64, 256)]  # (block_kv, head_dim)
+
+
+@pytest.mark.parametrize("block_kv,head_dim", CASES)
+@pytest.mark.parametrize("fp8_dtype", [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2], ids=["e4m3fn", "e5m2"])
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16], ids=["bf16", "f16"])
+def test_copies_and_in_place_rounds_give_the_dequantised_tile(block_kv, head_dim, fp8_dtype, dtype):
+    rng = np.random.default_rng(block_kv * head_dim)
+    kv_heads, kv_head, slots, scale = 3, 1, 500, 0.0371
+    pool = random_fp8_pool(rng, fp8_dtype, slots, kv_heads, head_dim)
+    sources = rng.integers(0, slots, block_kv).astype(np.int32)
+    sources[block_kv - 5:] = -1  # rows past the listed keys: zeros
+    slot = rng.integers(0, 256, 2 * block_kv * head_dim, dtype=np.uint8)  # the slot's previous tile
+    copy_tile(slot, pool, sources, kv_head, block_kv=block_kv, head_dim=head_dim)
+    convert_tile(slot, fp8_dtype, scale, dtype, block_kv=block_kv, head_dim=head_dim)
+    got = swizzled_tile(slot, block_kv, head_dim, dtype)
+
+    listed = sources >= 0
+    rows = dequantised_rows(jnp.asarray(pool), jnp.asarray(np.maximum(sources, 0)), jnp.float32(scale),
+                            jnp.dtype(dtype))
+    want = np.where(listed[:, None], np.asarray(rows)[:, kv_head].astype(dtype), np.zeros((), dtype))
+    got_bits, want_bits = got.view(np.uint16), want.view(np.uint16)
+    nan = np.isnan(want.astype(np.float32))
+    np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan)  # NaN in is NaN out
+    np.testing.assert_array_equal(got_bits[~nan], want_bits[~nan])
+    assert nan.any() and (want[~nan] != 0).any()  # the random pool reaches the interesting values
+
+
+@pytest.mark.parametrize("block_kv,head_dim", [(128, 128), (64, 256)])
+def test_the_rounds_need_their_sync(block_kv, head_dim):
+    rng = np.random.default_rng(7)
+    pool = random_fp8_pool(rng, ml_dtypes.float8_e4m3fn, 300, 2, head_dim)
+    sources = rng.integers(0, 300, block_kv).astype(np.int32)
+    results = []
+    for synced in (True, False):
+        slot = np.zeros(2 * block_kv * head_dim, np.uint8)
+        copy_tile(slot, pool, sources, 0, block_kv=block_kv, head_dim=head_dim)
+        convert_tile(slot, ml_dtypes.float8_e4m3fn, 1.0, ml_dtypes.bfloat16, block_kv=block_kv, head_dim=head_dim,
+                     synced=synced)
+        results.append(swizzled_tile(slot, block_kv, head_dim, ml_dtypes.bfloat16).view(np.uint16))
+    assert (results[0] != results[1]).any()
+
+
+def test_fp8_tile_limits():
+    for block_kv, head_dim in CASES:
+        kernel.check_fp8_tile(block_kv, head_dim)
+    for block_kv, head_dim in [(128, 192), (128, 96), (8, 128)]:
+        with pytest.raises(ValueError, match="fp8 tiles"):
+            kernel.check_fp8_tile(block_kv, head_dim)
+
+
+def test_convert_ptx_names_both_formats_and_outputs():
+    ptx = kernel.fp8_convert_ptx(jnp.float8_e5m2, jnp.float16)
+    assert "cvt.rn.f16x2.e5m2x2" in ptx and "cvt.rn.f16x2.f32 $0, f1, f0" in ptx  # element 1 in the upper half
+    ptx = kernel.fp8_convert_ptx(jnp.float8_e4m3fn, jnp.bfloat16)
+    assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.rn.bf16x2.f32 $1, f3, f2" in ptx

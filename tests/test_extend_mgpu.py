@@ -874,6 +874,34 @@ def test_forced_kernel_options_reach_traces_of_a_function_traced_before(rng, mon
     assert seen[0]["heads_per_cta"] != 7
 
 
+def test_unified_tiles_do_not_depend_on_the_bucket(rng, monkeypatch):
+    # The short-window tile (64 keys) is chosen by the extend length; the unified form is the deterministic one, so
+    # its block_kv (and its bits) must not change with the bucket a batch lands in: it ignores its window for the
+    # choice. The two-stage form keeps the short-window tile for short extends.
+    import jaxattn.kernels.extend_attention_mgpu as kernel_module
+    from jaxattn.calls import ExtendCall
+    from jaxattn.impl import mgpu_extend
+
+    seen = []
+    monkeypatch.setattr(kernel_module, "extend_attention_mgpu_kernel", lambda *args, **kwargs: seen.append(kwargs))
+    for form, implementation in (("unified", mgpu_extend.UNIFIED), ("two_stage", mgpu_extend.IMPLEMENTATION)):
+        for bucket in (32, 256):
+            batch = make_batch(rng, [300, 90], [20, 31], hq=8, hkv=2, dqk=128, dtype=jnp.bfloat16, max_extend_len=bucket)
+            unified = form == "unified"
+            call = ExtendCall(form=form, q=batch.q, k_new=None if unified else batch.k_new,
+                              v_new=None if unified else batch.v_new,
+                              k_pool=batch.k_pool_unified if unified else batch.k_pool,
+                              v_pool=batch.v_pool_unified if unified else batch.v_pool,
+                              meta=batch.meta_unified if unified else batch.meta, kv_start_pos=batch.meta.kv_start_pos,
+                              causal=True, custom_mask=None, skip_prefix_custom_mask=not unified, sliding_window=100,
+                              logit_cap=0.0, sinks=None, xai_temperature_len=-1, sm_scale=0.1, config=None,
+                              launch_mode="gpu")
+            jax.eval_shape(lambda: implementation.run(call))
+    block_kv = [kwargs["block_kv"] for kwargs in seen]
+    assert block_kv[0] == block_kv[1] == 128  # unified: the table's tile at either bucket
+    assert block_kv[2:] == [64, 128]  # two-stage: the short-window tile for the short bucket
+
+
 def test_cp_async_phase_counts():
     # The kernel's own phase arithmetic (runs on CPU): against counting the cp.async steps one by one, for prefix
     # lengths, TMA ranges (empty included) and any number of tail tiles.

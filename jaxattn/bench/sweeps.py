@@ -96,6 +96,9 @@ def sweep_variants(op: str, case: Case):
                         continue
                     variants.append((f"mgpu kv{block_kv} s{stages}",
                                      lambda inp, c=config: extend_jaxattn(inp, config=c, impl="mgpu")))
+                    if case.fp8:  # the kernel converting fp8 tiles itself, whose copies run stages - 1 tiles ahead
+                        variants.append((f"mgpu-fp8 kv{block_kv} s{stages}",
+                                         lambda inp, c=config: extend_jaxattn(inp, config=c, impl="mgpu-fp8")))
             if (case.head_dim, case.dv) == (64, 64):  # three consumer warpgroups (192-row CTAs, FA3's 64-dim tile),
                 # with and without the intra-warpgroup overlap FA3 runs it with
                 for (block_kv, stages), overlap in itertools.product(((128, 2), (128, 3), (64, 3)), (False, True)):

@@ -131,9 +131,16 @@ def _check_head_dims(op: str, q, v_pool, fallback: str) -> None:
                          f"v_head_dim {v_pool.shape[2]} (use {fallback})")
 
 
+def _call_config(call: ExtendCall) -> MgpuExtendConfig:
+    """The call's tiles. The unified form's ignore its window: the short-window tile is chosen by the extend length
+    (the bucket), and a deterministic call's block_kv, so its bits, must not depend on the bucket its batch landed in."""
+    window = call.sliding_window if call.form == "two_stage" else -1
+    return _config(call.config, call.qk_head_dim, call.v_head_dim, sliding_window=window,
+                   max_extend_len=call.meta.max_extend_len)
+
+
 def _run(call: ExtendCall):
-    config = _config(call.config, call.qk_head_dim, call.v_head_dim, sliding_window=call.sliding_window,
-                     max_extend_len=call.meta.max_extend_len)
+    config = _call_config(call)
     k_pool, v_pool, meta = call.k_pool, call.v_pool, call.meta
     if call.kv_scales is not None or is_fp8(k_pool.dtype) or is_fp8(v_pool.dtype):
         k_pool, v_pool, meta = dequantised_prefix(k_pool, v_pool, meta, call.kv_scales, call.q.dtype)
@@ -185,8 +192,7 @@ def _declines_fp8_form(form: str):
 
 
 def _run_fp8(call: ExtendCall):
-    config = _config(call.config, call.qk_head_dim, call.v_head_dim, sliding_window=call.sliding_window,
-                     max_extend_len=call.meta.max_extend_len)
+    config = _call_config(call)
     scales = call.kv_scales if call.kv_scales is not None else jnp.ones((2, call.kv_heads), jnp.float32)
     return _run_kernel(call.q, call.k_new, call.v_new, call.k_pool, call.v_pool, call.meta, call.sm_scale, config,
                        causal=call.causal, sliding_window=call.sliding_window, logit_cap=call.logit_cap, sinks=call.sinks,

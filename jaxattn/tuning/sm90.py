@@ -97,7 +97,8 @@ EXTEND_MGPU_LATENT: dict[str, MgpuExtendConfig] = {
 # see about W + 64 keys, where 64-key tiles compute fewer masked columns than 128-key ones. Family: (the largest
 # window W, the tile for max_extend_len <= block_q). V-TREE64-W128 (32 x (4096 + 64 drafts), window 128) on the
 # H200 (8061b2b, one run): 0.071 ms at kv64 s2 against 0.085 at the table's kv128 s2 (FlashInfer fa2 0.074 ms); without
-# the window (V-TREE64) kv128 stays ahead (0.331 vs 0.363 ms).
+# the window (V-TREE64) kv128 stays ahead (0.331 vs 0.363 ms). Two-stage calls only: the unified (deterministic) form
+# keeps the table's tile, whose choice must not depend on the extend bucket (`jaxattn.impl.mgpu_extend._call_config`).
 EXTEND_MGPU_SHORT_WINDOW: dict[str, tuple[int, MgpuExtendConfig]] = {
     "128": (128, MgpuExtendConfig(block_q=64, block_kv=64, stages=2)),
 }

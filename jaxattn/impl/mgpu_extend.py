@@ -308,7 +308,8 @@ def extend_attention_mgpu(
     check_new_tokens(q, k_new, v_new, k_pool, v_pool)
     if is_fp8(k_pool.dtype) or is_fp8(v_pool.dtype):
         raise ValueError("extend_attention_mgpu takes pools of q's dtype; fp8 pools go through "
-                         "jaxattn.extend.extend_attention(..., k_scale=, v_scale=), which dequantises the listed prefix")
+                         "jaxattn.extend.extend_attention(..., k_scale=, v_scale=), which dequantises the listed prefix "
+                         "(impl=\"mgpu-fp8\": this kernel converting the fp8 tiles itself)")
     _check_head_dims("extend_attention_mgpu", q, v_pool, "jaxattn.extend.extend_attention")
     if sliding_window >= 0 and not causal:
         raise ValueError("extend_attention_mgpu takes a sliding_window with causal=True only (use "
@@ -366,7 +367,8 @@ def extend_attention_unified_mgpu(
                       xai_temperature_len=xai_temperature_len, sm_scale=sm_scale)
     if is_fp8(k_pool.dtype) or is_fp8(v_pool.dtype) or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
         raise ValueError("extend_attention_unified_mgpu takes pools of q's dtype; fp8 pools go through "
-                         "jaxattn.extend.extend_attention_unified(..., k_scale=, v_scale=)")
+                         "jaxattn.extend.extend_attention_unified(..., k_scale=, v_scale=) (impl=\"mgpu-unified-fp8\": "
+                         "this kernel converting the fp8 tiles itself)")
     _check_head_dims("extend_attention_unified_mgpu", q, v_pool, "jaxattn.extend.extend_attention_unified")
     if meta.sliding_window >= 0:
         raise ValueError("extend_attention_unified_mgpu takes lists not cut for a window (its tiles sit at fixed "

@@ -10,7 +10,8 @@ The query of sequence b is the last token of its KV list, its K/V already writte
     Mosaic GPU MLA kernel (`jaxattn.impl.mgpu_mla`) for MLA's latent cache (576/512 or 288/256, V inside K,
     16-bit), the Mosaic GPU GQA kernel (`jaxattn.impl.mgpu_decode`) for separate 16-bit K/V pools (head dim 64/128,
     one token, no soft cap), else SGLang's split-KV Triton kernels (`jaxattn.impl.triton_decode`);
-    `impl="mgpu-gqa-fp8"` runs the GQA kernel on fp8 pools (opt-in: slower than Triton there so far).
+    `impl="mgpu-gqa-fp8"` runs the GQA kernel on fp8 pools (opt-in: slower than Triton there so far) and
+    `impl="mgpu-fp8"` the MLA kernel on fp8 latent pools 576 wide (opt-in: not yet run on a GPU).
   * `decode_attention_reference(q, k_pool, v_pool, meta, ...)`: the same call on the pure-jnp reference.
 
 Several query tokens per sequence (speculative verify, multi-token prediction): q ``[batch, tokens, q_heads, dim]``,
@@ -68,7 +69,8 @@ from jaxattn.tuning.sm90 import DECODE as SM90_CONFIGS  # noqa: F401  (re-export
 # In order of preference: the first that takes a call runs it (on sm_90, MLA's latent cache and GQA over 16-bit
 # pools take the Mosaic GPU kernels; everything else, and every call off Hopper, the Triton kernels). The Mosaic GPU
 # kernel's fp8 entry comes after Triton, which takes every call, so it runs only by name (`impl="mgpu-gqa-fp8"`).
-IMPLEMENTATIONS = (mgpu_mla.DECODE, mgpu_decode.DECODE, triton_decode.IMPLEMENTATION, mgpu_decode.DECODE_FP8)
+IMPLEMENTATIONS = (mgpu_mla.DECODE, mgpu_decode.DECODE, triton_decode.IMPLEMENTATION, mgpu_decode.DECODE_FP8,
+                   mgpu_mla.DECODE_FP8)
 
 
 def _effective_window(meta, sliding_window):

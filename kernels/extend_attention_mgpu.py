@@ -382,14 +382,14 @@ def issue_pages(pool_ref, smem, bars, starts, slot, barrier, kv_head, *, page_ro
 # --- fp8 pools (issue 26): the producer converts each prefix tile in place in its ring slot. ---
 # A 16-bit ring slot holds block_kv * head_dim * 2 bytes; an fp8 tile of the same rows is half that. The producer
 # copies the fp8 rows (cp.async) row-major into the slot's upper half, then rewrites the slot as the 16-bit tile wgmma
-# reads, in rounds of FP8_ROUND_BYTES of fp8 rows: every thread loads its 16 fp8 bytes of the round, the warpgroup
-# syncs, every thread stores its 32 converted bytes. A round's stores reach only fp8 rows of this round or earlier
-# (16-bit rows [0, R(r + 1)) lie in bytes [0, 2 * hd * R(r + 1)), fp8 rows from R(r + 1) on start at
-# hd * (block_kv + R(r + 1)) >= that), so no row is overwritten before it is read, and the next round's loads read
-# no byte this round stores: no second sync per round. `tests/test_fp8_extend_layout.py` replays these formulas on
-# bytes. No staging buffer: the kernel's shared memory is already full at 128-dim heads.
-FP8_ROUND_BYTES = WARPGROUP * 16  # one round: 16 fp8 bytes per producer thread
-FP8_HEAD_DIMS = (64, 128, 256)  # rows of whole 16-byte chunks and whole 128-byte 16-bit column tiles
+# reads, in rounds of R rows (`fp8_round_rows`: about 16 fp8 bytes per producer thread): every thread loads its
+# 16-byte chunks of the round, the warpgroup syncs, every thread stores its converted chunks. A round's stores reach
+# only fp8 rows of this round or earlier (16-bit rows [0, R(r + 1)) lie in bytes [0, 2 * hd * R(r + 1)), fp8 rows from
+# R(r + 1) on start at hd * (block_kv + R(r + 1)) >= that), so no row is overwritten before it is read, and the next
+# round's loads read no byte this round stores: no second sync per round. `tests/test_fp8_extend_layout.py` replays
+# these formulas on bytes. No staging buffer: the kernels' shared memory is already full (extend at 128-dim heads,
+# MLA decode). Rows are whole 64-column 16-bit tiles (head_dim a multiple of 64), so the slot is exactly 2x the tile.
+FP8_HEAD_DIMS = (64, 128, 256)  # the extend kernel's fp8 head dims (q/k = v)
 
 
 class IntOps:
@@ -399,6 +399,7 @@ class IntOps:
     div = staticmethod(lambda a, b: a // b)
     rem = staticmethod(lambda a, b: a % b)
     xor = staticmethod(lambda a, b: a ^ b)
+    min = staticmethod(min)
 
 
 class IrOps:
@@ -413,6 +414,7 @@ class IrOps:
     div = staticmethod(lambda a, b: arith.divui(IrOps._v(a), IrOps._v(b)))
     rem = staticmethod(lambda a, b: arith.remui(IrOps._v(a), IrOps._v(b)))
     xor = staticmethod(lambda a, b: arith.xori(IrOps._v(a), IrOps._v(b)))
+    min = staticmethod(lambda a, b: arith.minui(IrOps._v(a), IrOps._v(b)))
 
 
 def fp8_staged_byte(row, chunk, *, block_kv: int, head_dim: int, ops=IntOps):
@@ -430,32 +432,55 @@ def swizzled_16bit_byte(row, chunk, *, head_dim: int, ops=IntOps):
 
 
 def fp8_copy_position(warp, lane, p: int, *, block_kv: int, head_dim: int, ops=IntOps):
-    """(holder, row, chunk) of copy p of thread (warp, lane) in `issue_fp8_rows`: head_dim / 16 threads per row, so a
-    warp instruction reads 32 / (head_dim / 16) whole rows; the warp's rows are those whose sources it holds
-    (`row_sources`: lane h < block_kv / 4 holds row warp * block_kv / 4 + h)."""
+    """(holder, row, chunk) of copy p of thread (warp, lane) in `issue_fp8_rows`: the warp's rows are those whose
+    sources it holds (`row_sources`: lane h < block_kv / 4 holds row warp * block_kv / 4 + h), their 16-byte chunks
+    taken in order, 32 per warp instruction (consecutive lanes, consecutive bytes)."""
     chunks = head_dim // 16
-    holder = ops.add(p * (32 // chunks), ops.div(lane, chunks))
-    return holder, ops.add(ops.mul(warp, block_kv // 4), holder), ops.rem(lane, chunks)
+    k = ops.add(p * 32, lane)  # the chunk's index among the warp's rows' chunks
+    holder = ops.div(k, chunks)
+    return holder, ops.add(ops.mul(warp, block_kv // 4), holder), ops.rem(k, chunks)
 
 
 def fp8_copies_per_thread(block_kv: int, head_dim: int) -> int:
-    return (block_kv // 4) // (32 // (head_dim // 16))
+    return (block_kv // 4) * (head_dim // 16) // 32
 
 
-def fp8_round_position(round_: int, thread, *, head_dim: int, ops=IntOps):
-    """(row, chunk) of the 16 fp8 bytes thread `thread` converts in round `round_` (`FP8_ROUND_BYTES` per round)."""
-    chunks = head_dim // 16
-    return ops.add(round_ * (FP8_ROUND_BYTES // head_dim), ops.div(thread, chunks)), ops.rem(thread, chunks)
+def fp8_round_rows(head_dim: int) -> int:
+    """Rows per conversion round: a multiple of 8 (whole 16-bit row tiles) near 16 fp8 bytes per producer thread."""
+    return max(8, WARPGROUP * 16 // head_dim // 8 * 8)
+
+
+def fp8_round_chunks(head_dim: int) -> int:
+    """16-byte fp8 chunks per round; thread t converts chunks t, t + 128, ... of it."""
+    return fp8_round_rows(head_dim) * (head_dim // 16)
+
+
+def fp8_round_position(round_: int, thread, i: int, *, head_dim: int, ops=IntOps):
+    """(row, chunk) of the i-th chunk thread `thread` converts in round `round_`: chunk thread + 128 i of the round's
+    `fp8_round_chunks`, or where that is past them the round's last chunk (converted twice, to the same bytes: no
+    branch around the copy)."""
+    chunks, total = head_dim // 16, fp8_round_chunks(head_dim)
+    k = ops.add(thread, i * WARPGROUP)
+    if (i + 1) * WARPGROUP > total:
+        k = ops.min(k, total - 1)
+    return ops.add(round_ * fp8_round_rows(head_dim), ops.div(k, chunks)), ops.rem(k, chunks)
+
+
+def fp8_chunks_per_thread(head_dim: int) -> int:
+    return -(-fp8_round_chunks(head_dim) // WARPGROUP)
 
 
 def fp8_rounds(block_kv: int, head_dim: int) -> int:
-    return block_kv * head_dim // FP8_ROUND_BYTES
+    return block_kv // fp8_round_rows(head_dim)
 
 
 def check_fp8_tile(block_kv: int, head_dim: int) -> None:
-    if head_dim not in FP8_HEAD_DIMS or block_kv % (FP8_ROUND_BYTES // head_dim) or block_kv % 4:
-        raise ValueError(f"fp8 tiles are converted at head dims {FP8_HEAD_DIMS} with block_kv a multiple of "
-                         f"{FP8_ROUND_BYTES} // head_dim; got head_dim {head_dim}, block_kv {block_kv}")
+    """Raises unless the fp8 copies and conversion rounds tile [block_kv, head_dim] exactly."""
+    if (head_dim % 64 or block_kv % 4 or block_kv % fp8_round_rows(head_dim)
+            or (block_kv // 4) * (head_dim // 16) % 32):
+        raise ValueError(f"fp8 tiles are converted with head_dim a multiple of 64 and block_kv a multiple of "
+                         f"{fp8_round_rows(head_dim) if head_dim > 0 else 8} (and of 4); got head_dim {head_dim}, "
+                         f"block_kv {block_kv}")
 
 
 def issue_fp8_rows(pool_ref, smem, sources, slot, kv_head, *, block_kv: int, head_dim: int):
@@ -505,7 +530,14 @@ def commit_copies():
 
 
 # e4m3fn / e5m2 -> f32 (through f16x2: exact), times the scale, rounded to q's dtype: the 4 elements of one 32-bit word
-# into two words of 16-bit pairs (element 0 in the low half), as `jaxattn.fp8.dequantised_rows` computes them.
+# into two words of 16-bit pairs (element 0 in the low half), as `jaxattn.fp8.dequantised_rows` computes them. Without
+# a scale (the kernel folds it elsewhere): straight to f16x2, one instruction per two elements, exact.
+FP8_TO_F16_PTX = """{{
+.reg .b16 b01, b23;
+mov.b32 {{b01, b23}}, $2;
+cvt.rn.f16x2.{fp8}x2 $0, b01;
+cvt.rn.f16x2.{fp8}x2 $1, b23;
+}}"""
 FP8_CONVERT_PTX = """{{
 .reg .b16 b01, b23, a0, a1, a2, a3;
 .reg .b32 h0, h1;
@@ -530,27 +562,33 @@ FP8_PTX_NAMES = {jnp.dtype(jnp.float8_e4m3fn): "e4m3", jnp.dtype(jnp.float8_e5m2
 OUT_PTX_NAMES = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float16): "f16"}
 
 
-def fp8_convert_ptx(fp8_dtype, dtype) -> str:
+def fp8_convert_ptx(fp8_dtype, dtype, scaled: bool = True) -> str:
+    if not scaled:
+        if jnp.dtype(dtype) != jnp.dtype(jnp.float16):
+            raise ValueError(f"an unscaled fp8 conversion writes f16 tiles; got {jnp.dtype(dtype).name}")
+        return FP8_TO_F16_PTX.format(fp8=FP8_PTX_NAMES[jnp.dtype(fp8_dtype)])
     return FP8_CONVERT_PTX.format(fp8=FP8_PTX_NAMES[jnp.dtype(fp8_dtype)], out=OUT_PTX_NAMES[jnp.dtype(dtype)])
 
 
 def convert_fp8_tile(smem, bars, slot, barrier, scale, *, block_kv: int, head_dim: int, fp8_dtype, dtype,
                      wait_pending: int | None):
-    """Rewrites the fp8 tile `issue_fp8_rows` copied into ring slot `slot` of `smem` as the `SWIZZLED` tile of q's
-    `dtype` (each value times `scale`, an f32 scalar, in f32), then completes mbarrier `barrier` of `bars` (each
-    producer thread arrives once: its 128 arrivals, as a cp.async tile's). wait_pending: None (the copies were waited
-    for by an earlier call), or wait until at most this many of the thread's cp.async groups are in flight, then sync
-    the warpgroup so every thread's copies are visible."""
+    """Rewrites the fp8 tile `issue_fp8_rows` copied into ring slot `slot` of `smem` as the `SWIZZLED` tile of
+    `dtype` (each value times `scale`, an f32 scalar, in f32; scale None: f16, exact, the scale folded elsewhere), then
+    completes mbarrier `barrier` of `bars` (each producer thread arrives once: its 128 arrivals, as a cp.async
+    tile's). wait_pending: None (the copies were waited for by an earlier call), or wait until at most this many of
+    the thread's cp.async groups are in flight, then sync the warpgroup so every thread's copies are visible."""
     check_fp8_tile(block_kv, head_dim)
     slot_bytes = 2 * block_kv * head_dim
-    ptx = fp8_convert_ptx(fp8_dtype, dtype)
+    scaled = scale is not None
+    ptx = fp8_convert_ptx(fp8_dtype, dtype, scaled)
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(SWIZZLED), plgpu.RefType(), _SCALAR, _SCALAR, _SCALAR))
-    def run(ctx, smem, bars, slot, barrier, scale):
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(SWIZZLED), plgpu.RefType(), _SCALAR, _SCALAR) + ((_SCALAR,) * scaled))
+    def run(ctx, smem, bars, slot, barrier, *scale):
         del ctx
         i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
         words = ir.VectorType.get((4,), i32)
-        slot, barrier, scale = _scalar(slot), _scalar(barrier), _scalar(scale)
+        slot, barrier = _scalar(slot), _scalar(barrier)
+        scale = tuple(_scalar(x) for x in scale)  # () when unscaled
         sync = mgpu_utils.warpgroup_barrier  # bar.sync on the producer warpgroup's own barrier (as Mosaic's)
         if wait_pending is not None:
             nvvm.cp_async_wait_group(wait_pending)
@@ -558,25 +596,27 @@ def convert_fp8_tile(smem, bars, slot, barrier, scale, *, block_kv: int, head_di
         thread = arith.remui(mgpu_utils.thread_idx(), _i32(WARPGROUP))
         base = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(smem), [arith.muli(slot, _i32(slot_bytes))], i8)
         for r in range(fp8_rounds(block_kv, head_dim)):
-            row, chunk = fp8_round_position(r, thread, head_dim=head_dim, ops=IrOps)
-            src = mgpu_utils.getelementptr(
-                base, [fp8_staged_byte(row, chunk, block_kv=block_kv, head_dim=head_dim, ops=IrOps)], i8)
-            loaded = llvm.load(words, src, alignment=16)
+            loaded = []
+            for i in range(fp8_chunks_per_thread(head_dim)):
+                row, chunk = fp8_round_position(r, thread, i, head_dim=head_dim, ops=IrOps)
+                src = mgpu_utils.getelementptr(
+                    base, [fp8_staged_byte(row, chunk, block_kv=block_kv, head_dim=head_dim, ops=IrOps)], i8)
+                loaded.append((row, chunk, llvm.load(words, src, alignment=16)))
             sync()  # every thread's round-r bytes read before any is overwritten
-            out = []
-            for i in range(4):
-                word = vector.extract(loaded, [], [i])
-                out += mgpu_utils.inline_ptx(ptx, word, scale, result_types=[i32, i32])
-            for half in range(2):
-                at = swizzled_16bit_byte(row, IrOps.add(IrOps.mul(chunk, 2), half), head_dim=head_dim, ops=IrOps)
-                llvm.store(vector.from_elements(words, out[4 * half:4 * half + 4]),
-                           mgpu_utils.getelementptr(base, [at], i8), alignment=16)
+            for row, chunk, data in loaded:
+                out = []
+                for i in range(4):
+                    out += mgpu_utils.inline_ptx(ptx, vector.extract(data, [], [i]), *scale, result_types=[i32, i32])
+                for half in range(2):
+                    at = swizzled_16bit_byte(row, IrOps.add(IrOps.mul(chunk, 2), half), head_dim=head_dim, ops=IrOps)
+                    llvm.store(vector.from_elements(words, out[4 * half:4 * half + 4]),
+                               mgpu_utils.getelementptr(base, [at], i8), alignment=16)
         # wgmma reads the tile through the async proxy: order this thread's stores before it, then release.
         nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
         mgpu_utils.inline_ptx("mbarrier.arrive.release.cta.shared::cta.b64 _, [$0];", _barrier_ptr(bars, barrier),
                               has_side_effects=True)
 
-    run(smem, bars, slot, barrier, scale)
+    run(smem, bars, slot, barrier, *(() if scale is None else (scale,)))
 
 
 def cp_async_uses(step, slot, *, pre_steps, tail_step, stages: int, first_step=None, page_steps=0):

@@ -25,6 +25,10 @@ next ones. At the end warpgroup 0 passes each row's output factor (1 / denominat
 and each consumer stores its half of the output straight from registers to global memory (only the block's real
 rows: the padding rows of a 16-row block are computed but never stored); decode's warpgroup 0 also stores the LSE.
 
+Decode over an fp8 latent cache (576 wide, f16 Q): the producer copies each tile's fp8 rows into the upper half of
+its ring slot and converts them there to f16 (`convert_fp8_tile` of the extend kernel), one tile ahead; the
+consumers are unchanged. Not yet run on a GPU.
+
 Decode's split geometry, index checks and empty rows follow `kernels/decode_attention.py` (the effective range under
 a window, `per_split` keys per split in multiples of MIN_BLOCK_KV, ranges cut into kv_indices, slots clamped into the
 pool, an empty split stores nothing, a row that sees no key of a split stores 0 and LSE -inf, NaN stays NaN).
@@ -52,7 +56,11 @@ from jaxattn.kernels.extend_attention_mgpu import (
     draft_bits_tile,
     global_address,
     arrive_barrier,
+    check_fp8_tile,
+    commit_copies,
+    convert_fp8_tile,
     init_barriers,
+    issue_fp8_rows,
     issue_rows,
     row_sources,
     wait_barrier,
@@ -327,7 +335,10 @@ def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, shape: LatentShape
     the tile's rows first + r (r < count) of pool (through kv_indices) or new, zeros past count; q_row0, q_count: the
     block's Q rows of q_ref; store_out(wg, out): warpgroup wg's [64, v_dim / 2] f32 output (normalised; wg 0: the
     first half of the columns); store_lse(lse): f32[64] natural-log LSE rows (warpgroup 0); sink: f32[64] (WGMMA row
-    layout), each row's natural-log sink logit joining its denominator, or None.
+    layout), each row's natural-log sink logit joining its denominator, or None. An fp8 pool (every tile from it,
+    f16 Q): the producer copies each tile's fp8 rows into the upper half of its ring slot and converts them there to
+    f16 (`convert_fp8_tile`, unscaled: the caller folds the scales into q and the output), its copies one tile ahead
+    of its conversions.
     """
     q_smem, k_smem, rows_and_bars = scoped
     alpha_smem = rows_and_bars.at[pl.ds(0, BLOCK_ROWS)]
@@ -437,11 +448,35 @@ def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, shape: LatentShape
             from_pool, first, count = tile_source(step)
             return row_sources(kv_indices_ref, from_pool, first, count, block_kv=BLOCK_KV, pool_rows=pool_ref.shape[0])
 
+        def wait_free(step, slot):  # the slot's previous tile (step - stages) released by all 256 consumer threads
+            pl.when(step >= stages)(lambda: wait_barrier(bars, free + slot, lax.rem(lax.div(step, stages) - 1, 2)))
+
+        if jnp.dtype(pool_ref.dtype).itemsize == 1:  # fp8: copies stages - 1 tiles ahead of the conversions
+            def start(step):
+                @pl.when(step < steps)
+                def _():
+                    slot = lax.rem(step, stages)
+                    wait_free(step, slot)
+                    issue_fp8_rows(pool_ref, k_smem, sources_of(step), slot, jnp.int32(0), block_kv=BLOCK_KV,
+                                   head_dim=shape.qk_dim)
+                commit_copies()
+
+            def fp8_step(step, carry):
+                slot = lax.rem(step, stages)
+                convert_fp8_tile(k_smem, bars, slot, ready + slot, None, block_kv=BLOCK_KV, head_dim=shape.qk_dim,
+                                 fp8_dtype=pool_ref.dtype, dtype=dtype, wait_pending=stages - 2)
+                start(step + (stages - 1))
+                return carry
+
+            for ahead in range(stages - 1):
+                start(jnp.int32(ahead))
+            lax.fori_loop(0, steps, fp8_step, jnp.int32(0))
+            return
+
         def step_body(step, sources):
             next_sources = sources_of(step + 1)  # its loads overlap this tile's wait and copies
             slot = lax.rem(step, stages)
-            # The slot's previous tile (step - stages) released by all 256 consumer threads.
-            pl.when(step >= stages)(lambda: wait_barrier(bars, free + slot, lax.rem(lax.div(step, stages) - 1, 2)))
+            wait_free(step, slot)
             from_pool = tile_source(step)[0]
             issue_rows(new_ref, pool_ref, k_smem, bars, sources, from_pool, slot, ready + slot, jnp.int32(0),
                        block_kv=BLOCK_KV, head_dim=shape.qk_dim)
@@ -450,21 +485,28 @@ def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, shape: LatentShape
         lax.fori_loop(0, steps, step_body, sources_of(jnp.int32(0)))
 
 
-def _latent_shape(q, k_pool, k_new=None) -> LatentShape:
-    """The shape of the call's latent head (q [rows, 1, qk_dim] with qk_dim a key of SHAPES), checked."""
+def _latent_shape(q, k_pool, k_new=None, fp8_pool=False) -> LatentShape:
+    """The shape of the call's latent head (q [rows, 1, qk_dim] with qk_dim a key of SHAPES), checked. fp8_pool: the
+    pool may be e4m3fn / e5m2 with f16 q (rows whole 64-column tiles: 576)."""
     qk_dim = q.shape[-1]
     if qk_dim not in SHAPES:
         raise ValueError(f"the latent head must be {sorted(SHAPES)} wide; got q {q.shape}")
     for name, array in (("q", q), ("k_pool", k_pool)) + ((("k_new", k_new),) if k_new is not None else ()):
         if array.ndim != 3 or array.shape[1:] != (1, qk_dim):
             raise ValueError(f"{name} must be [rows, 1, {qk_dim}]; got {array.shape}")
-    if k_pool.dtype != q.dtype or (k_new is not None and k_new.dtype != q.dtype):
+    if fp8_pool and jnp.dtype(k_pool.dtype).itemsize == 1:
+        if q.dtype != jnp.float16 or jnp.dtype(k_pool.dtype) not in map(jnp.dtype, (jnp.float8_e4m3fn, jnp.float8_e5m2)):
+            raise ValueError(f"an fp8 latent pool takes e4m3fn / e5m2 rows and f16 q; got {k_pool.dtype}, {q.dtype}")
+        if SHAPES[qk_dim].width != qk_dim:  # the in-place conversion needs rows of whole 64-column tiles
+            raise ValueError(f"an fp8 latent pool takes 576-wide rows; got {qk_dim} (padded to {SHAPES[qk_dim].width})")
+        check_fp8_tile(BLOCK_KV, qk_dim)
+    elif k_pool.dtype != q.dtype or (k_new is not None and k_new.dtype != q.dtype):
         raise ValueError("q, k_pool (and k_new) must have one dtype")
     return SHAPES[qk_dim]
 
 
 def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draft_words, *, tokens, q_heads, sm_scale,
-                           max_kv_splits, sliding_window=-1, min_block_kv=32):
+                           max_kv_splits, sliding_window=-1, min_block_kv=32, v_scale=None):
     """Stage 1 of split-KV MLA decode. Returns (mid_o f32[rows * max_kv_splits, 512], mid_lse f32[rows * max_kv_splits])
     with rows = batch * tokens * q_heads in (sequence, token, head) order: row g's split s at g * max_kv_splits + s, the
     layout of `decode_stage1_kernel`'s MID_O / MID_LSE (f32[batch * tokens, q_heads, max_kv_splits, ...]) flattened.
@@ -477,8 +519,14 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
     are always visible. tokens * q_heads must be a multiple of 8 and at most 64 or a multiple of 64.
     sliding_window W >= 0 (tokens == 1): only the last W + 1 listed keys. min_block_kv: split lengths are multiples
     of it (`jaxattn.metadata.MIN_BLOCK_KV`, as in the Triton stages).
+    v_scale: f32[1] exactly when k_pool is fp8 (e4m3fn / e5m2, 576 wide; q f16, pre-multiplied by the K scale, which
+    the kernel never sees): the rows are converted to f16 in shared memory (exact) and the stored outputs multiplied
+    by v_scale. Not yet run on a GPU.
     """
-    shape = _latent_shape(q, k_pool)
+    shape = _latent_shape(q, k_pool, fp8_pool=True)
+    fp8 = jnp.dtype(k_pool.dtype).itemsize == 1
+    if fp8 != (v_scale is not None) or (fp8 and (v_scale.shape != (1,) or v_scale.dtype != jnp.float32)):
+        raise ValueError("v_scale (f32[1]) is given exactly when k_pool is fp8")
     rows_total = q.shape[0]
     rows_per_seq = tokens * q_heads
     if not decode_rows_supported(rows_per_seq):
@@ -496,7 +544,8 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
     capacity = kv_indices.shape[0]
     v_dim, v_split = shape.v_dim, shape.v_split
 
-    def body(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, words_ref, mid_o_ref, mid_lse_ref, scoped):
+    def body(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, words_ref, v_scale_ref, mid_o_ref,
+             mid_lse_ref, scoped):
         split = lax.axis_index("splits")
         block = lax.axis_index("head_blocks")
         seq = lax.axis_index("seq")
@@ -512,6 +561,8 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
         first_out = row0 * max_kv_splits + split  # row g's split s sits at g * max_kv_splits + s
 
         def store_out(wg, out):
+            if v_scale_ref is not None:
+                out = out * v_scale_ref[0]
             store_rows(out, mid_o_ref, first_out, jnp.int32(block_rows), row_stride=max_kv_splits * v_dim,
                        first_scale=v_dim, column0=wg * v_split)
 
@@ -527,12 +578,11 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
                  q_row0=row0, q_count=jnp.int32(block_rows), store_out=store_out, store_lse=store_lse)
 
     def entry(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, *rest):
-        if tokens > 1:
-            words_ref, mid_o_ref, mid_lse_ref = rest
-        else:
-            (mid_o_ref, mid_lse_ref), words_ref = rest, None
+        words_ref, rest = (rest[0], rest[1:]) if tokens > 1 else (None, rest)
+        v_scale_ref, rest = (rest[0], rest[1:]) if fp8 else (None, rest)
+        mid_o_ref, mid_lse_ref = rest
         pl.run_scoped(lambda *scoped: body(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, words_ref,
-                                           mid_o_ref, mid_lse_ref, scoped),
+                                           v_scale_ref, mid_o_ref, mid_lse_ref, scoped),
                       *_scratch(q.dtype, shape), collective_axes="wg")
 
     return plgpu.kernel(
@@ -544,7 +594,8 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(kv_indptr, kv_indices, num_kv_splits, q, k_pool, *(() if draft_words is None else (draft_words,)))
+    )(kv_indptr, kv_indices, num_kv_splits, q, k_pool, *(() if draft_words is None else (draft_words,)),
+      *(() if v_scale is None else (v_scale,)))
 
 
 def mla_extend_mgpu_kernel(q, k_new, k_pool, qo_indptr, kv_indptr, kv_indices, out_ref, *, q_heads, sm_scale,

@@ -228,6 +228,10 @@ DECODE_SHAPES = [
     # One split: the kernel writes o and the LSE (no merge), persistent and not.
     ("gqa-decode-bf16-32x8-final", "gqa", 4, 32, jnp.bfloat16, dict(kv_heads=8, splits=1, persistent=False)),
     ("gqa-decode-e4m3-12x3-bf16-final-persistent", "gqa", 5, 12, jnp.bfloat16, dict(kv_heads=3, pool=jnp.float8_e4m3fn, splits=1, persistent=True)),
+    # The MLA kernel over an fp8 latent pool (`impl="mgpu-fp8"`: tiles converted to f16 by its producer): one token
+    # with a window, and a 4-token verify under a draft tree (e5m2, f16 q).
+    ("mla-decode-e4m3-16-bf16-window", 8, 1, 16, jnp.bfloat16, dict(pool=jnp.float8_e4m3fn, sliding_window=300)),
+    ("mla-verify-e5m2-4x16-f16-draft", 4, 4, 16, jnp.float16, dict(pool=jnp.float8_e5m2, draft=True)),
 ]
 
 
@@ -241,10 +245,12 @@ def lower_decode(batch, tokens, q_heads, dtype, features, slots=3000, capacity=5
     index_dtype = features.pop("index_dtype", jnp.int32)
     dim = features.pop("dim", 576)
     q_shape = (batch, q_heads, dim) if tokens == 1 else (batch, tokens, q_heads, dim)
-    args = (S(q_shape, dtype), S((slots, 1, dim), dtype), S((batch + 1,), jnp.int32), S((capacity,), index_dtype),
-            S((batch,), jnp.int32), S((batch, tokens), jnp.int32) if features.pop("draft", False) else None)
+    pool = features.pop("pool", dtype)
+    args = (S(q_shape, dtype), S((slots, 1, dim), pool), S((batch + 1,), jnp.int32), S((capacity,), index_dtype),
+            S((batch,), jnp.int32), S((batch, tokens), jnp.int32) if features.pop("draft", False) else None,
+            S((2, 1), jnp.float32) if pool != dtype else None)
 
-    def call(q, k_pool, kv_indptr, kv_indices, splits, draft_mask):
+    def call(q, k_pool, kv_indptr, kv_indices, splits, draft_mask, kv_scales):
         meta = DecodeMetadata(kv_indptr, kv_indices, splits, splits, max_kv_splits=4, kv_capacity=capacity,
                               sliding_window=features.get("sliding_window", -1),
                               deterministic=features.get("deterministic", False))
@@ -252,7 +258,7 @@ def lower_decode(batch, tokens, q_heads, dtype, features, slots=3000, capacity=5
                                  xai_temperature_len=-1, sliding_window=features.get("sliding_window", -1),
                                  v_head_dim={576: 512, 288: 256}[dim], return_lse=False, config=None,
                                  launch_mode="gpu",
-                                 draft_mask=draft_mask)
+                                 draft_mask=draft_mask, kv_scales=kv_scales)
         return mla_decode_partials(decode_call)[:3]
 
     exported = jax.export.export(jax.jit(call), platforms=["cuda"])(*args)

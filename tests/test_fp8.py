@@ -25,7 +25,7 @@ from jaxattn.extend import (
 from jaxattn.impl.mgpu_extend import dequantised_prefix
 from jaxattn.serving import ForwardMode, write_kv
 from tests import test_triton_backend as tb
-from tests.helpers import HAS_GPU, MODES
+from tests.helpers import HAS_GPU, MODES, random_normal
 from tests.test_decode import make_pools
 from tests.test_extend import make_batch
 
@@ -363,3 +363,49 @@ def test_mgpu_kernel_converts_fp8_tiles_itself(rng, fmt, case, form):
     np.testing.assert_array_equal(got, dequantised)
     np.testing.assert_array_equal(got[batch.tokens:], 0.0)
     np.testing.assert_allclose(got[: batch.tokens], np.float32(want)[: batch.tokens], **testing.tolerance(jnp.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU (the Mosaic GPU kernel)")
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("tokens,window", [(1, -1), (1, 300), (4, -1)], ids=["decode", "window", "verify-4"])
+def test_mla_kernel_converts_fp8_latent_tiles_itself(rng, fmt, tokens, window):
+    # impl="mgpu-fp8": the MLA kernel over an fp8 latent pool (its producer converts each tile to f16; q pre-scaled,
+    # v_scale on the outputs) against the reference on the same pool; empty and long sequences, unused rows NaN.
+    q_heads, dim = 16, 576
+    kv_lens = [1, 700, 0, 2049, 64]
+    q, k_pool, _, kv_indptr, kv_indices = make_pools(rng, kv_lens, q_heads, 1, dim, 512, jnp.bfloat16, v_from_k=True)
+    if tokens > 1:
+        q = random_normal(rng, (len(kv_lens), tokens, q_heads, dim), jnp.bfloat16)
+    k8 = quantised(k_pool, 0.5, fmt)
+    meta = decode_metadata_from_indptr(kv_indptr, kv_indices, q_heads=q_heads, kv_heads=1, max_kv_splits=4,
+                                       min_split_len=32, programs_per_sm=10**6, sliding_window=window)
+    kwargs = dict(return_lse=True, v_head_dim=512, k_scale=0.5, v_scale=0.5, sliding_window=window)
+    o, lse = decode_attention(q, k8, None, meta, impl="mgpu-fp8", **kwargs)
+    ref_o, ref_lse = decode_attention_reference(q, _clean(k8), None, meta, **kwargs)
+    assert not np.isnan(np.float32(o)).any()
+    np.testing.assert_allclose(np.float32(o), np.float32(ref_o), **testing.tolerance(jnp.bfloat16))
+    np.testing.assert_allclose(lse, ref_lse, atol=2e-3, rtol=2e-3)
+    np.testing.assert_array_equal(np.float32(o[2]), 0.0)  # the empty sequence
+
+
+def test_mla_fp8_implementation_declines_with_reasons(rng):
+    from jaxattn import decode
+    from jaxattn.calls import DecodeCall
+    from jaxattn.impl import mgpu_mla
+
+    assert decode.IMPLEMENTATIONS[-1] is mgpu_mla.DECODE_FP8  # by name only, after every other implementation
+    q, k_pool, _, kv_indptr, kv_indices = make_pools(rng, [3, 9], 16, 1, 576, 512, jnp.bfloat16, v_from_k=True)
+    meta = decode_metadata_from_indptr(kv_indptr, kv_indices, q_heads=16, kv_heads=1)
+
+    def call(pool):
+        return DecodeCall(q=q, k_pool=pool, v_pool=None, meta=meta, sinks=None, sm_scale=0.07, logit_cap=0.0,
+                          xai_temperature_len=-1, sliding_window=-1, v_head_dim=512, return_lse=False, config=None,
+                          launch_mode="gpu")
+
+    assert "fp8 only" in mgpu_mla.DECODE_FP8.declines(call(k_pool))
+    assert "impl=\"mgpu-fp8\"" in mgpu_mla.DECODE.declines(call(k_pool.astype(jnp.float8_e4m3fn)))
+    narrow = DecodeCall(q=q[..., :288], k_pool=k_pool[..., :288].astype(jnp.float8_e4m3fn), v_pool=None, meta=meta,
+                        sinks=None, sm_scale=0.07, logit_cap=0.0, xai_temperature_len=-1, sliding_window=-1,
+                        v_head_dim=256, return_lse=False, config=None, launch_mode="gpu")
+    assert "576 only" in mgpu_mla.DECODE_FP8.declines(narrow)

@@ -47,17 +47,23 @@ def copy_tile(slot, pool, sources, kv_head, *, block_kv, head_dim):
 
 
 def convert_tile(slot, fp8_dtype, scale, dtype, *, block_kv, head_dim, synced=True):
-    """convert_fp8_tile's rounds. synced=False replays them without the sync between loads and stores (each thread
-    loads and stores before the next): the in-place rewrite then must fail, which shows this test can."""
+    """convert_fp8_tile's rounds (scale None: straight to f16). synced=False replays them without the sync between
+    loads and stores (each thread loads and stores before the next): the in-place rewrite then must fail, which
+    shows this test can."""
+    converted = np.zeros((block_kv, head_dim // 16), int)
     for r in range(kernel.fp8_rounds(block_kv, head_dim)):
-        positions = [kernel.fp8_round_position(r, t, head_dim=head_dim) for t in range(THREADS)]
+        positions = [kernel.fp8_round_position(r, t, i, head_dim=head_dim) for t in range(THREADS)
+                     for i in range(kernel.fp8_chunks_per_thread(head_dim))]
+        for row, chunk in set(positions):
+            converted[row, chunk] += 1
 
         def load(row, chunk):
             at = kernel.fp8_staged_byte(row, chunk, block_kv=block_kv, head_dim=head_dim)
             return slot[at:at + 16].copy()
 
         def store(row, chunk, data):
-            values = (data.view(fp8_dtype).astype(np.float32) * np.float32(scale)).astype(dtype).view(np.uint8)
+            values = data.view(fp8_dtype).astype(np.float32)
+            values = (values if scale is None else values * np.float32(scale)).astype(dtype).view(np.uint8)
             for half in range(2):
                 at = kernel.swizzled_16bit_byte(row, 2 * chunk + half, head_dim=head_dim)
                 slot[at:at + 16] = values[16 * half:16 * half + 16]
@@ -69,6 +75,7 @@ def convert_tile(slot, fp8_dtype, scale, dtype, *, block_kv, head_dim, synced=Tr
         else:
             for position in reversed(positions):
                 store(*position, load(*position))
+    assert (converted == 1).all()  # every chunk of the tile in exactly one round
 
 
 def random_fp8_pool(rng, fp8_dtype, slots, kv_heads, head_dim):
@@ -76,7 +83,9 @@ def random_fp8_pool(rng, fp8_dtype, slots, kv_heads, head_dim):
     return rng.integers(0, 256, (slots, kv_heads, head_dim), dtype=np.uint8).view(fp8_dtype)
 
 
-CASES = [(64, 128), (128, 128), (64, 64), (128, 64), (64, 256)]  # (block_kv, head_dim)
+# (block_kv, head_dim): the extend kernel's tiles, and MLA's 576-wide latent rows (rounds of 8 rows: 288 chunks over
+# 128 threads, the last ones converted twice).
+CASES = [(64, 128), (128, 128), (64, 64), (128, 64), (64, 256), (64, 576)]
 
 
 @pytest.mark.parametrize("block_kv,head_dim", CASES)
@@ -85,6 +94,10 @@ CASES = [(64, 128), (128, 128), (64, 64), (128, 64), (64, 256)]  # (block_kv, he
 def test_copies_and_in_place_rounds_give_the_dequantised_tile(block_kv, head_dim, fp8_dtype, dtype):
     rng = np.random.default_rng(block_kv * head_dim)
     kv_heads, kv_head, slots, scale = 3, 1, 500, 0.0371
+    if head_dim == 576:  # MLA decode: one latent head, converted to f16 unscaled (the scales folded into q, the output)
+        kv_heads, kv_head, scale = 1, 0, None
+        if dtype != np.float16:
+            pytest.skip("the unscaled conversion writes f16")
     pool = random_fp8_pool(rng, fp8_dtype, slots, kv_heads, head_dim)
     sources = rng.integers(0, slots, block_kv).astype(np.int32)
     sources[block_kv - 5:] = -1  # rows past the listed keys: zeros
@@ -94,8 +107,8 @@ def test_copies_and_in_place_rounds_give_the_dequantised_tile(block_kv, head_dim
     got = swizzled_tile(slot, block_kv, head_dim, dtype)
 
     listed = sources >= 0
-    rows = dequantised_rows(jnp.asarray(pool), jnp.asarray(np.maximum(sources, 0)), jnp.float32(scale),
-                            jnp.dtype(dtype))
+    rows = dequantised_rows(jnp.asarray(pool), jnp.asarray(np.maximum(sources, 0)),
+                            None if scale is None else jnp.float32(scale), jnp.dtype(dtype))
     want = np.where(listed[:, None], np.asarray(rows)[:, kv_head].astype(dtype), np.zeros((), dtype))
     got_bits, want_bits = got.view(np.uint16), want.view(np.uint16)
     nan = np.isnan(want.astype(np.float32))
@@ -104,7 +117,7 @@ def test_copies_and_in_place_rounds_give_the_dequantised_tile(block_kv, head_dim
     assert nan.any() and (want[~nan] != 0).any()  # the random pool reaches the interesting values
 
 
-@pytest.mark.parametrize("block_kv,head_dim", [(128, 128), (64, 256)])
+@pytest.mark.parametrize("block_kv,head_dim", [(128, 128), (64, 256), (64, 576)])
 def test_the_rounds_need_their_sync(block_kv, head_dim):
     rng = np.random.default_rng(7)
     pool = random_fp8_pool(rng, ml_dtypes.float8_e4m3fn, 300, 2, head_dim)
@@ -122,7 +135,7 @@ def test_the_rounds_need_their_sync(block_kv, head_dim):
 def test_fp8_tile_limits():
     for block_kv, head_dim in CASES:
         kernel.check_fp8_tile(block_kv, head_dim)
-    for block_kv, head_dim in [(128, 192), (128, 96), (8, 128)]:
+    for block_kv, head_dim in [(128, 96), (8, 128), (64, 288), (60, 128)]:
         with pytest.raises(ValueError, match="fp8 tiles"):
             kernel.check_fp8_tile(block_kv, head_dim)
 
@@ -132,3 +145,7 @@ def test_convert_ptx_names_both_formats_and_outputs():
     assert "cvt.rn.f16x2.e5m2x2" in ptx and "cvt.rn.f16x2.f32 $0, f1, f0" in ptx  # element 1 in the upper half
     ptx = kernel.fp8_convert_ptx(jnp.float8_e4m3fn, jnp.bfloat16)
     assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.rn.bf16x2.f32 $1, f3, f2" in ptx
+    ptx = kernel.fp8_convert_ptx(jnp.float8_e4m3fn, jnp.float16, scaled=False)
+    assert "cvt.rn.f16x2.e4m3x2 $0, b01" in ptx and "f32" not in ptx
+    with pytest.raises(ValueError, match="writes f16"):
+        kernel.fp8_convert_ptx(jnp.float8_e4m3fn, jnp.bfloat16, scaled=False)

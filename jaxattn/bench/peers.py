@@ -46,10 +46,11 @@ def decode_jaxattn(inp: Inputs, config=None, programs_per_sm=None, impl=None):
 
 
 def decode_mgpu(inp: Inputs):
-    """The Mosaic GPU MLA kernel (`impl="mgpu"`), MLA cases only."""
-    if not inp.case.v_in_k or inp.case.fp8:
-        raise Skip("the Mosaic GPU decode kernel takes MLA's 16-bit latent cache only")
-    return decode_jaxattn(inp, impl="mgpu")
+    """The Mosaic GPU MLA kernel (`impl="mgpu"`; fp8 latent caches "mgpu-fp8", its producer converting the tiles),
+    MLA cases only."""
+    if not inp.case.v_in_k:
+        raise Skip("the Mosaic GPU MLA decode kernel takes MLA's latent cache only")
+    return decode_jaxattn(inp, impl="mgpu-fp8" if inp.case.fp8 else "mgpu")
 
 
 def decode_mgpu_gqa(inp: Inputs, config=None):

@@ -103,7 +103,8 @@ SHAPES = [  # label, tokens, q heads, kv heads, head dim, dtype, config, feature
     ("pages32-inline-128-bf16", 512, 8, 2, 128, jnp.bfloat16, None, dict(page_size=32, page_issue="inline")),
     # fp8 pools read by the kernel (`impl="mgpu-fp8"` / "mgpu-unified-fp8": the producer converts each pool tile in
     # its ring slot): e4m3 beside TMA new tiles; e5m2 with f16 q, a window and a soft cap (64-key tiles, 4 stages);
-    # three consumers at 64; 256 with sinks; the unified form with a custom mask; a page-16 list (copied row by row).
+    # three consumers at 64; 256 with sinks; the unified form with a custom mask. (Page lists take the same code: an
+    # fp8 pool's tiles are copied row by row.)
     ("fp8-e4m3-128-bf16-tma", 512, 8, 2, 128, jnp.bfloat16, None, dict(pool=jnp.float8_e4m3fn)),
     ("fp8-e5m2-128-f16-kv64s4-window-cap", 300, 8, 2, 128, jnp.float16, MgpuExtendConfig(block_kv=64, stages=4),
      dict(pool=jnp.float8_e5m2, sliding_window=100, logit_cap=30.0)),
@@ -111,7 +112,6 @@ SHAPES = [  # label, tokens, q heads, kv heads, head dim, dtype, config, feature
     ("fp8-e4m3-256-bf16-sinks", 300, 8, 4, 256, jnp.bfloat16, None, dict(pool=jnp.float8_e4m3fn, sinks=True)),
     ("fp8-e5m2-unified-128-bf16-mask", 300, 8, 2, 128, jnp.bfloat16, None,
      dict(pool=jnp.float8_e5m2, unified=True, mask=True)),
-    ("fp8-e4m3-pages16-128-bf16", 512, 8, 2, 128, jnp.bfloat16, None, dict(pool=jnp.float8_e4m3fn, page_size=16)),
 ]
 
 

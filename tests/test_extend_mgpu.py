@@ -1183,6 +1183,8 @@ def _random_runs(rng, wg_ranges):
 @pytest.mark.parametrize("prefix_tiles", ["rows", "pages", "fp8"])
 @pytest.mark.parametrize("tma_new_tiles", [False, True], ids=["cp-async", "tma"])
 def test_barrier_protocol_never_hangs(tma_new_tiles, prefix_tiles):
+    if prefix_tiles == "fp8" and not tma_new_tiles:
+        pytest.skip("the fp8 producer's new-key tiles are the rows form's; one new-tile kind suffices (suite time)")
     # CPU: every CTA's producer and consumers (their barrier operations in the kernel's order, step ranges and
     # cp.async parities from the kernel's own helpers) in random interleavings with loads landing late: no deadlock,
     # no wait passing early or on another tile's phase, with and without a window (head flushes included), causal
@@ -1881,7 +1883,7 @@ def test_lowers_for_cuda_on_cpu(part):
     from tests.lower_mgpu_kernel import DECODE_SHAPES, SHAPES
 
     shapes = len(SHAPES) + len(DECODE_SHAPES)
-    assert shapes == 73 and run.stdout.count("ok ") == len(range(part, shapes, 2)), run.stdout
+    assert shapes == 72 and run.stdout.count("ok ") == len(range(part, shapes, 2)), run.stdout
 
 
 def test_batches_past_the_grid_limit_are_declined():

@@ -78,6 +78,10 @@ _SCALAR = plgpu.Layout.WG_SPLAT(())
 _ROW_SOURCES = plgpu.Layout.WG_STRIDED((WARPGROUP,), vec_size=1)  # one i32 per producer thread
 SWIZZLED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(SWIZZLE_BYTES))  # the K/V/Q tiles wgmma reads
 SWIZZLED_8BIT = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(SWIZZLE_BYTES))  # fp8 rows, the same bytes
+# 16-bit tiles with a 64-byte swizzle ((8, 32) tiles of 512 bytes): wgmma then reduces over multiples of 32, not 64
+# (the MLA decode kernel's 32-key tiles).
+SWIZZLED_64 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))
+SWIZZLES = {SWIZZLE_BYTES: SWIZZLED, 64: SWIZZLED_64}  # 16-bit tiles by swizzle bytes
 
 
 def _cdiv(x, d: int):
@@ -280,13 +284,14 @@ def draft_bits_tile(bits, row0, draft0, *, block_q: int, block_kv: int):
 
 
 def issue_rows(new_ref, pool_ref, smem, bars, sources, from_pool, slot, barrier, kv_head, *, block_kv: int, head_dim: int,
-               itemsize: int = 2):
+               itemsize: int = 2, swizzle: int = SWIZZLE_BYTES):
     """Starts the cp.async copies of one K or V tile into ring slot `slot` of `smem` ([stages, block_kv, head_dim],
     tiled into 128-byte rows ((8, 64) for 16-bit elements, `SWIZZLED`; (8, 128) for 8-bit ones, `SWIZZLED_8BIT`),
     128-byte swizzled): tile row r <- row sources[r] (as `row_sources` lays them out) of pool_ref
     when from_pool, else of new_ref, head kv_head; zeros where the source is -1. Then each thread's
     `cp.async.mbarrier.arrive.noinc` on mbarrier `barrier` (which expects 128 arrivals) fires when its copies land.
-    itemsize: bytes per element of the rows and of `smem` (2, or 1 for fp8 pools).
+    itemsize: bytes per element of the rows and of `smem` (2, or 1 for fp8 pools). swizzle: 128, or 64 (16-bit
+    `SWIZZLED_64` tiles: each 128-byte span of a row is two 64-byte tiles' rows; rows of whole 128-byte spans only).
 
     Thread (warp w, lane l) copies the 16-byte chunk l % 8 of each 128-byte segment of rows w * rows_per_warp +
     4p + l // 8: 8 threads per contiguous segment, so each warp instruction reads 4 whole 128-byte lines.
@@ -301,6 +306,10 @@ def issue_rows(new_ref, pool_ref, smem, bars, sources, from_pool, slot, barrier,
     row_bytes = kv_heads * head_bytes
     slot_bytes = block_kv * segments * SWIZZLE_BYTES
     transforms = {2: SWIZZLED, 1: SWIZZLED_8BIT}[itemsize]
+    if swizzle != SWIZZLE_BYTES:
+        if itemsize != 2 or last_chunks or swizzle not in SWIZZLES:
+            raise ValueError(f"a {swizzle}-byte swizzle takes 16-bit rows of whole 128-byte spans; got {head_bytes} bytes")
+        transforms = SWIZZLES[swizzle]
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(transforms), plgpu.RefType(),
                                   _ROW_SOURCES) + (_SCALAR,) * 4)
@@ -330,9 +339,13 @@ def issue_rows(new_ref, pool_ref, smem, bars, sources, from_pool, slot, barrier,
             in_atom = arith.addi(arith.muli(row_in_tile, _i32(SWIZZLE_BYTES)), swizzled)
             size = arith.select(valid, _i32(16), _i32(0))  # 0: the copy writes 16 zero bytes
             for s in range(segments):
-                tile = arith.addi(arith.muli(arith.divui(row, _i32(8)), _i32(segments)), _i32(s))
-                dst = mgpu_utils.getelementptr(smem_base, [arith.addi(arith.muli(tile, _i32(8 * SWIZZLE_BYTES)), in_atom)],
-                                               ir.IntegerType.get_signless(8))
+                if swizzle == SWIZZLE_BYTES:
+                    tile = arith.addi(arith.muli(arith.divui(row, _i32(8)), _i32(segments)), _i32(s))
+                    at_smem = arith.addi(arith.muli(tile, _i32(8 * SWIZZLE_BYTES)), in_atom)
+                else:  # chunk c of the span: 16-bit chunk 8 s + c of the row
+                    at_smem = swizzled_16bit_byte(row, arith.addi(chunk, _i32(8 * s)), head_dim=head_dim,
+                                                  swizzle=swizzle, ops=IrOps)
+                dst = mgpu_utils.getelementptr(smem_base, [at_smem], ir.IntegerType.get_signless(8))
                 at = arith.addi(gmem, _i64(s * SWIZZLE_BYTES))
                 chunk_size = size
                 if last_chunks and s == segments - 1:  # past the row's end: zeros, from the row's own start
@@ -422,13 +435,16 @@ def fp8_staged_byte(row, chunk, *, block_kv: int, head_dim: int, ops=IntOps):
     return ops.add(ops.mul(ops.add(row, block_kv), head_dim), ops.mul(chunk, 16))
 
 
-def swizzled_16bit_byte(row, chunk, *, head_dim: int, ops=IntOps):
+def swizzled_16bit_byte(row, chunk, *, head_dim: int, swizzle: int = SWIZZLE_BYTES, ops=IntOps):
     """Byte offset in a ring slot of 16-byte chunk `chunk` (elements 8 * chunk...) of 16-bit row `row` in `SWIZZLED`
-    ((8, 64) tiles of 1024 bytes, row-major over [rows / 8, head_dim / 64]; 16-byte chunks XOR-swizzled by row % 8)."""
+    ((8, 64) tiles of 1024 bytes, row-major over [rows / 8, head_dim / 64]; 16-byte chunks XOR-swizzled by row % 8)
+    or, swizzle 64, `SWIZZLED_64` ((8, 32) tiles of 512 bytes; chunk c of a tile's row r at c ^ (r % 8 // 2): the
+    hardware's 64-byte swizzle)."""
+    per_row = swizzle // 16  # chunks of a tile's row
     row_in_tile = ops.rem(row, 8)
-    tile = ops.add(ops.mul(ops.div(row, 8), head_dim // 64), ops.div(chunk, 8))
-    swizzled = ops.xor(ops.rem(chunk, 8), row_in_tile)
-    return ops.add(ops.add(ops.mul(tile, 1024), ops.mul(row_in_tile, SWIZZLE_BYTES)), ops.mul(swizzled, 16))
+    tile = ops.add(ops.mul(ops.div(row, 8), head_dim * 2 // swizzle), ops.div(chunk, per_row))
+    swizzled = ops.xor(ops.rem(chunk, per_row), ops.div(row_in_tile, 8 // per_row))
+    return ops.add(ops.add(ops.mul(tile, 8 * swizzle), ops.mul(row_in_tile, swizzle)), ops.mul(swizzled, 16))
 
 
 def fp8_copy_position(warp, lane, p: int, *, block_kv: int, head_dim: int, ops=IntOps):
@@ -483,7 +499,8 @@ def check_fp8_tile(block_kv: int, head_dim: int) -> None:
                          f"block_kv {block_kv}")
 
 
-def issue_fp8_rows(pool_ref, smem, sources, slot, kv_head, *, block_kv: int, head_dim: int):
+def issue_fp8_rows(pool_ref, smem, sources, slot, kv_head, *, block_kv: int, head_dim: int,
+                   swizzle: int = SWIZZLE_BYTES):
     """Starts the cp.async copies of one fp8 K or V tile into the upper half of ring slot `slot` of `smem` (a 16-bit
     [stages, block_kv, head_dim] ring, `SWIZZLED`; the fp8 rows stored as `fp8_staged_byte` lays them out): tile row
     r <- row sources[r] of pool_ref ([slots, kv_heads, head_dim] fp8), head kv_head; zeros where the source is -1.
@@ -493,7 +510,7 @@ def issue_fp8_rows(pool_ref, smem, sources, slot, kv_head, *, block_kv: int, hea
     row_bytes = kv_heads * head_dim
     slot_bytes = 2 * block_kv * head_dim
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(SWIZZLED), _ROW_SOURCES, _SCALAR, _SCALAR))
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(SWIZZLES[swizzle]), _ROW_SOURCES, _SCALAR, _SCALAR))
     def run(ctx, pool, smem, sources, slot, kv_head):
         del ctx
         i8, i64 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(64)
@@ -571,7 +588,7 @@ def fp8_convert_ptx(fp8_dtype, dtype, scaled: bool = True) -> str:
 
 
 def convert_fp8_tile(smem, bars, slot, barrier, scale, *, block_kv: int, head_dim: int, fp8_dtype, dtype,
-                     wait_pending: int | None):
+                     wait_pending: int | None, swizzle: int = SWIZZLE_BYTES):
     """Rewrites the fp8 tile `issue_fp8_rows` copied into ring slot `slot` of `smem` as the `SWIZZLED` tile of
     `dtype` (each value times `scale`, an f32 scalar, in f32; scale None: f16, exact, the scale folded elsewhere), then
     completes mbarrier `barrier` of `bars` (each producer thread arrives once: its 128 arrivals, as a cp.async
@@ -582,7 +599,7 @@ def convert_fp8_tile(smem, bars, slot, barrier, scale, *, block_kv: int, head_di
     scaled = scale is not None
     ptx = fp8_convert_ptx(fp8_dtype, dtype, scaled)
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(SWIZZLED), plgpu.RefType(), _SCALAR, _SCALAR) + ((_SCALAR,) * scaled))
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(SWIZZLES[swizzle]), plgpu.RefType(), _SCALAR, _SCALAR) + ((_SCALAR,) * scaled))
     def run(ctx, smem, bars, slot, barrier, *scale):
         del ctx
         i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
@@ -608,7 +625,8 @@ def convert_fp8_tile(smem, bars, slot, barrier, scale, *, block_kv: int, head_di
                 for i in range(4):
                     out += mgpu_utils.inline_ptx(ptx, vector.extract(data, [], [i]), *scale, result_types=[i32, i32])
                 for half in range(2):
-                    at = swizzled_16bit_byte(row, IrOps.add(IrOps.mul(chunk, 2), half), head_dim=head_dim, ops=IrOps)
+                    at = swizzled_16bit_byte(row, IrOps.add(IrOps.mul(chunk, 2), half), head_dim=head_dim,
+                                             swizzle=swizzle, ops=IrOps)
                     llvm.store(vector.from_elements(words, out[4 * half:4 * half + 4]),
                                mgpu_utils.getelementptr(base, [at], i8), alignment=16)
         # wgmma reads the tile through the async proxy: order this thread's stores before it, then release.

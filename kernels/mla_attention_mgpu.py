@@ -51,7 +51,7 @@ from jaxlib.mlir.dialects import arith, llvm, scf
 
 from jaxattn.kernels.extend_attention_mgpu import (
     LOG2E,
-    SWIZZLED,
+    SWIZZLES,
     WARPGROUP,
     draft_bits_tile,
     global_address,
@@ -80,11 +80,26 @@ class LatentShape:
     padding), which only warpgroup 0's S = Q K^T reads (at 576 a separate 8 KB P buffer made the kernel exactly 227 KB,
     which failed to launch on the H200). `stages`: the ring's depth that fits beside Q in sm_90's 227 KB (576: Q 72 KB
     + 2 x 72 KB + 1 KB of rows and mbarriers = 217 KB; 288, 320 wide: 40 KB + 4 x 40 KB + 1 KB = 201 KB).
+
+    block_kv: 64, or 32 (decode at 576, `DECODE_KV32`: a 4-deep ring of half tiles holds as many bytes, issued in
+    smaller steps, so a tile's copies start sooner after the slot before it frees; Mosaic's wgmma reduces over
+    multiples of 64 at a 128-byte swizzle, so these tiles take the 64-byte one, `SWIZZLED_64`). A 32-key tile's rope
+    columns are 32 rows, not P's 64: P goes through a 4 KB buffer of its own (Q 72 KB + 4 x 36 KB + 4 KB + 1 KB =
+    221 KB). Not yet run on a GPU.
     """
 
     qk_dim: int
     v_dim: int
     stages: int
+    block_kv: int = 64
+
+    @property
+    def swizzle(self) -> int:  # the ring's swizzle bytes: wgmma's reduction over keys needs 64-key tiles at 128
+        return 128 if self.block_kv == 64 else 64
+
+    @property
+    def p_buffer(self) -> bool:  # P handed over in a buffer of its own (not the tile's rope columns)
+        return self.block_kv != BLOCK_ROWS
 
     @property
     def width(self) -> int:
@@ -100,6 +115,7 @@ class LatentShape:
 
 
 SHAPES = {576: LatentShape(576, 512, stages=2), 288: LatentShape(288, 256, stages=4)}  # by qk_dim
+DECODE_KV32 = LatentShape(576, 512, stages=4, block_kv=32)  # decode's 32-key tiles at 576 (`MgpuDecodeConfig.block_kv`)
 LN2 = 0.6931471805599453
 
 
@@ -207,7 +223,7 @@ class DecodeCta(NamedTuple):
 
 
 def decode_cta(kv_indptr, num_kv_splits, seq, split, *, capacity: int, sliding_window: int, max_kv_splits: int,
-               min_block_kv: int, tokens: int) -> DecodeCta:
+               min_block_kv: int, tokens: int, block_kv: int = BLOCK_KV) -> DecodeCta:
     """Split `split` of sequence `seq` (kv_indptr, num_kv_splits: refs in the kernel, arrays in the model; both
     unchecked), as `kernels/decode_attention.py` cuts it: the range clamped into [0, capacity], a window's last W + 1
     keys, splits of per_split keys (a multiple of min_block_kv)."""
@@ -221,22 +237,22 @@ def decode_cta(kv_indptr, num_kv_splits, seq, split, *, capacity: int, sliding_w
     per_split = _cdiv(_cdiv(kv_len, n_splits), min_block_kv) * min_block_kv
     split_start = split * per_split
     split_len = jnp.maximum(jnp.minimum(split_start + per_split, kv_len) - split_start, 0)
-    steps = _cdiv(split_len, BLOCK_KV)
+    steps = _cdiv(split_len, block_kv)
     # Tiles whose every key is in the split and (several tokens) before the drafts run unmasked.
-    full_steps = lax.div(split_len, BLOCK_KV)
+    full_steps = lax.div(split_len, block_kv)
     if tokens > 1:
         before_drafts = jnp.maximum(kv_len - tokens - split_start, 0)
-        full_steps = jnp.minimum(full_steps, lax.div(before_drafts, BLOCK_KV))
+        full_steps = jnp.minimum(full_steps, lax.div(before_drafts, block_kv))
     return DecodeCta(kv_begin, kv_len, split_start, split_len, steps, full_steps)
 
 
-def decode_visible(cta: DecodeCta, step, cols, tokens: int, draft_bits_of=None):
+def decode_visible(cta: DecodeCta, step, cols, tokens: int, draft_bits_of=None, block_kv: int = BLOCK_KV):
     """Tile `step`'s visible scores (cols: each score's column): keys inside the split and, with several tokens,
     keys before the drafts or drafts whose bit is set (draft_bits_of(first_draft): the tile's bits, whose first
     column is draft first_draft: `draft_bits_tile`)."""
-    visible = step * BLOCK_KV + cols < cta.split_len
+    visible = step * block_kv + cols < cta.split_len
     if tokens > 1:
-        first_draft = cta.split_start + step * BLOCK_KV - (cta.kv_len - tokens)  # < 0: a key before the drafts
+        first_draft = cta.split_start + step * block_kv - (cta.kv_len - tokens)  # < 0: a key before the drafts
         bits = draft_bits_of(first_draft)
         visible = visible & ((first_draft + cols < 0) | (bits != 0))
     return visible
@@ -316,9 +332,13 @@ def _barriers(stages: int):
 
 def _scratch(dtype, shape: LatentShape):
     counts = _barriers(shape.stages)[-1]
+    transforms = SWIZZLES[shape.swizzle]
     return (
-        plgpu.SMEM((1, BLOCK_ROWS, shape.width), dtype, transforms=SWIZZLED),  # Q (a ring of one, for issue_rows)
-        plgpu.SMEM((shape.stages, BLOCK_KV, shape.width), dtype, transforms=SWIZZLED),  # the latent rows' ring
+        # Q (a ring of one, for issue_rows), swizzled as the ring (wgmma takes one swizzle for both operands).
+        plgpu.SMEM((1, BLOCK_ROWS, shape.width), dtype, transforms=transforms),
+        plgpu.SMEM((shape.stages, shape.block_kv, shape.width), dtype, transforms=transforms),  # the latent rows' ring
+        # P from warpgroup 0 to 1 where it has no rope columns to go through (32-key tiles).
+        *((plgpu.SMEM((BLOCK_ROWS, shape.block_kv), dtype, transforms=transforms),) if shape.p_buffer else ()),
         # alpha per row (then the output factors), warpgroup 0 -> 1, and the mbarriers: one allocation (each is
         # aligned to 1 KB).
         plgpu.SMEM((BLOCK_ROWS + 2 * len(counts),), jnp.float32),
@@ -340,10 +360,17 @@ def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, shape: LatentShape
     f16 (`convert_fp8_tile`, unscaled: the caller folds the scales into q and the output), its copies one tile ahead
     of its conversions.
     """
-    q_smem, k_smem, rows_and_bars = scoped
+    if shape.p_buffer:
+        q_smem, k_smem, p_smem, rows_and_bars = scoped
+    else:
+        (q_smem, k_smem, rows_and_bars), p_smem = scoped, None
     alpha_smem = rows_and_bars.at[pl.ds(0, BLOCK_ROWS)]
     ready, free, q_bar, p_ready, p_free, counts = _barriers(shape.stages)
-    stages, v_split, rope = shape.stages, shape.v_split, shape.rope_columns
+    stages, v_split, rope, block_kv, swizzle = (shape.stages, shape.v_split, shape.rope_columns, shape.block_kv,
+                                                shape.swizzle)
+
+    def p_tile(slot):  # where P goes from warpgroup 0 to 1: the tile's rope columns (read by nothing after S), or
+        return p_smem if p_smem is not None else k_smem.at[slot, :, rope]  # its own buffer
     bars = rows_and_bars.at[pl.ds(BLOCK_ROWS, 2 * len(counts))]
     wg = lax.axis_index("wg")
     dtype = q_smem.dtype
@@ -372,14 +399,14 @@ def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, shape: LatentShape
                 plgpu.wgmma(s_ref, q_smem.at[0], k_smem.at[slot].transpose((1, 0)))
                 return s_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, BLOCK_KV), jnp.float32))
+            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, block_kv), jnp.float32))
             if visible is not None:
                 s = jnp.where(visible, s, -jnp.inf)
             p, acc, m_new, l_i, alpha = online_softmax_tile(s, acc, m_i, l_i, scale_log2)
             p16 = p.astype(dtype)
             # Warpgroup 1 has read the previous P and alpha (its arrival #step - 1 on P free).
             pl.when(step > 0)(lambda: wait_barrier(bars, p_free, lax.rem(step - 1, 2)))
-            k_smem.at[slot, :, rope][...] = p16  # S = Q K^T has completed: the rope columns are free
+            p_tile(slot)[...] = p16  # S = Q K^T has completed: the rope columns are free
             alpha_smem[...] = alpha
             arrive_barrier(bars, p_ready)
 
@@ -419,7 +446,7 @@ def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, shape: LatentShape
             wait_barrier(bars, p_ready, lax.rem(step, 2))
             slot = wait_tile(step)
             alpha = plgpu.load(alpha_smem, layout=plgpu.Layout.WGMMA.reduce(1))
-            p16 = plgpu.load(k_smem.at[slot, :, rope], layout=plgpu.Layout.WGMMA)
+            p16 = plgpu.load(p_tile(slot), layout=plgpu.Layout.WGMMA)
             arrive_barrier(bars, p_free)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
@@ -442,11 +469,11 @@ def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, shape: LatentShape
         from_q = q_count < 0  # a traced False: rows first + r of q
         q_rows = row_sources(kv_indices_ref, from_q, q_row0, q_count, block_kv=BLOCK_ROWS, pool_rows=q_ref.shape[0])
         issue_rows(q_ref, q_ref, q_smem, bars, q_rows, from_q, jnp.int32(0), jnp.int32(q_bar), jnp.int32(0),
-                   block_kv=BLOCK_ROWS, head_dim=shape.qk_dim)
+                   block_kv=BLOCK_ROWS, head_dim=shape.qk_dim, swizzle=swizzle)
 
         def sources_of(step):
             from_pool, first, count = tile_source(step)
-            return row_sources(kv_indices_ref, from_pool, first, count, block_kv=BLOCK_KV, pool_rows=pool_ref.shape[0])
+            return row_sources(kv_indices_ref, from_pool, first, count, block_kv=block_kv, pool_rows=pool_ref.shape[0])
 
         def wait_free(step, slot):  # the slot's previous tile (step - stages) released by all 256 consumer threads
             pl.when(step >= stages)(lambda: wait_barrier(bars, free + slot, lax.rem(lax.div(step, stages) - 1, 2)))
@@ -457,14 +484,14 @@ def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, shape: LatentShape
                 def _():
                     slot = lax.rem(step, stages)
                     wait_free(step, slot)
-                    issue_fp8_rows(pool_ref, k_smem, sources_of(step), slot, jnp.int32(0), block_kv=BLOCK_KV,
-                                   head_dim=shape.qk_dim)
+                    issue_fp8_rows(pool_ref, k_smem, sources_of(step), slot, jnp.int32(0), block_kv=block_kv,
+                                   head_dim=shape.qk_dim, swizzle=swizzle)
                 commit_copies()
 
             def fp8_step(step, carry):
                 slot = lax.rem(step, stages)
-                convert_fp8_tile(k_smem, bars, slot, ready + slot, None, block_kv=BLOCK_KV, head_dim=shape.qk_dim,
-                                 fp8_dtype=pool_ref.dtype, dtype=dtype, wait_pending=stages - 2)
+                convert_fp8_tile(k_smem, bars, slot, ready + slot, None, block_kv=block_kv, head_dim=shape.qk_dim,
+                                 fp8_dtype=pool_ref.dtype, dtype=dtype, wait_pending=stages - 2, swizzle=swizzle)
                 start(step + (stages - 1))
                 return carry
 
@@ -479,34 +506,39 @@ def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, shape: LatentShape
             wait_free(step, slot)
             from_pool = tile_source(step)[0]
             issue_rows(new_ref, pool_ref, k_smem, bars, sources, from_pool, slot, ready + slot, jnp.int32(0),
-                       block_kv=BLOCK_KV, head_dim=shape.qk_dim)
+                       block_kv=block_kv, head_dim=shape.qk_dim, swizzle=swizzle)
             return next_sources
 
         lax.fori_loop(0, steps, step_body, sources_of(jnp.int32(0)))
 
 
-def _latent_shape(q, k_pool, k_new=None, fp8_pool=False) -> LatentShape:
-    """The shape of the call's latent head (q [rows, 1, qk_dim] with qk_dim a key of SHAPES), checked. fp8_pool: the
-    pool may be e4m3fn / e5m2 with f16 q (rows whole 64-column tiles: 576)."""
+def _latent_shape(q, k_pool, k_new=None, fp8_pool=False, block_kv: int = BLOCK_KV) -> LatentShape:
+    """The shape of the call's latent head (q [rows, 1, qk_dim] with qk_dim a key of SHAPES; block_kv 32: decode at
+    576, `DECODE_KV32`), checked. fp8_pool: the pool may be e4m3fn / e5m2 with f16 q (rows whole 64-column tiles:
+    576)."""
     qk_dim = q.shape[-1]
     if qk_dim not in SHAPES:
         raise ValueError(f"the latent head must be {sorted(SHAPES)} wide; got q {q.shape}")
+    if block_kv not in (BLOCK_KV, DECODE_KV32.block_kv) or (block_kv != BLOCK_KV and qk_dim != DECODE_KV32.qk_dim):
+        raise ValueError(f"block_kv must be {BLOCK_KV}, or {DECODE_KV32.block_kv} at {DECODE_KV32.qk_dim}; got "
+                         f"{block_kv} at {qk_dim}")
+    shape = SHAPES[qk_dim] if block_kv == BLOCK_KV else DECODE_KV32
     for name, array in (("q", q), ("k_pool", k_pool)) + ((("k_new", k_new),) if k_new is not None else ()):
         if array.ndim != 3 or array.shape[1:] != (1, qk_dim):
             raise ValueError(f"{name} must be [rows, 1, {qk_dim}]; got {array.shape}")
     if fp8_pool and jnp.dtype(k_pool.dtype).itemsize == 1:
         if q.dtype != jnp.float16 or jnp.dtype(k_pool.dtype) not in map(jnp.dtype, (jnp.float8_e4m3fn, jnp.float8_e5m2)):
             raise ValueError(f"an fp8 latent pool takes e4m3fn / e5m2 rows and f16 q; got {k_pool.dtype}, {q.dtype}")
-        if SHAPES[qk_dim].width != qk_dim:  # the in-place conversion needs rows of whole 64-column tiles
-            raise ValueError(f"an fp8 latent pool takes 576-wide rows; got {qk_dim} (padded to {SHAPES[qk_dim].width})")
-        check_fp8_tile(BLOCK_KV, qk_dim)
+        if shape.width != qk_dim:  # the in-place conversion needs rows of whole 64-column tiles
+            raise ValueError(f"an fp8 latent pool takes 576-wide rows; got {qk_dim} (padded to {shape.width})")
+        check_fp8_tile(shape.block_kv, qk_dim)
     elif k_pool.dtype != q.dtype or (k_new is not None and k_new.dtype != q.dtype):
         raise ValueError("q, k_pool (and k_new) must have one dtype")
-    return SHAPES[qk_dim]
+    return shape
 
 
 def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draft_words, *, tokens, q_heads, sm_scale,
-                           max_kv_splits, sliding_window=-1, min_block_kv=32, v_scale=None):
+                           max_kv_splits, sliding_window=-1, min_block_kv=32, v_scale=None, block_kv=BLOCK_KV):
     """Stage 1 of split-KV MLA decode. Returns (mid_o f32[rows * max_kv_splits, 512], mid_lse f32[rows * max_kv_splits])
     with rows = batch * tokens * q_heads in (sequence, token, head) order: row g's split s at g * max_kv_splits + s, the
     layout of `decode_stage1_kernel`'s MID_O / MID_LSE (f32[batch * tokens, q_heads, max_kv_splits, ...]) flattened.
@@ -521,9 +553,9 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
     of it (`jaxattn.metadata.MIN_BLOCK_KV`, as in the Triton stages).
     v_scale: f32[1] exactly when k_pool is fp8 (e4m3fn / e5m2, 576 wide; q f16, pre-multiplied by the K scale, which
     the kernel never sees): the rows are converted to f16 in shared memory (exact) and the stored outputs multiplied
-    by v_scale. Not yet run on a GPU.
+    by v_scale. Not yet run on a GPU. block_kv: the key tile, 64 or (576 only) 32 (`LatentShape.block_kv`).
     """
-    shape = _latent_shape(q, k_pool, fp8_pool=True)
+    shape = _latent_shape(q, k_pool, fp8_pool=True, block_kv=block_kv)
     fp8 = jnp.dtype(k_pool.dtype).itemsize == 1
     if fp8 != (v_scale is not None) or (fp8 and (v_scale.shape != (1,) or v_scale.dtype != jnp.float32)):
         raise ValueError("v_scale (f32[1]) is given exactly when k_pool is fp8")
@@ -550,13 +582,13 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
         block = lax.axis_index("head_blocks")
         seq = lax.axis_index("seq")
         cta = decode_cta(kv_indptr_ref, splits_ref, seq, split, capacity=capacity, sliding_window=sliding_window,
-                         max_kv_splits=max_kv_splits, min_block_kv=min_block_kv, tokens=tokens)
+                         max_kv_splits=max_kv_splits, min_block_kv=min_block_kv, tokens=tokens, block_kv=block_kv)
         row0 = seq * rows_per_seq + block * block_rows  # the block's first row among all rows
 
         def mask(step):
-            cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
+            cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
             return decode_visible(cta, step, cols, tokens, lambda first_draft: draft_bits_tile(
-                words_ref, row0, first_draft, block_q=BLOCK_ROWS, block_kv=BLOCK_KV))
+                words_ref, row0, first_draft, block_q=BLOCK_ROWS, block_kv=block_kv), block_kv=block_kv)
 
         first_out = row0 * max_kv_splits + split  # row g's split s sits at g * max_kv_splits + s
 
@@ -573,8 +605,8 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
         def _():
             _cta(q_ref, k_pool_ref, k_pool_ref, kv_indices_ref, scoped, shape=shape, scale_log2=float(sm_scale) * LOG2E,
                  steps=cta.steps, loops=((0, cta.full_steps, None), (cta.full_steps, cta.steps, mask)),
-                 tile_source=lambda step: (cta.split_len > 0, cta.kv_begin + cta.split_start + step * BLOCK_KV,
-                                           cta.split_len - step * BLOCK_KV),
+                 tile_source=lambda step: (cta.split_len > 0, cta.kv_begin + cta.split_start + step * block_kv,
+                                           cta.split_len - step * block_kv),
                  q_row0=row0, q_count=jnp.int32(block_rows), store_out=store_out, store_lse=store_lse)
 
     def entry(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, *rest):

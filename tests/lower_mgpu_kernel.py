@@ -232,6 +232,10 @@ DECODE_SHAPES = [
     # with a window, and a 4-token verify under a draft tree (e5m2, f16 q).
     ("mla-decode-e4m3-16-bf16-window", 8, 1, 16, jnp.bfloat16, dict(pool=jnp.float8_e4m3fn, sliding_window=300)),
     ("mla-verify-e5m2-4x16-f16-draft", 4, 4, 16, jnp.float16, dict(pool=jnp.float8_e5m2, draft=True)),
+    # 32-key tiles in a 4-deep ring (`MgpuDecodeConfig(block_kv=32)`: 64-byte swizzle, P in its own buffer): 16-bit
+    # with a window, and an fp8 verify under a draft tree.
+    ("mla-decode-kv32-16-bf16-window", 8, 1, 16, jnp.bfloat16, dict(block_kv=32, sliding_window=300)),
+    ("mla-verify-kv32-e4m3-4x16-bf16-draft", 4, 4, 16, jnp.bfloat16, dict(block_kv=32, pool=jnp.float8_e4m3fn, draft=True)),
 ]
 
 
@@ -246,6 +250,7 @@ def lower_decode(batch, tokens, q_heads, dtype, features, slots=3000, capacity=5
     dim = features.pop("dim", 576)
     q_shape = (batch, q_heads, dim) if tokens == 1 else (batch, tokens, q_heads, dim)
     pool = features.pop("pool", dtype)
+    block_kv = features.pop("block_kv", None)
     args = (S(q_shape, dtype), S((slots, 1, dim), pool), S((batch + 1,), jnp.int32), S((capacity,), index_dtype),
             S((batch,), jnp.int32), S((batch, tokens), jnp.int32) if features.pop("draft", False) else None,
             S((2, 1), jnp.float32) if pool != dtype else None)
@@ -256,7 +261,8 @@ def lower_decode(batch, tokens, q_heads, dtype, features, slots=3000, capacity=5
                               deterministic=features.get("deterministic", False))
         decode_call = DecodeCall(q=q, k_pool=k_pool, v_pool=None, meta=meta, sinks=None, sm_scale=0.07, logit_cap=0.0,
                                  xai_temperature_len=-1, sliding_window=features.get("sliding_window", -1),
-                                 v_head_dim={576: 512, 288: 256}[dim], return_lse=False, config=None,
+                                 v_head_dim={576: 512, 288: 256}[dim], return_lse=False,
+                                 config=None if block_kv is None else MgpuDecodeConfig(block_kv=block_kv),
                                  launch_mode="gpu",
                                  draft_mask=draft_mask, kv_scales=kv_scales)
         return mla_decode_partials(decode_call)[:3]

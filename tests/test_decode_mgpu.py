@@ -71,6 +71,21 @@ def test_decode_matches_reference(rng, dtype, q_heads):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("tokens,window", [(1, -1), (1, 300), (4, -1)], ids=["decode", "window", "verify-4"])
+def test_32_key_tiles_match_reference_and_64(rng, tokens, window):
+    # MgpuDecodeConfig(block_kv=32): 32-key tiles in a 4-deep ring (64-byte swizzle, P in its own buffer); against the
+    # reference, and the default 64-key tiles on the same inputs (within tolerance: the tile order differs).
+    from jaxattn.tuning import MgpuDecodeConfig
+
+    q, k_pool, meta = make_case(rng, KV_LENS, 16, tokens, jnp.bfloat16, window=window)  # the window in meta
+    o, lse, ref_o, ref_lse = run_both(q, k_pool, meta, config=MgpuDecodeConfig(block_kv=32))
+    assert_close(o, lse, ref_o, ref_lse, jnp.bfloat16)
+    o64 = decode_attention(q, k_pool, None, meta, impl="mgpu")
+    np.testing.assert_allclose(np.float32(o), np.float32(o64), **tolerance(jnp.bfloat16))
+
+
+@pytest.mark.gpu
+@needs_gpu
 @pytest.mark.parametrize("tokens,tree", [(4, False), (4, True), (2, True), (3, False)],
                          ids=["t4-causal", "t4-tree", "t2-tree", "t3-causal"])
 def test_verify_matches_reference(rng, tokens, tree):

@@ -16,14 +16,18 @@ from jaxattn.kernels import extend_attention_mgpu as kernel
 THREADS = 128
 
 
-def swizzled_tile(slot: np.ndarray, block_kv: int, head_dim: int, dtype) -> np.ndarray:
+def swizzled_tile(slot: np.ndarray, block_kv: int, head_dim: int, dtype, swizzle: int = 128) -> np.ndarray:
     """[block_kv, head_dim] of `dtype` read from a slot in Mosaic's SWIZZLED layout: (8, 64) tiles of 1024 bytes in
-    row-major order, each tile's 128-byte rows holding 8 chunks of 16 bytes, chunk c of row r at position c ^ (r % 8)."""
+    row-major order, each tile's 128-byte rows holding 8 chunks of 16 bytes, chunk c of row r at position c ^ (r % 8);
+    swizzle 64 (SWIZZLED_64): (8, 32) tiles of 512 bytes, 64-byte rows of 4 chunks, chunk c of row r at c ^ (r % 8 // 2)
+    (Mosaic's transfer swizzle: the 16-byte unit index XOR (byte offset // 128) % (swizzle // 16))."""
     out = np.zeros((block_kv, head_dim), np.uint16)
+    per_row = swizzle // 16
     for r in range(block_kv):
         for c in range(head_dim // 8):
-            tile = (r // 8) * (head_dim // 64) + c // 8
-            at = tile * 1024 + (r % 8) * 128 + ((c % 8) ^ (r % 8)) * 16
+            tile = (r // 8) * (head_dim * 2 // swizzle) + c // per_row
+            in_tile = (r % 8) * swizzle + (c % per_row) * 16
+            at = tile * 8 * swizzle + (in_tile ^ ((in_tile // 128) % per_row * 16))
             out[r, 8 * c:8 * c + 8] = slot[at:at + 16].view(np.uint16)
     return out.view(np.dtype(dtype))
 
@@ -46,7 +50,7 @@ def copy_tile(slot, pool, sources, kv_head, *, block_kv, head_dim):
     assert (written == 1).all()  # every 16 bytes of the tile copied once
 
 
-def convert_tile(slot, fp8_dtype, scale, dtype, *, block_kv, head_dim, synced=True):
+def convert_tile(slot, fp8_dtype, scale, dtype, *, block_kv, head_dim, synced=True, swizzle=128):
     """convert_fp8_tile's rounds (scale None: straight to f16). synced=False replays them without the sync between
     loads and stores (each thread loads and stores before the next): the in-place rewrite then must fail, which
     shows this test can."""
@@ -65,7 +69,7 @@ def convert_tile(slot, fp8_dtype, scale, dtype, *, block_kv, head_dim, synced=Tr
             values = data.view(fp8_dtype).astype(np.float32)
             values = (values if scale is None else values * np.float32(scale)).astype(dtype).view(np.uint8)
             for half in range(2):
-                at = kernel.swizzled_16bit_byte(row, 2 * chunk + half, head_dim=head_dim)
+                at = kernel.swizzled_16bit_byte(row, 2 * chunk + half, head_dim=head_dim, swizzle=swizzle)
                 slot[at:at + 16] = values[16 * half:16 * half + 16]
 
         if synced:
@@ -83,15 +87,16 @@ def random_fp8_pool(rng, fp8_dtype, slots, kv_heads, head_dim):
     return rng.integers(0, 256, (slots, kv_heads, head_dim), dtype=np.uint8).view(fp8_dtype)
 
 
-# (block_kv, head_dim): the extend kernel's tiles, and MLA's 576-wide latent rows (rounds of 8 rows: 288 chunks over
-# 128 threads, the last ones converted twice).
-CASES = [(64, 128), (128, 128), (64, 64), (128, 64), (64, 256), (64, 576)]
+# (block_kv, head_dim, swizzle): the extend kernel's tiles, and MLA's 576-wide latent rows (rounds of 8 rows: 288 chunks
+# over 128 threads, the last ones converted twice), also as the decode kernel's 32-key tiles at a 64-byte swizzle.
+CASES = [(64, 128, 128), (128, 128, 128), (64, 64, 128), (128, 64, 128), (64, 256, 128), (64, 576, 128),
+         (32, 576, 64), (64, 128, 64)]
 
 
-@pytest.mark.parametrize("block_kv,head_dim", CASES)
+@pytest.mark.parametrize("block_kv,head_dim,swizzle", CASES)
 @pytest.mark.parametrize("fp8_dtype", [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2], ids=["e4m3fn", "e5m2"])
 @pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16], ids=["bf16", "f16"])
-def test_copies_and_in_place_rounds_give_the_dequantised_tile(block_kv, head_dim, fp8_dtype, dtype):
+def test_copies_and_in_place_rounds_give_the_dequantised_tile(block_kv, head_dim, swizzle, fp8_dtype, dtype):
     rng = np.random.default_rng(block_kv * head_dim)
     kv_heads, kv_head, slots, scale = 3, 1, 500, 0.0371
     if head_dim == 576:  # MLA decode: one latent head, converted to f16 unscaled (the scales folded into q, the output)
@@ -103,8 +108,8 @@ def test_copies_and_in_place_rounds_give_the_dequantised_tile(block_kv, head_dim
     sources[block_kv - 5:] = -1  # rows past the listed keys: zeros
     slot = rng.integers(0, 256, 2 * block_kv * head_dim, dtype=np.uint8)  # the slot's previous tile
     copy_tile(slot, pool, sources, kv_head, block_kv=block_kv, head_dim=head_dim)
-    convert_tile(slot, fp8_dtype, scale, dtype, block_kv=block_kv, head_dim=head_dim)
-    got = swizzled_tile(slot, block_kv, head_dim, dtype)
+    convert_tile(slot, fp8_dtype, scale, dtype, block_kv=block_kv, head_dim=head_dim, swizzle=swizzle)
+    got = swizzled_tile(slot, block_kv, head_dim, dtype, swizzle)
 
     listed = sources >= 0
     rows = dequantised_rows(jnp.asarray(pool), jnp.asarray(np.maximum(sources, 0)),
@@ -133,7 +138,7 @@ def test_the_rounds_need_their_sync(block_kv, head_dim):
 
 
 def test_fp8_tile_limits():
-    for block_kv, head_dim in CASES:
+    for block_kv, head_dim, _ in CASES:
         kernel.check_fp8_tile(block_kv, head_dim)
     for block_kv, head_dim in [(128, 96), (8, 128), (64, 288), (60, 128)]:
         with pytest.raises(ValueError, match="fp8 tiles"):
@@ -149,3 +154,20 @@ def test_convert_ptx_names_both_formats_and_outputs():
     assert "cvt.rn.f16x2.e4m3x2 $0, b01" in ptx and "f32" not in ptx
     with pytest.raises(ValueError, match="writes f16"):
         kernel.fp8_convert_ptx(jnp.float8_e4m3fn, jnp.bfloat16, scaled=False)
+
+
+@pytest.mark.parametrize("head_dim,swizzle", [(128, 128), (576, 128), (576, 64)])
+def test_16bit_row_copies_land_where_wgmma_reads(head_dim, swizzle):
+    # `issue_rows`' 16-bit copies (thread (warp, lane) copies chunk lane % 8 of each 128-byte span of its rows) through
+    # `swizzled_16bit_byte`, the formula its 64-byte-swizzle form uses: every row's bytes land where the independent
+    # reader above finds them (the 128-byte form checks the formula against the layout the kernel has always used).
+    rows, spans = 64, head_dim * 2 // 128
+    rng = np.random.default_rng(head_dim + swizzle)
+    data = rng.integers(0, 2**16, (rows, head_dim), dtype=np.uint16)
+    slot = np.zeros(rows * head_dim * 2, np.uint8)
+    for row in range(rows):
+        for span in range(spans):
+            for chunk in range(8):
+                at = kernel.swizzled_16bit_byte(row, chunk + 8 * span, head_dim=head_dim, swizzle=swizzle)
+                slot[at:at + 16] = data[row, 64 * span + 8 * chunk:64 * span + 8 * chunk + 8].view(np.uint8)
+    np.testing.assert_array_equal(swizzled_tile(slot, rows, head_dim, np.uint16, swizzle), data)

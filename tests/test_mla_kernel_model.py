@@ -27,11 +27,11 @@ def _int(x):
     return int(np.asarray(x))
 
 
-def gather_tile(source, first, count, *, indices=None, pool_rows):
+def gather_tile(source, first, count, *, indices=None, pool_rows, block_kv=K.BLOCK_KV):
     """`row_sources` + `issue_rows`: tile row r <- source row (indices[first + r] clamped into the pool, or first + r),
     zeros for r >= count."""
-    tile = np.zeros((K.BLOCK_KV, source.shape[-1]), np.float32)
-    for r in range(K.BLOCK_KV):
+    tile = np.zeros((block_kv, source.shape[-1]), np.float32)
+    for r in range(block_kv):
         if r >= count:
             continue
         if indices is None:
@@ -80,22 +80,23 @@ def store(out_flat, values, first, valid_rows, *, row_stride, first_scale, colum
 
 
 def model_decode(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draft_words, *, tokens, q_heads, sm_scale,
-                 max_kv_splits, window=-1):
-    """mla_decode_mgpu_kernel's partial buffers (mid_o, mid_lse), unwritten entries NaN."""
+                 max_kv_splits, window=-1, block_kv=K.BLOCK_KV):
+    """mla_decode_mgpu_kernel's partial buffers (mid_o, mid_lse), unwritten entries NaN; block_kv: its key tile."""
     shape = K.SHAPES[q.shape[-1]]
     rows_total, batch = q.shape[0], len(kv_indptr) - 1
     rows_per_seq = tokens * q_heads
     block_rows = min(rows_per_seq, K.BLOCK_ROWS)
     mid_o = np.full(rows_total * max_kv_splits * shape.v_dim, np.nan, np.float32)
     mid_lse = np.full(rows_total * max_kv_splits, np.nan, np.float32)
-    cols = np.broadcast_to(np.arange(K.BLOCK_KV)[None, :], (K.BLOCK_ROWS, K.BLOCK_KV))
+    cols = np.broadcast_to(np.arange(block_kv)[None, :], (K.BLOCK_ROWS, block_kv))
     for seq in range(batch):
         for block in range(rows_per_seq // block_rows):
             row0 = seq * rows_per_seq + block * block_rows
             q_block = gather_tile(q, row0, block_rows, pool_rows=rows_total)  # 64 rows, zeros past the block's
             for split in range(max_kv_splits):
                 cta = K.decode_cta(kv_indptr, num_kv_splits, seq, split, capacity=len(kv_indices),
-                                   sliding_window=window, max_kv_splits=max_kv_splits, min_block_kv=32, tokens=tokens)
+                                   sliding_window=window, max_kv_splits=max_kv_splits, min_block_kv=32, tokens=tokens,
+                                   block_kv=block_kv)
                 if _int(cta.split_len) <= 0:
                     continue
 
@@ -111,10 +112,11 @@ def model_decode(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draft_words, *
                 assert _int(loops[0][0]) == 0 and _int(loops[0][1]) == _int(loops[1][0]) <= _int(loops[1][1])
                 for start, end, masked in loops:
                     for step in range(_int(start), _int(end)):
-                        first = _int(cta.kv_begin + cta.split_start + step * K.BLOCK_KV)
-                        keys = gather_tile(k_pool, first, _int(cta.split_len) - step * K.BLOCK_KV,
-                                           indices=np.asarray(kv_indices), pool_rows=k_pool.shape[0])
-                        visible = np.asarray(K.decode_visible(cta, step, cols, tokens, bits_of)) if masked else None
+                        first = _int(cta.kv_begin + cta.split_start + step * block_kv)
+                        keys = gather_tile(k_pool, first, _int(cta.split_len) - step * block_kv,
+                                           indices=np.asarray(kv_indices), pool_rows=k_pool.shape[0], block_kv=block_kv)
+                        visible = (np.asarray(K.decode_visible(cta, step, cols, tokens, bits_of, block_kv=block_kv))
+                                   if masked else None)
                         tiles.append((keys[:, :shape.qk_dim], visible))
                 out, lse = attend(q_block[:, :shape.qk_dim], tiles, shape.v_dim, sm_scale)
                 first_out = row0 * max_kv_splits + split
@@ -136,9 +138,9 @@ def merge(mid_o, mid_lse):
     return out
 
 
-@pytest.mark.parametrize("dim", [576, 288])
+@pytest.mark.parametrize("dim,block_kv", [(576, 64), (288, 64), (576, 32)], ids=["576", "288", "576-kv32"])
 @pytest.mark.parametrize("tokens,tree", [(1, False), (4, False), (4, True)], ids=["decode", "verify-causal", "verify-tree"])
-def test_decode_model_matches_reference(rng, dim, tokens, tree):
+def test_decode_model_matches_reference(rng, dim, block_kv, tokens, tree):
     # Verify: lists shorter than the tokens, drafts in a whole 64-key tile (128 in splits of 64) and in a partial one.
     kv_lens = [2, 37, 0, 200, 128, 97] if tokens > 1 else [1, 37, 0, 64, 161, 300]
     batch, q_heads, v_dim = len(kv_lens), 16, dim - (64 if dim == 576 else 32)
@@ -160,7 +162,7 @@ def test_decode_model_matches_reference(rng, dim, tokens, tree):
     scale = dim ** -0.5
     mid_o, mid_lse = model_decode(q.reshape(-1, 1, dim), k_pool, np.asarray(kv_indptr), np.asarray(kv_indices),
                                   np.asarray(meta.num_kv_splits), words, tokens=tokens, q_heads=q_heads, sm_scale=scale,
-                                  max_kv_splits=3)
+                                  max_kv_splits=3, block_kv=block_kv)
     o = merge(mid_o, mid_lse).reshape(batch, tokens, q_heads, v_dim)
     qq = q[:, 0] if tokens == 1 else q
     ref = decode_attention_reference(jnp.asarray(qq), jnp.asarray(k_pool), None, meta, v_head_dim=v_dim,

@@ -42,12 +42,18 @@ def sweep_variants(op: str, case: Case):
                 label = f"h64 n{block_n} w8 s{num_stages}"
                 variants.append((label, lambda inp, c=config: decode_jaxattn(inp, config=c)))
                 variants.append((f"{label} pps2", lambda inp, c=config: decode_jaxattn(inp, config=c, programs_per_sm=2)))
-        if case.v_in_k and not case.fp8:  # the Mosaic GPU MLA kernel: its static split bound
+        if case.v_in_k:  # the Mosaic GPU MLA kernel (fp8 latent caches: "mgpu-fp8"): its split bound and key tile
             from jaxattn.tuning import MgpuDecodeConfig
 
+            impl = "mgpu-fp8" if case.fp8 else "mgpu"
             for splits in (1, 2, 3, 4, 6, 8):
                 config = MgpuDecodeConfig(splits=splits)
-                variants.append((f"mgpu splits={splits}", lambda inp, c=config: decode_jaxattn(inp, config=c, impl="mgpu")))
+                variants.append((f"mgpu splits={splits}", lambda inp, c=config: decode_jaxattn(inp, config=c, impl=impl)))
+            if case.head_dim == 576:  # 32-key tiles in a 4-deep ring
+                for splits in (None, 1, 2, 4):
+                    config = MgpuDecodeConfig(splits=splits, block_kv=32)
+                    variants.append((f"mgpu kv32 splits={splits or 'own'}",
+                                     lambda inp, c=config: decode_jaxattn(inp, config=c, impl=impl)))
         # Keys as the dots' M dimension (DecodeConfig.keys_as_rows): wgmma without padding the heads to 64 rows.
         rows = case.new * case.q_heads // case.kv_heads  # (token, q head) rows per kv head
         if mla and rows > 16:

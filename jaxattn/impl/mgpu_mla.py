@@ -77,6 +77,8 @@ def _declines_decode_call(call: DecodeCall) -> str | None:
         return "MgpuDecodeConfig(stages=) (the MLA kernel's ring depth is fixed by its shared memory)"
     if call.config is not None and call.config.persistent:
         return "MgpuDecodeConfig(persistent=True) (the MLA kernel launches one CTA per work item)"
+    if call.config is not None and call.config.block_kv == 32 and call.qk_head_dim != 576:
+        return f"MgpuDecodeConfig(block_kv=32) at head dim {call.qk_head_dim} (576 only)"
     if (call.qk_head_dim, call.v_head_dim) not in MLA_HEAD_DIMS:
         return f"head dims {call.qk_head_dim}/{call.v_head_dim} (MLA's latent heads {MLA_HEAD_DIMS} only)"
     if call.v_pool is not None:
@@ -145,7 +147,8 @@ def mla_decode_partials(call: DecodeCall):
         q.reshape(batch * tokens * q_heads, 1, call.qk_head_dim), call.k_pool, kv_indptr, kv_indices,
         num_kv_splits, draft_words, tokens=tokens, q_heads=q_heads, sm_scale=sm_scale, max_kv_splits=splits,
         sliding_window=call.sliding_window if call.sliding_window >= 0 else -1, min_block_kv=MIN_BLOCK_KV,
-        v_scale=v_scale)
+        v_scale=v_scale, **({} if call.config is None or call.config.block_kv is None else
+                            dict(block_kv=call.config.block_kv)))
     mid_o = mid_o.reshape(batch * tokens, q_heads, splits, call.v_head_dim)
     mid_lse = mid_lse.reshape(batch * tokens, q_heads, splits)
     return mid_o, mid_lse, num_kv_splits, splits

@@ -140,11 +140,14 @@ class MgpuDecodeConfig:
     split bound, None for the kernel's own rule (`jaxattn.impl.mgpu_mla.kernel_splits`, `jaxattn.impl.mgpu_decode.
     kernel_splits`: fill every multiprocessor once). stages: the GQA kernel's ring depth (None: its default); the
     MLA kernel's is fixed by its shared memory and must be None. persistent: the GQA kernel's launch, one CTA per
-    multiprocessor taking work items in turn (True) or one CTA per item (False); None: its default."""
+    multiprocessor taking work items in turn (True) or one CTA per item (False); None: its default. block_kv: the
+    MLA kernel's key tile, None (64) or 32 (at 576: a 4-deep ring of 32-key tiles, `kernels/mla_attention_mgpu.py`'s
+    `DECODE_KV32`; not yet run on a GPU)."""
 
     splits: int | None = None
     stages: int | None = None
     persistent: bool | None = None
+    block_kv: int | None = None
 
     def __post_init__(self):
         if self.splits is not None and (not isinstance(self.splits, int) or self.splits < 1):
@@ -153,4 +156,6 @@ class MgpuDecodeConfig:
             raise ValueError(f"MgpuDecodeConfig.stages must be None or an int >= 2; got {self.stages!r}")
         if self.persistent is not None and not isinstance(self.persistent, bool):
             raise ValueError(f"MgpuDecodeConfig.persistent must be None, True or False; got {self.persistent!r}")
+        if self.block_kv not in (None, 32, 64):
+            raise ValueError(f"MgpuDecodeConfig.block_kv must be None, 32 or 64; got {self.block_kv!r}")
 

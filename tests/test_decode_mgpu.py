@@ -14,7 +14,7 @@ import pytest
 
 from jaxattn.calls import DecodeCall
 from jaxattn.decode import decode_attention, decode_attention_reference, decode_metadata_from_indptr, draft_mask_bits
-from jaxattn.impl import mgpu_mla
+from jaxattn.impl import mgpu_decode, mgpu_mla
 from tests.helpers import HAS_GPU, assert_nan_confined, random_normal, random_pool_batch, tolerance
 from tests.test_decode import LSE_TOL
 
@@ -188,6 +188,11 @@ def test_declines_name_the_reason():
     assert "rows per sequence" in mgpu_mla.declines_decode(_call(q_heads=20))  # 20 rows: not a multiple of 8
     assert "rows per sequence" in mgpu_mla.declines_decode(_call(q_heads=16, tokens=5))  # 80 rows
     assert "interpreted" in mgpu_mla.declines_decode(_call(launch_mode="interpret"))
+    from jaxattn.tuning import MgpuDecodeConfig
+
+    assert "576 only" in mgpu_mla.declines_decode(_call(qk=288, v_head_dim=256, config=MgpuDecodeConfig(block_kv=32)))
+    assert "the MLA kernel's key tile" in mgpu_decode.declines(_call(qk=128, v_pool=True, kv_heads=2,
+                                                                       config=MgpuDecodeConfig(block_kv=32)))
     if not HAS_GPU:
         assert "sm_90" in mgpu_mla.declines_decode(_call())
 

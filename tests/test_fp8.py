@@ -408,4 +408,4 @@ def test_mla_fp8_implementation_declines_with_reasons(rng):
     narrow = DecodeCall(q=q[..., :288], k_pool=k_pool[..., :288].astype(jnp.float8_e4m3fn), v_pool=None, meta=meta,
                         sinks=None, sm_scale=0.07, logit_cap=0.0, xai_temperature_len=-1, sliding_window=-1,
                         v_head_dim=256, return_lse=False, config=None, launch_mode="gpu")
-    assert "576 only" in mgpu_mla.DECODE_FP8.declines(narrow)
+    assert "whole 64-column tiles" in mgpu_mla.DECODE_FP8.declines(narrow)

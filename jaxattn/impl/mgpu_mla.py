@@ -39,7 +39,6 @@ from jaxattn.tuning import MgpuDecodeConfig
 # The latent head shapes the kernel builds (`SHAPES` of kernels/mla_attention_mgpu.py), each tested on the H200.
 MLA_HEAD_DIMS = ((576, 512), (288, 256))
 MGPU_DTYPES = (jnp.bfloat16, jnp.float16)
-FP8_LATENT_DIM = 576  # fp8 rows are converted in place only where they fill whole 64-column tiles (not 288's 320)
 
 
 def rows_unsupported(tokens: int, q_heads: int) -> str | None:
@@ -62,10 +61,13 @@ def declines_decode(call: DecodeCall) -> str | None:
 
 def declines_decode_fp8(call: DecodeCall) -> str | None:
     """"mgpu-fp8": an fp8 (e4m3fn / e5m2) latent pool 576 wide, converted by the kernel."""
+    from jaxattn.kernels.mla_attention_mgpu import SHAPES
+
     if not is_fp8(call.k_pool.dtype):
         return f"a {jnp.dtype(call.k_pool.dtype).name} pool (fp8 only; 16-bit pools: impl=\"mgpu\")"
-    if call.qk_head_dim != FP8_LATENT_DIM:
-        return f"an fp8 latent head {call.qk_head_dim} wide ({FP8_LATENT_DIM} only: rows of whole 64-column tiles)"
+    shape = SHAPES.get(call.qk_head_dim)
+    if shape is not None and shape.width != call.qk_head_dim:  # converted in place only as whole 64-column tiles
+        return f"an fp8 latent head {call.qk_head_dim} wide (rows of whole 64-column tiles only: 576)"
     return _declines_decode_call(call)
 
 
@@ -77,8 +79,10 @@ def _declines_decode_call(call: DecodeCall) -> str | None:
         return "MgpuDecodeConfig(stages=) (the MLA kernel's ring depth is fixed by its shared memory)"
     if call.config is not None and call.config.persistent:
         return "MgpuDecodeConfig(persistent=True) (the MLA kernel launches one CTA per work item)"
-    if call.config is not None and call.config.block_kv == 32 and call.qk_head_dim != 576:
-        return f"MgpuDecodeConfig(block_kv=32) at head dim {call.qk_head_dim} (576 only)"
+    from jaxattn.kernels.mla_attention_mgpu import DECODE_KV32
+
+    if call.config is not None and call.config.block_kv == 32 and call.qk_head_dim != DECODE_KV32.qk_dim:
+        return f"MgpuDecodeConfig(block_kv=32) at head dim {call.qk_head_dim} ({DECODE_KV32.qk_dim} only)"
     if (call.qk_head_dim, call.v_head_dim) not in MLA_HEAD_DIMS:
         return f"head dims {call.qk_head_dim}/{call.v_head_dim} (MLA's latent heads {MLA_HEAD_DIMS} only)"
     if call.v_pool is not None:

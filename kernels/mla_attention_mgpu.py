@@ -25,6 +25,9 @@ next ones. At the end warpgroup 0 passes each row's output factor (1 / denominat
 and each consumer stores its half of the output straight from registers to global memory (only the block's real
 rows: the padding rows of a 16-row block are computed but never stored); decode's warpgroup 0 also stores the LSE.
 
+`mla_decode_transposed_kernel` (one query token, opt-in): the same decode with the keys as wgmma's M and the heads
+as N, one consumer warpgroup (see its comment). Not yet run on a GPU.
+
 Decode over an fp8 latent cache (576 wide, f16 Q): the producer copies each tile's fp8 rows into the upper half of
 its ring slot and converts them there to f16 (`convert_fp8_tile` of the extend kernel), one tile ahead; the
 consumers are unchanged. Not yet run on a GPU.
@@ -51,6 +54,7 @@ from jaxlib.mlir.dialects import arith, llvm, scf
 
 from jaxattn.kernels.extend_attention_mgpu import (
     LOG2E,
+    SWIZZLED,
     SWIZZLES,
     WARPGROUP,
     draft_bits_tile,
@@ -123,12 +127,15 @@ def _cdiv(x, d):
     return lax.div(x + (d - 1), d)
 
 
-def store_rows(values, out, first, valid_rows, *, row_stride: int, first_scale: int, column0: int = 0):
+def store_rows(values, out, first, valid_rows, *, row_stride: int, first_scale: int, column0: int = 0,
+               transposed: bool = False):
     """Stores rows r < valid_rows of `values` ([rows, cols] in the WGMMA layout, or [rows] in its row layout) to the
     flat GMEM buffer `out` (values' dtype), row r column c at element first * first_scale + r * row_stride + column0
-    + c (int64 arithmetic), from registers. first, valid_rows: i32 scalars. No other element of `out` is written."""
+    + c (int64 arithmetic), from registers. first, valid_rows: i32 scalars. No other element of `out` is written.
+    transposed: `values` holds the rows as its columns ([cols, rows] in the WGMMA layout, or [rows] in its column
+    layout: the transposed tile's output and LSE), stored the same way."""
     two_d = len(values.shape) == 2
-    layout = plgpu.Layout.WGMMA if two_d else plgpu.Layout.WGMMA.reduce(1)
+    layout = plgpu.Layout.WGMMA if two_d else plgpu.Layout.WGMMA.reduce(0 if transposed else 1)
 
     @plgpu.inline_mgpu(arg_types=(layout, plgpu.RefType(), plgpu.Layout.WG_SPLAT(()), plgpu.Layout.WG_SPLAT(())))
     def run(ctx, values, out, first, valid_rows):
@@ -141,8 +148,12 @@ def store_rows(values, out, first, valid_rows, *, row_stride: int, first_scale: 
         base = llvm.inttoptr(llvm.PointerType.get(1), global_address(out))
 
         def store(value, index):
-            r = arith.index_cast(i64, index[0])
-            c = arith.index_cast(i64, index[1]) if two_d else arith.constant(i64, 0)
+            if transposed:  # (column, row) in two dimensions; one dimension: the row
+                r = arith.index_cast(i64, index[1] if two_d else index[0])
+                c = arith.index_cast(i64, index[0]) if two_d else arith.constant(i64, 0)
+            else:
+                r = arith.index_cast(i64, index[0])
+                c = arith.index_cast(i64, index[1]) if two_d else arith.constant(i64, 0)
             valid = arith.cmpi(arith.CmpIPredicate.slt, r, valid_rows)
             at = arith.addi(start, arith.addi(arith.muli(r, arith.constant(i64, row_stride)), c))
             branch = scf.IfOp(valid)
@@ -628,6 +639,149 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(kv_indptr, kv_indices, num_kv_splits, q, k_pool, *(() if draft_words is None else (draft_words,)),
       *(() if v_scale is None else (v_scale,)))
+
+
+# The transposed decode tile (`MgpuDecodeConfig(transposed=True)`, issue 22; one query token): the keys are wgmma's M
+# and the block's (head) rows its N, so a tile's matrix work is the rows' own (16 heads: a quarter of the padded
+# form's) and Q's buffer is N rows, not 64. One consumer warpgroup computes S^T = K Q^T [64 keys, N], the online
+# softmax along the keys (axis 0; m, l per column), hands P to wgmma through a transposed view of a swizzled [N, 64]
+# buffer, and accumulates O^T += V^T P^T [512, N] (32 N-wide wgmmas over V's 512 columns); the producer warpgroup
+# fills a 2-deep ring of 64-key latent tiles as the padded form's does. Not yet run on a GPU
+# (`benchmarks/experiments/mla_transposed_lowering.py` lowered its pieces first).
+TRANSPOSED_STAGES = 2  # Q N x 576 (18 KB at 16 heads) + 2 x 72 KB + P and barriers: a third 72 KB tile does not fit
+TRANSPOSED_QK_DIM = 576  # the latent head it takes (V: the first 512 columns, 8 wgmma M-blocks)
+
+
+def transposed_rows_supported(rows_per_seq: int) -> bool:
+    """Rows (heads) per CTA the transposed tile takes: wgmma's N, whole 16-row groups of Q's copies, at most 64."""
+    return rows_per_seq % 16 == 0 and rows_per_seq <= BLOCK_ROWS
+
+
+def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, *, q_heads, sm_scale, max_kv_splits,
+                                 sliding_window=-1, min_block_kv=32):
+    """Stage 1 of split-KV MLA decode on the transposed tile, one query token per sequence: the same partial buffers
+    as `mla_decode_mgpu_kernel` (mid_o f32[rows * max_kv_splits, 512], mid_lse f32[rows * max_kv_splits]), the same
+    split geometry (`decode_cta`), index checks and empty rows. q: [batch * q_heads, 1, 576] bf16/f16; k_pool:
+    [slots, 1, 576] of q's dtype; q_heads (the tile's N) a multiple of 16, at most 64."""
+    shape = _latent_shape(q, k_pool)
+    if shape.qk_dim != TRANSPOSED_QK_DIM or not transposed_rows_supported(q_heads):
+        raise ValueError(f"the transposed tile takes 576-wide latent rows and 16, 32, 48 or 64 q heads; got "
+                         f"{shape.qk_dim}, {q_heads}")
+    rows_total, width, v_dim = q.shape[0], shape.width, shape.v_dim
+    batch = kv_indptr.shape[0] - 1
+    if batch * q_heads != rows_total:
+        raise ValueError(f"q has {rows_total} rows; batch {batch} x q_heads {q_heads} = {batch * q_heads}")
+    rows, stages, capacity = q_heads, TRANSPOSED_STAGES, kv_indices.shape[0]
+    scale_log2 = float(sm_scale) * LOG2E
+    ready, free, q_bar = 0, stages, 2 * stages
+    counts = (WARPGROUP,) * (2 * stages + 1)  # every barrier: one warpgroup's 128 arrivals
+
+    def body(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, mid_o_ref, mid_lse_ref, scoped):
+        q_smem, k_smem, p_smem, bars = scoped
+        split, seq = lax.axis_index("splits"), lax.axis_index("seq")
+        wg = lax.axis_index("wg")
+        cta = decode_cta(kv_indptr_ref, splits_ref, seq, split, capacity=capacity, sliding_window=sliding_window,
+                         max_kv_splits=max_kv_splits, min_block_kv=min_block_kv, tokens=1)
+        row0 = seq * rows  # the sequence's first row (its heads) among all rows
+
+        @pl.when(cta.split_len > 0)
+        def _():
+            init_barriers(bars, counts)
+
+            def wait_tile(step):
+                slot = lax.rem(step, stages)
+                wait_barrier(bars, ready + slot, lax.rem(lax.div(step, stages), 2))
+                return slot
+
+            @pl.when(wg == 0)
+            def _consumer():
+                plgpu.set_max_registers(232, action="increase")
+                m_i = plgpu.layout_cast(jnp.full((rows,), -1e30, jnp.float32), plgpu.Layout.WGMMA.reduce(0))
+                l_i = plgpu.layout_cast(jnp.full((rows,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(0))
+                acc = plgpu.layout_cast(jnp.full((v_dim, rows), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+                wait_barrier(bars, q_bar, 0)
+
+                def step_fn(step, carry, masked):
+                    acc, m_i, l_i = carry
+                    slot = wait_tile(step)
+
+                    def qk(s_ref):
+                        plgpu.wgmma(s_ref, k_smem.at[slot], q_smem.at[0].transpose((1, 0)))
+                        return s_ref[...]
+
+                    s = pl.run_scoped(qk, plgpu.ACC((BLOCK_KV, rows), jnp.float32))  # S^T: keys x rows
+                    if masked:  # the split's last, partial tile: keys past its end hidden
+                        keys = plgpu.broadcasted_iota(jnp.int32, (BLOCK_KV, rows), 0, layout=plgpu.Layout.WGMMA)
+                        s = jnp.where(step * BLOCK_KV + keys < cta.split_len, s, -jnp.inf)
+                    m_new = jnp.maximum(m_i, s.max(axis=0) * scale_log2)
+                    alpha = jnp.exp2(m_i - m_new)
+                    p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [1]))
+                    l_i = l_i * alpha + p.sum(axis=0)
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+                    p_smem.transpose((1, 0))[...] = p.astype(p_smem.dtype)  # the previous P V has completed
+                    plgpu.commit_smem()  # the generic stores, then wgmma's reads through the async proxy
+
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, k_smem.at[slot, :, pl.ds(0, v_dim)].transpose((1, 0)),
+                                    p_smem.transpose((1, 0)))
+
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                    arrive_barrier(bars, free + slot)
+                    return acc, m_new, l_i
+
+                carry = (acc, m_i, l_i)
+                carry = lax.fori_loop(0, cta.full_steps, lambda i, c: step_fn(i, c, False), carry)
+                acc, m_i, l_i = lax.fori_loop(cta.full_steps, cta.steps, lambda i, c: step_fn(i, c, True), carry)
+                factor = inverse_sum(l_i)
+                first_out = row0 * max_kv_splits + split  # row g's split s sits at g * max_kv_splits + s
+                store_rows(acc * lax.broadcast_in_dim(factor, acc.shape, [1]), mid_o_ref, first_out, jnp.int32(rows),
+                           row_stride=max_kv_splits * v_dim, first_scale=v_dim, transposed=True)
+                store_rows(rows_lse(m_i, l_i), mid_lse_ref, first_out, jnp.int32(rows), row_stride=max_kv_splits,
+                           first_scale=1, transposed=True)
+
+            @pl.when(wg == 1)
+            def _producer():
+                plgpu.set_max_registers(40, action="decrease")
+                from_q = jnp.int32(rows) < 0  # a traced False: rows first + r of q
+                q_rows = row_sources(kv_indices_ref, from_q, row0, jnp.int32(rows), block_kv=rows,
+                                     pool_rows=q_ref.shape[0])
+                issue_rows(q_ref, q_ref, q_smem, bars, q_rows, from_q, jnp.int32(0), jnp.int32(q_bar), jnp.int32(0),
+                           block_kv=rows, head_dim=width)
+
+                def sources_of(step):
+                    return row_sources(kv_indices_ref, cta.split_len > 0, cta.kv_begin + cta.split_start + step * BLOCK_KV,
+                                       cta.split_len - step * BLOCK_KV, block_kv=BLOCK_KV, pool_rows=k_pool_ref.shape[0])
+
+                def step_body(step, sources):
+                    next_sources = sources_of(step + 1)
+                    slot = lax.rem(step, stages)
+                    pl.when(step >= stages)(
+                        lambda: wait_barrier(bars, free + slot, lax.rem(lax.div(step, stages) - 1, 2)))
+                    issue_rows(k_pool_ref, k_pool_ref, k_smem, bars, sources, cta.split_len > 0, slot, ready + slot,
+                               jnp.int32(0), block_kv=BLOCK_KV, head_dim=width)
+                    return next_sources
+
+                lax.fori_loop(0, cta.steps, step_body, sources_of(jnp.int32(0)))
+
+    def entry(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, mid_o_ref, mid_lse_ref):
+        pl.run_scoped(lambda *scoped: body(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, mid_o_ref,
+                                           mid_lse_ref, scoped),
+                      plgpu.SMEM((1, rows, width), q.dtype, transforms=SWIZZLED),  # Q (a ring of one, for issue_rows)
+                      plgpu.SMEM((stages, BLOCK_KV, width), q.dtype, transforms=SWIZZLED),  # the latent rows' ring
+                      plgpu.SMEM((rows, BLOCK_KV), q.dtype, transforms=SWIZZLED),  # P, stored through its transpose
+                      plgpu.SMEM((2 * len(counts),), jnp.int32),  # the mbarriers (8 bytes each)
+                      collective_axes="wg")
+
+    return plgpu.kernel(
+        entry,
+        out_type=(jax.ShapeDtypeStruct((rows_total * max_kv_splits, v_dim), jnp.float32),
+                  jax.ShapeDtypeStruct((rows_total * max_kv_splits,), jnp.float32)),
+        grid=(max_kv_splits, batch),
+        grid_names=("splits", "seq"),
+        num_threads=2,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(kv_indptr, kv_indices, num_kv_splits, q, k_pool)
 
 
 def mla_extend_mgpu_kernel(q, k_new, k_pool, qo_indptr, kv_indptr, kv_indices, out_ref, *, q_heads, sm_scale,

@@ -236,6 +236,10 @@ DECODE_SHAPES = [
     # with a window, and an fp8 verify under a draft tree.
     ("mla-decode-kv32-16-bf16-window", 8, 1, 16, jnp.bfloat16, dict(block_kv=32, sliding_window=300)),
     ("mla-verify-kv32-e4m3-4x16-bf16-draft", 4, 4, 16, jnp.bfloat16, dict(block_kv=32, pool=jnp.float8_e4m3fn, draft=True)),
+    # The transposed tile (`MgpuDecodeConfig(transposed=True)`: keys as wgmma's M, the heads as N): 16 heads with a
+    # window, 64 heads in f16.
+    ("mla-decode-transposed-16-bf16-window", 8, 1, 16, jnp.bfloat16, dict(transposed=True, sliding_window=300)),
+    ("mla-decode-transposed-64-f16", 5, 1, 64, jnp.float16, dict(transposed=True)),
 ]
 
 
@@ -251,6 +255,7 @@ def lower_decode(batch, tokens, q_heads, dtype, features, slots=3000, capacity=5
     q_shape = (batch, q_heads, dim) if tokens == 1 else (batch, tokens, q_heads, dim)
     pool = features.pop("pool", dtype)
     block_kv = features.pop("block_kv", None)
+    transposed = features.pop("transposed", None)
     args = (S(q_shape, dtype), S((slots, 1, dim), pool), S((batch + 1,), jnp.int32), S((capacity,), index_dtype),
             S((batch,), jnp.int32), S((batch, tokens), jnp.int32) if features.pop("draft", False) else None,
             S((2, 1), jnp.float32) if pool != dtype else None)
@@ -262,7 +267,8 @@ def lower_decode(batch, tokens, q_heads, dtype, features, slots=3000, capacity=5
         decode_call = DecodeCall(q=q, k_pool=k_pool, v_pool=None, meta=meta, sinks=None, sm_scale=0.07, logit_cap=0.0,
                                  xai_temperature_len=-1, sliding_window=features.get("sliding_window", -1),
                                  v_head_dim={576: 512, 288: 256}[dim], return_lse=False,
-                                 config=None if block_kv is None else MgpuDecodeConfig(block_kv=block_kv),
+                                 config=None if block_kv is None and transposed is None else
+                                 MgpuDecodeConfig(block_kv=block_kv, transposed=transposed),
                                  launch_mode="gpu",
                                  draft_mask=draft_mask, kv_scales=kv_scales)
         return mla_decode_partials(decode_call)[:3]

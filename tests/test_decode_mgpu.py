@@ -86,6 +86,22 @@ def test_32_key_tiles_match_reference_and_64(rng, tokens, window):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("q_heads,window", [(16, -1), (16, 300), (64, -1), (32, -1)], ids=["16", "16-window", "64", "32"])
+def test_transposed_tile_matches_reference_and_the_padded_one(rng, q_heads, window):
+    # MgpuDecodeConfig(transposed=True): keys as wgmma's M, the heads as N (S^T = K Q^T, the softmax along the keys,
+    # O^T += V^T P^T); against the reference and the padded tile on the same inputs.
+    from jaxattn.tuning import MgpuDecodeConfig
+
+    q, k_pool, meta = make_case(rng, KV_LENS, q_heads, 1, jnp.bfloat16, window=window)
+    o, lse, ref_o, ref_lse = run_both(q, k_pool, meta, config=MgpuDecodeConfig(transposed=True))
+    assert_close(o, lse, ref_o, ref_lse, jnp.bfloat16)
+    np.testing.assert_array_equal(np.float32(o[2]), 0.0)  # padding row
+    padded = decode_attention(q, k_pool, None, meta, impl="mgpu")
+    np.testing.assert_allclose(np.float32(o), np.float32(padded), **tolerance(jnp.bfloat16))
+
+
+@pytest.mark.gpu
+@needs_gpu
 @pytest.mark.parametrize("tokens,tree", [(4, False), (4, True), (2, True), (3, False)],
                          ids=["t4-causal", "t4-tree", "t2-tree", "t3-causal"])
 def test_verify_matches_reference(rng, tokens, tree):
@@ -191,7 +207,11 @@ def test_declines_name_the_reason():
     from jaxattn.tuning import MgpuDecodeConfig
 
     assert "576 only" in mgpu_mla.declines_decode(_call(qk=288, v_head_dim=256, config=MgpuDecodeConfig(block_kv=32)))
-    assert "the MLA kernel's key tile" in mgpu_decode.declines(_call(qk=128, v_pool=True, kv_heads=2,
+    transposed = MgpuDecodeConfig(transposed=True)
+    assert "one token, 16, 32, 48 or 64 heads" in mgpu_mla.declines_decode(_call(q_heads=128, config=transposed))
+    assert "one token" in mgpu_mla.declines_decode(_call(tokens=4, config=transposed))
+    assert "other than 576" in mgpu_mla.declines_decode(_call(qk=288, v_head_dim=256, config=transposed))
+    assert "the MLA kernel's tiles" in mgpu_decode.declines(_call(qk=128, v_pool=True, kv_heads=2,
                                                                        config=MgpuDecodeConfig(block_kv=32)))
     if not HAS_GPU:
         assert "sm_90" in mgpu_mla.declines_decode(_call())

@@ -49,11 +49,15 @@ def sweep_variants(op: str, case: Case):
             for splits in (1, 2, 3, 4, 6, 8):
                 config = MgpuDecodeConfig(splits=splits)
                 variants.append((f"mgpu splits={splits}", lambda inp, c=config: decode_jaxattn(inp, config=c, impl=impl)))
-            if case.head_dim == 576:  # 32-key tiles in a 4-deep ring
+            if case.head_dim == 576:  # 32-key tiles in a 4-deep ring; the transposed tile (16-bit, one token)
                 for splits in (None, 1, 2, 4):
                     config = MgpuDecodeConfig(splits=splits, block_kv=32)
                     variants.append((f"mgpu kv32 splits={splits or 'own'}",
                                      lambda inp, c=config: decode_jaxattn(inp, config=c, impl=impl)))
+                    if not case.fp8 and case.new == 1:
+                        config = MgpuDecodeConfig(splits=splits, transposed=True)
+                        variants.append((f"mgpu transposed splits={splits or 'own'}",
+                                         lambda inp, c=config: decode_jaxattn(inp, config=c, impl=impl)))
         # Keys as the dots' M dimension (DecodeConfig.keys_as_rows): wgmma without padding the heads to 64 rows.
         rows = case.new * case.q_heads // case.kv_heads  # (token, q head) rows per kv head
         if mla and rows > 16:

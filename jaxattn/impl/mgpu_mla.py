@@ -79,10 +79,17 @@ def _declines_decode_call(call: DecodeCall) -> str | None:
         return "MgpuDecodeConfig(stages=) (the MLA kernel's ring depth is fixed by its shared memory)"
     if call.config is not None and call.config.persistent:
         return "MgpuDecodeConfig(persistent=True) (the MLA kernel launches one CTA per work item)"
-    from jaxattn.kernels.mla_attention_mgpu import DECODE_KV32
+    from jaxattn.kernels.mla_attention_mgpu import DECODE_KV32, TRANSPOSED_QK_DIM, transposed_rows_supported
 
     if call.config is not None and call.config.block_kv == 32 and call.qk_head_dim != DECODE_KV32.qk_dim:
         return f"MgpuDecodeConfig(block_kv=32) at head dim {call.qk_head_dim} ({DECODE_KV32.qk_dim} only)"
+    if _transposed(call):
+        if call.config.block_kv is not None or call.qk_head_dim != TRANSPOSED_QK_DIM or is_fp8(call.k_pool.dtype):
+            return (f"MgpuDecodeConfig(transposed=True) with block_kv, a latent head other than {TRANSPOSED_QK_DIM} "
+                    "or an fp8 pool")
+        if call.tokens_per_seq != 1 or not transposed_rows_supported(call.q_heads):
+            return (f"MgpuDecodeConfig(transposed=True) with {call.tokens_per_seq} tokens x {call.q_heads} heads "
+                    "(one token, 16, 32, 48 or 64 heads)")
     if (call.qk_head_dim, call.v_head_dim) not in MLA_HEAD_DIMS:
         return f"head dims {call.qk_head_dim}/{call.v_head_dim} (MLA's latent heads {MLA_HEAD_DIMS} only)"
     if call.v_pool is not None:
@@ -115,10 +122,14 @@ def causal_draft_words(tokens: int):
     return jax.lax.bitcast_convert_type(words, jnp.int32)
 
 
+def _transposed(call: DecodeCall) -> bool:
+    return isinstance(call.config, MgpuDecodeConfig) and bool(call.config.transposed)
+
+
 def mla_decode_partials(call: DecodeCall):
     """Stage 1 on the kernel: (mid_o f32[batch * tokens, q_heads, splits, 512], mid_lse f32[batch * tokens, q_heads,
     splits], num_kv_splits i32[batch], splits), the partial buffers `triton_decode.merge_splits` takes."""
-    from jaxattn.kernels.mla_attention_mgpu import BLOCK_ROWS, mla_decode_mgpu_kernel
+    from jaxattn.kernels.mla_attention_mgpu import BLOCK_ROWS, mla_decode_mgpu_kernel, mla_decode_transposed_kernel
 
     meta = call.meta
     batch, tokens, q_heads = call.batch, call.tokens_per_seq, call.q_heads
@@ -142,6 +153,13 @@ def mla_decode_partials(call: DecodeCall):
         scales = jnp.ones((2, 1), jnp.float32) if call.kv_scales is None else call.kv_scales.astype(jnp.float32)
         q = (q.astype(jnp.float32) * (sm_scale * scales[0, 0])).astype(jnp.float16)
         sm_scale, v_scale = 1.0, scales[1, :1]
+    if _transposed(call):  # one token, 16-64 heads: one row block (the kernel's checks)
+        mid_o, mid_lse = mla_decode_transposed_kernel(
+            call.q.reshape(batch * q_heads, 1, call.qk_head_dim), call.k_pool, kv_indptr, kv_indices, num_kv_splits,
+            q_heads=q_heads, sm_scale=sm_scale, max_kv_splits=splits,
+            sliding_window=call.sliding_window if call.sliding_window >= 0 else -1, min_block_kv=MIN_BLOCK_KV)
+        return (mid_o.reshape(batch, q_heads, splits, call.v_head_dim), mid_lse.reshape(batch, q_heads, splits),
+                num_kv_splits, splits)
     draft_words = None
     if tokens > 1:
         words = causal_draft_words(tokens)[None, :] if call.draft_mask is None else call.draft_mask

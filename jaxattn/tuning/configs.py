@@ -142,12 +142,15 @@ class MgpuDecodeConfig:
     MLA kernel's is fixed by its shared memory and must be None. persistent: the GQA kernel's launch, one CTA per
     multiprocessor taking work items in turn (True) or one CTA per item (False); None: its default. block_kv: the
     MLA kernel's key tile, None (64) or 32 (at 576: a 4-deep ring of 32-key tiles, `kernels/mla_attention_mgpu.py`'s
-    `DECODE_KV32`; not yet run on a GPU)."""
+    `DECODE_KV32`; not yet run on a GPU). transposed: the MLA kernel's transposed tile (keys as wgmma's M, the heads
+    as N: a quarter of the padded tile's matrix work at 16 heads; one query token, 576, 16-64 heads, 16-bit;
+    `mla_decode_transposed_kernel`; not yet run on a GPU)."""
 
     splits: int | None = None
     stages: int | None = None
     persistent: bool | None = None
     block_kv: int | None = None
+    transposed: bool | None = None
 
     def __post_init__(self):
         if self.splits is not None and (not isinstance(self.splits, int) or self.splits < 1):
@@ -158,4 +161,6 @@ class MgpuDecodeConfig:
             raise ValueError(f"MgpuDecodeConfig.persistent must be None, True or False; got {self.persistent!r}")
         if self.block_kv not in (None, 32, 64):
             raise ValueError(f"MgpuDecodeConfig.block_kv must be None, 32 or 64; got {self.block_kv!r}")
+        if self.transposed is not None and not isinstance(self.transposed, bool):
+            raise ValueError(f"MgpuDecodeConfig.transposed must be None, True or False; got {self.transposed!r}")
 

@@ -40,6 +40,7 @@ pool, an empty split stores nothing, a row that sees no key of a split stores 0 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -164,6 +165,16 @@ def store_rows(values, out, first, valid_rows, *, row_stride: int, first_scale: 
         values.foreach(store)
 
     run(values, out, first, valid_rows)
+
+
+def online_softmax_start(rows: int, acc_shape, *, stats_axis: int):
+    """(m, l, acc) before the first tile: m = -1e30 (finite: a row that sees no key of the CTA, e.g. later drafts
+    only, keeps p = 0, alpha = 1), l = 0 per row, in the WGMMA layout reduced along `stats_axis` (1: rows are the
+    accumulator's rows; 0: its columns, the transposed tile), and acc = 0 (WGMMA layout)."""
+    stats = plgpu.Layout.WGMMA.reduce(stats_axis)
+    return (plgpu.layout_cast(jnp.full((rows,), -1e30, jnp.float32), stats),
+            plgpu.layout_cast(jnp.full((rows,), 0.0, jnp.float32), stats),
+            plgpu.layout_cast(jnp.full(acc_shape, 0.0, jnp.float32), plgpu.Layout.WGMMA))
 
 
 def online_softmax_tile(s, acc, m_i, l_i, scale_log2):
@@ -356,6 +367,13 @@ def _scratch(dtype, shape: LatentShape):
     )
 
 
+def wait_ring_tile(bars, ready: int, stages: int, step):
+    """Waits until ring tile `step` has landed (mbarrier ready + slot, phase by its use count); returns its slot."""
+    slot = lax.rem(step, stages)
+    wait_barrier(bars, ready + slot, lax.rem(lax.div(step, stages), 2))
+    return slot
+
+
 def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, shape: LatentShape, scale_log2, steps, loops, tile_source,
          q_row0, q_count, store_out, store_lse=None, sink=None):
     """One CTA's work (call inside `pl.when` of a non-empty CTA; every warpgroup runs it).
@@ -386,19 +404,12 @@ def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, shape: LatentShape
     wg = lax.axis_index("wg")
     dtype = q_smem.dtype
     init_barriers(bars, counts)
-
-    def wait_tile(step):
-        slot = lax.rem(step, stages)
-        wait_barrier(bars, ready + slot, lax.rem(lax.div(step, stages), 2))
-        return slot
+    wait_tile = functools.partial(wait_ring_tile, bars, ready, stages)
 
     @pl.when(wg == 0)
     def _scores():
         plgpu.set_max_registers(232, action="increase")
-        # Finite start: a row that sees no key of the CTA (later drafts only) keeps p = 0, alpha = 1.
-        m_i = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), -1e30, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        l_i = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        acc = plgpu.layout_cast(jnp.full((BLOCK_ROWS, v_split), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+        m_i, l_i, acc = online_softmax_start(BLOCK_ROWS, (BLOCK_ROWS, v_split), stats_axis=1)
         wait_barrier(bars, q_bar, 0)
 
         def step_fn(step, carry, mask=None):
@@ -687,18 +698,12 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
         @pl.when(cta.split_len > 0)
         def _():
             init_barriers(bars, counts)
-
-            def wait_tile(step):
-                slot = lax.rem(step, stages)
-                wait_barrier(bars, ready + slot, lax.rem(lax.div(step, stages), 2))
-                return slot
+            wait_tile = functools.partial(wait_ring_tile, bars, ready, stages)
 
             @pl.when(wg == 0)
             def _consumer():
                 plgpu.set_max_registers(232, action="increase")
-                m_i = plgpu.layout_cast(jnp.full((rows,), -1e30, jnp.float32), plgpu.Layout.WGMMA.reduce(0))
-                l_i = plgpu.layout_cast(jnp.full((rows,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(0))
-                acc = plgpu.layout_cast(jnp.full((v_dim, rows), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+                m_i, l_i, acc = online_softmax_start(rows, (v_dim, rows), stats_axis=0)  # per column
                 wait_barrier(bars, q_bar, 0)
 
                 def step_fn(step, carry, masked):

@@ -334,17 +334,11 @@ def issue_rows(new_ref, pool_ref, smem, bars, sources, from_pool, slot, barrier,
             source = arith.extui(i64, arith.maxsi(source, _i32(0)))
             gmem = arith.addi(base, arith.muli(source, _i64(row_bytes)))
             row = arith.addi(arith.muli(warp, _i32(rows_per_warp)), holder)
-            row_in_tile = arith.remui(row, _i32(8))
-            swizzled = arith.muli(arith.xori(chunk, row_in_tile), _i32(16))
-            in_atom = arith.addi(arith.muli(row_in_tile, _i32(SWIZZLE_BYTES)), swizzled)
             size = arith.select(valid, _i32(16), _i32(0))  # 0: the copy writes 16 zero bytes
             for s in range(segments):
-                if swizzle == SWIZZLE_BYTES:
-                    tile = arith.addi(arith.muli(arith.divui(row, _i32(8)), _i32(segments)), _i32(s))
-                    at_smem = arith.addi(arith.muli(tile, _i32(8 * SWIZZLE_BYTES)), in_atom)
-                else:  # chunk c of the span: 16-bit chunk 8 s + c of the row
-                    at_smem = swizzled_16bit_byte(row, arith.addi(chunk, _i32(8 * s)), head_dim=head_dim,
-                                                  swizzle=swizzle, ops=IrOps)
+                # Chunk c of the span is the row's 16-byte chunk 8 s + c; the row's bytes in smem: whole 128-byte spans.
+                at_smem = swizzled_16bit_byte(row, arith.addi(chunk, _i32(8 * s)), head_dim=segments * 64,
+                                              swizzle=swizzle, ops=IrOps)
                 dst = mgpu_utils.getelementptr(smem_base, [at_smem], ir.IntegerType.get_signless(8))
                 at = arith.addi(gmem, _i64(s * SWIZZLE_BYTES))
                 chunk_size = size
@@ -439,7 +433,8 @@ def swizzled_16bit_byte(row, chunk, *, head_dim: int, swizzle: int = SWIZZLE_BYT
     """Byte offset in a ring slot of 16-byte chunk `chunk` (elements 8 * chunk...) of 16-bit row `row` in `SWIZZLED`
     ((8, 64) tiles of 1024 bytes, row-major over [rows / 8, head_dim / 64]; 16-byte chunks XOR-swizzled by row % 8)
     or, swizzle 64, `SWIZZLED_64` ((8, 32) tiles of 512 bytes; chunk c of a tile's row r at c ^ (r % 8 // 2): the
-    hardware's 64-byte swizzle)."""
+    hardware's 64-byte swizzle). head_dim: the row's width in smem, in 16-bit elements (`SWIZZLED_8BIT`'s rows of
+    2 * head_dim bytes lie the same way, byte for byte)."""
     per_row = swizzle // 16  # chunks of a tile's row
     row_in_tile = ops.rem(row, 8)
     tile = ops.add(ops.mul(ops.div(row, 8), head_dim * 2 // swizzle), ops.div(chunk, per_row))

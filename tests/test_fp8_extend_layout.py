@@ -156,7 +156,7 @@ def test_convert_ptx_names_both_formats_and_outputs():
         kernel.fp8_convert_ptx(jnp.float8_e4m3fn, jnp.bfloat16, scaled=False)
 
 
-@pytest.mark.parametrize("head_dim,swizzle", [(128, 128), (576, 128), (576, 64)])
+@pytest.mark.parametrize("head_dim,swizzle", [(128, 128), (320, 128), (576, 128), (576, 64)])
 def test_16bit_row_copies_land_where_wgmma_reads(head_dim, swizzle):
     # `issue_rows`' 16-bit copies (thread (warp, lane) copies chunk lane % 8 of each 128-byte span of its rows) through
     # `swizzled_16bit_byte`, the formula its 64-byte-swizzle form uses: every row's bytes land where the independent

@@ -139,16 +139,21 @@ def _call_config(call: ExtendCall) -> MgpuExtendConfig:
                    max_extend_len=call.meta.max_extend_len)
 
 
-def _run(call: ExtendCall):
-    config = _call_config(call)
-    k_pool, v_pool, meta = call.k_pool, call.v_pool, call.meta
-    if call.kv_scales is not None or is_fp8(k_pool.dtype) or is_fp8(v_pool.dtype):
-        k_pool, v_pool, meta = dequantised_prefix(k_pool, v_pool, meta, call.kv_scales, call.q.dtype)
-    return _run_kernel(call.q, call.k_new, call.v_new, k_pool, v_pool, meta, call.sm_scale, config,
+def _launch(call: ExtendCall, k_pool, v_pool, meta, kv_scales=None):
+    """The call's kernel launch over these pools and lists (the call's own, or the dequantised prefix's)."""
+    return _run_kernel(call.q, call.k_new, call.v_new, k_pool, v_pool, meta, call.sm_scale, _call_config(call),
                        causal=call.causal, sliding_window=call.sliding_window, logit_cap=call.logit_cap, sinks=call.sinks,
                        xai_temperature_len=call.xai_temperature_len, kv_start_pos=call.kv_start_pos,
                        prefix_lens=meta.prefix_lens if call.form == "unified" else None, custom_mask=call.custom_mask,
-                       skip_prefix_custom_mask=call.skip_prefix_custom_mask, draft_mask=call.draft_mask)
+                       skip_prefix_custom_mask=call.skip_prefix_custom_mask, draft_mask=call.draft_mask,
+                       kv_scales=kv_scales)
+
+
+def _run(call: ExtendCall):
+    k_pool, v_pool, meta = call.k_pool, call.v_pool, call.meta
+    if call.kv_scales is not None or is_fp8(k_pool.dtype) or is_fp8(v_pool.dtype):
+        k_pool, v_pool, meta = dequantised_prefix(k_pool, v_pool, meta, call.kv_scales, call.q.dtype)
+    return _launch(call, k_pool, v_pool, meta)
 
 
 def dequantised_prefix(k_pool, v_pool, meta: ExtendMetadata | ExtendUnifiedMetadata, kv_scales, dtype):
@@ -192,14 +197,8 @@ def _declines_fp8_form(form: str):
 
 
 def _run_fp8(call: ExtendCall):
-    config = _call_config(call)
     scales = call.kv_scales if call.kv_scales is not None else jnp.ones((2, call.kv_heads), jnp.float32)
-    return _run_kernel(call.q, call.k_new, call.v_new, call.k_pool, call.v_pool, call.meta, call.sm_scale, config,
-                       causal=call.causal, sliding_window=call.sliding_window, logit_cap=call.logit_cap, sinks=call.sinks,
-                       xai_temperature_len=call.xai_temperature_len, kv_start_pos=call.kv_start_pos,
-                       prefix_lens=call.meta.prefix_lens if call.form == "unified" else None,
-                       custom_mask=call.custom_mask, skip_prefix_custom_mask=call.skip_prefix_custom_mask,
-                       draft_mask=call.draft_mask, kv_scales=scales.astype(jnp.float32).reshape(-1))
+    return _launch(call, call.k_pool, call.v_pool, call.meta, kv_scales=scales.astype(jnp.float32).reshape(-1))
 
 
 # fp8 pools read by the kernel (issue 26): the producer converts each pool tile in shared memory, so no step gathers

@@ -55,6 +55,7 @@ from jaxlib.mlir.dialects import arith, llvm, scf
 
 from jaxattn.kernels.extend_attention_mgpu import (
     LOG2E,
+    SWIZZLE_BYTES,
     SWIZZLED,
     SWIZZLES,
     WARPGROUP,
@@ -487,51 +488,65 @@ def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, shape: LatentShape
     @pl.when(wg == 2)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
-        # Q's rows by cp.async too (rows past q_count zero-filled), then the CTA's latent rows.
-        from_q = q_count < 0  # a traced False: rows first + r of q
-        q_rows = row_sources(kv_indices_ref, from_q, q_row0, q_count, block_kv=BLOCK_ROWS, pool_rows=q_ref.shape[0])
-        issue_rows(q_ref, q_ref, q_smem, bars, q_rows, from_q, jnp.int32(0), jnp.int32(q_bar), jnp.int32(0),
-                   block_kv=BLOCK_ROWS, head_dim=shape.qk_dim, swizzle=swizzle)
+        stream_latent_tiles(q_ref, new_ref, pool_ref, kv_indices_ref, q_smem, k_smem, bars, q_row0=q_row0,
+                            q_count=q_count, q_block_rows=BLOCK_ROWS, q_bar=q_bar, ready=ready, free=free,
+                            stages=stages, steps=steps, tile_source=tile_source, block_kv=block_kv,
+                            head_dim=shape.qk_dim, swizzle=swizzle)
 
-        def sources_of(step):
-            from_pool, first, count = tile_source(step)
-            return row_sources(kv_indices_ref, from_pool, first, count, block_kv=block_kv, pool_rows=pool_ref.shape[0])
 
-        def wait_free(step, slot):  # the slot's previous tile (step - stages) released by all 256 consumer threads
-            pl.when(step >= stages)(lambda: wait_barrier(bars, free + slot, lax.rem(lax.div(step, stages) - 1, 2)))
+def stream_latent_tiles(q_ref, new_ref, pool_ref, kv_indices_ref, q_smem, k_smem, bars, *, q_row0, q_count,
+                        q_block_rows: int, q_bar: int, ready: int, free: int, stages: int, steps, tile_source,
+                        block_kv: int, head_dim: int, swizzle: int):
+    """The producer warpgroup's work (both decode tiles, and extend): Q's q_block_rows rows by cp.async (rows past
+    q_count zero-filled) into q_smem ([1, q_block_rows, width]) on mbarrier q_bar, then the CTA's `steps` latent tiles
+    into the ring k_smem ([stages, block_kv, width]) on mbarriers ready + slot, each slot's previous tile first
+    released on free + slot (explicit phases). tile_source(step) -> (from_pool, first, count) as `_cta` takes it. An fp8
+    pool: each tile's rows copied into the upper half of its slot and converted there to f16 (q_smem's dtype),
+    the copies stages - 1 tiles ahead of the conversions."""
+    from_q = q_count < 0  # a traced False: rows first + r of q
+    q_rows = row_sources(kv_indices_ref, from_q, q_row0, q_count, block_kv=q_block_rows, pool_rows=q_ref.shape[0])
+    issue_rows(q_ref, q_ref, q_smem, bars, q_rows, from_q, jnp.int32(0), jnp.int32(q_bar), jnp.int32(0),
+               block_kv=q_block_rows, head_dim=head_dim, swizzle=swizzle)
 
-        if jnp.dtype(pool_ref.dtype).itemsize == 1:  # fp8: copies stages - 1 tiles ahead of the conversions
-            def start(step):
-                @pl.when(step < steps)
-                def _():
-                    slot = lax.rem(step, stages)
-                    wait_free(step, slot)
-                    issue_fp8_rows(pool_ref, k_smem, sources_of(step), slot, jnp.int32(0), block_kv=block_kv,
-                                   head_dim=shape.qk_dim, swizzle=swizzle)
-                commit_copies()
+    def sources_of(step):
+        from_pool, first, count = tile_source(step)
+        return row_sources(kv_indices_ref, from_pool, first, count, block_kv=block_kv, pool_rows=pool_ref.shape[0])
 
-            def fp8_step(step, carry):
+    def wait_free(step, slot):  # the slot's previous tile (step - stages) released by every consumer thread
+        pl.when(step >= stages)(lambda: wait_barrier(bars, free + slot, lax.rem(lax.div(step, stages) - 1, 2)))
+
+    if jnp.dtype(pool_ref.dtype).itemsize == 1:  # fp8: copies stages - 1 tiles ahead of the conversions
+        def start(step):
+            @pl.when(step < steps)
+            def _():
                 slot = lax.rem(step, stages)
-                convert_fp8_tile(k_smem, bars, slot, ready + slot, None, block_kv=block_kv, head_dim=shape.qk_dim,
-                                 fp8_dtype=pool_ref.dtype, dtype=dtype, wait_pending=stages - 2, swizzle=swizzle)
-                start(step + (stages - 1))
-                return carry
+                wait_free(step, slot)
+                issue_fp8_rows(pool_ref, k_smem, sources_of(step), slot, jnp.int32(0), block_kv=block_kv,
+                               head_dim=head_dim, swizzle=swizzle)
+            commit_copies()
 
-            for ahead in range(stages - 1):
-                start(jnp.int32(ahead))
-            lax.fori_loop(0, steps, fp8_step, jnp.int32(0))
-            return
-
-        def step_body(step, sources):
-            next_sources = sources_of(step + 1)  # its loads overlap this tile's wait and copies
+        def fp8_step(step, carry):
             slot = lax.rem(step, stages)
-            wait_free(step, slot)
-            from_pool = tile_source(step)[0]
-            issue_rows(new_ref, pool_ref, k_smem, bars, sources, from_pool, slot, ready + slot, jnp.int32(0),
-                       block_kv=block_kv, head_dim=shape.qk_dim, swizzle=swizzle)
-            return next_sources
+            convert_fp8_tile(k_smem, bars, slot, ready + slot, None, block_kv=block_kv, head_dim=head_dim,
+                             fp8_dtype=pool_ref.dtype, dtype=q_smem.dtype, wait_pending=stages - 2, swizzle=swizzle)
+            start(step + (stages - 1))
+            return carry
 
-        lax.fori_loop(0, steps, step_body, sources_of(jnp.int32(0)))
+        for ahead in range(stages - 1):
+            start(jnp.int32(ahead))
+        lax.fori_loop(0, steps, fp8_step, jnp.int32(0))
+        return
+
+    def step_body(step, sources):
+        next_sources = sources_of(step + 1)  # its loads overlap this tile's wait and copies
+        slot = lax.rem(step, stages)
+        wait_free(step, slot)
+        from_pool = tile_source(step)[0]
+        issue_rows(new_ref, pool_ref, k_smem, bars, sources, from_pool, slot, ready + slot, jnp.int32(0),
+                   block_kv=block_kv, head_dim=head_dim, swizzle=swizzle)
+        return next_sources
+
+    lax.fori_loop(0, steps, step_body, sources_of(jnp.int32(0)))
 
 
 def _latent_shape(q, k_pool, k_new=None, fp8_pool=False, block_kv: int = BLOCK_KV) -> LatentShape:
@@ -747,26 +762,12 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
             @pl.when(wg == 1)
             def _producer():
                 plgpu.set_max_registers(40, action="decrease")
-                from_q = jnp.int32(rows) < 0  # a traced False: rows first + r of q
-                q_rows = row_sources(kv_indices_ref, from_q, row0, jnp.int32(rows), block_kv=rows,
-                                     pool_rows=q_ref.shape[0])
-                issue_rows(q_ref, q_ref, q_smem, bars, q_rows, from_q, jnp.int32(0), jnp.int32(q_bar), jnp.int32(0),
-                           block_kv=rows, head_dim=width)
-
-                def sources_of(step):
-                    return row_sources(kv_indices_ref, cta.split_len > 0, cta.kv_begin + cta.split_start + step * BLOCK_KV,
-                                       cta.split_len - step * BLOCK_KV, block_kv=BLOCK_KV, pool_rows=k_pool_ref.shape[0])
-
-                def step_body(step, sources):
-                    next_sources = sources_of(step + 1)
-                    slot = lax.rem(step, stages)
-                    pl.when(step >= stages)(
-                        lambda: wait_barrier(bars, free + slot, lax.rem(lax.div(step, stages) - 1, 2)))
-                    issue_rows(k_pool_ref, k_pool_ref, k_smem, bars, sources, cta.split_len > 0, slot, ready + slot,
-                               jnp.int32(0), block_kv=BLOCK_KV, head_dim=width)
-                    return next_sources
-
-                lax.fori_loop(0, cta.steps, step_body, sources_of(jnp.int32(0)))
+                stream_latent_tiles(
+                    q_ref, k_pool_ref, k_pool_ref, kv_indices_ref, q_smem, k_smem, bars, q_row0=row0,
+                    q_count=jnp.int32(rows), q_block_rows=rows, q_bar=q_bar, ready=ready, free=free, stages=stages,
+                    steps=cta.steps, tile_source=lambda step: (cta.split_len > 0, cta.kv_begin + cta.split_start
+                                                               + step * BLOCK_KV, cta.split_len - step * BLOCK_KV),
+                    block_kv=BLOCK_KV, head_dim=width, swizzle=SWIZZLE_BYTES)
 
     def entry(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, mid_o_ref, mid_lse_ref):
         pl.run_scoped(lambda *scoped: body(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, mid_o_ref,

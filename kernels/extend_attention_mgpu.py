@@ -40,7 +40,7 @@ head dims may differ (192/128): O then goes through its own buffer. At 256/256 a
 64-column buffer in four chunks (a whole-width one would not fit beside Q and the ring).
 
 fp8 pools (`kv_scales`): the producer copies a pool tile's fp8 rows into the upper half of its 16-bit ring slot and
-rewrites the slot in place as the 16-bit tile (`convert_fp8_tile`), stages - 1 tiles ahead of the consumers, whose
+rewrites the slot in place as the 16-bit tile (`convert_fp8_tiles`), stages - 1 tiles ahead of the consumers, whose
 work does not change. Not yet run on a GPU.
 
 The unified form (`prefix_lens` given; no k_new/v_new): every key comes from the pool through one list per sequence,
@@ -582,40 +582,51 @@ def fp8_convert_ptx(fp8_dtype, dtype, scaled: bool = True) -> str:
     return FP8_CONVERT_PTX.format(fp8=FP8_PTX_NAMES[jnp.dtype(fp8_dtype)], out=OUT_PTX_NAMES[jnp.dtype(dtype)])
 
 
-def convert_fp8_tile(smem, bars, slot, barrier, scale, *, block_kv: int, head_dim: int, fp8_dtype, dtype,
-                     wait_pending: int | None, swizzle: int = SWIZZLE_BYTES):
-    """Rewrites the fp8 tile `issue_fp8_rows` copied into ring slot `slot` of `smem` as the `SWIZZLED` tile of
-    `dtype` (each value times `scale`, an f32 scalar, in f32; scale None: f16, exact, the scale folded elsewhere), then
-    completes mbarrier `barrier` of `bars` (each producer thread arrives once: its 128 arrivals, as a cp.async
-    tile's). wait_pending: None (the copies were waited for by an earlier call), or wait until at most this many of
-    the thread's cp.async groups are in flight, then sync the warpgroup so every thread's copies are visible."""
+def convert_fp8_tiles(tiles, bars, slot, *, block_kv: int, head_dim: int, fp8_dtype, dtype, wait_pending: int | None,
+                      swizzle: int = SWIZZLE_BYTES):
+    """Rewrites the fp8 tiles `issue_fp8_rows` copied into ring slot `slot` of each ring as the `SWIZZLED` tiles of
+    `dtype`, then completes each tile's mbarrier (each producer thread arrives once: its 128 arrivals, as a cp.async
+    tile's). tiles: ((smem, barrier, scale), ...), smem a 16-bit [stages, block_kv, head_dim] ring, barrier an index
+    into `bars`, scale an f32 scalar (each value times it in f32) or None (f16, exact, the scale folded elsewhere;
+    one for all tiles). The tiles go through the same rounds (K's and V's loads, one sync, their stores): half the
+    syncs and twice the independent work of converting them one after the other. wait_pending: None (the copies were
+    waited for by an earlier call), or wait until at most this many of the thread's cp.async groups are in flight,
+    then sync the warpgroup so every thread's copies are visible."""
     check_fp8_tile(block_kv, head_dim)
     slot_bytes = 2 * block_kv * head_dim
-    scaled = scale is not None
+    scaled = tiles[0][2] is not None
+    if any((scale is not None) != scaled for _, _, scale in tiles):
+        raise ValueError("the tiles converted together are all scaled or all unscaled")
     ptx = fp8_convert_ptx(fp8_dtype, dtype, scaled)
+    count = len(tiles)
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(SWIZZLES[swizzle]), plgpu.RefType(), _SCALAR, _SCALAR) + ((_SCALAR,) * scaled))
-    def run(ctx, smem, bars, slot, barrier, *scale):
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(SWIZZLES[swizzle]),) * count + (plgpu.RefType(), _SCALAR)
+                       + (_SCALAR,) * (count * (1 + scaled)))
+    def run(ctx, *args):
         del ctx
+        smems, (bars, slot), rest = args[:count], args[count:count + 2], args[count + 2:]
         i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
         words = ir.VectorType.get((4,), i32)
-        slot, barrier = _scalar(slot), _scalar(barrier)
-        scale = tuple(_scalar(x) for x in scale)  # () when unscaled
+        slot = _scalar(slot)
+        barriers = [_scalar(x) for x in rest[:count]]
+        scales = [(_scalar(x),) for x in rest[count:]] if scaled else [()] * count
         sync = mgpu_utils.warpgroup_barrier  # bar.sync on the producer warpgroup's own barrier (as Mosaic's)
         if wait_pending is not None:
             nvvm.cp_async_wait_group(wait_pending)
             sync()
         thread = arith.remui(mgpu_utils.thread_idx(), _i32(WARPGROUP))
-        base = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(smem), [arith.muli(slot, _i32(slot_bytes))], i8)
+        bases = [mgpu_utils.getelementptr(mgpu_utils.memref_ptr(smem), [arith.muli(slot, _i32(slot_bytes))], i8)
+                 for smem in smems]
         for r in range(fp8_rounds(block_kv, head_dim)):
             loaded = []
-            for i in range(fp8_chunks_per_thread(head_dim)):
-                row, chunk = fp8_round_position(r, thread, i, head_dim=head_dim, ops=IrOps)
-                src = mgpu_utils.getelementptr(
-                    base, [fp8_staged_byte(row, chunk, block_kv=block_kv, head_dim=head_dim, ops=IrOps)], i8)
-                loaded.append((row, chunk, llvm.load(words, src, alignment=16)))
+            for base, scale in zip(bases, scales):
+                for i in range(fp8_chunks_per_thread(head_dim)):
+                    row, chunk = fp8_round_position(r, thread, i, head_dim=head_dim, ops=IrOps)
+                    src = mgpu_utils.getelementptr(
+                        base, [fp8_staged_byte(row, chunk, block_kv=block_kv, head_dim=head_dim, ops=IrOps)], i8)
+                    loaded.append((base, scale, row, chunk, llvm.load(words, src, alignment=16)))
             sync()  # every thread's round-r bytes read before any is overwritten
-            for row, chunk, data in loaded:
+            for base, scale, row, chunk, data in loaded:
                 out = []
                 for i in range(4):
                     out += mgpu_utils.inline_ptx(ptx, vector.extract(data, [], [i]), *scale, result_types=[i32, i32])
@@ -624,12 +635,14 @@ def convert_fp8_tile(smem, bars, slot, barrier, scale, *, block_kv: int, head_di
                                              swizzle=swizzle, ops=IrOps)
                     llvm.store(vector.from_elements(words, out[4 * half:4 * half + 4]),
                                mgpu_utils.getelementptr(base, [at], i8), alignment=16)
-        # wgmma reads the tile through the async proxy: order this thread's stores before it, then release.
+        # wgmma reads the tiles through the async proxy: order this thread's stores before it, then release.
         nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
-        mgpu_utils.inline_ptx("mbarrier.arrive.release.cta.shared::cta.b64 _, [$0];", _barrier_ptr(bars, barrier),
-                              has_side_effects=True)
+        for barrier in barriers:
+            mgpu_utils.inline_ptx("mbarrier.arrive.release.cta.shared::cta.b64 _, [$0];", _barrier_ptr(bars, barrier),
+                                  has_side_effects=True)
 
-    run(smem, bars, slot, barrier, *(() if scale is None else (scale,)))
+    run(*(smem for smem, _, _ in tiles), bars, slot, *(barrier for _, barrier, _ in tiles),
+        *(scale for _, _, scale in tiles if scale is not None))
 
 
 def cp_async_uses(step, slot, *, pre_steps, tail_step, stages: int, first_step=None, page_steps=0):
@@ -748,7 +761,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
       whose softmax is as long as its matrix work; no schedule barrier, the warp schedulers interleave the three).
     kv_scales: f32[2 * kv_heads] (K scales, then V scales) exactly when k_pool / v_pool are fp8 (e4m3fn or e5m2, one
       format; qk_dim == v_dim in `FP8_HEAD_DIMS`, not latent, page_rows 0): the producer copies each pool tile's fp8
-      rows into the upper half of its 16-bit ring slot and converts them there (`convert_fp8_tile`: value * scale in
+      rows into the upper half of its 16-bit ring slot and converts them there (`convert_fp8_tiles`: value * scale in
       f32, rounded to q's dtype, as `jaxattn.fp8.dequantised_rows`), so the consumers' work is unchanged. Its copies
       run stages - 1 tiles ahead of its conversions (cp.async groups, one per step). New tokens' K/V (two-stage) stay
       in q's dtype, unscaled. Not yet run on a GPU (lowered for sm_90 on CPU; opt-in, `impl="mgpu-fp8"`).
@@ -1447,12 +1460,12 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     if not latent:
                         load(1, v_new_ref, v_pool_ref, v_smem, v_free, v_ready, v_dim)
 
-                def fp8_start(step):
+                def fp8_start(step, sources):
                     """fp8 pools: issues tile `step`'s copies (a pool tile's fp8 rows into its slots' upper halves, a
-                    new-key tile as 16-bit pools do; nothing past cta_steps), then closes them into one group."""
+                    new-key tile as 16-bit pools do; nothing past cta_steps), then closes them into one group.
+                    sources: `sources_of(step)`."""
                     @pl.when(step < cta_steps)
                     def _():
-                        sources = sources_of(step)
                         slot = lax.rem(step, jnp.int32(stages))
 
                         def pool_tile():
@@ -1473,21 +1486,24 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     # while the consumers work on the tile before.
                     k_scale, v_scale = scales_ref[kv_head], scales_ref[kv_heads + kv_head]
                     for ahead in range(stages - 1):
-                        fp8_start(first + ahead)
+                        fp8_start(first + ahead, sources_of(first + ahead))
 
-                    def fp8_step(step, carry):
+                    def fp8_step(step, sources):
+                        # sources: tile step + stages - 1's, loaded an iteration ahead (as `step_body`'s), so the
+                        # load of kv_indices overlaps the conversion instead of delaying the copies.
+                        next_sources = sources_of(step + stages)
+
                         @pl.when(step < pre_steps)
                         def _():
                             slot = lax.rem(step, jnp.int32(stages))
                             # Groups in flight may be those of tiles step + 1 .. step + stages - 2.
-                            convert_fp8_tile(k_smem, kv_bars, slot, slot, k_scale, block_kv=block_kv, head_dim=qk_dim,
-                                             fp8_dtype=k_pool.dtype, dtype=dtype, wait_pending=stages - 2)
-                            convert_fp8_tile(v_smem, kv_bars, slot, stages + slot, v_scale, block_kv=block_kv,
-                                             head_dim=qk_dim, fp8_dtype=k_pool.dtype, dtype=dtype, wait_pending=None)
-                        fp8_start(step + (stages - 1))
-                        return carry
+                            convert_fp8_tiles(((k_smem, slot, k_scale), (v_smem, stages + slot, v_scale)), kv_bars,
+                                              slot, block_kv=block_kv, head_dim=qk_dim, fp8_dtype=k_pool.dtype,
+                                              dtype=dtype, wait_pending=stages - 2)
+                        fp8_start(step + (stages - 1), sources)
+                        return next_sources
 
-                    lax.fori_loop(first_step, cta_steps, fp8_step, jnp.int32(0))
+                    lax.fori_loop(first_step, cta_steps, fp8_step, sources_of(first + (stages - 1)))
 
                 def step_body(step, sources):
                     next_sources = sources_of(step + 1)  # its loads overlap this tile's waits and copies

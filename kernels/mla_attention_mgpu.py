@@ -29,7 +29,7 @@ rows: the padding rows of a 16-row block are computed but never stored); decode'
 as N, one consumer warpgroup (see its comment). Not yet run on a GPU.
 
 Decode over an fp8 latent cache (576 wide, f16 Q): the producer copies each tile's fp8 rows into the upper half of
-its ring slot and converts them there to f16 (`convert_fp8_tile` of the extend kernel), one tile ahead; the
+its ring slot and converts them there to f16 (`convert_fp8_tiles` of the extend kernel), one tile ahead; the
 consumers are unchanged. Not yet run on a GPU.
 
 Decode's split geometry, index checks and empty rows follow `kernels/decode_attention.py` (the effective range under
@@ -64,7 +64,7 @@ from jaxattn.kernels.extend_attention_mgpu import (
     arrive_barrier,
     check_fp8_tile,
     commit_copies,
-    convert_fp8_tile,
+    convert_fp8_tiles,
     init_barriers,
     issue_fp8_rows,
     issue_rows,
@@ -387,7 +387,7 @@ def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, shape: LatentShape
     first half of the columns); store_lse(lse): f32[64] natural-log LSE rows (warpgroup 0); sink: f32[64] (WGMMA row
     layout), each row's natural-log sink logit joining its denominator, or None. An fp8 pool (every tile from it,
     f16 Q): the producer copies each tile's fp8 rows into the upper half of its ring slot and converts them there to
-    f16 (`convert_fp8_tile`, unscaled: the caller folds the scales into q and the output), its copies one tile ahead
+    f16 (`convert_fp8_tiles`, unscaled: the caller folds the scales into q and the output), its copies one tile ahead
     of its conversions.
     """
     if shape.p_buffer:
@@ -516,25 +516,28 @@ def stream_latent_tiles(q_ref, new_ref, pool_ref, kv_indices_ref, q_smem, k_smem
         pl.when(step >= stages)(lambda: wait_barrier(bars, free + slot, lax.rem(lax.div(step, stages) - 1, 2)))
 
     if jnp.dtype(pool_ref.dtype).itemsize == 1:  # fp8: copies stages - 1 tiles ahead of the conversions
-        def start(step):
+        def start(step, sources):
             @pl.when(step < steps)
             def _():
                 slot = lax.rem(step, stages)
                 wait_free(step, slot)
-                issue_fp8_rows(pool_ref, k_smem, sources_of(step), slot, jnp.int32(0), block_kv=block_kv,
-                               head_dim=head_dim, swizzle=swizzle)
+                issue_fp8_rows(pool_ref, k_smem, sources, slot, jnp.int32(0), block_kv=block_kv, head_dim=head_dim,
+                               swizzle=swizzle)
             commit_copies()
 
-        def fp8_step(step, carry):
+        def fp8_step(step, sources):
+            # sources: tile step + stages - 1's, loaded an iteration ahead (as the 16-bit loop's), so the load of
+            # kv_indices, queued behind the copies' traffic, overlaps the conversion instead of delaying the copies.
+            next_sources = sources_of(step + stages)
             slot = lax.rem(step, stages)
-            convert_fp8_tile(k_smem, bars, slot, ready + slot, None, block_kv=block_kv, head_dim=head_dim,
-                             fp8_dtype=pool_ref.dtype, dtype=q_smem.dtype, wait_pending=stages - 2, swizzle=swizzle)
-            start(step + (stages - 1))
-            return carry
+            convert_fp8_tiles(((k_smem, ready + slot, None),), bars, slot, block_kv=block_kv, head_dim=head_dim,
+                              fp8_dtype=pool_ref.dtype, dtype=q_smem.dtype, wait_pending=stages - 2, swizzle=swizzle)
+            start(step + (stages - 1), sources)
+            return next_sources
 
         for ahead in range(stages - 1):
-            start(jnp.int32(ahead))
-        lax.fori_loop(0, steps, fp8_step, jnp.int32(0))
+            start(jnp.int32(ahead), sources_of(jnp.int32(ahead)))
+        lax.fori_loop(0, steps, fp8_step, sources_of(jnp.int32(stages - 1)))
         return
 
     def step_body(step, sources):
@@ -678,9 +681,15 @@ TRANSPOSED_STAGES = 2  # Q N x 576 (18 KB at 16 heads) + 2 x 72 KB + P and barri
 TRANSPOSED_QK_DIM = 576  # the latent head it takes (V: the first 512 columns, 8 wgmma M-blocks)
 
 
+# At 64 heads Q's 72 KB beside the 144 KB ring, P and Mosaic's scratch passed the 227 KB of shared memory (the H100
+# refused the launch: "invalid argument", 2026-12-05); 48 never ran; there the padded tile's M is mostly full anyway.
+TRANSPOSED_MAX_ROWS = 32
+
+
 def transposed_rows_supported(rows_per_seq: int) -> bool:
-    """Rows (heads) per CTA the transposed tile takes: wgmma's N, whole 16-row groups of Q's copies, at most 64."""
-    return rows_per_seq % 16 == 0 and rows_per_seq <= BLOCK_ROWS
+    """Rows (heads) per CTA the transposed tile takes: wgmma's N, whole 16-row groups of Q's copies, at most
+    `TRANSPOSED_MAX_ROWS`."""
+    return rows_per_seq % 16 == 0 and 0 < rows_per_seq <= TRANSPOSED_MAX_ROWS
 
 
 def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, *, q_heads, sm_scale, max_kv_splits,
@@ -688,10 +697,10 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
     """Stage 1 of split-KV MLA decode on the transposed tile, one query token per sequence: the same partial buffers
     as `mla_decode_mgpu_kernel` (mid_o f32[rows * max_kv_splits, 512], mid_lse f32[rows * max_kv_splits]), the same
     split geometry (`decode_cta`), index checks and empty rows. q: [batch * q_heads, 1, 576] bf16/f16; k_pool:
-    [slots, 1, 576] of q's dtype; q_heads (the tile's N) a multiple of 16, at most 64."""
+    [slots, 1, 576] of q's dtype; q_heads (the tile's N) 16 or 32 (`transposed_rows_supported`)."""
     shape = _latent_shape(q, k_pool)
     if shape.qk_dim != TRANSPOSED_QK_DIM or not transposed_rows_supported(q_heads):
-        raise ValueError(f"the transposed tile takes 576-wide latent rows and 16, 32, 48 or 64 q heads; got "
+        raise ValueError(f"the transposed tile takes 576-wide latent rows and 16 or 32 q heads; got "
                          f"{shape.qk_dim}, {q_heads}")
     rows_total, width, v_dim = q.shape[0], shape.width, shape.v_dim
     batch = kv_indptr.shape[0] - 1

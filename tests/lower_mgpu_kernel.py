@@ -239,7 +239,7 @@ DECODE_SHAPES = [
     # The transposed tile (`MgpuDecodeConfig(transposed=True)`: keys as wgmma's M, the heads as N): 16 heads with a
     # window, 64 heads in f16.
     ("mla-decode-transposed-16-bf16-window", 8, 1, 16, jnp.bfloat16, dict(transposed=True, sliding_window=300)),
-    ("mla-decode-transposed-64-f16", 5, 1, 64, jnp.float16, dict(transposed=True)),
+    ("mla-decode-transposed-32-f16", 5, 1, 32, jnp.float16, dict(transposed=True)),
 ]
 
 

@@ -1091,7 +1091,7 @@ def _cta_programs(first_step, cta_steps, wg_ranges, pre_steps, tail_step, uses, 
         if not fp8:
             producer += start(step)
             continue
-        if step < pre_steps:  # convert_fp8_tile: K's, then V's
+        if step < pre_steps:  # convert_fp8_tiles: K's and V's together
             producer += [("load", barrier(which, step), step) for which in kinds]
         producer += start(step + stages - 1)
     scheduled = len(wg_ranges) == 2

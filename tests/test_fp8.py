@@ -371,16 +371,18 @@ def test_mgpu_kernel_converts_fp8_tiles_itself(rng, fmt, case, form):
 @pytest.mark.parametrize("tokens,window", [(1, -1), (1, 300), (4, -1)], ids=["decode", "window", "verify-4"])
 def test_mla_kernel_converts_fp8_latent_tiles_itself(rng, fmt, tokens, window):
     # impl="mgpu-fp8": the MLA kernel over an fp8 latent pool (its producer converts each tile to f16; q pre-scaled,
-    # v_scale on the outputs) against the reference on the same pool; empty and long sequences, unused rows NaN.
+    # the scale on the outputs: V is K's first 512 columns, so k_scale is V's too) against the reference on the same
+    # pool; empty and long sequences, unused rows NaN. A scale that is not a power of two, so a scale applied twice
+    # or not at all shows.
     q_heads, dim = 16, 576
     kv_lens = [1, 700, 0, 2049, 64]
     q, k_pool, _, kv_indptr, kv_indices = make_pools(rng, kv_lens, q_heads, 1, dim, 512, jnp.bfloat16, v_from_k=True)
     if tokens > 1:
         q = random_normal(rng, (len(kv_lens), tokens, q_heads, dim), jnp.bfloat16)
-    k8 = quantised(k_pool, 0.5, fmt)
+    k8 = quantised(k_pool, 0.37, fmt)
     meta = decode_metadata_from_indptr(kv_indptr, kv_indices, q_heads=q_heads, kv_heads=1, max_kv_splits=4,
                                        min_split_len=32, programs_per_sm=10**6, sliding_window=window)
-    kwargs = dict(return_lse=True, v_head_dim=512, k_scale=0.5, v_scale=0.5, sliding_window=window)
+    kwargs = dict(return_lse=True, v_head_dim=512, k_scale=0.37, sliding_window=window)
     o, lse = decode_attention(q, k8, None, meta, impl="mgpu-fp8", **kwargs)
     ref_o, ref_lse = decode_attention_reference(q, _clean(k8), None, meta, **kwargs)
     assert not np.isnan(np.float32(o)).any()

@@ -1,5 +1,5 @@
 """The Mosaic GPU extend kernel's fp8 tiles (issue 26), replayed on bytes: `issue_fp8_rows`' copies into the upper
-half of a 16-bit ring slot, then `convert_fp8_tile`'s in-place rounds (every thread's loads, one warpgroup sync, every
+half of a 16-bit ring slot, then `convert_fp8_tiles`' in-place rounds (every thread's loads, one warpgroup sync, every
 thread's stores), through the kernel module's own layout formulas (`IntOps`). The slot must end up holding the tile
 wgmma reads (Mosaic's (8, 64)-tiled, 128-byte-swizzled layout, written out independently here) with the values
 `jaxattn.fp8.dequantised_rows` gives, bit for bit. The kernel itself runs only on a GPU.
@@ -51,9 +51,9 @@ def copy_tile(slot, pool, sources, kv_head, *, block_kv, head_dim):
 
 
 def convert_tile(slot, fp8_dtype, scale, dtype, *, block_kv, head_dim, synced=True, swizzle=128):
-    """convert_fp8_tile's rounds (scale None: straight to f16). synced=False replays them without the sync between
-    loads and stores (each thread loads and stores before the next): the in-place rewrite then must fail, which
-    shows this test can."""
+    """convert_fp8_tiles' rounds on one tile (scale None: straight to f16; K's and V's share the rounds, each on its
+    own ring). synced=False replays them without the sync between loads and stores (each thread loads and stores
+    before the next): the in-place rewrite then must fail, which shows this test can."""
     converted = np.zeros((block_kv, head_dim // 16), int)
     for r in range(kernel.fp8_rounds(block_kv, head_dim)):
         positions = [kernel.fp8_round_position(r, t, i, head_dim=head_dim) for t in range(THREADS)

@@ -89,7 +89,7 @@ def _declines_decode_call(call: DecodeCall) -> str | None:
                     "or an fp8 pool")
         if call.tokens_per_seq != 1 or not transposed_rows_supported(call.q_heads):
             return (f"MgpuDecodeConfig(transposed=True) with {call.tokens_per_seq} tokens x {call.q_heads} heads "
-                    "(one token, 16, 32, 48 or 64 heads)")
+                    "(one token, 16 or 32 heads)")
     if (call.qk_head_dim, call.v_head_dim) not in MLA_HEAD_DIMS:
         return f"head dims {call.qk_head_dim}/{call.v_head_dim} (MLA's latent heads {MLA_HEAD_DIMS} only)"
     if call.v_pool is not None:
@@ -153,7 +153,7 @@ def mla_decode_partials(call: DecodeCall):
         scales = jnp.ones((2, 1), jnp.float32) if call.kv_scales is None else call.kv_scales.astype(jnp.float32)
         q = (q.astype(jnp.float32) * (sm_scale * scales[0, 0])).astype(jnp.float16)
         sm_scale, v_scale = 1.0, scales[1, :1]
-    if _transposed(call):  # one token, 16-64 heads: one row block (the kernel's checks)
+    if _transposed(call):  # one token, 16 or 32 heads: one row block (the kernel's checks)
         mid_o, mid_lse = mla_decode_transposed_kernel(
             call.q.reshape(batch * q_heads, 1, call.qk_head_dim), call.k_pool, kv_indptr, kv_indices, num_kv_splits,
             q_heads=q_heads, sm_scale=sm_scale, max_kv_splits=splits,

@@ -11,7 +11,7 @@ The query of sequence b is the last token of its KV list, its K/V already writte
     16-bit), the Mosaic GPU GQA kernel (`jaxattn.impl.mgpu_decode`) for separate 16-bit K/V pools (head dim 64/128,
     one token, no soft cap), else SGLang's split-KV Triton kernels (`jaxattn.impl.triton_decode`);
     `impl="mgpu-gqa-fp8"` runs the GQA kernel on fp8 pools (opt-in: slower than Triton there so far) and
-    `impl="mgpu-fp8"` the MLA kernel on fp8 latent pools 576 wide (opt-in: not yet run on a GPU).
+    `impl="mgpu-fp8"` the MLA kernel on fp8 latent pools 576 wide (opt-in: slower than Triton so far).
   * `decode_attention_reference(q, k_pool, v_pool, meta, ...)`: the same call on the pure-jnp reference.
 
 Several query tokens per sequence (speculative verify, multi-token prediction): q ``[batch, tokens, q_heads, dim]``,

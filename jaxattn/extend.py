@@ -22,9 +22,10 @@ rest, `impl=` forces one):
   "mgpu-unified"    unified     The Mosaic GPU kernel over one list per sequence, tiles at fixed listed-key
                                 offsets (deterministic): as "mgpu" less draft masks, on lists not cut for a window.
   "triton-unified"  unified     SGLang's deterministic unified Triton kernel, every feature.
-  "mgpu-fp8",       both        By name only (not yet run on a GPU): the Mosaic GPU kernel reading fp8 pools itself
-  "mgpu-unified-                (its producer converts each tile in shared memory) where "mgpu" and "mgpu-unified"
-  fp8"                          gather and dequantise the listed keys first; head dims 64, 128, 256.
+  "mgpu-fp8",       both        By name only: the Mosaic GPU kernel reading fp8 pools itself (its producer
+  "mgpu-unified-                converts each tile in shared memory) where "mgpu" and "mgpu-unified" gather and
+  fp8"                          dequantise the listed keys first; head dims 64, 128, 256. Correct on the H100 and
+                                slower there than dequantising (179e77b).
   ================  ==========  ==================================================================================
 
 A `config=` picks among them by its type (`ExtendConfig`: the Triton kernels; `MgpuExtendConfig`: Mosaic GPU).

@@ -41,7 +41,7 @@ head dims may differ (192/128): O then goes through its own buffer. At 256/256 a
 
 fp8 pools (`kv_scales`): the producer copies a pool tile's fp8 rows into the upper half of its 16-bit ring slot and
 rewrites the slot in place as the 16-bit tile (`convert_fp8_tiles`), stages - 1 tiles ahead of the consumers, whose
-work does not change. Not yet run on a GPU.
+work does not change.
 
 The unified form (`prefix_lens` given; no k_new/v_new): every key comes from the pool through one list per sequence,
 all tiles by cp.async at fixed listed-key offsets from step 0, the CTA taking the tiles up to its last row's listed
@@ -764,7 +764,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
       rows into the upper half of its 16-bit ring slot and converts them there (`convert_fp8_tiles`: value * scale in
       f32, rounded to q's dtype, as `jaxattn.fp8.dequantised_rows`), so the consumers' work is unchanged. Its copies
       run stages - 1 tiles ahead of its conversions (cp.async groups, one per step). New tokens' K/V (two-stage) stay
-      in q's dtype, unscaled. Not yet run on a GPU (lowered for sm_90 on CPU; opt-in, `impl="mgpu-fp8"`).
+      in q's dtype, unscaled. Opt-in (`impl="mgpu-fp8"`).
     overlap (3 consumers): FlashAttention-3's intra-warpgroup overlap on the runs of unmasked tiles: tile t + 1's
       S = Q K^T is issued before tile t's softmax, which runs while the tensor cores compute it. The same tiles, order
       and arithmetic as without it (the same bits); masked tiles run as before.

@@ -10,7 +10,8 @@ Two implementations of `jaxattn.extend`'s contract on one kernel:
   replaces invisible scores, so a token's row is bit-identical however its sequence is split into prefix and new
   tokens. Causal or not, soft cap, sinks, xai temperature, a sliding window (causal, on uncut lists).
 
-* "mgpu-fp8" / "mgpu-unified-fp8" (`FP8`, `UNIFIED_FP8`; by name only, not yet run on a GPU): either form over fp8
+* "mgpu-fp8" / "mgpu-unified-fp8" (`FP8`, `UNIFIED_FP8`; by name only: bit for bit the dequantising route's outputs on the H100, and slower
+  there, 1.32-1.50x at E1-FP8 / E3-FP8, 179e77b): either form over fp8
   pools read by the kernel (its producer converts each tile in shared memory), where the two above gather and
   dequantise the listed keys first (`dequantised_prefix`).
 

@@ -11,7 +11,7 @@ Its split bound is its own (static: enough CTAs to fill the GPU once, `kernel_sp
 metadata's split count under it; deterministic metadata keeps its own bound (splits by length only, so a sequence's
 result does not depend on its batch).
 
-`DECODE_FP8` ("mgpu-fp8", by name only, not yet run on a GPU): the same decode over an fp8 (e4m3fn / e5m2) latent
+`DECODE_FP8` ("mgpu-fp8", by name only; slower than the Triton kernel on the H100 at 179e77b): the same decode over an fp8 (e4m3fn / e5m2) latent
 cache 576 wide, the kernel's producer converting each tile to f16 in shared memory; q is multiplied by the softmax
 scale and k_scale and rounded to f16 once, v_scale multiplies the outputs.
 

@@ -142,9 +142,10 @@ class MgpuDecodeConfig:
     MLA kernel's is fixed by its shared memory and must be None. persistent: the GQA kernel's launch, one CTA per
     multiprocessor taking work items in turn (True) or one CTA per item (False); None: its default. block_kv: the
     MLA kernel's key tile, None (64) or 32 (at 576: a 4-deep ring of 32-key tiles, `kernels/mla_attention_mgpu.py`'s
-    `DECODE_KV32`; not yet run on a GPU). transposed: the MLA kernel's transposed tile (keys as wgmma's M, the heads
-    as N: a quarter of the padded tile's matrix work at 16 heads; one query token, 576, 16 or 32 heads, 16-bit;
-    `mla_decode_transposed_kernel`; not yet run on a GPU)."""
+    `DECODE_KV32`; on the H100 at MLA 0.129 ms against 0.124 for 64-key tiles, 179e77b). transposed: the MLA
+    kernel's transposed tile (keys as wgmma's M, the heads as N: a quarter of the padded tile's matrix work at 16
+    heads; one query token, 576, 16 or 32 heads, 16-bit; `mla_decode_transposed_kernel`; on the H100 at MLA 0.121 ms
+    against the padded tile's 0.124, 179e77b)."""
 
     splits: int | None = None
     stages: int | None = None

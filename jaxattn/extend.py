@@ -275,8 +275,21 @@ def extend_attention_reference(
                       xai_temperature_len=xai_temperature_len, k_scale=k_scale, v_scale=v_scale, causal=causal,
                       skip_prefix_custom_mask=skip_prefix_custom_mask)
     check_new_tokens(q, k_new, v_new, k_pool, v_pool)
-    tokens, slots, capacity = q.shape[0], k_pool.shape[0], meta.kv_capacity
     scales = kv_scale_table(k_scale, v_scale, v_pool.shape[1])
+    return _extend_reference(q, k_new, v_new, k_pool, v_pool, meta, custom_mask, sinks, scales, draft_mask,
+                             causal=causal, skip_prefix_custom_mask=skip_prefix_custom_mask,
+                             sliding_window=int(sliding_window), logit_cap=float(logit_cap),
+                             xai_temperature_len=int(xai_temperature_len),
+                             sm_scale=None if sm_scale is None else float(sm_scale))
+
+
+# One jitted computation: called eagerly (tests, the CPU fallback outside jit), its dozens of small ops would each be
+# compiled on their own; inside jit it is inlined as before.
+@functools.partial(jax.jit, static_argnames=("causal", "skip_prefix_custom_mask", "sliding_window", "logit_cap",
+                                             "xai_temperature_len", "sm_scale"))
+def _extend_reference(q, k_new, v_new, k_pool, v_pool, meta, custom_mask, sinks, scales, draft_mask, *, causal,
+                      skip_prefix_custom_mask, sliding_window, logit_cap, xai_temperature_len, sm_scale):
+    tokens, slots, capacity = q.shape[0], k_pool.shape[0], meta.kv_capacity
     prefix_slots = jnp.clip(meta.kv_indices.astype(jnp.int32), 0, slots - 1)  # the reference's slot rule
     k_prefix = dequantised_rows(k_pool, prefix_slots, None if scales is None else scales[0], jnp.float32)
     v_prefix = dequantised_rows(v_pool, prefix_slots, None if scales is None else scales[1], jnp.float32)

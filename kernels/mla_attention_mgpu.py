@@ -178,18 +178,20 @@ def online_softmax_start(rows: int, acc_shape, *, stats_axis: int):
             plgpu.layout_cast(jnp.full(acc_shape, 0.0, jnp.float32), plgpu.Layout.WGMMA))
 
 
-def online_softmax_tile(s, acc, m_i, l_i, scale_log2):
+def online_softmax_tile(s, acc, m_i, l_i, scale_log2, *, keys_axis: int = 1):
     """One key tile of the online softmax (base 2) for 64 rows: s f32[64, 64] raw scores (WGMMA layout; invisible ones
     -inf), acc f32[64, n] the rows' output so far, m_i / l_i f32[64] their running max (of scaled scores) and sum;
     scale_log2 > 0: a scalar, or f32[64] (WGMMA row layout) for a scale per row. Returns (p, acc rescaled by alpha,
-    m_new, l_new, alpha)."""
-    m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
+    m_new, l_new, alpha). keys_axis 0 (the transposed tile): s is [keys, rows] and acc [n, rows], the rows are
+    columns (m_i, l_i in the column layout)."""
+    rows_axis = 1 - keys_axis
+    m_new = jnp.maximum(m_i, s.max(axis=keys_axis) * scale_log2)
     alpha = jnp.exp2(m_i - m_new)
     if getattr(scale_log2, "ndim", 0) == 1:
-        scale_log2 = lax.broadcast_in_dim(scale_log2, s.shape, [0])
-    p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
-    l_i = l_i * alpha + p.sum(axis=1)
-    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        scale_log2 = lax.broadcast_in_dim(scale_log2, s.shape, [rows_axis])
+    p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [rows_axis]))
+    l_i = l_i * alpha + p.sum(axis=keys_axis)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [rows_axis])
     return p, acc, m_new, l_i, alpha
 
 
@@ -743,11 +745,7 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
                     if masked:  # the split's last, partial tile: keys past its end hidden
                         keys = plgpu.broadcasted_iota(jnp.int32, (BLOCK_KV, rows), 0, layout=plgpu.Layout.WGMMA)
                         s = jnp.where(step * BLOCK_KV + keys < cta.split_len, s, -jnp.inf)
-                    m_new = jnp.maximum(m_i, s.max(axis=0) * scale_log2)
-                    alpha = jnp.exp2(m_i - m_new)
-                    p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [1]))
-                    l_i = l_i * alpha + p.sum(axis=0)
-                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+                    p, acc, m_new, l_i, _ = online_softmax_tile(s, acc, m_i, l_i, scale_log2, keys_axis=0)
                     p_smem.transpose((1, 0))[...] = p.astype(p_smem.dtype)  # the previous P V has completed
                     plgpu.commit_smem()  # the generic stores, then wgmma's reads through the async proxy
 

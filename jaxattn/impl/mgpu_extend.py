@@ -10,10 +10,10 @@ Two implementations of `jaxattn.extend`'s contract on one kernel:
   replaces invisible scores, so a token's row is bit-identical however its sequence is split into prefix and new
   tokens. Causal or not, soft cap, sinks, xai temperature, a sliding window (causal, on uncut lists).
 
-* "mgpu-fp8" / "mgpu-unified-fp8" (`FP8`, `UNIFIED_FP8`; by name only: bit for bit the dequantising route's outputs on the H100, and slower
-  there, 1.32-1.50x at E1-FP8 / E3-FP8, 179e77b): either form over fp8
-  pools read by the kernel (its producer converts each tile in shared memory), where the two above gather and
-  dequantise the listed keys first (`dequantised_prefix`).
+* "mgpu-fp8" / "mgpu-unified-fp8" (`FP8`, `UNIFIED_FP8`; by name only): either form over fp8 pools read by the kernel
+  (its producer converts each tile in shared memory), where the two above gather and dequantise the listed keys first
+  (`dequantised_prefix`). On the H100 (179e77b) its outputs equal the dequantising route's bit for bit, and it is
+  1.32-1.50x slower than that route at E1-FP8 / E3-FP8.
 
 They exist for speed: the FlashAttention-3 schedule (a producer warpgroup, two consumer warpgroups with wgmma from
 registers) that the Triton kernels cannot express on this stack. The producer reads pool rows straight through the

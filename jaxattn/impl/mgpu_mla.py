@@ -11,9 +11,9 @@ Its split bound is its own (static: enough CTAs to fill the GPU once, `kernel_sp
 metadata's split count under it; deterministic metadata keeps its own bound (splits by length only, so a sequence's
 result does not depend on its batch).
 
-`DECODE_FP8` ("mgpu-fp8", by name only; slower than the Triton kernel on the H100 at 179e77b): the same decode over an fp8 (e4m3fn / e5m2) latent
-cache 576 wide, the kernel's producer converting each tile to f16 in shared memory; q is multiplied by the softmax
-scale and k_scale and rounded to f16 once, v_scale multiplies the outputs.
+`DECODE_FP8` ("mgpu-fp8", by name only): the same decode over an fp8 (e4m3fn / e5m2) latent cache 576 wide, the
+kernel's producer converting each tile to f16 in shared memory; q is multiplied by the softmax scale and k_scale and
+rounded to f16 once, v_scale multiplies the outputs. Slower than the Triton kernel on the H100 (179e77b).
 
 Both take DeepSeek's 576/512 latent head and the half-size 288/256 (`MLA_HEAD_DIMS`). `EXTEND`, the "mgpu"
 implementation of `jaxattn.mla.mla_extend_attention` (two-stage, causal, sinks allowed): one pass, 64 (token, head) rows per CTA over

@@ -40,8 +40,11 @@ head dims may differ (192/128): O then goes through its own buffer. At 256/256 a
 64-column buffer in four chunks (a whole-width one would not fit beside Q and the ring).
 
 fp8 pools (`kv_scales`): the producer copies a pool tile's fp8 rows into the upper half of its 16-bit ring slot and
-rewrites the slot in place as the 16-bit tile (`convert_fp8_tiles`), stages - 1 tiles ahead of the consumers, whose
-work does not change.
+rewrites the slot in place as the 16-bit tile (`convert_fp8_tiles`), stages - 1 tiles ahead of the consumers. With
+fp8_tiles="q_dtype" each value times its scale is rounded to q's dtype, and the consumers' work does not change. With
+fp8_tiles="f16" (two-stage form) each value is converted exactly to f16 and nothing more (one instruction per two
+values, a sixth of the scaled conversion's), the consumers multiply pool tiles against an f16 copy of their Q tile
+and fold k_scale into those tiles' scores and v_scale into the accumulator once the pool tiles are done.
 
 The unified form (`prefix_lens` given; no k_new/v_new): every key comes from the pool through one list per sequence,
 all tiles by cp.async at fixed listed-key offsets from step 0, the CTA taking the tiles up to its last row's listed
@@ -397,6 +400,18 @@ def issue_pages(pool_ref, smem, bars, starts, slot, barrier, kv_head, *, page_ro
 # these formulas on bytes. No staging buffer: the kernels' shared memory is already full (extend at 128-dim heads,
 # MLA decode). Rows are whole 64-column 16-bit tiles (head_dim a multiple of 64), so the slot is exactly 2x the tile.
 FP8_HEAD_DIMS = (64, 128, 256)  # the extend kernel's fp8 head dims (q/k = v)
+# How the producer converts a pool tile: each value times its scale rounded to q's dtype, or exactly to f16 unscaled
+# (the consumers apply the scales: `extend_attention_mgpu_kernel`'s fp8_tiles).
+FP8_TILES = ("q_dtype", "f16")
+# fp8_tiles="f16": each row of the consumers' f16 Q copy is scaled to this largest magnitude (2^15: f16's full
+# precision for every row, and rounding cannot reach f16's largest finite value, 65504).
+F16_Q_ROW_MAX = 32768.0
+
+
+def f16_tiles_fit(*, unified: bool, o_rows_columns: int, qk_dim: int) -> bool:
+    """Whether fp8_tiles="f16" is taken: the two-stage form (its pool tiles all come before its new-key tiles) with
+    O-rows buffers as wide as Q (they hold the f16 Q copies)."""
+    return not unified and o_rows_columns == qk_dim
 
 
 class IntOps:
@@ -740,7 +755,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                                  kv_start_pos=None, prefix_lens=None, custom_mask=None, mask_indptr=None,
                                  skip_prefix_custom_mask=True, heads_per_cta=1, draft_mask=None, page_rows=0,
                                  page_issue="pallas", latent_v_dim=None, consumers=COMPUTE_WARPGROUPS,
-                                 overlap=False, kv_scales=None):
+                                 overlap=False, kv_scales=None, fp8_tiles="q_dtype"):
     """Runs the kernel; writes `out_ref` in place (rows it does not own are left as they were).
 
     q: [q_rows, q_heads, qk_dim] (q_rows a multiple of 8, >= block_q: Q/O move by TMA in 8-row tiles);
@@ -765,6 +780,15 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
       f32, rounded to q's dtype, as `jaxattn.fp8.dequantised_rows`), so the consumers' work is unchanged. Its copies
       run stages - 1 tiles ahead of its conversions (cp.async groups, one per step). New tokens' K/V (two-stage) stay
       in q's dtype, unscaled. Opt-in (`impl="mgpu-fp8"`).
+    fp8_tiles (fp8 pools): "q_dtype" (as above), or "f16" (two-stage form, o_rows_columns == qk_dim): the producer
+      converts each fp8 value exactly to f16, unscaled (`FP8_TO_F16_PTX`). Each consumer warpgroup keeps an f16
+      copy of its Q tile (aliasing its O-rows buffer, used only after the last tile) with each row times
+      `shrink` = min(1, F16_Q_LIMIT / max|row|) (no f16 overflow; exact for rows within the limit) and times
+      sign(k_scale); pool tiles run S = Q16 K16^T and O += P16 V16 in f16 (P in [0, 1]), their scores times
+      |k_scale| / shrink per row (in the exponent's scale, or with a soft cap inside the tanh), and the accumulator is
+      multiplied by v_scale after the last pool tile (every pool tile comes before every new-key tile). New-key
+      tiles are unchanged (q's dtype). The rings hold f16 pool tiles and new-key tiles of q's dtype in the same
+      slots (two views of one allocation, `plgpu.RefUnion`).
     overlap (3 consumers): FlashAttention-3's intra-warpgroup overlap on the runs of unmasked tiles: tile t + 1's
       S = Q K^T is issued before tile t's softmax, which runs while the tensor cores compute it. The same tiles, order
       and arithmetic as without it (the same bits); masked tiles run as before.
@@ -893,6 +917,14 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
         check_fp8_tile(block_kv, qk_dim)
     elif kv_scales is not None:
         raise ValueError("kv_scales is given exactly when the pools are fp8")
+    if fp8_tiles not in FP8_TILES:
+        raise ValueError(f"fp8_tiles must be one of {FP8_TILES}; got {fp8_tiles!r}")
+    f16_tiles = fp8 and fp8_tiles == "f16"  # pool tiles in f16, scales folded into the consumers' arithmetic
+    if f16_tiles and not f16_tiles_fit(unified=unified, o_rows_columns=o_rows_columns, qk_dim=qk_dim):
+        raise ValueError(f"fp8_tiles='f16' takes the two-stage form with o_rows_columns == qk_dim (the Q copy shares "
+                         f"the O-rows buffer); got {'the unified form' if unified else f'o_rows_columns {o_rows_columns}'}")
+    # Pool tiles (f16) and new-key tiles (q's dtype) share the rings' slots: two typed views of one allocation.
+    mixed_rings = f16_tiles and jnp.dtype(dtype) != jnp.dtype(jnp.float16)
 
     def body(qo_indptr_ref, kv_indptr_ref, kv_indices_ref, q_ref, k_new_ref, v_new_ref, k_pool_ref, v_pool_ref,
              sinks_ref, start_pos_ref, prefix_lens_ref, mask_ref, mask_indptr_ref, bits_ref, scales_ref, out_gmem,
@@ -902,6 +934,12 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
             (qo_smem2, o_rows_smem2, k_smem, kv_bars), v_smem = buffers, None
         else:
             qo_smem2, o_rows_smem2, k_smem, v_smem, kv_bars = buffers
+        q16_smem2 = None
+        k16_smem, v16_smem = k_smem, v_smem  # the pool tiles' view of the rings
+        if f16_tiles:  # (o_rows, Q16) share one buffer; mixed rings: (q's dtype view, f16 view)
+            o_rows_smem2, q16_smem2 = o_rows_smem2
+            if mixed_rings:
+                (k_smem, k16_smem), (v_smem, v16_smem) = k_smem, v_smem
         page_ready = scoped[4] if pallas_pages else None  # (K, V): per slot, one TMA arrival per page copy of a tile
         cta_head = lax.axis_index("heads") * heads_per_cta  # the CTA's (first) q head
         seq = lax.axis_index("seq")
@@ -1037,6 +1075,21 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
 
                 plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(wg_row, block_q), head], qo_smem, q_ready.at[wg])
                 plgpu.barrier_wait(q_ready.at[wg])
+                if f16_tiles:
+                    # The pool tiles' Q: each row times factor = F16_Q_ROW_MAX / max|row| (at most 2^64: a zero or
+                    # tiny row stays finite) and times sign(k_scale), in f16. Their scores are then q.k16 *
+                    # factor * sign, given back per row by pool_gain = |k_scale| / factor (>= 0, so a row's max
+                    # score times it is still its max). NaN in a row makes its copy NaN (as its scores would be).
+                    kv_head_q = lax.div(head, jnp.int32(group))
+                    k_scale = scales_ref[kv_head_q]
+                    q16_smem = q16_smem2.at[wg]
+                    q_rows = plgpu.load(qo_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+                    factor = jnp.minimum(F16_Q_ROW_MAX / jnp.max(jnp.abs(q_rows), axis=1), 2.0 ** 64)
+                    signed = factor * jnp.where(k_scale < 0, -1.0, 1.0)
+                    q16_smem[...] = (q_rows * lax.broadcast_in_dim(signed, q_rows.shape, [0])).astype(jnp.float16)
+                    plgpu.commit_smem()  # the stores before wgmma reads the copy (async proxy)
+                    pool_gain = jnp.abs(k_scale) / factor
+                    v_scale = scales_ref[kv_heads + kv_head_q]
 
                 # Under a window a valid row's first tiles may hold none of its keys (they straddle another row's
                 # window edge): a finite start keeps exp2(m_i - m_new) at 1 there, never exp2(-inf + inf) = NaN. The
@@ -1079,29 +1132,47 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                             block_q=block_q, block_kv=block_kv)
                     pl.when(wg == 1)(schedule_sync)
 
-                def soft_cap(s):  # tanh(s * sm_scale / cap); the cap's multiply joins the exponent's FMA
-                    return s if logit_cap is None else jnp.tanh(s * (float(sm_scale) / logit_cap))
+                def soft_cap(s, gain=None):  # tanh(s * sm_scale / cap); the cap's multiply joins the exponent's FMA
+                    if logit_cap is None:
+                        return s
+                    if gain is None:
+                        return jnp.tanh(s * (float(sm_scale) / logit_cap))
+                    # (an f16 pool tile: its per-row score factor inside the tanh)
+                    return jnp.tanh(s * lax.broadcast_in_dim(gain * (float(sm_scale) / logit_cap), s.shape, [0]))
 
-                def online_softmax(s, acc, m_i, l_i):
+                def online_softmax(s, acc, m_i, l_i, gain=None):
                     # Base-2 online softmax; m_i is kept in log2 units so p = exp2(s * c - m) is one FMA + exp2
                     # (c = sm_scale * log2(e), or with a soft cap cap * log2(e): s is then the tanh; times each row's
-                    # xai factor). Returns (acc rescaled, l, m, p in q's dtype).
-                    if xai is None:
+                    # xai factor). Returns (acc rescaled, l, m, p in q's dtype). gain: an f16 pool tile's per-row
+                    # score factor (>= 0; `pool_gain`), joining c (with a soft cap it went inside the tanh); p is
+                    # then in f16, as the tile's V.
+                    row_c = None if xai is None else row_scale
+                    if gain is not None and logit_cap is None:
+                        row_c = gain * (scale_log2 if row_c is None else row_c)
+                    if row_c is None:
                         m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
                         scaled = s * scale_log2
                     else:
-                        m_new = jnp.maximum(m_i, s.max(axis=1) * row_scale)
-                        scaled = s * lax.broadcast_in_dim(row_scale, s.shape, [0])
+                        m_new = jnp.maximum(m_i, s.max(axis=1) * row_c)
+                        scaled = s * lax.broadcast_in_dim(row_c, s.shape, [0])
                     alpha = jnp.exp2(m_i - m_new)
                     p = jnp.exp2(scaled - lax.broadcast_in_dim(m_new, s.shape, [0]))
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                     l_i = l_i * alpha + p.sum(axis=1)
-                    p16 = p.astype(dtype)
+                    p16 = p.astype(dtype if gain is None else jnp.float16)
                     return lax.optimization_barrier((acc, l_i, m_new, p16))
 
-                def kv_step(step, carry, mask_kind=None):
+                def operands(pool):
+                    # (Q, K ring, V ring, score gain) of a tile: an f16 pool tile's, or q's dtype's (gain None).
+                    if f16_tiles and pool:
+                        return q16_smem, k16_smem, v16_smem, pool_gain
+                    return qo_smem, k_smem, v_smem, None
+
+                def kv_step(step, carry, mask_kind=None, pool=False):
+                    # pool: the tile comes from the pool (matters with fp8_tiles="f16": `operands`).
                     acc, m_i, l_i = carry
                     slot = lax.rem(step, jnp.int32(stages))
+                    q_tile, k_ring, v_ring, gain = operands(pool)
                     gathers = mask_kind in ("custom", "window_new") or (mask_prefix and mask_kind in (
                         "custom_prefix", "window_prefix")) or (byte_mask and mask_kind == "unified")
                     if gathers and unified:  # the listed keys' columns
@@ -1121,14 +1192,14 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                                                      block_q=block_q, block_kv=block_kv)
 
                     def qk(s_ref):
-                        plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                        plgpu.wgmma(s_ref, q_tile, k_ring.at[slot].transpose((1, 0)))
                         schedule_sync()
                         return s_ref[...]
 
                     s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
                     if not latent:  # (a latent tile holds V too: released after P V)
                         plgpu.barrier_arrive(k_free.at[slot])
-                    s = soft_cap(s)
+                    s = soft_cap(s, gain)
                     if mask_kind is not None:
                         cols = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA)
                         rows = functools.partial(plgpu.broadcasted_iota, jnp.int32, (block_q, block_kv), 0,
@@ -1184,7 +1255,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                             key = (step - pre_steps) * block_kv + cols
                             visible = (key >= lead) & (key <= wg_rel + rows())
                         s = jnp.where(visible, s, -jnp.inf)
-                    acc, l_i, m_new, p16 = online_softmax(s, acc, m_i, l_i)
+                    acc, l_i, m_new, p16 = online_softmax(s, acc, m_i, l_i, gain)
                     if scheduled:
                         plgpu.barrier_arrive(schedule)  # softmax done
                     if not latent:
@@ -1193,7 +1264,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                         plgpu.barrier_wait(schedule)  # the other warpgroup's matrix work is issued
 
                     def pv(acc_ref):
-                        v_tile = k_smem.at[slot, :, pl.ds(0, v_dim)] if latent else v_smem.at[slot]
+                        v_tile = k_smem.at[slot, :, pl.ds(0, v_dim)] if latent else v_ring.at[slot]
                         plgpu.wgmma(acc_ref, p16, v_tile)
                         next_step = step + 1
 
@@ -1205,14 +1276,16 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     plgpu.barrier_arrive((k_free if latent else v_free).at[slot])
                     return acc, m_new, l_i
 
-                def overlapped_run(lo, hi, carry):
+                def overlapped_run(lo, hi, carry, pool=False):
                     # The unmasked tiles [lo, hi) with FlashAttention-3's intra-warpgroup overlap: tile t + 1's
                     # S = Q K^T is issued before tile t's softmax and read after it, so the tensor cores compute it
                     # while this warpgroup's softmax runs. The same tiles, order and arithmetic as kv_step's; entered,
                     # like kv_step, with tile lo's K landed, and leaves tile hi's K waited (if the range has it).
+                    q_tile, k_ring, v_ring, gain = operands(pool)
+
                     def run(carry):
                         def first(s_ref):
-                            plgpu.wgmma(s_ref, qo_smem, k_smem.at[lax.rem(lo, jnp.int32(stages))].transpose((1, 0)))
+                            plgpu.wgmma(s_ref, q_tile, k_ring.at[lax.rem(lo, jnp.int32(stages))].transpose((1, 0)))
                             return s_ref[...]
 
                         s = pl.run_scoped(first, plgpu.ACC((block_q, block_kv), jnp.float32))
@@ -1220,25 +1293,25 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
 
                         def tile(step, acc, m_i, l_i, s, has_next):
                             slot = lax.rem(step, jnp.int32(stages))
-                            s = soft_cap(s)
+                            s = soft_cap(s, gain)
                             if has_next:
                                 next_slot = lax.rem(step + 1, jnp.int32(stages))
 
                                 def next_scores_and_softmax(s_ref):
                                     wait_ready(0, step + 1, k_ready)
-                                    plgpu.wgmma(s_ref, qo_smem, k_smem.at[next_slot].transpose((1, 0)))
-                                    return (*online_softmax(s, acc, m_i, l_i), s_ref[...])
+                                    plgpu.wgmma(s_ref, q_tile, k_ring.at[next_slot].transpose((1, 0)))
+                                    return (*online_softmax(s, acc, m_i, l_i, gain), s_ref[...])
 
                                 acc, l_i, m_new, p16, s_next = pl.run_scoped(
                                     next_scores_and_softmax, plgpu.ACC((block_q, block_kv), jnp.float32))
                                 plgpu.barrier_arrive(k_free.at[next_slot])  # read by the completed S wgmma
                             else:
-                                acc, l_i, m_new, p16 = online_softmax(s, acc, m_i, l_i)
+                                acc, l_i, m_new, p16 = online_softmax(s, acc, m_i, l_i, gain)
                                 s_next = None
                             wait_ready(1, step, v_ready)
 
                             def pv(acc_ref):
-                                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                                plgpu.wgmma(acc_ref, p16, v_ring.at[slot])
                                 if not has_next:  # kv_step's entry condition for the step after the range
                                     pl.when(hi < wg_steps)(lambda: wait_ready(0, hi, k_ready))
 
@@ -1254,10 +1327,15 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
 
                     return lax.cond(lo < hi, run, lambda carry: carry, carry)
 
-                def unmasked(lo, hi, carry):  # a run of tiles every row sees whole
+                def step_fn(mask_kind=None, pool=False):
+                    # kv_step for a loop (the same function object where nothing is bound: one traced body).
+                    bound_args = dict(({"mask_kind": mask_kind} if mask_kind else {}), **({"pool": True} if pool and f16_tiles else {}))
+                    return functools.partial(kv_step, **bound_args) if bound_args else kv_step
+
+                def unmasked(lo, hi, carry, pool=False):  # a run of tiles every row sees whole
                     if overlap:
-                        return overlapped_run(lo, hi, carry)
-                    return lax.fori_loop(lo, hi, kv_step, carry)
+                        return overlapped_run(lo, hi, carry, pool)
+                    return lax.fori_loop(lo, hi, step_fn(pool=pool), carry)
 
                 def flush_step(step, _):
                     # Tiles the producer loaded for another warpgroup's longer causal range: release them in step.
@@ -1316,23 +1394,37 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                         carry = unmasked(win_full, masked_from, carry)
                         carry = lax.fori_loop(masked_from, wg_steps, unified_masked, carry)
                 else:
+                    window_new_tiles = None  # f16 pool tiles under a window: its new-key tiles, after the pool's
                     if window is None:
                         bound = lambda x: x  # noqa: E731
                     else:
-                        if custom:  # prefix and new-key tiles apart: only the mask's columns are gathered
+                        if custom or f16_tiles:
+                            # Pool and new-key tiles apart: only the mask's columns are gathered; f16 pool tiles
+                            # take other operands.
+                            pool_kind, new_kind_w = ("window_prefix", "window_new") if custom else ("window", "window")
                             split = jnp.clip(pre_steps, wg_first, win_full)
-                            carry = lax.fori_loop(wg_first, split, functools.partial(kv_step, mask_kind="window_prefix"),
-                                                  carry)
-                            carry = lax.fori_loop(split, win_full, functools.partial(kv_step, mask_kind="window_new"),
-                                                  carry)
+                            carry = lax.fori_loop(wg_first, split, step_fn(pool_kind, pool=True), carry)
+
+                            def window_new_tiles(carry):
+                                return lax.fori_loop(split, win_full, step_fn(new_kind_w), carry)
+
+                            if not f16_tiles:
+                                carry, window_new_tiles = window_new_tiles(carry), None
                         else:
                             carry = lax.fori_loop(wg_first, win_full, functools.partial(kv_step, mask_kind="window"),
                                                   carry)
                         bound = lambda x: jnp.maximum(x, win_full)  # noqa: E731  the steps below are done
-                    carry = unmasked(bound(0), bound(full_pre), carry)
+                    carry = unmasked(bound(0), bound(full_pre), carry, pool=True)
                     prefix_kind = "custom_prefix" if mask_prefix else "prefix"
-                    carry = lax.fori_loop(bound(full_pre), bound(pre_steps), functools.partial(kv_step, mask_kind=prefix_kind),
-                                          carry)
+                    carry = lax.fori_loop(bound(full_pre), bound(pre_steps), step_fn(prefix_kind, pool=True), carry)
+                    if f16_tiles:
+                        # Every pool tile is done (steps run in order, the pool's first): V's scale on what they added
+                        # (where none was consumed the accumulator is 0 and stays so, whatever the scale).
+                        pool_acc, pool_m, pool_l = carry
+                        pool_seen = (wg_first if window is not None else jnp.int32(0)) < pre_steps
+                        carry = (pool_acc * jnp.where(pool_seen, v_scale, 1.0), pool_m, pool_l)
+                        if window_new_tiles is not None:
+                            carry = window_new_tiles(carry)
                     carry = lax.fori_loop(bound(pre_steps), bound(pre_steps + first_full), masked, carry)
                     carry = unmasked(bound(pre_steps + first_full), bound(pre_steps + end_full), carry)
                     carry = lax.fori_loop(bound(pre_steps + end_full), wg_steps, masked, carry)
@@ -1484,7 +1576,10 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     # Copies run stages - 1 tiles ahead: tile s + stages - 1's start after tile s's conversion (its
                     # slot frees when the consumers are done with tile s - 1), so a conversion finds its copies landed
                     # while the consumers work on the tile before.
-                    k_scale, v_scale = scales_ref[kv_head], scales_ref[kv_heads + kv_head]
+                    if f16_tiles:  # exact f16, unscaled: the consumers apply the scales
+                        k_scale = v_scale = None
+                    else:
+                        k_scale, v_scale = scales_ref[kv_head], scales_ref[kv_heads + kv_head]
                     for ahead in range(stages - 1):
                         fp8_start(first + ahead, sources_of(first + ahead))
 
@@ -1499,7 +1594,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                             # Groups in flight may be those of tiles step + 1 .. step + stages - 2.
                             convert_fp8_tiles(((k_smem, slot, k_scale), (v_smem, stages + slot, v_scale)), kv_bars,
                                               slot, block_kv=block_kv, head_dim=qk_dim, fp8_dtype=k_pool.dtype,
-                                              dtype=dtype, wait_pending=stages - 2)
+                                              dtype=jnp.float16 if f16_tiles else dtype, wait_pending=stages - 2)
                         fp8_start(step + (stages - 1), sources)
                         return next_sources
 
@@ -1544,11 +1639,20 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
             (k_new_ref, v_new_ref, k_pool_ref, v_pool_ref), rest = rest[:4], rest[4:]
         refs = dict(zip(present, rest[:len(present)]))
         (out_gmem,) = rest[len(present):]
+        o_rows = plgpu.SMEM((consumers, block_q, o_rows_columns), dtype)  # O of a partial tile (row-sliceable)
+        if f16_tiles:  # ... and, until the last tile is done, the f16 copy of Q (the same bytes: o_rows_columns == qk_dim)
+            o_rows = plgpu.RefUnion(o_rows, plgpu.SMEM((consumers, block_q, qk_dim), jnp.float16, transforms=SWIZZLED))
+
+        def ring(dim):  # with mixed rings, a view in q's dtype (new-key tiles) and one in f16 (pool tiles)
+            views = [plgpu.SMEM((stages, block_kv, dim), ring_dtype, transforms=SWIZZLED)
+                     for ring_dtype in ((dtype, jnp.float16) if mixed_rings else (dtype,))]
+            return plgpu.RefUnion(*views) if mixed_rings else views[0]
+
         smem = (
             plgpu.SMEM((consumers, block_q, qk_dim), dtype, transforms=SWIZZLED),  # Q, then O (o_in_q)
-            plgpu.SMEM((consumers, block_q, o_rows_columns), dtype),  # O of a partial tile (row-sliceable)
-            plgpu.SMEM((stages, block_kv, qk_dim), dtype, transforms=SWIZZLED),
-            *(() if latent else (plgpu.SMEM((stages, block_kv, v_dim), dtype, transforms=SWIZZLED),)),
+            o_rows,
+            ring(qk_dim),
+            *(() if latent else (ring(v_dim),)),
             plgpu.SMEM((2 * stages * 2,), jnp.int32),  # mbarriers (8 bytes each): K ready, V ready per slot
         )
         # Whole pages: one barrier per slot for K and one for V, completed by the tile's block_kv / page_rows copies.

@@ -106,6 +106,14 @@ SHAPES = [  # label, tokens, q heads, kv heads, head dim, dtype, config, feature
     # three consumers at 64; 256 with sinks; the unified form with a custom mask. (Page lists take the same code: an
     # fp8 pool's tiles are copied row by row.)
     ("fp8-e4m3-128-bf16-tma", 512, 8, 2, 128, jnp.bfloat16, None, dict(pool=jnp.float8_e4m3fn)),
+    # f16 pool tiles (the default at 64 and 128) and q_dtype ones: a window with a custom mask (pool and new-key
+    # tiles apart), two q heads per CTA (a short extend), xai-free soft cap beside sinks; q_dtype explicitly.
+    ("fp8-e4m3-128-bf16-qdtype", 512, 8, 2, 128, jnp.bfloat16, MgpuExtendConfig(fp8_tiles="q_dtype"),
+     dict(pool=jnp.float8_e4m3fn)),
+    ("fp8-e4m3-128-bf16-f16-window-mask", 300, 8, 2, 128, jnp.bfloat16, None,
+     dict(pool=jnp.float8_e4m3fn, sliding_window=100, mask=True)),
+    ("fp8-e5m2-64-bf16-f16-short-cap-sinks", 40, 8, 2, 64, jnp.bfloat16, MgpuExtendConfig(),
+     dict(pool=jnp.float8_e5m2, max_extend_len=32, logit_cap=20.0, sinks=True)),
     ("fp8-e5m2-128-f16-kv64s4-window-cap", 300, 8, 2, 128, jnp.float16, MgpuExtendConfig(block_kv=64, stages=4),
      dict(pool=jnp.float8_e5m2, sliding_window=100, logit_cap=30.0)),
     ("fp8-e4m3-64-bf16-three", 300, 8, 2, 64, jnp.bfloat16, None, dict(pool=jnp.float8_e4m3fn)),

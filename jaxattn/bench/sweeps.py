@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 from .cases import Case
@@ -106,9 +107,12 @@ def sweep_variants(op: str, case: Case):
                         continue
                     variants.append((f"mgpu kv{block_kv} s{stages}",
                                      lambda inp, c=config: extend_jaxattn(inp, config=c, impl="mgpu")))
-                    if case.fp8:  # the kernel converting fp8 tiles itself, whose copies run stages - 1 tiles ahead
-                        variants.append((f"mgpu-fp8 kv{block_kv} s{stages}",
-                                         lambda inp, c=config: extend_jaxattn(inp, config=c, impl="mgpu-fp8")))
+                    if case.fp8:  # the kernel converting fp8 tiles itself, whose copies run stages - 1 tiles ahead:
+                        # to f16 (the default where the kernel takes it) and to q's dtype, scaled
+                        for tiles in ("f16", "q_dtype"):
+                            fp8_config = dataclasses.replace(config, fp8_tiles=tiles)
+                            variants.append((f"mgpu-fp8 {tiles} kv{block_kv} s{stages}",
+                                             lambda inp, c=fp8_config: extend_jaxattn(inp, config=c, impl="mgpu-fp8")))
             if (case.head_dim, case.dv) == (64, 64):  # three consumer warpgroups (192-row CTAs, FA3's 64-dim tile),
                 # with and without the intra-warpgroup overlap FA3 runs it with
                 for (block_kv, stages), overlap in itertools.product(((128, 2), (128, 3), (64, 3)), (False, True)):

@@ -432,7 +432,7 @@ def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: 
     bool/u8 at meta.mask_indptr. draft_mask: i32/u32[tokens, words] (two-stage form). latent_v_dim: a latent cache
     (v_new = v_pool = None, V = K's first latent_v_dim dims; q's columns padded to a multiple of 64 here).
     kv_scales: f32[2 * kv_heads] with fp8 pools (converted by the kernel's producer; rows copied row by row)."""
-    from jaxattn.kernels.extend_attention_mgpu import extend_attention_mgpu_kernel
+    from jaxattn.kernels.extend_attention_mgpu import extend_attention_mgpu_kernel, f16_tiles_fit
     from jaxattn.kernels.zero_rows_mgpu import unwritten_rows_zeroed
     tokens, q_heads = q.shape[:2]
     latent = latent_v_dim is not None
@@ -462,13 +462,18 @@ def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: 
         custom_mask = custom_mask.astype(jnp.uint8) if custom_mask.shape[0] else jnp.zeros((1,), jnp.uint8)
     if draft_mask is not None:
         draft_mask = jax.lax.bitcast_convert_type(draft_mask, jnp.int32)  # bit 31 survives (no value conversion)
+    o_rows_columns = 64 if latent else config.o_rows_columns(q.shape[2], v_dim)
+    fp8 = {}
+    if kv_scales is not None:  # the config's conversion where the kernel takes it, else the scaled one
+        fits = f16_tiles_fit(unified=unified, o_rows_columns=o_rows_columns, qk_dim=q.shape[2])
+        fp8 = dict(kv_scales=kv_scales, fp8_tiles=config.fp8_tiles if fits else "q_dtype")
     extend_attention_mgpu_kernel(
         q, None if unified else k_new, None if unified else v_new, k_pool, v_pool, kv_indices,
         meta.qo_indptr.astype(jnp.int32), meta.kv_indptr.astype(jnp.int32), out_ref,
         max_extend_len=meta.max_extend_len, sm_scale=sm_scale,
         block_q=config.block_q, block_kv=config.block_kv, stages=config.stages, consumers=config.consumers,
         overlap=config.overlap,
-        o_rows_columns=64 if latent else config.o_rows_columns(q.shape[2], v_dim),
+        o_rows_columns=o_rows_columns,
         causal=bool(causal),
         sliding_window=int(sliding_window) if sliding_window >= 0 else -1,
         logit_cap=float(logit_cap) if logit_cap > 0 else 0.0,
@@ -483,6 +488,6 @@ def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: 
         tma_new_tiles=not unified and not latent and tokens % 8 == 0 and tokens >= config.block_kv,
         page_rows=0 if latent or kv_scales is not None else page_copy_rows(meta.page_size, config.block_kv,
                                                                             k_pool.shape[0]),
-        **(dict(latent_v_dim=latent_v_dim) if latent else {}), **(dict(kv_scales=kv_scales) if kv_scales is not None else {}),
+        **(dict(latent_v_dim=latent_v_dim) if latent else {}), **fp8,
     )
     return out_ref[...][:tokens]

@@ -87,13 +87,18 @@ class MgpuExtendConfig:
     heads only, FlashAttention-3's tile there: `kernels/extend_attention_mgpu.py`; 0.946-0.971x two at T64 on the H100).
     overlap (3 consumers): each warpgroup issues its next tile's S = Q K^T before this tile's softmax on the runs of
     unmasked tiles (FlashAttention-3's intra-warpgroup overlap, which its 64-dim tile runs with); 1.58x slower than
-    two consumers at T64 on the H100 (benchmarks/RESULTS.md, twenty-fourth session)."""
+    two consumers at T64 on the H100 (benchmarks/RESULTS.md, twenty-fourth session). fp8_tiles (fp8 pools,
+    `impl="mgpu-fp8"`): how the producer converts a pool tile: "f16" (exact and unscaled, one instruction per two
+    values; the consumers run pool tiles in f16 with the scales folded into their arithmetic; where the kernel
+    takes it: the two-stage form at head dims 64 and 128) or "q_dtype" (each value times its scale, rounded to
+    q's dtype: six instructions per two values)."""
 
     block_q: int = 64
     block_kv: int = 128
     stages: int = 2
     consumers: int = 2
     overlap: bool = False
+    fp8_tiles: str = "f16"
 
     @staticmethod
     def o_rows_columns(qk_head_dim: int, v_head_dim: int | None = None) -> int:
@@ -128,6 +133,8 @@ class MgpuExtendConfig:
             raise ValueError(f"MgpuExtendConfig.stages must be an int >= 2; got {self.stages!r}")
         if self.consumers not in (2, 3):
             raise ValueError(f"MgpuExtendConfig.consumers must be 2 or 3; got {self.consumers!r}")
+        if self.fp8_tiles not in ("f16", "q_dtype"):  # the kernel's FP8_TILES
+            raise ValueError(f"MgpuExtendConfig.fp8_tiles must be 'f16' or 'q_dtype'; got {self.fp8_tiles!r}")
         if not isinstance(self.overlap, bool) or (self.overlap and self.consumers != 3):
             raise ValueError(f"MgpuExtendConfig.overlap must be a bool, True with consumers=3 only (the two-consumer "
                              f"schedule barrier orders the matrix work itself); got overlap={self.overlap!r} with "

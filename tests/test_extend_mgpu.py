@@ -1320,18 +1320,30 @@ def test_barrier_protocol_never_hangs_unified_and_noncausal():
     assert cases > 150
 
 
-def _softmax_steps(qt, plan, tile, mask, *, c_rows, m_init, sinks, hq, block_q, d_v):
+def _softmax_steps(qt, plan, tile, mask, *, c_rows, m_init, sinks, hq, block_q, d_v, f16_pool=None):
     """The consumer's base-2 online softmax over `plan` ((step, kind) in order): qt [heads, rows, d]; tile(step) ->
     (k, v) [block_kv, heads, d]; mask(step, kind) -> visible [rows, block_kv] or None; c_rows [rows]: the exponent's
     scale per row (sm_scale * log2(e), or cap * log2(e) with a cap, times the xai factor); sinks at the end.
+    f16_pool (fp8_tiles="f16"): `_F16Pool`: its tiles (tile(step) gives them unscaled) against its f16 Q copy, their
+    scores times its gain per row, P rounded to f16; a ("v_scale", None) entry of the plan multiplies the
+    accumulator by its v_scale where a pool tile was consumed.
     Returns acc / l [heads, rows, d_v] (l = 0 rows divide by 1 when m_init is finite, as the unified form does)."""
     from jaxattn.kernels.extend_attention_mgpu import LOG2E
 
     m = np.full((hq, block_q), m_init, np.float32)
     l, acc = np.zeros((hq, block_q), np.float32), np.zeros((hq, block_q, d_v), np.float32)
+    pool_seen = False
     for step, kind in plan:
+        if step == "v_scale":
+            acc = acc * (f16_pool.v_scale[:, None, None] if pool_seen else 1.0)
+            continue
+        pool = f16_pool is not None and f16_pool.is_pool(step)
+        pool_seen |= pool
         k, v = tile(step)
-        s = np.einsum("hqd,khd->hqk", qt, k)
+        with np.errstate(invalid="ignore"):
+            s = np.einsum("hqd,khd->hqk", f16_pool.q16 if pool else qt, k)
+            if pool:
+                s = s * f16_pool.gain[..., None]
         s = s if c_rows.logit_cap is None else np.tanh(s * c_rows.tanh_scale)
         visible = mask(step, kind)
         if visible is not None:
@@ -1340,7 +1352,10 @@ def _softmax_steps(qt, plan, tile, mask, *, c_rows, m_init, sinks, hq, block_q, 
             m_new = np.maximum(m, s.max(axis=2) * c_rows.c)
             alpha = np.exp2(m - m_new)
             p = np.exp2(s * c_rows.c[:, None] - m_new[..., None])
-        acc = acc * alpha[..., None] + np.einsum("hqk,khd->hqd", p, v)
+        if pool:
+            p = np.float32(np.float16(p))
+        with np.errstate(invalid="ignore"):
+            acc = acc * alpha[..., None] + np.einsum("hqk,khd->hqd", p, v)
         l, m = l * alpha + p.sum(axis=2), m_new
     if sinks is not None:
         sink = np.float32(sinks)[:, None] * LOG2E
@@ -1351,6 +1366,22 @@ def _softmax_steps(qt, plan, tile, mask, *, c_rows, m_init, sinks, hq, block_q, 
         l = np.where(l == 0, 1.0, l)
     with np.errstate(invalid="ignore", divide="ignore"):
         return acc / l[..., None]
+
+
+class _F16Pool:
+    """A warpgroup's f16 pool tiles (fp8_tiles="f16"), as the kernel computes them: its Q rows times factor =
+    min(F16_Q_ROW_MAX / max|row|, 2^64) times sign(k_scale) rounded to f16, the scores given back by gain =
+    |k_scale| / factor, v_scale on the accumulator after the pool tiles. qt [heads, rows, d]; k_scale, v_scale
+    [heads] (each q head's kv head's); is_pool(step): a pool tile."""
+
+    def __init__(self, qt, k_scale, v_scale, is_pool):
+        from jaxattn.kernels.extend_attention_mgpu import F16_Q_ROW_MAX
+
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            factor = np.minimum(np.float32(F16_Q_ROW_MAX) / np.abs(qt).max(axis=2), np.float32(2.0**64))
+            self.q16 = np.float32(np.float16(qt * (factor * np.where(k_scale < 0, -1.0, 1.0)[:, None])[..., None]))
+            self.gain = np.abs(k_scale)[:, None] / factor
+        self.v_scale, self.is_pool = v_scale, is_pool
 
 
 class _RowScale:
@@ -1369,13 +1400,17 @@ class _RowScale:
 
 
 def _kernel_model(q, k_new, v_new, k_pool, v_pool, meta, *, window, logit_cap, sinks, block_kv, block_q=64, causal=True,
-                  xai=-1, custom_mask=None, skip_prefix_custom_mask=True, heads_per_cta=1, draft_mask=None, consumers=2):
+                  xai=-1, custom_mask=None, skip_prefix_custom_mask=True, heads_per_cta=1, draft_mask=None, consumers=2,
+                  f16_scales=None):
     """numpy model of the kernel's consumer warpgroups, f32: the CTA and warpgroup step ranges from the kernel's own
     helpers, its loop order and mask kinds (`kv_step`), base-2 online softmax from m_init, sinks at the end. A
     custom mask is gathered per tile as `custom_mask_tile` reads it (flat index, entries outside the mask hidden), a
     draft mask as `draft_bits_tile` reads it (the warpgroup's rows, the tile's draft indices).
     heads_per_cta=2: block_q-row CTAs, both warpgroups on the same rows (the model runs every head at once).
-    consumers: consumer warpgroups per CTA (3: consumers * block_q-row CTAs)."""
+    consumers: consumer warpgroups per CTA (3: consumers * block_q-row CTAs).
+    f16_scales (k_scale, v_scale) [kv_heads]: fp8_tiles="f16": the pools hold fp8 values (the scales not applied),
+    run as `_F16Pool` tiles in the kernel's loop order for them (under a window the pool's tiles apart from the new
+    keys', V's scale between)."""
     from jaxattn.kernels.extend_attention_mgpu import cta_window_first_step, warpgroup_window_steps
 
     cdiv = lambda x, d: -(-x // d)  # noqa: E731
@@ -1457,7 +1492,7 @@ def _kernel_model(q, k_new, v_new, k_pool, v_pool, meta, *, window, logit_cap, s
                     width = start_pos[seq] + prefix_len + (qo[seq + 1] - q_start)
                 new_kind = "custom" if custom else "causal" if causal else "new"
                 prefix_kind = "custom_prefix" if mask_prefix else "prefix"
-                plan, bound = [], lambda x: x  # noqa: E731
+                plan, bound, window_new = [], lambda x: x, []  # noqa: E731
                 if window >= 0:
                     wg_first, win_full = (int(x) for x in warpgroup_window_steps(
                         wg_row, q_start, q_end, prefix_len, lead, pre_steps, first_step, wg_steps, window=window,
@@ -1467,13 +1502,18 @@ def _kernel_model(q, k_new, v_new, k_pool, v_pool, meta, *, window, logit_cap, s
                                  for step in range(wg_first, win_full)]
                     else:
                         plan += [(step, "window") for step in range(wg_first, win_full)]
+                    if f16_scales is not None:  # the new keys' window tiles after the pool's (and V's scale)
+                        window_new = [entry for entry in plan if entry[0] >= pre_steps]
+                        plan = [entry for entry in plan if entry[0] < pre_steps]
                     bound = lambda x, w=win_full: max(x, w)  # noqa: E731
-                for lo, hi, kind in ((0, full_pre, None), (full_pre, pre_steps, prefix_kind),
-                                     (pre_steps, pre_steps + first_full, new_kind),
-                                     (pre_steps + first_full, pre_steps + end_full, None)):
+                for i, (lo, hi, kind) in enumerate(((0, full_pre, None), (full_pre, pre_steps, prefix_kind),
+                                                    (pre_steps, pre_steps + first_full, new_kind),
+                                                    (pre_steps + first_full, pre_steps + end_full, None))):
+                    if i == 2 and f16_scales is not None:  # the pool's tiles are done
+                        plan += [("v_scale", None)] + window_new
                     plan += [(step, kind) for step in range(bound(lo), bound(hi))]
                 plan += [(step, new_kind) for step in range(bound(pre_steps + end_full), wg_steps)]
-                steps = [step for step, _ in plan]
+                steps = [step for step, _ in plan if step != "v_scale"]
                 assert steps == list(range(steps[0], steps[0] + len(steps))) if steps else True, plan  # in order
                 assert all(step < cta_steps for step in steps), plan  # only tiles the producer loads
 
@@ -1515,9 +1555,14 @@ def _kernel_model(q, k_new, v_new, k_pool, v_pool, meta, *, window, logit_cap, s
 
                 scale = _RowScale(sm_scale=sm_scale, logit_cap=logit_cap, xai=xai,
                                   positions=start_pos[seq] + prefix_len + t0 + np.arange(block_q))
-                o = _softmax_steps(q_pad[wg_row : wg_row + block_q].transpose(1, 0, 2), plan, tile, mask, c_rows=scale,
+                qt = q_pad[wg_row : wg_row + block_q].transpose(1, 0, 2)
+                f16_pool = None
+                if f16_scales is not None:
+                    f16_pool = _F16Pool(qt, *(np.float32(x)[kv_of] for x in f16_scales),
+                                        is_pool=lambda step, pre_steps=pre_steps: step < pre_steps)
+                o = _softmax_steps(qt, plan, tile, mask, c_rows=scale,
                                    m_init=-np.inf if window < 0 and not custom else -1e30, sinks=sinks, hq=hq,
-                                   block_q=block_q, d_v=d_v)
+                                   block_q=block_q, d_v=d_v, f16_pool=f16_pool)
                 lo, hi = np.clip(q_start - wg_row, 0, block_q), np.clip(q_end - wg_row, 0, block_q)
                 out[wg_row + lo : wg_row + hi] = o.transpose(1, 0, 2)[lo:hi]
     return out[:tokens]
@@ -1649,6 +1694,42 @@ def test_kernel_model_of_the_new_features_matches_reference(rng, shape, consumer
         o = _unified_kernel_model(batch.q, batch.k_pool_unified, batch.v_pool_unified, batch.meta_unified, **model)
         ref = np.float32(ref_unified(batch, **kw))
         np.testing.assert_allclose(o[: batch.tokens], ref[: batch.tokens], atol=2e-5, rtol=2e-5, err_msg=f"unified {label}")
+
+
+@pytest.mark.parametrize("fmt", [jnp.float8_e4m3fn, jnp.float8_e5m2], ids=["e4m3fn", "e5m2"])
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2]], ids=["128", "64"])
+def test_kernel_model_of_f16_pool_tiles_matches_reference(rng, shape, fmt):
+    # CPU: fp8_tiles="f16" as the kernel computes it (the numpy model): unscaled fp8 pool tiles against each
+    # warpgroup's row-scaled f16 Q copy, the scores given back per row, P in f16, V's scale on the accumulator
+    # between the pool's tiles and the new keys' (under a window too), against the reference on the dequantised
+    # pools. Hostile rows: one far past f16's range (1e6), one of zeros; one kv head's scales negative.
+    from tests.test_fp8 import quantised
+
+    _, hq, hkv, d, prefix_lens, extend_lens, config = shape
+    block_kv = (config or MgpuExtendConfig()).block_kv
+    k_scale = np.linspace(0.3, 2.0, hkv).astype(np.float32)
+    v_scale = np.linspace(1.5, 0.6, hkv).astype(np.float32)
+    if hkv > 1:
+        k_scale[-1], v_scale[-1] = -k_scale[-1], -v_scale[-1]
+    for label, features in [("plain", {}), ("window100", dict(sliding_window=100)), ("window0", dict(sliding_window=0)),
+                            ("cap-sinks", dict(logit_cap=3.0, sinks=True)), ("noncausal", dict(causal=False)),
+                            ("xai-window-cap", dict(xai_temperature_len=50, sliding_window=37, logit_cap=3.0))]:
+        kw = _more_kwargs(rng, hq, features)
+        batch = make_batch(rng, prefix_lens, extend_lens, hq=hq, hkv=hkv, dqk=d, dtype=jnp.bfloat16,
+                           window=-1, max_extend_len=max(extend_lens) + 9)
+        q = np.float32(batch.q)
+        q[1, 0] = 1e6 * np.sign(q[1, 0])  # f16 would overflow without the row's factor
+        q[2, -1] = 0.0
+        batch = dataclasses.replace(batch, q=jnp.asarray(q, jnp.bfloat16))
+        k8, v8 = quantised(batch.k_pool, k_scale, fmt), quantised(batch.v_pool, v_scale, fmt)
+        model = dict(logit_cap=kw.get("logit_cap", 0.0), sinks=kw.get("sinks"), block_kv=block_kv,
+                     causal=kw.get("causal", True), xai=kw.get("xai_temperature_len", -1))
+        o = _kernel_model(batch.q, batch.k_new, batch.v_new, k8, v8, batch.meta, window=kw.get("sliding_window", -1),
+                          f16_scales=(k_scale, v_scale), **model)
+        ref = np.float32(ref_two_stage(dataclasses.replace(batch, k_pool=k8, v_pool=v8), k_scale=jnp.asarray(k_scale),
+                                       v_scale=jnp.asarray(v_scale), **kw))
+        assert np.isfinite(o[: batch.tokens]).all(), label
+        np.testing.assert_allclose(o[: batch.tokens], ref[: batch.tokens], **tolerance(jnp.bfloat16), err_msg=label)
 
 
 def _tree_masks(rng, prefix_lens, extend_lens, *, blind_row=None):
@@ -1883,7 +1964,7 @@ def test_lowers_for_cuda_on_cpu(part):
     from tests.lower_mgpu_kernel import DECODE_SHAPES, SHAPES
 
     shapes = len(SHAPES) + len(DECODE_SHAPES)
-    assert shapes == 76 and run.stdout.count("ok ") == len(range(part, shapes, 2)), run.stdout
+    assert shapes == 79 and run.stdout.count("ok ") == len(range(part, shapes, 2)), run.stdout
 
 
 def test_batches_past_the_grid_limit_are_declined():

@@ -408,6 +408,17 @@ FP8_TILES = ("q_dtype", "f16")
 F16_Q_ROW_MAX = 32768.0
 
 
+F16_MIN_GAIN = 2.0 ** -100  # a zero gain's stand-in: a masked score (-inf) times it stays -inf, never NaN
+
+
+def pool_score_gain(k_scale, factor):
+    """fp8_tiles="f16": the factor giving a pool tile's scores back, per row: |k_scale| / factor (>= 0, so a row's
+    largest score times it is still its largest); a zero gain (k_scale 0, or a tiny scale over a large factor) is
+    F16_MIN_GAIN instead (-inf * 0 would be NaN; the scores are then ~0, as k_scale 0 makes them), NaN stays NaN."""
+    gain = jnp.abs(k_scale) / factor
+    return jnp.where(gain == 0.0, F16_MIN_GAIN, gain)
+
+
 def f16_tiles_fit(*, unified: bool, o_rows_columns: int, qk_dim: int) -> bool:
     """Whether fp8_tiles="f16" is taken: the two-stage form (its pool tiles all come before its new-key tiles) with
     O-rows buffers as wide as Q (they hold the f16 Q copies)."""
@@ -783,9 +794,9 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
     fp8_tiles (fp8 pools): "q_dtype" (as above), or "f16" (two-stage form, o_rows_columns == qk_dim): the producer
       converts each fp8 value exactly to f16, unscaled (`FP8_TO_F16_PTX`). Each consumer warpgroup keeps an f16
       copy of its Q tile (aliasing its O-rows buffer, used only after the last tile) with each row times
-      `shrink` = min(1, F16_Q_LIMIT / max|row|) (no f16 overflow; exact for rows within the limit) and times
-      sign(k_scale); pool tiles run S = Q16 K16^T and O += P16 V16 in f16 (P in [0, 1]), their scores times
-      |k_scale| / shrink per row (in the exponent's scale, or with a soft cap inside the tanh), and the accumulator is
+      factor = min(F16_Q_ROW_MAX / max|row|, 2^64) (no f16 overflow, f16's full precision) and times sign(k_scale);
+      pool tiles run S = Q16 K16^T and O += P16 V16 in f16 (P in [0, 1]), their scores times |k_scale| / factor per
+      row (`pool_score_gain`; in the exponent's scale, or with a soft cap inside the tanh), and the accumulator is
       multiplied by v_scale after the last pool tile (every pool tile comes before every new-key tile). New-key
       tiles are unchanged (q's dtype). The rings hold f16 pool tiles and new-key tiles of q's dtype in the same
       slots (two views of one allocation, `plgpu.RefUnion`).
@@ -1078,8 +1089,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                 if f16_tiles:
                     # The pool tiles' Q: each row times factor = F16_Q_ROW_MAX / max|row| (at most 2^64: a zero or
                     # tiny row stays finite) and times sign(k_scale), in f16. Their scores are then q.k16 *
-                    # factor * sign, given back per row by pool_gain = |k_scale| / factor (>= 0, so a row's max
-                    # score times it is still its max). NaN in a row makes its copy NaN (as its scores would be).
+                    # factor * sign, given back per row by `pool_score_gain`. NaN in a row makes its copy NaN (as
+                    # its scores would be).
                     kv_head_q = lax.div(head, jnp.int32(group))
                     k_scale = scales_ref[kv_head_q]
                     q16_smem = q16_smem2.at[wg]
@@ -1088,7 +1099,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     signed = factor * jnp.where(k_scale < 0, -1.0, 1.0)
                     q16_smem[...] = (q_rows * lax.broadcast_in_dim(signed, q_rows.shape, [0])).astype(jnp.float16)
                     plgpu.commit_smem()  # the stores before wgmma reads the copy (async proxy)
-                    pool_gain = jnp.abs(k_scale) / factor
+                    pool_gain = pool_score_gain(k_scale, factor)
                     v_scale = scales_ref[kv_heads + kv_head_q]
 
                 # Under a window a valid row's first tiles may hold none of its keys (they straddle another row's

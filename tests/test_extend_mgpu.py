@@ -1340,18 +1340,21 @@ def _softmax_steps(qt, plan, tile, mask, *, c_rows, m_init, sinks, hq, block_q, 
         pool = f16_pool is not None and f16_pool.is_pool(step)
         pool_seen |= pool
         k, v = tile(step)
+        c = c_rows.c
         with np.errstate(invalid="ignore"):
             s = np.einsum("hqd,khd->hqk", f16_pool.q16 if pool else qt, k)
-            if pool:
+            if pool and c_rows.logit_cap is not None:  # the gain inside the tanh
                 s = s * f16_pool.gain[..., None]
+            elif pool:  # ... or in the exponent's scale (after the mask, as the kernel has it)
+                c = c * f16_pool.gain
         s = s if c_rows.logit_cap is None else np.tanh(s * c_rows.tanh_scale)
         visible = mask(step, kind)
         if visible is not None:
             s = np.where(visible, s, -np.inf)
         with np.errstate(invalid="ignore"):
-            m_new = np.maximum(m, s.max(axis=2) * c_rows.c)
+            m_new = np.maximum(m, s.max(axis=-1) * c)
             alpha = np.exp2(m - m_new)
-            p = np.exp2(s * c_rows.c[:, None] - m_new[..., None])
+            p = np.exp2(s * c[..., None] - m_new[..., None])
         if pool:
             p = np.float32(np.float16(p))
         with np.errstate(invalid="ignore"):
@@ -1375,12 +1378,13 @@ class _F16Pool:
     [heads] (each q head's kv head's); is_pool(step): a pool tile."""
 
     def __init__(self, qt, k_scale, v_scale, is_pool):
-        from jaxattn.kernels.extend_attention_mgpu import F16_Q_ROW_MAX
+        from jaxattn.kernels.extend_attention_mgpu import F16_MIN_GAIN, F16_Q_ROW_MAX
 
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             factor = np.minimum(np.float32(F16_Q_ROW_MAX) / np.abs(qt).max(axis=2), np.float32(2.0**64))
             self.q16 = np.float32(np.float16(qt * (factor * np.where(k_scale < 0, -1.0, 1.0)[:, None])[..., None]))
-            self.gain = np.abs(k_scale)[:, None] / factor
+            gain = np.abs(k_scale)[:, None] / factor
+            self.gain = np.where(gain == 0, np.float32(F16_MIN_GAIN), gain)
         self.v_scale, self.is_pool = v_scale, is_pool
 
 
@@ -1730,6 +1734,13 @@ def test_kernel_model_of_f16_pool_tiles_matches_reference(rng, shape, fmt):
                                        v_scale=jnp.asarray(v_scale), **kw))
         assert np.isfinite(o[: batch.tokens]).all(), label
         np.testing.assert_allclose(o[: batch.tokens], ref[: batch.tokens], **tolerance(jnp.bfloat16), err_msg=label)
+    # A zero k_scale: every pool score 0 (masked keys stay masked: -inf times the gain, not NaN).
+    zero = np.zeros_like(k_scale)
+    o = _kernel_model(batch.q, batch.k_new, batch.v_new, k8, v8, batch.meta, window=-1, f16_scales=(zero, v_scale),
+                      logit_cap=0.0, sinks=None, block_kv=block_kv)
+    ref = np.float32(ref_two_stage(dataclasses.replace(batch, k_pool=k8, v_pool=v8), k_scale=jnp.asarray(zero),
+                                   v_scale=jnp.asarray(v_scale)))
+    np.testing.assert_allclose(o[: batch.tokens], ref[: batch.tokens], **tolerance(jnp.bfloat16))
 
 
 def _tree_masks(rng, prefix_lens, extend_lens, *, blind_row=None):

@@ -12,8 +12,10 @@ Two implementations of `jaxattn.extend`'s contract on one kernel:
 
 * "mgpu-fp8" / "mgpu-unified-fp8" (`FP8`, `UNIFIED_FP8`; by name only): either form over fp8 pools read by the kernel
   (its producer converts each tile in shared memory), where the two above gather and dequantise the listed keys first
-  (`dequantised_prefix`). On the H100 (179e77b) its outputs equal the dequantising route's bit for bit, and it is
-  1.32-1.50x slower than that route at E1-FP8 / E3-FP8.
+  (`dequantised_prefix`). Two conversions (`MgpuExtendConfig.fp8_tiles`): "q_dtype" (value x scale rounded to q's
+  dtype: on the H100 at 179e77b equal to the dequantising route bit for bit, and 1.32-1.50x slower than it at
+  E1-FP8 / E3-FP8) and "f16" (the two-stage default at head dims 64/128: exact unscaled f16 tiles, a sixth of the
+  conversion's instructions, the scales applied by the consumers; not yet run on a GPU).
 
 They exist for speed: the FlashAttention-3 schedule (a producer warpgroup, two consumer warpgroups with wgmma from
 registers) that the Triton kernels cannot express on this stack. The producer reads pool rows straight through the

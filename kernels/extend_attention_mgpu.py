@@ -1518,7 +1518,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                         starts.append(lax.div(slot, jnp.int32(page_rows)))
                     return tuple(starts)
 
-                def issue(step, sources, starts):
+                def issue(step, sources, starts, parts=(0, 1)):
+                    # parts: K's (0) and / or V's (1) tile.
                     slot = lax.rem(step, jnp.int32(stages))
                     from_pool = step < pre_steps
                     tma = by_tma(step)
@@ -1559,54 +1560,58 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                             pl.when(copied[-1])(page_copies)
                         pl.when(jnp.logical_not(functools.reduce(jnp.logical_or, copied)))(cp_async)
 
-                    load(0, k_new_ref, k_pool_ref, k_smem, k_free, k_ready, k_row_dim)
-                    if not latent:
+                    if 0 in parts:
+                        load(0, k_new_ref, k_pool_ref, k_smem, k_free, k_ready, k_row_dim)
+                    if not latent and 1 in parts:
                         load(1, v_new_ref, v_pool_ref, v_smem, v_free, v_ready, v_dim)
 
-                def fp8_start(step, sources):
-                    """fp8 pools: issues tile `step`'s copies (a pool tile's fp8 rows into its slots' upper halves, a
-                    new-key tile as 16-bit pools do; nothing past cta_steps), then closes them into one group.
-                    sources: `sources_of(step)`."""
+                def fp8_start(step, sources, part):
+                    """fp8 pools: issues K's (part 0) or V's (part 1) copies of tile `step` (a pool tile's fp8 rows
+                    into its slot's upper half once the slot is free, a new-key tile as 16-bit pools do; nothing past
+                    cta_steps), then closes them into one group. sources: `sources_of(step)`."""
+                    pool_ref, smem, free = ((k_pool_ref, k_smem, k_free), (v_pool_ref, v_smem, v_free))[part]
+
                     @pl.when(step < cta_steps)
                     def _():
                         slot = lax.rem(step, jnp.int32(stages))
 
                         def pool_tile():
-                            for pool_ref, smem, free in ((k_pool_ref, k_smem, k_free), (v_pool_ref, v_smem, v_free)):
-                                pl.when(step >= first_step + stages)(lambda free=free: plgpu.barrier_wait(free.at[slot]))
-                                issue_fp8_rows(pool_ref, smem, sources, slot, kv_head, block_kv=block_kv, head_dim=qk_dim)
+                            pl.when(step >= first_step + stages)(lambda: plgpu.barrier_wait(free.at[slot]))
+                            issue_fp8_rows(pool_ref, smem, sources, slot, kv_head, block_kv=block_kv, head_dim=qk_dim)
 
                         if unified:  # every tile from the pool
                             pool_tile()
                         else:
                             pl.when(step < pre_steps)(pool_tile)
-                            pl.when(step >= pre_steps)(lambda: issue(step, sources, None))
+                            pl.when(step >= pre_steps)(lambda: issue(step, sources, None, parts=(part,)))
                     commit_copies()
 
                 def fp8_producer_loop(first):
-                    # Copies run stages - 1 tiles ahead: tile s + stages - 1's start after tile s's conversion (its
-                    # slot frees when the consumers are done with tile s - 1), so a conversion finds its copies landed
-                    # while the consumers work on the tile before.
+                    # Copies run stages - 1 tiles ahead, K's and V's apart (one cp.async group each): K of tile
+                    # s + stages - 1 is issued after K of tile s is converted, once the consumers' S = Q K^T of tile
+                    # s - 1 frees its slot; V's after V of tile s is converted, once their P V of tile s - 1 does. So
+                    # a K tile's copies start about a tile's softmax and P V earlier than V's (which the consumers
+                    # need that much later), and V's conversion waits for V's copies only.
                     if f16_tiles:  # exact f16, unscaled: the consumers apply the scales
                         k_scale = v_scale = None
                     else:
                         k_scale, v_scale = scales_ref[kv_head], scales_ref[kv_heads + kv_head]
                     for ahead in range(stages - 1):
-                        fp8_start(first + ahead, sources_of(first + ahead))
+                        for part in (0, 1):
+                            fp8_start(first + ahead, sources_of(first + ahead), part)
 
                     def fp8_step(step, sources):
                         # sources: tile step + stages - 1's, loaded an iteration ahead (as `step_body`'s), so the
                         # load of kv_indices overlaps the conversion instead of delaying the copies.
                         next_sources = sources_of(step + stages)
-
-                        @pl.when(step < pre_steps)
-                        def _():
-                            slot = lax.rem(step, jnp.int32(stages))
-                            # Groups in flight may be those of tiles step + 1 .. step + stages - 2.
-                            convert_fp8_tiles(((k_smem, slot, k_scale), (v_smem, stages + slot, v_scale)), kv_bars,
-                                              slot, block_kv=block_kv, head_dim=qk_dim, fp8_dtype=k_pool.dtype,
-                                              dtype=jnp.float16 if f16_tiles else dtype, wait_pending=stages - 2)
-                        fp8_start(step + (stages - 1), sources)
+                        slot = lax.rem(step, jnp.int32(stages))
+                        for part, (smem, scale) in enumerate(((k_smem, k_scale), (v_smem, v_scale))):
+                            # Groups in flight, oldest first: this part of tile `step`, then 2 (stages - 1) - 1 more.
+                            pl.when(step < pre_steps)(functools.partial(
+                                convert_fp8_tiles, ((smem, part * stages + slot, scale),), kv_bars, slot,
+                                block_kv=block_kv, head_dim=qk_dim, fp8_dtype=k_pool.dtype,
+                                dtype=jnp.float16 if f16_tiles else dtype, wait_pending=2 * (stages - 1) - 1))
+                            fp8_start(step + (stages - 1), sources, part)
                         return next_sources
 
                     lax.fori_loop(first_step, cta_steps, fp8_step, sources_of(first + (stages - 1)))

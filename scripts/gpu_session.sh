@@ -7,8 +7,8 @@
 #   from the checkout's root with what scripts/gpu_env.sh installs, jaxattn on PYTHONPATH and $STEP_OUT a folder for the
 #   step's own files (JSON records). A step runs under `timeout <seconds>`; a step that would end past TOTAL_SECONDS
 #   (default 560) from the start is skipped, so the packing below always runs. Each step's output goes to
-#   <name>.log. Comes back under $OUT: steps.txt (each step's exit status, 124 = its box ran out, and seconds), and
-#   logs.tgz (every step's log and files).
+#   <name>.log. Comes back under $OUT: steps.txt (each step's exit status, 124 = its box ran out, and seconds),
+#   logs.tgz (every step's log and files) and the first five steps' logs' last 30 KB.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 total=560
@@ -37,10 +37,12 @@ while read -r -u 3 seconds name command; do  # fd 3: a step reading stdin must n
   began=$SECONDS
   OUT=$STEP_OUT timeout "$seconds" bash -c "$command" >"$work/$name.log" 2>&1 </dev/null
   echo "$name rc=$? ${seconds}s box, took $((SECONDS - began)) s" | tee -a "$FINAL/steps.txt"
+  # The log's tail beside logs.tgz, which may come back without it (a step's dumps can pass the size limit).
+  [ "$(ls "$FINAL" | wc -l)" -lt 7 ] && tail -c 30000 "$work/$name.log" >"$FINAL/$name.log"
 done 3< <(cat "${steps_files[@]}")
 # A file comes back only under 16 MB: FlashInfer's JIT cache (gpu_check.sh saves it) stays out, and if the rest is
 # still too big, the logs and JSON records alone go.
 tar czf "$FINAL/logs.tgz" --exclude=flashinfer.tgz -C "$work" .
-if [ "$(stat -c %s "$FINAL/logs.tgz")" -gt 15000000 ]; then
-  (cd "$work" && find . -name '*.log' -o -name '*.json' -o -name '*.txt' | tar czf "$FINAL/logs.tgz" -T -)
+if [ "$(stat -c %s "$FINAL/logs.tgz")" -gt 15000000 ]; then  # (PTXAS=1 dumps: gigabytes) the steps' logs and JSON only
+  (cd "$work" && find . -maxdepth 2 \( -name '*.log' -o -name '*.json' \) | tar czf "$FINAL/logs.tgz" -T -)
 fi

@@ -392,12 +392,15 @@ def issue_pages(pool_ref, smem, bars, starts, slot, barrier, kv_head, *, page_ro
 # --- fp8 pools (issue 26): the producer converts each prefix tile in place in its ring slot. ---
 # A 16-bit ring slot holds block_kv * head_dim * 2 bytes; an fp8 tile of the same rows is half that. The producer
 # copies the fp8 rows (cp.async) row-major into the slot's upper half, then rewrites the slot as the 16-bit tile wgmma
-# reads, in rounds of R rows (`fp8_round_rows`: about 16 fp8 bytes per producer thread): every thread loads its
-# 16-byte chunks of the round, the warpgroup syncs, every thread stores its converted chunks. A round's stores reach
-# only fp8 rows of this round or earlier (16-bit rows [0, R(r + 1)) lie in bytes [0, 2 * hd * R(r + 1)), fp8 rows from
-# R(r + 1) on start at hd * (block_kv + R(r + 1)) >= that), so no row is overwritten before it is read, and the next
-# round's loads read no byte this round stores: no second sync per round. `tests/test_fp8_extend_layout.py` replays
-# these formulas on bytes. No staging buffer: the kernels' shared memory is already full (extend at 128-dim heads,
+# reads, in steps over its rows (`fp8_conversion_steps`). 16-bit rows [0, e) lie in bytes [0, 2 * hd * e) and fp8 row j
+# starts at hd * (block_kv + j), so rows [d, d + n) with n <= (block_kv - d) / 2 are stored below every fp8 row from d
+# on: such a step (a phase) needs no sync inside, each thread converting its chunks one by one (load, convert, store);
+# its stores reach only fp8 rows of earlier steps, whose loads a warpgroup sync before it orders. Halving phases take
+# the tile down to its last rows, which go in rounds of R rows (`fp8_round_rows`: about 16 fp8 bytes per producer
+# thread): every thread loads its chunks of the round, the warpgroup syncs, every thread stores (a round's stores reach
+# fp8 rows of this round or earlier only). A tile of 128 rows: phases of 64, 32 and 16 rows and one round, 3 syncs
+# (8 in rounds alone). No step loads a byte an earlier one stored. `tests/test_fp8_extend_layout.py` replays these
+# formulas on bytes. No staging buffer: the kernels' shared memory is already full (extend at 128-dim heads,
 # MLA decode). Rows are whole 64-column 16-bit tiles (head_dim a multiple of 64), so the slot is exactly 2x the tile.
 FP8_HEAD_DIMS = (64, 128, 256)  # the extend kernel's fp8 head dims (q/k = v)
 # How the producer converts a pool tile: each value times its scale rounded to q's dtype, or exactly to f16 unscaled
@@ -487,28 +490,33 @@ def fp8_round_rows(head_dim: int) -> int:
     return max(8, WARPGROUP * 16 // head_dim // 8 * 8)
 
 
-def fp8_round_chunks(head_dim: int) -> int:
-    """16-byte fp8 chunks per round; thread t converts chunks t, t + 128, ... of it."""
-    return fp8_round_rows(head_dim) * (head_dim // 16)
+def fp8_conversion_steps(block_kv: int, head_dim: int) -> tuple[tuple[int, int, bool], ...]:
+    """The conversion of a tile, in order: (first row, rows, round). Phases (round False) while the rows left allow
+    one of at least R = `fp8_round_rows` rows: the largest multiple of R at most half the rows left; then rounds of R
+    rows (round True). Every step but the first starts with a warpgroup sync (a round's sits between its loads and
+    its stores)."""
+    rows = fp8_round_rows(head_dim)
+    steps, start = [], 0
+    while (phase := (block_kv - start) // 2 // rows * rows) >= rows:
+        steps.append((start, phase, False))
+        start += phase
+    steps += [(row, rows, True) for row in range(start, block_kv, rows)]
+    return tuple(steps)
 
 
-def fp8_round_position(round_: int, thread, i: int, *, head_dim: int, ops=IntOps):
-    """(row, chunk) of the i-th chunk thread `thread` converts in round `round_`: chunk thread + 128 i of the round's
-    `fp8_round_chunks`, or where that is past them the round's last chunk (converted twice, to the same bytes: no
-    branch around the copy)."""
-    chunks, total = head_dim // 16, fp8_round_chunks(head_dim)
+def fp8_step_position(first_row: int, rows: int, thread, i: int, *, head_dim: int, ops=IntOps):
+    """(row, chunk) of the i-th chunk thread `thread` converts in the step of `rows` rows from `first_row`: chunk
+    thread + 128 i of the step's rows * head_dim / 16, or where that is past them the step's last chunk (converted
+    twice, to the same bytes: no branch around the copy; in a phase its fp8 bytes are never overwritten)."""
+    chunks, total = head_dim // 16, rows * (head_dim // 16)
     k = ops.add(thread, i * WARPGROUP)
     if (i + 1) * WARPGROUP > total:
         k = ops.min(k, total - 1)
-    return ops.add(round_ * fp8_round_rows(head_dim), ops.div(k, chunks)), ops.rem(k, chunks)
+    return ops.add(first_row, ops.div(k, chunks)), ops.rem(k, chunks)
 
 
-def fp8_chunks_per_thread(head_dim: int) -> int:
-    return -(-fp8_round_chunks(head_dim) // WARPGROUP)
-
-
-def fp8_rounds(block_kv: int, head_dim: int) -> int:
-    return block_kv // fp8_round_rows(head_dim)
+def fp8_step_chunks_per_thread(rows: int, head_dim: int) -> int:
+    return -(-rows * (head_dim // 16) // WARPGROUP)
 
 
 def check_fp8_tile(block_kv: int, head_dim: int) -> None:
@@ -614,8 +622,8 @@ def convert_fp8_tiles(tiles, bars, slot, *, block_kv: int, head_dim: int, fp8_dt
     `dtype`, then completes each tile's mbarrier (each producer thread arrives once: its 128 arrivals, as a cp.async
     tile's). tiles: ((smem, barrier, scale), ...), smem a 16-bit [stages, block_kv, head_dim] ring, barrier an index
     into `bars`, scale an f32 scalar (each value times it in f32) or None (f16, exact, the scale folded elsewhere;
-    one for all tiles). The tiles go through the same rounds (K's and V's loads, one sync, their stores): half the
-    syncs and twice the independent work of converting them one after the other. wait_pending: None (the copies were
+    one for all tiles). The tiles go through the same steps (`fp8_conversion_steps`: phases, then rounds), sharing
+    their syncs. wait_pending: None (the copies were
     waited for by an earlier call), or wait until at most this many of the thread's cp.async groups are in flight,
     then sync the warpgroup so every thread's copies are visible."""
     check_fp8_tile(block_kv, head_dim)
@@ -643,24 +651,36 @@ def convert_fp8_tiles(tiles, bars, slot, *, block_kv: int, head_dim: int, fp8_dt
         thread = arith.remui(mgpu_utils.thread_idx(), _i32(WARPGROUP))
         bases = [mgpu_utils.getelementptr(mgpu_utils.memref_ptr(smem), [arith.muli(slot, _i32(slot_bytes))], i8)
                  for smem in smems]
-        for r in range(fp8_rounds(block_kv, head_dim)):
-            loaded = []
-            for base, scale in zip(bases, scales):
-                for i in range(fp8_chunks_per_thread(head_dim)):
-                    row, chunk = fp8_round_position(r, thread, i, head_dim=head_dim, ops=IrOps)
-                    src = mgpu_utils.getelementptr(
-                        base, [fp8_staged_byte(row, chunk, block_kv=block_kv, head_dim=head_dim, ops=IrOps)], i8)
-                    loaded.append((base, scale, row, chunk, llvm.load(words, src, alignment=16)))
-            sync()  # every thread's round-r bytes read before any is overwritten
-            for base, scale, row, chunk, data in loaded:
-                out = []
-                for i in range(4):
-                    out += mgpu_utils.inline_ptx(ptx, vector.extract(data, [], [i]), *scale, result_types=[i32, i32])
-                for half in range(2):
-                    at = swizzled_16bit_byte(row, IrOps.add(IrOps.mul(chunk, 2), half), head_dim=head_dim,
-                                             swizzle=swizzle, ops=IrOps)
-                    llvm.store(vector.from_elements(words, out[4 * half:4 * half + 4]),
-                               mgpu_utils.getelementptr(base, [at], i8), alignment=16)
+        def load(base, row, chunk):
+            src = mgpu_utils.getelementptr(
+                base, [fp8_staged_byte(row, chunk, block_kv=block_kv, head_dim=head_dim, ops=IrOps)], i8)
+            return llvm.load(words, src, alignment=16)
+
+        def store(base, scale, row, chunk, data):
+            out = []
+            for i in range(4):
+                out += mgpu_utils.inline_ptx(ptx, vector.extract(data, [], [i]), *scale, result_types=[i32, i32])
+            for half in range(2):
+                at = swizzled_16bit_byte(row, IrOps.add(IrOps.mul(chunk, 2), half), head_dim=head_dim,
+                                         swizzle=swizzle, ops=IrOps)
+                llvm.store(vector.from_elements(words, out[4 * half:4 * half + 4]),
+                           mgpu_utils.getelementptr(base, [at], i8), alignment=16)
+
+        for index, (first_row, rows, is_round) in enumerate(fp8_conversion_steps(block_kv, head_dim)):
+            positions = [fp8_step_position(first_row, rows, thread, i, head_dim=head_dim, ops=IrOps)
+                         for i in range(fp8_step_chunks_per_thread(rows, head_dim))]
+            if is_round:  # every thread's loads, then the sync, then the stores
+                loaded = [(base, scale, row, chunk, load(base, row, chunk))
+                          for base, scale in zip(bases, scales) for row, chunk in positions]
+                sync()  # every thread's bytes of this round (and of the steps before) read before any is overwritten
+                for base, scale, row, chunk, data in loaded:
+                    store(base, scale, row, chunk, data)
+            else:  # a phase: its stores reach no fp8 byte of its own, each chunk goes through on its own
+                if index:
+                    sync()  # the steps before: every thread's loads done before this phase overwrites their bytes
+                for base, scale in zip(bases, scales):
+                    for row, chunk in positions:
+                        store(base, scale, row, chunk, load(base, row, chunk))
         # wgmma reads the tiles through the async proxy: order this thread's stores before it, then release.
         nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
         for barrier in barriers:

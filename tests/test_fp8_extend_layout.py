@@ -1,6 +1,7 @@
 """The Mosaic GPU extend kernel's fp8 tiles (issue 26), replayed on bytes: `issue_fp8_rows`' copies into the upper
-half of a 16-bit ring slot, then `convert_fp8_tiles`' in-place rounds (every thread's loads, one warpgroup sync, every
-thread's stores), through the kernel module's own layout formulas (`IntOps`). The slot must end up holding the tile
+half of a 16-bit ring slot, then `convert_fp8_tiles`' in-place steps (phases: each thread's chunks loaded, converted
+and stored one by one, in any order across threads; rounds: every thread's loads, one warpgroup sync, every thread's
+stores), through the kernel module's own layout formulas (`IntOps`). The slot must end up holding the tile
 wgmma reads (Mosaic's (8, 64)-tiled, 128-byte-swizzled layout, written out independently here) with the values
 `jaxattn.fp8.dequantised_rows` gives, bit for bit. The kernel itself runs only on a GPU.
 """
@@ -51,35 +52,53 @@ def copy_tile(slot, pool, sources, kv_head, *, block_kv, head_dim):
 
 
 def convert_tile(slot, fp8_dtype, scale, dtype, *, block_kv, head_dim, synced=True, swizzle=128):
-    """convert_fp8_tiles' rounds on one tile (scale None: straight to f16; K's and V's share the rounds, each on its
-    own ring). synced=False replays them without the sync between loads and stores (each thread loads and stores
-    before the next): the in-place rewrite then must fail, which shows this test can."""
+    """convert_fp8_tiles' steps on one tile (scale None: straight to f16; K's and V's share the steps, each on its
+    own ring). A phase's chunks go through in reverse order (one thread may run ahead of another), after a check that
+    none of its stores reaches a byte it loads. synced=False replays the whole tile as one phase (no sync at all):
+    the in-place rewrite then must fail, which shows this test can."""
+    steps = kernel.fp8_conversion_steps(block_kv, head_dim)
+    assert steps[0][0] == 0 and all(a[0] + a[1] == b[0] for a, b in zip(steps, steps[1:]))
+    assert steps[-1][0] + steps[-1][1] == block_kv  # the steps cover the rows in order
     converted = np.zeros((block_kv, head_dim // 16), int)
-    for r in range(kernel.fp8_rounds(block_kv, head_dim)):
-        positions = [kernel.fp8_round_position(r, t, i, head_dim=head_dim) for t in range(THREADS)
-                     for i in range(kernel.fp8_chunks_per_thread(head_dim))]
+
+    def load(row, chunk):
+        at = kernel.fp8_staged_byte(row, chunk, block_kv=block_kv, head_dim=head_dim)
+        return slot[at:at + 16].copy()
+
+    def stored_bytes(row, chunk):
+        return [kernel.swizzled_16bit_byte(row, 2 * chunk + half, head_dim=head_dim, swizzle=swizzle)
+                for half in range(2)]
+
+    def store(row, chunk, data):
+        values = data.view(fp8_dtype).astype(np.float32)
+        values = (values if scale is None else values * np.float32(scale)).astype(dtype).view(np.uint8)
+        for half, at in enumerate(stored_bytes(row, chunk)):
+            slot[at:at + 16] = values[16 * half:16 * half + 16]
+
+    all_positions = []
+    for first_row, rows, is_round in steps:
+        positions = [kernel.fp8_step_position(first_row, rows, t, i, head_dim=head_dim) for t in range(THREADS)
+                     for i in range(kernel.fp8_step_chunks_per_thread(rows, head_dim))]
         for row, chunk in set(positions):
             converted[row, chunk] += 1
-
-        def load(row, chunk):
-            at = kernel.fp8_staged_byte(row, chunk, block_kv=block_kv, head_dim=head_dim)
-            return slot[at:at + 16].copy()
-
-        def store(row, chunk, data):
-            values = data.view(fp8_dtype).astype(np.float32)
-            values = (values if scale is None else values * np.float32(scale)).astype(dtype).view(np.uint8)
-            for half in range(2):
-                at = kernel.swizzled_16bit_byte(row, 2 * chunk + half, head_dim=head_dim, swizzle=swizzle)
-                slot[at:at + 16] = values[16 * half:16 * half + 16]
-
-        if synced:
+        all_positions += positions
+        if not synced:
+            continue
+        if is_round:
             loaded = [load(*position) for position in positions]
             for position, data in zip(positions, loaded):
                 store(*position, data)
         else:
+            loads = {kernel.fp8_staged_byte(r, c, block_kv=block_kv, head_dim=head_dim) + b
+                     for r, c in positions for b in range(16)}
+            stores = {at + b for r, c in positions for at in stored_bytes(r, c) for b in range(16)}
+            assert not loads & stores, (first_row, rows)  # no sync inside a phase: it must not need one
             for position in reversed(positions):
                 store(*position, load(*position))
-    assert (converted == 1).all()  # every chunk of the tile in exactly one round
+    if not synced:
+        for position in reversed(all_positions):
+            store(*position, load(*position))
+    assert (converted == 1).all()  # every chunk of the tile in exactly one step
 
 
 def random_fp8_pool(rng, fp8_dtype, slots, kv_heads, head_dim):
@@ -123,7 +142,7 @@ def test_copies_and_in_place_rounds_give_the_dequantised_tile(block_kv, head_dim
 
 
 @pytest.mark.parametrize("block_kv,head_dim", [(128, 128), (64, 256), (64, 576)])
-def test_the_rounds_need_their_sync(block_kv, head_dim):
+def test_the_steps_need_their_syncs(block_kv, head_dim):
     rng = np.random.default_rng(7)
     pool = random_fp8_pool(rng, ml_dtypes.float8_e4m3fn, 300, 2, head_dim)
     sources = rng.integers(0, 300, block_kv).astype(np.int32)
@@ -135,6 +154,14 @@ def test_the_rounds_need_their_sync(block_kv, head_dim):
                      synced=synced)
         results.append(swizzled_tile(slot, block_kv, head_dim, ml_dtypes.bfloat16).view(np.uint16))
     assert (results[0] != results[1]).any()
+
+
+def test_conversion_steps_halve_then_round():
+    # 128-row tiles of 128-dim heads: phases of 64, 32 and 16 rows, then one round of 16 (3 syncs where rounds alone
+    # took 8); 64-dim heads end in a round of 32 rows; MLA's 576 in one of 8 rows after three phases.
+    assert kernel.fp8_conversion_steps(128, 128) == ((0, 64, False), (64, 32, False), (96, 16, False), (112, 16, True))
+    assert kernel.fp8_conversion_steps(128, 64) == ((0, 64, False), (64, 32, False), (96, 32, True))
+    assert kernel.fp8_conversion_steps(64, 576) == ((0, 32, False), (32, 16, False), (48, 8, False), (56, 8, True))
 
 
 def test_fp8_tile_limits():

@@ -1,16 +1,27 @@
 """How much of the fp8 kernels' time is the in-place conversion (issue 26): `python -m jaxattn.bench` with the
-conversion rounds removed (`fp8_rounds` -> 0: the producer still copies each tile, waits for its copies, syncs and
-releases it; the consumers read unconverted bytes, so the outputs are wrong and only the times mean anything). Run
-it beside the real rows in one device call: the difference is what the conversion costs on the critical path.
+conversion steps replaced. FP8_STEPS=none (the default) removes them (`fp8_conversion_steps` -> none: the producer
+still copies each tile, waits for its copies, syncs and releases it; the consumers read unconverted bytes, so the
+outputs are wrong and only the times mean anything); FP8_STEPS=rounds converts in rounds of `fp8_round_rows` only,
+a sync in each (the form before the halving phases; correct outputs). Run it beside the real rows in one device
+call: the difference is what the conversion, or its phases, cost on the critical path.
 
-Usage: python benchmarks/experiments/fp8_conversion_cost.py <jaxattn.bench arguments>
+Usage: [FP8_STEPS=none|rounds] python benchmarks/experiments/fp8_conversion_cost.py <jaxattn.bench arguments>
 """
+import os
 import sys
 
 from jaxattn.bench.cli import main
 from jaxattn.kernels import extend_attention_mgpu
 
-extend_attention_mgpu.fp8_rounds = lambda block_kv, head_dim: 0  # the MLA kernel converts with the same function
+
+def rounds_only(block_kv, head_dim):
+    rows = extend_attention_mgpu.fp8_round_rows(head_dim)
+    return tuple((row, rows, True) for row in range(0, block_kv, rows))
+
+
+STEPS = {"none": lambda block_kv, head_dim: (), "rounds": rounds_only}
+# The MLA kernel converts with the same function.
+extend_attention_mgpu.fp8_conversion_steps = STEPS[os.environ.get("FP8_STEPS", "none")]
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -1617,8 +1617,9 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     else:
                         k_scale, v_scale = scales_ref[kv_head], scales_ref[kv_heads + kv_head]
                     for ahead in range(stages - 1):
+                        sources = sources_of(first + ahead)
                         for part in (0, 1):
-                            fp8_start(first + ahead, sources_of(first + ahead), part)
+                            fp8_start(first + ahead, sources, part)
 
                     def fp8_step(step, sources):
                         # sources: tile step + stages - 1's, loaded an iteration ahead (as `step_body`'s), so the

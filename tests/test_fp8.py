@@ -6,6 +6,7 @@ Pools are e4m3fn / e5m2 with unused rows NaN (fp8 has NaN), so a wrong gather sh
 interpreter, which also sees fp8 pools as f32 values: the same values, exactly).
 """
 
+import dataclasses
 import re
 
 import jax
@@ -342,7 +343,7 @@ def test_mgpu_kernel_converts_fp8_tiles_itself(rng, fmt, case, form, tiles):
     # dtype (times the scale) also bit for bit against the dequantising route ("mgpu" / "mgpu-unified": the same
     # 16-bit operands, the same tiles and order); f16 tiles (the two-stage default at head dims 64 and 128; 256 takes
     # q_dtype tiles) run the pool tiles in f16 with the scales applied by the consumers: the reference's tolerance.
-    from jaxattn.tuning import MgpuExtendConfig
+    from jaxattn import tuning
 
     prefix_lens, extend_lens, hq, hkv, dim, features = case
     features = dict(features)
@@ -362,7 +363,8 @@ def test_mgpu_kernel_converts_fp8_tiles_itself(rng, fmt, case, form, tiles):
         args = (batch.q, kp, vp, batch.meta_unified)
         run, reference, names = extend_attention_unified, extend_attention_unified_reference, ("mgpu-unified-fp8", "mgpu-unified")
         want = reference(batch.q, _clean(kp), _clean(vp), batch.meta_unified, **kw)
-    config = MgpuExtendConfig(fp8_tiles=tiles, **({"block_kv": 64} if dim == 256 else {}))
+    # The tuned tile (three consumer warpgroups at 64, 64-key tiles at 256) with this conversion.
+    config = dataclasses.replace(tuning.mgpu_extend_config(dim, dim, max_extend_len=max(extend_lens)), fp8_tiles=tiles)
     got = np.float32(run(*args, impl=names[0], config=config, **kw))
     assert not np.isnan(got).any()  # the pools' unlisted rows are NaN
     if tiles == "q_dtype" or dim == 256:

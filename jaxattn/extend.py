@@ -24,8 +24,9 @@ rest, `impl=` forces one):
   "triton-unified"  unified     SGLang's deterministic unified Triton kernel, every feature.
   "mgpu-fp8",       both        By name only: the Mosaic GPU kernel reading fp8 pools itself (its producer
   "mgpu-unified-                converts each tile in shared memory) where "mgpu" and "mgpu-unified" gather and
-  fp8"                          dequantise the listed keys first; head dims 64, 128, 256. Correct on the H100 and
-                                slower there than dequantising (179e77b).
+  fp8"                          dequantise the listed keys first; head dims 64, 128, 256. Correct on the H100;
+                                with f16 tiles (`MgpuExtendConfig.fp8_tiles`) 8% faster than dequantising at
+                                E3-FP8 and 18% slower at E1-FP8 there (35d899e).
   ================  ==========  ==================================================================================
 
 A `config=` picks among them by its type (`ExtendConfig`: the Triton kernels; `MgpuExtendConfig`: Mosaic GPU).

@@ -107,7 +107,7 @@ SHAPES = [  # label, tokens, q heads, kv heads, head dim, dtype, config, feature
     # fp8 pool's tiles are copied row by row.)
     ("fp8-e4m3-128-bf16-tma", 512, 8, 2, 128, jnp.bfloat16, None, dict(pool=jnp.float8_e4m3fn)),
     # f16 pool tiles (the default at 64 and 128) and q_dtype ones: a window with a custom mask (pool and new-key
-    # tiles apart), two q heads per CTA (a short extend), xai-free soft cap beside sinks; q_dtype explicitly.
+    # tiles apart), two q heads per CTA (a short extend) with a soft cap and sinks; q_dtype explicitly.
     ("fp8-e4m3-128-bf16-qdtype", 512, 8, 2, 128, jnp.bfloat16, MgpuExtendConfig(fp8_tiles="q_dtype"),
      dict(pool=jnp.float8_e4m3fn)),
     ("fp8-e4m3-128-bf16-f16-window-mask", 300, 8, 2, 128, jnp.bfloat16, None,

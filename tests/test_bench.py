@@ -164,6 +164,15 @@ def test_sweep_takes_a_label_regex(one_call, monkeypatch):
     assert sweeps == [True, "mgpu", False]
 
 
+def test_fp8_extend_sweep_times_both_conversions():
+    # An fp8 extend case's sweep has the in-kernel route with each conversion on each tile that fits sm_90 (f16
+    # tiles and q_dtype tiles), a bf16 case none of them.
+    variants = dict(bench.sweep_variants("extend", bench.CASES["E1-FP8"]))
+    for tiles in ("f16", "q_dtype"):
+        assert variants[f"mgpu-fp8 {tiles} kv128 s2"].__defaults__[0].fp8_tiles == tiles
+    assert not any(label.startswith("mgpu-fp8") for label, _ in bench.sweep_variants("extend", bench.CASES["E1"]))
+
+
 def test_commit_falls_back_to_the_environment(monkeypatch):
     def no_git(*args, **kwargs):
         raise OSError("git: not found")

@@ -952,8 +952,9 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
         raise ValueError(f"fp8_tiles must be one of {FP8_TILES}; got {fp8_tiles!r}")
     f16_tiles = fp8 and fp8_tiles == "f16"  # pool tiles in f16, scales folded into the consumers' arithmetic
     if f16_tiles and not f16_tiles_fit(unified=unified, o_rows_columns=o_rows_columns, qk_dim=qk_dim):
+        got = "the unified form" if unified else f"o_rows_columns {o_rows_columns}"
         raise ValueError(f"fp8_tiles='f16' takes the two-stage form with o_rows_columns == qk_dim (the Q copy shares "
-                         f"the O-rows buffer); got {'the unified form' if unified else f'o_rows_columns {o_rows_columns}'}")
+                         f"the O-rows buffer); got {got}")
     # Pool tiles (f16) and new-key tiles (q's dtype) share the rings' slots: two typed views of one allocation.
     mixed_rings = f16_tiles and jnp.dtype(dtype) != jnp.dtype(jnp.float16)
 
@@ -1360,7 +1361,11 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
 
                 def step_fn(mask_kind=None, pool=False):
                     # kv_step for a loop (the same function object where nothing is bound: one traced body).
-                    bound_args = dict(({"mask_kind": mask_kind} if mask_kind else {}), **({"pool": True} if pool and f16_tiles else {}))
+                    bound_args = {}
+                    if mask_kind:
+                        bound_args["mask_kind"] = mask_kind
+                    if pool and f16_tiles:
+                        bound_args["pool"] = True
                     return functools.partial(kv_step, **bound_args) if bound_args else kv_step
 
                 def unmasked(lo, hi, carry, pool=False):  # a run of tiles every row sees whole
@@ -1677,7 +1682,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
         refs = dict(zip(present, rest[:len(present)]))
         (out_gmem,) = rest[len(present):]
         o_rows = plgpu.SMEM((consumers, block_q, o_rows_columns), dtype)  # O of a partial tile (row-sliceable)
-        if f16_tiles:  # ... and, until the last tile is done, the f16 copy of Q (the same bytes: o_rows_columns == qk_dim)
+        if f16_tiles:  # ... and, until the last tile is done, the f16 Q copy (the same bytes: o_rows_columns == qk_dim)
             o_rows = plgpu.RefUnion(o_rows, plgpu.SMEM((consumers, block_q, qk_dim), jnp.float16, transforms=SWIZZLED))
 
         def ring(dim):  # with mixed rings, a view in q's dtype (new-key tiles) and one in f16 (pool tiles)

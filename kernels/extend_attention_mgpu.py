@@ -515,6 +515,11 @@ def fp8_step_position(first_row: int, rows: int, thread, i: int, *, head_dim: in
     return ops.add(first_row, ops.div(k, chunks)), ops.rem(k, chunks)
 
 
+# Positions per load group in a conversion phase (`convert_fp8_tiles`): each tile's chunk at each position, 16 bytes
+# (4 registers) a chunk, loaded before any is stored. The producer has 40 registers (24 beside three consumers).
+FP8_PHASE_GROUP = 1
+
+
 def fp8_step_chunks_per_thread(rows: int, head_dim: int) -> int:
     return -(-rows * (head_dim // 16) // WARPGROUP)
 
@@ -675,12 +680,17 @@ def convert_fp8_tiles(tiles, bars, slot, *, block_kv: int, head_dim: int, fp8_dt
                 sync()  # every thread's bytes of this round (and of the steps before) read before any is overwritten
                 for base, scale, row, chunk, data in loaded:
                     store(base, scale, row, chunk, data)
-            else:  # a phase: its stores reach no fp8 byte of its own, each chunk goes through on its own
+            else:  # a phase: its stores reach no fp8 byte of its own, so no sync between its loads and stores
                 if index:
                     sync()  # the steps before: every thread's loads done before this phase overwrites their bytes
-                for base, scale in zip(bases, scales):
-                    for row, chunk in positions:
-                        store(base, scale, row, chunk, load(base, row, chunk))
+                # `FP8_PHASE_GROUP` positions' chunks of every tile loaded together, then stored: loads in flight
+                # side by side, within the producer's few registers (4 per chunk).
+                for group in range(0, len(positions), FP8_PHASE_GROUP):
+                    loaded = [(base, scale, row, chunk, load(base, row, chunk))
+                              for row, chunk in positions[group:group + FP8_PHASE_GROUP]
+                              for base, scale in zip(bases, scales)]
+                    for base, scale, row, chunk, data in loaded:
+                        store(base, scale, row, chunk, data)
         # wgmma reads the tiles through the async proxy: order this thread's stores before it, then release.
         nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
         for barrier in barriers:
@@ -1543,8 +1553,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                         starts.append(lax.div(slot, jnp.int32(page_rows)))
                     return tuple(starts)
 
-                def issue(step, sources, starts, parts=(0, 1)):
-                    # parts: K's (0) and / or V's (1) tile.
+                def issue(step, sources, starts):
                     slot = lax.rem(step, jnp.int32(stages))
                     from_pool = step < pre_steps
                     tma = by_tma(step)
@@ -1585,59 +1594,54 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                             pl.when(copied[-1])(page_copies)
                         pl.when(jnp.logical_not(functools.reduce(jnp.logical_or, copied)))(cp_async)
 
-                    if 0 in parts:
-                        load(0, k_new_ref, k_pool_ref, k_smem, k_free, k_ready, k_row_dim)
-                    if not latent and 1 in parts:
+                    load(0, k_new_ref, k_pool_ref, k_smem, k_free, k_ready, k_row_dim)
+                    if not latent:
                         load(1, v_new_ref, v_pool_ref, v_smem, v_free, v_ready, v_dim)
 
-                def fp8_start(step, sources, part):
-                    """fp8 pools: issues K's (part 0) or V's (part 1) copies of tile `step` (a pool tile's fp8 rows
-                    into its slot's upper half once the slot is free, a new-key tile as 16-bit pools do; nothing past
-                    cta_steps), then closes them into one group. sources: `sources_of(step)`."""
-                    pool_ref, smem, free = ((k_pool_ref, k_smem, k_free), (v_pool_ref, v_smem, v_free))[part]
-
+                def fp8_start(step, sources):
+                    """fp8 pools: issues tile `step`'s copies (a pool tile's fp8 rows into its slots' upper halves, a
+                    new-key tile as 16-bit pools do; nothing past cta_steps), then closes them into one group.
+                    sources: `sources_of(step)`."""
                     @pl.when(step < cta_steps)
                     def _():
                         slot = lax.rem(step, jnp.int32(stages))
 
                         def pool_tile():
-                            pl.when(step >= first_step + stages)(lambda: plgpu.barrier_wait(free.at[slot]))
-                            issue_fp8_rows(pool_ref, smem, sources, slot, kv_head, block_kv=block_kv, head_dim=qk_dim)
+                            for pool_ref, smem, free in ((k_pool_ref, k_smem, k_free), (v_pool_ref, v_smem, v_free)):
+                                pl.when(step >= first_step + stages)(lambda free=free: plgpu.barrier_wait(free.at[slot]))
+                                issue_fp8_rows(pool_ref, smem, sources, slot, kv_head, block_kv=block_kv, head_dim=qk_dim)
 
                         if unified:  # every tile from the pool
                             pool_tile()
                         else:
                             pl.when(step < pre_steps)(pool_tile)
-                            pl.when(step >= pre_steps)(lambda: issue(step, sources, None, parts=(part,)))
+                            pl.when(step >= pre_steps)(lambda: issue(step, sources, None))
                     commit_copies()
 
                 def fp8_producer_loop(first):
-                    # Copies run stages - 1 tiles ahead, K's and V's apart (one cp.async group each): K of tile
-                    # s + stages - 1 is issued after K of tile s is converted, once the consumers' S = Q K^T of tile
-                    # s - 1 frees its slot; V's after V of tile s is converted, once their P V of tile s - 1 does. So
-                    # a K tile's copies start about a tile's softmax and P V earlier than V's (which the consumers
-                    # need that much later), and V's conversion waits for V's copies only.
+                    # Copies run stages - 1 tiles ahead: tile s + stages - 1's start after tile s's conversion (its
+                    # slot frees when the consumers are done with tile s - 1), so a conversion finds its copies landed
+                    # while the consumers work on the tile before.
                     if f16_tiles:  # exact f16, unscaled: the consumers apply the scales
                         k_scale = v_scale = None
                     else:
                         k_scale, v_scale = scales_ref[kv_head], scales_ref[kv_heads + kv_head]
                     for ahead in range(stages - 1):
-                        sources = sources_of(first + ahead)
-                        for part in (0, 1):
-                            fp8_start(first + ahead, sources, part)
+                        fp8_start(first + ahead, sources_of(first + ahead))
 
                     def fp8_step(step, sources):
                         # sources: tile step + stages - 1's, loaded an iteration ahead (as `step_body`'s), so the
                         # load of kv_indices overlaps the conversion instead of delaying the copies.
                         next_sources = sources_of(step + stages)
-                        slot = lax.rem(step, jnp.int32(stages))
-                        for part, (smem, scale) in enumerate(((k_smem, k_scale), (v_smem, v_scale))):
-                            # Groups in flight, oldest first: this part of tile `step`, then 2 (stages - 1) - 1 more.
-                            pl.when(step < pre_steps)(functools.partial(
-                                convert_fp8_tiles, ((smem, part * stages + slot, scale),), kv_bars, slot,
-                                block_kv=block_kv, head_dim=qk_dim, fp8_dtype=k_pool.dtype,
-                                dtype=jnp.float16 if f16_tiles else dtype, wait_pending=2 * (stages - 1) - 1))
-                            fp8_start(step + (stages - 1), sources, part)
+
+                        @pl.when(step < pre_steps)
+                        def _():
+                            slot = lax.rem(step, jnp.int32(stages))
+                            # Groups in flight may be those of tiles step + 1 .. step + stages - 2.
+                            convert_fp8_tiles(((k_smem, slot, k_scale), (v_smem, stages + slot, v_scale)), kv_bars,
+                                              slot, block_kv=block_kv, head_dim=qk_dim, fp8_dtype=k_pool.dtype,
+                                              dtype=jnp.float16 if f16_tiles else dtype, wait_pending=stages - 2)
+                        fp8_start(step + (stages - 1), sources)
                         return next_sources
 
                     lax.fori_loop(first_step, cta_steps, fp8_step, sources_of(first + (stages - 1)))

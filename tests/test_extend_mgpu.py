@@ -1062,7 +1062,7 @@ def _cta_programs(first_step, cta_steps, wg_ranges, pre_steps, tail_step, uses, 
     (lo, hi) runs of its steps taken with the intra-warpgroup overlap (`overlapped_run`: tile t + 1's K waited and
     released before tile t's V). fp8: the fp8 pools' producer (`fp8_producer_loop`): a step's slots waited for and its
     copies issued stages - 1 steps before its conversion, whose arrivals complete a prefix tile's barriers (a "load"
-    here: it completes at some later time); K's conversion and the next K copies, then V's."""
+    here: it completes at some later time)."""
     kinds = (0,) if latent else (0, 1)
     by_tma = lambda step: tma_new_tiles and pre_steps <= step < tail_step  # noqa: E731
 
@@ -1074,9 +1074,9 @@ def _cta_programs(first_step, cta_steps, wg_ranges, pre_steps, tail_step, uses, 
         name = barrier(which, step)
         return ("wait", name, None if name[0] != "kv" else uses[step] % 2, step)
 
-    def start(step, parts=kinds):  # a step's slot waits and (but a prefix tile's: its conversion completes) its loads
+    def start(step):  # a step's slot waits and (but a prefix tile's, which its conversion completes) its loads
         ops = []
-        for which in parts if step < cta_steps else ():
+        for which in kinds if step < cta_steps else ():
             if step >= first_step + stages:
                 ops.append(("wait", ("free", which, step % stages), None, step - stages))
             if not (fp8 and step < pre_steps):
@@ -1091,10 +1091,9 @@ def _cta_programs(first_step, cta_steps, wg_ranges, pre_steps, tail_step, uses, 
         if not fp8:
             producer += start(step)
             continue
-        for which in kinds:  # convert_fp8_tiles on this part, then the part's copies stages - 1 tiles ahead
-            if step < pre_steps:
-                producer.append(("load", barrier(which, step), step))
-            producer += start(step + stages - 1, (which,))
+        if step < pre_steps:  # convert_fp8_tiles: K's and V's together
+            producer += [("load", barrier(which, step), step) for which in kinds]
+        producer += start(step + stages - 1)
     scheduled = len(wg_ranges) == 2
     sync = [("arrive", "schedule", None), ("wait", "schedule", None, None)] if scheduled else []
     programs = {"producer": producer}

@@ -2,10 +2,12 @@
 conversion steps replaced. FP8_STEPS=none (the default) removes them (`fp8_conversion_steps` -> none: the producer
 still copies each tile, waits for its copies, syncs and releases it; the consumers read unconverted bytes, so the
 outputs are wrong and only the times mean anything); FP8_STEPS=rounds converts in rounds of `fp8_round_rows` only,
-a sync in each (the form before the halving phases; correct outputs). Run it beside the real rows in one device
-call: the difference is what the conversion, or its phases, cost on the critical path.
+a sync in each (the form before the halving phases; correct outputs); FP8_STEPS=phases keeps the kernel's steps (for
+FP8_PHASE_GROUP alone). FP8_PHASE_GROUP=n loads n positions' chunks of each tile before storing them in a phase
+(`extend_attention_mgpu.FP8_PHASE_GROUP`, 1 by default; correct outputs, more producer registers). Run it beside the
+real rows in one device call: the difference is what the conversion, or its phases, cost on the critical path.
 
-Usage: [FP8_STEPS=none|rounds] python benchmarks/experiments/fp8_conversion_cost.py <jaxattn.bench arguments>
+Usage: [FP8_STEPS=none|rounds|phases] [FP8_PHASE_GROUP=n] python benchmarks/experiments/fp8_conversion_cost.py <jaxattn.bench arguments>
 """
 import os
 import sys
@@ -19,9 +21,11 @@ def rounds_only(block_kv, head_dim):
     return tuple((row, rows, True) for row in range(0, block_kv, rows))
 
 
-STEPS = {"none": lambda block_kv, head_dim: (), "rounds": rounds_only}
-# The MLA kernel converts with the same function.
+STEPS = {"none": lambda block_kv, head_dim: (), "rounds": rounds_only,
+         "phases": extend_attention_mgpu.fp8_conversion_steps}
+# The MLA kernel converts with the same functions.
 extend_attention_mgpu.fp8_conversion_steps = STEPS[os.environ.get("FP8_STEPS", "none")]
+extend_attention_mgpu.FP8_PHASE_GROUP = int(os.environ.get("FP8_PHASE_GROUP", extend_attention_mgpu.FP8_PHASE_GROUP))
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -7,6 +7,7 @@ interpreter, which also sees fp8 pools as f32 values: the same values, exactly).
 """
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -293,6 +294,35 @@ def test_mgpu_entry_point_sends_fp8_pools_to_the_op(rng):
                               batch.v_pool.astype(jnp.float8_e4m3fn), batch.meta)
 
 
+def _extend_call(batch, k_pool, v_pool, form="two_stage", kv_scales=None):
+    """The two-stage ExtendCall of `batch` over these pools (an interpreted launch)."""
+    from jaxattn.calls import ExtendCall
+
+    return ExtendCall(form=form, q=batch.q, k_new=batch.k_new, v_new=batch.v_new, k_pool=k_pool, v_pool=v_pool,
+                      meta=batch.meta, kv_start_pos=batch.meta.kv_start_pos, causal=True, custom_mask=None,
+                      skip_prefix_custom_mask=True, sliding_window=-1, logit_cap=0.0, sinks=None,
+                      xai_temperature_len=-1, sm_scale=0.125, config=None, launch_mode="interpret",
+                      kv_scales=kv_scales)
+
+
+def test_mgpu_routes_fp8_pools_by_extend_bucket(rng, monkeypatch):
+    # impl="mgpu" over fp8 pools: the kernel's own conversion up to EXTEND_MGPU_FP8_IN_KERNEL_MAX_EXTEND new tokens (a
+    # bucket), the dequantised prefix above it, in the unified form, and wherever the fp8 form declines.
+    from jaxattn import hardware
+    from jaxattn.impl import mgpu_extend
+
+    monkeypatch.setattr(hardware, "mosaic_gpu_unavailable", lambda mode: None)  # as on an sm_90 GPU
+    batch = make_batch(rng, [5, 3], [8, 8], hq=4, hkv=2, dqk=64, dtype=jnp.bfloat16, max_extend_len=8)
+    kp, vp = batch.k_pool.astype(jnp.float8_e4m3fn), batch.v_pool.astype(jnp.float8_e4m3fn)
+    for bound, expected in ((8, True), (7, False), (0, False)):
+        monkeypatch.setattr(mgpu_extend, "EXTEND_MGPU_FP8_IN_KERNEL_MAX_EXTEND", bound)
+        assert mgpu_extend.converts_in_kernel(_extend_call(batch, kp, vp)) is expected
+    assert not mgpu_extend.converts_in_kernel(_extend_call(batch, kp, vp, form="unified"))
+    assert not mgpu_extend.converts_in_kernel(_extend_call(batch, kp, vp.astype(jnp.float8_e5m2)))  # mixed formats
+    scaled_bf16 = _extend_call(batch, batch.k_pool, batch.v_pool, kv_scales=jnp.ones((2, 2), jnp.float32))
+    assert not mgpu_extend.converts_in_kernel(scaled_bf16)
+
+
 def test_mgpu_fp8_implementations_are_by_name_and_decline_with_reasons(rng):
     # "mgpu-fp8" / "mgpu-unified-fp8" (the kernel converting fp8 tiles itself) come after every other implementation,
     # so a call picks them only by name until their GPU record exists; they take fp8 pools at head dims 64/128/256.
@@ -304,14 +334,7 @@ def test_mgpu_fp8_implementations_are_by_name_and_decline_with_reasons(rng):
     batch = make_batch(rng, [5, 3], [8, 8], hq=4, hkv=2, dqk=64, dtype=jnp.bfloat16, max_extend_len=8)
     kp, vp = batch.k_pool.astype(jnp.float8_e4m3fn), batch.v_pool.astype(jnp.float8_e4m3fn)
 
-    def call(k_pool, v_pool, form="two_stage"):
-        from jaxattn.calls import ExtendCall
-
-        return ExtendCall(form=form, q=batch.q, k_new=batch.k_new, v_new=batch.v_new, k_pool=k_pool, v_pool=v_pool,
-                          meta=batch.meta, kv_start_pos=batch.meta.kv_start_pos, causal=True, custom_mask=None,
-                          skip_prefix_custom_mask=True, sliding_window=-1, logit_cap=0.0, sinks=None,
-                          xai_temperature_len=-1, sm_scale=0.125, config=None, launch_mode="interpret")
-
+    call = functools.partial(_extend_call, batch)
     reasons = declined(extend.IMPLEMENTATIONS, call(batch.k_pool, batch.v_pool))
     assert "one fp8 format only" in reasons["mgpu-fp8"] and "one fp8 format only" in reasons["mgpu-unified-fp8"]
     assert "one fp8 format only" in declined(extend.IMPLEMENTATIONS, call(kp, batch.v_pool))["mgpu-fp8"]

@@ -42,7 +42,7 @@ from jaxattn import hardware, tuning
 from jaxattn.calls import ExtendCall, score_features
 from jaxattn.checks import check_array, check_extend_args, check_extend_draft_mask, check_new_tokens
 from jaxattn.fp8 import dequantised_rows, is_fp8
-from jaxattn.tuning.sm90 import EXTEND_MGPU_PAGE_COPY_MIN_ROWS
+from jaxattn.tuning.sm90 import EXTEND_MGPU_FP8_IN_KERNEL_MAX_EXTEND, EXTEND_MGPU_PAGE_COPY_MIN_ROWS
 from jaxattn.launch import launch_mode as resolve_launch_mode
 from jaxattn.metadata import ExtendMetadata, ExtendUnifiedMetadata
 from jaxattn.registry import Implementation
@@ -153,9 +153,20 @@ def _launch(call: ExtendCall, k_pool, v_pool, meta, kv_scales=None):
                        kv_scales=kv_scales)
 
 
+def converts_in_kernel(call: ExtendCall) -> bool:
+    """Whether "mgpu" runs a call over fp8 pools as "mgpu-fp8" does (the kernel converting the prefix tiles) rather than
+    dequantising the listed prefix first: two-stage calls whose extend bucket is at most
+    `EXTEND_MGPU_FP8_IN_KERNEL_MAX_EXTEND` and which the fp8 form takes. (The unified form always dequantises: its
+    bits must not depend on the bucket.)"""
+    return (call.form == "two_stage" and call.meta.max_extend_len <= EXTEND_MGPU_FP8_IN_KERNEL_MAX_EXTEND
+            and _declines_fp8_form("two_stage")(call) is None)
+
+
 def _run(call: ExtendCall):
     k_pool, v_pool, meta = call.k_pool, call.v_pool, call.meta
     if call.kv_scales is not None or is_fp8(k_pool.dtype) or is_fp8(v_pool.dtype):
+        if converts_in_kernel(call):
+            return _run_fp8(call)
         k_pool, v_pool, meta = dequantised_prefix(k_pool, v_pool, meta, call.kv_scales, call.q.dtype)
     return _launch(call, k_pool, v_pool, meta)
 

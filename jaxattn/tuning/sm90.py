@@ -114,5 +114,12 @@ EXTEND_MGPU_SHORT_WINDOW: dict[str, tuple[int, MgpuExtendConfig]] = {
 # which is that run's spread between identical variants.
 EXTEND_MGPU_PAGE_COPY_MIN_ROWS = 64
 
+# fp8 pools under impl="mgpu" (two-stage form): the kernel converts the prefix tiles itself (`impl="mgpu-fp8"`) where
+# the batch's extend bucket (max_extend_len) is at most this, else the listed prefix is gathered and dequantised once
+# first. Every CTA reading a prefix tile converts it, (new tokens / q rows a CTA) x (q heads a kv head / heads a CTA)
+# times, while dequantising converts each listed row once at the price of its round trip (fp8 read, 16-bit written
+# and read again): short extends over long prefixes favour the kernel. 0: always dequantise.
+EXTEND_MGPU_FP8_IN_KERNEL_MAX_EXTEND = 0
+
 TABLES = {"decode": DECODE, "decode_fp8": DECODE_FP8, "extend": EXTEND, "extend_mgpu": EXTEND_MGPU,
           "extend_mgpu_short_window": EXTEND_MGPU_SHORT_WINDOW, "extend_mgpu_latent": EXTEND_MGPU_LATENT}

@@ -96,8 +96,10 @@ def test_transposed_tile_matches_reference_and_the_padded_one(rng, q_heads, wind
     o, lse, ref_o, ref_lse = run_both(q, k_pool, meta, config=MgpuDecodeConfig(transposed=True))
     assert_close(o, lse, ref_o, ref_lse, jnp.bfloat16)
     np.testing.assert_array_equal(np.float32(o[2]), 0.0)  # padding row
-    padded = decode_attention(q, k_pool, None, meta, impl="mgpu")
+    padded = decode_attention(q, k_pool, None, meta, impl="mgpu", config=MgpuDecodeConfig(transposed=False))
     np.testing.assert_allclose(np.float32(o), np.float32(padded), **tolerance(jnp.bfloat16))
+    default = decode_attention(q, k_pool, None, meta, impl="mgpu")  # the transposed tile where it takes the call
+    np.testing.assert_array_equal(np.float32(default), np.float32(o))
 
 
 @pytest.mark.gpu
@@ -216,6 +218,20 @@ def test_declines_name_the_reason():
                                                                        config=MgpuDecodeConfig(block_kv=32)))
     if not HAS_GPU:
         assert "sm_90" in mgpu_mla.declines_decode(_call())
+
+
+def test_transposed_tile_is_the_default_where_it_takes_the_call():
+    # MgpuDecodeConfig.transposed None: the transposed tile wherever it takes the call (tuning.sm90.MLA_DECODE_TRANSPOSED);
+    # True / False force it; the padded tile for verify steps, 64+ heads, 288-wide latents, 32-key tiles, fp8 pools.
+    from jaxattn.tuning import MgpuDecodeConfig
+
+    assert mgpu_mla.MLA_DECODE_TRANSPOSED
+    assert mgpu_mla._transposed(_call(q_heads=16)) and mgpu_mla._transposed(_call(q_heads=32))
+    assert mgpu_mla._transposed(_call(q_heads=16, config=MgpuDecodeConfig(splits=2)))
+    assert not mgpu_mla._transposed(_call(q_heads=16, config=MgpuDecodeConfig(transposed=False)))
+    for call in (_call(q_heads=64), _call(tokens=4), _call(qk=288, v_head_dim=256), _call(pool_dtype=jnp.float8_e4m3fn),
+                 _call(config=MgpuDecodeConfig(block_kv=32))):
+        assert not mgpu_mla._transposed(call)
 
 
 def test_rows_rule():

@@ -35,6 +35,7 @@ from jaxattn.impl import triton_decode
 from jaxattn.metadata import MIN_BLOCK_KV
 from jaxattn.registry import Implementation
 from jaxattn.tuning import MgpuDecodeConfig
+from jaxattn.tuning.sm90 import MLA_DECODE_TRANSPOSED
 
 # The latent head shapes the kernel builds (`SHAPES` of kernels/mla_attention_mgpu.py), each tested on the H200.
 MLA_HEAD_DIMS = ((576, 512), (288, 256))
@@ -79,17 +80,14 @@ def _declines_decode_call(call: DecodeCall) -> str | None:
         return "MgpuDecodeConfig(stages=) (the MLA kernel's ring depth is fixed by its shared memory)"
     if call.config is not None and call.config.persistent:
         return "MgpuDecodeConfig(persistent=True) (the MLA kernel launches one CTA per work item)"
-    from jaxattn.kernels.mla_attention_mgpu import DECODE_KV32, TRANSPOSED_QK_DIM, transposed_rows_supported
+    from jaxattn.kernels.mla_attention_mgpu import DECODE_KV32
 
     if call.config is not None and call.config.block_kv == 32 and call.qk_head_dim != DECODE_KV32.qk_dim:
         return f"MgpuDecodeConfig(block_kv=32) at head dim {call.qk_head_dim} ({DECODE_KV32.qk_dim} only)"
-    if _transposed(call):
-        if call.config.block_kv is not None or call.qk_head_dim != TRANSPOSED_QK_DIM or is_fp8(call.k_pool.dtype):
-            return (f"MgpuDecodeConfig(transposed=True) with block_kv, a latent head other than {TRANSPOSED_QK_DIM} "
-                    "or an fp8 pool")
-        if call.tokens_per_seq != 1 or not transposed_rows_supported(call.q_heads):
-            return (f"MgpuDecodeConfig(transposed=True) with {call.tokens_per_seq} tokens x {call.q_heads} heads "
-                    "(one token, 16 or 32 heads)")
+    if isinstance(call.config, MgpuDecodeConfig) and call.config.transposed:
+        reason = _transposed_unsupported(call)
+        if reason is not None:
+            return f"MgpuDecodeConfig(transposed=True) with {reason}"
     if (call.qk_head_dim, call.v_head_dim) not in MLA_HEAD_DIMS:
         return f"head dims {call.qk_head_dim}/{call.v_head_dim} (MLA's latent heads {MLA_HEAD_DIMS} only)"
     if call.v_pool is not None:
@@ -122,8 +120,24 @@ def causal_draft_words(tokens: int):
     return jax.lax.bitcast_convert_type(words, jnp.int32)
 
 
+def _transposed_unsupported(call: DecodeCall) -> str | None:
+    """Why the transposed tile cannot take the call (`mla_decode_transposed_kernel`'s limits), or None."""
+    from jaxattn.kernels.mla_attention_mgpu import TRANSPOSED_QK_DIM, transposed_rows_supported
+
+    if (call.config is not None and call.config.block_kv is not None) or call.qk_head_dim != TRANSPOSED_QK_DIM \
+            or is_fp8(call.k_pool.dtype):
+        return f"block_kv, a latent head other than {TRANSPOSED_QK_DIM} or an fp8 pool"
+    if call.tokens_per_seq != 1 or not transposed_rows_supported(call.q_heads):
+        return f"{call.tokens_per_seq} tokens x {call.q_heads} heads (one token, 16 or 32 heads)"
+    return None
+
+
 def _transposed(call: DecodeCall) -> bool:
-    return isinstance(call.config, MgpuDecodeConfig) and bool(call.config.transposed)
+    """Whether the call runs on the transposed tile: `MgpuDecodeConfig.transposed` where set, else wherever the tile
+    takes the call (`MLA_DECODE_TRANSPOSED`)."""
+    if isinstance(call.config, MgpuDecodeConfig) and call.config.transposed is not None:
+        return call.config.transposed
+    return MLA_DECODE_TRANSPOSED and _transposed_unsupported(call) is None
 
 
 def mla_decode_partials(call: DecodeCall):

@@ -118,8 +118,17 @@ EXTEND_MGPU_PAGE_COPY_MIN_ROWS = 64
 # the batch's extend bucket (max_extend_len) is at most this, else the listed prefix is gathered and dequantised once
 # first. Every CTA reading a prefix tile converts it, (new tokens / q rows a CTA) x (q heads a kv head / heads a CTA)
 # times, while dequantising converts each listed row once at the price of its round trip (fp8 read, 16-bit written
-# and read again): short extends over long prefixes favour the kernel. 0: always dequantise.
-EXTEND_MGPU_FP8_IN_KERNEL_MAX_EXTEND = 0
+# and read again): short extends over long prefixes favour the kernel. 0: always dequantise. H100, 4096 cached tokens a
+# sequence, 4096 new in all (`experiments/fp8_extend_route.py`, 0281adf, one run), kernel / dequantised, ms: 128 new
+# tokens a sequence 0.783 / 0.865, 256 0.779 / 0.716, 512 0.777 / 0.646, 1024 0.789 / 0.641 (bf16 0.60-0.63); E3-FP8
+# (128) 0.789 / 0.870 in the same call, 0.78 / 0.85 at 35d899e.
+EXTEND_MGPU_FP8_IN_KERNEL_MAX_EXTEND = 128
+
+# MLA decode (576/512, one query token, 16 or 32 heads, 16-bit pools) on the MLA kernel's transposed tile (keys as
+# wgmma's M, heads as N: `MgpuDecodeConfig.transposed`, None takes this) rather than the padded 64-row tile. H100,
+# ms (% of the floor): MLA 0.118-0.121 (83.1-85.0%) against 0.122-0.124 (81.5-82.7%) in four runs (179e77b, 35d899e,
+# b65a744, 0281adf); MLA-L 0.416 (96.9%) against 0.421 (95.7%, 0281adf).
+MLA_DECODE_TRANSPOSED = True
 
 TABLES = {"decode": DECODE, "decode_fp8": DECODE_FP8, "extend": EXTEND, "extend_mgpu": EXTEND_MGPU,
           "extend_mgpu_short_window": EXTEND_MGPU_SHORT_WINDOW, "extend_mgpu_latent": EXTEND_MGPU_LATENT}

@@ -22,11 +22,12 @@ rest, `impl=` forces one):
   "mgpu-unified"    unified     The Mosaic GPU kernel over one list per sequence, tiles at fixed listed-key
                                 offsets (deterministic): as "mgpu" less draft masks, on lists not cut for a window.
   "triton-unified"  unified     SGLang's deterministic unified Triton kernel, every feature.
-  "mgpu-fp8",       both        By name only: the Mosaic GPU kernel reading fp8 pools itself (its producer
-  "mgpu-unified-                converts each tile in shared memory) where "mgpu" and "mgpu-unified" gather and
-  fp8"                          dequantise the listed keys first; head dims 64, 128, 256. Correct on the H100;
-                                with f16 tiles (`MgpuExtendConfig.fp8_tiles`) 8% faster than dequantising at
-                                E3-FP8 and 18% slower at E1-FP8 there (35d899e).
+  "mgpu-fp8",       both        By name: the Mosaic GPU kernel reading fp8 pools itself (its producer converts
+  "mgpu-unified-                each tile in shared memory) where "mgpu" and "mgpu-unified" gather and dequantise
+  fp8"                          the listed keys first; head dims 64, 128, 256. "mgpu" runs two-stage calls this
+                                way itself for extend buckets of at most 128 (`tuning.sm90.
+                                EXTEND_MGPU_FP8_IN_KERNEL_MAX_EXTEND`: 9% faster than dequantising at E3-FP8,
+                                slower from 256 new tokens a sequence; H100, 0281adf).
   ================  ==========  ==================================================================================
 
 A `config=` picks among them by its type (`ExtendConfig`: the Triton kernels; `MgpuExtendConfig`: Mosaic GPU).

@@ -219,7 +219,8 @@ DECODE_SHAPES = [
      dict(dim=288, latent_gqa=True, max_extend_len=32, index_dtype=jnp.int64)),
     ("mla-decode-288-16-f16", 8, 1, 16, jnp.float16, dict(dim=288)),
     ("mla-verify-288-4x16-bf16-draft", 4, 4, 16, jnp.bfloat16, dict(dim=288, draft=True)),
-    ("mla-decode-16-bf16", 8, 1, 16, jnp.bfloat16, {}),  # 16 rows padded to 64
+    # 16 rows padded to 64 (by config: one token at 16 heads takes the transposed tile by default)
+    ("mla-decode-16-bf16", 8, 1, 16, jnp.bfloat16, dict(transposed=False)),
     ("mla-verify-4x16-bf16-draft", 4, 4, 16, jnp.bfloat16, dict(draft=True)),  # 64 rows, a draft tree
     ("mla-verify-2x16-f16-causal-i64", 3, 2, 16, jnp.float16, dict(index_dtype=jnp.int64)),
     ("mla-decode-128-bf16-window-deterministic", 2, 1, 128, jnp.bfloat16, dict(sliding_window=100, deterministic=True)),

@@ -52,6 +52,7 @@ from jaxattn.kernels.extend_attention_mgpu import (
     arrive_barrier,
     init_barriers,
     issue_rows,
+    online_softmax_tile,
     row_sources,
     wait_barrier,
 )
@@ -61,7 +62,6 @@ from jaxattn.kernels.mla_attention_mgpu import (
     decode_cta,
     decode_visible,
     inverse_sum,
-    online_softmax_tile,
     rows_lse,
     store_rows,
 )

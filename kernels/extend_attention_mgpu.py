@@ -533,6 +533,24 @@ def check_fp8_tile(block_kv: int, head_dim: int) -> None:
                          f"block_kv {block_kv}")
 
 
+def online_softmax_tile(s, acc, m_i, l_i, scale_log2, *, keys_axis: int = 1):
+    """One key tile of the online softmax in base 2 (m in log2 units, so p = exp2(s * c - m) is one FMA and an exp2):
+    s f32[rows, keys] raw scores (WGMMA layout; invisible ones -inf), acc f32[rows, n] the rows' output so far,
+    m_i / l_i f32[rows] their running max (of scaled scores) and sum; scale_log2 > 0: a scalar, or f32[rows] (WGMMA
+    row layout) for a scale per row. Returns (p f32, acc rescaled by alpha, m_new, l_new, alpha). keys_axis 0 (a
+    transposed tile): s is [keys, rows] and acc [n, rows], the rows are columns (m_i, l_i in the column layout)."""
+    rows_axis = 1 - keys_axis
+    m_new = jnp.maximum(m_i, s.max(axis=keys_axis) * scale_log2)
+    if getattr(scale_log2, "ndim", 0) == 1:
+        scale_log2 = lax.broadcast_in_dim(scale_log2, s.shape, [rows_axis])
+    scaled = s * scale_log2
+    alpha = jnp.exp2(m_i - m_new)
+    p = jnp.exp2(scaled - lax.broadcast_in_dim(m_new, s.shape, [rows_axis]))
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [rows_axis])
+    l_i = l_i * alpha + p.sum(axis=keys_axis)
+    return p, acc, m_new, l_i, alpha
+
+
 def issue_fp8_rows(pool_ref, smem, sources, slot, kv_head, *, block_kv: int, head_dim: int,
                    swizzle: int = SWIZZLE_BYTES):
     """Starts the cp.async copies of one fp8 K or V tile into the upper half of ring slot `slot` of `smem` (a 16-bit
@@ -1183,24 +1201,15 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     return jnp.tanh(s * lax.broadcast_in_dim(gain * (float(sm_scale) / logit_cap), s.shape, [0]))
 
                 def online_softmax(s, acc, m_i, l_i, gain=None):
-                    # Base-2 online softmax; m_i is kept in log2 units so p = exp2(s * c - m) is one FMA + exp2
-                    # (c = sm_scale * log2(e), or with a soft cap cap * log2(e): s is then the tanh; times each row's
-                    # xai factor). Returns (acc rescaled, l, m, p in q's dtype). gain: an f16 pool tile's per-row
-                    # score factor (>= 0; `pool_gain`), joining c (with a soft cap it went inside the tanh); p is
-                    # then in f16, as the tile's V.
+                    # `online_softmax_tile` with c = sm_scale * log2(e) (with a soft cap cap * log2(e): s is then
+                    # the tanh), times each row's xai factor. Returns (acc rescaled, l, m, p in q's dtype). gain: an
+                    # f16 pool tile's per-row score factor (>= 0; `pool_gain`), joining c (with a soft cap it went
+                    # inside the tanh); p is then in f16, as the tile's V.
                     row_c = None if xai is None else row_scale
                     if gain is not None and logit_cap is None:
                         row_c = gain * (scale_log2 if row_c is None else row_c)
-                    if row_c is None:
-                        m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
-                        scaled = s * scale_log2
-                    else:
-                        m_new = jnp.maximum(m_i, s.max(axis=1) * row_c)
-                        scaled = s * lax.broadcast_in_dim(row_c, s.shape, [0])
-                    alpha = jnp.exp2(m_i - m_new)
-                    p = jnp.exp2(scaled - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                    l_i = l_i * alpha + p.sum(axis=1)
+                    p, acc, m_new, l_i, _ = online_softmax_tile(s, acc, m_i, l_i,
+                                                                scale_log2 if row_c is None else row_c)
                     p16 = p.astype(dtype if gain is None else jnp.float16)
                     return lax.optimization_barrier((acc, l_i, m_new, p16))
 

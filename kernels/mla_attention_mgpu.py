@@ -68,6 +68,7 @@ from jaxattn.kernels.extend_attention_mgpu import (
     init_barriers,
     issue_fp8_rows,
     issue_rows,
+    online_softmax_tile,
     row_sources,
     wait_barrier,
 )
@@ -176,23 +177,6 @@ def online_softmax_start(rows: int, acc_shape, *, stats_axis: int):
     return (plgpu.layout_cast(jnp.full((rows,), -1e30, jnp.float32), stats),
             plgpu.layout_cast(jnp.full((rows,), 0.0, jnp.float32), stats),
             plgpu.layout_cast(jnp.full(acc_shape, 0.0, jnp.float32), plgpu.Layout.WGMMA))
-
-
-def online_softmax_tile(s, acc, m_i, l_i, scale_log2, *, keys_axis: int = 1):
-    """One key tile of the online softmax (base 2) for 64 rows: s f32[64, 64] raw scores (WGMMA layout; invisible ones
-    -inf), acc f32[64, n] the rows' output so far, m_i / l_i f32[64] their running max (of scaled scores) and sum;
-    scale_log2 > 0: a scalar, or f32[64] (WGMMA row layout) for a scale per row. Returns (p, acc rescaled by alpha,
-    m_new, l_new, alpha). keys_axis 0 (the transposed tile): s is [keys, rows] and acc [n, rows], the rows are
-    columns (m_i, l_i in the column layout)."""
-    rows_axis = 1 - keys_axis
-    m_new = jnp.maximum(m_i, s.max(axis=keys_axis) * scale_log2)
-    alpha = jnp.exp2(m_i - m_new)
-    if getattr(scale_log2, "ndim", 0) == 1:
-        scale_log2 = lax.broadcast_in_dim(scale_log2, s.shape, [rows_axis])
-    p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [rows_axis]))
-    l_i = l_i * alpha + p.sum(axis=keys_axis)
-    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [rows_axis])
-    return p, acc, m_new, l_i, alpha
 
 
 def inverse_sum(l_i):

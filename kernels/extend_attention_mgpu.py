@@ -1617,8 +1617,10 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
 
                         def pool_tile():
                             for pool_ref, smem, free in ((k_pool_ref, k_smem, k_free), (v_pool_ref, v_smem, v_free)):
-                                pl.when(step >= first_step + stages)(lambda free=free: plgpu.barrier_wait(free.at[slot]))
-                                issue_fp8_rows(pool_ref, smem, sources, slot, kv_head, block_kv=block_kv, head_dim=qk_dim)
+                                pl.when(step >= first_step + stages)(
+                                    lambda free=free: plgpu.barrier_wait(free.at[slot]))
+                                issue_fp8_rows(pool_ref, smem, sources, slot, kv_head, block_kv=block_kv,
+                                               head_dim=qk_dim)
 
                         if unified:  # every tile from the pool
                             pool_tile()

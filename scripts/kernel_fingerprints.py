@@ -5,7 +5,8 @@ diff what changed.
 
 Usage (the lowering environment of tests/lower_mgpu_kernel.py):
     PYTHONPATH=.venv/mosaic_gpu_lowering:. JAX_PLATFORMS=cpu python scripts/kernel_fingerprints.py [SUBSTRING] > a.txt
-then the same on the other revision (`git worktree add`) and `diff a.txt b.txt`.
+then the same on the other revision (`git worktree add`) and `diff a.txt b.txt`. Compare runs of the same SUBSTRING: a
+shape's hashes differ between selections (what was lowered before it in the process shows in its module).
 """
 import builtins
 import hashlib

@@ -221,8 +221,8 @@ def test_declines_name_the_reason():
 
 
 def test_transposed_tile_is_the_default_where_it_takes_the_call():
-    # MgpuDecodeConfig.transposed None: the transposed tile wherever it takes the call (tuning.sm90.MLA_DECODE_TRANSPOSED);
-    # True / False force it; the padded tile for verify steps, 64+ heads, 288-wide latents, 32-key tiles, fp8 pools.
+    # MgpuDecodeConfig.transposed None: the transposed tile wherever it takes the call
+    # (tuning.sm90.MLA_DECODE_TRANSPOSED); True / False force it; the padded tile for verify steps, 64+ heads, 288-wide latents, 32-key tiles, fp8 pools.
     from jaxattn.tuning import MgpuDecodeConfig
 
     assert mgpu_mla.MLA_DECODE_TRANSPOSED

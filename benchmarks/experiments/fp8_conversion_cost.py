@@ -9,7 +9,8 @@ FP8_REGISTERS=c,p sets the two-consumer kernels' registers per thread (consumer,
 producer's 40 hold few loads in flight). Run it beside the
 real rows in one device call: the difference is what the conversion, or its phases, cost on the critical path.
 
-Usage: [FP8_STEPS=none|rounds|phases] [FP8_PHASE_GROUP=n] [FP8_REGISTERS=c,p] python benchmarks/experiments/fp8_conversion_cost.py <jaxattn.bench arguments>
+Usage: [FP8_STEPS=none|rounds|phases] [FP8_PHASE_GROUP=n] [FP8_REGISTERS=c,p] \
+    python benchmarks/experiments/fp8_conversion_cost.py <jaxattn.bench arguments>
 """
 import os
 import sys

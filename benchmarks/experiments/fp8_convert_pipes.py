@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 ITERS = 256
-CVT = tl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }")
+CVT = tl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+                   "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }")
 
 
 @triton.jit
@@ -69,8 +70,9 @@ def main():
     rows = []
     for name, convert, exp2 in (("loop alone", 0, False), ("cvt", 1, False), ("integer ops", 2, False),
                                 ("exp2", 0, True), ("cvt + exp2", 1, True), ("integer ops + exp2", 2, True)):
-        run = lambda: pipes_kernel[(elements // block,)](words, out, CONVERT=convert, EXP2=exp2, ITERS=ITERS,  # noqa: E731
-                                                          BLOCK=block, num_warps=8)
+        grid = (elements // block,)
+        run = lambda: pipes_kernel[grid](words, out, CONVERT=convert, EXP2=exp2, ITERS=ITERS,  # noqa: E731
+                                         BLOCK=block, num_warps=8)
         ms = triton.testing.do_bench(run, warmup=50, rep=300)
         ns = ms * 1e6 / (elements * ITERS)
         rows.append(dict(name=name, ms=ms, ns_per_word_iteration=ns))

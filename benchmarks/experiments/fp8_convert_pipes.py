@@ -3,7 +3,7 @@ kernel's own conversion (one `cvt.rn.f16x2.e4m3x2` per two values) costs ~0.17 m
 steps are arranged (RESULTS.md, twenty-ninth session): throughput, not latency. If that instruction shares the
 multi-function unit with exp2 (`ex2.approx`, which the consumers' softmax runs on every score), the producer's
 conversion competes with the consumers' exp2; integer ops (vLLM Marlin's form: two LOP3s and shifts per two values,
-the exponent bias folded into a scale) run on other pipes.
+the exponent bias folded into a scale) run on other pipes; e5m2 needs only byte permutes (it is f16's top byte).
 
 Each Triton kernel keeps its data in registers and repeats its work ITERS times per element, so time is the pipes'
 throughput: a baseline loop (the loop's own integer work), cvt, integer form, exp2, then cvt + exp2 and integer +
@@ -25,13 +25,18 @@ import triton.language as tl
 ITERS = 256
 CVT = tl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
                    "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }")
+# e5m2 is f16's top byte: each byte moved into the high byte of a 16-bit half, exact (NaN and inf included).
+PRMT = tl.constexpr("prmt.b32 $0, $2, 0, 0x1404; prmt.b32 $1, $2, 0, 0x3424;")
 
 
 @triton.jit
 def _convert(word, MODE: tl.constexpr):
-    """Two i32 of f16x2 from one i32 of 4 fp8 bytes (MODE 1: cvt; 2: integer ops, no NaN, exponent bias 2^8 off)."""
+    """Two i32 of f16x2 from one i32 of 4 fp8 bytes (MODE 1: cvt; 2: integer ops, no NaN, exponent bias 2^8 off;
+    3: e5m2 by byte permutes)."""
     if MODE == 1:
         lo, hi = tl.inline_asm_elementwise(CVT, "=r,=r,r", [word], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+    elif MODE == 3:
+        lo, hi = tl.inline_asm_elementwise(PRMT, "=r,=r,r", [word], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
     else:
         signs = -0x7FFF8000  # 0x80008000 as an int32
         lo = (word & signs) | ((word & 0x7F007F00) >> 1)
@@ -69,7 +74,8 @@ def main():
     out = torch.empty_like(words)
     rows = []
     for name, convert, exp2 in (("loop alone", 0, False), ("cvt", 1, False), ("integer ops", 2, False),
-                                ("exp2", 0, True), ("cvt + exp2", 1, True), ("integer ops + exp2", 2, True)):
+                                ("e5m2 permutes", 3, False), ("exp2", 0, True), ("cvt + exp2", 1, True),
+                                ("integer ops + exp2", 2, True), ("e5m2 permutes + exp2", 3, True)):
         grid = (elements // block,)
         run = lambda: pipes_kernel[grid](words, out, CONVERT=convert, EXP2=exp2, ITERS=ITERS,  # noqa: E731
                                          BLOCK=block, num_warps=8)

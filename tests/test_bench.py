@@ -173,6 +173,16 @@ def test_fp8_extend_sweep_times_both_conversions():
     assert not any(label.startswith("mgpu-fp8") for label, _ in bench.sweep_variants("extend", bench.CASES["E1"]))
 
 
+def test_mla_sweep_times_both_tiles():
+    # MLA's one-token decode sweep has the transposed tile (the default there) and the padded one, forced by config;
+    # the 4-token verify case neither (the transposed tile takes one token).
+    variants = dict(bench.sweep_variants("decode", bench.CASES["MLA"]))
+    assert variants["mgpu transposed splits=own"].__defaults__[0].transposed is True
+    assert variants["mgpu padded splits=own"].__defaults__[0].transposed is False
+    verify = [label for label, _ in bench.sweep_variants("decode", bench.CASES["MLA-V4"])]
+    assert not any("transposed" in label or "padded" in label for label in verify)
+
+
 def test_commit_falls_back_to_the_environment(monkeypatch):
     def no_git(*args, **kwargs):
         raise OSError("git: not found")

@@ -55,10 +55,11 @@ def sweep_variants(op: str, case: Case):
                     config = MgpuDecodeConfig(splits=splits, block_kv=32)
                     variants.append((f"mgpu kv32 splits={splits or 'own'}",
                                      lambda inp, c=config: decode_jaxattn(inp, config=c, impl=impl)))
-                    if not case.fp8 and case.new == 1:
-                        config = MgpuDecodeConfig(splits=splits, transposed=True)
-                        variants.append((f"mgpu transposed splits={splits or 'own'}",
-                                         lambda inp, c=config: decode_jaxattn(inp, config=c, impl=impl)))
+                    if not case.fp8 and case.new == 1:  # the transposed tile is the default here; the padded one too
+                        for transposed, name in ((True, "transposed"), (False, "padded")):
+                            config = MgpuDecodeConfig(splits=splits, transposed=transposed)
+                            variants.append((f"mgpu {name} splits={splits or 'own'}",
+                                             lambda inp, c=config: decode_jaxattn(inp, config=c, impl=impl)))
         # Keys as the dots' M dimension (DecodeConfig.keys_as_rows): wgmma without padding the heads to 64 rows.
         rows = case.new * case.q_heads // case.kv_heads  # (token, q head) rows per kv head
         if mla and rows > 16:

@@ -25,9 +25,9 @@ rest, `impl=` forces one):
   "mgpu-fp8",       both        By name: the Mosaic GPU kernel reading fp8 pools itself (its producer converts
   "mgpu-unified-                each tile in shared memory) where "mgpu" and "mgpu-unified" gather and dequantise
   fp8"                          the listed keys first; head dims 64, 128, 256. "mgpu" runs two-stage calls this
-                                way itself for extend buckets of at most 128 (`tuning.sm90.
-                                EXTEND_MGPU_FP8_IN_KERNEL_MAX_EXTEND`: 9% faster than dequantising at E3-FP8,
-                                slower from 256 new tokens a sequence; H100, 0281adf).
+                                way itself where at most 4 CTAs read each prefix tile (`tuning.sm90.
+                                EXTEND_MGPU_FP8_IN_KERNEL_MAX_READERS`; E3-FP8, 128 new tokens at 32/8 heads: 9%
+                                faster than dequantising; slower from 256 new tokens there; H100, 0281adf).
   ================  ==========  ==================================================================================
 
 A `config=` picks among them by its type (`ExtendConfig`: the Triton kernels; `MgpuExtendConfig`: Mosaic GPU).

@@ -534,6 +534,11 @@ def check_fp8_tile(block_kv: int, head_dim: int) -> None:
                          f"block_kv {block_kv}")
 
 
+def head_rows_per_cta(consumers: int, block_q: int, heads_per_cta: int) -> int:
+    """Query rows of each of its heads a CTA takes: its consumers' block_q rows each, shared by its heads."""
+    return consumers * block_q // heads_per_cta
+
+
 def online_softmax_tile(s, acc, m_i, l_i, scale_log2, *, keys_axis: int = 1):
     """One key tile of the online softmax in base 2 (m in log2 units, so p = exp2(s * c - m) is one FMA and an exp2):
     s f32[rows, keys] raw scores (WGMMA layout; invisible ones -inf), acc f32[rows, n] the rows' output so far,
@@ -933,7 +938,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
     if overlap and (scheduled or latent):
         raise ValueError("overlap takes 3 consumer warpgroups (no schedule barrier) and K/V tiles of their own")
     consumer_registers, producer_registers = REGISTERS[consumers]
-    cta_rows = consumers * block_q // heads_per_cta
+    cta_rows = head_rows_per_cta(consumers, block_q, heads_per_cta)
     q_tiles = -(-(max_extend_len + 7) // cta_rows)  # + 7: tiles start up to 7 rows before a sequence
     window = int(sliding_window) if sliding_window is not None and sliding_window >= 0 else None
     byte_mask = custom_mask is not None

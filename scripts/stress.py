@@ -168,8 +168,8 @@ def profiles(shapes: str) -> list[Profile]:
         Profile("mla-absorbed-fp8", 16, 1, 576, 512, "bfloat16", kv_dtype="float8_e4m3fn"),
         Profile("gpt-oss-fp8-e5m2", 64, 8, 64, 64, "bfloat16", window=127, sinks=True, kv_dtype="float8_e5m2",
                 per_head_scales=True),
-        # Short extends over fp8 pools (a bucket of at most tuning.sm90.EXTEND_MGPU_FP8_IN_KERNEL_MAX_EXTEND): the
-        # Mosaic GPU kernel converts the prefix tiles itself (f16 tiles; three consumer warpgroups at 64).
+        # Short extends over fp8 pools: the Mosaic GPU kernel converts the prefix tiles itself where at most
+        # tuning.sm90.EXTEND_MGPU_FP8_IN_KERNEL_MAX_READERS CTAs read each (4 in both: the second packs two heads a CTA).
         Profile("llama-gqa4-fp8-128", 32, 8, 128, 128, "bfloat16", kv_dtype="float8_e4m3fn", ext_bucket=128),
         Profile("gpt-oss-fp8-e5m2-64", 64, 8, 64, 64, "bfloat16", window=127, sinks=True, kv_dtype="float8_e5m2",
                 per_head_scales=True, ext_bucket=64),

@@ -305,19 +305,34 @@ def _extend_call(batch, k_pool, v_pool, form="two_stage", kv_scales=None):
                       kv_scales=kv_scales)
 
 
-def test_mgpu_routes_fp8_pools_by_extend_bucket(rng, monkeypatch):
-    # impl="mgpu" over fp8 pools: the kernel's own conversion up to EXTEND_MGPU_FP8_IN_KERNEL_MAX_EXTEND new tokens (a
-    # bucket), the dequantised prefix above it, in the unified form, and wherever the fp8 form declines.
+def test_mgpu_routes_fp8_pools_by_prefix_tile_readers(rng, monkeypatch):
+    # impl="mgpu" over fp8 pools: the kernel's own conversion where at most EXTEND_MGPU_FP8_IN_KERNEL_MAX_READERS CTAs
+    # read each prefix tile, the dequantised prefix above it, in the unified form, and wherever the fp8 form declines.
     from jaxattn import hardware
     from jaxattn.impl import mgpu_extend
 
     monkeypatch.setattr(hardware, "mosaic_gpu_unavailable", lambda mode: None)  # as on an sm_90 GPU
-    batch = make_batch(rng, [5, 3], [8, 8], hq=4, hkv=2, dqk=64, dtype=jnp.bfloat16, max_extend_len=8)
-    kp, vp = batch.k_pool.astype(jnp.float8_e4m3fn), batch.v_pool.astype(jnp.float8_e4m3fn)
-    for bound, expected in ((8, True), (7, False), (0, False)):
-        monkeypatch.setattr(mgpu_extend, "EXTEND_MGPU_FP8_IN_KERNEL_MAX_EXTEND", bound)
-        assert mgpu_extend.converts_in_kernel(_extend_call(batch, kp, vp)) is expected
-    assert not mgpu_extend.converts_in_kernel(_extend_call(batch, kp, vp, form="unified"))
+
+    def fp8_call(hq, hkv, dqk, max_extend_len, form="two_stage"):
+        batch = make_batch(rng, [5, 3], [4, 2], hq=hq, hkv=hkv, dqk=dqk, dtype=jnp.bfloat16,
+                           max_extend_len=max_extend_len)
+        kp, vp = batch.k_pool.astype(jnp.float8_e4m3fn), batch.v_pool.astype(jnp.float8_e4m3fn)
+        return batch, _extend_call(batch, kp, vp, form=form)
+
+    # Readers: q heads a kv head over heads a CTA, times the CTAs a bucket spans (a head's rows a CTA: 128 at head
+    # dim 128, 64 with two heads a CTA for buckets of at most 64, 192 at 64 on three consumer warpgroups).
+    for hq, hkv, dqk, bucket, readers in ((8, 2, 128, 128, 4), (8, 2, 128, 256, 8), (8, 1, 128, 128, 8),
+                                          (8, 2, 128, 64, 2), (4, 2, 64, 8, 1), (8, 2, 64, 200, 8)):
+        _, call = fp8_call(hq, hkv, dqk, bucket)
+        assert mgpu_extend.prefix_tile_readers(call) == readers, (hq, hkv, dqk, bucket)
+        assert mgpu_extend.converts_in_kernel(call) is (readers <= mgpu_extend.EXTEND_MGPU_FP8_IN_KERNEL_MAX_READERS)
+    batch, call = fp8_call(8, 2, 128, 128)  # 4 readers: E3's
+    assert mgpu_extend.EXTEND_MGPU_FP8_IN_KERNEL_MAX_READERS == 4 and mgpu_extend.converts_in_kernel(call)
+    monkeypatch.setattr(mgpu_extend, "EXTEND_MGPU_FP8_IN_KERNEL_MAX_READERS", 3)
+    assert not mgpu_extend.converts_in_kernel(call)
+    monkeypatch.setattr(mgpu_extend, "EXTEND_MGPU_FP8_IN_KERNEL_MAX_READERS", 4)
+    assert not mgpu_extend.converts_in_kernel(fp8_call(8, 2, 128, 128, form="unified")[1])
+    kp, vp = call.k_pool, call.v_pool
     assert not mgpu_extend.converts_in_kernel(_extend_call(batch, kp, vp.astype(jnp.float8_e5m2)))  # mixed formats
     scaled_bf16 = _extend_call(batch, batch.k_pool, batch.v_pool, kv_scales=jnp.ones((2, 2), jnp.float32))
     assert not mgpu_extend.converts_in_kernel(scaled_bf16)

@@ -42,7 +42,7 @@ from jaxattn import hardware, tuning
 from jaxattn.calls import ExtendCall, score_features
 from jaxattn.checks import check_array, check_extend_args, check_extend_draft_mask, check_new_tokens
 from jaxattn.fp8 import dequantised_rows, is_fp8
-from jaxattn.tuning.sm90 import EXTEND_MGPU_FP8_IN_KERNEL_MAX_EXTEND, EXTEND_MGPU_PAGE_COPY_MIN_ROWS
+from jaxattn.tuning.sm90 import EXTEND_MGPU_FP8_IN_KERNEL_MAX_READERS, EXTEND_MGPU_PAGE_COPY_MIN_ROWS
 from jaxattn.launch import launch_mode as resolve_launch_mode
 from jaxattn.metadata import ExtendMetadata, ExtendUnifiedMetadata
 from jaxattn.registry import Implementation
@@ -153,13 +153,25 @@ def _launch(call: ExtendCall, k_pool, v_pool, meta, kv_scales=None):
                        kv_scales=kv_scales)
 
 
+def prefix_tile_readers(call: ExtendCall) -> int:
+    """How many CTAs read (and, over fp8 pools in the kernel, convert) each prefix tile of a sequence's kv head: its
+    q heads' CTAs times the CTAs a bucket of new tokens spans (`heads_per_cta`, the kernel's `head_rows_per_cta`)."""
+    from jaxattn.kernels.extend_attention_mgpu import head_rows_per_cta
+
+    config = _call_config(call)
+    group = call.q.shape[1] // call.kv_heads
+    heads = heads_per_cta(call.meta.max_extend_len, group, config)
+    rows = head_rows_per_cta(config.consumers, config.block_q, heads)
+    return group // heads * -(-call.meta.max_extend_len // rows)
+
+
 def converts_in_kernel(call: ExtendCall) -> bool:
     """Whether "mgpu" runs a call over fp8 pools as "mgpu-fp8" does (the kernel converting the prefix tiles) rather than
-    dequantising the listed prefix first: two-stage calls whose extend bucket is at most
-    `EXTEND_MGPU_FP8_IN_KERNEL_MAX_EXTEND` and which the fp8 form takes. (The unified form always dequantises: its
-    bits must not depend on the bucket.)"""
-    return (call.form == "two_stage" and call.meta.max_extend_len <= EXTEND_MGPU_FP8_IN_KERNEL_MAX_EXTEND
-            and _declines_fp8_form("two_stage")(call) is None)
+    dequantising the listed prefix first: two-stage calls the fp8 form takes whose prefix tiles have at most
+    `EXTEND_MGPU_FP8_IN_KERNEL_MAX_READERS` readers (`prefix_tile_readers`). (The unified form always dequantises:
+    its bits must not depend on the bucket.)"""
+    return (call.form == "two_stage" and _declines_fp8_form("two_stage")(call) is None
+            and prefix_tile_readers(call) <= EXTEND_MGPU_FP8_IN_KERNEL_MAX_READERS)
 
 
 def _run(call: ExtendCall):

@@ -115,14 +115,15 @@ EXTEND_MGPU_SHORT_WINDOW: dict[str, tuple[int, MgpuExtendConfig]] = {
 EXTEND_MGPU_PAGE_COPY_MIN_ROWS = 64
 
 # fp8 pools under impl="mgpu" (two-stage form): the kernel converts the prefix tiles itself (`impl="mgpu-fp8"`) where
-# the batch's extend bucket (max_extend_len) is at most this, else the listed prefix is gathered and dequantised once
-# first. Every CTA reading a prefix tile converts it, (new tokens / q rows a CTA) x (q heads a kv head / heads a CTA)
-# times, while dequantising converts each listed row once at the price of its round trip (fp8 read, 16-bit written
-# and read again): short extends over long prefixes favour the kernel. 0: always dequantise. H100, 4096 cached tokens a
-# sequence, 4096 new in all (`experiments/fp8_extend_route.py`, 0281adf, one run), kernel / dequantised, ms: 128 new
-# tokens a sequence 0.783 / 0.865, 256 0.779 / 0.716, 512 0.777 / 0.646, 1024 0.789 / 0.641 (bf16 0.60-0.63); E3-FP8
-# (128) 0.789 / 0.870 in the same call, 0.78 / 0.85 at 35d899e.
-EXTEND_MGPU_FP8_IN_KERNEL_MAX_EXTEND = 128
+# at most this many CTAs read each prefix tile, else the listed prefix is gathered and dequantised once first. Every
+# CTA reading a prefix tile converts it: (q heads a kv head / heads a CTA) x ceil(extend bucket / a head's rows a CTA)
+# times (`jaxattn.impl.mgpu_extend.prefix_tile_readers`), while dequantising converts each listed row once at the
+# price of its round trip (fp8 read, 16-bit written and read again). 0: always dequantise. H100, 32/8 heads x 128 (4
+# readers per 128 new tokens), 4096 cached tokens a sequence, 4096 new in all (`experiments/fp8_extend_route.py`,
+# 0281adf, one run), kernel / dequantised, ms: 128 new tokens a sequence (4 readers) 0.783 / 0.865, 256 (8) 0.779 /
+# 0.716, 512 (16) 0.777 / 0.646, 1024 (32) 0.789 / 0.641 (bf16 0.60-0.63); E3-FP8 (4) 0.789 / 0.870 in the same call,
+# 0.78 / 0.85 at 35d899e. Other group sizes and head dims are not measured: the bound is on the conversions' count.
+EXTEND_MGPU_FP8_IN_KERNEL_MAX_READERS = 4
 
 # MLA decode (576/512, one query token, 16 or 32 heads, 16-bit pools) on the MLA kernel's transposed tile (keys as
 # wgmma's M, heads as N: `MgpuDecodeConfig.transposed`, None takes this) rather than the padded 64-row tile. H100,

@@ -13,10 +13,11 @@ Two implementations of `jaxattn.extend`'s contract on one kernel:
 * "mgpu-fp8" / "mgpu-unified-fp8" (`FP8`, `UNIFIED_FP8`; by name, and "mgpu" for short extends: `converts_in_kernel`):
   either form over fp8 pools read by the kernel (its producer converts each tile in shared memory), where the two
   above gather and dequantise the listed keys first (`dequantised_prefix`). Two conversions
-  (`MgpuExtendConfig.fp8_tiles`): "q_dtype" (value x scale rounded to q's dtype: on the H100 at 179e77b equal to the dequantising route bit for bit, and 1.32-1.50x slower than it at
-  E1-FP8 / E3-FP8) and "f16" (the two-stage default at head dims 64/128: exact unscaled f16 tiles, a sixth of the
-  conversion's instructions, the scales applied by the consumers; on the H100 at 35d899e within bf16's tolerance of
-  the reference, 8% faster than the dequantising route at E3-FP8 and 18% slower at E1-FP8; 9% and 18% at 0281adf).
+  (`MgpuExtendConfig.fp8_tiles`): "q_dtype" (value x scale rounded to q's dtype: on the H100 at 179e77b equal to the
+  dequantising route bit for bit, and 1.32-1.50x slower than it at E1-FP8 / E3-FP8) and "f16" (the two-stage default
+  at head dims 64/128: exact unscaled f16 tiles, a sixth of the conversion's instructions, the scales applied by the
+  consumers; on the H100 at 35d899e within bf16's tolerance of the reference, 8% faster than the dequantising route at
+  E3-FP8 and 18% slower at E1-FP8; 9% and 18% at 0281adf).
 
 They exist for speed: the FlashAttention-3 schedule (a producer warpgroup, two consumer warpgroups with wgmma from
 registers) that the Triton kernels cannot express on this stack. The producer reads pool rows straight through the

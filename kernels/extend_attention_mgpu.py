@@ -409,8 +409,6 @@ FP8_TILES = ("q_dtype", "f16")
 # fp8_tiles="f16": each row of the consumers' f16 Q copy is scaled to this largest magnitude (2^15: f16's full
 # precision for every row, and rounding cannot reach f16's largest finite value, 65504).
 F16_Q_ROW_MAX = 32768.0
-
-
 F16_MIN_GAIN = 2.0 ** -100  # a zero gain's stand-in: a masked score (-inf) times it stays -inf, never NaN
 
 
@@ -513,12 +511,6 @@ def fp8_step_position(first_row: int, rows: int, thread, i: int, *, head_dim: in
     if (i + 1) * WARPGROUP > total:
         k = ops.min(k, total - 1)
     return ops.add(first_row, ops.div(k, chunks)), ops.rem(k, chunks)
-
-
-# Positions per load group in a conversion phase (`convert_fp8_tiles`): each tile's chunk at each position, 16 bytes
-# (4 registers) a chunk, loaded before any is stored, within the producer's few registers (`REGISTERS`). 2 and 4 were
-# no faster on the H100 (0281adf).
-FP8_PHASE_GROUP = 1
 
 
 def fp8_step_chunks_per_thread(rows: int, head_dim: int) -> int:
@@ -707,13 +699,12 @@ def convert_fp8_tiles(tiles, bars, slot, *, block_kv: int, head_dim: int, fp8_dt
             else:  # a phase: its stores reach no fp8 byte of its own, so no sync between its loads and stores
                 if index:
                     sync()  # the steps before: every thread's loads done before this phase overwrites their bytes
-                # `FP8_PHASE_GROUP` positions' chunks of every tile loaded together, then stored: loads in flight
-                # side by side, within the producer's few registers (4 per chunk).
-                for group in range(0, len(positions), FP8_PHASE_GROUP):
-                    loaded = [(base, scale, row, chunk, load(base, row, chunk))
-                              for row, chunk in positions[group:group + FP8_PHASE_GROUP]
-                              for base, scale in zip(bases, scales)]
-                    for base, scale, row, chunk, data in loaded:
+                # Each position's chunk of every tile (K's and V's) loaded, then stored: two loads in flight within
+                # the producer's few registers (`REGISTERS`; more positions at a time, or more registers, were no
+                # faster on the H100, 0281adf).
+                for row, chunk in positions:
+                    loaded = [(base, scale, load(base, row, chunk)) for base, scale in zip(bases, scales)]
+                    for base, scale, data in loaded:
                         store(base, scale, row, chunk, data)
         # wgmma reads the tiles through the async proxy: order this thread's stores before it, then release.
         nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
@@ -1472,8 +1463,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                             if not f16_tiles:
                                 carry, window_new_tiles = window_new_tiles(carry), None
                         else:
-                            carry = lax.fori_loop(wg_first, win_full, functools.partial(kv_step, mask_kind="window"),
-                                                  carry)
+                            carry = lax.fori_loop(wg_first, win_full, step_fn("window"), carry)
                         bound = lambda x: jnp.maximum(x, win_full)  # noqa: E731  the steps below are done
                     carry = unmasked(bound(0), bound(full_pre), carry, pool=True)
                     prefix_kind = "custom_prefix" if mask_prefix else "prefix"

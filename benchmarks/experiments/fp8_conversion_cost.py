@@ -3,9 +3,7 @@ conversion steps replaced. FP8_STEPS=none (the default) removes them (`fp8_conve
 still copies each tile, waits for its copies, syncs and releases it; the consumers read unconverted bytes, so the
 outputs are wrong and only the times mean anything); FP8_STEPS=rounds converts in rounds of `fp8_round_rows` only,
 a sync in each (the form before the halving phases; correct outputs); FP8_STEPS=phases keeps the kernel's steps (for
-FP8_PHASE_GROUP alone). FP8_PHASE_GROUP=n loads n positions' chunks of each tile before storing them in a phase
-(`extend_attention_mgpu.FP8_PHASE_GROUP`, 1 by default; correct outputs, more producer registers);
-FP8_REGISTERS=c,p sets the two-consumer kernels' registers per thread (consumer, producer; 232,40 by default: the
+the options below alone). FP8_REGISTERS=c,p sets the two-consumer kernels' registers per thread (consumer, producer; 232,40 by default: the
 producer's 40 hold few loads in flight). FP8_CONVERT=integer|permute replaces the f16 tiles' conversion instruction
 (one cvt per two values): "integer" with integer ops, exact for every e4m3fn byte NaN included but 2^8 too small (the
 scales are not adjusted here: times only), "permute" with e5m2's two byte permutes (on e4m3 data, times only); set
@@ -13,7 +11,7 @@ FP8_STEPS=phases with it. In SASS for sm_90 (ptxas 13.0) four fp8 values take 2 
 19 integer instructions (LOP3, LEA.HI, VIADD, SHF, IMAD). Run it beside the
 real rows in one device call: the difference is what the conversion, or its phases, cost on the critical path.
 
-Usage: [FP8_STEPS=none|rounds|phases] [FP8_PHASE_GROUP=n] [FP8_REGISTERS=c,p] [FP8_CONVERT=integer|permute] \
+Usage: [FP8_STEPS=none|rounds|phases] [FP8_REGISTERS=c,p] [FP8_CONVERT=integer|permute] \
     python benchmarks/experiments/fp8_conversion_cost.py <jaxattn.bench arguments>
 """
 import os
@@ -55,7 +53,6 @@ if "FP8_REGISTERS" in os.environ:
     extend_attention_mgpu.REGISTERS[2] = tuple(int(n) for n in os.environ["FP8_REGISTERS"].split(","))
 if "FP8_CONVERT" in os.environ:
     extend_attention_mgpu.FP8_TO_F16_PTX = CONVERSIONS[os.environ["FP8_CONVERT"]]
-extend_attention_mgpu.FP8_PHASE_GROUP = int(os.environ.get("FP8_PHASE_GROUP", extend_attention_mgpu.FP8_PHASE_GROUP))
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -1,7 +1,8 @@
 """Prints a fingerprint of every Mosaic GPU shape `tests/lower_mgpu_kernel.py` lowers: the sha256 of each Mosaic GPU
 module it emits, printed without source locations (which move with any edit above a line), so a refactor can be
 shown to change no kernel. FINGERPRINT_DUMP=<folder> also writes each module's text there (0.mlir, 1.mlir, ...), to
-diff what changed.
+diff what changed. It hooks jax's private `_emit_mosaic_gpu_custom_call` (pallas_call_registration, jax 0.11-0.12),
+so a jax upgrade may need it adjusted.
 
 Usage (the lowering environment of tests/lower_mgpu_kernel.py):
     PYTHONPATH=.venv/mosaic_gpu_lowering:. JAX_PLATFORMS=cpu python scripts/kernel_fingerprints.py [SUBSTRING] > a.txt

@@ -214,6 +214,63 @@ def head_values(values, r0, *, q_heads: int):
     return run(values, r0)
 
 
+def load_transposed_rows(src, first, *, shape, row_stride: int, first_scale: int):
+    """What `store_rows(..., transposed=True)` stored, read back from the flat f32 GMEM buffer `src`: f32[cols, rows]
+    in the WGMMA layout (or f32[rows] in its column layout), element (c, r) from first * first_scale + r *
+    row_stride + c (int64 arithmetic). Loads go through L2 (ld.relaxed.gpu): other CTAs of the same launch wrote
+    them, and an SM's L1 is not coherent with their stores."""
+    two_d = len(shape) == 2
+    layout = plgpu.Layout.WGMMA if two_d else plgpu.Layout.WGMMA.reduce(0)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT(())),
+                       return_type=plgpu.ShapeDtypeStruct(shape, jnp.float32, layout=layout))
+    def run(ctx, src, first):
+        del ctx
+        f32, i64 = ir.F32Type.get(), ir.IntegerType.get_signless(64)
+        first = first.registers.item() if isinstance(first, mgpu.FragmentedArray) else first
+        start = arith.muli(arith.extsi(i64, first), arith.constant(i64, first_scale))
+        base = global_address(src)
+        zeros = mgpu.FragmentedArray.splat(arith.constant(f32, 0.0), shape,
+                                           layout=mgpu.WGMMA_LAYOUT if two_d else mgpu.WGMMA_LAYOUT.reduce((0,)))
+
+        def entry(_, index):
+            r = arith.index_cast(i64, index[1] if two_d else index[0])
+            c = arith.index_cast(i64, index[0]) if two_d else arith.constant(i64, 0)
+            at = arith.addi(start, arith.addi(arith.muli(r, arith.constant(i64, row_stride)), c))
+            address = arith.addi(base, arith.muli(at, arith.constant(i64, 4)))
+            return mgpu_utils.inline_ptx("ld.relaxed.gpu.global.f32 $0, [$1];", address, result_types=f32,
+                                         has_side_effects=True)
+
+        return zeros.foreach(entry, create_array=True)
+
+    return run(src, first)
+
+
+def publish_stores():
+    """Orders the warpgroup's global stores before a semaphore signal that follows: each thread's stores fenced at
+    GPU scope, then the warpgroup's barrier (the signal is one thread's)."""
+
+    @plgpu.inline_mgpu()
+    def run(ctx):
+        del ctx
+        mgpu_utils.inline_ptx("fence.acq_rel.gpu;", has_side_effects=True)
+        mgpu_utils.warpgroup_barrier()
+
+    run()
+
+
+def merge_split_partial(merged, o_s, lse_s):
+    """One split's normalised output o_s f32[cols, rows] and natural-log LSE lse_s f32[rows] (column layout) folded
+    into merged = (acc, m, denom), as the Triton merge (`decode_stage2_kernel`) folds them, in the same order: a
+    -inf running max adds nothing and gives no NaN, NaN passes on."""
+    acc, m, denom = merged
+    m_new = jnp.maximum(m, lse_s)
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha, w = jnp.exp(m - m_safe), jnp.exp(lse_s - m_safe)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1]) + o_s * lax.broadcast_in_dim(w, acc.shape, [1])
+    return acc, m_new, denom * alpha + w
+
+
 # mbarriers (one 8-byte word each, after the 64 alpha floats): the ring's "tile landed" (128 producer cp.async
 # arrivals) and "slot free" (256: every consumer thread, after its wgmma on the slot completed), Q landed (128), P
 # ready (128: every thread of warpgroup 0, after its stores) and P free (128: warpgroup 1, after its loads). Plain
@@ -229,6 +286,7 @@ class DecodeCta(NamedTuple):
     split_len: Any
     steps: Any  # K tiles of the split
     full_steps: Any  # tiles [0, full_steps) run unmasked; [full_steps, steps) masked (`decode_visible`)
+    nonempty_splits: Any  # the sequence's splits with keys: [0, nonempty_splits) (0: no key at all)
 
 
 def decode_cta(kv_indptr, num_kv_splits, seq, split, *, capacity: int, sliding_window: int, max_kv_splits: int,
@@ -252,7 +310,8 @@ def decode_cta(kv_indptr, num_kv_splits, seq, split, *, capacity: int, sliding_w
     if tokens > 1:
         before_drafts = jnp.maximum(kv_len - tokens - split_start, 0)
         full_steps = jnp.minimum(full_steps, lax.div(before_drafts, block_kv))
-    return DecodeCta(kv_begin, kv_len, split_start, split_len, steps, full_steps)
+    nonempty_splits = jnp.where(kv_len > 0, _cdiv(kv_len, jnp.maximum(per_split, 1)), 0)
+    return DecodeCta(kv_begin, kv_len, split_start, split_len, steps, full_steps, nonempty_splits)
 
 
 def decode_visible(cta: DecodeCta, step, cols, tokens: int, draft_bits_of=None, block_kv: int = BLOCK_KV):
@@ -679,12 +738,19 @@ def transposed_rows_supported(rows_per_seq: int) -> bool:
     return rows_per_seq % 16 == 0 and 0 < rows_per_seq <= TRANSPOSED_MAX_ROWS
 
 
-def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, *, q_heads, sm_scale, max_kv_splits,
-                                 sliding_window=-1, min_block_kv=32):
-    """Stage 1 of split-KV MLA decode on the transposed tile, one query token per sequence: the same partial buffers
-    as `mla_decode_mgpu_kernel` (mid_o f32[rows * max_kv_splits, 512], mid_lse f32[rows * max_kv_splits]), the same
-    split geometry (`decode_cta`), index checks and empty rows. q: [batch * q_heads, 1, 576] bf16/f16; k_pool:
-    [slots, 1, 576] of q's dtype; q_heads (the tile's N) 16 or 32 (`transposed_rows_supported`)."""
+def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, sinks=None, *, q_heads, sm_scale,
+                                 max_kv_splits, sliding_window=-1, min_block_kv=32, merge=False):
+    """Split-KV MLA decode on the transposed tile, one query token per sequence. q: [batch * q_heads, 1, 576]
+    bf16/f16; k_pool: [slots, 1, 576] of q's dtype; q_heads (the tile's N) 16 or 32 (`transposed_rows_supported`).
+    The split geometry, index checks and empty rows are `mla_decode_mgpu_kernel`'s (`decode_cta`).
+
+    merge=False: stage 1 only, (mid_o f32[rows * max_kv_splits, 512], mid_lse f32[rows * max_kv_splits]), the
+    partial buffers the Triton merge takes. merge=True: the whole op, (o [rows, 512] of q's dtype, lse f32[rows]): a
+    sequence's last non-empty split waits (a GMEM semaphore per sequence) for the splits before it to publish their
+    partials, then folds them and its own in split order as the Triton merge does, and stores the result; a
+    sequence without keys stores 0 and LSE -inf (from its split 0); sinks (f32[q_heads], merge=True only) add
+    exp(sink) to each head's denominator as the Triton merge adds them. Waiting only on lower block indices relies on
+    CTAs being dispatched in block order (as split-K serial reductions do), so any grid size finishes."""
     shape = _latent_shape(q, k_pool)
     if shape.qk_dim != TRANSPOSED_QK_DIM or not transposed_rows_supported(q_heads):
         raise ValueError(f"the transposed tile takes 576-wide latent rows and 16 or 32 q heads; got "
@@ -697,14 +763,50 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
     scale_log2 = float(sm_scale) * LOG2E
     ready, free, q_bar = 0, stages, 2 * stages
     counts = (WARPGROUP,) * (2 * stages + 1)  # every barrier: one warpgroup's 128 arrivals
+    if sinks is not None and not merge:
+        raise ValueError("sinks are added by the merge: merge=True (or the Triton merge's sink argument)")
+    waits = merge and max_kv_splits > 1  # one split a sequence: its CTA stores the result, no semaphore
 
-    def body(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, mid_o_ref, mid_lse_ref, scoped):
+    def body(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, sinks_ref, mid_o_ref, mid_lse_ref, o_ref,
+             lse_ref, scoped):
         q_smem, k_smem, p_smem, bars = scoped
         split, seq = lax.axis_index("splits"), lax.axis_index("seq")
         wg = lax.axis_index("wg")
         cta = decode_cta(kv_indptr_ref, splits_ref, seq, split, capacity=capacity, sliding_window=sliding_window,
                          max_kv_splits=max_kv_splits, min_block_kv=min_block_kv, tokens=1)
         row0 = seq * rows  # the sequence's first row (its heads) among all rows
+        first_out = row0 * max_kv_splits  # row g's split s sits at g * max_kv_splits + s
+        sems = pl.get_global(plgpu.SemaphoreType.REGULAR((batch,))) if waits else None
+
+        def store_partial(o, lse, at):  # the stage-1 partial of split `at`
+            store_rows(o, mid_o_ref, first_out + at, jnp.int32(rows), row_stride=max_kv_splits * v_dim,
+                       first_scale=v_dim, transposed=True)
+            store_rows(lse, mid_lse_ref, first_out + at, jnp.int32(rows), row_stride=max_kv_splits, first_scale=1,
+                       transposed=True)
+
+        def nothing_merged():  # (acc, running max, denominator) before any split: 0, -inf, 0
+            stats = plgpu.Layout.WGMMA.reduce(0)
+            return (plgpu.layout_cast(jnp.full((v_dim, rows), 0.0, jnp.float32), plgpu.Layout.WGMMA),
+                    plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), stats),
+                    plgpu.layout_cast(jnp.full((rows,), 0.0, jnp.float32), stats))
+
+        def store_merged(merged):  # the sinks, then the result and its LSE, as the Triton merge ends
+            acc, m, denom = merged
+            if sinks_ref is not None:  # exp(sink) joins the denominator only
+                sink = load_transposed_rows(sinks_ref, jnp.int32(0), shape=(rows,), row_stride=1, first_scale=0)
+                m_safe = jnp.maximum(m, sink)
+                m_safe = jnp.where(m_safe == -jnp.inf, 0.0, m_safe)  # no keys and a -inf sink: stays empty
+                alpha = jnp.exp(m - m_safe)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+                denom, m = denom * alpha + jnp.exp(sink - m_safe), m_safe
+            has_keys = denom != 0.0  # exactly 0: no key; NaN stays NaN
+            safe = jnp.where(has_keys, denom, 1.0)
+            o = acc * lax.broadcast_in_dim(1.0 / safe, acc.shape, [1])
+            o = jnp.where(lax.broadcast_in_dim(has_keys, acc.shape, [1]), o, 0.0)
+            store_rows(o.astype(o_ref.dtype), o_ref, row0, jnp.int32(rows), row_stride=v_dim, first_scale=v_dim,
+                       transposed=True)
+            store_rows(jnp.where(has_keys, m + jnp.log(safe), -jnp.inf), lse_ref, row0, jnp.int32(rows), row_stride=1,
+                       first_scale=1, transposed=True)
 
         @pl.when(cta.split_len > 0)
         def _():
@@ -744,12 +846,35 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
                 carry = (acc, m_i, l_i)
                 carry = lax.fori_loop(0, cta.full_steps, lambda i, c: step_fn(i, c, False), carry)
                 acc, m_i, l_i = lax.fori_loop(cta.full_steps, cta.steps, lambda i, c: step_fn(i, c, True), carry)
-                factor = inverse_sum(l_i)
-                first_out = row0 * max_kv_splits + split  # row g's split s sits at g * max_kv_splits + s
-                store_rows(acc * lax.broadcast_in_dim(factor, acc.shape, [1]), mid_o_ref, first_out, jnp.int32(rows),
-                           row_stride=max_kv_splits * v_dim, first_scale=v_dim, transposed=True)
-                store_rows(rows_lse(m_i, l_i), mid_lse_ref, first_out, jnp.int32(rows), row_stride=max_kv_splits,
-                           first_scale=1, transposed=True)
+                o = acc * lax.broadcast_in_dim(inverse_sum(l_i), acc.shape, [1])
+                lse = rows_lse(m_i, l_i)
+                if not merge:
+                    store_partial(o, lse, split)
+                    return
+                writers = cta.nonempty_splits - 1  # the splits before the sequence's last non-empty one
+
+                if waits:
+                    @pl.when(split < writers)
+                    def _publish():
+                        store_partial(o, lse, split)
+                        publish_stores()
+                        plgpu.semaphore_signal(sems.at[seq], 1, memory_scope="gpu")
+
+                @pl.when(split == writers)
+                def _merge():
+                    merged = nothing_merged()
+                    if waits:
+                        plgpu.semaphore_wait(sems.at[seq], writers, memory_scope="gpu")
+
+                        def fold(s, merged):
+                            o_s = load_transposed_rows(mid_o_ref, first_out + s, shape=(v_dim, rows),
+                                                       row_stride=max_kv_splits * v_dim, first_scale=v_dim)
+                            lse_s = load_transposed_rows(mid_lse_ref, first_out + s, shape=(rows,),
+                                                         row_stride=max_kv_splits, first_scale=1)
+                            return merge_split_partial(merged, o_s, lse_s)
+
+                        merged = lax.fori_loop(0, writers, fold, merged)
+                    store_merged(merge_split_partial(merged, o, lse))
 
             @pl.when(wg == 1)
             def _producer():
@@ -761,25 +886,36 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
                                                                + step * BLOCK_KV, cta.split_len - step * BLOCK_KV),
                     block_kv=BLOCK_KV, head_dim=width, swizzle=SWIZZLE_BYTES)
 
-    def entry(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, mid_o_ref, mid_lse_ref):
-        pl.run_scoped(lambda *scoped: body(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, mid_o_ref,
-                                           mid_lse_ref, scoped),
+        if merge:
+            @pl.when((split == 0) & (cta.nonempty_splits == 0) & (wg == 0))
+            def _no_keys():  # the sequence sees no key: 0 and LSE -inf (the sink's LSE with sinks), as merged
+                store_merged(nothing_merged())
+
+    partial_types = (jax.ShapeDtypeStruct((rows_total * max_kv_splits, v_dim), jnp.float32),
+                     jax.ShapeDtypeStruct((rows_total * max_kv_splits,), jnp.float32))
+    result_types = (jax.ShapeDtypeStruct((rows_total, v_dim), q.dtype), jax.ShapeDtypeStruct((rows_total,), jnp.float32))
+
+    def entry(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, *refs):
+        sinks_ref, refs = (refs[0], refs[1:]) if sinks is not None else (None, refs)
+        mid_o_ref, mid_lse_ref, o_ref, lse_ref = refs if merge else (*refs, None, None)
+        pl.run_scoped(lambda *scoped: body(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, sinks_ref,
+                                           mid_o_ref, mid_lse_ref, o_ref, lse_ref, scoped),
                       plgpu.SMEM((1, rows, width), q.dtype, transforms=SWIZZLED),  # Q (a ring of one, for issue_rows)
                       plgpu.SMEM((stages, BLOCK_KV, width), q.dtype, transforms=SWIZZLED),  # the latent rows' ring
                       plgpu.SMEM((rows, BLOCK_KV), q.dtype, transforms=SWIZZLED),  # P, stored through its transpose
                       plgpu.SMEM((2 * len(counts),), jnp.int32),  # the mbarriers (8 bytes each)
                       collective_axes="wg")
 
-    return plgpu.kernel(
+    outs = plgpu.kernel(
         entry,
-        out_type=(jax.ShapeDtypeStruct((rows_total * max_kv_splits, v_dim), jnp.float32),
-                  jax.ShapeDtypeStruct((rows_total * max_kv_splits,), jnp.float32)),
+        out_type=partial_types + (result_types if merge else ()),
         grid=(max_kv_splits, batch),
         grid_names=("splits", "seq"),
         num_threads=2,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(kv_indptr, kv_indices, num_kv_splits, q, k_pool)
+    )(kv_indptr, kv_indices, num_kv_splits, q, k_pool, *(() if sinks is None else (sinks.astype(jnp.float32),)))
+    return outs[2:] if merge else outs
 
 
 def mla_extend_mgpu_kernel(q, k_new, k_pool, qo_indptr, kv_indptr, kv_indices, out_ref, *, q_heads, sm_scale,

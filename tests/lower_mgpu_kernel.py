@@ -20,7 +20,7 @@ from jaxattn.extend import extend_metadata, extend_unified_metadata
 from jaxattn.extend_mgpu import MgpuExtendConfig, extend_attention_mgpu, extend_attention_unified_mgpu
 from jaxattn.impl.mgpu_decode import gqa_decode_partials, kernel_split_bound, run as gqa_decode_run
 from jaxattn.impl.mgpu_extend import FP8, LATENT, UNIFIED_FP8
-from jaxattn.impl.mgpu_mla import mla_decode_partials, run_extend
+from jaxattn.impl.mgpu_mla import mla_decode_partials, run_decode as mla_run_decode, run_extend
 from jaxattn.tuning import MgpuDecodeConfig
 
 
@@ -249,6 +249,12 @@ DECODE_SHAPES = [
     # window, 64 heads in f16.
     ("mla-decode-transposed-16-bf16-window", 8, 1, 16, jnp.bfloat16, dict(transposed=True, sliding_window=300)),
     ("mla-decode-transposed-32-f16", 5, 1, 32, jnp.float16, dict(transposed=True)),
+    # The transposed tile merging the splits itself (the op's result, no Triton merge): a window; deterministic
+    # metadata's bound; one split (no semaphore).
+    ("mla-decode-transposed-merge-16-bf16-window-sinks", 8, 1, 16, jnp.bfloat16,
+     dict(merge=True, sliding_window=300, sinks=True)),
+    ("mla-decode-transposed-merge-32-f16-deterministic", 5, 1, 32, jnp.float16, dict(merge=True, deterministic=True)),
+    ("mla-decode-transposed-merge-16-bf16-one-split", 8, 1, 16, jnp.bfloat16, dict(merge=True, splits=1)),
 ]
 
 
@@ -265,6 +271,8 @@ def lower_decode(batch, tokens, q_heads, dtype, features, slots=3000, capacity=5
     pool = features.pop("pool", dtype)
     block_kv = features.pop("block_kv", None)
     transposed = features.pop("transposed", None)
+    merge = features.pop("merge", None)
+    splits_bound = features.pop("splits", None)
     args = (S(q_shape, dtype), S((slots, 1, dim), pool), S((batch + 1,), jnp.int32), S((capacity,), index_dtype),
             S((batch,), jnp.int32), S((batch, tokens), jnp.int32) if features.pop("draft", False) else None,
             S((2, 1), jnp.float32) if pool != dtype else None)
@@ -273,13 +281,17 @@ def lower_decode(batch, tokens, q_heads, dtype, features, slots=3000, capacity=5
         meta = DecodeMetadata(kv_indptr, kv_indices, splits, splits, max_kv_splits=4, kv_capacity=capacity,
                               sliding_window=features.get("sliding_window", -1),
                               deterministic=features.get("deterministic", False))
-        decode_call = DecodeCall(q=q, k_pool=k_pool, v_pool=None, meta=meta, sinks=None, sm_scale=0.07, logit_cap=0.0,
+        sinks = jnp.linspace(-1.0, 1.0, q_heads, dtype=jnp.float32) if features.get("sinks") else None
+        decode_call = DecodeCall(q=q, k_pool=k_pool, v_pool=None, meta=meta, sinks=sinks, sm_scale=0.07, logit_cap=0.0,
                                  xai_temperature_len=-1, sliding_window=features.get("sliding_window", -1),
                                  v_head_dim={576: 512, 288: 256}[dim], return_lse=False,
-                                 config=None if block_kv is None and transposed is None else
-                                 MgpuDecodeConfig(block_kv=block_kv, transposed=transposed),
+                                 config=None if block_kv is transposed is merge is splits_bound is None else
+                                 MgpuDecodeConfig(block_kv=block_kv, transposed=transposed, kernel_merge=merge,
+                                                  splits=splits_bound),
                                  launch_mode="gpu",
                                  draft_mask=draft_mask, kv_scales=kv_scales)
+        if merge:  # the kernel's result (no Triton stage)
+            return mla_run_decode(decode_call)
         return mla_decode_partials(decode_call)[:3]
 
     exported = jax.export.export(jax.jit(call), platforms=["cuda"])(*args)

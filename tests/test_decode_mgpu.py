@@ -104,6 +104,34 @@ def test_transposed_tile_matches_reference_and_the_padded_one(rng, q_heads, wind
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("q_heads,window,splits,sinks", [(16, -1, None, False), (16, -1, 1, False), (16, 300, 2, True),
+                                                         (32, -1, 8, False), (16, -1, 64, True)],
+                         ids=["16-own", "16-one-split", "16-window-2-sinks", "32-8", "16-64-splits-sinks"])
+def test_kernel_merge_matches_reference_and_the_triton_merge(rng, q_heads, window, splits, sinks):
+    # MgpuDecodeConfig.kernel_merge: the transposed tile's last split of a sequence folds the others' partials
+    # (waiting on a semaphore), sinks included; against the reference, and the Triton merge of the same partials.
+    # 64 splits: more CTAs than multiprocessors, so a waiting CTA relies on the ones before it being dispatched first.
+    from jaxattn.tuning import MgpuDecodeConfig
+
+    lens = KV_LENS + [20000, 0, 5]
+    q, k_pool, meta = make_case(rng, lens, q_heads, 1, jnp.bfloat16, window=window)
+    meta = dataclasses.replace(meta, num_kv_splits=jnp.full_like(meta.num_kv_splits, 64), max_kv_splits=64)
+    sink_arg = dict(sinks=jnp.asarray(rng.standard_normal(q_heads).astype(np.float32))) if sinks else {}
+    o, lse, ref_o, ref_lse = run_both(q, k_pool, meta, config=MgpuDecodeConfig(splits=splits, kernel_merge=True),
+                                      **sink_arg)
+    assert o.shape == (len(lens), q_heads, 512) and o.dtype == jnp.bfloat16
+    assert_close(o, lse, ref_o, ref_lse, jnp.bfloat16)
+    for empty in (2, len(lens) - 2):  # no keys: 0 (and LSE -inf, or the sink's)
+        np.testing.assert_array_equal(np.float32(o[empty]), 0.0)
+        np.testing.assert_array_equal(np.asarray(lse[empty]), sink_arg["sinks"] if sinks else -np.inf)
+    triton_o, triton_lse = decode_attention(q, k_pool, None, meta, impl="mgpu", return_lse=True, **sink_arg,
+                                            config=MgpuDecodeConfig(splits=splits, kernel_merge=False))
+    np.testing.assert_allclose(np.float32(o), np.float32(triton_o), atol=1e-2, rtol=1e-2)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(triton_lse), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@needs_gpu
 @pytest.mark.parametrize("tokens,tree", [(4, False), (4, True), (2, True), (3, False)],
                          ids=["t4-causal", "t4-tree", "t2-tree", "t3-causal"])
 def test_verify_matches_reference(rng, tokens, tree):
@@ -164,10 +192,12 @@ def test_window_sinks_and_deterministic(rng):
 
 @pytest.mark.gpu
 @needs_gpu
-def test_nan_stays_in_its_row(rng):
+@pytest.mark.parametrize("seq", [4, 6], ids=["one-split", "many-splits"])
+def test_nan_stays_in_its_row(rng, seq):
+    # Sequence 6 (4097 keys) spans several splits: its NaN passes through the kernel's merge.
     q, k_pool, meta = make_case(rng, KV_LENS, 16, 1, jnp.bfloat16)
-    q = q.at[4, 3, 100].set(jnp.nan)
-    assert_nan_confined(decode_attention(q, k_pool, None, meta, impl="mgpu"), (4, 3))
+    q = q.at[seq, 3, 100].set(jnp.nan)
+    assert_nan_confined(decode_attention(q, k_pool, None, meta, impl="mgpu"), (seq, 3))
 
 
 @pytest.mark.gpu
@@ -232,6 +262,21 @@ def test_transposed_tile_is_the_default_where_it_takes_the_call():
     for call in (_call(q_heads=64), _call(tokens=4), _call(qk=288, v_head_dim=256), _call(pool_dtype=jnp.float8_e4m3fn),
                  _call(config=MgpuDecodeConfig(block_kv=32))):
         assert not mgpu_mla._transposed(call)
+
+
+def test_kernel_merge_wherever_the_transposed_tile_runs():
+    # MgpuDecodeConfig.kernel_merge None / True: the transposed tile merges its splits itself (sinks included);
+    # False: the Triton merge; the padded tile always has the Triton merge.
+    from jaxattn.tuning import MgpuDecodeConfig
+
+    sinks = jax.ShapeDtypeStruct((16,), jnp.float32)
+    assert mgpu_mla._kernel_merges(_call()) and mgpu_mla._kernel_merges(_call(config=MgpuDecodeConfig(splits=3)))
+    assert mgpu_mla._kernel_merges(_call(sinks=sinks))
+    assert not mgpu_mla._kernel_merges(_call(config=MgpuDecodeConfig(kernel_merge=False)))
+    for call in (_call(tokens=4), _call(q_heads=64), _call(config=MgpuDecodeConfig(transposed=False, kernel_merge=True))):
+        assert not mgpu_mla._kernel_merges(call)
+    with pytest.raises(ValueError, match="kernel_merge"):
+        MgpuDecodeConfig(kernel_merge=1)
 
 
 def test_rows_rule():

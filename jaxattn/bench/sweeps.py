@@ -55,9 +55,12 @@ def sweep_variants(op: str, case: Case):
                     config = MgpuDecodeConfig(splits=splits, block_kv=32)
                     variants.append((f"mgpu kv32 splits={splits or 'own'}",
                                      lambda inp, c=config: decode_jaxattn(inp, config=c, impl=impl)))
-                    if not case.fp8 and case.new == 1:  # the transposed tile is the default here; the padded one too
-                        for transposed, name in ((True, "transposed"), (False, "padded")):
-                            config = MgpuDecodeConfig(splits=splits, transposed=transposed)
+                    if not case.fp8 and case.new == 1:  # the transposed tile (merging its splits itself, or
+                        # through the Triton merge) is the default here; the padded one too
+                        for transposed, merge, name in ((True, None, "transposed"),
+                                                        (True, False, "transposed triton-merge"),
+                                                        (False, None, "padded")):
+                            config = MgpuDecodeConfig(splits=splits, transposed=transposed, kernel_merge=merge)
                             variants.append((f"mgpu {name} splits={splits or 'own'}",
                                              lambda inp, c=config: decode_jaxattn(inp, config=c, impl=impl)))
         # Keys as the dots' M dimension (DecodeConfig.keys_as_rows): wgmma without padding the heads to 64 rows.

@@ -142,26 +142,35 @@ def _transposed(call: DecodeCall) -> bool:
     return MLA_DECODE_TRANSPOSED and _transposed_unsupported(call) is None
 
 
+def _listed_indices(kv_indices):
+    """kv_indices as a kernel operand: an empty one becomes one unread entry (an operand needs an address)."""
+    return jnp.zeros((1,), kv_indices.dtype) if kv_indices.shape[0] == 0 else kv_indices
+
+
+def _split_bound(call: DecodeCall) -> int:
+    """The kernel's static split bound. The metadata's splits per sequence (its heuristic keeps every split >= 256
+    keys; deterministic: by length only) fall under it: both stages clamp them to it alike, so no per-call work
+    computes them. Deterministic metadata keeps its own bound, else the config's, else `kernel_splits`."""
+    from jaxattn.kernels.mla_attention_mgpu import BLOCK_ROWS
+
+    if call.meta.deterministic:
+        return call.meta.max_kv_splits
+    if call.config is not None and call.config.splits is not None:
+        return call.config.splits
+    return kernel_splits(call.batch, max(1, call.tokens_per_seq * call.q_heads // BLOCK_ROWS))  # head blocks
+
+
 def mla_decode_partials(call: DecodeCall):
     """Stage 1 on the kernel: (mid_o f32[batch * tokens, q_heads, splits, 512], mid_lse f32[batch * tokens, q_heads,
     splits], num_kv_splits i32[batch], splits), the partial buffers `triton_decode.merge_splits` takes."""
-    from jaxattn.kernels.mla_attention_mgpu import BLOCK_ROWS, mla_decode_mgpu_kernel, mla_decode_transposed_kernel
+    from jaxattn.kernels.mla_attention_mgpu import mla_decode_mgpu_kernel
 
     meta = call.meta
     batch, tokens, q_heads = call.batch, call.tokens_per_seq, call.q_heads
     kv_indptr = meta.kv_indptr.astype(jnp.int32)
-    kv_indices = meta.kv_indices
-    if kv_indices.shape[0] == 0:  # a kernel operand needs an address; no row of it is listed
-        kv_indices = jnp.zeros((1,), kv_indices.dtype)
-    # The metadata's splits per sequence (its heuristic keeps every split >= 256 keys; deterministic: by length only),
-    # under this kernel's own static bound: both stages clamp them to it alike, so no per-call work computes them.
+    kv_indices = _listed_indices(meta.kv_indices)
     num_kv_splits = meta.num_kv_splits.astype(jnp.int32)
-    if meta.deterministic:
-        splits = meta.max_kv_splits
-    elif call.config is not None and call.config.splits is not None:
-        splits = call.config.splits
-    else:
-        splits = kernel_splits(batch, max(1, tokens * q_heads // BLOCK_ROWS))  # head blocks: the kernel's rule
+    splits = _split_bound(call)
     q, sm_scale, v_scale = call.q, call.sm_scale, None
     if is_fp8(call.k_pool.dtype):
         # f16 dots (f16 holds every fp8 value): q times the softmax scale and k_scale in f32, rounded to f16 once (as
@@ -170,10 +179,7 @@ def mla_decode_partials(call: DecodeCall):
         q = (q.astype(jnp.float32) * (sm_scale * scales[0, 0])).astype(jnp.float16)
         sm_scale, v_scale = 1.0, scales[1, :1]
     if _transposed(call):  # one token, 16 or 32 heads: one row block (the kernel's checks)
-        mid_o, mid_lse = mla_decode_transposed_kernel(
-            call.q.reshape(batch * q_heads, 1, call.qk_head_dim), call.k_pool, kv_indptr, kv_indices, num_kv_splits,
-            q_heads=q_heads, sm_scale=sm_scale, max_kv_splits=splits,
-            sliding_window=call.sliding_window if call.sliding_window >= 0 else -1, min_block_kv=MIN_BLOCK_KV)
+        mid_o, mid_lse = _transposed_launch(call, splits, merge=False)
         return (mid_o.reshape(batch, q_heads, splits, call.v_head_dim), mid_lse.reshape(batch, q_heads, splits),
                 num_kv_splits, splits)
     draft_words = None
@@ -192,7 +198,30 @@ def mla_decode_partials(call: DecodeCall):
     return mid_o, mid_lse, num_kv_splits, splits
 
 
+def _transposed_launch(call: DecodeCall, splits: int, *, merge: bool):
+    """The transposed tile over the call: its partials (merge=False) or its result and LSE (merge=True)."""
+    from jaxattn.kernels.mla_attention_mgpu import mla_decode_transposed_kernel
+
+    return mla_decode_transposed_kernel(
+        call.q.reshape(call.batch * call.q_heads, 1, call.qk_head_dim), call.k_pool, call.meta.kv_indptr.astype(jnp.int32),
+        _listed_indices(call.meta.kv_indices), call.meta.num_kv_splits.astype(jnp.int32),
+        call.sinks if merge else None, q_heads=call.q_heads,
+        sm_scale=call.sm_scale, max_kv_splits=splits,
+        sliding_window=call.sliding_window if call.sliding_window >= 0 else -1, min_block_kv=MIN_BLOCK_KV, merge=merge)
+
+
+def _kernel_merges(call: DecodeCall) -> bool:
+    """Whether the transposed tile merges the splits itself (`MgpuDecodeConfig.kernel_merge`, None: yes)."""
+    if not _transposed(call):
+        return False
+    return not (isinstance(call.config, MgpuDecodeConfig) and call.config.kernel_merge is False)
+
+
 def run_decode(call: DecodeCall):
+    if call.batch and _kernel_merges(call):
+        o, lse = _transposed_launch(call, _split_bound(call), merge=True)
+        o, lse = o.reshape(call.q.shape[:-1] + (call.v_head_dim,)), lse.reshape(call.q.shape[:-1])
+        return (o, lse) if call.return_lse else o
     return triton_decode.run_merged(call, mla_decode_partials)
 
 

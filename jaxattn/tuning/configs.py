@@ -152,13 +152,16 @@ class MgpuDecodeConfig:
     `DECODE_KV32`; on the H100 at MLA 0.129 ms against 0.124 for 64-key tiles, 179e77b). transposed: the MLA
     kernel's transposed tile (keys as wgmma's M, the heads as N: a quarter of the padded tile's matrix work at 16
     heads; one query token, 576, 16 or 32 heads, 16-bit; `mla_decode_transposed_kernel`), True / False to force it
-    on or off; None: wherever it takes the call (`tuning.sm90.MLA_DECODE_TRANSPOSED`)."""
+    on or off; None: wherever it takes the call (`tuning.sm90.MLA_DECODE_TRANSPOSED`). kernel_merge: the transposed
+    tile merging a sequence's splits itself (its last split folds the others' partials: no Triton merge launched)
+    (True or None) or the Triton merge (False)."""
 
     splits: int | None = None
     stages: int | None = None
     persistent: bool | None = None
     block_kv: int | None = None
     transposed: bool | None = None
+    kernel_merge: bool | None = None
 
     def __post_init__(self):
         if self.splits is not None and (not isinstance(self.splits, int) or self.splits < 1):
@@ -171,4 +174,6 @@ class MgpuDecodeConfig:
             raise ValueError(f"MgpuDecodeConfig.block_kv must be None, 32 or 64; got {self.block_kv!r}")
         if self.transposed is not None and not isinstance(self.transposed, bool):
             raise ValueError(f"MgpuDecodeConfig.transposed must be None, True or False; got {self.transposed!r}")
+        if self.kernel_merge is not None and not isinstance(self.kernel_merge, bool):
+            raise ValueError(f"MgpuDecodeConfig.kernel_merge must be None, True or False; got {self.kernel_merge!r}")
 

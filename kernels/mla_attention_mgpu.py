@@ -51,7 +51,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, llvm, scf
+from jaxlib.mlir.dialects import arith, llvm, scf, vector
+import numpy as np
 
 from jaxattn.kernels.extend_attention_mgpu import (
     LOG2E,
@@ -214,36 +215,93 @@ def head_values(values, r0, *, q_heads: int):
     return run(values, r0)
 
 
-def load_transposed_rows(src, first, *, shape, row_stride: int, first_scale: int):
-    """What `store_rows(..., transposed=True)` stored, read back from the flat f32 GMEM buffer `src`: f32[cols, rows]
-    in the WGMMA layout (or f32[rows] in its column layout), element (c, r) from first * first_scale + r *
-    row_stride + c (int64 arithmetic). Loads go through L2 (ld.relaxed.gpu): other CTAs of the same launch wrote
-    them, and an SM's L1 is not coherent with their stores."""
+def head_columns(values, *, rows: int):
+    """f32[rows] in the WGMMA column layout (the transposed tile's heads): column c's entry values[c]. values:
+    f32[rows] in GMEM."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
+                       return_type=plgpu.ShapeDtypeStruct((rows,), jnp.float32, layout=plgpu.Layout.WGMMA.reduce(0)))
+    def run(ctx, values):
+        del ctx
+        f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
+        base = llvm.inttoptr(llvm.PointerType.get(1), global_address(values))
+        zeros = mgpu.FragmentedArray.splat(arith.constant(f32, 0.0), (rows,), layout=mgpu.WGMMA_LAYOUT.reduce((0,)))
+
+        def entry(_, index):
+            column = arith.index_cast(i32, index[0])
+            return llvm.load(f32, mgpu_utils.getelementptr(base, [column], f32))
+
+        return zeros.foreach(entry, create_array=True)
+
+    return run(values)
+
+
+def _thread_in_warpgroup():
+    i32 = ir.IntegerType.get_signless(32)
+    return arith.remui(mgpu_utils.thread_idx(), arith.constant(i32, WARPGROUP))
+
+
+def _register_width(register) -> int:
+    return ir.VectorType(register.type).shape[0] if isinstance(register.type, ir.VectorType) else 1
+
+
+def spill_registers(values, out, slot, *, slot_stride: int):
+    """Stores each thread's registers of the f32 array `values` (any layout) to the flat f32 GMEM buffer `out`,
+    register-major so that a warp's stores are contiguous: element j of register i of thread t at slot * slot_stride
+    + (i * 128 + t) * w + j (w: the register's width; int64 arithmetic). `fill_registers` reads them back into the
+    same layout. slot: i32 scalar."""
+    layout = plgpu.Layout.WGMMA if len(values.shape) == 2 else plgpu.Layout.WGMMA.reduce(0)
+
+    @plgpu.inline_mgpu(arg_types=(layout, plgpu.RefType(), plgpu.Layout.WG_SPLAT(())))
+    def run(ctx, values, out, slot):
+        del ctx
+        f32, i64 = ir.F32Type.get(), ir.IntegerType.get_signless(64)
+        slot = slot.registers.item() if isinstance(slot, mgpu.FragmentedArray) else slot
+        start = arith.addi(arith.muli(arith.extsi(i64, slot), arith.constant(i64, slot_stride)),
+                           arith.extui(i64, _thread_in_warpgroup()))
+        base = llvm.inttoptr(llvm.PointerType.get(1), global_address(out))
+        for i, register in enumerate(values.registers.flat):
+            width = _register_width(register)
+            at = arith.muli(arith.addi(start, arith.constant(i64, i * WARPGROUP)), arith.constant(i64, width))
+            llvm.store(register, mgpu_utils.getelementptr(base, [at], f32))
+
+    run(values, out, slot)
+
+
+def fill_registers(src, slot, *, shape, slot_stride: int):
+    """What `spill_registers` stored at `slot` of `src`, as an f32 array of `shape` in its layout (WGMMA, or its
+    column layout for one dimension), loaded through L2 (ld.relaxed.gpu: another CTA of the launch stored it, and
+    an SM's L1 is not coherent with its stores)."""
     two_d = len(shape) == 2
     layout = plgpu.Layout.WGMMA if two_d else plgpu.Layout.WGMMA.reduce(0)
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT(())),
                        return_type=plgpu.ShapeDtypeStruct(shape, jnp.float32, layout=layout))
-    def run(ctx, src, first):
+    def run(ctx, src, slot):
         del ctx
         f32, i64 = ir.F32Type.get(), ir.IntegerType.get_signless(64)
-        first = first.registers.item() if isinstance(first, mgpu.FragmentedArray) else first
-        start = arith.muli(arith.extsi(i64, first), arith.constant(i64, first_scale))
+        slot = slot.registers.item() if isinstance(slot, mgpu.FragmentedArray) else slot
+        start = arith.addi(arith.muli(arith.extsi(i64, slot), arith.constant(i64, slot_stride)),
+                           arith.extui(i64, _thread_in_warpgroup()))
         base = global_address(src)
-        zeros = mgpu.FragmentedArray.splat(arith.constant(f32, 0.0), shape,
-                                           layout=mgpu.WGMMA_LAYOUT if two_d else mgpu.WGMMA_LAYOUT.reduce((0,)))
-
-        def entry(_, index):
-            r = arith.index_cast(i64, index[1] if two_d else index[0])
-            c = arith.index_cast(i64, index[0]) if two_d else arith.constant(i64, 0)
-            at = arith.addi(start, arith.addi(arith.muli(r, arith.constant(i64, row_stride)), c))
+        template = mgpu.FragmentedArray.splat(arith.constant(f32, 0.0), shape,
+                                              layout=mgpu.WGMMA_LAYOUT if two_d else mgpu.WGMMA_LAYOUT.reduce((0,)))
+        registers = np.empty(template.registers.shape, dtype=object)
+        for i, (index, register) in enumerate(np.ndenumerate(template.registers)):
+            width = _register_width(register)
+            at = arith.muli(arith.addi(start, arith.constant(i64, i * WARPGROUP)), arith.constant(i64, width))
             address = arith.addi(base, arith.muli(at, arith.constant(i64, 4)))
-            return mgpu_utils.inline_ptx("ld.relaxed.gpu.global.f32 $0, [$1];", address, result_types=f32,
-                                         has_side_effects=True)
+            if width == 1:
+                registers[index] = mgpu_utils.inline_ptx("ld.relaxed.gpu.global.f32 $0, [$1];", address,
+                                                         result_types=f32, has_side_effects=True)
+                continue
+            outs = ", ".join(f"${j}" for j in range(width))
+            parts = mgpu_utils.inline_ptx(f"ld.relaxed.gpu.global.v{width}.f32 {{{outs}}}, [${width}];", address,
+                                          result_types=[f32] * width, has_side_effects=True)
+            registers[index] = vector.from_elements(register.type, list(parts))
+        return mgpu.FragmentedArray(_registers=registers, _layout=template.layout, _is_signed=None)
 
-        return zeros.foreach(entry, create_array=True)
-
-    return run(src, first)
+    return run(src, slot)
 
 
 def publish_stores():
@@ -747,7 +805,8 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
     merge=False: stage 1 only, (mid_o f32[rows * max_kv_splits, 512], mid_lse f32[rows * max_kv_splits]), the
     partial buffers the Triton merge takes. merge=True: the whole op, (o [rows, 512] of q's dtype, lse f32[rows]): a
     sequence's last non-empty split waits (a GMEM semaphore per sequence) for the splits before it to publish their
-    partials, then folds them and its own in split order as the Triton merge does, and stores the result; a
+    partials (each thread's registers, `spill_registers`), then folds them and its own in split order as the Triton
+    merge does, and stores the result; a
     sequence without keys stores 0 and LSE -inf (from its split 0); sinks (f32[q_heads], merge=True only) add
     exp(sink) to each head's denominator as the Triton merge adds them. Waiting only on lower block indices relies on
     CTAs being dispatched in block order (as split-K serial reductions do), so any grid size finishes."""
@@ -793,7 +852,7 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
         def store_merged(merged):  # the sinks, then the result and its LSE, as the Triton merge ends
             acc, m, denom = merged
             if sinks_ref is not None:  # exp(sink) joins the denominator only
-                sink = load_transposed_rows(sinks_ref, jnp.int32(0), shape=(rows,), row_stride=1, first_scale=0)
+                sink = head_columns(sinks_ref, rows=rows)
                 m_safe = jnp.maximum(m, sink)
                 m_safe = jnp.where(m_safe == -jnp.inf, 0.0, m_safe)  # no keys and a -inf sink: stays empty
                 alpha = jnp.exp(m - m_safe)
@@ -856,7 +915,8 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
                 if waits:
                     @pl.when(split < writers)
                     def _publish():
-                        store_partial(o, lse, split)
+                        spill_registers(o, mid_o_ref, seq * max_kv_splits + split, slot_stride=o_slot)
+                        spill_registers(lse, mid_lse_ref, seq * max_kv_splits + split, slot_stride=lse_slot)
                         publish_stores()
                         plgpu.semaphore_signal(sems.at[seq], 1, memory_scope="gpu")
 
@@ -867,10 +927,10 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
                         plgpu.semaphore_wait(sems.at[seq], writers, memory_scope="gpu")
 
                         def fold(s, merged):
-                            o_s = load_transposed_rows(mid_o_ref, first_out + s, shape=(v_dim, rows),
-                                                       row_stride=max_kv_splits * v_dim, first_scale=v_dim)
-                            lse_s = load_transposed_rows(mid_lse_ref, first_out + s, shape=(rows,),
-                                                         row_stride=max_kv_splits, first_scale=1)
+                            o_s = fill_registers(mid_o_ref, seq * max_kv_splits + s, shape=(v_dim, rows),
+                                                 slot_stride=o_slot)
+                            lse_s = fill_registers(mid_lse_ref, seq * max_kv_splits + s, shape=(rows,),
+                                                   slot_stride=lse_slot)
                             return merge_split_partial(merged, o_s, lse_s)
 
                         merged = lax.fori_loop(0, writers, fold, merged)
@@ -891,8 +951,11 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
             def _no_keys():  # the sequence sees no key: 0 and LSE -inf (the sink's LSE with sinks), as merged
                 store_merged(nothing_merged())
 
+    # merge=True: the partials pass between CTAs in their registers' order (`spill_registers`), one slot per
+    # (sequence, split): o's v_dim x rows values, the LSE's per-thread copies (at most `rows` a thread).
+    o_slot, lse_slot = v_dim * rows, WARPGROUP * rows
     partial_types = (jax.ShapeDtypeStruct((rows_total * max_kv_splits, v_dim), jnp.float32),
-                     jax.ShapeDtypeStruct((rows_total * max_kv_splits,), jnp.float32))
+                     jax.ShapeDtypeStruct((batch * max_kv_splits * (lse_slot if merge else rows),), jnp.float32))
     result_types = (jax.ShapeDtypeStruct((rows_total, v_dim), q.dtype), jax.ShapeDtypeStruct((rows_total,), jnp.float32))
 
     def entry(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, *refs):

@@ -245,6 +245,20 @@ def _register_width(register) -> int:
     return ir.VectorType(register.type).shape[0] if isinstance(register.type, ir.VectorType) else 1
 
 
+def _spilled_at(slot, i: int, width: int, slot_stride: int):
+    """The element offset (i64) of this thread's register i (`width` elements) in spill slot `slot` (i32)."""
+    i64 = ir.IntegerType.get_signless(64)
+    in_slot = arith.muli(arith.addi(arith.constant(i64, i * WARPGROUP), arith.extui(i64, _thread_in_warpgroup())),
+                         arith.constant(i64, width))
+    return arith.addi(arith.muli(arith.extsi(i64, slot), arith.constant(i64, slot_stride)), in_slot)
+
+
+def _check_slot(registers, slot_stride: int):
+    needed = registers.size * _register_width(registers.flat[0]) * WARPGROUP
+    if needed > slot_stride:
+        raise ValueError(f"a spill slot of {slot_stride} elements; the warpgroup's registers need {needed}")
+
+
 def spill_registers(values, out, slot, *, slot_stride: int):
     """Stores each thread's registers of the f32 array `values` (any layout) to the flat f32 GMEM buffer `out`,
     register-major so that a warp's stores are contiguous: element j of register i of thread t at slot * slot_stride
@@ -255,15 +269,13 @@ def spill_registers(values, out, slot, *, slot_stride: int):
     @plgpu.inline_mgpu(arg_types=(layout, plgpu.RefType(), plgpu.Layout.WG_SPLAT(())))
     def run(ctx, values, out, slot):
         del ctx
-        f32, i64 = ir.F32Type.get(), ir.IntegerType.get_signless(64)
+        f32 = ir.F32Type.get()
         slot = slot.registers.item() if isinstance(slot, mgpu.FragmentedArray) else slot
-        start = arith.addi(arith.muli(arith.extsi(i64, slot), arith.constant(i64, slot_stride)),
-                           arith.extui(i64, _thread_in_warpgroup()))
         base = llvm.inttoptr(llvm.PointerType.get(1), global_address(out))
+        _check_slot(values.registers, slot_stride)
         for i, register in enumerate(values.registers.flat):
-            width = _register_width(register)
-            at = arith.muli(arith.addi(start, arith.constant(i64, i * WARPGROUP)), arith.constant(i64, width))
-            llvm.store(register, mgpu_utils.getelementptr(base, [at], f32))
+            llvm.store(register, mgpu_utils.getelementptr(base, [_spilled_at(slot, i, _register_width(register),
+                                                                              slot_stride)], f32))
 
     run(values, out, slot)
 
@@ -281,16 +293,14 @@ def fill_registers(src, slot, *, shape, slot_stride: int):
         del ctx
         f32, i64 = ir.F32Type.get(), ir.IntegerType.get_signless(64)
         slot = slot.registers.item() if isinstance(slot, mgpu.FragmentedArray) else slot
-        start = arith.addi(arith.muli(arith.extsi(i64, slot), arith.constant(i64, slot_stride)),
-                           arith.extui(i64, _thread_in_warpgroup()))
         base = global_address(src)
         template = mgpu.FragmentedArray.splat(arith.constant(f32, 0.0), shape,
                                               layout=mgpu.WGMMA_LAYOUT if two_d else mgpu.WGMMA_LAYOUT.reduce((0,)))
+        _check_slot(template.registers, slot_stride)
         registers = np.empty(template.registers.shape, dtype=object)
         for i, (index, register) in enumerate(np.ndenumerate(template.registers)):
             width = _register_width(register)
-            at = arith.muli(arith.addi(start, arith.constant(i64, i * WARPGROUP)), arith.constant(i64, width))
-            address = arith.addi(base, arith.muli(at, arith.constant(i64, 4)))
+            address = arith.addi(base, arith.muli(_spilled_at(slot, i, width, slot_stride), arith.constant(i64, 4)))
             if width == 1:
                 registers[index] = mgpu_utils.inline_ptx("ld.relaxed.gpu.global.f32 $0, [$1];", address,
                                                          result_types=f32, has_side_effects=True)

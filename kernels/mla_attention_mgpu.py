@@ -259,12 +259,11 @@ def _check_slot(registers, slot_stride: int):
         raise ValueError(f"a spill slot of {slot_stride} elements; the warpgroup's registers need {needed}")
 
 
-def spill_registers(values, out, slot, *, slot_stride: int):
-    """Stores each thread's registers of the f32 array `values` (any layout) to the flat f32 GMEM buffer `out`,
+def spill_registers(values, out, slot, *, layout, slot_stride: int):
+    """Stores each thread's registers of the f32 array `values` (in `layout`) to the flat f32 GMEM buffer `out`,
     register-major so that a warp's stores are contiguous: element j of register i of thread t at slot * slot_stride
     + (i * 128 + t) * w + j (w: the register's width; int64 arithmetic). `fill_registers` reads them back into the
     same layout. slot: i32 scalar."""
-    layout = plgpu.Layout.WGMMA if len(values.shape) == 2 else plgpu.Layout.WGMMA.reduce(0)
 
     @plgpu.inline_mgpu(arg_types=(layout, plgpu.RefType(), plgpu.Layout.WG_SPLAT(())))
     def run(ctx, values, out, slot):
@@ -280,12 +279,9 @@ def spill_registers(values, out, slot, *, slot_stride: int):
     run(values, out, slot)
 
 
-def fill_registers(src, slot, *, shape, slot_stride: int):
-    """What `spill_registers` stored at `slot` of `src`, as an f32 array of `shape` in its layout (WGMMA, or its
-    column layout for one dimension), loaded through L2 (ld.relaxed.gpu: another CTA of the launch stored it, and
-    an SM's L1 is not coherent with its stores)."""
-    two_d = len(shape) == 2
-    layout = plgpu.Layout.WGMMA if two_d else plgpu.Layout.WGMMA.reduce(0)
+def fill_registers(src, slot, *, shape, layout, slot_stride: int):
+    """What `spill_registers` stored at `slot` of `src`, as an f32 array of `shape` in `layout`, loaded through L2
+    (ld.relaxed.gpu: another CTA of the launch stored it, and an SM's L1 is not coherent with its stores)."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT(())),
                        return_type=plgpu.ShapeDtypeStruct(shape, jnp.float32, layout=layout))
@@ -294,8 +290,7 @@ def fill_registers(src, slot, *, shape, slot_stride: int):
         f32, i64 = ir.F32Type.get(), ir.IntegerType.get_signless(64)
         slot = slot.registers.item() if isinstance(slot, mgpu.FragmentedArray) else slot
         base = global_address(src)
-        template = mgpu.FragmentedArray.splat(arith.constant(f32, 0.0), shape,
-                                              layout=mgpu.WGMMA_LAYOUT if two_d else mgpu.WGMMA_LAYOUT.reduce((0,)))
+        template = mgpu.FragmentedArray.splat(arith.constant(f32, 0.0), shape, layout=layout.to_mgpu())
         _check_slot(template.registers, slot_stride)
         registers = np.empty(template.registers.shape, dtype=object)
         for i, (index, register) in enumerate(np.ndenumerate(template.registers)):
@@ -835,6 +830,7 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
     if sinks is not None and not merge:
         raise ValueError("sinks are added by the merge: merge=True (or the Triton merge's sink argument)")
     waits = merge and max_kv_splits > 1  # one split a sequence: its CTA stores the result, no semaphore
+    columns = plgpu.Layout.WGMMA.reduce(0)  # the tile's per-head (column) values: m, l, LSE
 
     def body(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, sinks_ref, mid_o_ref, mid_lse_ref, o_ref,
              lse_ref, scoped):
@@ -925,8 +921,8 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
                 if waits:
                     @pl.when(split < writers)
                     def _publish():
-                        spill_registers(o, mid_o_ref, seq * max_kv_splits + split, slot_stride=o_slot)
-                        spill_registers(lse, mid_lse_ref, seq * max_kv_splits + split, slot_stride=lse_slot)
+                        spill_registers(o, mid_o_ref, seq * max_kv_splits + split, layout=plgpu.Layout.WGMMA, slot_stride=o_slot)
+                        spill_registers(lse, mid_lse_ref, seq * max_kv_splits + split, layout=columns, slot_stride=lse_slot)
                         publish_stores()
                         plgpu.semaphore_signal(sems.at[seq], 1, memory_scope="gpu")
 
@@ -938,9 +934,9 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
 
                         def fold(s, merged):
                             o_s = fill_registers(mid_o_ref, seq * max_kv_splits + s, shape=(v_dim, rows),
-                                                 slot_stride=o_slot)
+                                                 layout=plgpu.Layout.WGMMA, slot_stride=o_slot)
                             lse_s = fill_registers(mid_lse_ref, seq * max_kv_splits + s, shape=(rows,),
-                                                   slot_stride=lse_slot)
+                                                   layout=columns, slot_stride=lse_slot)
                             return merge_split_partial(merged, o_s, lse_s)
 
                         merged = lax.fori_loop(0, writers, fold, merged)

@@ -25,8 +25,9 @@ next ones. At the end warpgroup 0 passes each row's output factor (1 / denominat
 and each consumer stores its half of the output straight from registers to global memory (only the block's real
 rows: the padding rows of a 16-row block are computed but never stored); decode's warpgroup 0 also stores the LSE.
 
-`mla_decode_transposed_kernel` (one query token, opt-in): the same decode with the keys as wgmma's M and the heads
-as N, one consumer warpgroup (see its comment).
+`mla_decode_transposed_kernel` (one query token): the same decode with the keys as wgmma's M and the heads as N, one
+consumer warpgroup (see its comment); it can also merge a sequence's splits itself (merge=True: the last split waits
+on a GMEM semaphore for the others' partials, which pass in their registers' order).
 
 Decode over an fp8 latent cache (576 wide, f16 Q): the producer copies each tile's fp8 rows into the upper half of
 its ring slot and converts them there to f16 (`convert_fp8_tiles` of the extend kernel), one tile ahead; the

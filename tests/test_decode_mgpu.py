@@ -265,11 +265,12 @@ def test_transposed_tile_is_the_default_where_it_takes_the_call():
 
 
 def test_kernel_merge_wherever_the_transposed_tile_runs():
-    # MgpuDecodeConfig.kernel_merge None / True: the transposed tile merges its splits itself (sinks included);
-    # False: the Triton merge; the padded tile always has the Triton merge.
+    # MgpuDecodeConfig.kernel_merge None (tuning.sm90.MLA_DECODE_KERNEL_MERGE) / True: the transposed tile merges its
+    # splits itself (sinks included); False: the Triton merge; the padded tile always has the Triton merge.
     from jaxattn.tuning import MgpuDecodeConfig
 
     sinks = jax.ShapeDtypeStruct((16,), jnp.float32)
+    assert mgpu_mla.MLA_DECODE_KERNEL_MERGE
     assert mgpu_mla._kernel_merges(_call()) and mgpu_mla._kernel_merges(_call(config=MgpuDecodeConfig(splits=3)))
     assert mgpu_mla._kernel_merges(_call(sinks=sinks))
     assert not mgpu_mla._kernel_merges(_call(config=MgpuDecodeConfig(kernel_merge=False)))

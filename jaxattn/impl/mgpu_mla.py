@@ -7,7 +7,9 @@ allowed) or several (speculative verify / multi-token prediction, causal or a dr
 Stage 1 packs (token, q head) rows of a sequence into 64-row wgmma tiles and reads each latent row once for all of
 them; stage 2 is the Triton merge of the split partials (`jaxattn.impl.triton_decode.merge_splits`). One token over
 a 576-wide 16-bit cache at 16 or 32 heads runs the transposed tile instead (keys as wgmma's M, the heads as N: a
-quarter of the padded tile's matrix work; `MgpuDecodeConfig.transposed`, `tuning.sm90.MLA_DECODE_TRANSPOSED`).
+quarter of the padded tile's matrix work; `MgpuDecodeConfig.transposed`, `tuning.sm90.MLA_DECODE_TRANSPOSED`), which
+merges a sequence's splits itself, sinks included (`MgpuDecodeConfig.kernel_merge`,
+`tuning.sm90.MLA_DECODE_KERNEL_MERGE`): one launch per call.
 
 Its split bound is its own (static: enough CTAs to fill the GPU once, `kernel_splits`), each sequence taking the
 metadata's split count under it; deterministic metadata keeps its own bound (splits by length only, so a sequence's
@@ -37,7 +39,7 @@ from jaxattn.impl import triton_decode
 from jaxattn.metadata import MIN_BLOCK_KV
 from jaxattn.registry import Implementation
 from jaxattn.tuning import MgpuDecodeConfig
-from jaxattn.tuning.sm90 import MLA_DECODE_TRANSPOSED
+from jaxattn.tuning.sm90 import MLA_DECODE_KERNEL_MERGE, MLA_DECODE_TRANSPOSED
 
 # The latent head shapes the kernel builds (`SHAPES` of kernels/mla_attention_mgpu.py), each tested on the H200.
 MLA_HEAD_DIMS = ((576, 512), (288, 256))
@@ -211,10 +213,13 @@ def _transposed_launch(call: DecodeCall, splits: int, *, merge: bool):
 
 
 def _kernel_merges(call: DecodeCall) -> bool:
-    """Whether the transposed tile merges the splits itself (`MgpuDecodeConfig.kernel_merge`, None: yes)."""
+    """Whether the transposed tile merges the splits itself: `MgpuDecodeConfig.kernel_merge` where set, else
+    `MLA_DECODE_KERNEL_MERGE`."""
     if not _transposed(call):
         return False
-    return not (isinstance(call.config, MgpuDecodeConfig) and call.config.kernel_merge is False)
+    if isinstance(call.config, MgpuDecodeConfig) and call.config.kernel_merge is not None:
+        return call.config.kernel_merge
+    return MLA_DECODE_KERNEL_MERGE
 
 
 def run_decode(call: DecodeCall):

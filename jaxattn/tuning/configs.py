@@ -154,7 +154,7 @@ class MgpuDecodeConfig:
     heads; one query token, 576, 16 or 32 heads, 16-bit; `mla_decode_transposed_kernel`), True / False to force it
     on or off; None: wherever it takes the call (`tuning.sm90.MLA_DECODE_TRANSPOSED`). kernel_merge: the transposed
     tile merging a sequence's splits itself (its last split folds the others' partials: no Triton merge launched)
-    (True or None) or the Triton merge (False)."""
+    where True, the Triton merge where False; None: `tuning.sm90.MLA_DECODE_KERNEL_MERGE`."""
 
     splits: int | None = None
     stages: int | None = None

@@ -280,34 +280,63 @@ def spill_registers(values, out, slot, *, layout, slot_stride: int):
     run(values, out, slot)
 
 
+def _load_spilled(base, slot, i: int, register_type, slot_stride: int):
+    """Register i of this thread from spill slot `slot` (base: the buffer's i64 address), through L2 (ld.relaxed.gpu:
+    another CTA of the launch stored it, and an SM's L1 is not coherent with its stores)."""
+    f32, i64 = ir.F32Type.get(), ir.IntegerType.get_signless(64)
+    is_vector = isinstance(register_type, ir.VectorType)
+    width = ir.VectorType(register_type).shape[0] if is_vector else 1
+    address = arith.addi(base, arith.muli(_spilled_at(slot, i, width, slot_stride), arith.constant(i64, 4)))
+    if width == 1:
+        value = mgpu_utils.inline_ptx("ld.relaxed.gpu.global.f32 $0, [$1];", address, result_types=f32,
+                                      has_side_effects=True)
+        return vector.from_elements(register_type, [value]) if is_vector else value
+    outs = ", ".join(f"${j}" for j in range(width))
+    parts = mgpu_utils.inline_ptx(f"ld.relaxed.gpu.global.v{width}.f32 {{{outs}}}, [${width}];", address,
+                                  result_types=[f32] * width, has_side_effects=True)
+    return vector.from_elements(register_type, list(parts))
+
+
 def fill_registers(src, slot, *, shape, layout, slot_stride: int):
-    """What `spill_registers` stored at `slot` of `src`, as an f32 array of `shape` in `layout`, loaded through L2
-    (ld.relaxed.gpu: another CTA of the launch stored it, and an SM's L1 is not coherent with its stores)."""
+    """What `spill_registers` stored at `slot` of `src`, as an f32 array of `shape` in `layout`."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT(())),
                        return_type=plgpu.ShapeDtypeStruct(shape, jnp.float32, layout=layout))
     def run(ctx, src, slot):
         del ctx
-        f32, i64 = ir.F32Type.get(), ir.IntegerType.get_signless(64)
         slot = slot.registers.item() if isinstance(slot, mgpu.FragmentedArray) else slot
         base = global_address(src)
-        template = mgpu.FragmentedArray.splat(arith.constant(f32, 0.0), shape, layout=layout.to_mgpu())
+        template = mgpu.FragmentedArray.splat(arith.constant(ir.F32Type.get(), 0.0), shape, layout=layout.to_mgpu())
         _check_slot(template.registers, slot_stride)
         registers = np.empty(template.registers.shape, dtype=object)
         for i, (index, register) in enumerate(np.ndenumerate(template.registers)):
-            width = _register_width(register)
-            address = arith.addi(base, arith.muli(_spilled_at(slot, i, width, slot_stride), arith.constant(i64, 4)))
-            if width == 1:
-                registers[index] = mgpu_utils.inline_ptx("ld.relaxed.gpu.global.f32 $0, [$1];", address,
-                                                         result_types=f32, has_side_effects=True)
-                continue
-            outs = ", ".join(f"${j}" for j in range(width))
-            parts = mgpu_utils.inline_ptx(f"ld.relaxed.gpu.global.v{width}.f32 {{{outs}}}, [${width}];", address,
-                                          result_types=[f32] * width, has_side_effects=True)
-            registers[index] = vector.from_elements(register.type, list(parts))
+            registers[index] = _load_spilled(base, slot, i, register.type, slot_stride)
         return mgpu.FragmentedArray(_registers=registers, _layout=template.layout, _is_signed=None)
 
     return run(src, slot)
+
+
+def fold_spilled(acc, alpha, w, src, slot, *, slot_stride: int):
+    """acc * alpha + o * w, o being the WGMMA-layout array `spill_registers` stored at `slot` of `src` (acc, alpha,
+    w: f32 arrays of one shape in the WGMMA layout; alpha and w broadcast from per-row or per-column values). Each
+    register of o is folded as it is loaded, so no second accumulator's worth of registers is live."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.RefType(),
+                                  plgpu.Layout.WG_SPLAT(())),
+                       return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32, layout=plgpu.Layout.WGMMA))
+    def run(ctx, acc, alpha, w, src, slot):
+        del ctx
+        slot = slot.registers.item() if isinstance(slot, mgpu.FragmentedArray) else slot
+        base = global_address(src)
+        _check_slot(acc.registers, slot_stride)
+        registers = np.empty(acc.registers.shape, dtype=object)
+        for i, (index, register) in enumerate(np.ndenumerate(acc.registers)):
+            o = _load_spilled(base, slot, i, register.type, slot_stride)
+            registers[index] = arith.addf(arith.mulf(register, alpha.registers[index]),
+                                          arith.mulf(o, w.registers[index]))
+        return mgpu.FragmentedArray(_registers=registers, _layout=acc.layout, _is_signed=None)
+
+    return run(acc, alpha, w, src, slot)
 
 
 def publish_stores():
@@ -323,16 +352,68 @@ def publish_stores():
     run()
 
 
-def merge_split_partial(merged, o_s, lse_s):
-    """One split's normalised output o_s f32[cols, rows] and natural-log LSE lse_s f32[rows] (column layout) folded
-    into merged = (acc, m, denom), as the Triton merge (`decode_stage2_kernel`) folds them, in the same order: a
-    -inf running max adds nothing and gives no NaN, NaN passes on."""
-    acc, m, denom = merged
+CONSUMERS_BARRIER = 15  # the padded tile's two consumer warpgroups' named barrier (Mosaic takes 0 and 1-3)
+
+
+def consumers_barrier():
+    """The padded tile's two consumer warpgroups (warpgroups 0 and 1; every thread of both calls it) meet, their
+    global stores fenced at GPU scope before and their later loads after, so what either stored or acquired before
+    is visible to the other (and, through a semaphore signalled after, to other CTAs)."""
+
+    @plgpu.inline_mgpu()
+    def run(ctx):
+        del ctx
+        mgpu_utils.inline_ptx("fence.acq_rel.gpu;", has_side_effects=True)
+        mgpu_utils.inline_ptx(f"bar.sync {CONSUMERS_BARRIER}, {2 * WARPGROUP};", has_side_effects=True)
+        mgpu_utils.inline_ptx("fence.acq_rel.gpu;", has_side_effects=True)
+
+    run()
+
+
+def merge_weights(m, lse_s):
+    """The Triton merge's (`decode_stage2_kernel`) step for one more split of natural-log LSE lse_s, from running max
+    m: (new max, alpha for what is merged so far, w for the split). A -inf max adds nothing and gives no NaN; NaN
+    passes on."""
     m_new = jnp.maximum(m, lse_s)
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha, w = jnp.exp(m - m_safe), jnp.exp(lse_s - m_safe)
-    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1]) + o_s * lax.broadcast_in_dim(w, acc.shape, [1])
+    return m_new, jnp.exp(m - m_safe), jnp.exp(lse_s - m_safe)
+
+
+def merge_split_partial(merged, o_s, lse_s, *, stats_dim: int):
+    """One split's normalised output o_s and LSE lse_s folded into merged = (acc, m, denom) (stats_dim: the axis of
+    acc that m, denom and lse_s run along: 0 the padded tile's rows, 1 the transposed tile's heads)."""
+    acc, m, denom = merged
+    m_new, alpha, w = merge_weights(m, lse_s)
+    acc = (acc * lax.broadcast_in_dim(alpha, acc.shape, [stats_dim])
+           + o_s * lax.broadcast_in_dim(w, acc.shape, [stats_dim]))
     return acc, m_new, denom * alpha + w
+
+
+def merge_spilled_partial(merged, src, slot, lse_s, *, stats_dim: int, slot_stride: int):
+    """`merge_split_partial` with the split's output read from spill slot `slot` of `src` (`fold_spilled`)."""
+    acc, m, denom = merged
+    m_new, alpha, w = merge_weights(m, lse_s)
+    acc = fold_spilled(acc, lax.broadcast_in_dim(alpha, acc.shape, [stats_dim]),
+                       lax.broadcast_in_dim(w, acc.shape, [stats_dim]), src, slot, slot_stride=slot_stride)
+    return acc, m_new, denom * alpha + w
+
+
+def merged_result(merged, sink, *, stats_dim: int):
+    """(o, lse) of the merged splits, as the Triton merge ends: the sink (natural-log logits along stats_dim, or None)
+    joins the denominator only; no key (denominator exactly 0) gives 0 and LSE -inf (the sink's LSE with a sink);
+    NaN stays NaN."""
+    acc, m, denom = merged
+    if sink is not None:
+        m_safe = jnp.maximum(m, sink)
+        m_safe = jnp.where(m_safe == -jnp.inf, 0.0, m_safe)  # no keys and a -inf sink: stays empty
+        alpha = jnp.exp(m - m_safe)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [stats_dim])
+        denom, m = denom * alpha + jnp.exp(sink - m_safe), m_safe
+    has_keys = denom != 0.0
+    safe = jnp.where(has_keys, denom, 1.0)
+    o = acc * lax.broadcast_in_dim(1.0 / safe, acc.shape, [stats_dim])
+    o = jnp.where(lax.broadcast_in_dim(has_keys, acc.shape, [stats_dim]), o, 0.0)
+    return o, jnp.where(has_keys, m + jnp.log(safe), -jnp.inf)
 
 
 # mbarriers (one 8-byte word each, after the 64 alpha floats): the ring's "tile landed" (128 producer cp.async
@@ -485,15 +566,16 @@ def wait_ring_tile(bars, ready: int, stages: int, step):
 
 
 def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, shape: LatentShape, scale_log2, steps, loops, tile_source,
-         q_row0, q_count, store_out, store_lse=None, sink=None):
+         q_row0, q_count, store_out, sink=None):
     """One CTA's work (call inside `pl.when` of a non-empty CTA; every warpgroup runs it).
 
     q_ref: [rows, 1, qk_dim]; new_ref / pool_ref: [*, 1, qk_dim] (the producer's two row sources); steps: the K tiles;
     loops: ((start, end, mask), ...) covering [0, steps) in order, mask None (every key of the tile visible to every
     row) or mask(step) -> bool[64, 64] (WGMMA layout, visible scores); tile_source(step) -> (from_pool, first, count):
     the tile's rows first + r (r < count) of pool (through kv_indices) or new, zeros past count; q_row0, q_count: the
-    block's Q rows of q_ref; store_out(wg, out): warpgroup wg's [64, v_dim / 2] f32 output (normalised; wg 0: the
-    first half of the columns); store_lse(lse): f32[64] natural-log LSE rows (warpgroup 0); sink: f32[64] (WGMMA row
+    block's Q rows of q_ref; store_out(wg, out, lse): warpgroup wg's [64, v_dim / 2] f32 output (normalised; wg 0:
+    the first half of the columns) and, from warpgroup 0, f32[64] natural-log LSE rows (None from warpgroup 1; both
+    consumer warpgroups call it, last, so it may hold a barrier of theirs); sink: f32[64] (WGMMA row
     layout), each row's natural-log sink logit joining its denominator, or None. An fp8 pool (every tile from it,
     f16 Q): the producer copies each tile's fp8 rows into the upper half of its ring slot and converts them there to
     f16 (`convert_fp8_tiles`, unscaled: the caller folds the scales into q and the output), its copies one tile ahead
@@ -565,9 +647,7 @@ def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, shape: LatentShape
         wait_barrier(bars, p_free, lax.rem(steps - 1, 2))
         alpha_smem[...] = factor  # for warpgroup 1's half
         arrive_barrier(bars, p_ready)
-        store_out(0, acc * lax.broadcast_in_dim(factor, acc.shape, [0]))
-        if store_lse is not None:
-            store_lse(rows_lse(m_i, l_i))
+        store_out(0, acc * lax.broadcast_in_dim(factor, acc.shape, [0]), rows_lse(m_i, l_i))
 
     @pl.when(wg == 1)
     def _second_half():
@@ -592,7 +672,7 @@ def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, shape: LatentShape
         acc = lax.fori_loop(0, steps, step_fn, acc)
         wait_barrier(bars, p_ready, lax.rem(steps, 2))
         factor = plgpu.load(alpha_smem, layout=plgpu.Layout.WGMMA.reduce(1))
-        store_out(1, acc * lax.broadcast_in_dim(factor, acc.shape, [0]))
+        store_out(1, acc * lax.broadcast_in_dim(factor, acc.shape, [0]), None)
 
     @pl.when(wg == 2)
     def _producer():
@@ -686,12 +766,17 @@ def _latent_shape(q, k_pool, k_new=None, fp8_pool=False, block_kv: int = BLOCK_K
     return shape
 
 
-def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draft_words, *, tokens, q_heads, sm_scale,
-                           max_kv_splits, sliding_window=-1, min_block_kv=32, v_scale=None, block_kv=BLOCK_KV):
-    """Stage 1 of split-KV MLA decode. Returns (mid_o f32[rows * max_kv_splits, 512], mid_lse f32[rows * max_kv_splits])
-    with rows = batch * tokens * q_heads in (sequence, token, head) order: row g's split s at g * max_kv_splits + s, the
-    layout of `decode_stage1_kernel`'s MID_O / MID_LSE (f32[batch * tokens, q_heads, max_kv_splits, ...]) flattened.
-    Entries of empty splits and of splits past a sequence's count are not written.
+def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draft_words, sinks=None, *, tokens,
+                           q_heads, sm_scale, max_kv_splits, sliding_window=-1, min_block_kv=32, v_scale=None,
+                           block_kv=BLOCK_KV, merge=False, out_dtype=None):
+    """Split-KV MLA decode. merge=False, stage 1: (mid_o f32[rows * max_kv_splits, 512], mid_lse f32[rows *
+    max_kv_splits]) with rows = batch * tokens * q_heads in (sequence, token, head) order: row g's split s at g *
+    max_kv_splits + s, the layout of `decode_stage1_kernel`'s MID_O / MID_LSE (f32[batch * tokens, q_heads,
+    max_kv_splits, ...]) flattened. Entries of empty splits and of splits past a sequence's count are not written.
+    merge=True, the whole op: (o [rows, 512] of out_dtype (default q's), lse f32[rows]), a block's splits merged by its last
+    non-empty split as `mla_decode_transposed_kernel` merges them (each consumer warpgroup its half of the columns;
+    the CTAs pass their partials through spill slots and a semaphore per (sequence, head block)); sinks (f32[q_heads],
+    merge=True only) join each row's denominator there.
 
     q: [batch * tokens * q_heads, 1, qk_dim] bf16/f16 (rows in that order; qk_dim 576 or 288); k_pool: [slots, 1,
     qk_dim], q's dtype (V = each row's first 512 / 256 dims: mid_o's width); kv_indptr: i32[batch + 1]; kv_indices: i32/i64[capacity]; num_kv_splits: i32[batch]
@@ -721,18 +806,31 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
     if batch * rows_per_seq != rows_total:
         raise ValueError(f"q has {rows_total} rows; batch {batch} x tokens {tokens} x q_heads {q_heads} = "
                          f"{batch * rows_per_seq}")
+    if sinks is not None and not merge:
+        raise ValueError("sinks are added by the merge: merge=True (or the Triton merge's sink argument)")
     block_rows = min(rows_per_seq, BLOCK_ROWS)  # the CTA's real rows (static)
+    head_blocks = rows_per_seq // block_rows
     capacity = kv_indices.shape[0]
     v_dim, v_split = shape.v_dim, shape.v_split
+    waits = merge and max_kv_splits > 1  # one split a sequence: its CTA stores the result, no semaphore
+    rows_layout = plgpu.Layout.WGMMA.reduce(1)  # per-row values: m, l, LSE
+    # merge=True: the partials pass between CTAs in their registers' order (`spill_registers`), two o slots (one per
+    # consumer warpgroup's half) and one LSE slot (its per-thread copies, at most 64 a thread) per (sequence, head
+    # block, split).
+    o_slot, lse_slot = BLOCK_ROWS * v_split, WARPGROUP * BLOCK_ROWS
+    slots = batch * head_blocks * max_kv_splits
 
-    def body(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, words_ref, v_scale_ref, mid_o_ref,
-             mid_lse_ref, scoped):
+    def body(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, words_ref, v_scale_ref, sinks_ref,
+             mid_o_ref, mid_lse_ref, o_ref, lse_ref, scoped):
         split = lax.axis_index("splits")
         block = lax.axis_index("head_blocks")
         seq = lax.axis_index("seq")
+        wg = lax.axis_index("wg")
         cta = decode_cta(kv_indptr_ref, splits_ref, seq, split, capacity=capacity, sliding_window=sliding_window,
                          max_kv_splits=max_kv_splits, min_block_kv=min_block_kv, tokens=tokens, block_kv=block_kv)
         row0 = seq * rows_per_seq + block * block_rows  # the block's first row among all rows
+        group = seq * head_blocks + block  # the (sequence, head block) whose splits merge together
+        sems = pl.get_global(plgpu.SemaphoreType.REGULAR((batch * head_blocks,))) if waits else None
 
         def mask(step):
             cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
@@ -741,14 +839,63 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
 
         first_out = row0 * max_kv_splits + split  # row g's split s sits at g * max_kv_splits + s
 
-        def store_out(wg, out):
+        def store_partial(half, out, lse):
+            store_rows(out, mid_o_ref, first_out, jnp.int32(block_rows), row_stride=max_kv_splits * v_dim,
+                       first_scale=v_dim, column0=half * v_split)
+            if lse is not None:
+                store_rows(lse, mid_lse_ref, first_out, jnp.int32(block_rows), row_stride=max_kv_splits, first_scale=1)
+
+        def store_merged(half, merged):  # this half of the result (and from half 0 the LSE), the sinks joining
+            sink = None if sinks_ref is None else head_values(sinks_ref, row0, q_heads=q_heads)
+            o, lse = merged_result(merged, sink, stats_dim=0)
+            store_rows(o.astype(o_ref.dtype), o_ref, row0, jnp.int32(block_rows), row_stride=v_dim, first_scale=v_dim,
+                       column0=half * v_split)
+            if half == 0:
+                store_rows(lse, lse_ref, row0, jnp.int32(block_rows), row_stride=1, first_scale=1)
+
+        def nothing_merged():  # (acc, running max, denominator) before any split: 0, -inf, 0
+            return (plgpu.layout_cast(jnp.full((BLOCK_ROWS, v_split), 0.0, jnp.float32), plgpu.Layout.WGMMA),
+                    plgpu.layout_cast(jnp.full((BLOCK_ROWS,), -jnp.inf, jnp.float32), rows_layout),
+                    plgpu.layout_cast(jnp.full((BLOCK_ROWS,), 0.0, jnp.float32), rows_layout))
+
+        def store_out(half, out, lse):  # `_cta`'s epilogue, in each consumer warpgroup (lse: warpgroup 0's)
             if v_scale_ref is not None:
                 out = out * v_scale_ref[0]
-            store_rows(out, mid_o_ref, first_out, jnp.int32(block_rows), row_stride=max_kv_splits * v_dim,
-                       first_scale=v_dim, column0=wg * v_split)
+            if not merge:
+                store_partial(half, out, lse)
+                return
+            writers = cta.nonempty_splits - 1  # the splits before the block's last non-empty one
+            slot = group * max_kv_splits + split
+            if waits:
+                @pl.when(split < writers)
+                def _publish():
+                    spill_registers(out, mid_o_ref, 2 * slot + half, layout=plgpu.Layout.WGMMA, slot_stride=o_slot)
+                    if lse is not None:
+                        spill_registers(lse, mid_lse_ref, slot, layout=rows_layout, slot_stride=lse_slot)
+                    consumers_barrier()  # both halves stored and fenced, then one signal
+                    if lse is not None:
+                        plgpu.semaphore_signal(sems.at[group], 1, memory_scope="gpu")
 
-        def store_lse(lse):
-            store_rows(lse, mid_lse_ref, first_out, jnp.int32(block_rows), row_stride=max_kv_splits, first_scale=1)
+            @pl.when(split == writers)
+            def _merge():
+                if lse is not None:  # warpgroup 1 reads this CTA's own LSE from its slot
+                    spill_registers(lse, mid_lse_ref, slot, layout=rows_layout, slot_stride=lse_slot)
+                    if waits:
+                        plgpu.semaphore_wait(sems.at[group], writers, memory_scope="gpu")
+                consumers_barrier()  # warpgroup 0's acquisition (and its LSE) passes to warpgroup 1
+                own_lse = lse if lse is not None else fill_registers(mid_lse_ref, slot, shape=(BLOCK_ROWS,),
+                                                                     layout=rows_layout, slot_stride=lse_slot)
+                merged = merge_split_partial(nothing_merged(), out, own_lse, stats_dim=0)
+                if waits:
+                    def fold(s, merged):
+                        other = group * max_kv_splits + s
+                        lse_s = fill_registers(mid_lse_ref, other, shape=(BLOCK_ROWS,), layout=rows_layout,
+                                               slot_stride=lse_slot)
+                        return merge_spilled_partial(merged, mid_o_ref, 2 * other + half, lse_s, stats_dim=0,
+                                                     slot_stride=o_slot)
+
+                    merged = lax.fori_loop(0, writers, fold, merged)
+                store_merged(half, merged)
 
         @pl.when(cta.split_len > 0)
         def _():
@@ -756,27 +903,43 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
                  steps=cta.steps, loops=((0, cta.full_steps, None), (cta.full_steps, cta.steps, mask)),
                  tile_source=lambda step: (cta.split_len > 0, cta.kv_begin + cta.split_start + step * block_kv,
                                            cta.split_len - step * block_kv),
-                 q_row0=row0, q_count=jnp.int32(block_rows), store_out=store_out, store_lse=store_lse)
+                 q_row0=row0, q_count=jnp.int32(block_rows), store_out=store_out)
+
+        if merge:
+            @pl.when((split == 0) & (cta.nonempty_splits == 0) & (wg == 0))
+            def _no_keys():  # the block sees no key: 0 and LSE -inf (the sink's LSE with sinks), as merged
+                store_merged(0, nothing_merged())
+                store_merged(1, nothing_merged())
 
     def entry(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, *rest):
         words_ref, rest = (rest[0], rest[1:]) if tokens > 1 else (None, rest)
         v_scale_ref, rest = (rest[0], rest[1:]) if fp8 else (None, rest)
-        mid_o_ref, mid_lse_ref = rest
+        sinks_ref, rest = (rest[0], rest[1:]) if sinks is not None else (None, rest)
+        mid_o_ref, mid_lse_ref, o_ref, lse_ref = rest if merge else (*rest, None, None)
         pl.run_scoped(lambda *scoped: body(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, words_ref,
-                                           v_scale_ref, mid_o_ref, mid_lse_ref, scoped),
+                                           v_scale_ref, sinks_ref, mid_o_ref, mid_lse_ref, o_ref, lse_ref, scoped),
                       *_scratch(q.dtype, shape), collective_axes="wg")
 
-    return plgpu.kernel(
+    if merge:
+        partial_types = (jax.ShapeDtypeStruct((slots * 2 * o_slot,), jnp.float32),
+                         jax.ShapeDtypeStruct((slots * lse_slot,), jnp.float32))
+        result_types = (jax.ShapeDtypeStruct((rows_total, v_dim), out_dtype or q.dtype),
+                        jax.ShapeDtypeStruct((rows_total,), jnp.float32))
+    else:
+        partial_types = (jax.ShapeDtypeStruct((rows_total * max_kv_splits, v_dim), jnp.float32),
+                         jax.ShapeDtypeStruct((rows_total * max_kv_splits,), jnp.float32))
+        result_types = ()
+    outs = plgpu.kernel(
         entry,
-        out_type=(jax.ShapeDtypeStruct((rows_total * max_kv_splits, v_dim), jnp.float32),
-                  jax.ShapeDtypeStruct((rows_total * max_kv_splits,), jnp.float32)),
-        grid=(max_kv_splits, rows_per_seq // block_rows, batch),
+        out_type=partial_types + result_types,
+        grid=(max_kv_splits, head_blocks, batch),
         grid_names=("splits", "head_blocks", "seq"),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(kv_indptr, kv_indices, num_kv_splits, q, k_pool, *(() if draft_words is None else (draft_words,)),
-      *(() if v_scale is None else (v_scale,)))
+      *(() if v_scale is None else (v_scale,)), *(() if sinks is None else (sinks.astype(jnp.float32),)))
+    return outs[2:] if merge else outs
 
 
 # The transposed decode tile (`MgpuDecodeConfig(transposed=True)`, issue 22; one query token): the keys are wgmma's M
@@ -856,23 +1019,12 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
                     plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), stats),
                     plgpu.layout_cast(jnp.full((rows,), 0.0, jnp.float32), stats))
 
-        def store_merged(merged):  # the sinks, then the result and its LSE, as the Triton merge ends
-            acc, m, denom = merged
-            if sinks_ref is not None:  # exp(sink) joins the denominator only
-                sink = head_columns(sinks_ref, rows=rows)
-                m_safe = jnp.maximum(m, sink)
-                m_safe = jnp.where(m_safe == -jnp.inf, 0.0, m_safe)  # no keys and a -inf sink: stays empty
-                alpha = jnp.exp(m - m_safe)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
-                denom, m = denom * alpha + jnp.exp(sink - m_safe), m_safe
-            has_keys = denom != 0.0  # exactly 0: no key; NaN stays NaN
-            safe = jnp.where(has_keys, denom, 1.0)
-            o = acc * lax.broadcast_in_dim(1.0 / safe, acc.shape, [1])
-            o = jnp.where(lax.broadcast_in_dim(has_keys, acc.shape, [1]), o, 0.0)
+        def store_merged(merged):  # the result and its LSE (the sinks joining), as the Triton merge ends
+            sink = None if sinks_ref is None else head_columns(sinks_ref, rows=rows)
+            o, lse = merged_result(merged, sink, stats_dim=1)
             store_rows(o.astype(o_ref.dtype), o_ref, row0, jnp.int32(rows), row_stride=v_dim, first_scale=v_dim,
                        transposed=True)
-            store_rows(jnp.where(has_keys, m + jnp.log(safe), -jnp.inf), lse_ref, row0, jnp.int32(rows), row_stride=1,
-                       first_scale=1, transposed=True)
+            store_rows(lse, lse_ref, row0, jnp.int32(rows), row_stride=1, first_scale=1, transposed=True)
 
         @pl.when(cta.split_len > 0)
         def _():
@@ -934,14 +1086,13 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
                         plgpu.semaphore_wait(sems.at[seq], writers, memory_scope="gpu")
 
                         def fold(s, merged):
-                            o_s = fill_registers(mid_o_ref, seq * max_kv_splits + s, shape=(v_dim, rows),
-                                                 layout=plgpu.Layout.WGMMA, slot_stride=o_slot)
                             lse_s = fill_registers(mid_lse_ref, seq * max_kv_splits + s, shape=(rows,),
                                                    layout=columns, slot_stride=lse_slot)
-                            return merge_split_partial(merged, o_s, lse_s)
+                            return merge_spilled_partial(merged, mid_o_ref, seq * max_kv_splits + s, lse_s,
+                                                         stats_dim=1, slot_stride=o_slot)
 
                         merged = lax.fori_loop(0, writers, fold, merged)
-                    store_merged(merge_split_partial(merged, o, lse))
+                    store_merged(merge_split_partial(merged, o, lse, stats_dim=1))
 
             @pl.when(wg == 1)
             def _producer():
@@ -1027,7 +1178,8 @@ def mla_extend_mgpu_kernel(q, k_new, k_pool, qo_indptr, kv_indptr, kv_indices, o
 
         q_row0 = cta.q_start * q_heads + cta.r0
 
-        def store_out(wg, out):
+        def store_out(wg, out, lse):  # extend keeps no LSE
+            del lse
             store_rows(out.astype(out_gmem.dtype), out_gmem, q_row0, cta.count, row_stride=v_dim, first_scale=v_dim,
                        column0=wg * v_split)
 

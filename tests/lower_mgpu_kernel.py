@@ -255,6 +255,13 @@ DECODE_SHAPES = [
      dict(merge=True, sliding_window=300, sinks=True)),
     ("mla-decode-transposed-merge-32-f16-deterministic", 5, 1, 32, jnp.float16, dict(merge=True, deterministic=True)),
     ("mla-decode-transposed-merge-16-bf16-one-split", 8, 1, 16, jnp.bfloat16, dict(merge=True, splits=1)),
+    # The padded tile merging the splits itself (each consumer warpgroup its half): a verify step under a draft tree;
+    # two head blocks with a window on deterministic metadata; fp8 with sinks; 288 wide on one split.
+    ("mla-verify-merge-4x16-bf16-draft", 4, 4, 16, jnp.bfloat16, dict(merge=True, draft=True)),
+    ("mla-decode-merge-128-bf16-window-deterministic", 2, 1, 128, jnp.bfloat16,
+     dict(merge=True, sliding_window=100, deterministic=True)),
+    ("mla-decode-merge-e4m3-16-bf16-sinks", 8, 1, 16, jnp.bfloat16, dict(merge=True, pool=jnp.float8_e4m3fn, sinks=True)),
+    ("mla-decode-merge-288-16-f16-one-split", 8, 1, 16, jnp.float16, dict(merge=True, dim=288, splits=1)),
 ]
 
 

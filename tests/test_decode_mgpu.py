@@ -132,6 +132,35 @@ def test_kernel_merge_matches_reference_and_the_triton_merge(rng, q_heads, windo
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("tokens,q_heads,splits,sinks,dim", [(4, 16, None, False, 576), (4, 16, 64, True, 576),
+                                                             (1, 128, 8, True, 576), (2, 32, 2, False, 576),
+                                                             (1, 16, 3, False, 288)],
+                         ids=["verify-4-own", "verify-4-64-splits-sinks", "128-heads-8-sinks", "verify-2x32-2", "288-3"])
+def test_padded_tile_kernel_merge_matches_reference_and_the_triton_merge(rng, tokens, q_heads, splits, sinks, dim):
+    # The padded 64-row tile merging its own splits (each consumer warpgroup its half of V's columns; two head blocks
+    # at 128 heads, each with its own semaphore), sinks included; against the reference and the Triton merge.
+    from jaxattn.tuning import MgpuDecodeConfig
+
+    lens = [2, 37, 0, 130, 97, 4096, 700, 9000]
+    q, k_pool, meta = make_case(rng, lens, q_heads, tokens, jnp.bfloat16, dim=dim)
+    meta = dataclasses.replace(meta, num_kv_splits=jnp.full_like(meta.num_kv_splits, 64), max_kv_splits=64)
+    sink_arg = dict(sinks=jnp.asarray(rng.standard_normal(q_heads).astype(np.float32))) if sinks else {}
+    config = MgpuDecodeConfig(splits=splits, kernel_merge=True, transposed=False)
+    o, lse, ref_o, ref_lse = run_both(q, k_pool, meta, config=config, **sink_arg)
+    assert o.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.float32(o), np.float32(ref_o), **tolerance(jnp.bfloat16))
+    finite = np.isfinite(np.asarray(ref_lse))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
+    np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(ref_lse)[finite], atol=2e-3, rtol=2e-3)
+    assert not np.isnan(np.float32(o)).any()
+    np.testing.assert_array_equal(np.float32(o[2]), 0.0)  # no keys
+    triton_o = decode_attention(q, k_pool, None, meta, impl="mgpu", **sink_arg,
+                                config=dataclasses.replace(config, kernel_merge=False))
+    np.testing.assert_allclose(np.float32(o), np.float32(triton_o), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+@needs_gpu
 @pytest.mark.parametrize("tokens,tree", [(4, False), (4, True), (2, True), (3, False)],
                          ids=["t4-causal", "t4-tree", "t2-tree", "t3-causal"])
 def test_verify_matches_reference(rng, tokens, tree):
@@ -264,18 +293,18 @@ def test_transposed_tile_is_the_default_where_it_takes_the_call():
         assert not mgpu_mla._transposed(call)
 
 
-def test_kernel_merge_wherever_the_transposed_tile_runs():
-    # MgpuDecodeConfig.kernel_merge None (tuning.sm90.MLA_DECODE_KERNEL_MERGE) / True: the transposed tile merges its
-    # splits itself (sinks included); False: the Triton merge; the padded tile always has the Triton merge.
+def test_kernel_merge_is_the_default_on_both_tiles():
+    # MgpuDecodeConfig.kernel_merge None (tuning.sm90.MLA_DECODE_KERNEL_MERGE) / True: the kernel merges its splits
+    # itself on either tile (sinks included); False: the Triton merge.
     from jaxattn.tuning import MgpuDecodeConfig
 
     sinks = jax.ShapeDtypeStruct((16,), jnp.float32)
     assert mgpu_mla.MLA_DECODE_KERNEL_MERGE
-    assert mgpu_mla._kernel_merges(_call()) and mgpu_mla._kernel_merges(_call(config=MgpuDecodeConfig(splits=3)))
-    assert mgpu_mla._kernel_merges(_call(sinks=sinks))
+    for call in (_call(), _call(config=MgpuDecodeConfig(splits=3)), _call(sinks=sinks), _call(tokens=4),
+                 _call(q_heads=64), _call(config=MgpuDecodeConfig(transposed=False))):
+        assert mgpu_mla._kernel_merges(call)
     assert not mgpu_mla._kernel_merges(_call(config=MgpuDecodeConfig(kernel_merge=False)))
-    for call in (_call(tokens=4), _call(q_heads=64), _call(config=MgpuDecodeConfig(transposed=False, kernel_merge=True))):
-        assert not mgpu_mla._kernel_merges(call)
+    assert not mgpu_mla._kernel_merges(_call(tokens=4, config=MgpuDecodeConfig(kernel_merge=False)))
     with pytest.raises(ValueError, match="kernel_merge"):
         MgpuDecodeConfig(kernel_merge=1)
 

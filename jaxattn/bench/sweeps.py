@@ -50,6 +50,10 @@ def sweep_variants(op: str, case: Case):
             for splits in (1, 2, 3, 4, 6, 8):
                 config = MgpuDecodeConfig(splits=splits)
                 variants.append((f"mgpu splits={splits}", lambda inp, c=config: decode_jaxattn(inp, config=c, impl=impl)))
+            for merge in ("kernel", "triton"):  # the kernel merging its own splits, or the Triton merge after it
+                config = MgpuDecodeConfig(kernel_merge=merge == "kernel")
+                variants.append((f"mgpu merge={merge} splits=own",
+                                 lambda inp, c=config: decode_jaxattn(inp, config=c, impl=impl)))
             if case.head_dim == 576:  # 32-key tiles in a 4-deep ring; the transposed tile (16-bit, one token)
                 for splits in (None, 1, 2, 4):
                     config = MgpuDecodeConfig(splits=splits, block_kv=32)

@@ -7,8 +7,8 @@ allowed) or several (speculative verify / multi-token prediction, causal or a dr
 Stage 1 packs (token, q head) rows of a sequence into 64-row wgmma tiles and reads each latent row once for all of
 them; stage 2 is the Triton merge of the split partials (`jaxattn.impl.triton_decode.merge_splits`). One token over
 a 576-wide 16-bit cache at 16 or 32 heads runs the transposed tile instead (keys as wgmma's M, the heads as N: a
-quarter of the padded tile's matrix work; `MgpuDecodeConfig.transposed`, `tuning.sm90.MLA_DECODE_TRANSPOSED`), which
-merges a sequence's splits itself, sinks included (`MgpuDecodeConfig.kernel_merge`,
+quarter of the padded tile's matrix work; `MgpuDecodeConfig.transposed`, `tuning.sm90.MLA_DECODE_TRANSPOSED`). Either
+tile merges a sequence's splits itself, sinks included, instead of stage 2 (`MgpuDecodeConfig.kernel_merge`,
 `tuning.sm90.MLA_DECODE_KERNEL_MERGE`): one launch per call.
 
 Its split bound is its own (static: enough CTAs to fill the GPU once, `kernel_splits`), each sequence taking the
@@ -165,14 +165,29 @@ def _split_bound(call: DecodeCall) -> int:
 def mla_decode_partials(call: DecodeCall):
     """Stage 1 on the kernel: (mid_o f32[batch * tokens, q_heads, splits, 512], mid_lse f32[batch * tokens, q_heads,
     splits], num_kv_splits i32[batch], splits), the partial buffers `triton_decode.merge_splits` takes."""
-    from jaxattn.kernels.mla_attention_mgpu import mla_decode_mgpu_kernel
+    splits = _split_bound(call)
+    mid_o, mid_lse = _launch(call, splits, merge=False)
+    rows = call.batch * call.tokens_per_seq
+    return (mid_o.reshape(rows, call.q_heads, splits, call.v_head_dim), mid_lse.reshape(rows, call.q_heads, splits),
+            call.meta.num_kv_splits.astype(jnp.int32), splits)
+
+
+def _launch(call: DecodeCall, splits: int, *, merge: bool):
+    """The kernel over the call, on the transposed tile where it runs (`_transposed`), else the padded one: its
+    partials (merge=False; the sinks are the Triton merge's) or its result and LSE (merge=True)."""
+    from jaxattn.kernels.mla_attention_mgpu import mla_decode_mgpu_kernel, mla_decode_transposed_kernel
 
     meta = call.meta
     batch, tokens, q_heads = call.batch, call.tokens_per_seq, call.q_heads
-    kv_indptr = meta.kv_indptr.astype(jnp.int32)
-    kv_indices = _listed_indices(meta.kv_indices)
-    num_kv_splits = meta.num_kv_splits.astype(jnp.int32)
-    splits = _split_bound(call)
+    index_args = (meta.kv_indptr.astype(jnp.int32), _listed_indices(meta.kv_indices),
+                  meta.num_kv_splits.astype(jnp.int32))
+    window = call.sliding_window if call.sliding_window >= 0 else -1
+    sinks = call.sinks if merge else None
+    if _transposed(call):  # one token, 16 or 32 heads, 16-bit: one row block (the kernel's checks)
+        return mla_decode_transposed_kernel(
+            call.q.reshape(batch * q_heads, 1, call.qk_head_dim), call.k_pool, *index_args, sinks, q_heads=q_heads,
+            sm_scale=call.sm_scale, max_kv_splits=splits, sliding_window=window, min_block_kv=MIN_BLOCK_KV,
+            merge=merge)
     q, sm_scale, v_scale = call.q, call.sm_scale, None
     if is_fp8(call.k_pool.dtype):
         # f16 dots (f16 holds every fp8 value): q times the softmax scale and k_scale in f32, rounded to f16 once (as
@@ -180,43 +195,21 @@ def mla_decode_partials(call: DecodeCall):
         scales = jnp.ones((2, 1), jnp.float32) if call.kv_scales is None else call.kv_scales.astype(jnp.float32)
         q = (q.astype(jnp.float32) * (sm_scale * scales[0, 0])).astype(jnp.float16)
         sm_scale, v_scale = 1.0, scales[1, :1]
-    if _transposed(call):  # one token, 16 or 32 heads: one row block (the kernel's checks)
-        mid_o, mid_lse = _transposed_launch(call, splits, merge=False)
-        return (mid_o.reshape(batch, q_heads, splits, call.v_head_dim), mid_lse.reshape(batch, q_heads, splits),
-                num_kv_splits, splits)
     draft_words = None
     if tokens > 1:
         words = causal_draft_words(tokens)[None, :] if call.draft_mask is None else call.draft_mask
         words = jax.lax.bitcast_convert_type(words, jnp.int32) if words.dtype == jnp.uint32 else words
         draft_words = jnp.broadcast_to(words[:, :, None], (batch, tokens, q_heads)).reshape(-1, 1)
-    mid_o, mid_lse = mla_decode_mgpu_kernel(
-        q.reshape(batch * tokens * q_heads, 1, call.qk_head_dim), call.k_pool, kv_indptr, kv_indices,
-        num_kv_splits, draft_words, tokens=tokens, q_heads=q_heads, sm_scale=sm_scale, max_kv_splits=splits,
-        sliding_window=call.sliding_window if call.sliding_window >= 0 else -1, min_block_kv=MIN_BLOCK_KV,
-        v_scale=v_scale, **({} if call.config is None or call.config.block_kv is None else
-                            dict(block_kv=call.config.block_kv)))
-    mid_o = mid_o.reshape(batch * tokens, q_heads, splits, call.v_head_dim)
-    mid_lse = mid_lse.reshape(batch * tokens, q_heads, splits)
-    return mid_o, mid_lse, num_kv_splits, splits
-
-
-def _transposed_launch(call: DecodeCall, splits: int, *, merge: bool):
-    """The transposed tile over the call: its partials (merge=False) or its result and LSE (merge=True)."""
-    from jaxattn.kernels.mla_attention_mgpu import mla_decode_transposed_kernel
-
-    return mla_decode_transposed_kernel(
-        call.q.reshape(call.batch * call.q_heads, 1, call.qk_head_dim), call.k_pool, call.meta.kv_indptr.astype(jnp.int32),
-        _listed_indices(call.meta.kv_indices), call.meta.num_kv_splits.astype(jnp.int32),
-        call.sinks if merge else None, q_heads=call.q_heads,
-        sm_scale=call.sm_scale, max_kv_splits=splits,
-        sliding_window=call.sliding_window if call.sliding_window >= 0 else -1, min_block_kv=MIN_BLOCK_KV, merge=merge)
+    return mla_decode_mgpu_kernel(
+        q.reshape(batch * tokens * q_heads, 1, call.qk_head_dim), call.k_pool, *index_args, draft_words, sinks,
+        tokens=tokens, q_heads=q_heads, sm_scale=sm_scale, max_kv_splits=splits, sliding_window=window,
+        min_block_kv=MIN_BLOCK_KV, v_scale=v_scale, merge=merge, out_dtype=call.q.dtype,
+        **({} if call.config is None or call.config.block_kv is None else dict(block_kv=call.config.block_kv)))
 
 
 def _kernel_merges(call: DecodeCall) -> bool:
-    """Whether the transposed tile merges the splits itself: `MgpuDecodeConfig.kernel_merge` where set, else
+    """Whether the kernel merges the splits itself: `MgpuDecodeConfig.kernel_merge` where set, else
     `MLA_DECODE_KERNEL_MERGE`."""
-    if not _transposed(call):
-        return False
     if isinstance(call.config, MgpuDecodeConfig) and call.config.kernel_merge is not None:
         return call.config.kernel_merge
     return MLA_DECODE_KERNEL_MERGE
@@ -224,7 +217,7 @@ def _kernel_merges(call: DecodeCall) -> bool:
 
 def run_decode(call: DecodeCall):
     if call.batch and _kernel_merges(call):
-        o, lse = _transposed_launch(call, _split_bound(call), merge=True)
+        o, lse = _launch(call, _split_bound(call), merge=True)
         o, lse = o.reshape(call.q.shape[:-1] + (call.v_head_dim,)), lse.reshape(call.q.shape[:-1])
         return (o, lse) if call.return_lse else o
     return triton_decode.run_merged(call, mla_decode_partials)

@@ -242,8 +242,9 @@ def _thread_in_warpgroup():
     return arith.remui(mgpu_utils.thread_idx(), arith.constant(i32, WARPGROUP))
 
 
-def _register_width(register) -> int:
-    return ir.VectorType(register.type).shape[0] if isinstance(register.type, ir.VectorType) else 1
+def _register_width(register_type) -> int:
+    """Elements in a register of this type (a vector's length, else 1)."""
+    return ir.VectorType(register_type).shape[0] if isinstance(register_type, ir.VectorType) else 1
 
 
 def _spilled_at(slot, i: int, width: int, slot_stride: int):
@@ -255,7 +256,7 @@ def _spilled_at(slot, i: int, width: int, slot_stride: int):
 
 
 def _check_slot(registers, slot_stride: int):
-    needed = registers.size * _register_width(registers.flat[0]) * WARPGROUP
+    needed = registers.size * _register_width(registers.flat[0].type) * WARPGROUP
     if needed > slot_stride:
         raise ValueError(f"a spill slot of {slot_stride} elements; the warpgroup's registers need {needed}")
 
@@ -274,7 +275,7 @@ def spill_registers(values, out, slot, *, layout, slot_stride: int):
         base = llvm.inttoptr(llvm.PointerType.get(1), global_address(out))
         _check_slot(values.registers, slot_stride)
         for i, register in enumerate(values.registers.flat):
-            llvm.store(register, mgpu_utils.getelementptr(base, [_spilled_at(slot, i, _register_width(register),
+            llvm.store(register, mgpu_utils.getelementptr(base, [_spilled_at(slot, i, _register_width(register.type),
                                                                               slot_stride)], f32))
 
     run(values, out, slot)
@@ -284,8 +285,7 @@ def _load_spilled(base, slot, i: int, register_type, slot_stride: int):
     """Register i of this thread from spill slot `slot` (base: the buffer's i64 address), through L2 (ld.relaxed.gpu:
     another CTA of the launch stored it, and an SM's L1 is not coherent with its stores)."""
     f32, i64 = ir.F32Type.get(), ir.IntegerType.get_signless(64)
-    is_vector = isinstance(register_type, ir.VectorType)
-    width = ir.VectorType(register_type).shape[0] if is_vector else 1
+    is_vector, width = isinstance(register_type, ir.VectorType), _register_width(register_type)
     address = arith.addi(base, arith.muli(_spilled_at(slot, i, width, slot_stride), arith.constant(i64, 4)))
     if width == 1:
         value = mgpu_utils.inline_ptx("ld.relaxed.gpu.global.f32 $0, [$1];", address, result_types=f32,

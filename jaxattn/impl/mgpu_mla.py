@@ -1,5 +1,5 @@
-"""Absorbed MLA on Hopper through a Pallas Mosaic GPU kernel (`kernels/mla_attention_mgpu.py`): decode (with the
-Triton merge) and extend.
+"""Absorbed MLA on Hopper through a Pallas Mosaic GPU kernel (`kernels/mla_attention_mgpu.py`): decode (merging its
+splits itself, or with the Triton merge) and extend.
 
 `DECODE`, the "mgpu" implementation of `jaxattn.decode`'s contract for DeepSeek's absorbed attention: one 576-wide
 latent head (`v_pool=None`: V is each row's first 512 dims), bf16/f16, one query token per sequence (sliding window

@@ -4,9 +4,12 @@ The kernel cannot run on CPU (CI lowers it: tests/lower_mgpu_kernel.py); its num
 replays, CTA by CTA, what the kernel's warpgroups do with the kernel module's own geometry functions (`decode_cta`,
 `decode_visible`, `extend_cta`, `extend_tile_source`, `extend_loops`, ...): which tiles a CTA visits in which order,
 which rows each tile gathers (zeros past its count, slots clamped into the pool), which scores it masks, the online
-softmax in base 2, the sink fold, and where `store_rows` puts each output row (the flat offsets the kernel computes).
+softmax in base 2, the sink fold, where `store_rows` puts each output row (the flat offsets the kernel computes), and
+the kernel's own merge of the splits (which split merges, in which order, with the module's merge functions).
 An index or geometry slip in those functions shows here as a mismatch with the reference, without a GPU.
 """
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -168,6 +171,65 @@ def test_decode_model_matches_reference(rng, dim, block_kv, tokens, tree):
     ref = decode_attention_reference(jnp.asarray(qq), jnp.asarray(k_pool), None, meta, v_head_dim=v_dim,
                                      sm_scale=scale, draft_mask=draft_mask)
     np.testing.assert_allclose(o.reshape(np.asarray(ref).shape), np.asarray(ref), atol=2e-5, rtol=2e-5)
+
+
+def model_kernel_merge(mid_o, mid_lse, kv_indptr, num_kv_splits, *, capacity, max_kv_splits, q_heads, sinks, padded):
+    """The kernel's own merge (merge=True) over the partials of `model_decode`: per sequence (one token), the split
+    roles by `decode_cta` (splits [0, nonempty_splits) have keys; the last of them merges), the partials folded in
+    the kernel's order (the padded tile: its own first, then the writers'; the transposed: the writers', then its own)
+    by the kernel module's own `merge_split_partial` / `merged_result`, the transposed tile on transposed arrays."""
+    rows_total, v_dim = mid_o.shape[0], mid_o.shape[2]
+    out, lse_out = np.zeros((rows_total, v_dim), np.float32), np.zeros(rows_total, np.float32)
+    stats_dim = 0 if padded else 1
+    arrange = (lambda a: a) if padded else (lambda a: a.T)  # the transposed tile holds [v_dim, heads]
+    for seq in range(len(kv_indptr) - 1):
+        ctas = [K.decode_cta(kv_indptr, num_kv_splits, seq, split, capacity=capacity, sliding_window=-1,
+                             max_kv_splits=max_kv_splits, min_block_kv=32, tokens=1) for split in range(max_kv_splits)]
+        nonempty = _int(ctas[0].nonempty_splits)
+        assert all(_int(c.nonempty_splits) == nonempty for c in ctas)
+        assert [s for s, c in enumerate(ctas) if _int(c.split_len) > 0] == list(range(nonempty))
+        rows = slice(seq * q_heads, (seq + 1) * q_heads)
+        part = lambda s: (jnp.asarray(arrange(mid_o[rows, s])), jnp.asarray(mid_lse[rows, s]))  # noqa: E731
+        merged = (jnp.zeros(arrange(mid_o[rows, 0]).shape, jnp.float32), jnp.full(q_heads, -jnp.inf, jnp.float32),
+                  jnp.zeros(q_heads, jnp.float32))
+        order = list(range(nonempty))
+        if padded and nonempty:
+            order = order[-1:] + order[:-1]
+        for s in order:
+            merged = K.merge_split_partial(merged, *part(s), stats_dim=stats_dim)
+        o, lse = K.merged_result(merged, None if sinks is None else jnp.asarray(sinks), stats_dim=stats_dim)
+        out[rows], lse_out[rows] = arrange(np.asarray(o)), np.asarray(lse)
+    return out, lse_out
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["transposed", "padded"])
+@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
+def test_kernel_merge_model_matches_reference(rng, padded, sinks):
+    # The split roles and the merge's arithmetic (the kernel module's functions): sequences without keys (0, and the
+    # LSE -inf or the sink's), one split, several; against the reference's output and LSE.
+    kv_lens = [1, 37, 0, 64, 161, 300, 1000]
+    batch, q_heads, dim, v_dim, splits = len(kv_lens), 16, 576, 512, 4
+    kv_indptr, kv_indices, slots = random_pool_batch(rng, kv_lens, num_slots=sum(kv_lens) + 9)
+    k_pool = rng.standard_normal((slots, 1, dim)).astype(np.float32)
+    q = rng.standard_normal((batch, q_heads, dim)).astype(np.float32)
+    meta = decode_metadata_from_indptr(kv_indptr, kv_indices, q_heads=q_heads, kv_heads=1, max_kv_splits=splits,
+                                       min_split_len=32, programs_per_sm=10**6)
+    # Every sequence asks for 4 splits: short ones have fewer with keys (splits are whole 32-key multiples).
+    meta = dataclasses.replace(meta, num_kv_splits=jnp.full_like(meta.num_kv_splits, splits))
+    sink_values = rng.standard_normal(q_heads).astype(np.float32) if sinks else None
+    scale = dim ** -0.5
+    mid_o, mid_lse = model_decode(q.reshape(-1, 1, dim), k_pool, np.asarray(kv_indptr), np.asarray(kv_indices),
+                                  np.asarray(meta.num_kv_splits), None, tokens=1, q_heads=q_heads, sm_scale=scale,
+                                  max_kv_splits=splits)
+    o, lse = model_kernel_merge(mid_o, mid_lse, np.asarray(kv_indptr), np.asarray(meta.num_kv_splits),
+                                capacity=len(kv_indices), max_kv_splits=splits, q_heads=q_heads, sinks=sink_values,
+                                padded=padded)
+    ref, ref_lse = decode_attention_reference(jnp.asarray(q), jnp.asarray(k_pool), None, meta, v_head_dim=v_dim,
+                                              sm_scale=scale, return_lse=True,
+                                              sinks=None if sink_values is None else jnp.asarray(sink_values))
+    np.testing.assert_allclose(o.reshape(batch, q_heads, v_dim), np.asarray(ref), atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(lse.reshape(batch, q_heads), np.asarray(ref_lse), atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(o.reshape(batch, q_heads, v_dim)[2], 0.0)  # no keys
 
 
 def model_extend(q, k_new, k_pool, qo_indptr, kv_indptr, kv_indices, *, q_heads, sm_scale, max_extend_len, sinks=None):

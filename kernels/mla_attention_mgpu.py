@@ -1,7 +1,7 @@
 """Absorbed MLA attention for Hopper as a Pallas Mosaic GPU kernel: the latent row read once, heads packed into
-wgmma tiles. Two entry points on one CTA body: split-KV decode (stage 1; stage 2 is the Triton merge of
-`kernels/decode_attention.py`, whose partial buffers it writes) and two-stage extend (prefix from the pool, new tokens
-contiguous, causal, one pass).
+wgmma tiles. Two entry points on one CTA body: split-KV decode (merge=True: the whole op, a sequence's last split
+merging the others' partials; merge=False: stage 1, writing the partial buffers of `kernels/decode_attention.py`'s
+Triton merge) and two-stage extend (prefix from the pool, new tokens contiguous, causal, one pass).
 
 DeepSeek's absorbed attention reads one 576-wide latent head per key (K = all 576 dims, V = its first 512; the
 half-size variant 288 / 256) for every q head. One CTA = one sequence x (decode) one split of its keys x one block of

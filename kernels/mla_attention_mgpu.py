@@ -191,20 +191,20 @@ def rows_lse(m_i, l_i):
     return jnp.where(l_i == 0.0, -jnp.inf, (m_i + jnp.log2(jnp.where(l_i == 0.0, 1.0, l_i))) * LN2)
 
 
-def head_values(values, r0, *, q_heads: int):
+def head_values(values, r0, *, q_heads: int, transposed: bool = False):
     """f32[64] in the WGMMA row layout: row r's entry values[(r0 + r) % q_heads] ((token, head) rows, token-major,
-    from row r0). values: f32[q_heads] in GMEM; r0: i32 scalar >= 0."""
+    from row r0). values: f32[q_heads] in GMEM; r0: i32 scalar >= 0. transposed: f32[q_heads] in the column layout
+    (the transposed tile's heads as its columns), column c's entry values[(r0 + c) % q_heads]."""
+    rows, axis = (q_heads, 0) if transposed else (BLOCK_ROWS, 1)
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT(())),
-                       return_type=plgpu.ShapeDtypeStruct((BLOCK_ROWS,), jnp.float32,
-                                                          layout=plgpu.Layout.WGMMA.reduce(1)))
+                       return_type=plgpu.ShapeDtypeStruct((rows,), jnp.float32, layout=plgpu.Layout.WGMMA.reduce(axis)))
     def run(ctx, values, r0):
         del ctx
         f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
         r0 = r0.registers.item() if isinstance(r0, mgpu.FragmentedArray) else r0
         base = llvm.inttoptr(llvm.PointerType.get(1), global_address(values))
-        zeros = mgpu.FragmentedArray.splat(arith.constant(f32, 0.0), (BLOCK_ROWS,),
-                                           layout=mgpu.WGMMA_LAYOUT.reduce((1,)))
+        zeros = mgpu.FragmentedArray.splat(arith.constant(f32, 0.0), (rows,), layout=mgpu.WGMMA_LAYOUT.reduce((axis,)))
 
         def entry(_, index):
             row = arith.addi(r0, arith.index_cast(i32, index[0]))
@@ -214,27 +214,6 @@ def head_values(values, r0, *, q_heads: int):
         return zeros.foreach(entry, create_array=True)
 
     return run(values, r0)
-
-
-def head_columns(values, *, rows: int):
-    """f32[rows] in the WGMMA column layout (the transposed tile's heads): column c's entry values[c]. values:
-    f32[rows] in GMEM."""
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
-                       return_type=plgpu.ShapeDtypeStruct((rows,), jnp.float32, layout=plgpu.Layout.WGMMA.reduce(0)))
-    def run(ctx, values):
-        del ctx
-        f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
-        base = llvm.inttoptr(llvm.PointerType.get(1), global_address(values))
-        zeros = mgpu.FragmentedArray.splat(arith.constant(f32, 0.0), (rows,), layout=mgpu.WGMMA_LAYOUT.reduce((0,)))
-
-        def entry(_, index):
-            column = arith.index_cast(i32, index[0])
-            return llvm.load(f32, mgpu_utils.getelementptr(base, [column], f32))
-
-        return zeros.foreach(entry, create_array=True)
-
-    return run(values)
 
 
 def _thread_in_warpgroup():
@@ -377,6 +356,16 @@ def merge_weights(m, lse_s):
     m_new = jnp.maximum(m, lse_s)
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     return m_new, jnp.exp(m - m_safe), jnp.exp(lse_s - m_safe)
+
+
+def nothing_merged(acc_shape, *, stats_dim: int):
+    """(acc, running max, denominator) before any split is folded: 0, -inf, 0; acc in the WGMMA layout, the others
+    along acc's `stats_dim` (0: the padded tile's rows, 1: the transposed tile's heads)."""
+    stats = plgpu.Layout.WGMMA.reduce(1 - stats_dim)
+    length = acc_shape[stats_dim]
+    return (plgpu.layout_cast(jnp.full(acc_shape, 0.0, jnp.float32), plgpu.Layout.WGMMA),
+            plgpu.layout_cast(jnp.full((length,), -jnp.inf, jnp.float32), stats),
+            plgpu.layout_cast(jnp.full((length,), 0.0, jnp.float32), stats))
 
 
 def merge_split_partial(merged, o_s, lse_s, *, stats_dim: int):
@@ -773,10 +762,10 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
     max_kv_splits]) with rows = batch * tokens * q_heads in (sequence, token, head) order: row g's split s at g *
     max_kv_splits + s, the layout of `decode_stage1_kernel`'s MID_O / MID_LSE (f32[batch * tokens, q_heads,
     max_kv_splits, ...]) flattened. Entries of empty splits and of splits past a sequence's count are not written.
-    merge=True, the whole op: (o [rows, 512] of out_dtype (default q's), lse f32[rows]), a block's splits merged by its last
-    non-empty split as `mla_decode_transposed_kernel` merges them (each consumer warpgroup its half of the columns;
-    the CTAs pass their partials through spill slots and a semaphore per (sequence, head block)); sinks (f32[q_heads],
-    merge=True only) join each row's denominator there.
+    merge=True, the whole op: (o [rows, 512] of out_dtype (default q's), lse f32[rows]), a block's splits merged by
+    its last non-empty split as `mla_decode_transposed_kernel` merges them (each consumer warpgroup its half of the
+    columns; the CTAs pass their partials through spill slots and a semaphore per (sequence, head block)); sinks
+    (f32[q_heads], merge=True only) join each row's denominator there.
 
     q: [batch * tokens * q_heads, 1, qk_dim] bf16/f16 (rows in that order; qk_dim 576 or 288); k_pool: [slots, 1,
     qk_dim], q's dtype (V = each row's first 512 / 256 dims: mid_o's width); kv_indptr: i32[batch + 1]; kv_indices: i32/i64[capacity]; num_kv_splits: i32[batch]
@@ -853,11 +842,6 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
             if half == 0:
                 store_rows(lse, lse_ref, row0, jnp.int32(block_rows), row_stride=1, first_scale=1)
 
-        def nothing_merged():  # (acc, running max, denominator) before any split: 0, -inf, 0
-            return (plgpu.layout_cast(jnp.full((BLOCK_ROWS, v_split), 0.0, jnp.float32), plgpu.Layout.WGMMA),
-                    plgpu.layout_cast(jnp.full((BLOCK_ROWS,), -jnp.inf, jnp.float32), rows_layout),
-                    plgpu.layout_cast(jnp.full((BLOCK_ROWS,), 0.0, jnp.float32), rows_layout))
-
         def store_out(half, out, lse):  # `_cta`'s epilogue, in each consumer warpgroup (lse: warpgroup 0's)
             if v_scale_ref is not None:
                 out = out * v_scale_ref[0]
@@ -885,7 +869,7 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
                 consumers_barrier()  # warpgroup 0's acquisition (and its LSE) passes to warpgroup 1
                 own_lse = lse if lse is not None else fill_registers(mid_lse_ref, slot, shape=(BLOCK_ROWS,),
                                                                      layout=rows_layout, slot_stride=lse_slot)
-                merged = merge_split_partial(nothing_merged(), out, own_lse, stats_dim=0)
+                merged = merge_split_partial(nothing_merged(out.shape, stats_dim=0), out, own_lse, stats_dim=0)
                 if waits:
                     def fold(s, merged):
                         other = group * max_kv_splits + s
@@ -908,8 +892,8 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
         if merge:
             @pl.when((split == 0) & (cta.nonempty_splits == 0) & (wg == 0))
             def _no_keys():  # the block sees no key: 0 and LSE -inf (the sink's LSE with sinks), as merged
-                store_merged(0, nothing_merged())
-                store_merged(1, nothing_merged())
+                store_merged(0, nothing_merged((BLOCK_ROWS, v_split), stats_dim=0))
+                store_merged(1, nothing_merged((BLOCK_ROWS, v_split), stats_dim=0))
 
     def entry(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, *rest):
         words_ref, rest = (rest[0], rest[1:]) if tokens > 1 else (None, rest)
@@ -975,10 +959,10 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
     partial buffers the Triton merge takes. merge=True: the whole op, (o [rows, 512] of q's dtype, lse f32[rows]): a
     sequence's last non-empty split waits (a GMEM semaphore per sequence) for the splits before it to publish their
     partials (each thread's registers, `spill_registers`), then folds them and its own in split order as the Triton
-    merge does, and stores the result; a
-    sequence without keys stores 0 and LSE -inf (from its split 0); sinks (f32[q_heads], merge=True only) add
-    exp(sink) to each head's denominator as the Triton merge adds them. Waiting only on lower block indices relies on
-    CTAs being dispatched in block order (as split-K serial reductions do), so any grid size finishes."""
+    merge does, and stores the result; a sequence without keys stores 0 and LSE -inf (from its split 0); sinks
+    (f32[q_heads], merge=True only) add exp(sink) to each head's denominator as the Triton merge adds them. Waiting
+    only on lower block indices relies on CTAs being dispatched in block order (as split-K serial reductions do), so
+    any grid size finishes."""
     shape = _latent_shape(q, k_pool)
     if shape.qk_dim != TRANSPOSED_QK_DIM or not transposed_rows_supported(q_heads):
         raise ValueError(f"the transposed tile takes 576-wide latent rows and 16 or 32 q heads; got "
@@ -1013,14 +997,8 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
             store_rows(lse, mid_lse_ref, first_out + at, jnp.int32(rows), row_stride=max_kv_splits, first_scale=1,
                        transposed=True)
 
-        def nothing_merged():  # (acc, running max, denominator) before any split: 0, -inf, 0
-            stats = plgpu.Layout.WGMMA.reduce(0)
-            return (plgpu.layout_cast(jnp.full((v_dim, rows), 0.0, jnp.float32), plgpu.Layout.WGMMA),
-                    plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), stats),
-                    plgpu.layout_cast(jnp.full((rows,), 0.0, jnp.float32), stats))
-
         def store_merged(merged):  # the result and its LSE (the sinks joining), as the Triton merge ends
-            sink = None if sinks_ref is None else head_columns(sinks_ref, rows=rows)
+            sink = None if sinks_ref is None else head_values(sinks_ref, jnp.int32(0), q_heads=rows, transposed=True)
             o, lse = merged_result(merged, sink, stats_dim=1)
             store_rows(o.astype(o_ref.dtype), o_ref, row0, jnp.int32(rows), row_stride=v_dim, first_scale=v_dim,
                        transposed=True)
@@ -1074,22 +1052,24 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
                 if waits:
                     @pl.when(split < writers)
                     def _publish():
-                        spill_registers(o, mid_o_ref, seq * max_kv_splits + split, layout=plgpu.Layout.WGMMA, slot_stride=o_slot)
-                        spill_registers(lse, mid_lse_ref, seq * max_kv_splits + split, layout=columns, slot_stride=lse_slot)
+                        slot = seq * max_kv_splits + split
+                        spill_registers(o, mid_o_ref, slot, layout=plgpu.Layout.WGMMA, slot_stride=o_slot)
+                        spill_registers(lse, mid_lse_ref, slot, layout=columns, slot_stride=lse_slot)
                         publish_stores()
                         plgpu.semaphore_signal(sems.at[seq], 1, memory_scope="gpu")
 
                 @pl.when(split == writers)
                 def _merge():
-                    merged = nothing_merged()
+                    merged = nothing_merged((v_dim, rows), stats_dim=1)
                     if waits:
                         plgpu.semaphore_wait(sems.at[seq], writers, memory_scope="gpu")
 
                         def fold(s, merged):
-                            lse_s = fill_registers(mid_lse_ref, seq * max_kv_splits + s, shape=(rows,),
-                                                   layout=columns, slot_stride=lse_slot)
-                            return merge_spilled_partial(merged, mid_o_ref, seq * max_kv_splits + s, lse_s,
-                                                         stats_dim=1, slot_stride=o_slot)
+                            slot = seq * max_kv_splits + s
+                            lse_s = fill_registers(mid_lse_ref, slot, shape=(rows,), layout=columns,
+                                                   slot_stride=lse_slot)
+                            return merge_spilled_partial(merged, mid_o_ref, slot, lse_s, stats_dim=1,
+                                                         slot_stride=o_slot)
 
                         merged = lax.fori_loop(0, writers, fold, merged)
                     store_merged(merge_split_partial(merged, o, lse, stats_dim=1))
@@ -1107,14 +1087,15 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
         if merge:
             @pl.when((split == 0) & (cta.nonempty_splits == 0) & (wg == 0))
             def _no_keys():  # the sequence sees no key: 0 and LSE -inf (the sink's LSE with sinks), as merged
-                store_merged(nothing_merged())
+                store_merged(nothing_merged((v_dim, rows), stats_dim=1))
 
     # merge=True: the partials pass between CTAs in their registers' order (`spill_registers`), one slot per
     # (sequence, split): o's v_dim x rows values, the LSE's per-thread copies (at most `rows` a thread).
     o_slot, lse_slot = v_dim * rows, WARPGROUP * rows
     partial_types = (jax.ShapeDtypeStruct((rows_total * max_kv_splits, v_dim), jnp.float32),
                      jax.ShapeDtypeStruct((batch * max_kv_splits * (lse_slot if merge else rows),), jnp.float32))
-    result_types = (jax.ShapeDtypeStruct((rows_total, v_dim), q.dtype), jax.ShapeDtypeStruct((rows_total,), jnp.float32))
+    result_types = (jax.ShapeDtypeStruct((rows_total, v_dim), q.dtype),
+                    jax.ShapeDtypeStruct((rows_total,), jnp.float32))
 
     def entry(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, *refs):
         sinks_ref, refs = (refs[0], refs[1:]) if sinks is not None else (None, refs)

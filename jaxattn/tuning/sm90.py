@@ -137,7 +137,8 @@ MLA_DECODE_TRANSPOSED = True
 # at its own 2 splits (FlashInfer MLA 0.114 in the same run), 0.118 / 0.125 at one split, 0.123 / 0.127 at 4; MLA-L
 # (one split) 0.408 / 0.417; the padded tile (c725d0f) MLA-V4 0.142 / 0.149. A first form passing the partials
 # element by element lost at 2 and 4 splits (38c8f29). Over fp8 latent pools (`impl="mgpu-fp8"`, by name) the kernel
-# merge measured 0.261 against 0.252 ms in a noisy run (spreads 10-22%).
+# merge measured 0.261 / 0.252 ms (c725d0f, spreads 10-22%) and 0.257 / 0.251 (fe6f0e3). H200 (fe6f0e3, one run): the
+# transposed tile MLA 0.0863 / 0.0882, MLA-L 0.2861 / 0.2937.
 MLA_DECODE_KERNEL_MERGE = True
 
 TABLES = {"decode": DECODE, "decode_fp8": DECODE_FP8, "extend": EXTEND, "extend_mgpu": EXTEND_MGPU,

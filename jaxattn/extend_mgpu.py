@@ -7,5 +7,6 @@ from jaxattn.impl.mgpu_extend import (  # noqa: F401
     extend_attention_mgpu,
     extend_attention_unified_mgpu,
     mgpu_unsupported,
+    unified_window_on_full_lists,
 )
 from jaxattn.tuning import MgpuExtendConfig  # noqa: F401

@@ -216,6 +216,20 @@ def test_feature_cases_run_each_backend_with_the_feature(one_call):
     assert bench.CASES["E1-W1024"].visible_pairs() == 2048 * 1025
 
 
+def test_unified_window_rows_take_the_full_lists_where_the_backend_does(monkeypatch):
+    # jaxattn-unified on a window case gets the lists TritonBackend's deterministic window layers get: full lists with
+    # the window as the op's argument where the Mosaic GPU kernel takes the call (on sm_90), else window-cut ones.
+    from jaxattn import hardware
+
+    case = bench.Case("TW", "extend", batch=2, prefix=24, new=16, q_heads=4, kv_heads=2, head_dim=64, sliding_window=9)
+    inp = bench.make_inputs(case)
+    assert bench.peers.extend_meta(inp, unified=True, full_window_lists=True).sliding_window == 9  # CPU: cut
+    monkeypatch.setattr(hardware, "mosaic_gpu_unavailable", lambda mode: None)  # as on an sm_90 GPU
+    assert bench.peers.extend_meta(inp, unified=True, full_window_lists=True).sliding_window == -1
+    assert bench.peers.extend_meta(inp, unified=True).sliding_window == 9  # a named implementation's rows
+    assert bench.peers.extend_meta(inp).sliding_window == 9  # two-stage: cut, as TritonBackend builds them
+
+
 def test_feature_cases_are_in_the_default_extend_run():
     defaults = [name for name, c in bench.CASES.items() if c.op == "extend" and c.default]
     assert {"E1-W1024", "E1-CAP50", "E1-W1024-CAP50", "E1-SINKS"} <= set(defaults)

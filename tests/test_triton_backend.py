@@ -222,6 +222,59 @@ def test_windows_from_layers_get_trimmed_lists(rng):
     assert meta.for_layer(AttentionLayer(9, H, KVH, D, sliding_window=7))[0] is meta.attn  # unprepared: full lists
 
 
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY])
+def test_deterministic_window_layers_on_full_lists_match_reference(rng, monkeypatch, mode):
+    # Where the Mosaic GPU unified kernel takes the call (Hopper), a deterministic window layer runs on the full lists
+    # (and the full-width verify mask) with the window as the op's argument; on CPU the unified Triton kernel runs
+    # that same call here, which must give the reference's (and the cut lists') result.
+    from jaxattn.backends import triton as triton_backend
+
+    parents = [[-1, 0, 0, 1], [-1, -1, 1, 2]] if mode == ForwardMode.TARGET_VERIFY else None
+    batch, req_to_token = make_batch(rng, [9, 2], [4, 4], mode=mode, token_bucket=10, batch_bucket=3, parents=parents)
+    inputs = random_inputs(rng, 10)
+    sinks = jnp.asarray(rng.standard_normal(H), jnp.float32)
+    backend = TritonBackend(sliding_windows=(WINDOW,), deterministic=True)
+    cut, want = run_both(backend, batch, req_to_token, inputs, sinks)
+    seen = []
+    real = triton_backend.extend_attention_unified
+
+    def recording(q, k_pool, v_pool, lists, **kwargs):
+        seen.append((lists.sliding_window, kwargs["sliding_window"], kwargs["custom_mask"] is None))
+        return real(q, k_pool, v_pool, lists, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "unified_window_on_full_lists", lambda *args, **kwargs: True)
+    monkeypatch.setattr(triton_backend, "extend_attention_unified", recording)
+    full, _ = run_both(backend, batch, req_to_token, inputs, sinks)
+    assert_matches_reference(full, want, batch)
+    for layer, (o_full, _, _), (o_cut, _, _) in zip(batch_layers(batch), full, cut):
+        np.testing.assert_allclose(np.asarray(o_full), np.asarray(o_cut), atol=3e-5, rtol=3e-5, err_msg=f"{layer}")
+    verify = mode == ForwardMode.TARGET_VERIFY
+    # WINDOWED (a prepared window) on the full lists (built without a window: -1) with its window as the argument;
+    # UNPREPARED and FEATURES are on the full lists anyway.
+    assert seen == [(-1, WINDOW, not verify), (-1, 1, not verify), (-1, -1, not verify)]
+
+
+def test_unified_window_on_full_lists_where_the_mosaic_kernel_takes_the_call(monkeypatch):
+    # The route's condition: a window, 16-bit pools of q's dtype, a call the Mosaic GPU unified kernel takes (head
+    # dims, features), on a GPU it runs on.
+    from jaxattn import hardware
+    from jaxattn.extend_mgpu import unified_window_on_full_lists
+
+    def arrays(dim=128, dtype=jnp.bfloat16, pool_dtype=None):
+        pool = jnp.zeros((20, 2, dim), pool_dtype or dtype)
+        return jnp.zeros((6, 8, dim), dtype), pool, pool
+
+    assert not unified_window_on_full_lists(*arrays(), sliding_window=100, launch_mode="interpret")
+    monkeypatch.setattr(hardware, "mosaic_gpu_unavailable", lambda mode: None)  # as on an sm_90 GPU
+    assert unified_window_on_full_lists(*arrays(), sliding_window=100)
+    assert unified_window_on_full_lists(*arrays(64, jnp.float16), sliding_window=0, logit_cap=30.0,
+                                        sinks=jnp.zeros(8), custom_mask=jnp.ones(10, bool))
+    assert not unified_window_on_full_lists(*arrays(), sliding_window=-1)  # no window: nothing to cut
+    assert not unified_window_on_full_lists(*arrays(pool_dtype=jnp.float8_e4m3fn), sliding_window=100)  # dequantised
+    assert not unified_window_on_full_lists(*arrays(dtype=jnp.float32), sliding_window=100)  # the Triton kernel's
+    assert not unified_window_on_full_lists(*arrays(dim=16), sliding_window=100)  # head dims it does not take
+
+
 def test_compiled_once_serves_varying_lengths_and_batches(rng):
     backend = TritonBackend(sliding_windows=(WINDOW,))
     traces = []

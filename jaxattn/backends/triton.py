@@ -44,7 +44,11 @@ by slot; on Hopper the extend kernel copies whole pages as blocks where the list
 
 Which window sizes get their own (shorter) lists is static: `TritonBackend(sliding_windows=(W, ...))`, plus the
 windows of `layers` when they are passed to `init_forward_metadata`. A window layer whose W was not prepared is
-still exact: it runs on the full lists and the kernels mask keys outside the window (more keys visited).
+still exact: it runs on the full lists and the kernels mask keys outside the window (more keys visited). In
+deterministic mode on Hopper a window layer's extend-like step runs on the full unified lists with the window as the
+op's argument wherever the Mosaic GPU kernel takes that call (`jaxattn.extend_mgpu.unified_window_on_full_lists`: it
+starts at the tile the window reaches); its window-cut lists would run the unified Triton kernel (the tiles' fixed
+offsets move with a cut list's start), 2.2-2.8x slower at E1 with a 1024 window.
 
 Speculative draft decoding: `draft_decode_metadata` builds the decode lists of every draft step at once (SGLang's
 generate_draft_decode_kv_indices); `TritonBackend.draft_step_metadata` turns step i into a forward metadata.
@@ -76,6 +80,7 @@ from jaxattn.backends.layer import AttentionLayer, is_latent_pool, split_heads
 from jaxattn.checks import INDEX_DTYPES, check_array, check_positive_int, launch_mode_argument
 from jaxattn.decode import decode_attention
 from jaxattn.extend import extend_attention, extend_attention_unified
+from jaxattn.extend_mgpu import unified_window_on_full_lists
 from jaxattn.fp8 import dequantised_rows
 from jaxattn.kv_indices import build_unified_kv_indices, create_kv_indices
 from jaxattn.mla import mla_extend_attention
@@ -371,6 +376,10 @@ class TritonBackend:
         if latent:  # the extend ops read V as an array of its own
             pool_v, common = layer.latent_v(k_pool, common)
         if isinstance(lists, ExtendUnifiedMetadata):
+            if (lists is not meta.attn and not latent and not scales and unified_window_on_full_lists(
+                    q, k_pool, v_pool, sliding_window=window, custom_mask=meta.custom_mask, logit_cap=layer.logit_cap,
+                    sinks=sinks, xai_temperature_len=layer.xai_temperature_len, launch_mode=self.launch_mode)):
+                lists, mask = meta.attn, meta.custom_mask  # the window as the op's argument (see the module doc)
             o = extend_attention_unified(q, k_pool, pool_v, lists, causal=not layer.is_cross_attention, custom_mask=mask,
                                          sliding_window=window, **common)
         else:

@@ -264,15 +264,24 @@ def bridged(wrapper, inp: Inputs, layers: int = 1, variant_args: tuple = (), lau
     return PerCall(lambda: fn(inp.q, inp.k_pool, inp.v_pool), layers)
 
 
-def extend_meta(inp: Inputs, unified: bool = False):
-    """The case's `ExtendMetadata` (or `ExtendUnifiedMetadata`): every sequence extends by case.new over case.prefix."""
+def extend_meta(inp: Inputs, unified: bool = False, full_window_lists: bool = False):
+    """The case's `ExtendMetadata` (or `ExtendUnifiedMetadata`): every sequence extends by case.new over case.prefix.
+    Window cases get window-cut lists, as TritonBackend builds them; full_window_lists (unified): the full lists,
+    the window given to the op alone, where TritonBackend's deterministic window layers take them
+    (`jaxattn.extend_mgpu.unified_window_on_full_lists`)."""
     import jax.numpy as jnp
 
     from jaxattn import metadata, paging
+    from jaxattn.extend_mgpu import unified_window_on_full_lists
 
     case = inp.case
     extend_lens = jnp.full((case.batch,), case.new, jnp.int32)
-    sizes = dict(max_extend_len=case.new, kv_capacity=case.batch * (case.prefix + case.new), sliding_window=case.sliding_window)
+    window = case.sliding_window
+    if unified and full_window_lists and unified_window_on_full_lists(
+            inp.q, inp.k_pool, inp.v_pool, sliding_window=window, custom_mask=inp.custom_mask, logit_cap=case.logit_cap,
+            sinks=inp.sinks, xai_temperature_len=case.xai_temperature_len):
+        window = -1
+    sizes = dict(max_extend_len=case.new, kv_capacity=case.batch * (case.prefix + case.new), sliding_window=window)
     if case.page_size > 1:
         pages = (inp.req_to_page, inp.req_pool_indices, inp.prefix_lens, extend_lens)
         sizes.update(page_size=case.page_size, num_slots=inp.k_pool.shape[0])
@@ -290,7 +299,7 @@ def extend_jaxattn(inp: Inputs, config=None, unified=False, impl="triton"):
 
     from jaxattn import extend
 
-    meta = extend_meta(inp, unified)
+    meta = extend_meta(inp, unified, full_window_lists=impl is None)
     features = inp.case.features
     features = dict(features, **scales(inp))
     if unified:

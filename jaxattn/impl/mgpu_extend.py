@@ -98,6 +98,21 @@ def mgpu_unsupported(q, k_pool, v_pool, *, causal=True, custom_mask=None, slidin
     return _unsupported(q.dtype, q.shape[2], v_pool.shape[2], features, mode_name, form)
 
 
+def unified_window_on_full_lists(q, k_pool, v_pool, *, sliding_window, custom_mask=None, logit_cap=0.0, sinks=None,
+                                 xai_temperature_len=-1, launch_mode=None) -> bool:
+    """Whether a deterministic (unified) call under a sliding window should get its sequences' full key lists, the
+    window given as the op's `sliding_window`, instead of window-cut lists: where this kernel takes that call. It
+    starts at the tile the window reaches, so its cost follows the window; a cut list moves the tiles' fixed offsets
+    with its start, which only the unified Triton kernel takes (2.2-2.8x slower at E1-W1024 on the H200, fe6f0e3).
+    Pools of q's 16-bit dtype only: over fp8 (or scaled) pools the unified form dequantises every listed key first,
+    the whole context on a full list. q: [tokens, q_heads, qk_head_dim]; k_pool, v_pool: [slots, kv_heads, D]."""
+    if sliding_window < 0 or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
+        return False
+    return mgpu_unsupported(q, k_pool, v_pool, causal=True, custom_mask=custom_mask, sliding_window=sliding_window,
+                            logit_cap=logit_cap, sinks=sinks, xai_temperature_len=xai_temperature_len, mode=launch_mode,
+                            form="unified") is None
+
+
 def _declines_form(form: str):
     def declines(call: ExtendCall) -> str | None:
         if call.form != form:

@@ -448,10 +448,18 @@ def decode_cta(kv_indptr, num_kv_splits, seq, split, *, capacity: int, sliding_w
     return DecodeCta(kv_begin, kv_len, split_start, split_len, steps, full_steps, nonempty_splits)
 
 
+def causal_draft_bits(first_draft, cols, rows, *, q_heads: int):
+    """A verify step's causal draft mask (no tree: token t sees drafts 0..t) over a score tile whose first column is
+    draft first_draft: 1 where column c's draft is at most row r's token. rows: each score's row among its sequence's
+    (token, head) rows, token-major, so its token is rows // q_heads; draft d <= rows // q_heads iff d * q_heads <=
+    rows (d an integer, rows >= 0). Computed, not loaded: no per-row words pass through memory."""
+    return ((first_draft + cols) * q_heads <= rows).astype(jnp.int32)
+
+
 def decode_visible(cta: DecodeCta, step, cols, tokens: int, draft_bits_of=None, block_kv: int = BLOCK_KV):
     """Tile `step`'s visible scores (cols: each score's column): keys inside the split and, with several tokens,
     keys before the drafts or drafts whose bit is set (draft_bits_of(first_draft): the tile's bits, whose first
-    column is draft first_draft: `draft_bits_tile`)."""
+    column is draft first_draft: `draft_bits_tile`, or `causal_draft_bits`)."""
     visible = step * block_kv + cols < cta.split_len
     if tokens > 1:
         first_draft = cta.split_start + step * block_kv - (cta.kv_len - tokens)  # < 0: a key before the drafts
@@ -769,9 +777,10 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
 
     q: [batch * tokens * q_heads, 1, qk_dim] bf16/f16 (rows in that order; qk_dim 576 or 288); k_pool: [slots, 1,
     qk_dim], q's dtype (V = each row's first 512 / 256 dims: mid_o's width); kv_indptr: i32[batch + 1]; kv_indices: i32/i64[capacity]; num_kv_splits: i32[batch]
-    (clamped to [1, max_kv_splits]); draft_words: None (tokens == 1) or i32[batch * tokens * q_heads, 1]: row g sees
-    draft j (the sequence's last `tokens` keys are its drafts) iff bit j of its word is set; keys before the drafts
-    are always visible. tokens * q_heads must be a multiple of 8 and at most 64 or a multiple of 64.
+    (clamped to [1, max_kv_splits]); draft_words: with several tokens (the sequence's last `tokens` keys are its
+    drafts; keys before them are always visible), None for the causal mask (token t sees drafts 0..t, computed:
+    `causal_draft_bits`) or i32[batch * tokens * q_heads, 1]: row g sees draft j iff bit j of its word is set; None
+    with one token. tokens * q_heads must be a multiple of 8 and at most 64 or a multiple of 64.
     sliding_window W >= 0 (tokens == 1): only the last W + 1 listed keys. min_block_kv: split lengths are multiples
     of it (`jaxattn.metadata.MIN_BLOCK_KV`, as in the Triton stages).
     v_scale: f32[1] exactly when k_pool is fp8 (e4m3fn / e5m2, 576 wide; q f16, pre-multiplied by the K scale, which
@@ -787,8 +796,8 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
     if not decode_rows_supported(rows_per_seq):
         raise ValueError(f"tokens * q_heads ({rows_per_seq}) must be a multiple of 8, at most {BLOCK_ROWS} or a "
                          f"multiple of {BLOCK_ROWS}")
-    if (draft_words is None) != (tokens == 1):
-        raise ValueError("draft_words is given exactly when tokens > 1")
+    if draft_words is not None and tokens == 1:
+        raise ValueError("draft_words takes several tokens a sequence (one token has no drafts)")
     if sliding_window >= 0 and tokens > 1:
         raise ValueError("a sliding window takes one query token per sequence")
     batch = kv_indptr.shape[0] - 1
@@ -823,8 +832,16 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
 
         def mask(step):
             cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
-            return decode_visible(cta, step, cols, tokens, lambda first_draft: draft_bits_tile(
-                words_ref, row0, first_draft, block_q=BLOCK_ROWS, block_kv=block_kv), block_kv=block_kv)
+            if tokens == 1:
+                bits_of = None
+            elif words_ref is None:  # causal drafts
+                rows = block * block_rows + plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, block_kv), 0,
+                                                                   layout=plgpu.Layout.WGMMA)
+                bits_of = functools.partial(causal_draft_bits, cols=cols, rows=rows, q_heads=q_heads)
+            else:
+                bits_of = lambda first_draft: draft_bits_tile(  # noqa: E731
+                    words_ref, row0, first_draft, block_q=BLOCK_ROWS, block_kv=block_kv)
+            return decode_visible(cta, step, cols, tokens, bits_of, block_kv=block_kv)
 
         first_out = row0 * max_kv_splits + split  # row g's split s sits at g * max_kv_splits + s
 
@@ -896,7 +913,7 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
                 store_merged(1, nothing_merged((BLOCK_ROWS, v_split), stats_dim=0))
 
     def entry(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, *rest):
-        words_ref, rest = (rest[0], rest[1:]) if tokens > 1 else (None, rest)
+        words_ref, rest = (rest[0], rest[1:]) if draft_words is not None else (None, rest)
         v_scale_ref, rest = (rest[0], rest[1:]) if fp8 else (None, rest)
         sinks_ref, rest = (rest[0], rest[1:]) if sinks is not None else (None, rest)
         mid_o_ref, mid_lse_ref, o_ref, lse_ref = rest if merge else (*rest, None, None)

@@ -262,6 +262,10 @@ DECODE_SHAPES = [
      dict(merge=True, sliding_window=100, deterministic=True)),
     ("mla-decode-merge-e4m3-16-bf16-sinks", 8, 1, 16, jnp.bfloat16, dict(merge=True, pool=jnp.float8_e4m3fn, sinks=True)),
     ("mla-decode-merge-288-16-f16-one-split", 8, 1, 16, jnp.float16, dict(merge=True, dim=288, splits=1)),
+    # Causal verify (no tree): the padded tile computes the draft mask from its rows (`causal_draft_bits`), one head
+    # block and two (8 tokens x 16 heads), merging its splits with sinks.
+    ("mla-verify-merge-4x16-bf16-causal", 4, 4, 16, jnp.bfloat16, dict(merge=True)),
+    ("mla-verify-merge-8x16-f16-causal-sinks", 3, 8, 16, jnp.float16, dict(merge=True, sinks=True)),
 ]
 
 

@@ -103,7 +103,10 @@ def model_decode(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draft_words, *
                 if _int(cta.split_len) <= 0:
                     continue
 
-                def bits_of(first_draft):  # draft_bits_tile
+                def bits_of(first_draft):  # draft_bits_tile, or (no words: causal drafts) causal_draft_bits
+                    if draft_words is None:
+                        seq_rows = block * block_rows + np.arange(K.BLOCK_ROWS)[:, None]
+                        return np.asarray(K.causal_draft_bits(first_draft, cols, seq_rows, q_heads=q_heads))
                     rows = row0 + np.arange(K.BLOCK_ROWS)[:, None]
                     draft = _int(first_draft) + cols
                     inside = (rows < len(draft_words)) & (draft >= 0) & (draft < 32)
@@ -142,7 +145,8 @@ def merge(mid_o, mid_lse):
 
 
 @pytest.mark.parametrize("dim,block_kv", [(576, 64), (288, 64), (576, 32)], ids=["576", "288", "576-kv32"])
-@pytest.mark.parametrize("tokens,tree", [(1, False), (4, False), (4, True)], ids=["decode", "verify-causal", "verify-tree"])
+@pytest.mark.parametrize("tokens,tree", [(1, False), (4, False), (4, True), (8, False)],
+                         ids=["decode", "verify-causal", "verify-tree", "verify-causal-2-head-blocks"])
 def test_decode_model_matches_reference(rng, dim, block_kv, tokens, tree):
     # Verify: lists shorter than the tokens, drafts in a whole 64-key tile (128 in splits of 64) and in a partial one.
     kv_lens = [2, 37, 0, 200, 128, 97] if tokens > 1 else [1, 37, 0, 64, 161, 300]
@@ -153,15 +157,11 @@ def test_decode_model_matches_reference(rng, dim, block_kv, tokens, tree):
     meta = decode_metadata_from_indptr(kv_indptr, kv_indices, q_heads=q_heads, kv_heads=1, max_kv_splits=3,
                                        min_split_len=32, programs_per_sm=10**6)
     draft_mask = None
-    words = None
-    if tokens > 1:
-        if tree:
-            parents = [[int(rng.integers(-1, t)) for t in range(tokens)] for _ in kv_lens]
-            draft_mask = draft_mask_bits(np.stack([tree_mask_for_verify(p, 0) for p in parents]))
-            words = np.asarray(draft_mask)
-        else:  # causal_draft_words, as the implementation expands it
-            words = np.tile((1 << (np.arange(tokens) + 1)) - 1, (batch, 1)).astype(np.int32)
-        words = np.repeat(words[:, :, None], q_heads, axis=2).reshape(-1, 1)
+    words = None  # one token, or causal drafts (the kernel computes their mask: `causal_draft_bits`)
+    if tree:
+        parents = [[int(rng.integers(-1, t)) for t in range(tokens)] for _ in kv_lens]
+        draft_mask = draft_mask_bits(np.stack([tree_mask_for_verify(p, 0) for p in parents]))
+        words = np.repeat(np.asarray(draft_mask)[:, :, None], q_heads, axis=2).reshape(-1, 1)  # as _launch expands it
     scale = dim ** -0.5
     mid_o, mid_lse = model_decode(q.reshape(-1, 1, dim), k_pool, np.asarray(kv_indptr), np.asarray(kv_indices),
                                   np.asarray(meta.num_kv_splits), words, tokens=tokens, q_heads=q_heads, sm_scale=scale,

@@ -117,13 +117,6 @@ def kernel_splits(batch: int, head_blocks: int, num_sms: int | None = None) -> i
     return max(1, num_sms // max(1, batch * head_blocks))
 
 
-def causal_draft_words(tokens: int):
-    """i32[tokens]: token t sees drafts 0..t (bits 0..t set)."""
-    t = jnp.arange(tokens, dtype=jnp.uint32)
-    words = jnp.where(t >= 31, jnp.uint32(0xFFFFFFFF), (jnp.uint32(1) << (t + 1)) - 1)
-    return jax.lax.bitcast_convert_type(words, jnp.int32)
-
-
 def _transposed_unsupported(call: DecodeCall) -> str | None:
     """Why the transposed tile cannot take the call (`mla_decode_transposed_kernel`'s limits), or None."""
     from jaxattn.kernels.mla_attention_mgpu import TRANSPOSED_QK_DIM, transposed_rows_supported
@@ -195,9 +188,9 @@ def _launch(call: DecodeCall, splits: int, *, merge: bool):
         scales = jnp.ones((2, 1), jnp.float32) if call.kv_scales is None else call.kv_scales.astype(jnp.float32)
         q = (q.astype(jnp.float32) * (sm_scale * scales[0, 0])).astype(jnp.float16)
         sm_scale, v_scale = 1.0, scales[1, :1]
-    draft_words = None
-    if tokens > 1:
-        words = causal_draft_words(tokens)[None, :] if call.draft_mask is None else call.draft_mask
+    draft_words = None  # one token, or several under the causal mask (the kernel computes it: no per-call words)
+    if tokens > 1 and call.draft_mask is not None:
+        words = call.draft_mask
         words = jax.lax.bitcast_convert_type(words, jnp.int32) if words.dtype == jnp.uint32 else words
         draft_words = jnp.broadcast_to(words[:, :, None], (batch, tokens, q_heads)).reshape(-1, 1)
     return mla_decode_mgpu_kernel(

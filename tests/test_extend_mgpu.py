@@ -199,6 +199,44 @@ def test_unified_windows_match_reference(rng, shape, window):
 
 @pytest.mark.gpu
 @needs_hopper
+def test_deterministic_backend_window_layer_on_the_kernel_is_split_invariant(rng):
+    # TritonBackend(deterministic=True) on a window layer: full unified lists with the window as the argument, so the
+    # Mosaic GPU kernel (not the unified Triton kernel) runs it. One 36-token sequence prefilled as (p cached + the
+    # rest new): every token computed in two splits gets the same bits, and the reference's values.
+    from jaxattn.backends import AttentionLayer, ReferenceBackend
+    from jaxattn.batch import ForwardBatch, ForwardMode
+    from jaxattn.extend_mgpu import unified_window_on_full_lists
+    from jaxattn.triton_backend import TritonBackend
+
+    length, hq, hkv, d, window, num_slots = 36, 8, 2, 128, 7, 100
+    layer = AttentionLayer(0, hq, hkv, d, sliding_window=window)
+    slots = rng.permutation(np.arange(1, num_slots))[:length].astype(np.int32)
+    req_to_token = jnp.asarray(np.concatenate([slots, np.zeros(4, np.int32)])[None])
+    q_all, k_all, v_all = (random_normal(rng, (length, h, d), jnp.bfloat16) for h in (hq, hkv, hkv))
+    k_pool = jnp.zeros((num_slots, hkv, d), jnp.bfloat16).at[slots].set(k_all)  # every token's K/V already cached
+    v_pool = jnp.zeros((num_slots, hkv, d), jnp.bfloat16).at[slots].set(v_all)
+    assert unified_window_on_full_lists(q_all, k_pool, v_pool, sliding_window=window)
+    outputs = {}
+    for prefix in (0, 11, 29):
+        new = length - prefix
+        batch = ForwardBatch(req_pool_indices=jnp.zeros(1, jnp.int32), seq_lens=jnp.asarray([length], jnp.int32),
+                             extend_lens=jnp.asarray([new], jnp.int32), out_cache_loc=jnp.asarray(slots[prefix:]),
+                             positions=jnp.arange(prefix, length, dtype=jnp.int32), mode=ForwardMode.EXTEND,
+                             max_extend_len=length, kv_capacity=length + 4, max_seq_len=length + 4)
+        got = []
+        for backend in (TritonBackend(deterministic=True, sliding_windows=(window,)), ReferenceBackend()):
+            meta = backend.init_forward_metadata(batch, req_to_token)
+            got.append(backend.forward(q_all[prefix:], k_all[prefix:], v_all[prefix:], k_pool, v_pool, layer, meta)[0])
+        np.testing.assert_allclose(np.float32(got[0]), np.float32(got[1]), **tolerance(jnp.bfloat16))
+        outputs[prefix] = np.asarray(got[0].astype(jnp.float32))
+    for p1 in outputs:
+        for p2 in outputs:
+            if p1 < p2:  # tokens p2.. are computed in both splits
+                np.testing.assert_array_equal(outputs[p1][p2 - p1:], outputs[p2], err_msg=f"splits at {p1} and {p2}")
+
+
+@pytest.mark.gpu
+@needs_hopper
 @pytest.mark.parametrize("config", [MgpuExtendConfig(), MgpuExtendConfig(block_kv=64, stages=3)], ids=["kv128", "kv64"])
 @pytest.mark.parametrize("features", [dict(), dict(logit_cap=3.0, xai_temperature_len=100, sinks=True),
                                       dict(sliding_window=100, sinks=True)], ids=["plain", "cap-xai-sinks", "window"])

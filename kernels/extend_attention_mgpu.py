@@ -249,13 +249,15 @@ def custom_mask_tile(mask, mask_indptr, seq, row0, width, column0, *, block_q: i
     return run(mask, mask_indptr, seq, row0, width, column0)
 
 
-def draft_bits_tile(bits, row0, draft0, *, block_q: int, block_kv: int):
+def draft_bits_tile(bits, row0, draft0, *, block_q: int, block_kv: int, rows_per_word: int = 1):
     """A compact tree mask's entries of one score tile, in the wgmma accumulator's layout: an i32[block_q, block_kv]
-    (WGMMA layout) of 0/1, entry (r, c) = bit d % 32 of bits[row0 + r, d // 32] with d = draft0 + c (the new key's
-    index among its sequence's new tokens); 0 where row0 + r is outside bits' rows or d outside [0, 32 * words).
+    (WGMMA layout) of 0/1, entry (r, c) = bit d % 32 of bits[(row0 + r) // rows_per_word, d // 32] with d = draft0 + c
+    (the new key's index among its sequence's new tokens); 0 where that bits row is outside bits' rows or d outside
+    [0, 32 * words).
 
-    bits: i32[rows, words] (row r: the query row r's draft words); row0 (the tile's row 0 as a query row), draft0: i32
-    scalars. The word index is clamped into the buffer before the load, so no argument makes it read outside.
+    bits: i32[rows, words] (row i: the draft words of query rows i * rows_per_word ...: 1, one per query row; MLA's
+    verify: q_heads, one per token); row0 (the tile's row 0 as a query row, >= 0), draft0: i32 scalars. The word
+    index is clamped into the buffer before the load, so no argument makes it read outside.
     """
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) + (_SCALAR,) * 2,
@@ -271,6 +273,8 @@ def draft_bits_tile(bits, row0, draft0, *, block_q: int, block_kv: int):
         def entry(_, index):
             r, c = (arith.index_cast(i64, x) for x in index)
             row, draft = arith.addi(row0, r), arith.addi(draft0, c)
+            if rows_per_word > 1:  # (row0 >= 0: the quotient is the floor)
+                row = arith.divsi(row, _i64(rows_per_word))
             inside = arith.andi(
                 arith.andi(arith.cmpi(arith.CmpIPredicate.sge, row, _i64(0)), arith.cmpi(arith.CmpIPredicate.slt, row, _i64(rows))),
                 arith.andi(arith.cmpi(arith.CmpIPredicate.sge, draft, _i64(0)),

@@ -107,7 +107,7 @@ def model_decode(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draft_words, *
                     if draft_words is None:
                         seq_rows = block * block_rows + np.arange(K.BLOCK_ROWS)[:, None]
                         return np.asarray(K.causal_draft_bits(first_draft, cols, seq_rows, q_heads=q_heads))
-                    rows = row0 + np.arange(K.BLOCK_ROWS)[:, None]
+                    rows = (row0 + np.arange(K.BLOCK_ROWS)[:, None]) // q_heads  # a word per (sequence, token)
                     draft = _int(first_draft) + cols
                     inside = (rows < len(draft_words)) & (draft >= 0) & (draft < 32)
                     words = np.asarray(draft_words)[np.where(rows < len(draft_words), rows, 0), 0].view(np.uint32)
@@ -145,8 +145,9 @@ def merge(mid_o, mid_lse):
 
 
 @pytest.mark.parametrize("dim,block_kv", [(576, 64), (288, 64), (576, 32)], ids=["576", "288", "576-kv32"])
-@pytest.mark.parametrize("tokens,tree", [(1, False), (4, False), (4, True), (8, False)],
-                         ids=["decode", "verify-causal", "verify-tree", "verify-causal-2-head-blocks"])
+@pytest.mark.parametrize("tokens,tree", [(1, False), (4, False), (4, True), (8, False), (8, True)],
+                         ids=["decode", "verify-causal", "verify-tree", "verify-causal-2-head-blocks",
+                              "verify-tree-2-head-blocks"])
 def test_decode_model_matches_reference(rng, dim, block_kv, tokens, tree):
     # Verify: lists shorter than the tokens, drafts in a whole 64-key tile (128 in splits of 64) and in a partial one.
     kv_lens = [2, 37, 0, 200, 128, 97] if tokens > 1 else [1, 37, 0, 64, 161, 300]
@@ -161,7 +162,7 @@ def test_decode_model_matches_reference(rng, dim, block_kv, tokens, tree):
     if tree:
         parents = [[int(rng.integers(-1, t)) for t in range(tokens)] for _ in kv_lens]
         draft_mask = draft_mask_bits(np.stack([tree_mask_for_verify(p, 0) for p in parents]))
-        words = np.repeat(np.asarray(draft_mask)[:, :, None], q_heads, axis=2).reshape(-1, 1)  # as _launch expands it
+        words = np.asarray(draft_mask).reshape(-1, 1)  # as _launch passes it: a word per (sequence, token)
     scale = dim ** -0.5
     mid_o, mid_lse = model_decode(q.reshape(-1, 1, dim), k_pool, np.asarray(kv_indptr), np.asarray(kv_indices),
                                   np.asarray(meta.num_kv_splits), words, tokens=tokens, q_heads=q_heads, sm_scale=scale,

@@ -189,10 +189,10 @@ def _launch(call: DecodeCall, splits: int, *, merge: bool):
         q = (q.astype(jnp.float32) * (sm_scale * scales[0, 0])).astype(jnp.float16)
         sm_scale, v_scale = 1.0, scales[1, :1]
     draft_words = None  # one token, or several under the causal mask (the kernel computes it: no per-call words)
-    if tokens > 1 and call.draft_mask is not None:
+    if tokens > 1 and call.draft_mask is not None:  # one word per (sequence, token), its heads' rows share it
         words = call.draft_mask
         words = jax.lax.bitcast_convert_type(words, jnp.int32) if words.dtype == jnp.uint32 else words
-        draft_words = jnp.broadcast_to(words[:, :, None], (batch, tokens, q_heads)).reshape(-1, 1)
+        draft_words = words.reshape(-1, 1)
     return mla_decode_mgpu_kernel(
         q.reshape(batch * tokens * q_heads, 1, call.qk_head_dim), call.k_pool, *index_args, draft_words, sinks,
         tokens=tokens, q_heads=q_heads, sm_scale=sm_scale, max_kv_splits=splits, sliding_window=window,

@@ -780,7 +780,8 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
     (clamped to [1, max_kv_splits]); draft_words: with several tokens (the sequence's last `tokens` keys are its
     drafts; keys before them are always visible), None for the causal mask (token t sees drafts 0..t, computed:
     `causal_draft_bits`) or i32[batch * tokens, 1], one word per (sequence, token) that its q_heads rows share: row g
-    sees draft j iff bit j of word g // q_heads is set; None with one token. tokens * q_heads must be a multiple of 8 and at most 64 or a multiple of 64.
+    sees draft j iff bit j of word g // q_heads is set; None with one token. tokens * q_heads must be a multiple of 8
+    and at most 64 or a multiple of 64.
     sliding_window W >= 0 (tokens == 1): only the last W + 1 listed keys. min_block_kv: split lengths are multiples
     of it (`jaxattn.metadata.MIN_BLOCK_KV`, as in the Triton stages).
     v_scale: f32[1] exactly when k_pool is fp8 (e4m3fn / e5m2, 576 wide; q f16, pre-multiplied by the K scale, which

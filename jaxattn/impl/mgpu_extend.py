@@ -105,7 +105,9 @@ def unified_window_on_full_lists(q, k_pool, v_pool, *, sliding_window, custom_ma
     starts at the tile the window reaches, so its cost follows the window; a cut list moves the tiles' fixed offsets
     with its start, which only the unified Triton kernel takes (2.2-2.8x slower at E1-W1024 on the H200, fe6f0e3).
     Pools of q's 16-bit dtype only: over fp8 (or scaled) pools the unified form dequantises every listed key first,
-    the whole context on a full list. q: [tokens, q_heads, qk_head_dim]; k_pool, v_pool: [slots, kv_heads, D]."""
+    the whole context on a full list. A verify step's custom mask joins the window there as on the H200's GPU tests
+    (test_unified_custom_masks_match_reference[tree-window-cap-sinks], 0815fbc). q: [tokens, q_heads, qk_head_dim];
+    k_pool, v_pool: [slots, kv_heads, D]."""
     if sliding_window < 0 or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
         return False
     return mgpu_unsupported(q, k_pool, v_pool, causal=True, custom_mask=custom_mask, sliding_window=sliding_window,

@@ -1,0 +1,66 @@
+"""Experiment (issue 22): how much of MLA decode's time at 64 x 4096 is per call and how much per byte.
+
+On the H200 at fe6f0e3 MLA decode ran 0.086 ms at 64 x 4096 (82% of the floor, 85% wanted) and 0.286 ms at
+128 x 8192 (98%), beside FlashInfer's MLA wrapper at 80% / 91%. This times both at 64 sequences x L keys for several
+L (16 heads, the 576/512 latent head, bf16, slots scattered: the bench's MLA case but for L) and fits
+ms = fixed + bytes / rate for each: `fixed` is what a call costs whatever its keys (launches, the XLA memset of the
+merge's semaphores, pipeline fill, the merge, the epilogue), `rate` the streaming rate, beside the card's copy rate
+(the floor's). 85% at 64 x 4096 needs fixed <= floor / 0.85 - bytes / rate; the printout says how far off that is.
+
+    python benchmarks/experiments/mla_fixed_cost.py --lengths 512,1024,2048,4096,8192 --json $OUT/mla_fixed_cost.json
+"""
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+def fit_fixed_and_rate(nbytes, ms):
+    """Least squares of ms = fixed + nbytes / rate: (fixed ms, rate in bytes per second)."""
+    slope, fixed = np.polyfit(np.asarray(nbytes, float), np.asarray(ms, float), 1)
+    return float(fixed), float(1e-3 / slope)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default="512,1024,2048,4096,8192", help="keys per sequence")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--backends", default="jaxattn,flashinfer-mla")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    from jaxattn import bench
+    from jaxattn.bench.cases import ceilings_for
+    from variant_timing import write_record
+
+    lengths = [int(x) for x in args.lengths.split(",")]
+    cases = [bench.Case(f"MLA-{args.batch}x{length}", "decode", args.batch, length - 1, 1, q_heads=16, kv_heads=1,
+                        head_dim=576, v_head_dim=512) for length in lengths]
+    rows = bench.run("decode", cases, backends=args.backends.split(","), log=print, progress=False,
+                     rounds=args.rounds)
+    copy_rate = ceilings_for(bench.device_name())[1].copy_bytes_per_s
+    nbytes = {case.name: args.batch * length * 576 * 2 for case, length in zip(cases, lengths)}
+    target = bench.Case("MLA", "decode", 64, 4095, 1, q_heads=16, kv_heads=1, head_dim=576, v_head_dim=512)
+    target_bytes = 64 * 4096 * 576 * 2
+    fits = []
+    for backend in args.backends.split(","):
+        mine = [r for r in rows if r["backend"] == backend and r.get("median_ms")]
+        if len(mine) < 2:
+            print(f"{backend}: fewer than two lengths timed, no fit")
+            continue
+        fixed, rate = fit_fixed_and_rate([nbytes[r["case"]] for r in mine], [r["median_ms"] for r in mine])
+        allowed = target.floor_ms() / 0.85 - target_bytes / rate * 1e3  # the fixed cost 85% at 64 x 4096 allows
+        fits.append(dict(backend=backend, fixed_us=round(fixed * 1e3, 2), rate_tb_s=round(rate / 1e12, 3),
+                         copy_tb_s=round(copy_rate / 1e12, 3), fixed_us_allowed_at_85=round(allowed * 1e3, 2)))
+        print(f"{backend:16s} fixed {fixed * 1e3:6.1f} us a call, streaming {rate / 1e12:5.2f} TB/s "
+              f"({100 * rate / copy_rate:5.1f}% of the copy rate); 85% at 64 x 4096 allows {allowed * 1e3:5.1f} us fixed")
+    write_record(args.json, rows + [dict(case="fit", **fit) for fit in fits])
+
+
+if __name__ == "__main__":
+    main()

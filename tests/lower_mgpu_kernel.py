@@ -308,6 +308,11 @@ def lower_decode(batch, tokens, q_heads, dtype, features, slots=3000, capacity=5
     exported = jax.export.export(jax.jit(call), platforms=["cuda"])(*args)
     if "mosaic_gpu" not in exported.mlir_module():
         raise AssertionError("no Mosaic GPU custom call in the lowered module")
+    main = exported.mlir_module().split("func.func public @main", 1)[1].split("\n  }", 1)[0]
+    if tokens > 1 and f"tensor<{batch * tokens * q_heads}x1xi32>" in main:
+        # A verify step's draft words per (token, head) row are an XLA kernel of their own before the Mosaic GPU one
+        # on every call: the kernel computes causal drafts and reads a tree's words per (sequence, token).
+        raise AssertionError("the call builds per-row draft words")
 
 
 def lower_gqa_decode(batch, q_heads, dtype, features, *, slots, capacity):

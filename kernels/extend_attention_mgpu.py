@@ -106,14 +106,19 @@ def _i64(v):
     return arith.constant(ir.IntegerType.get_signless(64), v)
 
 
-def _scalar(x):
+def scalar_value(x):
     """A scalar argument of an inline_mgpu function as an ir.Value (Warpgroup semantics pass it as one already)."""
     return x.registers.item() if isinstance(x, mgpu.FragmentedArray) else x
 
 
+def thread_in_warpgroup():
+    """This thread's index in its warpgroup, i32."""
+    return arith.remui(mgpu_utils.thread_idx(), _i32(WARPGROUP))
+
+
 def _lane_ids():
     """(warp in the warpgroup, lane) of this thread, i32."""
-    t = arith.remui(mgpu_utils.thread_idx(), _i32(WARPGROUP))
+    t = thread_in_warpgroup()
     return arith.divui(t, _i32(32)), arith.remui(t, _i32(32))
 
 
@@ -155,7 +160,7 @@ def wait_barrier(bars, index, parity):
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SCALAR, _SCALAR))
     def run(ctx, bars, index, parity):
         del ctx
-        nvvm.mbarrier_try_wait_parity(_barrier_ptr(bars, _scalar(index)), _scalar(parity), _i32(10_000_000))
+        nvvm.mbarrier_try_wait_parity(_barrier_ptr(bars, scalar_value(index)), scalar_value(parity), _i32(10_000_000))
 
     run(bars, index, parity)
 
@@ -167,7 +172,7 @@ def arrive_barrier(bars, index):
     def run(ctx, bars, index):
         del ctx
         mgpu_utils.inline_ptx("mbarrier.arrive.release.cta.shared::cta.b64 _, [$0];",
-                              _barrier_ptr(bars, _scalar(index)), has_side_effects=True)
+                              _barrier_ptr(bars, scalar_value(index)), has_side_effects=True)
 
     run(bars, index)
 
@@ -185,7 +190,7 @@ def row_sources(kv_indices, from_pool, first, count, *, block_kv: int, pool_rows
     def run(ctx, indices, from_pool, first, count):
         del ctx
         i32 = ir.IntegerType.get_signless(32)
-        from_pool, first, count = _scalar(from_pool), _scalar(first), _scalar(count)
+        from_pool, first, count = scalar_value(from_pool), scalar_value(first), scalar_value(count)
         warp, lane = _lane_ids()
         row = arith.addi(arith.muli(warp, _i32(rows_per_warp)), arith.remui(lane, _i32(rows_per_warp)))
         position = arith.addi(first, row)
@@ -226,7 +231,7 @@ def custom_mask_tile(mask, mask_indptr, seq, row0, width, column0, *, block_q: i
         del ctx
         i8, i32, i64 = (ir.IntegerType.get_signless(w) for w in (8, 32, 64))
         mask_len = ir.MemRefType(mask.type).shape[0]
-        seq, row0, width, column0 = (arith.extsi(i64, _scalar(x)) for x in (seq, row0, width, column0))
+        seq, row0, width, column0 = (arith.extsi(i64, scalar_value(x)) for x in (seq, row0, width, column0))
         index_type = ir.MemRefType(indptr.type).element_type
         start = llvm.load(index_type, mgpu_utils.getelementptr(
             llvm.inttoptr(llvm.PointerType.get(1), global_address(indptr)), [seq], index_type))
@@ -266,7 +271,7 @@ def draft_bits_tile(bits, row0, draft0, *, block_q: int, block_kv: int, rows_per
         del ctx
         i32, i64 = (ir.IntegerType.get_signless(w) for w in (32, 64))
         rows, words = ir.MemRefType(bits.type).shape
-        row0, draft0 = (arith.extsi(i64, _scalar(x)) for x in (row0, draft0))
+        row0, draft0 = (arith.extsi(i64, scalar_value(x)) for x in (row0, draft0))
         base = llvm.inttoptr(llvm.PointerType.get(1), global_address(bits))
         zeros = mgpu.FragmentedArray.splat(_i32(0), (block_q, block_kv), layout=mgpu.WGMMA_LAYOUT, is_signed=True)
 
@@ -323,7 +328,7 @@ def issue_rows(new_ref, pool_ref, smem, bars, sources, from_pool, slot, barrier,
     def run(ctx, new, pool, smem, bars, sources, from_pool, slot, barrier, kv_head):
         del ctx
         i64 = ir.IntegerType.get_signless(64)
-        from_pool, slot, barrier, kv_head = (_scalar(x) for x in (from_pool, slot, barrier, kv_head))
+        from_pool, slot, barrier, kv_head = (scalar_value(x) for x in (from_pool, slot, barrier, kv_head))
         my_source = vector.extract(sources.registers.flat[0], [], [0])
         warp, lane = _lane_ids()
         chunk = arith.remui(lane, _i32(8))
@@ -378,13 +383,13 @@ def issue_pages(pool_ref, smem, bars, starts, slot, barrier, kv_head, *, page_ro
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(SWIZZLED), plgpu.RefType()) + (_SCALAR,) * (3 + len(starts)))
     def run(ctx, pool, smem, bars, slot, barrier, kv_head, *starts):
         index = ir.IndexType.get()
-        barrier = _scalar(barrier)
+        barrier = scalar_value(barrier)
         nvvm.mbarrier_arrive_expect_tx(_barrier_ptr(bars, barrier), _i32(tile_bytes // WARPGROUP))
         ref = mgpu_utils.BarrierRef(mgpu_utils.memref_ptr(bars), barrier, None, 1)
-        slot = arith.index_cast(index, _scalar(slot))
-        kv_head = arith.index_cast(index, _scalar(kv_head))
+        slot = arith.index_cast(index, scalar_value(slot))
+        kv_head = arith.index_cast(index, scalar_value(kv_head))
         for chunk, start in enumerate(starts):
-            row = arith.index_cast(index, arith.muli(_scalar(start), _i32(page_rows)))
+            row = arith.index_cast(index, arith.muli(scalar_value(start), _i32(page_rows)))
             # smem is tiled (8, 64): rows [chunk * page_rows, + page_rows) are row tiles from chunk * page_rows / 8.
             dst = mgpu_utils.memref_slice(smem, (slot, mgpu.ds(chunk * page_rows // 8, page_rows // 8)))
             ctx.async_copy(src_ref=pool, dst_ref=dst, gmem_slice=(mgpu.ds(row, page_rows), kv_head),
@@ -568,7 +573,7 @@ def issue_fp8_rows(pool_ref, smem, sources, slot, kv_head, *, block_kv: int, hea
     def run(ctx, pool, smem, sources, slot, kv_head):
         del ctx
         i8, i64 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(64)
-        slot, kv_head = _scalar(slot), _scalar(kv_head)
+        slot, kv_head = scalar_value(slot), scalar_value(kv_head)
         my_source = vector.extract(sources.registers.flat[0], [], [0])
         warp, lane = _lane_ids()
         smem_base = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(smem), [arith.muli(slot, _i32(slot_bytes))], i8)
@@ -666,14 +671,14 @@ def convert_fp8_tiles(tiles, bars, slot, *, block_kv: int, head_dim: int, fp8_dt
         smems, (bars, slot), rest = args[:count], args[count:count + 2], args[count + 2:]
         i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
         words = ir.VectorType.get((4,), i32)
-        slot = _scalar(slot)
-        barriers = [_scalar(x) for x in rest[:count]]
-        scales = [(_scalar(x),) for x in rest[count:]] if scaled else [()] * count
+        slot = scalar_value(slot)
+        barriers = [scalar_value(x) for x in rest[:count]]
+        scales = [(scalar_value(x),) for x in rest[count:]] if scaled else [()] * count
         sync = mgpu_utils.warpgroup_barrier  # bar.sync on the producer warpgroup's own barrier (as Mosaic's)
         if wait_pending is not None:
             nvvm.cp_async_wait_group(wait_pending)
             sync()
-        thread = arith.remui(mgpu_utils.thread_idx(), _i32(WARPGROUP))
+        thread = thread_in_warpgroup()
         bases = [mgpu_utils.getelementptr(mgpu_utils.memref_ptr(smem), [arith.muli(slot, _i32(slot_bytes))], i8)
                  for smem in smems]
         def load(base, row, chunk):

@@ -72,6 +72,8 @@ from jaxattn.kernels.extend_attention_mgpu import (
     issue_rows,
     online_softmax_tile,
     row_sources,
+    scalar_value,
+    thread_in_warpgroup,
     wait_barrier,
 )
 
@@ -146,7 +148,7 @@ def store_rows(values, out, first, valid_rows, *, row_stride: int, first_scale: 
     def run(ctx, values, out, first, valid_rows):
         del ctx
         i64 = ir.IntegerType.get_signless(64)
-        first, valid_rows = (x.registers.item() if isinstance(x, mgpu.FragmentedArray) else x for x in (first, valid_rows))
+        first, valid_rows = scalar_value(first), scalar_value(valid_rows)
         start = arith.addi(arith.muli(arith.extsi(i64, first), arith.constant(i64, first_scale)),
                            arith.constant(i64, column0))
         valid_rows = arith.extsi(i64, valid_rows)
@@ -202,7 +204,7 @@ def head_values(values, r0, *, q_heads: int, transposed: bool = False):
     def run(ctx, values, r0):
         del ctx
         f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
-        r0 = r0.registers.item() if isinstance(r0, mgpu.FragmentedArray) else r0
+        r0 = scalar_value(r0)
         base = llvm.inttoptr(llvm.PointerType.get(1), global_address(values))
         zeros = mgpu.FragmentedArray.splat(arith.constant(f32, 0.0), (rows,), layout=mgpu.WGMMA_LAYOUT.reduce((axis,)))
 
@@ -216,11 +218,6 @@ def head_values(values, r0, *, q_heads: int, transposed: bool = False):
     return run(values, r0)
 
 
-def _thread_in_warpgroup():
-    i32 = ir.IntegerType.get_signless(32)
-    return arith.remui(mgpu_utils.thread_idx(), arith.constant(i32, WARPGROUP))
-
-
 def _register_width(register_type) -> int:
     """Elements in a register of this type (a vector's length, else 1)."""
     return ir.VectorType(register_type).shape[0] if isinstance(register_type, ir.VectorType) else 1
@@ -229,7 +226,7 @@ def _register_width(register_type) -> int:
 def _spilled_at(slot, i: int, width: int, slot_stride: int):
     """The element offset (i64) of this thread's register i (`width` elements) in spill slot `slot` (i32)."""
     i64 = ir.IntegerType.get_signless(64)
-    in_slot = arith.muli(arith.addi(arith.constant(i64, i * WARPGROUP), arith.extui(i64, _thread_in_warpgroup())),
+    in_slot = arith.muli(arith.addi(arith.constant(i64, i * WARPGROUP), arith.extui(i64, thread_in_warpgroup())),
                          arith.constant(i64, width))
     return arith.addi(arith.muli(arith.extsi(i64, slot), arith.constant(i64, slot_stride)), in_slot)
 
@@ -250,7 +247,7 @@ def spill_registers(values, out, slot, *, layout, slot_stride: int):
     def run(ctx, values, out, slot):
         del ctx
         f32 = ir.F32Type.get()
-        slot = slot.registers.item() if isinstance(slot, mgpu.FragmentedArray) else slot
+        slot = scalar_value(slot)
         base = llvm.inttoptr(llvm.PointerType.get(1), global_address(out))
         _check_slot(values.registers, slot_stride)
         for i, register in enumerate(values.registers.flat):
@@ -283,7 +280,7 @@ def fill_registers(src, slot, *, shape, layout, slot_stride: int):
                        return_type=plgpu.ShapeDtypeStruct(shape, jnp.float32, layout=layout))
     def run(ctx, src, slot):
         del ctx
-        slot = slot.registers.item() if isinstance(slot, mgpu.FragmentedArray) else slot
+        slot = scalar_value(slot)
         base = global_address(src)
         template = mgpu.FragmentedArray.splat(arith.constant(ir.F32Type.get(), 0.0), shape, layout=layout.to_mgpu())
         _check_slot(template.registers, slot_stride)
@@ -305,7 +302,7 @@ def fold_spilled(acc, alpha, w, src, slot, *, slot_stride: int):
                        return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32, layout=plgpu.Layout.WGMMA))
     def run(ctx, acc, alpha, w, src, slot):
         del ctx
-        slot = slot.registers.item() if isinstance(slot, mgpu.FragmentedArray) else slot
+        slot = scalar_value(slot)
         base = global_address(src)
         _check_slot(acc.registers, slot_stride)
         registers = np.empty(acc.registers.shape, dtype=object)

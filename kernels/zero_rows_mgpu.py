@@ -30,7 +30,7 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, scf
 
-from jaxattn.kernels.extend_attention_mgpu import WARPGROUP, global_address
+from jaxattn.kernels.extend_attention_mgpu import WARPGROUP, global_address, scalar_value, thread_in_warpgroup
 
 STORE_BYTES = 16  # one st.global.v4 per thread and step
 # The padding span gets one CTA per this many bytes of the whole output, at most MAX_PADDING_CTAS: a bucket that is
@@ -74,10 +74,10 @@ def _clear_bytes(out, first, last, cta, ctas, row_bytes: int):
         per_row = row_bytes // STORE_BYTES
 
         def to_index(x, scale):  # i32 rows -> index of 16-byte words (64-bit arithmetic)
-            x = x.registers.item() if hasattr(x, "registers") else x
+            x = scalar_value(x)
             return arith.index_cast(index, arith.muli(arith.extsi(i64, x), arith.constant(i64, scale)))
 
-        thread = arith.index_cast(index, arith.remui(mgpu_utils.thread_idx(), arith.constant(i32, WARPGROUP)))
+        thread = arith.index_cast(index, thread_in_warpgroup())
         start = arith.addi(arith.addi(to_index(first, per_row), to_index(cta, WARPGROUP)), thread)
         stop = to_index(last, per_row)
         base = llvm.inttoptr(llvm.PointerType.get(1), global_address(out))

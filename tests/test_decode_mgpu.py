@@ -234,12 +234,15 @@ def test_nan_stays_in_its_row(rng, seq):
 def test_hostile_indices_stay_inside(rng):
     # Slots past the pool and negative ones, and an indptr past kv_indices: clamped, no fault, finite where the
     # reference is (the clamped rows are NaN rows of the pool here, so only the shape and a clean run are checked).
-    q, k_pool, meta = make_case(rng, KV_LENS, 16, 1, jnp.bfloat16)
-    bad = meta.kv_indices.at[5].set(10**9).at[40].set(-7)
-    meta = dataclasses.replace(meta, kv_indices=bad, kv_indptr=meta.kv_indptr.at[-1].set(10**6))
-    o = decode_attention(q, k_pool, None, meta, impl="mgpu")
-    jax.block_until_ready(o)
-    assert o.shape == (len(KV_LENS), 16, 512)
+    # Also a verify step (4 tokens: the causal drafts computed in the kernel, and a tree's words read per (sequence,
+    # token) with every bit set, strays past the drafts included) over the same hostile lists.
+    for tokens, words in ((1, None), (4, None), (4, jnp.full((len(KV_LENS), 4), -1, jnp.int32))):
+        q, k_pool, meta = make_case(rng, KV_LENS, 16, tokens, jnp.bfloat16)
+        bad = meta.kv_indices.at[5].set(10**9).at[40].set(-7)
+        meta = dataclasses.replace(meta, kv_indices=bad, kv_indptr=meta.kv_indptr.at[-1].set(10**6))
+        o = decode_attention(q, k_pool, None, meta, impl="mgpu", draft_mask=words)
+        jax.block_until_ready(o)
+        assert o.shape == q.shape[:-1] + (512,)
 
 
 # What runs without a GPU.

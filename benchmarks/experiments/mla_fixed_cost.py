@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 def fit_fixed_and_rate(nbytes, ms):
     """Least squares of ms = fixed + nbytes / rate: (fixed ms, rate in bytes per second)."""
-    slope, fixed = np.polyfit(np.asarray(nbytes, float), np.asarray(ms, float), 1)
-    return float(fixed), float(1e-3 / slope)
+    slope, fixed = np.polyfit(np.asarray(nbytes, float), np.asarray(ms, float), 1)  # slope: ms per byte
+    return float(fixed), float(1e3 / slope)
 
 
 def main():

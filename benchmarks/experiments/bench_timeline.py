@@ -1,0 +1,83 @@
+"""Experiment: what a bench row's call runs on the GPU, beside what its host clock says (issues 20, 22, 23).
+
+For each case and backend of `jaxattn.bench` (the same callables the bench times), torch's profiler (CUPTI, which
+sees XLA's kernels as well as torch's) records a few back-to-back calls. Per row it prints the kernels per call with
+each one's mean duration, the GPU's busy time and span per call, the idle gaps between kernels, and the host clock's
+ms per call (`bench.time_calls`, as the bench times it). A row whose host time is well above its span is bound by
+the host's dispatch, not the GPU; one whose span is above its busy time pays launch gaps; a kernel beside the main
+one (a memset, an XLA fusion building masks or words) is a per-call cost the main kernel does not show.
+
+Run from the repository root on the GPU machine (after installing the carried wheels):
+    python benchmarks/experiments/bench_timeline.py decode --cases MLA,MLA-V4 --backends jaxattn,flashinfer-mla \
+        --json $OUT/timeline_decode.json
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("op", choices=["decode", "extend"])
+    parser.add_argument("--cases", required=True, help="bench case names, paged ones too (E3-P16)")
+    parser.add_argument("--backends", required=True, help="bench backend names")
+    parser.add_argument("--calls", type=int, default=20, help="profiled calls per row")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from jaxattn import bench
+    from flashinfer_timeline import kernel_events, summarise  # the FlashInfer timeline's trace reading
+    from variant_timing import write_record
+
+    if not os.environ.get("TRITON_CACHE_DIR"):  # jax_triton 0.3.1 empties it, which breaks torch-side Triton
+        os.environ["TRITON_CACHE_DIR"] = os.path.expanduser("~/.triton/cache")
+    rows = []
+    for name in args.cases.split(","):
+        case = bench.case_named(name)
+        if case is None:
+            raise SystemExit(f"unknown case {name!r}: the names are {list(bench.CASES)} (a paged one: E3-P16)")
+        inp = bench.make_inputs(case)
+        for backend in args.backends.split(","):
+            maker, sync = bench.BACKENDS[args.op][backend]
+            try:
+                fn = maker(inp)
+            except bench.Skip as why:
+                print(f"{name} {backend}: skipped: {why}", flush=True)
+                continue
+            for _ in range(3):  # compile, warm
+                sync(fn())
+            torch.cuda.synchronize()
+            with tempfile.TemporaryDirectory() as tmp:
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    result = None
+                    for _ in range(args.calls):
+                        result = fn()
+                    sync(result)
+                    torch.cuda.synchronize()
+                path = os.path.join(tmp, "trace.json")
+                prof.export_chrome_trace(path)
+                summary = summarise(kernel_events(path), args.calls)
+            summary["host_ms_per_call"] = round(bench.time_calls(fn, sync), 5)
+            rows.append(dict(case=name, backend=backend, **summary))
+            print(f"{name} {backend}: host {summary['host_ms_per_call'] * 1e3:.1f} us/call; GPU "
+                  f"{summary.get('kernels_per_step')} kernels/call, busy {summary.get('busy_us_per_step', 0):.1f} "
+                  f"us, span {summary.get('span_us_per_step', 0):.1f}, gaps {summary.get('gap_us_per_step', 0):.1f} "
+                  f"(median {summary.get('gap_median_us', 0):.2f}, max {summary.get('gap_max_us', 0):.1f})",
+                  flush=True)
+            for kernel, mean in summary.get("mean_us_by_kernel", {}).items():
+                print(f"    {mean:9.2f} us x{summary['count_by_kernel'][kernel] / args.calls:g}/call  {kernel}",
+                      flush=True)
+            write_record(args.json, rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -328,6 +328,23 @@ def publish_stores():
     run()
 
 
+def cluster_sync(acquire_gpu: bool = False):
+    """Every thread of the CTA arrives at the cluster's hardware barrier (release) and waits (acquire) until every
+    thread of the cluster's other CTAs has arrived or exited: what a split's CTA stored and fenced before is then
+    visible to its cluster peers. Every thread of every CTA must call it exactly once (the call is aligned: whole
+    warps). acquire_gpu: a GPU-scope fence after the wait too, before loads of what the peers stored in GMEM."""
+
+    @plgpu.inline_mgpu()
+    def run(ctx):
+        del ctx
+        mgpu_utils.inline_ptx("barrier.cluster.arrive.release.aligned;", has_side_effects=True, convergent=True)
+        mgpu_utils.inline_ptx("barrier.cluster.wait.acquire.aligned;", has_side_effects=True, convergent=True)
+        if acquire_gpu:
+            mgpu_utils.inline_ptx("fence.acq_rel.gpu;", has_side_effects=True)
+
+    run()
+
+
 CONSUMERS_BARRIER = 15  # the padded tile's two consumer warpgroups' named barrier (Mosaic takes 0 and 1-3)
 
 
@@ -949,6 +966,11 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
 # fills a 2-deep ring of 64-key latent tiles as the padded form's does (`benchmarks/experiments/
 # mla_transposed_lowering.py` lowered its pieces first). On the H100 (179e77b): 0.121 ms at MLA (16 heads x 4096 keys
 # x 64 sequences) against the padded tile's 0.124 and FlashInfer's 0.118.
+# merge=True with 2 to this many splits a sequence: the sequence's splits are one thread-block cluster and meet at the
+# cluster's hardware barrier (`cluster_sync`), so no GMEM semaphore, which XLA zeroes in a kernel of its own before
+# every call (0.9 us and a launch gap, about 3.5 us a call at MLA on the H100, `experiments/bench_timeline.py`). 8:
+# the portable cluster size.
+CLUSTER_MAX_SPLITS = 8
 TRANSPOSED_STAGES = 2  # Q N x 576 (18 KB at 16 heads) + 2 x 72 KB + P and barriers: a third 72 KB tile does not fit
 TRANSPOSED_QK_DIM = 576  # the latent head it takes (V: the first 512 columns, 8 wgmma M-blocks)
 
@@ -972,12 +994,13 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
 
     merge=False: stage 1 only, (mid_o f32[rows * max_kv_splits, 512], mid_lse f32[rows * max_kv_splits]), the
     partial buffers the Triton merge takes. merge=True: the whole op, (o [rows, 512] of q's dtype, lse f32[rows]): a
-    sequence's last non-empty split waits (a GMEM semaphore per sequence) for the splits before it to publish their
-    partials (each thread's registers, `spill_registers`), then folds them and its own in split order as the Triton
-    merge does, and stores the result; a sequence without keys stores 0 and LSE -inf (from its split 0); sinks
-    (f32[q_heads], merge=True only) add exp(sink) to each head's denominator as the Triton merge adds them. Waiting
-    only on lower block indices relies on CTAs being dispatched in block order (as split-K serial reductions do), so
-    any grid size finishes."""
+    sequence's last non-empty split waits for the splits before it to publish their partials (each thread's
+    registers, `spill_registers`), then folds them and its own in split order as the Triton merge does, and stores
+    the result; a sequence without keys stores 0 and LSE -inf (from its split 0); sinks (f32[q_heads], merge=True
+    only) add exp(sink) to each head's denominator as the Triton merge adds them. Up to `CLUSTER_MAX_SPLITS` splits
+    the sequence's splits are one cluster and wait at its barrier (co-scheduled); past it, on a GMEM semaphore per
+    sequence, where waiting only on lower block indices relies on CTAs being dispatched in block order (as split-K
+    serial reductions do), so any grid size finishes."""
     shape = _latent_shape(q, k_pool)
     if shape.qk_dim != TRANSPOSED_QK_DIM or not transposed_rows_supported(q_heads):
         raise ValueError(f"the transposed tile takes 576-wide latent rows and 16 or 32 q heads; got "
@@ -992,7 +1015,8 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
     counts = (WARPGROUP,) * (2 * stages + 1)  # every barrier: one warpgroup's 128 arrivals
     if sinks is not None and not merge:
         raise ValueError("sinks are added by the merge: merge=True (or the Triton merge's sink argument)")
-    waits = merge and max_kv_splits > 1  # one split a sequence: its CTA stores the result, no semaphore
+    waits = merge and max_kv_splits > 1  # one split a sequence: its CTA stores the result, nothing to wait for
+    clustered = waits and max_kv_splits <= CLUSTER_MAX_SPLITS  # a sequence's splits one cluster, else a semaphore
     columns = plgpu.Layout.WGMMA.reduce(0)  # the tile's per-head (column) values: m, l, LSE
 
     def body(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, sinks_ref, mid_o_ref, mid_lse_ref, o_ref,
@@ -1004,7 +1028,7 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
                          max_kv_splits=max_kv_splits, min_block_kv=min_block_kv, tokens=1)
         row0 = seq * rows  # the sequence's first row (its heads) among all rows
         first_out = row0 * max_kv_splits  # row g's split s sits at g * max_kv_splits + s
-        sems = pl.get_global(plgpu.SemaphoreType.REGULAR((batch,))) if waits else None
+        sems = pl.get_global(plgpu.SemaphoreType.REGULAR((batch,))) if waits and not clustered else None
 
         def store_partial(o, lse, at):  # the stage-1 partial of split `at`
             store_rows(o, mid_o_ref, first_out + at, jnp.int32(rows), row_stride=max_kv_splits * v_dim,
@@ -1065,19 +1089,30 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
                 writers = cta.nonempty_splits - 1  # the splits before the sequence's last non-empty one
 
                 if waits:
-                    @pl.when(split < writers)
+                    # Clustered: this warpgroup meets the cluster barrier once on either branch (a split with keys
+                    # is a writer or the merger).
+                    @pl.when(split != writers)
                     def _publish():
-                        slot = seq * max_kv_splits + split
-                        spill_registers(o, mid_o_ref, slot, layout=plgpu.Layout.WGMMA, slot_stride=o_slot)
-                        spill_registers(lse, mid_lse_ref, slot, layout=columns, slot_stride=lse_slot)
-                        publish_stores()
-                        plgpu.semaphore_signal(sems.at[seq], 1, memory_scope="gpu")
+                        @pl.when(split < writers)
+                        def _():
+                            slot = seq * max_kv_splits + split
+                            spill_registers(o, mid_o_ref, slot, layout=plgpu.Layout.WGMMA, slot_stride=o_slot)
+                            spill_registers(lse, mid_lse_ref, slot, layout=columns, slot_stride=lse_slot)
+                            publish_stores()
+                            if not clustered:
+                                plgpu.semaphore_signal(sems.at[seq], 1, memory_scope="gpu")
+
+                        if clustered:
+                            cluster_sync()
 
                 @pl.when(split == writers)
                 def _merge():
                     merged = nothing_merged((v_dim, rows), stats_dim=1)
                     if waits:
-                        plgpu.semaphore_wait(sems.at[seq], writers, memory_scope="gpu")
+                        if clustered:
+                            cluster_sync(acquire_gpu=True)
+                        else:
+                            plgpu.semaphore_wait(sems.at[seq], writers, memory_scope="gpu")
 
                         def fold(s, merged):
                             slot = seq * max_kv_splits + s
@@ -1098,6 +1133,13 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
                     steps=cta.steps, tile_source=lambda step: (cta.split_len > 0, cta.kv_begin + cta.split_start
                                                                + step * BLOCK_KV, cta.split_len - step * BLOCK_KV),
                     block_kv=BLOCK_KV, head_dim=width, swizzle=SWIZZLE_BYTES)
+                if clustered:
+                    cluster_sync()
+
+        if clustered:
+            @pl.when(cta.split_len <= 0)
+            def _():  # a split without keys: both warpgroups meet the cluster barrier once too
+                cluster_sync()
 
         if merge:
             @pl.when((split == 0) & (cta.nonempty_splits == 0) & (wg == 0))
@@ -1126,8 +1168,9 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
     outs = plgpu.kernel(
         entry,
         out_type=partial_types + (result_types if merge else ()),
-        grid=(max_kv_splits, batch),
-        grid_names=("splits", "seq"),
+        # Clustered: CUDA's grid (batch, splits), a cluster of the splits along y; else (batch, splits) of CTAs.
+        **(dict(grid=(batch,), grid_names=("seq",), cluster=(max_kv_splits, 1), cluster_names=("splits", "cluster_x"))
+           if clustered else dict(grid=(max_kv_splits, batch), grid_names=("splits", "seq"))),
         num_threads=2,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),

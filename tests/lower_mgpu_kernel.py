@@ -249,11 +249,13 @@ DECODE_SHAPES = [
     # window, 64 heads in f16.
     ("mla-decode-transposed-16-bf16-window", 8, 1, 16, jnp.bfloat16, dict(transposed=True, sliding_window=300)),
     ("mla-decode-transposed-32-f16", 5, 1, 32, jnp.float16, dict(transposed=True)),
-    # The transposed tile merging the splits itself (the op's result, no Triton merge): a window; deterministic
-    # metadata's bound; one split (no semaphore).
+    # The transposed tile merging the splits itself (the op's result, no Triton merge): a window at its own bound (16
+    # splits: a GMEM semaphore); deterministic metadata's bound (4: a cluster); 2 splits (MLA's: a cluster); one split
+    # (nothing to wait for).
     ("mla-decode-transposed-merge-16-bf16-window-sinks", 8, 1, 16, jnp.bfloat16,
      dict(merge=True, sliding_window=300, sinks=True)),
     ("mla-decode-transposed-merge-32-f16-deterministic", 5, 1, 32, jnp.float16, dict(merge=True, deterministic=True)),
+    ("mla-decode-transposed-merge-16-bf16-2-splits", 8, 1, 16, jnp.bfloat16, dict(merge=True, splits=2)),
     ("mla-decode-transposed-merge-16-bf16-one-split", 8, 1, 16, jnp.bfloat16, dict(merge=True, splits=1)),
     # The padded tile merging the splits itself (each consumer warpgroup its half): a verify step under a draft tree;
     # two head blocks with a window on deterministic metadata; fp8 with sinks; 288 wide on one split.

@@ -355,3 +355,16 @@ def test_ffi_rows_skip_without_jax_tvm_ffi(monkeypatch):
         peers.ffi_launcher()
     assert {"flashinfer-ffi-8-layers"} <= set(bench.BACKENDS["decode"])
     assert {"flashinfer-fa3-ffi-8-layers", "flashinfer-fa3-in-jit-8-layers"} <= set(bench.BACKENDS["extend"])
+
+
+def test_jaxattn_layers_rows_run_distinct_calls_in_one_step(one_call):
+    # jaxattn-8-layers: 8 calls in one jitted step on distinct queries (as a model's layers), timed per call; layer 0
+    # is the plain call's query, so its output is the reference's, and the others differ (not merged into one call).
+    for case in TINY:
+        rows = bench.run(case.op, [case], backends=["jaxattn-8-layers", "reference"], log=lambda _: None,
+                         progress=False)
+        assert [r["backend"] for r in rows] == ["jaxattn-8-layers", "reference"]
+        layers, want = one_call[-2:]
+        assert layers.shape == (8, case.batch * case.new, case.q_heads, case.dv)
+        np.testing.assert_allclose(layers[0], want, atol=2e-2, rtol=2e-2)
+        assert not np.allclose(layers[1], layers[0], atol=0, rtol=1e-3)

@@ -25,9 +25,29 @@ class Skip(Exception):
     pass
 
 
-def decode_jaxattn(inp: Inputs, config=None, programs_per_sm=None, impl=None):
+def layer_queries(q, layers: int) -> list:
+    """`layers` distinct queries for one jitted step of that many attention calls, as a model's layers make them:
+    q, then q times 1 + i / 128 (identical calls could be merged by XLA)."""
+    import jax.numpy as jnp
+
+    return [q] + [q * jnp.asarray(1 + i / 128, q.dtype) for i in range(1, layers)]
+
+
+def in_one_step(one_call, q, args: tuple, layers: int):
+    """The bench's callable for `one_call(q, *args)` (jitted): one call a step, or (layers > 1) one jitted step of
+    `layers` calls on distinct queries (`layer_queries`), timed per call (`PerCall`): the op as a model's forward
+    step runs it, the step's dispatch shared by its layers."""
     import jax
 
+    if layers == 1:
+        fn = jax.jit(one_call)
+        return lambda: fn(q, *args)
+    qs = layer_queries(q, layers)
+    fn = jax.jit(lambda qs, *args: [one_call(q, *args) for q in qs])
+    return PerCall(lambda: fn(qs, *args), layers)
+
+
+def decode_jaxattn(inp: Inputs, config=None, programs_per_sm=None, impl=None, layers: int = 1):
     from jaxattn import decode, metadata
 
     case = inp.case
@@ -38,11 +58,11 @@ def decode_jaxattn(inp: Inputs, config=None, programs_per_sm=None, impl=None):
     # Several new tokens (a verify step): q [batch, tokens, q_heads, dim], causal over the sequence's last keys.
     q = inp.q if case.new == 1 else inp.q.reshape(case.batch, case.new, case.q_heads, case.head_dim)
     if case.v_in_k:  # MLA: V is the first Dv dims of the latent K; the kernel reads the pool once
-        fn = jax.jit(lambda q, k, m: decode.decode_attention(q, k, None, m, v_head_dim=case.dv, config=config,
-                                                             k_scale=inp.k_scale, impl=impl))
-        return lambda: fn(q, inp.k_pool, meta)
-    fn = jax.jit(lambda q, k, v, m: decode.decode_attention(q, k, v, m, config=config, impl=impl, **scales(inp)))
-    return lambda: fn(q, inp.k_pool, inp.v_pool, meta)
+        return in_one_step(lambda q, k, m: decode.decode_attention(q, k, None, m, v_head_dim=case.dv, config=config,
+                                                                   k_scale=inp.k_scale, impl=impl),
+                           q, (inp.k_pool, meta), layers)
+    return in_one_step(lambda q, k, v, m: decode.decode_attention(q, k, v, m, config=config, impl=impl, **scales(inp)),
+                       q, (inp.k_pool, inp.v_pool, meta), layers)
 
 
 def decode_mgpu(inp: Inputs):
@@ -294,21 +314,19 @@ def extend_meta(inp: Inputs, unified: bool = False, full_window_lists: bool = Fa
     return metadata.extend_metadata(inp.req_to_token, inp.req_pool_indices, inp.prefix_lens, extend_lens, **sizes)
 
 
-def extend_jaxattn(inp: Inputs, config=None, unified=False, impl="triton"):
-    import jax
-
+def extend_jaxattn(inp: Inputs, config=None, unified=False, impl="triton", layers: int = 1):
     from jaxattn import extend
 
     meta = extend_meta(inp, unified, full_window_lists=impl is None)
     features = inp.case.features
     features = dict(features, **scales(inp))
     if unified:
-        fn = jax.jit(lambda q, k, v, m, s, c: extend.extend_attention_unified(q, k, v, m, sinks=s, custom_mask=c,
-                                                                              config=config, impl=impl, **features))
-        return lambda: fn(inp.q, inp.k_pool, inp.v_pool, meta, inp.sinks, inp.custom_mask)
-    fn = jax.jit(lambda q, kn, vn, k, v, m, s, c: extend.extend_attention(q, kn, vn, k, v, m, sinks=s, custom_mask=c,
-                                                                          config=config, impl=impl, **features))
-    return lambda: fn(inp.q, inp.k_new, inp.v_new, inp.k_pool, inp.v_pool, meta, inp.sinks, inp.custom_mask)
+        return in_one_step(lambda q, k, v, m, s, c: extend.extend_attention_unified(
+            q, k, v, m, sinks=s, custom_mask=c, config=config, impl=impl, **features),
+            inp.q, (inp.k_pool, inp.v_pool, meta, inp.sinks, inp.custom_mask), layers)
+    return in_one_step(lambda q, kn, vn, k, v, m, s, c: extend.extend_attention(
+        q, kn, vn, k, v, m, sinks=s, custom_mask=c, config=config, impl=impl, **features),
+        inp.q, (inp.k_new, inp.v_new, inp.k_pool, inp.v_pool, meta, inp.sinks, inp.custom_mask), layers)
 
 
 def extend_mgpu_fp8(inp: Inputs, unified=False):
@@ -475,6 +493,8 @@ BACKENDS = {
     "decode": {
         "jaxattn": (decode_jaxattn, jax_sync),
         "jaxattn-triton": (lambda inp: decode_jaxattn(inp, impl="triton"), jax_sync),
+        # 8 calls in one jitted step (a model's layers), per call: the step's dispatch shared as in a forward pass
+        "jaxattn-8-layers": (lambda inp: decode_jaxattn(inp, layers=8), jax_sync),
         "jaxattn-mgpu": (decode_mgpu, jax_sync),  # MLA on the Mosaic GPU kernel
         "jaxattn-mgpu-gqa": (decode_mgpu_gqa, jax_sync),  # GQA (fp8 or 16-bit pools) on the Mosaic GPU kernel
         "jaxattn-extend": (decode_as_extend, jax_sync),
@@ -491,6 +511,7 @@ BACKENDS = {
     "extend": {
         "jaxattn": (lambda inp: extend_jaxattn(inp, impl=None), jax_sync),  # what extend_attention picks
         "jaxattn-triton": (extend_jaxattn, jax_sync),
+        "jaxattn-8-layers": (lambda inp: extend_jaxattn(inp, impl=None, layers=8), jax_sync),
         "jaxattn-unified": (lambda inp: extend_jaxattn(inp, unified=True, impl=None), jax_sync),  # what it picks
         "jaxattn-unified-triton": (lambda inp: extend_jaxattn(inp, unified=True, impl="triton-unified"), jax_sync),
         "jaxattn-mgpu-fp8": (extend_mgpu_fp8, jax_sync),  # fp8 cases: the kernel converts tiles itself

@@ -55,6 +55,7 @@ LABELS = {
     "jaxattn-mgpu-fp8": "jaxattn extend, Mosaic GPU kernel converting fp8 tiles itself",
     "jaxattn-mgpu-unified-fp8": "jaxattn unified extend, Mosaic GPU kernel converting fp8 tiles itself",
     "jaxattn-triton": "jaxattn, Triton kernels (extend: two-stage)",
+    "jaxattn-8-layers": "jaxattn, 8 layers per jitted step",
     "jaxattn-mgpu": "jaxattn MLA decode, Mosaic GPU kernel",
     "jaxattn-mgpu-gqa": "jaxattn GQA decode, Mosaic GPU kernel",
     "jaxattn-mla": "jaxattn mla_extend_attention (V inside the latent rows)",

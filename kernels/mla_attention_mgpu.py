@@ -26,8 +26,9 @@ and each consumer stores its half of the output straight from registers to globa
 rows: the padding rows of a 16-row block are computed but never stored); decode's warpgroup 0 also stores the LSE.
 
 `mla_decode_transposed_kernel` (one query token): the same decode with the keys as wgmma's M and the heads as N, one
-consumer warpgroup (see its comment); it can also merge a sequence's splits itself (merge=True: the last split waits
-on a GMEM semaphore for the others' partials, which pass in their registers' order).
+consumer warpgroup (see its comment). Both can merge a sequence's splits themselves (merge=True: the last split waits
+for the others' partials, which pass in their registers' order: at the barrier of a thread-block cluster made of the
+splits, `cluster_sync`, up to `CLUSTER_MAX_SPLITS`; past it on a GMEM semaphore).
 
 Decode over an fp8 latent cache (576 wide, f16 Q): the producer copies each tile's fp8 rows into the upper half of
 its ring slot and converts them there to f16 (`convert_fp8_tiles` of the extend kernel), one tile ahead; the
@@ -345,6 +346,13 @@ def cluster_sync(acquire_gpu: bool = False):
     run()
 
 
+# merge=True with 2 to this many splits a (sequence, head block): its splits are one thread-block cluster and meet at
+# the cluster's hardware barrier (`cluster_sync`), so no GMEM semaphore, which XLA zeroes in a kernel of its own
+# before every call (0.9 us and a launch gap at MLA on the H100: `experiments/bench_timeline.py`, RESULTS' thirty-second
+# session). 8: the portable cluster size.
+CLUSTER_MAX_SPLITS = 8
+
+
 CONSUMERS_BARRIER = 15  # the padded tile's two consumer warpgroups' named barrier (Mosaic takes 0 and 1-3)
 
 
@@ -577,7 +585,7 @@ def wait_ring_tile(bars, ready: int, stages: int, step):
 
 
 def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, shape: LatentShape, scale_log2, steps, loops, tile_source,
-         q_row0, q_count, store_out, sink=None):
+         q_row0, q_count, store_out, sink=None, producer_done=None):
     """One CTA's work (call inside `pl.when` of a non-empty CTA; every warpgroup runs it).
 
     q_ref: [rows, 1, qk_dim]; new_ref / pool_ref: [*, 1, qk_dim] (the producer's two row sources); steps: the K tiles;
@@ -587,7 +595,8 @@ def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, shape: LatentShape
     block's Q rows of q_ref; store_out(wg, out, lse): warpgroup wg's [64, v_dim / 2] f32 output (normalised; wg 0:
     the first half of the columns) and, from warpgroup 0, f32[64] natural-log LSE rows (None from warpgroup 1; both
     consumer warpgroups call it, last, so it may hold a barrier of theirs); sink: f32[64] (WGMMA row
-    layout), each row's natural-log sink logit joining its denominator, or None. An fp8 pool (every tile from it,
+    layout), each row's natural-log sink logit joining its denominator, or None; producer_done: called last by the
+    producer warpgroup (after its last copy), or None. An fp8 pool (every tile from it,
     f16 Q): the producer copies each tile's fp8 rows into the upper half of its ring slot and converts them there to
     f16 (`convert_fp8_tiles`, unscaled: the caller folds the scales into q and the output), its copies one tile ahead
     of its conversions.
@@ -692,6 +701,8 @@ def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, shape: LatentShape
                             q_count=q_count, q_block_rows=BLOCK_ROWS, q_bar=q_bar, ready=ready, free=free,
                             stages=stages, steps=steps, tile_source=tile_source, block_kv=block_kv,
                             head_dim=shape.qk_dim, swizzle=swizzle)
+        if producer_done is not None:
+            producer_done()
 
 
 def stream_latent_tiles(q_ref, new_ref, pool_ref, kv_indices_ref, q_smem, k_smem, bars, *, q_row0, q_count,
@@ -786,7 +797,8 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
     max_kv_splits, ...]) flattened. Entries of empty splits and of splits past a sequence's count are not written.
     merge=True, the whole op: (o [rows, 512] of out_dtype (default q's), lse f32[rows]), a block's splits merged by
     its last non-empty split as `mla_decode_transposed_kernel` merges them (each consumer warpgroup its half of the
-    columns; the CTAs pass their partials through spill slots and a semaphore per (sequence, head block)); sinks
+    columns; the CTAs pass their partials through spill slots, a block's splits one cluster up to
+    `CLUSTER_MAX_SPLITS`, else with a semaphore per (sequence, head block)); sinks
     (f32[q_heads], merge=True only) join each row's denominator there.
 
     q: [batch * tokens * q_heads, 1, qk_dim] bf16/f16 (rows in that order; qk_dim 576 or 288); k_pool: [slots, 1,
@@ -825,7 +837,8 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
     head_blocks = rows_per_seq // block_rows
     capacity = kv_indices.shape[0]
     v_dim, v_split = shape.v_dim, shape.v_split
-    waits = merge and max_kv_splits > 1  # one split a sequence: its CTA stores the result, no semaphore
+    waits = merge and max_kv_splits > 1  # one split a sequence: its CTA stores the result, nothing to wait for
+    clustered = waits and max_kv_splits <= CLUSTER_MAX_SPLITS  # a block's splits one cluster, else a semaphore
     rows_layout = plgpu.Layout.WGMMA.reduce(1)  # per-row values: m, l, LSE
     # merge=True: the partials pass between CTAs in their registers' order (`spill_registers`), two o slots (one per
     # consumer warpgroup's half) and one LSE slot (its per-thread copies, at most 64 a thread) per (sequence, head
@@ -843,7 +856,7 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
                          max_kv_splits=max_kv_splits, min_block_kv=min_block_kv, tokens=tokens, block_kv=block_kv)
         row0 = seq * rows_per_seq + block * block_rows  # the block's first row among all rows
         group = seq * head_blocks + block  # the (sequence, head block) whose splits merge together
-        sems = pl.get_global(plgpu.SemaphoreType.REGULAR((batch * head_blocks,))) if waits else None
+        sems = pl.get_global(plgpu.SemaphoreType.REGULAR((batch * head_blocks,))) if waits and not clustered else None
 
         def mask(step):
             cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
@@ -883,21 +896,31 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
             writers = cta.nonempty_splits - 1  # the splits before the block's last non-empty one
             slot = group * max_kv_splits + split
             if waits:
-                @pl.when(split < writers)
+                # Clustered: each consumer warpgroup meets the cluster barrier once on either branch (a split with
+                # keys is a writer or the merger).
+                @pl.when(split != writers)
                 def _publish():
-                    spill_registers(out, mid_o_ref, 2 * slot + half, layout=plgpu.Layout.WGMMA, slot_stride=o_slot)
-                    if lse is not None:
-                        spill_registers(lse, mid_lse_ref, slot, layout=rows_layout, slot_stride=lse_slot)
-                    consumers_barrier()  # both halves stored and fenced, then one signal
-                    if lse is not None:
-                        plgpu.semaphore_signal(sems.at[group], 1, memory_scope="gpu")
+                    @pl.when(split < writers)
+                    def _():
+                        spill_registers(out, mid_o_ref, 2 * slot + half, layout=plgpu.Layout.WGMMA,
+                                        slot_stride=o_slot)
+                        if lse is not None:
+                            spill_registers(lse, mid_lse_ref, slot, layout=rows_layout, slot_stride=lse_slot)
+                        consumers_barrier()  # both halves stored and fenced, then one signal
+                        if lse is not None and not clustered:
+                            plgpu.semaphore_signal(sems.at[group], 1, memory_scope="gpu")
+
+                    if clustered:
+                        cluster_sync()
 
             @pl.when(split == writers)
             def _merge():
                 if lse is not None:  # warpgroup 1 reads this CTA's own LSE from its slot
                     spill_registers(lse, mid_lse_ref, slot, layout=rows_layout, slot_stride=lse_slot)
-                    if waits:
+                    if waits and not clustered:
                         plgpu.semaphore_wait(sems.at[group], writers, memory_scope="gpu")
+                if clustered:
+                    cluster_sync(acquire_gpu=True)
                 consumers_barrier()  # warpgroup 0's acquisition (and its LSE) passes to warpgroup 1
                 own_lse = lse if lse is not None else fill_registers(mid_lse_ref, slot, shape=(BLOCK_ROWS,),
                                                                      layout=rows_layout, slot_stride=lse_slot)
@@ -919,7 +942,13 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
                  steps=cta.steps, loops=((0, cta.full_steps, None), (cta.full_steps, cta.steps, mask)),
                  tile_source=lambda step: (cta.split_len > 0, cta.kv_begin + cta.split_start + step * block_kv,
                                            cta.split_len - step * block_kv),
-                 q_row0=row0, q_count=jnp.int32(block_rows), store_out=store_out)
+                 q_row0=row0, q_count=jnp.int32(block_rows), store_out=store_out,
+                 producer_done=cluster_sync if clustered else None)
+
+        if clustered:
+            @pl.when(cta.split_len <= 0)
+            def _():  # a split without keys: every warpgroup meets the cluster barrier once too
+                cluster_sync()
 
         if merge:
             @pl.when((split == 0) & (cta.nonempty_splits == 0) & (wg == 0))
@@ -948,8 +977,10 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
     outs = plgpu.kernel(
         entry,
         out_type=partial_types + result_types,
-        grid=(max_kv_splits, head_blocks, batch),
-        grid_names=("splits", "head_blocks", "seq"),
+        # Clustered: CUDA's grid (batch, head blocks, splits), a cluster of the splits along z.
+        **(dict(grid=(head_blocks, batch), grid_names=("head_blocks", "seq"), cluster=(max_kv_splits, 1, 1),
+                cluster_names=("splits", "cluster_y", "cluster_x")) if clustered
+           else dict(grid=(max_kv_splits, head_blocks, batch), grid_names=("splits", "head_blocks", "seq"))),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -966,11 +997,6 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
 # fills a 2-deep ring of 64-key latent tiles as the padded form's does (`benchmarks/experiments/
 # mla_transposed_lowering.py` lowered its pieces first). On the H100 (179e77b): 0.121 ms at MLA (16 heads x 4096 keys
 # x 64 sequences) against the padded tile's 0.124 and FlashInfer's 0.118.
-# merge=True with 2 to this many splits a sequence: the sequence's splits are one thread-block cluster and meet at the
-# cluster's hardware barrier (`cluster_sync`), so no GMEM semaphore, which XLA zeroes in a kernel of its own before
-# every call (0.9 us and a launch gap, about 3.5 us a call at MLA on the H100, `experiments/bench_timeline.py`). 8:
-# the portable cluster size.
-CLUSTER_MAX_SPLITS = 8
 TRANSPOSED_STAGES = 2  # Q N x 576 (18 KB at 16 heads) + 2 x 72 KB + P and barriers: a third 72 KB tile does not fit
 TRANSPOSED_QK_DIM = 576  # the latent head it takes (V: the first 512 columns, 8 wgmma M-blocks)
 

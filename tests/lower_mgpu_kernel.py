@@ -268,6 +268,11 @@ DECODE_SHAPES = [
     # block and two (8 tokens x 16 heads), merging its splits with sinks.
     ("mla-verify-merge-4x16-bf16-causal", 4, 4, 16, jnp.bfloat16, dict(merge=True)),
     ("mla-verify-merge-8x16-f16-causal-sinks", 3, 8, 16, jnp.float16, dict(merge=True, sinks=True)),
+    # The padded tile's splits as one cluster (2-8 splits: `CLUSTER_MAX_SPLITS`): a verify step under a draft tree at
+    # 3 splits, fp8 at 2 with sinks.
+    ("mla-verify-merge-4x16-bf16-draft-3-splits", 4, 4, 16, jnp.bfloat16, dict(merge=True, draft=True, splits=3)),
+    ("mla-decode-merge-e4m3-16-bf16-sinks-2-splits", 8, 1, 16, jnp.bfloat16,
+     dict(merge=True, pool=jnp.float8_e4m3fn, sinks=True, splits=2, transposed=False)),
 ]
 
 

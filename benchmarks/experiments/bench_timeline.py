@@ -25,17 +25,12 @@ def main():
     parser.add_argument("op", choices=["decode", "extend"])
     parser.add_argument("--cases", required=True, help="bench case names, paged ones too (E3-P16)")
     parser.add_argument("--backends", required=True, help="bench backend names")
-    parser.add_argument("--calls", type=int, default=20, help="profiled calls per row")
+    parser.add_argument("--calls", type=int, default=20, help="profiled steps per row (a step: one call, or 8)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
-    import tempfile
-
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
     from jaxattn import bench
-    from flashinfer_timeline import kernel_events, summarise  # the FlashInfer timeline's trace reading
+    from flashinfer_timeline import profiled  # the FlashInfer timeline's profiling and trace reading
     from variant_timing import write_record
 
     if not os.environ.get("TRITON_CACHE_DIR"):  # jax_triton 0.3.1 empties it, which breaks torch-side Triton
@@ -55,26 +50,18 @@ def main():
                 continue
             for _ in range(3):  # compile, warm
                 sync(fn())
-            torch.cuda.synchronize()
-            with tempfile.TemporaryDirectory() as tmp:
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    result = None
-                    for _ in range(args.calls):
-                        result = fn()
-                    sync(result)
-                    torch.cuda.synchronize()
-                path = os.path.join(tmp, "trace.json")
-                prof.export_chrome_trace(path)
-                summary = summarise(kernel_events(path), args.calls)
+            summary = profiled(fn, sync, args.calls)  # per step: a -8-layers row's step makes 8 calls
+            summary["calls_per_step"] = getattr(fn, "calls", 1)
             summary["host_ms_per_call"] = round(bench.time_calls(fn, sync), 5)
             rows.append(dict(case=name, backend=backend, **summary))
-            print(f"{name} {backend}: host {summary['host_ms_per_call'] * 1e3:.1f} us/call; GPU "
-                  f"{summary.get('kernels_per_step')} kernels/call, busy {summary.get('busy_us_per_step', 0):.1f} "
+            print(f"{name} {backend}: host {summary['host_ms_per_call'] * 1e3:.1f} us/call; GPU, per step of "
+                  f"{summary['calls_per_step']} call(s): {summary.get('kernels_per_step')} kernels, busy "
+                  f"{summary.get('busy_us_per_step', 0):.1f} "
                   f"us, span {summary.get('span_us_per_step', 0):.1f}, gaps {summary.get('gap_us_per_step', 0):.1f} "
                   f"(median {summary.get('gap_median_us', 0):.2f}, max {summary.get('gap_max_us', 0):.1f})",
                   flush=True)
             for kernel, mean in summary.get("mean_us_by_kernel", {}).items():
-                print(f"    {mean:9.2f} us x{summary['count_by_kernel'][kernel] / args.calls:g}/call  {kernel}",
+                print(f"    {mean:9.2f} us x{summary['count_by_kernel'][kernel] / args.calls:g}/step  {kernel}",
                       flush=True)
             write_record(args.json, rows)
 

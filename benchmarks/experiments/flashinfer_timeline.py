@@ -49,6 +49,24 @@ def summarise(kernels: list[dict], steps: int) -> dict:
                 count_by_kernel={name: len(d) for name, d in by_name.items()})
 
 
+def profiled(fn, sync, steps: int) -> dict:
+    """`summarise` of `steps` back-to-back calls of fn (after the caller's warm-up), recorded by torch's profiler."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            result = None
+            for _ in range(steps):
+                result = fn()
+            sync(result)
+            torch.cuda.synchronize()
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        return summarise(kernel_events(path), steps)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="D2,E1")
@@ -62,7 +80,6 @@ def main():
     import jax.numpy as jnp
     import torch
     import flashinfer
-    from torch.profiler import ProfilerActivity, profile
 
     from jaxattn import bench
     from jaxattn.backends.flashinfer import bridged_run
@@ -108,17 +125,7 @@ def main():
         for variant, (fn, sync) in variants.items():
             for _ in range(3):  # compile, plan recordings, allocator warm
                 sync(fn())
-            torch.cuda.synchronize()
-            with tempfile.TemporaryDirectory() as tmp:
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    result = None
-                    for _ in range(args.steps):
-                        result = fn()
-                    sync(result)
-                    torch.cuda.synchronize()
-                path = os.path.join(tmp, "trace.json")
-                prof.export_chrome_trace(path)
-                summary = summarise(kernel_events(path), args.steps)
+            summary = profiled(fn, sync, args.steps)
             summary["ms_per_call_span"] = round(summary.get("span_us_per_step", 0) / layers / 1e3, 5)
             # The same variant on the host's clock (bench.time_calls: steps back to back for ~target_ms, one sync),
             # short and long samples: a fixed cost per sample (first dispatch, final sync) shrinks in the long one.

@@ -8,6 +8,7 @@ Prints one line per shape: "ok <label>" or "FAIL <label>: <error>". Arguments: a
 "i/n" to lower every n-th shape from the i-th (tests/test_extend_mgpu.py runs two halves in parallel).
 """
 import dataclasses
+import re
 import sys
 import warnings
 
@@ -253,16 +254,18 @@ DECODE_SHAPES = [
     # splits: a GMEM semaphore); deterministic metadata's bound (4: a cluster); 2 splits (MLA's: a cluster); one split
     # (nothing to wait for).
     ("mla-decode-transposed-merge-16-bf16-window-sinks", 8, 1, 16, jnp.bfloat16,
-     dict(merge=True, sliding_window=300, sinks=True)),
-    ("mla-decode-transposed-merge-32-f16-deterministic", 5, 1, 32, jnp.float16, dict(merge=True, deterministic=True)),
-    ("mla-decode-transposed-merge-16-bf16-2-splits", 8, 1, 16, jnp.bfloat16, dict(merge=True, splits=2)),
+     dict(merge=True, sliding_window=300, sinks=True, waits_on="semaphore")),
+    ("mla-decode-transposed-merge-32-f16-deterministic", 5, 1, 32, jnp.float16,
+     dict(merge=True, deterministic=True, waits_on="cluster")),
+    ("mla-decode-transposed-merge-16-bf16-2-splits", 8, 1, 16, jnp.bfloat16, dict(merge=True, splits=2, waits_on="cluster")),
     ("mla-decode-transposed-merge-16-bf16-one-split", 8, 1, 16, jnp.bfloat16, dict(merge=True, splits=1)),
     # The padded tile merging the splits itself (each consumer warpgroup its half): a verify step under a draft tree;
     # two head blocks with a window on deterministic metadata; fp8 with sinks; 288 wide on one split.
     ("mla-verify-merge-4x16-bf16-draft", 4, 4, 16, jnp.bfloat16, dict(merge=True, draft=True)),
     ("mla-decode-merge-128-bf16-window-deterministic", 2, 1, 128, jnp.bfloat16,
-     dict(merge=True, sliding_window=100, deterministic=True)),
-    ("mla-decode-merge-e4m3-16-bf16-sinks", 8, 1, 16, jnp.bfloat16, dict(merge=True, pool=jnp.float8_e4m3fn, sinks=True)),
+     dict(merge=True, sliding_window=100, deterministic=True, waits_on="cluster")),
+    ("mla-decode-merge-e4m3-16-bf16-sinks", 8, 1, 16, jnp.bfloat16,
+     dict(merge=True, pool=jnp.float8_e4m3fn, sinks=True, waits_on="semaphore")),
     ("mla-decode-merge-288-16-f16-one-split", 8, 1, 16, jnp.float16, dict(merge=True, dim=288, splits=1)),
     # Causal verify (no tree): the padded tile computes the draft mask from its rows (`causal_draft_bits`), one head
     # block and two (8 tokens x 16 heads), merging its splits with sinks.
@@ -270,9 +273,10 @@ DECODE_SHAPES = [
     ("mla-verify-merge-8x16-f16-causal-sinks", 3, 8, 16, jnp.float16, dict(merge=True, sinks=True)),
     # The padded tile's splits as one cluster (2-8 splits: `CLUSTER_MAX_SPLITS`): a verify step under a draft tree at
     # 3 splits, fp8 at 2 with sinks.
-    ("mla-verify-merge-4x16-bf16-draft-3-splits", 4, 4, 16, jnp.bfloat16, dict(merge=True, draft=True, splits=3)),
+    ("mla-verify-merge-4x16-bf16-draft-3-splits", 4, 4, 16, jnp.bfloat16,
+     dict(merge=True, draft=True, splits=3, waits_on="cluster")),
     ("mla-decode-merge-e4m3-16-bf16-sinks-2-splits", 8, 1, 16, jnp.bfloat16,
-     dict(merge=True, pool=jnp.float8_e4m3fn, sinks=True, splits=2, transposed=False)),
+     dict(merge=True, pool=jnp.float8_e4m3fn, sinks=True, splits=2, transposed=False, waits_on="cluster")),
 ]
 
 
@@ -290,6 +294,7 @@ def lower_decode(batch, tokens, q_heads, dtype, features, slots=3000, capacity=5
     block_kv = features.pop("block_kv", None)
     transposed = features.pop("transposed", None)
     merge = features.pop("merge", None)
+    waits_on = features.pop("waits_on", None)  # merge shapes: how the last split waits, "cluster" or "semaphore"
     splits_bound = features.pop("splits", None)
     args = (S(q_shape, dtype), S((slots, 1, dim), pool), S((batch + 1,), jnp.int32), S((capacity,), index_dtype),
             S((batch,), jnp.int32), S((batch, tokens), jnp.int32) if features.pop("draft", False) else None,
@@ -320,6 +325,12 @@ def lower_decode(batch, tokens, q_heads, dtype, features, slots=3000, capacity=5
         # A verify step's draft words per (token, head) row are an XLA kernel of their own before the Mosaic GPU one
         # on every call: the kernel computes causal drafts and reads a tree's words per (sequence, token).
         raise AssertionError("the call builds per-row draft words")
+    # A GMEM semaphore is zeroed by XLA before the kernel (a broadcast of an i32 0 in the module's main); a cluster's
+    # barrier needs nothing before the kernel.
+    zeroed = re.search(r"broadcast_in_dim %\w+, dims = \[\] : \(tensor<i32>\) -> tensor<\d+xi32>", main) is not None
+    if waits_on is not None and zeroed != (waits_on == "semaphore"):
+        raise AssertionError(f"the merge should wait on a {waits_on}, but XLA {'does' if zeroed else 'does not'} zero "
+                             "a semaphore buffer before the kernel")
 
 
 def lower_gqa_decode(batch, q_heads, dtype, features, *, slots, capacity):

@@ -257,7 +257,8 @@ DECODE_SHAPES = [
      dict(merge=True, sliding_window=300, sinks=True, waits_on="semaphore")),
     ("mla-decode-transposed-merge-32-f16-deterministic", 5, 1, 32, jnp.float16,
      dict(merge=True, deterministic=True, waits_on="cluster")),
-    ("mla-decode-transposed-merge-16-bf16-2-splits", 8, 1, 16, jnp.bfloat16, dict(merge=True, splits=2, waits_on="cluster")),
+    ("mla-decode-transposed-merge-16-bf16-2-splits", 8, 1, 16, jnp.bfloat16,
+     dict(merge=True, splits=2, waits_on="cluster")),
     ("mla-decode-transposed-merge-16-bf16-one-split", 8, 1, 16, jnp.bfloat16, dict(merge=True, splits=1)),
     # The padded tile merging the splits itself (each consumer warpgroup its half): a verify step under a draft tree;
     # two head blocks with a window on deterministic metadata; fp8 with sinks; 288 wide on one split.

@@ -131,14 +131,14 @@ EXTEND_MGPU_FP8_IN_KERNEL_MAX_READERS = 4
 # b65a744, 0281adf); MLA-L 0.416 (96.9%) against 0.421 (95.7%, 0281adf).
 MLA_DECODE_TRANSPOSED = True
 
-# The MLA kernel merging a sequence's splits itself (`MgpuDecodeConfig.kernel_merge`, None takes this), on either
-# tile: its last non-empty split folds the others' partials, passed in their registers' order, after a cluster
-# barrier (2-8 splits, e0c9269 / e0cee0d) or a semaphore; no Triton merge launched. H100, ms, kernel / Triton merge:
-# the transposed tile (one run at b1bff0f) MLA 0.115 / 0.118 at its own 2 splits (FlashInfer MLA 0.114 in the same run), 0.118 / 0.125 at one split, 0.123 / 0.127 at 4; MLA-L
-# (one split) 0.408 / 0.417; the padded tile (c725d0f) MLA-V4 0.142 / 0.149. A first form passing the partials
-# element by element lost at 2 and 4 splits (38c8f29). Over fp8 latent pools (`impl="mgpu-fp8"`, by name) the kernel
-# merge measured 0.261 / 0.252 ms (c725d0f, spreads 10-22%) and 0.257 / 0.251 (fe6f0e3). H200 (fe6f0e3, one run): the
-# transposed tile MLA 0.0863 / 0.0882, MLA-L 0.2861 / 0.2937.
+# The MLA kernel merging a sequence's splits itself (`MgpuDecodeConfig.kernel_merge`, None takes this), on either tile:
+# its last non-empty split folds the others' partials, passed in their registers' order, after a cluster barrier (2-8
+# splits, e0c9269 / e0cee0d) or a semaphore; no Triton merge launched. H100, ms, kernel / Triton merge: the transposed
+# tile (one run at b1bff0f) MLA 0.115 / 0.118 at its own 2 splits (FlashInfer MLA 0.114 in the same run), 0.118 / 0.125
+# at one split, 0.123 / 0.127 at 4; MLA-L (one split) 0.408 / 0.417; the padded tile (c725d0f) MLA-V4 0.142 / 0.149. A
+# first form passing the partials element by element lost at 2 and 4 splits (38c8f29). Over fp8 latent pools
+# (`impl="mgpu-fp8"`, by name) the kernel merge measured 0.261 / 0.252 ms (c725d0f, spreads 10-22%) and 0.257 / 0.251
+# (fe6f0e3). H200 (fe6f0e3, one run): the transposed tile MLA 0.0863 / 0.0882, MLA-L 0.2861 / 0.2937.
 MLA_DECODE_KERNEL_MERGE = True
 
 TABLES = {"decode": DECODE, "decode_fp8": DECODE_FP8, "extend": EXTEND, "extend_mgpu": EXTEND_MGPU,

@@ -353,6 +353,16 @@ def cluster_sync(acquire_gpu: bool = False):
 CLUSTER_MAX_SPLITS = 8
 
 
+def split_launch(max_kv_splits: int, clustered: bool, grid: tuple, grid_names: tuple) -> dict:
+    """`plgpu.kernel`'s grid arguments for a split-KV decode: the splits axis ("splits") before `grid`, as a grid axis,
+    or (clustered) as a thread-block cluster of max_kv_splits CTAs over a grid of `grid` (CUDA's grid then has the
+    splits innermost, the cluster's one axis longer than 1)."""
+    if clustered:
+        return dict(grid=grid, grid_names=grid_names, cluster=(max_kv_splits,) + (1,) * len(grid),
+                    cluster_names=("splits",) + tuple(f"cluster_{name}" for name in grid_names))
+    return dict(grid=(max_kv_splits,) + grid, grid_names=("splits",) + grid_names)
+
+
 CONSUMERS_BARRIER = 15  # the padded tile's two consumer warpgroups' named barrier (Mosaic takes 0 and 1-3)
 
 
@@ -977,10 +987,7 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
     outs = plgpu.kernel(
         entry,
         out_type=partial_types + result_types,
-        # Clustered: CUDA's grid (batch, head blocks, splits), a cluster of the splits along z.
-        **(dict(grid=(head_blocks, batch), grid_names=("head_blocks", "seq"), cluster=(max_kv_splits, 1, 1),
-                cluster_names=("splits", "cluster_y", "cluster_x")) if clustered
-           else dict(grid=(max_kv_splits, head_blocks, batch), grid_names=("splits", "head_blocks", "seq"))),
+        **split_launch(max_kv_splits, clustered, (head_blocks, batch), ("head_blocks", "seq")),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -1194,9 +1201,7 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
     outs = plgpu.kernel(
         entry,
         out_type=partial_types + (result_types if merge else ()),
-        # Clustered: CUDA's grid (batch, splits), a cluster of the splits along y; else (batch, splits) of CTAs.
-        **(dict(grid=(batch,), grid_names=("seq",), cluster=(max_kv_splits, 1), cluster_names=("splits", "cluster_x"))
-           if clustered else dict(grid=(max_kv_splits, batch), grid_names=("splits", "seq"))),
+        **split_launch(max_kv_splits, clustered, (batch,), ("seq",)),
         num_threads=2,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),

@@ -329,30 +329,22 @@ def test_split_rule_fills_the_gpu_once():
 
 def test_causal_draft_bits_are_the_causal_tree():
     # The padded tile's causal verify mask, computed from (token, head) row numbers: row r (token r // q_heads) sees
-    # the drafts whose bit is set in its token's word of the causal tree (draft_mask_bits of "t sees 0..t"), and every
-    # key before the drafts (columns < 0).
+    # every key before the drafts (columns < 0) and the drafts of the causal tree ("t sees 0..t"), both as the tree
+    # itself and as the bits of its token's word (draft_mask_bits), over the sequence's columns.
     from jaxattn.kernels.mla_attention_mgpu import causal_draft_bits
 
     for tokens, q_heads in ((4, 16), (2, 32), (8, 16), (3, 8)):
-        words = np.asarray(draft_mask_bits(np.tril(np.ones((1, tokens, tokens), bool))))[0].view(np.uint32)
+        tree = np.tril(np.ones((tokens, tokens), bool))  # tree_mask_for_verify of a chain: t sees 0..t
+        words = np.asarray(draft_mask_bits(tree[None]))[0].view(np.uint32)
         rows = np.arange(tokens * q_heads)[:, None]
+        cols = np.arange(64)[None, :]
         for first_draft in (-70, -3, 0, 2):
-            draft = first_draft + np.arange(64)[None, :]
-            got = np.asarray(causal_draft_bits(jnp.int32(first_draft), jnp.asarray(np.arange(64)[None, :]),
-                                               jnp.asarray(rows), q_heads=q_heads))
-            keys = draft[0] < tokens  # the sequence's columns: before the drafts, or drafts
-            bit = (words[rows // q_heads] >> np.clip(draft, 0, 31).astype(np.uint32)) & 1
-            want = (draft < 0) | (bit == 1)
-            np.testing.assert_array_equal(((draft < 0) | (got != 0))[:, keys], want[:, keys])
-
-    for tokens, q_heads in ((4, 16), (2, 32), (8, 16), (3, 8)):
-        rows = np.arange(tokens * q_heads)[:, None]
-        for first_draft in (-70, -3, 0, 2):
-            cols = np.arange(64)[None, :]
             got = np.asarray(causal_draft_bits(jnp.int32(first_draft), jnp.asarray(cols), jnp.asarray(rows),
                                                q_heads=q_heads))
             draft = first_draft + cols
-            tree = np.tril(np.ones((tokens, tokens), bool))  # tree_mask_for_verify of a chain: t sees 0..t
-            want = np.where(draft < 0, True, tree[rows // q_heads, np.clip(draft, 0, tokens - 1)]) | (draft >= tokens)
-            visible = (draft < 0) | (got != 0)
-            np.testing.assert_array_equal(visible[:, (draft[0] < tokens)], want[:, (draft[0] < tokens)])
+            keys = draft[0] < tokens  # the sequence's columns: before the drafts, or drafts
+            visible = ((draft < 0) | (got != 0))[:, keys]
+            from_tree = (draft < 0) | tree[rows // q_heads, np.clip(draft, 0, tokens - 1)]
+            bit = (words[rows // q_heads] >> np.clip(draft, 0, 31).astype(np.uint32)) & 1
+            np.testing.assert_array_equal(visible, from_tree[:, keys])
+            np.testing.assert_array_equal(visible, ((draft < 0) | (bit == 1))[:, keys])

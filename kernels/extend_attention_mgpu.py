@@ -218,11 +218,12 @@ def custom_mask_tile(mask, mask_indptr, seq, row0, width, column0, *, block_q: i
     i32[block_q, block_kv] (WGMMA layout) of 0/1, entry (r, c) = mask[mask_indptr[seq] + (row0 + r) * width +
     column0 + c] != 0 (SGLang's flat row-major [q_len, kv_len] per sequence), 0 where that index is outside the mask.
 
-    mask: u8[mask_len] (mask_len >= 1; entries past the real mask are never read as visible: `mask_len` is the
-    memref's length), mask_indptr: i32/i64[batch + 1]; seq, row0 (the tile's row 0 as a row of the sequence's
-    mask, < 0 for rows of the previous sequence), width (the sequence's mask row length), column0 (the mask column
-    of tile column 0): i32 scalars. Indices are computed in int64 (row * width passes 2^31 on long sequences) and
-    clamped into the mask before the load, so no metadata can make it read outside the buffer.
+    mask: bool/u8/i8[mask_len] (one byte an entry; mask_len >= 1; entries past the real mask are never read as
+    visible: `mask_len` is the memref's length), mask_indptr: i32/i64[batch + 1]; seq, row0 (the tile's row 0 as a
+    row of the sequence's mask, < 0 for rows of the previous sequence), width (the sequence's mask row length),
+    column0 (the mask column of tile column 0): i32 scalars. Indices are computed in int64 (row * width passes 2^31
+    on long sequences) and clamped into the mask before the load, so no metadata can make it read outside the
+    buffer.
     """
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()) + (_SCALAR,) * 4,
@@ -880,8 +881,9 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
       multiply by cap * log2(e) is folded into the exponent's FMA as sm_scale * log2(e) is without a cap.
     sinks: f32[q_heads], natural-log logits joining each row's denominator only (folded in at the end, in base 2
       at the common max).
-    custom_mask: u8[mask_len] (mask_len >= 1), SGLang's flat mask: sequence b's rows at mask_indptr[b] (i32/i64[batch +
-      1]), row-major [q_len, kv_start_pos + prefix_len + q_len] (the columns of keys dropped from the list first).
+    custom_mask: bool/u8/i8[mask_len] (mask_len >= 1; an entry is visible where its byte != 0), SGLang's flat mask:
+      sequence b's rows at mask_indptr[b] (i32/i64[batch + 1]), row-major [q_len, kv_start_pos + prefix_len +
+      q_len] (the columns of keys dropped from the list first).
       It replaces causal: the CTA takes the sequence's whole prefix and all its new keys, as non-causal, and every
       new-key tile (with skip_prefix_custom_mask=False every prefix tile too) is masked by entries gathered per tile
       (`custom_mask_tile`). With a sliding window (verify on a sliding-window layer) the window bounds each row's

@@ -544,6 +544,24 @@ def test_custom_masks_match_reference(rng, feature, whole_tiles):
         np.float32(extend_attention(q, k_new, v_new, batch.k_pool, batch.v_pool, batch.meta, **kw)), np.float32(o))
 
 
+@pytest.mark.gpu
+@needs_hopper
+def test_custom_mask_dtypes_give_the_same_output(rng):
+    # The kernel takes the mask's bytes as given (no conversion before the call): bool, u8 0/1 and i8 with arbitrary
+    # nonzero values are one mask, bitwise one output, at the reference.
+    prefix_lens, extend_lens = [0, 37, 300], [130, 5, 257]
+    batch = make_batch(rng, prefix_lens, extend_lens, hq=8, hkv=2, dqk=128, dtype=jnp.bfloat16, max_extend_len=266)
+    tree = np.asarray(_tree_masks(rng, prefix_lens, extend_lens))
+    nonzero = rng.choice(np.array([-128, -3, 1, 7, 127], np.int8), tree.shape)
+    q, k_new, v_new = _new_tokens(batch, False)
+    outputs = [extend_attention_mgpu(q, k_new, v_new, batch.k_pool, batch.v_pool, batch.meta, custom_mask=mask)
+               for mask in (jnp.asarray(tree), jnp.asarray(tree.astype(np.uint8)),
+                            jnp.asarray(np.where(tree, nonzero, np.int8(0))))]
+    assert_output(outputs[0], ref_two_stage(batch, custom_mask=jnp.asarray(tree)), batch, jnp.bfloat16)
+    for o in outputs[1:]:
+        np.testing.assert_array_equal(np.float32(o), np.float32(outputs[0]))
+
+
 DRAFT_MASKS = [
     ("plain", dict()),
     ("window-cap-sinks", dict(sliding_window=40, logit_cap=3.0, sinks=True)),

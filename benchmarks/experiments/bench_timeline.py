@@ -23,7 +23,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("op", choices=["decode", "extend"])
-    parser.add_argument("--cases", required=True, help="bench case names, paged ones too (E3-P16)")
+    parser.add_argument("--cases", required=True,
+                        help="bench case names, paged ones too (E3-P16), and MLA at other shapes (MLA-64x512)")
     parser.add_argument("--backends", required=True, help="bench backend names")
     parser.add_argument("--calls", type=int, default=20, help="profiled steps per row (a step: one call, or 8)")
     parser.add_argument("--json", default=None)
@@ -31,13 +32,14 @@ def main():
 
     from jaxattn import bench
     from flashinfer_timeline import profiled  # the FlashInfer timeline's profiling and trace reading
+    from mla_fixed_cost import mla_case_named
     from variant_timing import write_record
 
     if not os.environ.get("TRITON_CACHE_DIR"):  # jax_triton 0.3.1 empties it, which breaks torch-side Triton
         os.environ["TRITON_CACHE_DIR"] = os.path.expanduser("~/.triton/cache")
     rows = []
     for name in args.cases.split(","):
-        case = bench.case_named(name)
+        case = bench.case_named(name) or mla_case_named(name)
         if case is None:
             raise SystemExit(f"unknown case {name!r}: the names are {list(bench.CASES)} (a paged one: E3-P16)")
         inp = bench.make_inputs(case)

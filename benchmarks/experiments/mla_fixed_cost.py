@@ -12,11 +12,27 @@ merge's semaphores, pipeline fill, the merge, the epilogue), `rate` the streamin
 
 import argparse
 import os
+import re
 import sys
 
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+def mla_case(batch: int, length: int):
+    """The bench's MLA case at `batch` sequences x `length` keys (16 heads over the 576/512 latent head), named
+    MLA-<batch>x<length>; None for other names."""
+    from jaxattn import bench
+
+    return bench.Case(f"MLA-{batch}x{length}", "decode", batch, length - 1, 1, q_heads=16, kv_heads=1, head_dim=576,
+                      v_head_dim=512)
+
+
+def mla_case_named(name: str):
+    """`mla_case` from its name ("MLA-64x512"), or None when the name is not of that form."""
+    match = re.fullmatch(r"MLA-(\d+)x(\d+)", name)
+    return mla_case(int(match[1]), int(match[2])) if match else None
 
 
 def fit_fixed_and_rate(nbytes, ms):
@@ -39,8 +55,7 @@ def main():
     from variant_timing import write_record
 
     lengths = [int(x) for x in args.lengths.split(",")]
-    cases = [bench.Case(f"MLA-{args.batch}x{length}", "decode", args.batch, length - 1, 1, q_heads=16, kv_heads=1,
-                        head_dim=576, v_head_dim=512) for length in lengths]
+    cases = [mla_case(args.batch, length) for length in lengths]
     rows = bench.run("decode", cases, backends=args.backends.split(","), log=print, progress=False,
                      rounds=args.rounds)
     copy_rate = ceilings_for(bench.device_name())[1].copy_bytes_per_s

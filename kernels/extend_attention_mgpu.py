@@ -948,6 +948,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
     custom = byte_mask or bits  # a mask replacing causal: the non-causal schedule, every new-key tile masked
     if byte_mask and bits:
         raise ValueError("give custom_mask or draft_mask, not both")
+    if byte_mask and jnp.dtype(custom_mask.dtype).itemsize != 1:  # `custom_mask_tile` reads one byte an entry
+        raise ValueError(f"custom_mask must be bool, u8 or i8 (one byte an entry); got {custom_mask.dtype}")
     if window is not None and not (causal or custom):
         raise ValueError("a sliding window is taken with causal calls (or a custom mask) only")
     if byte_mask and (mask_indptr is None or (kv_start_pos is None and not unified)):

@@ -2001,6 +2001,14 @@ def test_rejects_what_the_kernel_cannot_take(rng):
         extend_attention_mgpu(batch.q, *args, custom_mask=mask.astype(jnp.float32))
     with pytest.raises(ValueError, match="sliding_window with causal=True only"):
         extend_attention_mgpu(batch.q, *args, causal=False, sliding_window=4)
+    # The kernel reads the mask's bytes as given (no conversion): a wider dtype would be read wrong, so it refuses one.
+    from jaxattn.kernels.extend_attention_mgpu import extend_attention_mgpu_kernel
+    with pytest.raises(ValueError, match="custom_mask must be bool, u8 or i8"):
+        extend_attention_mgpu_kernel(
+            batch.q, *args[:4], batch.meta.kv_indices, batch.meta.qo_indptr, batch.meta.kv_indptr, None,
+            max_extend_len=8, sm_scale=0.1, block_q=64, block_kv=128, stages=2, tma_new_tiles=False,
+            o_rows_columns=64, custom_mask=mask.astype(jnp.int32), mask_indptr=batch.meta.mask_indptr,
+            kv_start_pos=batch.meta.kv_start_pos)
     # The unified form takes a window on lists not cut for one (its tiles sit at fixed listed-key offsets).
     uargs = (batch.q, batch.k_pool_unified, batch.v_pool_unified)
     with pytest.raises(ValueError, match=r"sliding_window with causal=True \(or a custom mask\) only"):

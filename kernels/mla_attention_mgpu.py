@@ -30,9 +30,9 @@ consumer warpgroup (see its comment). Both can merge a sequence's splits themsel
 for the others' partials, which pass in their registers' order: at the barrier of a thread-block cluster made of the
 splits, `cluster_sync`, up to `CLUSTER_MAX_SPLITS`; past it on a GMEM semaphore).
 
-Decode over an fp8 latent cache (576 wide, f16 Q): the producer copies each tile's fp8 rows into the upper half of
-its ring slot and converts them there to f16 (`convert_fp8_tiles` of the extend kernel), one tile ahead; the
-consumers are unchanged.
+Decode over an fp8 latent cache (576 wide, f16 Q), on either tile: the producer copies each tile's fp8 rows into the
+upper half of its ring slot and converts them there to f16 (`convert_fp8_tiles` of the extend kernel), one tile
+ahead; the consumers are unchanged.
 
 Decode's split geometry, index checks and empty rows follow `kernels/decode_attention.py` (the effective range under
 a window, `per_split` keys per split in multiples of MIN_BLOCK_KV, ranges cut into kv_indices, slots clamped into the
@@ -773,6 +773,14 @@ def stream_latent_tiles(q_ref, new_ref, pool_ref, kv_indices_ref, q_smem, k_smem
     lax.fori_loop(0, steps, step_body, sources_of(jnp.int32(0)))
 
 
+def _check_v_scale(k_pool, v_scale) -> bool:
+    """Whether k_pool is fp8, checking that v_scale (f32[1]) is given exactly then (both decode tiles)."""
+    fp8 = jnp.dtype(k_pool.dtype).itemsize == 1
+    if fp8 != (v_scale is not None) or (fp8 and (v_scale.shape != (1,) or v_scale.dtype != jnp.float32)):
+        raise ValueError("v_scale (f32[1]) is given exactly when k_pool is fp8")
+    return fp8
+
+
 def _latent_shape(q, k_pool, k_new=None, fp8_pool=False, block_kv: int = BLOCK_KV) -> LatentShape:
     """The shape of the call's latent head (q [rows, 1, qk_dim] with qk_dim a key of SHAPES; block_kv 32: decode at
     576, `DECODE_KV32`), checked. fp8_pool: the pool may be e4m3fn / e5m2 with f16 q (rows whole 64-column tiles:
@@ -825,9 +833,7 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
     by v_scale. block_kv: the key tile, 64 or (576 only) 32 (`LatentShape.block_kv`).
     """
     shape = _latent_shape(q, k_pool, fp8_pool=True, block_kv=block_kv)
-    fp8 = jnp.dtype(k_pool.dtype).itemsize == 1
-    if fp8 != (v_scale is not None) or (fp8 and (v_scale.shape != (1,) or v_scale.dtype != jnp.float32)):
-        raise ValueError("v_scale (f32[1]) is given exactly when k_pool is fp8")
+    fp8 = _check_v_scale(k_pool, v_scale)
     rows_total = q.shape[0]
     rows_per_seq = tokens * q_heads
     if not decode_rows_supported(rows_per_seq):
@@ -1020,10 +1026,14 @@ def transposed_rows_supported(rows_per_seq: int) -> bool:
 
 
 def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, sinks=None, *, q_heads, sm_scale,
-                                 max_kv_splits, sliding_window=-1, min_block_kv=32, merge=False):
+                                 max_kv_splits, sliding_window=-1, min_block_kv=32, merge=False, v_scale=None,
+                                 out_dtype=None):
     """Split-KV MLA decode on the transposed tile, one query token per sequence. q: [batch * q_heads, 1, 576]
-    bf16/f16; k_pool: [slots, 1, 576] of q's dtype; q_heads (the tile's N) 16 or 32 (`transposed_rows_supported`).
-    The split geometry, index checks and empty rows are `mla_decode_mgpu_kernel`'s (`decode_cta`).
+    bf16/f16; k_pool: [slots, 1, 576] of q's dtype, or fp8 (e4m3fn / e5m2) with f16 q and v_scale as
+    `mla_decode_mgpu_kernel` takes them (the producer converts each tile to f16 in shared memory, `stream_latent_tiles`;
+    each split's output times v_scale); q_heads (the tile's N) 16 or 32 (`transposed_rows_supported`); out_dtype: the
+    merged output's dtype (default q's). The split geometry, index checks and empty rows are
+    `mla_decode_mgpu_kernel`'s (`decode_cta`).
 
     merge=False: stage 1 only, (mid_o f32[rows * max_kv_splits, 512], mid_lse f32[rows * max_kv_splits]), the
     partial buffers the Triton merge takes. merge=True: the whole op, (o [rows, 512] of q's dtype, lse f32[rows]): a
@@ -1034,7 +1044,8 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
     the sequence's splits are one cluster and wait at its barrier (co-scheduled); past it, on a GMEM semaphore per
     sequence, where waiting only on lower block indices relies on CTAs being dispatched in block order (as split-K
     serial reductions do), so any grid size finishes."""
-    shape = _latent_shape(q, k_pool)
+    shape = _latent_shape(q, k_pool, fp8_pool=True)
+    fp8 = _check_v_scale(k_pool, v_scale)
     if shape.qk_dim != TRANSPOSED_QK_DIM or not transposed_rows_supported(q_heads):
         raise ValueError(f"the transposed tile takes 576-wide latent rows and 16 or 32 q heads; got "
                          f"{shape.qk_dim}, {q_heads}")
@@ -1052,8 +1063,8 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
     clustered = waits and max_kv_splits <= CLUSTER_MAX_SPLITS  # a sequence's splits one cluster, else a semaphore
     columns = plgpu.Layout.WGMMA.reduce(0)  # the tile's per-head (column) values: m, l, LSE
 
-    def body(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, sinks_ref, mid_o_ref, mid_lse_ref, o_ref,
-             lse_ref, scoped):
+    def body(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, v_scale_ref, sinks_ref, mid_o_ref,
+             mid_lse_ref, o_ref, lse_ref, scoped):
         q_smem, k_smem, p_smem, bars = scoped
         split, seq = lax.axis_index("splits"), lax.axis_index("seq")
         wg = lax.axis_index("wg")
@@ -1115,6 +1126,8 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
                 carry = lax.fori_loop(0, cta.full_steps, lambda i, c: step_fn(i, c, False), carry)
                 acc, m_i, l_i = lax.fori_loop(cta.full_steps, cta.steps, lambda i, c: step_fn(i, c, True), carry)
                 o = acc * lax.broadcast_in_dim(inverse_sum(l_i), acc.shape, [1])
+                if v_scale_ref is not None:  # every split's output alike: the merge's weighted sum carries it
+                    o = o * v_scale_ref[0]
                 lse = rows_lse(m_i, l_i)
                 if not merge:
                     store_partial(o, lse, split)
@@ -1184,14 +1197,15 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
     o_slot, lse_slot = v_dim * rows, WARPGROUP * rows
     partial_types = (jax.ShapeDtypeStruct((rows_total * max_kv_splits, v_dim), jnp.float32),
                      jax.ShapeDtypeStruct((batch * max_kv_splits * (lse_slot if merge else rows),), jnp.float32))
-    result_types = (jax.ShapeDtypeStruct((rows_total, v_dim), q.dtype),
+    result_types = (jax.ShapeDtypeStruct((rows_total, v_dim), out_dtype or q.dtype),
                     jax.ShapeDtypeStruct((rows_total,), jnp.float32))
 
     def entry(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, *refs):
+        v_scale_ref, refs = (refs[0], refs[1:]) if fp8 else (None, refs)
         sinks_ref, refs = (refs[0], refs[1:]) if sinks is not None else (None, refs)
         mid_o_ref, mid_lse_ref, o_ref, lse_ref = refs if merge else (*refs, None, None)
-        pl.run_scoped(lambda *scoped: body(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, sinks_ref,
-                                           mid_o_ref, mid_lse_ref, o_ref, lse_ref, scoped),
+        pl.run_scoped(lambda *scoped: body(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, v_scale_ref,
+                                           sinks_ref, mid_o_ref, mid_lse_ref, o_ref, lse_ref, scoped),
                       plgpu.SMEM((1, rows, width), q.dtype, transforms=SWIZZLED),  # Q (a ring of one, for issue_rows)
                       plgpu.SMEM((stages, BLOCK_KV, width), q.dtype, transforms=SWIZZLED),  # the latent rows' ring
                       plgpu.SMEM((rows, BLOCK_KV), q.dtype, transforms=SWIZZLED),  # P, stored through its transpose
@@ -1205,7 +1219,8 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
         num_threads=2,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(kv_indptr, kv_indices, num_kv_splits, q, k_pool, *(() if sinks is None else (sinks.astype(jnp.float32),)))
+    )(kv_indptr, kv_indices, num_kv_splits, q, k_pool, *(() if v_scale is None else (v_scale,)),
+      *(() if sinks is None else (sinks.astype(jnp.float32),)))
     return outs[2:] if merge else outs
 
 

@@ -250,6 +250,12 @@ DECODE_SHAPES = [
     # window, 64 heads in f16.
     ("mla-decode-transposed-16-bf16-window", 8, 1, 16, jnp.bfloat16, dict(transposed=True, sliding_window=300)),
     ("mla-decode-transposed-32-f16", 5, 1, 32, jnp.float16, dict(transposed=True)),
+    # ... over fp8 latent pools (the producer converting each tile, as the padded tile's): a window, e4m3 under f16 q;
+    # e5m2 under bf16 q (q rounded to f16 by the call) merging 2 splits through a cluster.
+    ("mla-decode-transposed-e4m3-16-f16-window", 8, 1, 16, jnp.float16,
+     dict(transposed=True, pool=jnp.float8_e4m3fn, sliding_window=300)),
+    ("mla-decode-transposed-merge-e5m2-32-bf16-2-splits", 8, 1, 32, jnp.bfloat16,
+     dict(transposed=True, merge=True, pool=jnp.float8_e5m2, splits=2, waits_on="cluster")),
     # The transposed tile merging the splits itself (the op's result, no Triton merge): a window at its own bound (16
     # splits: a GMEM semaphore); deterministic metadata's bound (4: a cluster); 2 splits (MLA's: a cluster); one split
     # (nothing to wait for).

@@ -284,14 +284,17 @@ def test_declines_name_the_reason():
 
 def test_transposed_tile_is_the_default_where_it_takes_the_call():
     # MgpuDecodeConfig.transposed None: the transposed tile wherever it takes the call
-    # (tuning.sm90.MLA_DECODE_TRANSPOSED); True / False force it; the padded tile for verify steps, 64+ heads, 288-wide latents, 32-key tiles, fp8 pools.
+    # (tuning.sm90.MLA_DECODE_TRANSPOSED), over 16-bit and fp8 latent pools; True / False force it; the padded tile
+    # for verify steps, 64+ heads, 288-wide latents, 32-key tiles.
     from jaxattn.tuning import MgpuDecodeConfig
 
     assert mgpu_mla.MLA_DECODE_TRANSPOSED
     assert mgpu_mla._transposed(_call(q_heads=16)) and mgpu_mla._transposed(_call(q_heads=32))
     assert mgpu_mla._transposed(_call(q_heads=16, config=MgpuDecodeConfig(splits=2)))
+    assert mgpu_mla._transposed(_call(pool_dtype=jnp.float8_e4m3fn))
     assert not mgpu_mla._transposed(_call(q_heads=16, config=MgpuDecodeConfig(transposed=False)))
-    for call in (_call(q_heads=64), _call(tokens=4), _call(qk=288, v_head_dim=256), _call(pool_dtype=jnp.float8_e4m3fn),
+    assert not mgpu_mla._transposed(_call(pool_dtype=jnp.float8_e5m2, config=MgpuDecodeConfig(transposed=False)))
+    for call in (_call(q_heads=64), _call(tokens=4), _call(qk=288, v_head_dim=256),
                  _call(config=MgpuDecodeConfig(block_kv=32))):
         assert not mgpu_mla._transposed(call)
 

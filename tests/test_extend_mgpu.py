@@ -2039,7 +2039,7 @@ def test_lowers_for_cuda_on_cpu(part):
     from tests.lower_mgpu_kernel import DECODE_SHAPES, SHAPES
 
     shapes = len(SHAPES) + len(DECODE_SHAPES)
-    assert shapes == 91 and run.stdout.count("ok ") == len(range(part, shapes, 2)), run.stdout
+    assert shapes == 93 and run.stdout.count("ok ") == len(range(part, shapes, 2)), run.stdout
 
 
 def test_batches_past_the_grid_limit_are_declined():

@@ -54,13 +54,13 @@ def sweep_variants(op: str, case: Case):
                 config = MgpuDecodeConfig(kernel_merge=merge == "kernel")
                 variants.append((f"mgpu merge={merge} splits=own",
                                  lambda inp, c=config: decode_jaxattn(inp, config=c, impl=impl)))
-            if case.head_dim == 576:  # 32-key tiles in a 4-deep ring; the transposed tile (16-bit, one token)
+            if case.head_dim == 576:  # 32-key tiles in a 4-deep ring; the transposed tile (one token)
                 for splits in (None, 1, 2, 4):
                     config = MgpuDecodeConfig(splits=splits, block_kv=32)
                     variants.append((f"mgpu kv32 splits={splits or 'own'}",
                                      lambda inp, c=config: decode_jaxattn(inp, config=c, impl=impl)))
-                    if not case.fp8 and case.new == 1:  # the transposed tile (merging its splits itself, or
-                        # through the Triton merge) is the default here; the padded one too
+                    if case.new == 1:  # the transposed tile (merging its splits itself, or through the Triton
+                        # merge) is the default here (of "mgpu-fp8" over fp8 latent caches); the padded one too
                         for transposed, merge, name in ((True, None, "transposed"),
                                                         (True, False, "transposed triton-merge"),
                                                         (False, None, "padded")):

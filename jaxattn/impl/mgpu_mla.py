@@ -6,7 +6,7 @@ latent head (`v_pool=None`: V is each row's first 512 dims), bf16/f16, one query
 allowed) or several (speculative verify / multi-token prediction, causal or a draft mask), sinks (added by the merge).
 Stage 1 packs (token, q head) rows of a sequence into 64-row wgmma tiles and reads each latent row once for all of
 them; stage 2 is the Triton merge of the split partials (`jaxattn.impl.triton_decode.merge_splits`). One token over
-a 576-wide 16-bit cache at 16 or 32 heads runs the transposed tile instead (keys as wgmma's M, the heads as N: a
+a 576-wide cache at 16 or 32 heads runs the transposed tile instead (keys as wgmma's M, the heads as N: a
 quarter of the padded tile's matrix work; `MgpuDecodeConfig.transposed`, `tuning.sm90.MLA_DECODE_TRANSPOSED`). Either
 tile merges a sequence's splits itself, sinks included, instead of stage 2 (`MgpuDecodeConfig.kernel_merge`,
 `tuning.sm90.MLA_DECODE_KERNEL_MERGE`): one launch per call.
@@ -17,7 +17,8 @@ result does not depend on its batch).
 
 `DECODE_FP8` ("mgpu-fp8", by name only): the same decode over an fp8 (e4m3fn / e5m2) latent cache 576 wide, the
 kernel's producer converting each tile to f16 in shared memory; q is multiplied by the softmax scale and k_scale and
-rounded to f16 once, v_scale multiplies the outputs. Slower than the Triton kernel on the H100 (179e77b).
+rounded to f16 once, v_scale multiplies the outputs. On the padded tile slower than the Triton kernel (179e77b, H100);
+one token at 16 or 32 heads now takes the transposed tile as the 16-bit cache does (not yet run on a GPU).
 
 Both take DeepSeek's 576/512 latent head and the half-size 288/256 (`MLA_HEAD_DIMS`). `EXTEND`, the "mgpu"
 implementation of `jaxattn.mla.mla_extend_attention` (two-stage, causal, sinks allowed): one pass, 64 (token, head) rows per CTA over
@@ -121,9 +122,8 @@ def _transposed_unsupported(call: DecodeCall) -> str | None:
     """Why the transposed tile cannot take the call (`mla_decode_transposed_kernel`'s limits), or None."""
     from jaxattn.kernels.mla_attention_mgpu import TRANSPOSED_QK_DIM, transposed_rows_supported
 
-    if (call.config is not None and call.config.block_kv is not None) or call.qk_head_dim != TRANSPOSED_QK_DIM \
-            or is_fp8(call.k_pool.dtype):
-        return f"block_kv, a latent head other than {TRANSPOSED_QK_DIM} or an fp8 pool"
+    if (call.config is not None and call.config.block_kv is not None) or call.qk_head_dim != TRANSPOSED_QK_DIM:
+        return f"block_kv or a latent head other than {TRANSPOSED_QK_DIM}"
     if call.tokens_per_seq != 1 or not transposed_rows_supported(call.q_heads):
         return f"{call.tokens_per_seq} tokens x {call.q_heads} heads (one token, 16 or 32 heads)"
     return None
@@ -176,11 +176,6 @@ def _launch(call: DecodeCall, splits: int, *, merge: bool):
                   meta.num_kv_splits.astype(jnp.int32))
     window = call.sliding_window if call.sliding_window >= 0 else -1
     sinks = call.sinks if merge else None
-    if _transposed(call):  # one token, 16 or 32 heads, 16-bit: one row block (the kernel's checks)
-        return mla_decode_transposed_kernel(
-            call.q.reshape(batch * q_heads, 1, call.qk_head_dim), call.k_pool, *index_args, sinks, q_heads=q_heads,
-            sm_scale=call.sm_scale, max_kv_splits=splits, sliding_window=window, min_block_kv=MIN_BLOCK_KV,
-            merge=merge)
     q, sm_scale, v_scale = call.q, call.sm_scale, None
     if is_fp8(call.k_pool.dtype):
         # f16 dots (f16 holds every fp8 value): q times the softmax scale and k_scale in f32, rounded to f16 once (as
@@ -188,6 +183,11 @@ def _launch(call: DecodeCall, splits: int, *, merge: bool):
         scales = jnp.ones((2, 1), jnp.float32) if call.kv_scales is None else call.kv_scales.astype(jnp.float32)
         q = (q.astype(jnp.float32) * (sm_scale * scales[0, 0])).astype(jnp.float16)
         sm_scale, v_scale = 1.0, scales[1, :1]
+    if _transposed(call):  # one token, 16 or 32 heads: one row block (the kernel's checks)
+        return mla_decode_transposed_kernel(
+            q.reshape(batch * q_heads, 1, call.qk_head_dim), call.k_pool, *index_args, sinks, q_heads=q_heads,
+            sm_scale=sm_scale, max_kv_splits=splits, sliding_window=window, min_block_kv=MIN_BLOCK_KV,
+            merge=merge, v_scale=v_scale, out_dtype=call.q.dtype)
     draft_words = None  # one token, or several under the causal mask (the kernel computes it: no per-call words)
     if tokens > 1 and call.draft_mask is not None:  # one word per (sequence, token), its heads' rows share it
         words = call.draft_mask

@@ -238,9 +238,11 @@ DECODE_SHAPES = [
     # One split: the kernel writes o and the LSE (no merge), persistent and not.
     ("gqa-decode-bf16-32x8-final", "gqa", 4, 32, jnp.bfloat16, dict(kv_heads=8, splits=1, persistent=False)),
     ("gqa-decode-e4m3-12x3-bf16-final-persistent", "gqa", 5, 12, jnp.bfloat16, dict(kv_heads=3, pool=jnp.float8_e4m3fn, splits=1, persistent=True)),
-    # The MLA kernel over an fp8 latent pool (`impl="mgpu-fp8"`: tiles converted to f16 by its producer): one token
-    # with a window, and a 4-token verify under a draft tree (e5m2, f16 q).
-    ("mla-decode-e4m3-16-bf16-window", 8, 1, 16, jnp.bfloat16, dict(pool=jnp.float8_e4m3fn, sliding_window=300)),
+    # The MLA kernel's padded tile over an fp8 latent pool (`impl="mgpu-fp8"`: tiles converted to f16 by its
+    # producer): one token with a window (forced: one token takes the transposed tile, below), and a 4-token verify
+    # under a draft tree (e5m2, f16 q).
+    ("mla-decode-e4m3-16-bf16-window", 8, 1, 16, jnp.bfloat16,
+     dict(pool=jnp.float8_e4m3fn, sliding_window=300, transposed=False)),
     ("mla-verify-e5m2-4x16-f16-draft", 4, 4, 16, jnp.float16, dict(pool=jnp.float8_e5m2, draft=True)),
     # 32-key tiles in a 4-deep ring (`MgpuDecodeConfig(block_kv=32)`: 64-byte swizzle, P in its own buffer): 16-bit
     # with a window, and an fp8 verify under a draft tree.

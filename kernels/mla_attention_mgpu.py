@@ -1036,7 +1036,7 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
     `mla_decode_mgpu_kernel`'s (`decode_cta`).
 
     merge=False: stage 1 only, (mid_o f32[rows * max_kv_splits, 512], mid_lse f32[rows * max_kv_splits]), the
-    partial buffers the Triton merge takes. merge=True: the whole op, (o [rows, 512] of q's dtype, lse f32[rows]): a
+    partial buffers the Triton merge takes. merge=True: the whole op, (o [rows, 512] of out_dtype, lse f32[rows]): a
     sequence's last non-empty split waits for the splits before it to publish their partials (each thread's
     registers, `spill_registers`), then folds them and its own in split order as the Triton merge does, and stores
     the result; a sequence without keys stores 0 and LSE -inf (from its split 0); sinks (f32[q_heads], merge=True

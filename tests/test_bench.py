@@ -357,6 +357,21 @@ def test_ffi_rows_skip_without_jax_tvm_ffi(monkeypatch):
     assert {"flashinfer-fa3-ffi-8-layers", "flashinfer-fa3-in-jit-8-layers"} <= set(bench.BACKENDS["extend"])
 
 
+def test_layers_of_a_step_run_in_order():
+    # A model's layer i reads layer i - 1's output; the 8-layer rows' calls are chained the same way (each query
+    # behind an optimization barrier with the previous output), so XLA cannot run two at once or reorder them.
+    import jax
+    import jax.numpy as jnp
+
+    from jaxattn.bench.peers import chained_layers
+
+    qs = [jnp.full((4,), float(i)) for i in range(5)]
+    step = chained_layers(lambda q, k: q * k)
+    jaxpr = str(jax.make_jaxpr(step)(qs, jnp.float32(2.0)))
+    assert jaxpr.count("optimization_barrier") == 4, jaxpr
+    np.testing.assert_array_equal(np.stack(jax.jit(step)(qs, jnp.float32(2.0))), 2.0 * np.stack(qs))
+
+
 def test_jaxattn_layers_rows_run_distinct_calls_in_one_step(one_call):
     # jaxattn-8-layers: 8 calls in one jitted step on distinct queries (as a model's layers), timed per call; layer 0
     # is the plain call's query, so its output is the reference's, and the others differ (not merged into one call).

@@ -33,17 +33,34 @@ def layer_queries(q, layers: int) -> list:
     return [q] + [q * jnp.asarray(1 + i / 128, q.dtype) for i in range(1, layers)]
 
 
+def chained_layers(one_call):
+    """step(qs, *args) -> [one_call(q, *args) for q in qs], each call ordered after the one before as a model's layers
+    are (layer i's query is available only once layer i - 1's output is: an optimization barrier ties them, with no
+    extra kernel), so XLA neither runs two calls at once nor reorders them."""
+    import jax
+
+    def step(qs, *args):
+        outs = []
+        for q in qs:
+            if outs:
+                q, _ = jax.lax.optimization_barrier((q, outs[-1]))
+            outs.append(one_call(q, *args))
+        return outs
+
+    return step
+
+
 def in_one_step(one_call, q, args: tuple, layers: int):
     """The bench's callable for `one_call(q, *args)` (jitted): one call a step, or (layers > 1) one jitted step of
-    `layers` calls on distinct queries (`layer_queries`), timed per call (`PerCall`): the op as a model's forward
-    step runs it, the step's dispatch shared by its layers."""
+    `layers` calls on distinct queries (`layer_queries`), each after the one before (`chained_layers`), timed per call
+    (`PerCall`): the op as a model's forward step runs it, the step's dispatch shared by its layers."""
     import jax
 
     if layers == 1:
         fn = jax.jit(one_call)
         return lambda: fn(q, *args)
     qs = layer_queries(q, layers)
-    fn = jax.jit(lambda qs, *args: [one_call(q, *args) for q in qs])
+    fn = jax.jit(chained_layers(one_call))
     return PerCall(lambda: fn(qs, *args), layers)
 
 

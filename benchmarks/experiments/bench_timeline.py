@@ -37,7 +37,16 @@ def main():
 
     if not os.environ.get("TRITON_CACHE_DIR"):  # jax_triton 0.3.1 empties it, which breaks torch-side Triton
         os.environ["TRITON_CACHE_DIR"] = os.path.expanduser("~/.triton/cache")
-    rows = []
+    import jax
+    import jax.numpy as jnp
+
+    # The host's floor for one jitted call: a one-kernel function on 8 floats (a row whose host time is near this is
+    # bound by dispatching, whatever its kernel).
+    tiny = jax.jit(lambda x: x + 1.0)
+    x = jnp.zeros((8,), jnp.float32)
+    tiny_ms = round(bench.time_calls(lambda: tiny(x), bench.jax_sync), 5)
+    print(f"one tiny jitted call: host {tiny_ms * 1e3:.1f} us/call", flush=True)
+    rows = [dict(case="tiny", backend="jax.jit(x + 1) on 8 floats", host_ms_per_call=tiny_ms)]
     for name in args.cases.split(","):
         case = bench.case_named(name) or mla_case_named(name)
         if case is None:

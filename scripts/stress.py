@@ -501,6 +501,11 @@ def batch_rng(seed: int, op: str, index: int) -> np.random.Generator:
     return np.random.default_rng([seed, OP_IDS[op], index])
 
 
+# A shard checkpoints its record every 100 batches and at least this often (seconds), so a run that a device call's
+# time box ends leaves the figures of every shard (slow profiles took one shard past 100 batches' time, 2026-12-06).
+CHECKPOINT_SECONDS = 20
+
+
 def shard_of(index: int, n_profiles: int, workers: int) -> int:
     """The worker that runs batch `index`: profiles are dealt out, so each worker compiles only its own."""
     return (index % n_profiles) % workers
@@ -509,8 +514,8 @@ def shard_of(index: int, n_profiles: int, workers: int) -> int:
 def run_workers(argv, workers: int, json_path: str | None):
     """Runs this script in `workers` processes (one shard each) and returns their records.
 
-    The shards' records sit next to `json_path` (`<json_path>.shard<w>`, checkpointed every 100 batches), so a run
-    killed by a time limit still leaves what each worker did."""
+    The shards' records sit next to `json_path` (`<json_path>.shard<w>`, checkpointed every 100 batches and every
+    `CHECKPOINT_SECONDS`), so a run killed by a time limit still leaves what each worker did."""
     import tempfile
 
     base = json_path or os.path.join(tempfile.mkdtemp(prefix="stress_"), "stress.json")
@@ -589,6 +594,7 @@ def main(argv=None):
         timings["workers"] = [r["seconds"] for r in records]
         return finish(tallies, mode, shapes_name, args, start, save, complete)
 
+    last_save = time.time()
     for op in args.ops:
         runners = {}
         op_start = time.time()
@@ -615,10 +621,11 @@ def main(argv=None):
                 tally.tokens += tokens
                 if not ok:
                     print(f"MISMATCH {case['op']} {case['profile']} batch {i}: {reason} (error/tolerance {ratio:.3g})", flush=True)
-            if done % 100 == 0 or done == len(mine):
+            if done % 100 == 0 or done == len(mine) or time.time() - last_save >= CHECKPOINT_SECONDS:
                 label = f"[shard {shard}/{workers}] " if args.shard else ""
                 print(f"  {label}{op}: {done}/{len(mine)} batches, {time.time() - op_start:.0f} s", flush=True)
                 save(complete=False)  # a run cut short by a time limit still leaves its figures
+                last_save = time.time()
         timings[op] = time.time() - op_start
     return finish(tallies, mode, shapes_name, args, start, save, True)
 

@@ -109,6 +109,18 @@ def test_profiles_filter_runs_only_the_profiles_it_names(tmp_path):
         stress.main(["--batches", "1", "--mode", "interpret", "--shapes", "tiny", "--profiles", "no-such-profile"])
 
 
+def test_shards_checkpoint_by_time_too(tmp_path, capsys, monkeypatch):
+    # Besides every 100 batches, a run checkpoints once CHECKPOINT_SECONDS have passed since the last save (so a time
+    # box ending a slow shard still leaves its figures): at 0 s, after every batch.
+    stress = load_stress_script()
+    monkeypatch.setattr(stress, "CHECKPOINT_SECONDS", 0)
+    out = tmp_path / "stress.json"
+    assert stress.main(["--batches", "2", "--ops", "extend", "--mode", "interpret", "--shapes", "tiny",
+                        "--profiles", "^tiny-mask$", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "extend: 1/2 batches" in printed and "extend: 2/2 batches" in printed, printed
+
+
 def test_backend_stress_script_runs_and_catches_a_wrong_backend(tmp_path):
     # scripts/stress_backends.py: TritonBackend (interpreted) against ReferenceBackend, tiny shapes, an extend and a
     # decode batch of two profiles (sinks under a window over pages of 16; a latent MLA pool); then a backend wrong by

@@ -95,30 +95,22 @@ def test_pages_profile_runs_against_the_reference():
             assert ok, (reason, ratio, case)
 
 
-def test_profiles_filter_runs_only_the_profiles_it_names(tmp_path):
-    # --profiles REGEX keeps the profiles whose name it finds (one batch of tiny-mask here); one that finds none is
-    # refused.
-    stress = load_stress_script()
-    out = tmp_path / "stress.json"
-    assert stress.main(["--batches", "1", "--ops", "extend", "--mode", "interpret", "--shapes", "tiny",
-                        "--profiles", "^tiny-mask$", "--json", str(out)]) == 0
-    record = json.loads(out.read_text())
-    assert [p["name"] for p in record["settings"]["profiles"]] == ["tiny-mask"]
-    assert record["results"]["extend"]["batches"] == 1 and record["total_mismatches"] == 0
-    with pytest.raises(SystemExit):
-        stress.main(["--batches", "1", "--mode", "interpret", "--shapes", "tiny", "--profiles", "no-such-profile"])
-
-
-def test_shards_checkpoint_by_time_too(tmp_path, capsys, monkeypatch):
-    # Besides every 100 batches, a run checkpoints once CHECKPOINT_SECONDS have passed since the last save (so a time
-    # box ending a slow shard still leaves its figures): at 0 s, after every batch.
+def test_profiles_filter_runs_only_the_profiles_it_names(tmp_path, capsys, monkeypatch):
+    # --profiles REGEX keeps the profiles whose name it finds (two batches of tiny-mask here); one that finds none is
+    # refused. Besides every 100 batches, a run checkpoints once CHECKPOINT_SECONDS have passed since its last save
+    # (so a time box ending a slow shard still leaves its figures): at 0 s, after every batch.
     stress = load_stress_script()
     monkeypatch.setattr(stress, "CHECKPOINT_SECONDS", 0)
     out = tmp_path / "stress.json"
     assert stress.main(["--batches", "2", "--ops", "extend", "--mode", "interpret", "--shapes", "tiny",
                         "--profiles", "^tiny-mask$", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert [p["name"] for p in record["settings"]["profiles"]] == ["tiny-mask"]
+    assert record["results"]["extend"]["batches"] == 2 and record["total_mismatches"] == 0
     printed = capsys.readouterr().out
     assert "extend: 1/2 batches" in printed and "extend: 2/2 batches" in printed, printed
+    with pytest.raises(SystemExit):
+        stress.main(["--batches", "1", "--mode", "interpret", "--shapes", "tiny", "--profiles", "no-such-profile"])
 
 
 def test_backend_stress_script_runs_and_catches_a_wrong_backend(tmp_path):

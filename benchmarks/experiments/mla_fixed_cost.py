@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 def mla_case(batch: int, length: int):
     """The bench's MLA case at `batch` sequences x `length` keys (16 heads over the 576/512 latent head), named
-    MLA-<batch>x<length>; None for other names."""
+    MLA-<batch>x<length>."""
     from jaxattn import bench
 
     return bench.Case(f"MLA-{batch}x{length}", "decode", batch, length - 1, 1, q_heads=16, kv_heads=1, head_dim=576,

@@ -353,6 +353,14 @@ def cluster_sync(acquire_gpu: bool = False):
 CLUSTER_MAX_SPLITS = 8
 
 
+def merge_waits(merge: bool, max_kv_splits: int) -> tuple[bool, bool]:
+    """(waits, clustered) of a decode launch: whether a merging call's last split waits for the others' partials (one
+    split: its CTA stores the result, nothing to wait for), and whether at its cluster's barrier (up to
+    `CLUSTER_MAX_SPLITS` splits) rather than on a GMEM semaphore."""
+    waits = merge and max_kv_splits > 1
+    return waits, waits and max_kv_splits <= CLUSTER_MAX_SPLITS
+
+
 def split_launch(max_kv_splits: int, clustered: bool, grid: tuple, grid_names: tuple) -> dict:
     """`plgpu.kernel`'s grid arguments for a split-KV decode: the splits axis ("splits") before `grid`, as a grid axis,
     or (clustered) as a thread-block cluster of max_kv_splits CTAs over a grid of `grid` (CUDA's grid then has the
@@ -861,8 +869,7 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
     head_blocks = rows_per_seq // block_rows
     capacity = kv_indices.shape[0]
     v_dim, v_split = shape.v_dim, shape.v_split
-    waits = merge and max_kv_splits > 1  # one split a sequence: its CTA stores the result, nothing to wait for
-    clustered = waits and max_kv_splits <= CLUSTER_MAX_SPLITS  # a block's splits one cluster, else a semaphore
+    waits, clustered = merge_waits(merge, max_kv_splits)
     rows_layout = plgpu.Layout.WGMMA.reduce(1)  # per-row values: m, l, LSE
     # merge=True: the partials pass between CTAs in their registers' order (`spill_registers`), two o slots (one per
     # consumer warpgroup's half) and one LSE slot (its per-thread copies, at most 64 a thread) per (sequence, head
@@ -1067,8 +1074,7 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
     counts = (WARPGROUP,) * (2 * stages + 1)  # every barrier: one warpgroup's 128 arrivals
     if sinks is not None and not merge:
         raise ValueError("sinks are added by the merge: merge=True (or the Triton merge's sink argument)")
-    waits = merge and max_kv_splits > 1  # one split a sequence: its CTA stores the result, nothing to wait for
-    clustered = waits and max_kv_splits <= CLUSTER_MAX_SPLITS  # a sequence's splits one cluster, else a semaphore
+    waits, clustered = merge_waits(merge, max_kv_splits)
     columns = plgpu.Layout.WGMMA.reduce(0)  # the tile's per-head (column) values: m, l, LSE
 
     def body(kv_indptr_ref, kv_indices_ref, splits_ref, q_ref, k_pool_ref, v_scale_ref, sinks_ref, mid_o_ref,

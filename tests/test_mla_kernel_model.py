@@ -10,6 +10,7 @@ An index or geometry slip in those functions shows here as a mismatch with the r
 """
 
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -286,12 +287,17 @@ def test_extend_model_matches_reference(rng, dim, q_heads, sinks):
     np.testing.assert_array_equal(out[batch.tokens:], 0.0)
 
 
+def _ring(name: str, step: int, stages: int):
+    """The barrier of ring slot step % stages: name "ready" (its tile landed) or "free" (its tile consumed)."""
+    return (name, step % stages)
+
+
 def _producer_program(steps: int, *, stages: int, fp8: bool, copies_first: bool = False):
     """The producer warpgroup's barrier operations (`stream_latent_tiles`): Q, then each tile, a slot's previous tile
     released first; over an fp8 pool its copies start stages - 1 tiles ahead and its conversion completes the tile's
     barrier (a "load" here), the next copies issued after the conversion or (copies_first) before it."""
-    ready = lambda step: ("ready", step % stages)  # noqa: E731
-    free = lambda step: ("free", step % stages)  # noqa: E731
+    ready = functools.partial(_ring, "ready", stages=stages)
+    free = functools.partial(_ring, "free", stages=stages)
 
     def start(step):
         if step >= steps:
@@ -316,8 +322,8 @@ def _producer_program(steps: int, *, stages: int, fp8: bool, copies_first: bool 
 def _mla_cta_programs(steps: int, *, stages: int, fp8: bool):
     """The barrier operations of one MLA CTA (`_cta`) in the kernel's order: warpgroup 0 (S, softmax, half of P V,
     P and alpha handed over), warpgroup 1 (the other half), the producer (`_producer_program`)."""
-    ready = lambda step: ("ready", step % stages)  # noqa: E731
-    free = lambda step: ("free", step % stages)  # noqa: E731
+    ready = functools.partial(_ring, "ready", stages=stages)
+    free = functools.partial(_ring, "free", stages=stages)
 
     def wait_ready(step):
         return ("wait", ready(step), (step // stages) % 2, step)
@@ -353,13 +359,13 @@ def test_transposed_tile_barrier_protocol_never_hangs(fp8):
     for steps in (1, 2, 3, 7, 32):
         consumer = [("wait", "q", 0, 0)]
         for step in range(steps):
-            consumer += [("wait", ("ready", step % stages), (step // stages) % 2, step),
-                         ("arrive", ("free", step % stages), step)]
+            consumer += [("wait", _ring("ready", step, stages), (step // stages) % 2, step),
+                         ("arrive", _ring("free", step, stages), step)]
         programs = {"producer": _producer_program(steps, stages=stages, fp8=fp8, copies_first=True),
                     "consumer": consumer}
         for _ in range(5):
-            barriers = {("ready", s): Barrier(1) for s in range(stages)}
-            barriers |= {("free", s): Barrier(1) for s in range(stages)} | {"q": Barrier(1)}
+            barriers = {_ring("ready", s, stages): Barrier(1) for s in range(stages)}
+            barriers |= {_ring("free", s, stages): Barrier(1) for s in range(stages)} | {"q": Barrier(1)}
             run_protocol(programs, barriers, rng)
 
 
@@ -376,7 +382,7 @@ def test_barrier_protocol_never_hangs(fp8):
         for steps in (1, 2, 3, 7, 32):
             programs = _mla_cta_programs(steps, stages=stages, fp8=fp8)
             for _ in range(5):
-                barriers = {("ready", s): Barrier(1) for s in range(stages)}
-                barriers |= {("free", s): Barrier(2) for s in range(stages)}  # both consumers release a slot
+                barriers = {_ring("ready", s, stages): Barrier(1) for s in range(stages)}
+                barriers |= {_ring("free", s, stages): Barrier(2) for s in range(stages)}  # both consumers release a slot
                 barriers |= {"q": Barrier(1), "p_ready": Barrier(1), "p_free": Barrier(1)}
                 run_protocol(programs, barriers, rng)

@@ -283,15 +283,16 @@ def test_declines_name_the_reason():
 
 
 def test_transposed_tile_is_the_default_where_it_takes_the_call():
-    # MgpuDecodeConfig.transposed None: the transposed tile wherever it takes the call
-    # (tuning.sm90.MLA_DECODE_TRANSPOSED), over 16-bit and fp8 latent pools; True / False force it; the padded tile
-    # for verify steps, 64+ heads, 288-wide latents, 32-key tiles.
+    # MgpuDecodeConfig.transposed None: the transposed tile wherever it takes the call over a 16-bit latent pool
+    # (tuning.sm90.MLA_DECODE_TRANSPOSED), the padded one over fp8 (MLA_DECODE_TRANSPOSED_FP8: slower there); True /
+    # False force it; the padded tile for verify steps, 64+ heads, 288-wide latents, 32-key tiles.
     from jaxattn.tuning import MgpuDecodeConfig
 
-    assert mgpu_mla.MLA_DECODE_TRANSPOSED
+    assert mgpu_mla.MLA_DECODE_TRANSPOSED and not mgpu_mla.MLA_DECODE_TRANSPOSED_FP8
     assert mgpu_mla._transposed(_call(q_heads=16)) and mgpu_mla._transposed(_call(q_heads=32))
     assert mgpu_mla._transposed(_call(q_heads=16, config=MgpuDecodeConfig(splits=2)))
-    assert mgpu_mla._transposed(_call(pool_dtype=jnp.float8_e4m3fn))
+    assert not mgpu_mla._transposed(_call(pool_dtype=jnp.float8_e4m3fn))
+    assert mgpu_mla._transposed(_call(pool_dtype=jnp.float8_e4m3fn, config=MgpuDecodeConfig(transposed=True)))
     assert not mgpu_mla._transposed(_call(q_heads=16, config=MgpuDecodeConfig(transposed=False)))
     assert not mgpu_mla._transposed(_call(pool_dtype=jnp.float8_e5m2, config=MgpuDecodeConfig(transposed=False)))
     for call in (_call(q_heads=64), _call(tokens=4), _call(qk=288, v_head_dim=256),

@@ -415,18 +415,18 @@ def test_mgpu_kernel_converts_fp8_tiles_itself(rng, fmt, case, form, tiles):
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU (the Mosaic GPU kernel)")
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("tokens,window", [(1, -1), (1, 300), (4, -1)], ids=["decode", "window", "verify-4"])
-@pytest.mark.parametrize("tile", ["default", "padded", "triton-merge"])
+@pytest.mark.parametrize("tile", ["default", "transposed", "triton-merge"])
 def test_mla_kernel_converts_fp8_latent_tiles_itself(rng, fmt, tokens, window, tile):
     # impl="mgpu-fp8": the MLA kernel over an fp8 latent pool (its producer converts each tile to f16; q pre-scaled,
     # the scale on the outputs: V is K's first 512 columns, so k_scale is V's too) against the reference on the same
     # pool; empty and long sequences, unused rows NaN. A scale that is not a power of two, so a scale applied twice
-    # or not at all shows. One token runs the transposed tile by default (the padded one forced too); both merge their
-    # splits themselves by default (the Triton merge after them too).
+    # or not at all shows. The padded tile by default (the transposed one, which takes one token, forced too); both
+    # merge their splits themselves by default (the Triton merge after them too).
     from jaxattn.tuning import MgpuDecodeConfig
 
-    if tokens > 1 and tile == "padded":
-        pytest.skip("several tokens run the padded tile by default")
-    config = {"default": None, "padded": MgpuDecodeConfig(transposed=False),
+    if tokens > 1 and tile == "transposed":
+        pytest.skip("the transposed tile takes one token a sequence")
+    config = {"default": None, "transposed": MgpuDecodeConfig(transposed=True),
               "triton-merge": MgpuDecodeConfig(kernel_merge=False)}[tile]
     q_heads, dim = 16, 576
     kv_lens = [1, 700, 0, 2049, 64]

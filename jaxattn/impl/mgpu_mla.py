@@ -17,8 +17,8 @@ result does not depend on its batch).
 
 `DECODE_FP8` ("mgpu-fp8", by name only): the same decode over an fp8 (e4m3fn / e5m2) latent cache 576 wide, the
 kernel's producer converting each tile to f16 in shared memory; q is multiplied by the softmax scale and k_scale and
-rounded to f16 once, v_scale multiplies the outputs. On the padded tile slower than the Triton kernel (179e77b, H100);
-one token at 16 or 32 heads now takes the transposed tile as the 16-bit cache does (not yet run on a GPU).
+rounded to f16 once, v_scale multiplies the outputs. Slower than the Triton kernel on either tile (H100: 0.254 ms
+padded, 0.269 transposed, Triton 0.198; 37975d2), so it runs the padded tile unless the transposed one is asked for.
 
 Both take DeepSeek's 576/512 latent head and the half-size 288/256 (`MLA_HEAD_DIMS`). `EXTEND`, the "mgpu"
 implementation of `jaxattn.mla.mla_extend_attention` (two-stage, causal, sinks allowed): one pass, 64 (token, head) rows per CTA over
@@ -40,7 +40,7 @@ from jaxattn.impl import triton_decode
 from jaxattn.metadata import MIN_BLOCK_KV
 from jaxattn.registry import Implementation
 from jaxattn.tuning import MgpuDecodeConfig
-from jaxattn.tuning.sm90 import MLA_DECODE_KERNEL_MERGE, MLA_DECODE_TRANSPOSED
+from jaxattn.tuning.sm90 import MLA_DECODE_KERNEL_MERGE, MLA_DECODE_TRANSPOSED, MLA_DECODE_TRANSPOSED_FP8
 
 # The latent head shapes the kernel builds (`SHAPES` of kernels/mla_attention_mgpu.py), each tested on the H200.
 MLA_HEAD_DIMS = ((576, 512), (288, 256))
@@ -131,10 +131,11 @@ def _transposed_unsupported(call: DecodeCall) -> str | None:
 
 def _transposed(call: DecodeCall) -> bool:
     """Whether the call runs on the transposed tile: `MgpuDecodeConfig.transposed` where set, else wherever the tile
-    takes the call (`MLA_DECODE_TRANSPOSED`)."""
+    takes the call over a 16-bit cache (`MLA_DECODE_TRANSPOSED`; over fp8, `MLA_DECODE_TRANSPOSED_FP8`)."""
     if isinstance(call.config, MgpuDecodeConfig) and call.config.transposed is not None:
         return call.config.transposed
-    return MLA_DECODE_TRANSPOSED and _transposed_unsupported(call) is None
+    default = MLA_DECODE_TRANSPOSED_FP8 if is_fp8(call.k_pool.dtype) else MLA_DECODE_TRANSPOSED
+    return default and _transposed_unsupported(call) is None
 
 
 def _listed_indices(kv_indices):

@@ -152,7 +152,8 @@ class MgpuDecodeConfig:
     `DECODE_KV32`; on the H100 at MLA 0.129 ms against 0.124 for 64-key tiles, 179e77b). transposed: the MLA
     kernel's transposed tile (keys as wgmma's M, the heads as N: a quarter of the padded tile's matrix work at 16
     heads; one query token, 576, 16 or 32 heads; `mla_decode_transposed_kernel`), True / False to force it
-    on or off; None: wherever it takes the call (`tuning.sm90.MLA_DECODE_TRANSPOSED`). kernel_merge: the MLA kernel
+    on or off; None: wherever it takes the call over a 16-bit cache (`tuning.sm90.MLA_DECODE_TRANSPOSED`; over fp8,
+    `MLA_DECODE_TRANSPOSED_FP8`). kernel_merge: the MLA kernel
     (either tile) merging a sequence's splits itself (its last split folds the others' partials: no Triton merge
     launched) where True, the Triton merge where False; None: `tuning.sm90.MLA_DECODE_KERNEL_MERGE`."""
 

@@ -128,10 +128,13 @@ EXTEND_MGPU_FP8_IN_KERNEL_MAX_READERS = 4
 # MLA decode (576/512, one query token, 16 or 32 heads) on the MLA kernel's transposed tile (keys as wgmma's M, heads
 # as N: `MgpuDecodeConfig.transposed`, None takes this) rather than the padded 64-row tile. H100, ms (% of the floor):
 # MLA 0.118-0.121 (83.1-85.0%) against 0.122-0.124 (81.5-82.7%) in four runs (179e77b, 35d899e, b65a744, 0281adf);
-# MLA-L 0.416 (96.9%) against 0.421 (95.7%, 0281adf). Over fp8 latent caches ("mgpu-fp8", by name) the same choice
-# since the transposed tile took them (not yet timed: the padded tile's fp8 form ran 0.25 ms at MLA-FP8 on the H200,
-# the Triton default 0.195).
+# MLA-L 0.416 (96.9%) against 0.421 (95.7%, 0281adf). 16-bit caches only: see MLA_DECODE_TRANSPOSED_FP8.
 MLA_DECODE_TRANSPOSED = True
+
+# The same choice over fp8 latent caches ("mgpu-fp8", by name): the padded tile. The transposed tile's one producer
+# warpgroup converts every tile for its one consumer, and it ran slower: H100 (37975d2, one run, kernel merge on both)
+# MLA-FP8 0.269 ms transposed against 0.254 padded (the Triton default 0.198; the bf16 cache 0.115).
+MLA_DECODE_TRANSPOSED_FP8 = False
 
 # The MLA kernel merging a sequence's splits itself (`MgpuDecodeConfig.kernel_merge`, None takes this), on either tile:
 # its last non-empty split folds the others' partials, passed in their registers' order, after a cluster barrier (2-8

@@ -1,0 +1,34 @@
+"""Experiment, under Nsight Compute: one call of each named extend backend at one bench case and nothing else, so
+`ncu -k regex:entry_mosaic_gpu_kernel --launch-count N` profiles exactly those kernels, in the order named.
+
+Asked by the thirty-fourth session's timelines (benchmarks/RESULTS.md): where a prefix is cached, the two-stage
+kernel (`jaxattn`) runs 3.5-4% longer than the unified one (`jaxattn-unified`) on the GPU's clock (E3, E3-P16, T64),
+and 3.4% shorter without one (E2). Run from the repository root on the GPU machine (after installing the wheels):
+    ncu --clock-control none --target-processes application-only -k regex:entry_mosaic_gpu_kernel --launch-count 2 \
+        --section LaunchStats --section WarpStateStats --section InstructionStats \
+        python benchmarks/experiments/extend_one_call_each.py E3 jaxattn,jaxattn-unified
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+def main():
+    if len(sys.argv) != 3:
+        raise SystemExit(__doc__)
+    from jaxattn import bench
+
+    case = bench.case_named(sys.argv[1])
+    if case is None:
+        raise SystemExit(f"unknown case {sys.argv[1]!r}: the names are {list(bench.CASES)}")
+    inp = bench.make_inputs(case)
+    for backend in sys.argv[2].split(","):
+        maker, sync = bench.BACKENDS["extend"][backend]
+        sync(maker(inp)())  # compiles, then launches its kernels once
+        print(f"{case.name} {backend}: one call", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -60,7 +60,7 @@ def sweep_variants(op: str, case: Case):
                     variants.append((f"mgpu kv32 splits={splits or 'own'}",
                                      lambda inp, c=config: decode_jaxattn(inp, config=c, impl=impl)))
                     if case.new == 1:  # the transposed tile (merging its splits itself, or through the Triton
-                        # merge) is the default here (of "mgpu-fp8" over fp8 latent caches); the padded one too
+                        # merge), the 16-bit cache's default; the padded one, "mgpu-fp8"'s default over fp8
                         for transposed, merge, name in ((True, None, "transposed"),
                                                         (True, False, "transposed triton-merge"),
                                                         (False, None, "padded")):

@@ -6,7 +6,7 @@ latent head (`v_pool=None`: V is each row's first 512 dims), bf16/f16, one query
 allowed) or several (speculative verify / multi-token prediction, causal or a draft mask), sinks (added by the merge).
 Stage 1 packs (token, q head) rows of a sequence into 64-row wgmma tiles and reads each latent row once for all of
 them; stage 2 is the Triton merge of the split partials (`jaxattn.impl.triton_decode.merge_splits`). One token over
-a 576-wide cache at 16 or 32 heads runs the transposed tile instead (keys as wgmma's M, the heads as N: a
+a 576-wide 16-bit cache at 16 or 32 heads runs the transposed tile instead (keys as wgmma's M, the heads as N: a
 quarter of the padded tile's matrix work; `MgpuDecodeConfig.transposed`, `tuning.sm90.MLA_DECODE_TRANSPOSED`). Either
 tile merges a sequence's splits itself, sinks included, instead of stage 2 (`MgpuDecodeConfig.kernel_merge`,
 `tuning.sm90.MLA_DECODE_KERNEL_MERGE`): one launch per call.

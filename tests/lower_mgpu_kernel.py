@@ -239,8 +239,8 @@ DECODE_SHAPES = [
     ("gqa-decode-bf16-32x8-final", "gqa", 4, 32, jnp.bfloat16, dict(kv_heads=8, splits=1, persistent=False)),
     ("gqa-decode-e4m3-12x3-bf16-final-persistent", "gqa", 5, 12, jnp.bfloat16, dict(kv_heads=3, pool=jnp.float8_e4m3fn, splits=1, persistent=True)),
     # The MLA kernel's padded tile over an fp8 latent pool (`impl="mgpu-fp8"`: tiles converted to f16 by its
-    # producer): one token with a window (forced: one token takes the transposed tile, below), and a 4-token verify
-    # under a draft tree (e5m2, f16 q).
+    # producer): one token with a window (named, so the shape stays the padded tile's whatever the fp8 default,
+    # `MLA_DECODE_TRANSPOSED_FP8`), and a 4-token verify under a draft tree (e5m2, f16 q).
     ("mla-decode-e4m3-16-bf16-window", 8, 1, 16, jnp.bfloat16,
      dict(pool=jnp.float8_e4m3fn, sliding_window=300, transposed=False)),
     ("mla-verify-e5m2-4x16-f16-draft", 4, 4, 16, jnp.float16, dict(pool=jnp.float8_e5m2, draft=True)),

@@ -50,7 +50,7 @@ def main():
     for name in args.cases.split(","):
         case = bench.case_named(name) or mla_case_named(name)
         if case is None:
-            raise SystemExit(f"unknown case {name!r}: the names are {list(bench.CASES)} (a paged one: E3-P16)")
+            raise SystemExit(f"unknown case {name!r}: the names are {list(bench.CASES)} (a paged one: E3-P16; MLA at a shape: MLA-64x512)")
         inp = bench.make_inputs(case)
         for backend in args.backends.split(","):
             maker, sync = bench.BACKENDS[args.op][backend]

@@ -523,6 +523,17 @@ def fp8_step_position(first_row: int, rows: int, thread, i: int, *, head_dim: in
     return ops.add(first_row, ops.div(k, chunks)), ops.rem(k, chunks)
 
 
+def fp8_stored_half(j: int, chunk, *, swizzle: int = SWIZZLE_BYTES, ops=IntOps):
+    """Which 16-byte half (0 or 1: f16 chunk 2 * chunk + half) of its converted fp8 chunk a thread writes with its
+    j-th store (j 0 or 1). Shared memory serves a warp's 16-byte stores 8 threads at a time, each group conflict-free
+    when its 8 chunks fill the 8 bank positions of a 128-byte line. A group's threads hold consecutive fp8 chunks, and
+    in order (half 0 first) the four chunks of one swizzle row and the four of the next land on the same four even
+    (or odd) positions: two wavefronts a store. Threads of every other run of swizzle / 32 chunks storing their upper
+    half first make 128-byte swizzles conflict-free at the extend kernel's head dims and MLA's 576 (64-byte swizzles
+    are left at most 2-way: a row has only 4 positions there); `tests/test_fp8_extend_layout.py` counts both."""
+    return ops.xor(ops.rem(ops.div(chunk, swizzle // 32), 2), j)
+
+
 def fp8_step_chunks_per_thread(rows: int, head_dim: int) -> int:
     return -(-rows * (head_dim // 16) // WARPGROUP)
 
@@ -691,10 +702,14 @@ def convert_fp8_tiles(tiles, bars, slot, *, block_kv: int, head_dim: int, fp8_dt
             out = []
             for i in range(4):
                 out += mgpu_utils.inline_ptx(ptx, vector.extract(data, [], [i]), *scale, result_types=[i32, i32])
-            for half in range(2):
+            halves = [vector.from_elements(words, out[4 * half:4 * half + 4]) for half in range(2)]
+            upper_first = arith.cmpi(arith.CmpIPredicate.ne, fp8_stored_half(0, chunk, swizzle=swizzle, ops=IrOps),
+                                     _i32(0))
+            for j in range(2):  # store j writes half fp8_stored_half(j, chunk) (bank-conflict-free order)
+                half = fp8_stored_half(j, chunk, swizzle=swizzle, ops=IrOps)
                 at = swizzled_16bit_byte(row, IrOps.add(IrOps.mul(chunk, 2), half), head_dim=head_dim,
                                          swizzle=swizzle, ops=IrOps)
-                llvm.store(vector.from_elements(words, out[4 * half:4 * half + 4]),
+                llvm.store(arith.select(upper_first, halves[1 - j], halves[j]),
                            mgpu_utils.getelementptr(base, [at], i8), alignment=16)
 
         for index, (first_row, rows, is_round) in enumerate(fp8_conversion_steps(block_kv, head_dim)):

@@ -24,10 +24,11 @@ most 64), padded to wgmma's 64 rows with zero rows that are computed and never s
   from registers, and the next tile's K converted while that runs. 16-bit pools take no conversion: wgmma reads the
   ring's tiles and the slot is released after P V. Two consumers per SM keep one's conversions and softmax beside
   the other's wgmmas (a CTA of one consumer ran at 41-45% of the fp8 floor: `benchmarks/RESULTS.md`).
-* warpgroup 2 (producer, 40 registers) copies each kv head's Q rows once (rows past the group zero-filled), then
-  gathers the split's K and V rows of both kv heads (the same slots) by 16-byte `cp.async` (`issue_rows`) into each
-  consumer's two rings of [64, head_dim] tiles in the pool's dtype, one "landed" mbarrier per ring slot; ring
-  phases count tiles over all of a CTA's items, and a Q reload waits for the consumer to have read the last Q.
+* warpgroup 2 (producer, 40 registers: `REGISTERS`) copies each kv head's Q rows once (rows past the group
+  zero-filled), then gathers the split's K and V rows of both kv heads (the same slots) by 16-byte `cp.async`
+  (`issue_rows`) into each consumer's two rings of [64, head_dim] tiles in the pool's dtype, one "landed" mbarrier per
+  ring slot; ring phases count tiles over all of a CTA's items, and a Q reload waits for the consumer to have read the
+  last Q.
 
 At the end each consumer stores its group's rows of the split's normalised output (times v_scale) and natural-log
 LSE into the partial buffers of `kernels/decode_attention.py`'s stage 1, which its stage 2 merges (sinks added there),
@@ -46,6 +47,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from jaxattn.kernels.extend_attention_mgpu import (
     LOG2E,
+    REGISTERS,
     SWIZZLED,
     SWIZZLED_8BIT,
     WARPGROUP,
@@ -179,7 +181,7 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
             (ring tiles it has consumed, Q loads it has read)."""
             ring0 = c * stages  # consumer c's slots of the rings, and of their barriers
             k16, v16 = (converted[0].at[c], converted[1].at[c]) if fp8 else (None, None)
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(REGISTERS[CONSUMERS][0], action="increase")
 
             def ring_slot(tile):  # ring tile number -> (slot, phase parity)
                 return ring0 + lax.rem(tile, stages), lax.rem(lax.div(tile, stages), 2)
@@ -284,7 +286,7 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
 
         def producer():
             """Counters: per consumer, (ring tiles it has filled, Q loads it has issued)."""
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(REGISTERS[CONSUMERS][1], action="decrease")
 
             def item(seq, head_pair, split, cta, counters):
                 heads = [CONSUMERS * head_pair + c for c in range(CONSUMERS)]

@@ -76,6 +76,7 @@ COMPUTE_WARPGROUPS = 2  # consumer warpgroups of a CTA by default (`consumers`: 
 # threads): three consumers hold 64-dim heads' accumulators in 160 (FlashAttention-3's split for its 192-row tiles).
 REGISTERS = {2: (232, 40), 3: (160, 24)}  # consumers -> (consumer, producer)
 WARPGROUP = 128
+REGISTER_FILE = 65536  # 32-bit registers of an sm_90 multiprocessor
 SWIZZLE_BYTES = 128  # one swizzle atom row: 8 x 16-byte chunks; a tile of 8 rows is 1024 bytes
 _SCALAR = plgpu.Layout.WG_SPLAT(())
 _ROW_SOURCES = plgpu.Layout.WG_STRIDED((WARPGROUP,), vec_size=1)  # one i32 per producer thread
@@ -85,6 +86,17 @@ SWIZZLED_8BIT = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(SWIZZLE
 # (the MLA decode kernel's 32-key tiles).
 SWIZZLED_64 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))
 SWIZZLES = {SWIZZLE_BYTES: SWIZZLED, 64: SWIZZLED_64}  # 16-bit tiles by swizzle bytes
+
+
+def register_split_fits(registers) -> bool:
+    """Whether a CTA whose warpgroups set these registers per thread (setmaxnreg, one entry per warpgroup) can run.
+    The launch gives each thread the register file's share rounded down to 8 (168 for three warpgroups), and
+    setmaxnreg moves registers only within that: an increase waits until decreases have freed enough, so a split
+    past the launch's total hangs the kernel (216 / 80 beside two consumers did on an H100: benchmarks/RESULTS.md,
+    thirty-fifth session). setmaxnreg takes multiples of 8 in [24, 256]."""
+    threads = WARPGROUP * len(registers)
+    launched = min(REGISTER_FILE // threads // 8 * 8, 248) * threads
+    return all(24 <= r <= 256 and r % 8 == 0 for r in registers) and WARPGROUP * sum(registers) <= launched
 
 
 def _cdiv(x, d: int):
@@ -523,17 +535,6 @@ def fp8_step_position(first_row: int, rows: int, thread, i: int, *, head_dim: in
     return ops.add(first_row, ops.div(k, chunks)), ops.rem(k, chunks)
 
 
-def fp8_stored_half(j: int, chunk, *, swizzle: int = SWIZZLE_BYTES, ops=IntOps):
-    """Which 16-byte half (0 or 1: f16 chunk 2 * chunk + half) of its converted fp8 chunk a thread writes with its
-    j-th store (j 0 or 1). Shared memory serves a warp's 16-byte stores 8 threads at a time, each group conflict-free
-    when its 8 chunks fill the 8 bank positions of a 128-byte line. A group's threads hold consecutive fp8 chunks, and
-    in order (half 0 first) the four chunks of one swizzle row and the four of the next land on the same four even
-    (or odd) positions: two wavefronts a store. Threads of every other run of swizzle / 32 chunks storing their upper
-    half first make 128-byte swizzles conflict-free at the extend kernel's head dims and MLA's 576 (64-byte swizzles
-    are left at most 2-way: a row has only 4 positions there); `tests/test_fp8_extend_layout.py` counts both."""
-    return ops.xor(ops.rem(ops.div(chunk, swizzle // 32), 2), j)
-
-
 def fp8_step_chunks_per_thread(rows: int, head_dim: int) -> int:
     return -(-rows * (head_dim // 16) // WARPGROUP)
 
@@ -702,14 +703,10 @@ def convert_fp8_tiles(tiles, bars, slot, *, block_kv: int, head_dim: int, fp8_dt
             out = []
             for i in range(4):
                 out += mgpu_utils.inline_ptx(ptx, vector.extract(data, [], [i]), *scale, result_types=[i32, i32])
-            halves = [vector.from_elements(words, out[4 * half:4 * half + 4]) for half in range(2)]
-            upper_first = arith.cmpi(arith.CmpIPredicate.ne, fp8_stored_half(0, chunk, swizzle=swizzle, ops=IrOps),
-                                     _i32(0))
-            for j in range(2):  # store j writes half fp8_stored_half(j, chunk) (bank-conflict-free order)
-                half = fp8_stored_half(j, chunk, swizzle=swizzle, ops=IrOps)
+            for half in range(2):
                 at = swizzled_16bit_byte(row, IrOps.add(IrOps.mul(chunk, 2), half), head_dim=head_dim,
                                          swizzle=swizzle, ops=IrOps)
-                llvm.store(arith.select(upper_first, halves[1 - j], halves[j]),
+                llvm.store(vector.from_elements(words, out[4 * half:4 * half + 4]),
                            mgpu_utils.getelementptr(base, [at], i8), alignment=16)
 
         for index, (first_row, rows, is_round) in enumerate(fp8_conversion_steps(block_kv, head_dim)):
@@ -955,6 +952,9 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
     if overlap and (scheduled or latent):
         raise ValueError("overlap takes 3 consumer warpgroups (no schedule barrier) and K/V tiles of their own")
     consumer_registers, producer_registers = REGISTERS[consumers]
+    if not register_split_fits((consumer_registers,) * consumers + (producer_registers,)):
+        raise ValueError(f"REGISTERS[{consumers}] = {REGISTERS[consumers]} does not fit one CTA's registers "
+                         f"(`register_split_fits`): the kernel would hang")
     cta_rows = head_rows_per_cta(consumers, block_q, heads_per_cta)
     q_tiles = -(-(max_extend_len + 7) // cta_rows)  # + 7: tiles start up to 7 rows before a sequence
     window = int(sliding_window) if sliding_window is not None and sliding_window >= 0 else None

@@ -58,6 +58,7 @@ import numpy as np
 
 from jaxattn.kernels.extend_attention_mgpu import (
     LOG2E,
+    REGISTERS,
     SWIZZLE_BYTES,
     SWIZZLED,
     SWIZZLES,
@@ -638,7 +639,7 @@ def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, shape: LatentShape
 
     @pl.when(wg == 0)
     def _scores():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(REGISTERS[2][0], action="increase")
         m_i, l_i, acc = online_softmax_start(BLOCK_ROWS, (BLOCK_ROWS, v_split), stats_axis=1)
         wait_barrier(bars, q_bar, 0)
 
@@ -689,7 +690,7 @@ def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, shape: LatentShape
 
     @pl.when(wg == 1)
     def _second_half():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(REGISTERS[2][0], action="increase")
         acc = plgpu.layout_cast(jnp.full((BLOCK_ROWS, v_split), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
         def step_fn(step, acc):
@@ -714,7 +715,7 @@ def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, shape: LatentShape
 
     @pl.when(wg == 2)
     def _producer():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(REGISTERS[2][1], action="decrease")
         stream_latent_tiles(q_ref, new_ref, pool_ref, kv_indices_ref, q_smem, k_smem, bars, q_row0=q_row0,
                             q_count=q_count, q_block_rows=BLOCK_ROWS, q_bar=q_bar, ready=ready, free=free,
                             stages=stages, steps=steps, tile_source=tile_source, block_kv=block_kv,

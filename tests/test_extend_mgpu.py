@@ -958,6 +958,28 @@ def test_unified_tiles_do_not_depend_on_the_bucket(rng, monkeypatch):
     assert block_kv[2:] == [64, 128]  # two-stage: the short-window tile for the short bucket
 
 
+def test_register_splits_fit_one_cta(rng, monkeypatch):
+    # setmaxnreg moves registers within what the launch gave the CTA: every split the kernels set fits; 216 / 80 beside
+    # two consumers hung on an H100 (thirty-fifth session) and is refused at trace time, naming the table.
+    import jaxattn.kernels.extend_attention_mgpu as kernel_module
+    from jaxattn.calls import ExtendCall
+    from jaxattn.impl import mgpu_extend
+
+    fits = kernel_module.register_split_fits
+    for consumers, (consumer, producer) in kernel_module.REGISTERS.items():
+        assert fits((consumer,) * consumers + (producer,))
+    assert fits((224, 224, 56)) and fits((216, 216, 72))  # the launch's 168 x 384 exactly
+    assert not fits((216, 216, 80)) and not fits((224, 224, 64)) and not fits((232, 232, 44))
+    batch = make_batch(rng, [300, 90], [20, 31], hq=8, hkv=2, dqk=128, dtype=jnp.bfloat16, max_extend_len=32)
+    call = ExtendCall(form="two_stage", q=batch.q, k_new=batch.k_new, v_new=batch.v_new, k_pool=batch.k_pool,
+                      v_pool=batch.v_pool, meta=batch.meta, kv_start_pos=batch.meta.kv_start_pos, causal=True,
+                      custom_mask=None, skip_prefix_custom_mask=True, sliding_window=-1, logit_cap=0.0, sinks=None,
+                      xai_temperature_len=-1, sm_scale=0.1, config=None, launch_mode="gpu")
+    monkeypatch.setitem(kernel_module.REGISTERS, 2, (216, 80))
+    with pytest.raises(ValueError, match=r"REGISTERS\[2\] = \(216, 80\) does not fit"):
+        jax.eval_shape(lambda: mgpu_extend.IMPLEMENTATION.run(call))
+
+
 def test_cp_async_phase_counts():
     # The kernel's own phase arithmetic (runs on CPU): against counting the cp.async steps one by one, for prefix
     # lengths, TMA ranges (empty included) and any number of tail tiles.

@@ -7,14 +7,12 @@ the options below alone). FP8_REGISTERS=c,p sets the two-consumer kernels' regis
 producer's 40 hold few loads in flight). FP8_CONVERT=integer|permute replaces the f16 tiles' conversion instruction
 (one cvt per two values): "integer" with integer ops, exact for every e4m3fn byte NaN included but 2^8 too small (the
 scales are not adjusted here: times only), "permute" with e5m2's two byte permutes (on e4m3 data, times only); set
-FP8_STEPS=phases with it. FP8_STORE_ORDER=lower-first (with FP8_STEPS=phases) restores the conversion's store order
-before `fp8_stored_half` (each thread's lower 16-byte half first: 2-way bank conflicts on every store at 128-dim heads,
-1.8x at MLA's 576; correct outputs), to time it beside the kernel's order. In SASS for sm_90 (ptxas 13.0) four fp8 values take 2 F2FP.F16.E4M3.UNPACK_B, 2 PRMT, or
+FP8_STEPS=phases with it. In SASS for sm_90 (ptxas 13.0) four fp8 values take 2 F2FP.F16.E4M3.UNPACK_B, 2 PRMT, or
 19 integer instructions (LOP3, LEA.HI, VIADD, SHF, IMAD). Run it beside the
 real rows in one device call: the difference is what the conversion, or its phases, cost on the critical path.
 
 Usage: [FP8_STEPS=none|rounds|phases] [FP8_REGISTERS=c,p] [FP8_CONVERT=integer|permute] \
-    [FP8_STORE_ORDER=lower-first] python benchmarks/experiments/fp8_conversion_cost.py <jaxattn.bench arguments>
+    python benchmarks/experiments/fp8_conversion_cost.py <jaxattn.bench arguments>
 """
 import os
 import sys
@@ -53,8 +51,6 @@ STEPS = {"none": lambda block_kv, head_dim: (), "rounds": rounds_only,
 extend_attention_mgpu.fp8_conversion_steps = STEPS[os.environ.get("FP8_STEPS", "none")]
 if "FP8_REGISTERS" in os.environ:
     extend_attention_mgpu.REGISTERS[2] = tuple(int(n) for n in os.environ["FP8_REGISTERS"].split(","))
-if os.environ.get("FP8_STORE_ORDER") == "lower-first":  # store j writes half j (a traced value, as the kernel's)
-    extend_attention_mgpu.fp8_stored_half = lambda j, chunk, *, swizzle=128, ops: ops.add(ops.mul(chunk, 0), j)
 if "FP8_CONVERT" in os.environ:
     extend_attention_mgpu.FP8_TO_F16_PTX = CONVERSIONS[os.environ["FP8_CONVERT"]]
 

@@ -3,13 +3,15 @@ conversion steps replaced. FP8_STEPS=none (the default) removes them (`fp8_conve
 still copies each tile, waits for its copies, syncs and releases it; the consumers read unconverted bytes, so the
 outputs are wrong and only the times mean anything); FP8_STEPS=rounds converts in rounds of `fp8_round_rows` only,
 a sync in each (the form before the halving phases; correct outputs); FP8_STEPS=phases keeps the kernel's steps (for
-the options below alone). FP8_REGISTERS=c,p sets the two-consumer kernels' registers per thread (consumer, producer; 232,40 by default: the
-producer's 40 hold few loads in flight). FP8_CONVERT=integer|permute replaces the f16 tiles' conversion instruction
-(one cvt per two values): "integer" with integer ops, exact for every e4m3fn byte NaN included but 2^8 too small (the
-scales are not adjusted here: times only), "permute" with e5m2's two byte permutes (on e4m3 data, times only); set
-FP8_STEPS=phases with it. In SASS for sm_90 (ptxas 13.0) four fp8 values take 2 F2FP.F16.E4M3.UNPACK_B, 2 PRMT, or
-19 integer instructions (LOP3, LEA.HI, VIADD, SHF, IMAD). Run it beside the
-real rows in one device call: the difference is what the conversion, or its phases, cost on the critical path.
+the options below alone). FP8_REGISTERS=c,p sets the two-consumer kernels' registers per thread (consumer, producer;
+232,40 by default: the producer's 40 hold few loads in flight); 2c + p must stay within 504 (`register_split_fits`:
+the kernel refuses a split past the launch's registers, which hangs on the GPU). FP8_CONVERT=integer|permute
+replaces the f16 tiles' conversion instruction (one cvt per two values): "integer" with integer ops, exact for every
+e4m3fn byte NaN included but 2^8 too small (the scales are not adjusted here: times only), "permute" with e5m2's two
+byte permutes (on e4m3 data, times only); set FP8_STEPS=phases with it. In SASS for sm_90 (ptxas 13.0) four fp8
+values take 2 F2FP.F16.E4M3.UNPACK_B, 2 PRMT, or 19 integer instructions (LOP3, LEA.HI, VIADD, SHF, IMAD). Run it
+beside the real rows in one device call: the difference is what the conversion, or its phases, cost on the critical
+path.
 
 Usage: [FP8_STEPS=none|rounds|phases] [FP8_REGISTERS=c,p] [FP8_CONVERT=integer|permute] \
     python benchmarks/experiments/fp8_conversion_cost.py <jaxattn.bench arguments>

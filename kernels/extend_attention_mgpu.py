@@ -95,7 +95,7 @@ def register_split_fits(registers) -> bool:
     past the launch's total hangs the kernel (216 / 80 beside two consumers did on an H100: benchmarks/RESULTS.md,
     thirty-fifth session). setmaxnreg takes multiples of 8 in [24, 256]."""
     threads = WARPGROUP * len(registers)
-    launched = min(REGISTER_FILE // threads // 8 * 8, 248) * threads
+    launched = min(REGISTER_FILE // threads, 255) // 8 * 8 * threads  # 255: a thread's most
     return all(24 <= r <= 256 and r % 8 == 0 for r in registers) and WARPGROUP * sum(registers) <= launched
 
 

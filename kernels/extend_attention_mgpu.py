@@ -128,9 +128,9 @@ def thread_in_warpgroup():
     return arith.remui(mgpu_utils.thread_idx(), _i32(WARPGROUP))
 
 
-def _lane_ids():
-    """(warp in the warpgroup, lane) of this thread, i32."""
-    t = thread_in_warpgroup()
+def _lane_ids(thread=None):
+    """(warp in the warpgroup, lane) of this thread (or of `thread`, its index in the warpgroup), i32."""
+    t = thread_in_warpgroup() if thread is None else thread
     return arith.divui(t, _i32(32)), arith.remui(t, _i32(32))
 
 
@@ -432,6 +432,24 @@ FP8_TILES = ("q_dtype", "f16")
 # precision for every row, and rounding cannot reach f16's largest finite value, 65504).
 F16_Q_ROW_MAX = 32768.0
 F16_MIN_GAIN = 2.0 ** -100  # a zero gain's stand-in: a masked score (-inf) times it stays -inf, never NaN
+# The fp8 copies' and conversion's shared-memory addresses are the same for every tile of a thread, so LLVM hoists
+# them out of the producer's loop: 13 of them (64-bit) outlived its 40 registers at E3-FP8 and ptxas spilled them to
+# local memory, one LDL before each store of every tile (SASS of the H100's build, thirty-fifth session). True: each
+# tile's step computes them again from an opaque copy of the thread index (`fp8_step_thread`), a few integer ops a
+# store instead of a local-memory load. Opt-in until timed (`experiments/fp8_conversion_cost.py`, FP8_OPAQUE_THREAD).
+FP8_ADDRESSES_PER_TILE = False
+
+
+def fp8_step_thread():
+    """This thread's index in its warpgroup for the fp8 copies' and conversion's addresses: with
+    `FP8_ADDRESSES_PER_TILE` an opaque copy (inline asm with side effects), which keeps every address derived from it
+    inside the producer's loop (`benchmarks/experiments/hoisted_addresses_replica.cu`, compiled by nvcc 13 for sm_90a:
+    89 registers without the copy, 46 with it)."""
+    thread = thread_in_warpgroup()
+    if not FP8_ADDRESSES_PER_TILE:
+        return thread
+    return mgpu_utils.inline_ptx("mov.b32 $0, $1;", thread, result_types=ir.IntegerType.get_signless(32),
+                                 has_side_effects=True)
 
 
 def pool_score_gain(k_scale, factor):
@@ -588,7 +606,7 @@ def issue_fp8_rows(pool_ref, smem, sources, slot, kv_head, *, block_kv: int, hea
         i8, i64 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(64)
         slot, kv_head = scalar_value(slot), scalar_value(kv_head)
         my_source = vector.extract(sources.registers.flat[0], [], [0])
-        warp, lane = _lane_ids()
+        warp, lane = _lane_ids(fp8_step_thread())
         smem_base = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(smem), [arith.muli(slot, _i32(slot_bytes))], i8)
         base = arith.addi(global_address(pool), arith.extui(i64, arith.muli(kv_head, _i32(head_dim))))
         full = _i32(0xFFFFFFFF)
@@ -691,7 +709,7 @@ def convert_fp8_tiles(tiles, bars, slot, *, block_kv: int, head_dim: int, fp8_dt
         if wait_pending is not None:
             nvvm.cp_async_wait_group(wait_pending)
             sync()
-        thread = thread_in_warpgroup()
+        thread = fp8_step_thread()
         bases = [mgpu_utils.getelementptr(mgpu_utils.memref_ptr(smem), [arith.muli(slot, _i32(slot_bytes))], i8)
                  for smem in smems]
         def load(base, row, chunk):

@@ -2064,6 +2064,21 @@ def test_lowers_for_cuda_on_cpu(part):
     assert shapes == 93 and run.stdout.count("ok ") == len(range(part, shapes, 2)), run.stdout
 
 
+@pytest.mark.parametrize("shape", ["fp8-e4m3-128-bf16-tma", "mla-decode-e4m3-16-bf16-window"])
+def test_fp8_addresses_per_tile_lowers_for_cuda(shape):
+    # The opt-in FP8_ADDRESSES_PER_TILE (the fp8 copies' and conversion's addresses computed in each tile's step, from
+    # an opaque thread index) lowers for sm_90 in the extend and MLA kernels.
+    repo = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(LOWERING_PLUGIN), repo]), JAX_PLATFORMS="cpu")
+    script = ("import runpy, sys\n"
+              "from jaxattn.kernels import extend_attention_mgpu\n"
+              "extend_attention_mgpu.FP8_ADDRESSES_PER_TILE = True\n"
+              f"sys.argv = ['lower', {shape!r}]\n"
+              "runpy.run_module('tests.lower_mgpu_kernel', run_name='__main__')\n")
+    run = subprocess.run([sys.executable, "-c", script], cwd=repo, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0 and f"ok {shape}" in run.stdout, run.stdout + run.stderr[-3000:]
+
+
 def test_batches_past_the_grid_limit_are_declined():
     # The batch is the launch grid's third dimension (at most 65535): larger batches take the Triton kernels.
     from types import SimpleNamespace

@@ -445,6 +445,34 @@ def test_mla_kernel_converts_fp8_latent_tiles_itself(rng, fmt, tokens, window, t
     np.testing.assert_array_equal(np.float32(o[2]), 0.0)  # the empty sequence
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU (the Mosaic GPU kernels)")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fp8_addresses_per_tile_change_no_bit(rng, fmt, monkeypatch):
+    # FP8_ADDRESSES_PER_TILE moves where the conversion's shared-memory addresses are computed, nothing else: the
+    # extend kernel's fp8 tiles (f16, the default) and the MLA kernel's give the same bits with and without it.
+    from jaxattn.kernels import extend_attention_mgpu as kernel_module
+
+    batch = make_batch(rng, [700, 130, 1], [200, 5, 300], hq=8, hkv=2, dqk=128, dtype=jnp.bfloat16, max_extend_len=300)
+    kp, vp = quantised(batch.k_pool, per_head(2), fmt), quantised(batch.v_pool, 0.75, fmt)
+    q, k_pool, _, kv_indptr, kv_indices = make_pools(rng, [1, 700, 0, 2049], 16, 1, 576, 512, jnp.bfloat16,
+                                                     v_from_k=True)
+    meta = decode_metadata_from_indptr(kv_indptr, kv_indices, q_heads=16, kv_heads=1, max_kv_splits=4,
+                                       min_split_len=32, programs_per_sm=10**6)
+    k8 = quantised(k_pool, 0.37, fmt)
+    outputs = []
+    for per_tile in (False, True):
+        monkeypatch.setattr(kernel_module, "FP8_ADDRESSES_PER_TILE", per_tile)
+        jax.clear_caches()  # the flag is read when the kernels are traced
+        extend = extend_attention(batch.q, batch.k_new, batch.v_new, kp, vp, batch.meta, impl="mgpu-fp8",
+                                  k_scale=per_head(2), v_scale=0.75)
+        mla = decode_attention(q, k8, None, meta, impl="mgpu-fp8", v_head_dim=512, k_scale=0.37)
+        outputs.append((np.float32(extend), np.float32(mla)))
+    assert not np.isnan(outputs[0][0][: batch.tokens]).any() and not np.isnan(outputs[0][1]).any()
+    for before, after in zip(*outputs):
+        np.testing.assert_array_equal(after, before)
+
+
 def test_mla_fp8_implementation_declines_with_reasons(rng):
     from jaxattn import decode
     from jaxattn.calls import DecodeCall

@@ -782,6 +782,25 @@ def cp_async_uses(step, slot, *, pre_steps, tail_step, stages: int, first_step=N
     return uses
 
 
+# The two-stage form's waits on prefix tiles (steps < pre_steps, no pages by TMA): every tile before them in their
+# slot came by cp.async, so their phase is `prefix_cp_async_uses`, a few uniform ops, where the general wait computes
+# `cp_async_uses` over the TMA ranges and branches between TMA and cp.async barriers on every tile. In the SASS of the
+# H100's E3 build (thirty-fifth session) the two-stage kernel's prefix loop runs 533 instructions a tile against the
+# unified kernel's 513 (per-thread min / max / compares, 6 waits against 4, 11 branches against 5), and its kernel
+# took 3.5-4% longer wherever a prefix is cached. Opt-in until the GPU tests and a timing run.
+PREFIX_FAST_WAITS = False
+
+
+def prefix_cp_async_uses(step, slot, *, stages: int, first_step=None):
+    """`cp_async_uses` for a prefix step (step < pre_steps; no prefix tile copied page by page by TMA): the cp.async
+    tiles before `step` in its slot are all the steps before it there, step // stages, less those before a window's
+    first step (first_step <= step: never loaded)."""
+    uses = lax.div(step, jnp.int32(stages))
+    if first_step is not None:
+        uses = uses - lax.div(jnp.maximum(first_step - slot, 0) + (stages - 1), jnp.int32(stages))
+    return uses
+
+
 def window_first_step(first_row, prefix_len, lead, pre_steps, *, window: int, block_kv: int):
     """The first K/V step a query sees under a sliding window W: the step holding the key at position first_row - W.
 
@@ -1116,11 +1135,17 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
         def by_tma(step):
             return (step >= pre_steps) & (step < tail_step)
 
-        def wait_ready(which, step, ready):
+        fast_prefix_waits = PREFIX_FAST_WAITS and not pallas_pages and not unified
+
+        def wait_ready(which, step, ready, prefix=False):
             # Tile `step` sits in slot step % stages. A TMA tile completes Pallas' barrier `ready` of the slot (a
             # tile of whole pages: `page_ready`; Pallas tracks their phases); a cp.async tile (or with page_issue
             # "inline" a tile of pages) completes the slot's own mbarrier in kv_bars (phase: its use count).
+            # prefix (only with fast_prefix_waits, for a step < pre_steps): `prefix_cp_async_uses`, no TMA branch.
             slot = lax.rem(step, jnp.int32(stages))
+            if prefix:
+                uses = prefix_cp_async_uses(step, slot, stages=stages, first_step=None if window is None else first_step)
+                return wait_barrier(kv_bars, which * stages + slot, lax.rem(uses, 2))
             uses = cp_async_uses(step, slot, pre_steps=pre_steps, tail_step=tail_step, stages=stages,
                                  first_step=None if window is None else first_step,
                                  page_steps=page_steps if pallas_pages else 0)
@@ -1262,8 +1287,9 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                         return q16_smem, k16_smem, v16_smem, pool_gain
                     return qo_smem, k_smem, v_smem, None
 
-                def kv_step(step, carry, mask_kind=None, pool=False):
-                    # pool: the tile comes from the pool (matters with fp8_tiles="f16": `operands`).
+                def kv_step(step, carry, mask_kind=None, pool=False, prefix=False):
+                    # pool: the tile comes from the pool (matters with fp8_tiles="f16": `operands`). prefix: a prefix
+                    # step (step < pre_steps) whose waits take the fast form (`fast_prefix_waits`).
                     acc, m_i, l_i = carry
                     slot = lax.rem(step, jnp.int32(stages))
                     q_tile, k_ring, v_ring, gain = operands(pool)
@@ -1353,7 +1379,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     if scheduled:
                         plgpu.barrier_arrive(schedule)  # softmax done
                     if not latent:
-                        wait_ready(1, step, v_ready)
+                        wait_ready(1, step, v_ready, prefix=prefix)
                     if scheduled:
                         plgpu.barrier_wait(schedule)  # the other warpgroup's matrix work is issued
 
@@ -1361,10 +1387,13 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                         v_tile = k_smem.at[slot, :, pl.ds(0, v_dim)] if latent else v_ring.at[slot]
                         plgpu.wgmma(acc_ref, p16, v_tile)
                         next_step = step + 1
-
-                        @pl.when(next_step < wg_steps)
-                        def _():
-                            wait_ready(0, next_step, k_ready)
+                        if prefix:  # the next tile is a prefix tile too, but at the prefix's end
+                            next_prefix = next_step < pre_steps
+                            pl.when(next_prefix & (next_step < wg_steps))(
+                                lambda: wait_ready(0, next_step, k_ready, prefix=True))
+                            pl.when(~next_prefix & (next_step < wg_steps))(lambda: wait_ready(0, next_step, k_ready))
+                        else:
+                            pl.when(next_step < wg_steps)(lambda: wait_ready(0, next_step, k_ready))
 
                     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                     plgpu.barrier_arrive((k_free if latent else v_free).at[slot])
@@ -1428,6 +1457,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                         bound_args["mask_kind"] = mask_kind
                     if pool and f16_tiles:
                         bound_args["pool"] = True
+                    if pool and fast_prefix_waits:  # the loops given pool=True run prefix steps only
+                        bound_args["prefix"] = True
                     return functools.partial(kv_step, **bound_args) if bound_args else kv_step
 
                 def unmasked(lo, hi, carry, pool=False):  # a run of tiles every row sees whole

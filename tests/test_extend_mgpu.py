@@ -562,6 +562,35 @@ def test_custom_mask_dtypes_give_the_same_output(rng):
         np.testing.assert_array_equal(np.float32(o), np.float32(outputs[0]))
 
 
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("case", ["plain", "window", "tree", "fp8"])
+@pytest.mark.parametrize("whole_tiles", [False, True], ids=["tokens-odd", "tokens-x8"])
+def test_prefix_fast_waits_change_no_bit(rng, case, whole_tiles, monkeypatch):
+    # PREFIX_FAST_WAITS changes how a prefix tile's wait finds its phase, nothing else: the same bits without it, with
+    # TMA new-key tiles (tokens a multiple of 8) and without, under a window, a tree mask and f16 fp8 tiles.
+    from jaxattn.kernels import extend_attention_mgpu as kernel_module
+
+    prefix_lens, extend_lens = [0, 37, 700, 300], [130, 5, 64, 257]
+    batch = make_batch(rng, prefix_lens, extend_lens, hq=8, hkv=2, dqk=128, dtype=jnp.bfloat16, max_extend_len=266)
+    q, k_new, v_new = _new_tokens(batch, whole_tiles)
+    k_pool, v_pool, impl, kw = batch.k_pool, batch.v_pool, "mgpu", {}
+    if case == "window":
+        kw = dict(sliding_window=200)
+    elif case == "tree":
+        kw = dict(custom_mask=_tree_masks(rng, prefix_lens, extend_lens))
+    elif case == "fp8":
+        k_pool, v_pool = k_pool.astype(jnp.float8_e4m3fn), v_pool.astype(jnp.float8_e4m3fn)
+        impl, kw = "mgpu-fp8", dict(k_scale=0.37, v_scale=0.75)
+    outputs = []
+    for fast in (False, True):
+        monkeypatch.setattr(kernel_module, "PREFIX_FAST_WAITS", fast)
+        jax.clear_caches()  # the flag is read when the kernel is traced
+        outputs.append(np.float32(extend_attention(q, k_new, v_new, k_pool, v_pool, batch.meta, impl=impl, **kw)))
+    assert not np.isnan(outputs[0][: batch.tokens]).any()
+    np.testing.assert_array_equal(outputs[1], outputs[0])
+
+
 DRAFT_MASKS = [
     ("plain", dict()),
     ("window-cap-sinks", dict(sliding_window=40, logit_cap=3.0, sinks=True)),
@@ -1041,6 +1070,27 @@ def test_cp_async_phase_counts_from_a_first_step():
                 want = [sum(1 for f, m in pairs if f == first and m < step and m % stages == step % stages)
                         for first, step in pairs]
                 np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"{stages=} {pre_steps=} {tma_tiles=}")
+
+
+def test_prefix_phase_counts_match_the_general_ones():
+    # PREFIX_FAST_WAITS: a prefix step's phase from `prefix_cp_async_uses` (no TMA ranges) is `cp_async_uses`' for every
+    # step < pre_steps, whatever the TMA range after the prefix, with and without a window's first step (<= the step).
+    from jaxattn.kernels.extend_attention_mgpu import cp_async_uses, prefix_cp_async_uses
+
+    for stages in (2, 3, 4):
+        for pre_steps in range(1, 9):
+            for tma_tiles in range(3):
+                tail_step = pre_steps + tma_tiles
+                pairs = [(first, m) for first in range(pre_steps) for m in range(first, pre_steps)]
+                firsts, steps = (np.asarray(x, np.int32) for x in zip(*pairs))
+                for windowed in (False, True):
+                    first = jnp.asarray(firsts) if windowed else None
+                    want = cp_async_uses(jnp.asarray(steps), jnp.asarray(steps % stages), pre_steps=jnp.int32(pre_steps),
+                                         tail_step=jnp.int32(tail_step), stages=stages, first_step=first)
+                    got = prefix_cp_async_uses(jnp.asarray(steps), jnp.asarray(steps % stages), stages=stages,
+                                               first_step=first)
+                    np.testing.assert_array_equal(np.asarray(got), np.asarray(want),
+                                                  err_msg=f"{stages=} {pre_steps=} {tma_tiles=} {windowed=}")
 
 
 def _tile_keys(step, prefix_len, lead, block_kv):
@@ -2073,6 +2123,21 @@ def test_fp8_addresses_per_tile_lowers_for_cuda(shape):
     script = ("import runpy, sys\n"
               "from jaxattn.kernels import extend_attention_mgpu\n"
               "extend_attention_mgpu.FP8_ADDRESSES_PER_TILE = True\n"
+              f"sys.argv = ['lower', {shape!r}]\n"
+              "runpy.run_module('tests.lower_mgpu_kernel', run_name='__main__')\n")
+    run = subprocess.run([sys.executable, "-c", script], cwd=repo, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0 and f"ok {shape}" in run.stdout, run.stdout + run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("shape", ["gqa-128-bf16", "fp8-e4m3-128-bf16-f16-window-mask"])
+def test_prefix_fast_waits_lower_for_cuda(shape):
+    # The opt-in PREFIX_FAST_WAITS (prefix tiles' waits without the TMA branch) lowers for sm_90: plain, and fp8 f16
+    # tiles under a window with a custom mask (the window's split prefix loop).
+    repo = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(LOWERING_PLUGIN), repo]), JAX_PLATFORMS="cpu")
+    script = ("import runpy, sys\n"
+              "from jaxattn.kernels import extend_attention_mgpu\n"
+              "extend_attention_mgpu.PREFIX_FAST_WAITS = True\n"
               f"sys.argv = ['lower', {shape!r}]\n"
               "runpy.run_module('tests.lower_mgpu_kernel', run_name='__main__')\n")
     run = subprocess.run([sys.executable, "-c", script], cwd=repo, env=env, capture_output=True, text=True, timeout=900)

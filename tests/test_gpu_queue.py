@@ -13,7 +13,8 @@ import pytest
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 QUEUE = os.path.join(ROOT, "benchmarks", "gpu_queue")
-STEP_FILES = sorted(name for name in os.listdir(QUEUE) if name.endswith(".steps"))
+STEP_FILES = sorted((name for name in os.listdir(QUEUE) if name.endswith(".steps")),
+                    key=lambda name: int(name.split("_")[0]) if name.split("_")[0].isdigit() else -1)
 
 
 def session_budget() -> int:

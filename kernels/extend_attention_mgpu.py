@@ -1387,7 +1387,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                         v_tile = k_smem.at[slot, :, pl.ds(0, v_dim)] if latent else v_ring.at[slot]
                         plgpu.wgmma(acc_ref, p16, v_tile)
                         next_step = step + 1
-                        if prefix:  # the next tile is a prefix tile too, but at the prefix's end
+                        if prefix:  # the next tile is a prefix tile too, but after the prefix's last one
                             next_prefix = next_step < pre_steps
                             pl.when(next_prefix & (next_step < wg_steps))(
                                 lambda: wait_ready(0, next_step, k_ready, prefix=True))

@@ -2114,30 +2114,18 @@ def test_lowers_for_cuda_on_cpu(part):
     assert shapes == 93 and run.stdout.count("ok ") == len(range(part, shapes, 2)), run.stdout
 
 
-@pytest.mark.parametrize("shape", ["fp8-e4m3-128-bf16-tma", "mla-decode-e4m3-16-bf16-window"])
-def test_fp8_addresses_per_tile_lowers_for_cuda(shape):
-    # The opt-in FP8_ADDRESSES_PER_TILE (the fp8 copies' and conversion's addresses computed in each tile's step, from
-    # an opaque thread index) lowers for sm_90 in the extend and MLA kernels.
+@pytest.mark.parametrize("flag,shape", [
+    ("FP8_ADDRESSES_PER_TILE", "fp8-e4m3-128-bf16-tma"), ("FP8_ADDRESSES_PER_TILE", "mla-decode-e4m3-16-bf16-window"),
+    ("PREFIX_FAST_WAITS", "gqa-128-bf16"), ("PREFIX_FAST_WAITS", "fp8-e4m3-128-bf16-f16-window-mask")])
+def test_opt_in_kernel_flags_lower_for_cuda(flag, shape):
+    # The opt-in forms lower for sm_90: FP8_ADDRESSES_PER_TILE (the fp8 copies' and conversion's addresses from an
+    # opaque thread index in each tile's step) in the extend and MLA kernels; PREFIX_FAST_WAITS (prefix tiles' waits
+    # without the TMA branch) plain, and with fp8 f16 tiles under a window and a custom mask (the window's prefix loop).
     repo = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(LOWERING_PLUGIN), repo]), JAX_PLATFORMS="cpu")
     script = ("import runpy, sys\n"
               "from jaxattn.kernels import extend_attention_mgpu\n"
-              "extend_attention_mgpu.FP8_ADDRESSES_PER_TILE = True\n"
-              f"sys.argv = ['lower', {shape!r}]\n"
-              "runpy.run_module('tests.lower_mgpu_kernel', run_name='__main__')\n")
-    run = subprocess.run([sys.executable, "-c", script], cwd=repo, env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0 and f"ok {shape}" in run.stdout, run.stdout + run.stderr[-3000:]
-
-
-@pytest.mark.parametrize("shape", ["gqa-128-bf16", "fp8-e4m3-128-bf16-f16-window-mask"])
-def test_prefix_fast_waits_lower_for_cuda(shape):
-    # The opt-in PREFIX_FAST_WAITS (prefix tiles' waits without the TMA branch) lowers for sm_90: plain, and fp8 f16
-    # tiles under a window with a custom mask (the window's split prefix loop).
-    repo = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(LOWERING_PLUGIN), repo]), JAX_PLATFORMS="cpu")
-    script = ("import runpy, sys\n"
-              "from jaxattn.kernels import extend_attention_mgpu\n"
-              "extend_attention_mgpu.PREFIX_FAST_WAITS = True\n"
+              f"extend_attention_mgpu.{flag} = True\n"
               f"sys.argv = ['lower', {shape!r}]\n"
               "runpy.run_module('tests.lower_mgpu_kernel', run_name='__main__')\n")
     run = subprocess.run([sys.executable, "-c", script], cwd=repo, env=env, capture_output=True, text=True, timeout=900)

@@ -15,6 +15,17 @@ if not os.path.exists("/dev/nvidiactl"):
     ).strip()
 
 
+# JAXATTN_TEST_KERNEL_FLAGS=PREFIX_FAST_WAITS[,FP8_ADDRESSES_PER_TILE]: the tests run with those opt-in forms of the
+# Mosaic GPU kernels on (upper-case booleans of jaxattn.kernels.extend_attention_mgpu), before one becomes a default.
+if os.environ.get("JAXATTN_TEST_KERNEL_FLAGS"):
+    from jaxattn.kernels import extend_attention_mgpu
+
+    for _flag in os.environ["JAXATTN_TEST_KERNEL_FLAGS"].split(","):
+        if not (_flag.isupper() and isinstance(getattr(extend_attention_mgpu, _flag, None), bool)):
+            raise ValueError(f"JAXATTN_TEST_KERNEL_FLAGS names {_flag!r}, not a flag of extend_attention_mgpu")
+        setattr(extend_attention_mgpu, _flag, True)
+
+
 @pytest.fixture
 def rng(request):
     """A numpy Generator seeded from the test's name, so failures reproduce and tests differ."""

@@ -449,7 +449,7 @@ def test_mla_kernel_converts_fp8_latent_tiles_itself(rng, fmt, tokens, window, t
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU (the Mosaic GPU kernels)")
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_fp8_addresses_per_tile_change_no_bit(rng, fmt, monkeypatch):
-    # FP8_ADDRESSES_PER_TILE moves where the conversion's shared-memory addresses are computed, nothing else: the
+    # FP8_ADDRESSES_PER_TILE moves where the fp8 copies' and conversion's addresses are computed, nothing else: the
     # extend kernel's fp8 tiles (f16, the default) and the MLA kernel's give the same bits with and without it.
     from jaxattn.kernels import extend_attention_mgpu as kernel_module
 

@@ -200,7 +200,6 @@ def test_16bit_row_copies_land_where_wgmma_reads(head_dim, swizzle):
     np.testing.assert_array_equal(swizzled_tile(slot, rows, head_dim, np.uint16, swizzle), data)
 
 
-
 def wavefronts(byte_offsets) -> int:
     """Shared-memory wavefronts of one warp's 16-byte accesses (32 offsets, by lane): the hardware serves them 8 lanes
     at a time over 32 banks of 4-byte words; a group takes as many wavefronts as its most-used bank has distinct words."""

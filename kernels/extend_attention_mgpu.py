@@ -436,7 +436,7 @@ F16_MIN_GAIN = 2.0 ** -100  # a zero gain's stand-in: a masked score (-inf) time
 # them out of the producer's loop: 13 of them (64-bit) outlived its 40 registers at E3-FP8 and ptxas spilled them to
 # local memory, one LDL before each store of every tile (SASS of the H100's build, thirty-fifth session). True: each
 # tile's step computes them again from an opaque copy of the thread index (`fp8_step_thread`), a few integer ops a
-# store instead of a local-memory load. Opt-in until timed (`experiments/fp8_conversion_cost.py`, FP8_OPAQUE_THREAD).
+# store instead of a local-memory load. Opt-in until timed (`experiments/with_kernel_flags.py`).
 FP8_ADDRESSES_PER_TILE = False
 
 

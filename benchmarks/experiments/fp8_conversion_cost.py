@@ -11,10 +11,9 @@ e4m3fn byte NaN included but 2^8 too small (the scales are not adjusted here: ti
 byte permutes (on e4m3 data, times only); set FP8_STEPS=phases with it. In SASS for sm_90 (ptxas 13.0) four fp8
 values take 2 F2FP.F16.E4M3.UNPACK_B, 2 PRMT, or 19 integer instructions (LOP3, LEA.HI, VIADD, SHF, IMAD). Run it
 beside the real rows in one device call: the difference is what the conversion, or its phases, cost on the critical
-path. FP8_OPAQUE_THREAD=1 (with FP8_STEPS=phases) sets `FP8_ADDRESSES_PER_TILE`: the conversion's addresses
-computed in each tile's step instead of hoisted out of the loop and spilled (correct outputs).
+path.
 
-Usage: [FP8_STEPS=none|rounds|phases] [FP8_REGISTERS=c,p] [FP8_CONVERT=integer|permute] [FP8_OPAQUE_THREAD=1] \
+Usage: [FP8_STEPS=none|rounds|phases] [FP8_REGISTERS=c,p] [FP8_CONVERT=integer|permute] \
     python benchmarks/experiments/fp8_conversion_cost.py <jaxattn.bench arguments>
 """
 import os
@@ -54,8 +53,6 @@ STEPS = {"none": lambda block_kv, head_dim: (), "rounds": rounds_only,
 extend_attention_mgpu.fp8_conversion_steps = STEPS[os.environ.get("FP8_STEPS", "none")]
 if "FP8_REGISTERS" in os.environ:
     extend_attention_mgpu.REGISTERS[2] = tuple(int(n) for n in os.environ["FP8_REGISTERS"].split(","))
-if os.environ.get("FP8_OPAQUE_THREAD") == "1":
-    extend_attention_mgpu.FP8_ADDRESSES_PER_TILE = True
 if "FP8_CONVERT" in os.environ:
     extend_attention_mgpu.FP8_TO_F16_PTX = CONVERSIONS[os.environ["FP8_CONVERT"]]
 

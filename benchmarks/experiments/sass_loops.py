@@ -60,8 +60,8 @@ def opcodes(lines) -> collections.Counter:
 
 def loops(lines):
     """(label, first line, last line) of each loop: a branch back to a label. ptxas places the mbarrier waits' retry
-    blocks at the kernel's end (a label, a move, the wait, a branch to itself, a branch back into the code): branches
-    from a block with a wait among its first three instructions are left out."""
+    blocks at the kernel's end (a label, a move or a reload, the wait, a branch to itself, a branch back into the
+    code): branches from a block with a wait among its first four instructions are left out."""
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := LABEL.match(line))}
     block_instructions, retry_block, found = 0, False, []
     for i, line in enumerate(lines):
@@ -70,7 +70,7 @@ def loops(lines):
             continue
         if OPCODE.match(line):
             block_instructions += 1
-            retry_block |= block_instructions <= 3 and "SYNCS.PHASECHK" in line
+            retry_block |= block_instructions <= 4 and "SYNCS.PHASECHK" in line
         m = BRANCH.search(line)
         if m and m.group(1) in labels and labels[m.group(1)] < i and not retry_block:
             found.append((m.group(1), labels[m.group(1)], i))

@@ -90,14 +90,25 @@ def _clear_bytes(out, first, last, cta, ctas, row_bytes: int):
     run(out, first, last, cta, ctas)
 
 
-def unwritten_rows_zeroed(qo_indptr, *, rows: int, row_shape: tuple, dtype, max_extend_len: int) -> jax.Array:
+def unwritten_rows_zeroed(qo_indptr, *, rows: int, row_shape: tuple, dtype, max_extend_len: int,
+                          owner=None) -> jax.Array:
     """A fresh [rows, *row_shape] buffer of `dtype` in which every row that an extend kernel with this qo_indptr
     (i32[batch + 1]) and max_extend_len does not write is 0; the rows it writes are left uninitialised (for it to
-    fill in place). Rows whose bytes are not a multiple of 16, or 2**30 rows or more: all zeros (XLA's memset)."""
+    fill in place). Rows whose bytes are not a multiple of 16, or 2**30 rows or more: all zeros (XLA's memset).
+
+    owner: an array of the call the buffer is for (its q). The buffer is then made from values tied to it by an
+    optimization barrier, so that XLA cannot merge the buffers of two calls with the same metadata (a model's layers
+    in one jitted step) into one buffer, which every call filling it in place would then copy whole first: at E1,
+    134 MB a layer, one 630-us gap in a step of 8 layers on the H100 (benchmarks/RESULTS.md, thirty-fifth session)."""
     batch = qo_indptr.shape[0] - 1
     row_bytes = math.prod(row_shape) * np.dtype(dtype).itemsize
     if row_bytes % STORE_BYTES or rows >= 2**30 or rows == 0:
-        return jnp.zeros((rows, *row_shape), dtype)
+        zero = jnp.zeros((), dtype)
+        if owner is not None:
+            zero = lax.optimization_barrier((zero, owner))[0]
+        return jnp.broadcast_to(zero, (rows, *row_shape))
+    if owner is not None:
+        qo_indptr = lax.optimization_barrier((qo_indptr, owner))[0]
     padding = padding_ctas(rows, row_bytes)
 
     def body(qo_ref, out_ref):

@@ -2132,6 +2132,34 @@ def test_opt_in_kernel_flags_lower_for_cuda(flag, shape):
     assert run.returncode == 0 and f"ok {shape}" in run.stdout, run.stdout + run.stderr[-3000:]
 
 
+ZERO_ROWS_TIED_TO_Q = """
+import re, jax, jax.numpy as jnp, numpy as np
+from tests.test_extend import make_batch
+from jaxattn.extend_mgpu import extend_attention_mgpu
+b = make_batch(np.random.default_rng(0), [300, 90], [20, 31], hq=8, hkv=2, dqk=128, dtype=jnp.bfloat16,
+               max_extend_len=32)
+call = lambda q: extend_attention_mgpu(q, b.k_new, b.v_new, b.k_pool, b.v_pool, b.meta)
+text = jax.export.export(jax.jit(call), platforms=["cuda"])(b.q).mlir_module()
+zero_rows = [m for m in re.finditer(r"stablehlo.custom_call @mosaic_gpu\\w*\\((%[\\w#]+)\\)", text)]
+barriers = {m[0]: m[1:] for m in re.findall(r"(%\\w+):2 = stablehlo.optimization_barrier (%\\w+), (%\\w+)", text)}
+operand = zero_rows[0].group(1) if len(zero_rows) == 1 else None
+print("zero-rows calls", len(zero_rows), "operand", operand, "barrier", operand and operand.split("#")[0] in barriers)
+"""
+
+
+def test_the_zero_rows_buffer_is_tied_to_its_call():
+    # A model's layers share the extend metadata: a zero-rows buffer made from it alone is the same computation in
+    # every layer, XLA merges them into one, and each layer's kernel, filling it in place, then copies it whole first
+    # (E1: 134 MB a layer; a 630-us gap in a step of 8 layers on the H100). The buffer's only operand (qo_indptr)
+    # comes through an optimization barrier with the call's q, so no two calls' buffers are one computation.
+    repo = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(LOWERING_PLUGIN), repo]), JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, "-c", ZERO_ROWS_TIED_TO_Q], cwd=repo, env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "zero-rows calls 1 operand %" in run.stdout and run.stdout.strip().endswith("barrier True"), run.stdout
+
+
 def test_batches_past_the_grid_limit_are_declined():
     # The batch is the launch grid's third dimension (at most 65535): larger batches take the Triton kernels.
     from types import SimpleNamespace

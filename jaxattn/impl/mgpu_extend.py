@@ -496,7 +496,7 @@ def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: 
         q = jnp.pad(q, ((0, rows - tokens), (0, 0), (0, width - q.shape[2])))
     # The kernel fills the buffer in place (aliased); the rows it does not compute are 0 (only those are cleared).
     out_ref = jax.new_ref(unwritten_rows_zeroed(meta.qo_indptr, rows=rows, row_shape=(q_heads, v_dim), dtype=q.dtype,
-                                                max_extend_len=meta.max_extend_len))
+                                                max_extend_len=meta.max_extend_len, owner=q))
     kv_indices = meta.kv_indices
     if kv_indices.shape[0] == 0:  # a kernel operand needs an address; no row of it is listed
         kv_indices = jnp.zeros((1,), kv_indices.dtype)

@@ -253,7 +253,7 @@ def run_extend(call: MlaExtendCall):
     # The kernel fills the buffer in place; rows it does not compute (padding tokens, past max_extend_len) are 0
     # (only those are cleared). Its (token, head) rows are the [tokens, q_heads, v] buffer's bytes.
     out = unwritten_rows_zeroed(meta.qo_indptr, rows=tokens, row_shape=(q_heads, call.v_head_dim), dtype=call.q.dtype,
-                                max_extend_len=meta.max_extend_len)
+                                max_extend_len=meta.max_extend_len, owner=call.q)
     out_ref = jax.new_ref(out.reshape(tokens * q_heads, call.v_head_dim))
     mla_extend_mgpu_kernel(
         call.q.reshape(tokens * q_heads, 1, dim), call.k_new, call.k_pool, meta.qo_indptr.astype(jnp.int32),

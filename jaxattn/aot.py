@@ -118,24 +118,33 @@ def main_loop(kb: KernelBuild, target: tuple = H200_TARGET) -> LoopProfile | Non
             f.write(_compile(kb, target).asm["cubin"])
         sass = subprocess.run([triton.knobs.nvidia.nvdisasm.path, "-c", path], capture_output=True, text=True,
                               check=True).stdout
-    instructions, labels, label = [], {}, None  # (offset, text); label -> offset of its first instruction
-    for line in sass.splitlines():
-        if found := re.match(r"\s*\.(L_x_\d+):", line):
-            label = found.group(1)
-        elif found := re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line):
-            offset = int(found.group(1), 16)
-            if label is not None:
-                labels[label], label = offset, None
-            instructions.append((offset, found.group(2).strip()))
-    loops = [(labels[target_label], offset) for offset, text in instructions
-             if (branch := re.search(r"BRA[^`]*`\(\.(L_x_\d+)\)", text)) and labels.get(target_label := branch.group(1),
-                                                                                        offset) < offset]
+    loops = sass_loops(sass)
     if not loops:
         return None
-    first, last = max(loops, key=lambda span: span[1] - span[0])
-    body = [re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0] for offset, text in instructions
-            if first <= offset <= last]
-    return LoopProfile(len(body), tuple(collections.Counter(body).most_common()))
+    body = max((body for _, body in loops), key=len)
+    opcodes = [re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0] for text in body]
+    return LoopProfile(len(opcodes), tuple(collections.Counter(opcodes).most_common()))
+
+
+def sass_loops(sass: str) -> list[tuple[str, list[str]]]:
+    """The loops of a kernel's SASS (`nvdisasm -c` text): (label, the instructions from the label to the branch back
+    to it), in the order of their branches. ptxas places mbarrier waits' retry blocks after the code (a move or a
+    reload, the wait, a branch to itself, a branch back into the code); a branch from a block with a wait among its
+    first four instructions closes no loop."""
+    instructions, labels = [], {}  # instruction texts; label -> index of its first instruction
+    loops, block_length, retry_block = [], 0, False
+    for line in sass.splitlines():
+        if found := re.match(r"\s*\.(L_x_\d+):", line):
+            labels[found.group(1)], block_length, retry_block = len(instructions), 0, False
+        elif found := re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", line):
+            text = found.group(1).strip()
+            block_length += 1
+            retry_block |= block_length <= 4 and "SYNCS.PHASECHK" in text
+            instructions.append(text)
+            branch = re.search(r"BRA[^`]*`\(\.(L_x_\d+)\)", text)
+            if branch and branch.group(1) in labels and not retry_block:
+                loops.append((branch.group(1), instructions[labels[branch.group(1)]:]))
+    return loops
 
 
 def _ptxas_resources(ptx: str, arch: int) -> tuple[int | None, int | None]:

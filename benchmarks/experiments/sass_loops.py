@@ -17,64 +17,41 @@ Usage: python benchmarks/experiments/sass_loops.py A.ptx [B.ptx]
 import collections
 import glob
 import os
-import re
 import shutil
 import subprocess
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from jaxattn.aot import sass_loops  # noqa: E402  (the loop finder `python -m jaxattn.aot --loop` uses)
+
 KEY_OPCODES = ("HGMMA", "MUFU.EX2", "FMNMX", "FFMA", "FMUL", "FADD", "F2FP", "SYNCS.PHASECHK", "BAR", "BRA", "LDL",
                "STL", "LDS", "STS", "LDGSTS", "R2UR", "VIMNMX", "ISETP")
-LABEL = re.compile(r"^\s*(\.L_x_\d+):")
-BRANCH = re.compile(r"BRA\s*`?\(?(\.L_x_\d+)")
-OPCODE = re.compile(r"^\s*/\*[0-9a-f]+\*/\s*(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)")
 
 
-def tool(name: str, env: str, candidates) -> str:
-    path = os.environ.get(env) or next((c for c in candidates if c and os.path.exists(c)), None)
-    if not path:
-        raise SystemExit(f"no {name}: set ${env}")
-    return path
-
-
-def sass_of(ptx: str) -> tuple[str, list[str]]:
-    """(ptxas' report, the SASS lines) of a PTX file built for sm_90a."""
+def sass_of(ptx: str) -> tuple[str, str]:
+    """(ptxas' report, the SASS text) of a PTX file built for sm_90a: CUDA 13's ptxas ($PTXAS, else the newest
+    /usr/local/cuda*/bin/ptxas, else PATH's), Triton's nvdisasm."""
     import triton
 
-    triton_bin = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    ptxas = tool("ptxas", "PTXAS", sorted(glob.glob("/usr/local/cuda*/bin/ptxas"), reverse=True)
-                 + [shutil.which("ptxas")])
-    nvdisasm = tool("nvdisasm", "NVDISASM", [shutil.which("nvdisasm"), os.path.join(triton_bin, "nvdisasm")])
+    ptxas = os.environ.get("PTXAS") or next(
+        (p for p in sorted(glob.glob("/usr/local/cuda*/bin/ptxas"), reverse=True) + [shutil.which("ptxas")] if p), None)
+    if not ptxas:
+        raise SystemExit("no ptxas: set $PTXAS")
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
         built = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", cubin], capture_output=True, text=True)
         if built.returncode:
             raise SystemExit(built.stderr)
-        sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
-    return built.stderr, sass.splitlines()
+        sass = subprocess.run([triton.knobs.nvidia.nvdisasm.path, "-c", cubin], capture_output=True, text=True,
+                              check=True).stdout
+    return built.stderr, sass
 
 
-def opcodes(lines) -> collections.Counter:
-    return collections.Counter(m.group(1) for line in lines if (m := OPCODE.match(line)))
-
-
-def loops(lines):
-    """(label, first line, last line) of each loop: a branch back to a label. ptxas places the mbarrier waits' retry
-    blocks at the kernel's end (a label, a move or a reload, the wait, a branch to itself, a branch back into the
-    code): branches from a block with a wait among its first four instructions are left out."""
-    labels = {m.group(1): i for i, line in enumerate(lines) if (m := LABEL.match(line))}
-    block_instructions, retry_block, found = 0, False, []
-    for i, line in enumerate(lines):
-        if LABEL.match(line):
-            block_instructions, retry_block = 0, False
-            continue
-        if OPCODE.match(line):
-            block_instructions += 1
-            retry_block |= block_instructions <= 4 and "SYNCS.PHASECHK" in line
-        m = BRANCH.search(line)
-        if m and m.group(1) in labels and labels[m.group(1)] < i and not retry_block:
-            found.append((m.group(1), labels[m.group(1)], i))
-    return found
+def opcodes(instructions) -> collections.Counter:
+    """Full opcodes (predicates dropped) of instruction texts."""
+    return collections.Counter(text.split()[1] if text.startswith("@") else text.split()[0] for text in instructions)
 
 
 def key_counts(counter) -> str:
@@ -83,19 +60,19 @@ def key_counts(counter) -> str:
 
 
 def report(ptx: str):
-    ptxas_report, lines = sass_of(ptx)
+    ptxas_report, sass = sass_of(ptx)
     print(f"== {ptx}\n{ptxas_report.strip()}")
+    lines = sass.splitlines()
     dealloc = next((i for i, line in enumerate(lines) if "USETMAXREG.DEALLOC" in line), len(lines))
     for region, part in (("before the producer's setmaxnreg decrease", lines[:dealloc]),
                          ("the producer's (from it on)", lines[dealloc:])):
-        spills = opcodes(part)
-        print(f"spills, {region}: STL {sum(n for op, n in spills.items() if op.startswith('STL'))}, "
-              f"LDL {sum(n for op, n in spills.items() if op.startswith('LDL'))}")
+        spills = [line for line in part if " STL" in line or " LDL" in line]
+        print(f"spills, {region}: STL {sum(' STL' in line for line in spills)}, "
+              f"LDL {sum(' LDL' in line for line in spills)}")
     wgmma_loops = []
-    for label, first, last in loops(lines):
-        body = lines[first:last + 1]
+    for label, body in sass_loops(sass):
         counts = opcodes(body)
-        print(f"loop {label} (lines {first}-{last}): {sum(counts.values())} instructions; {key_counts(counts)}")
+        print(f"loop {label}: {len(body)} instructions; {key_counts(counts)}")
         if any(op.startswith("HGMMA") for op in counts):
             wgmma_loops.append((label, counts))
     return wgmma_loops

@@ -440,6 +440,12 @@ F16_MIN_GAIN = 2.0 ** -100  # a zero gain's stand-in: a masked score (-inf) time
 FP8_ADDRESSES_PER_TILE = False
 
 
+def opt_in_flags() -> tuple[str, ...]:
+    """This module's opt-in kernel forms (its upper-case booleans, read when a kernel is traced): what
+    `benchmarks/experiments/with_kernel_flags.py` and the tests' JAXATTN_TEST_KERNEL_FLAGS may switch on."""
+    return tuple(sorted(name for name, value in globals().items() if name.isupper() and isinstance(value, bool)))
+
+
 def fp8_step_thread():
     """This thread's index in its warpgroup for the fp8 copies' and conversion's addresses: with
     `FP8_ADDRESSES_PER_TILE` an opaque copy (inline asm with side effects), which keeps every address derived from it

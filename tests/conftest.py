@@ -21,7 +21,7 @@ if os.environ.get("JAXATTN_TEST_KERNEL_FLAGS"):
     from jaxattn.kernels import extend_attention_mgpu
 
     for _flag in os.environ["JAXATTN_TEST_KERNEL_FLAGS"].split(","):
-        if not (_flag.isupper() and isinstance(getattr(extend_attention_mgpu, _flag, None), bool)):
+        if _flag not in extend_attention_mgpu.opt_in_flags():
             raise ValueError(f"JAXATTN_TEST_KERNEL_FLAGS names {_flag!r}, not a flag of extend_attention_mgpu")
         setattr(extend_attention_mgpu, _flag, True)
 

@@ -2098,15 +2098,23 @@ LOWERING_PLUGIN = next((p for p in (os.path.join(sys.prefix, "mosaic_gpu_lowerin
                        os.path.join(os.path.dirname(__file__), "..", ".venv", "mosaic_gpu_lowering"))
 
 
-@pytest.mark.skipif(not os.path.isdir(os.path.join(LOWERING_PLUGIN, "jax_cuda12_plugin")),
-                    reason="jax's CUDA plugin module is not in .venv/mosaic_gpu_lowering (scripts/setup.sh puts it there)")
+needs_lowering_plugin = pytest.mark.skipif(
+    not os.path.isdir(os.path.join(LOWERING_PLUGIN, "jax_cuda12_plugin")),
+    reason="jax's CUDA plugin module is not in .venv/mosaic_gpu_lowering (scripts/setup.sh puts it there)")
+
+
+def _in_lowering_env(*args):
+    """`python *args` from the repository root, jax's CUDA plugin module importable (Mosaic GPU lowering on CPU)."""
+    repo = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(LOWERING_PLUGIN), repo]), JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, *args], cwd=repo, env=env, capture_output=True, text=True, timeout=900)
+
+
+@needs_lowering_plugin
 @pytest.mark.parametrize("part", [0, 1], ids=["even-shapes", "odd-shapes"])  # two halves: both test processes share it
 def test_lowers_for_cuda_on_cpu(part):
     # CI has no GPU and Pallas' GPU interpreter cannot run this kernel: lowering it for CUDA is what CI can check.
-    repo = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(LOWERING_PLUGIN), repo]), JAX_PLATFORMS="cpu")
-    run = subprocess.run([sys.executable, "-m", "tests.lower_mgpu_kernel", "", f"{part}/2"], cwd=repo, env=env,
-                         capture_output=True, text=True, timeout=900)
+    run = _in_lowering_env("-m", "tests.lower_mgpu_kernel", "", f"{part}/2")
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     from tests.lower_mgpu_kernel import DECODE_SHAPES, SHAPES
 
@@ -2114,6 +2122,7 @@ def test_lowers_for_cuda_on_cpu(part):
     assert shapes == 93 and run.stdout.count("ok ") == len(range(part, shapes, 2)), run.stdout
 
 
+@needs_lowering_plugin
 @pytest.mark.parametrize("flag,shape", [
     ("FP8_ADDRESSES_PER_TILE", "fp8-e4m3-128-bf16-tma"), ("FP8_ADDRESSES_PER_TILE", "mla-decode-e4m3-16-bf16-window"),
     ("PREFIX_FAST_WAITS", "gqa-128-bf16"), ("PREFIX_FAST_WAITS", "fp8-e4m3-128-bf16-f16-window-mask")])
@@ -2121,14 +2130,12 @@ def test_opt_in_kernel_flags_lower_for_cuda(flag, shape):
     # The opt-in forms lower for sm_90: FP8_ADDRESSES_PER_TILE (the fp8 copies' and conversion's addresses from an
     # opaque thread index in each tile's step) in the extend and MLA kernels; PREFIX_FAST_WAITS (prefix tiles' waits
     # without the TMA branch) plain, and with fp8 f16 tiles under a window and a custom mask (the window's prefix loop).
-    repo = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(LOWERING_PLUGIN), repo]), JAX_PLATFORMS="cpu")
     script = ("import runpy, sys\n"
               "from jaxattn.kernels import extend_attention_mgpu\n"
               f"extend_attention_mgpu.{flag} = True\n"
               f"sys.argv = ['lower', {shape!r}]\n"
               "runpy.run_module('tests.lower_mgpu_kernel', run_name='__main__')\n")
-    run = subprocess.run([sys.executable, "-c", script], cwd=repo, env=env, capture_output=True, text=True, timeout=900)
+    run = _in_lowering_env("-c", script)
     assert run.returncode == 0 and f"ok {shape}" in run.stdout, run.stdout + run.stderr[-3000:]
 
 
@@ -2147,15 +2154,13 @@ print("zero-rows calls", len(zero_rows), "operand", operand, "barrier", operand 
 """
 
 
+@needs_lowering_plugin
 def test_the_zero_rows_buffer_is_tied_to_its_call():
     # A model's layers share the extend metadata: a zero-rows buffer made from it alone is the same computation in
     # every layer, XLA merges them into one, and each layer's kernel, filling it in place, then copies it whole first
     # (E1: 134 MB a layer; a 630-us gap in a step of 8 layers on the H100). The buffer's only operand (qo_indptr)
     # comes through an optimization barrier with the call's q, so no two calls' buffers are one computation.
-    repo = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(LOWERING_PLUGIN), repo]), JAX_PLATFORMS="cpu")
-    run = subprocess.run([sys.executable, "-c", ZERO_ROWS_TIED_TO_Q], cwd=repo, env=env, capture_output=True,
-                         text=True, timeout=900)
+    run = _in_lowering_env("-c", ZERO_ROWS_TIED_TO_Q)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "zero-rows calls 1 operand %" in run.stdout and run.stdout.strip().endswith("barrier True"), run.stdout
 

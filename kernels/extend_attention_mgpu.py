@@ -762,6 +762,11 @@ def convert_fp8_tiles(tiles, bars, slot, *, block_kv: int, head_dim: int, fp8_dt
         *(scale for _, _, scale in tiles if scale is not None))
 
 
+def steps_in_slot(end, *, slot, stages: int):
+    """How many steps m in [0, end) use ring slot `slot` (m % stages == slot)."""
+    return lax.div(jnp.maximum(end - slot, 0) + (stages - 1), jnp.int32(stages))
+
+
 def cp_async_uses(step, slot, *, pre_steps, tail_step, stages: int, first_step=None, page_steps=0):
     """How many cp.async tiles before `step` used ring slot `slot` (= step % stages). Each completes the slot's
     mbarrier once, so this count's parity is the phase tile `step` waits for. The cp.async steps are
@@ -772,8 +777,7 @@ def cp_async_uses(step, slot, *, pre_steps, tail_step, stages: int, first_step=N
     first_step (a sliding window): the CTA's first loaded step; tiles before it were never loaded, so they are not
     counted (the mbarriers start at phase 0 on the CTA's first tile).
     """
-    def count(end):  # steps m in [0, end) with m % stages == slot
-        return lax.div(jnp.maximum(end - slot, 0) + (stages - 1), jnp.int32(stages))
+    count = functools.partial(steps_in_slot, slot=slot, stages=stages)
 
     def before(end):  # cp.async steps m in [0, end) with m % stages == slot
         prefix_end = jnp.minimum(end, pre_steps)
@@ -801,9 +805,9 @@ def prefix_cp_async_uses(step, slot, *, stages: int, first_step=None):
     """`cp_async_uses` for a prefix step (step < pre_steps; no prefix tile copied page by page by TMA): the cp.async
     tiles before `step` in its slot are all the steps before it there, step // stages, less those before a window's
     first step (first_step <= step: never loaded)."""
-    uses = lax.div(step, jnp.int32(stages))
+    uses = lax.div(step, jnp.int32(stages))  # `steps_in_slot(step)`: step's own slot
     if first_step is not None:
-        uses = uses - lax.div(jnp.maximum(first_step - slot, 0) + (stages - 1), jnp.int32(stages))
+        uses = uses - steps_in_slot(first_step, slot=slot, stages=stages)
     return uses
 
 

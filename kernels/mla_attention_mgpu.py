@@ -73,6 +73,7 @@ from jaxattn.kernels.extend_attention_mgpu import (
     issue_fp8_rows,
     issue_rows,
     online_softmax_tile,
+    register_split_fits,
     row_sources,
     scalar_value,
     thread_in_warpgroup,
@@ -1028,6 +1029,12 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
 # x 64 sequences) against the padded tile's 0.124 and FlashInfer's 0.118.
 TRANSPOSED_STAGES = 2  # Q N x 576 (18 KB at 16 heads) + 2 x 72 KB + P and barriers: a third 72 KB tile does not fit
 TRANSPOSED_QK_DIM = 576  # the latent head it takes (V: the first 512 columns, 8 wgmma M-blocks)
+# The transposed tile's registers a thread (setmaxnreg), (consumer, producer), by whether the cache is fp8. Its two
+# warpgroups launch with 248 a thread (`register_split_fits`), so the producer need not give its registers away as
+# the padded tile's does beside two consumers. Over a 16-bit cache it only issues copies (40). Over fp8 it also
+# converts every 64 x 576 tile, the tile's critical path, and the padded tile's producer at 40 registers spilled
+# 1228 bytes doing so (RESULTS, thirty-fifth session): there it keeps 224.
+TRANSPOSED_REGISTERS = {False: (232, 40), True: (232, 224)}
 
 
 # At 64 heads Q's 72 KB beside the 144 KB ring, P and Mosaic's scratch passed the 227 KB of shared memory (the H100
@@ -1070,6 +1077,10 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
     if batch * q_heads != rows_total:
         raise ValueError(f"q has {rows_total} rows; batch {batch} x q_heads {q_heads} = {batch * q_heads}")
     rows, stages, capacity = q_heads, TRANSPOSED_STAGES, kv_indices.shape[0]
+    consumer_registers, producer_registers = TRANSPOSED_REGISTERS[fp8]
+    if not register_split_fits((consumer_registers, producer_registers)):
+        raise ValueError(f"TRANSPOSED_REGISTERS[{fp8}] = {TRANSPOSED_REGISTERS[fp8]} does not fit one CTA's registers "
+                         f"(`register_split_fits`): the kernel would hang")
     scale_log2 = float(sm_scale) * LOG2E
     ready, free, q_bar = 0, stages, 2 * stages
     counts = (WARPGROUP,) * (2 * stages + 1)  # every barrier: one warpgroup's 128 arrivals
@@ -1109,7 +1120,7 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
 
             @pl.when(wg == 0)
             def _consumer():
-                plgpu.set_max_registers(232, action="increase")
+                plgpu.set_max_registers(consumer_registers, action="increase")
                 m_i, l_i, acc = online_softmax_start(rows, (v_dim, rows), stats_axis=0)  # per column
                 wait_barrier(bars, q_bar, 0)
 
@@ -1187,7 +1198,7 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
 
             @pl.when(wg == 1)
             def _producer():
-                plgpu.set_max_registers(40, action="decrease")
+                plgpu.set_max_registers(producer_registers, action="decrease")
                 stream_latent_tiles(
                     q_ref, k_pool_ref, k_pool_ref, kv_indices_ref, q_smem, k_smem, bars, q_row0=row0,
                     q_count=jnp.int32(rows), q_block_rows=rows, q_bar=q_bar, ready=ready, free=free, stages=stages,

@@ -282,6 +282,26 @@ def test_declines_name_the_reason():
         assert "sm_90" in mgpu_mla.declines_decode(_call())
 
 
+def test_transposed_tile_register_split_fits_and_is_checked(monkeypatch):
+    # The transposed tile's two warpgroups launch with 248 registers a thread: both of its splits fit (the fp8 one keeps
+    # 224 for the converting producer); a split past the launch's registers is refused when the kernel is traced.
+    import jaxattn.kernels.mla_attention_mgpu as mla_kernel
+    from jaxattn.kernels.extend_attention_mgpu import register_split_fits
+
+    assert register_split_fits(mla_kernel.TRANSPOSED_REGISTERS[False])
+    assert register_split_fits(mla_kernel.TRANSPOSED_REGISTERS[True])
+    assert not register_split_fits((232, 272)) and not register_split_fits((256, 248))
+    batch, heads = 2, 16
+    q = jnp.ones((batch * heads, 1, 576), jnp.float16)
+    pool = jnp.ones((64, 1, 576), jnp.float8_e4m3fn)
+    indptr, indices, splits = jnp.array([0, 5, 9], jnp.int32), jnp.arange(9, dtype=jnp.int32), jnp.ones(2, jnp.int32)
+    monkeypatch.setitem(mla_kernel.TRANSPOSED_REGISTERS, True, (248, 256))
+    with pytest.raises(ValueError, match=r"TRANSPOSED_REGISTERS\[True\] = \(248, 256\) does not fit"):
+        jax.eval_shape(lambda: mla_kernel.mla_decode_transposed_kernel(
+            q, pool, indptr, indices, splits, q_heads=heads, sm_scale=1.0, max_kv_splits=1,
+            v_scale=jnp.ones((1,), jnp.float32)))
+
+
 def test_transposed_tile_is_the_default_where_it_takes_the_call():
     # MgpuDecodeConfig.transposed None: the transposed tile wherever it takes the call over a 16-bit latent pool
     # (tuning.sm90.MLA_DECODE_TRANSPOSED), the padded one over fp8 (MLA_DECODE_TRANSPOSED_FP8: slower there); True /

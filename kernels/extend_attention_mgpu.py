@@ -90,12 +90,14 @@ SWIZZLES = {SWIZZLE_BYTES: SWIZZLED, 64: SWIZZLED_64}  # 16-bit tiles by swizzle
 
 def register_split_fits(registers) -> bool:
     """Whether a CTA whose warpgroups set these registers per thread (setmaxnreg, one entry per warpgroup) can run.
-    The launch gives each thread the register file's share rounded down to 8 (168 for three warpgroups), and
-    setmaxnreg moves registers only within that: an increase waits until decreases have freed enough, so a split
-    past the launch's total hangs the kernel (216 / 80 beside two consumers did on an H100: benchmarks/RESULTS.md,
-    thirty-fifth session). setmaxnreg takes multiples of 8 in [24, 256]."""
+    The launch gives each thread the most any warpgroup sets, capped by the register file's share rounded down to 8
+    (ptxas' counts: 168 for three warpgroups setting 232 / 40, 232 for two setting 232 / 40), and setmaxnreg moves
+    registers only within that: an increase waits until decreases have freed enough, so a split past the launch's
+    total hangs the kernel (216 / 80 beside two consumers did on an H100: benchmarks/RESULTS.md, thirty-fifth session).
+    setmaxnreg takes multiples of 8 in [24, 256]."""
     threads = WARPGROUP * len(registers)
-    launched = min(REGISTER_FILE // threads, 255) // 8 * 8 * threads  # 255: a thread's most
+    per_thread = min(REGISTER_FILE // threads, 255) // 8 * 8  # 255: a thread's most
+    launched = min(per_thread, max(registers)) * threads
     return all(24 <= r <= 256 and r % 8 == 0 for r in registers) and WARPGROUP * sum(registers) <= launched
 
 

@@ -1030,7 +1030,7 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
 TRANSPOSED_STAGES = 2  # Q N x 576 (18 KB at 16 heads) + 2 x 72 KB + P and barriers: a third 72 KB tile does not fit
 TRANSPOSED_QK_DIM = 576  # the latent head it takes (V: the first 512 columns, 8 wgmma M-blocks)
 # The transposed tile's registers a thread (setmaxnreg), (consumer, producer), by whether the cache is fp8. Its two
-# warpgroups launch with 248 a thread (`register_split_fits`), so the producer need not give its registers away as
+# warpgroups launch with 232 a thread (`register_split_fits`), so the producer need not give its registers away as
 # the padded tile's does beside two consumers. Over a 16-bit cache it only issues copies (40). Over fp8 it also
 # converts every 64 x 576 tile, the tile's critical path, and the padded tile's producer at 40 registers spilled
 # 1228 bytes doing so (RESULTS, thirty-fifth session): there it keeps 224.

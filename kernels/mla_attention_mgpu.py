@@ -1032,8 +1032,10 @@ TRANSPOSED_QK_DIM = 576  # the latent head it takes (V: the first 512 columns, 8
 # The transposed tile's registers a thread (setmaxnreg), (consumer, producer), by whether the cache is fp8. Its two
 # warpgroups launch with 232 a thread (`register_split_fits`), so the producer need not give its registers away as
 # the padded tile's does beside two consumers. Over a 16-bit cache it only issues copies (40). Over fp8 it also
-# converts every 64 x 576 tile, the tile's critical path, and the padded tile's producer at 40 registers spilled
-# 1228 bytes doing so (RESULTS, thirty-fifth session): there it keeps 224.
+# converts every 64 x 576 tile, the tile's critical path: the padded tile's producer at 40 registers spilled 1228
+# bytes doing so, its loop 812 instructions a tile with 112 local-memory loads; the same PTX given 224 registers
+# compiles (ptxas 13, on the CPU) to a 598-instruction loop without one (RESULTS, thirty-sixth session): there it
+# keeps 224.
 TRANSPOSED_REGISTERS = {False: (232, 40), True: (232, 224)}
 
 

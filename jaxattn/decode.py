@@ -8,10 +8,11 @@ The query of sequence b is the last token of its KV list, its K/V already writte
     `DecodeMetadata` pytree once per batch: the CSR KV lists and the number of KV splits of every sequence.
   * `decode_attention(q, k_pool, v_pool, meta, ...)` runs an implementation from `IMPLEMENTATIONS`: on sm_90 the
     Mosaic GPU MLA kernel (`jaxattn.impl.mgpu_mla`) for MLA's latent cache (576/512 or 288/256, V inside K,
-    16-bit), the Mosaic GPU GQA kernel (`jaxattn.impl.mgpu_decode`) for separate 16-bit K/V pools (head dim 64/128,
-    one token, no soft cap), else SGLang's split-KV Triton kernels (`jaxattn.impl.triton_decode`);
-    `impl="mgpu-gqa-fp8"` runs the GQA kernel on fp8 pools (opt-in: slower than Triton there so far) and
-    `impl="mgpu-fp8"` the MLA kernel on fp8 latent pools 576 wide (opt-in: slower than Triton so far).
+    16-bit; an fp8 latent cache 576 wide at one token and 16 or 32 heads), the Mosaic GPU GQA kernel
+    (`jaxattn.impl.mgpu_decode`) for separate 16-bit K/V pools (head dim 64/128, one token, no soft cap), else SGLang's
+    split-KV Triton kernels (`jaxattn.impl.triton_decode`); `impl="mgpu-gqa-fp8"` runs the GQA kernel on fp8 pools
+    (opt-in: slower than Triton there so far) and `impl="mgpu-fp8"` the MLA kernel on any fp8 latent call it takes
+    (verify steps and other head counts on its padded tile: slower than Triton there so far).
   * `decode_attention_reference(q, k_pool, v_pool, meta, ...)`: the same call on the pure-jnp reference.
 
 Several query tokens per sequence (speculative verify, multi-token prediction): q ``[batch, tokens, q_heads, dim]``,
@@ -66,10 +67,10 @@ from jaxattn.tuning import (  # noqa: F401  (re-exported)
 )
 from jaxattn.tuning.sm90 import DECODE as SM90_CONFIGS  # noqa: F401  (re-exported)
 
-# In order of preference: the first that takes a call runs it (on sm_90, MLA's latent cache and GQA over 16-bit
-# pools take the Mosaic GPU kernels; everything else, and every call off Hopper, the Triton kernels). The Mosaic GPU
-# kernels' fp8 entries come after Triton, which takes every call, so they run only by name (`impl="mgpu-gqa-fp8"`,
-# `"mgpu-fp8"`).
+# In order of preference: the first that takes a call runs it (on sm_90, MLA's latent cache (fp8 on the transposed
+# tile included) and GQA over 16-bit pools take the Mosaic GPU kernels; everything else, and every call off Hopper,
+# the Triton kernels). The Mosaic GPU kernels' fp8 entries come after Triton, which takes every call, so they run only
+# by name (`impl="mgpu-gqa-fp8"`, `"mgpu-fp8"`).
 IMPLEMENTATIONS = (mgpu_mla.DECODE, mgpu_decode.DECODE, triton_decode.IMPLEMENTATION, mgpu_decode.DECODE_FP8,
                    mgpu_mla.DECODE_FP8)
 

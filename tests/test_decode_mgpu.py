@@ -262,7 +262,8 @@ def test_declines_name_the_reason():
     assert "separate V pool" in mgpu_mla.declines_decode(_call(v_pool=True))
     assert "kv heads" in mgpu_mla.declines_decode(_call(kv_heads=2, q_heads=16))
     assert "float32" in mgpu_mla.declines_decode(_call(dtype=jnp.float32))
-    assert "pool" in mgpu_mla.declines_decode(_call(pool_dtype=jnp.float8_e4m3fn))
+    assert "impl=\"mgpu-fp8\"" in mgpu_mla.declines_decode(_call(pool_dtype=jnp.float8_e4m3fn, tokens=4))
+    assert "288 wide" in mgpu_mla.declines_decode(_call(pool_dtype=jnp.float8_e4m3fn, qk=288, v_head_dim=256))
     assert "soft cap" in mgpu_mla.declines_decode(_call(logit_cap=30.0))
     assert "grid's third dimension" in mgpu_mla.declines_decode(_call(batch=70000))
     assert "rows per sequence" in mgpu_mla.declines_decode(_call(q_heads=20))  # 20 rows: not a multiple of 8
@@ -303,21 +304,43 @@ def test_transposed_tile_register_split_fits_and_is_checked(monkeypatch):
 
 
 def test_transposed_tile_is_the_default_where_it_takes_the_call():
-    # MgpuDecodeConfig.transposed None: the transposed tile wherever it takes the call over a 16-bit latent pool
-    # (tuning.sm90.MLA_DECODE_TRANSPOSED), the padded one over fp8 (MLA_DECODE_TRANSPOSED_FP8: slower there); True /
-    # False force it; the padded tile for verify steps, 64+ heads, 288-wide latents, 32-key tiles.
+    # MgpuDecodeConfig.transposed None: the transposed tile wherever it takes the call, over a 16-bit latent pool
+    # (tuning.sm90.MLA_DECODE_TRANSPOSED) and over fp8 (MLA_DECODE_TRANSPOSED_FP8); True / False force it; the padded
+    # tile for verify steps, 64+ heads, 288-wide latents, 32-key tiles.
     from jaxattn.tuning import MgpuDecodeConfig
 
-    assert mgpu_mla.MLA_DECODE_TRANSPOSED and not mgpu_mla.MLA_DECODE_TRANSPOSED_FP8
+    assert mgpu_mla.MLA_DECODE_TRANSPOSED and mgpu_mla.MLA_DECODE_TRANSPOSED_FP8
     assert mgpu_mla._transposed(_call(q_heads=16)) and mgpu_mla._transposed(_call(q_heads=32))
     assert mgpu_mla._transposed(_call(q_heads=16, config=MgpuDecodeConfig(splits=2)))
-    assert not mgpu_mla._transposed(_call(pool_dtype=jnp.float8_e4m3fn))
+    assert mgpu_mla._transposed(_call(pool_dtype=jnp.float8_e4m3fn))
+    assert not mgpu_mla._transposed(_call(pool_dtype=jnp.float8_e4m3fn, tokens=4))
     assert mgpu_mla._transposed(_call(pool_dtype=jnp.float8_e4m3fn, config=MgpuDecodeConfig(transposed=True)))
     assert not mgpu_mla._transposed(_call(q_heads=16, config=MgpuDecodeConfig(transposed=False)))
     assert not mgpu_mla._transposed(_call(pool_dtype=jnp.float8_e5m2, config=MgpuDecodeConfig(transposed=False)))
     for call in (_call(q_heads=64), _call(tokens=4), _call(qk=288, v_head_dim=256),
                  _call(config=MgpuDecodeConfig(block_kv=32))):
         assert not mgpu_mla._transposed(call)
+
+
+def test_default_takes_fp8_latent_decode_on_the_transposed_tile_only(monkeypatch):
+    # On an sm_90 GPU (stood in for here), decode_attention's first implementation, "mgpu", takes one-token fp8 MLA
+    # decode at 16 or 32 heads (the transposed tile, 1.8x Triton's kernel on the H100); verify steps and 64 heads fall
+    # through to the Triton kernel, the padded tile forced by its config to "mgpu-fp8" (which Triton's config type
+    # declines), and "mgpu-fp8" still takes them all by name.
+    from jaxattn import decode as decode_module, hardware
+    from jaxattn.registry import select
+    from jaxattn.tuning import MgpuDecodeConfig
+
+    monkeypatch.setattr(hardware, "mosaic_gpu_unavailable", lambda launch_mode: None)
+    for fmt in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+        for q_heads in (16, 32):
+            assert select(decode_module.IMPLEMENTATIONS, _call(q_heads=q_heads, pool_dtype=fmt)).name == "mgpu"
+        assert select(decode_module.IMPLEMENTATIONS, _call(pool_dtype=fmt, dtype=jnp.float16)).name == "mgpu"
+        for call in (_call(pool_dtype=fmt, tokens=4), _call(pool_dtype=fmt, q_heads=64),
+                     _call(pool_dtype=fmt, config=MgpuDecodeConfig(transposed=False))):
+            assert "off the transposed tile" in mgpu_mla.declines_decode(call)
+            assert select(decode_module.IMPLEMENTATIONS, call).name == ("mgpu-fp8" if call.config else "triton")
+            assert select(decode_module.IMPLEMENTATIONS, call, impl="mgpu-fp8").name == "mgpu-fp8"
 
 
 def test_kernel_merge_is_the_default_on_both_tiles():

@@ -415,19 +415,20 @@ def test_mgpu_kernel_converts_fp8_tiles_itself(rng, fmt, case, form, tiles):
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU (the Mosaic GPU kernel)")
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("tokens,window", [(1, -1), (1, 300), (4, -1)], ids=["decode", "window", "verify-4"])
-@pytest.mark.parametrize("tile", ["default", "transposed", "triton-merge"])
+@pytest.mark.parametrize("tile", ["default", "auto", "transposed", "padded", "triton-merge"])
 def test_mla_kernel_converts_fp8_latent_tiles_itself(rng, fmt, tokens, window, tile):
     # impl="mgpu-fp8": the MLA kernel over an fp8 latent pool (its producer converts each tile to f16; q pre-scaled,
     # the scale on the outputs: V is K's first 512 columns, so k_scale is V's too) against the reference on the same
     # pool; empty and long sequences, unused rows NaN. A scale that is not a power of two, so a scale applied twice
-    # or not at all shows. The padded tile by default (the transposed one, which takes one token, forced too); both
-    # merge their splits themselves by default (the Triton merge after them too).
+    # or not at all shows. The transposed tile by default for one token (the padded one for verify steps; each
+    # forced too), and decode_attention's default route ("auto": "mgpu", the transposed tile) for one token; both
+    # tiles merge their splits themselves by default (the Triton merge after them too).
     from jaxattn.tuning import MgpuDecodeConfig
 
-    if tokens > 1 and tile == "transposed":
-        pytest.skip("the transposed tile takes one token a sequence")
-    config = {"default": None, "transposed": MgpuDecodeConfig(transposed=True),
-              "triton-merge": MgpuDecodeConfig(kernel_merge=False)}[tile]
+    if tokens > 1 and tile in ("transposed", "auto"):
+        pytest.skip("the transposed tile takes one token a sequence (the default route gives verify steps to Triton)")
+    config = {"default": None, "auto": None, "transposed": MgpuDecodeConfig(transposed=True),
+              "padded": MgpuDecodeConfig(transposed=False), "triton-merge": MgpuDecodeConfig(kernel_merge=False)}[tile]
     q_heads, dim = 16, 576
     kv_lens = [1, 700, 0, 2049, 64]
     q, k_pool, _, kv_indptr, kv_indices = make_pools(rng, kv_lens, q_heads, 1, dim, 512, jnp.bfloat16, v_from_k=True)
@@ -437,7 +438,7 @@ def test_mla_kernel_converts_fp8_latent_tiles_itself(rng, fmt, tokens, window, t
     meta = decode_metadata_from_indptr(kv_indptr, kv_indices, q_heads=q_heads, kv_heads=1, max_kv_splits=4,
                                        min_split_len=32, programs_per_sm=10**6, sliding_window=window)
     kwargs = dict(return_lse=True, v_head_dim=512, k_scale=0.37, sliding_window=window)
-    o, lse = decode_attention(q, k8, None, meta, impl="mgpu-fp8", config=config, **kwargs)
+    o, lse = decode_attention(q, k8, None, meta, impl=None if tile == "auto" else "mgpu-fp8", config=config, **kwargs)
     ref_o, ref_lse = decode_attention_reference(q, _clean(k8), None, meta, **kwargs)
     assert not np.isnan(np.float32(o)).any()
     np.testing.assert_allclose(np.float32(o), np.float32(ref_o), **testing.tolerance(jnp.bfloat16))

@@ -15,10 +15,11 @@ Its split bound is its own (static: enough CTAs to fill the GPU once, `kernel_sp
 metadata's split count under it; deterministic metadata keeps its own bound (splits by length only, so a sequence's
 result does not depend on its batch).
 
-`DECODE_FP8` ("mgpu-fp8", by name only): the same decode over an fp8 (e4m3fn / e5m2) latent cache 576 wide, the
+`DECODE_FP8` ("mgpu-fp8", by name): the same decode over an fp8 (e4m3fn / e5m2) latent cache 576 wide, the
 kernel's producer converting each tile to f16 in shared memory; q is multiplied by the softmax scale and k_scale and
-rounded to f16 once, v_scale multiplies the outputs. Slower than the Triton kernel on either tile (H100: 0.254 ms
-padded, 0.269 transposed, Triton 0.198; 37975d2), so it runs the padded tile unless the transposed one is asked for.
+rounded to f16 once, v_scale multiplies the outputs. On the transposed tile (one token at 16 or 32 heads) it is
+`DECODE`'s too, so the default takes those calls (H100, 3fba716: MLA-FP8 0.106 ms, the Triton kernel 0.195, the bf16
+cache 0.111); the padded tile (verify steps, other head counts) stays by name, slower than Triton there (0.249).
 
 Both take DeepSeek's 576/512 latent head and the half-size 288/256 (`MLA_HEAD_DIMS`). `EXTEND`, the "mgpu"
 implementation of `jaxattn.mla.mla_extend_attention` (two-stage, causal, sinks allowed): one pass, 64 (token, head) rows per CTA over
@@ -59,6 +60,13 @@ def rows_unsupported(tokens: int, q_heads: int) -> str | None:
 
 
 def declines_decode(call: DecodeCall) -> str | None:
+    """"mgpu": a latent pool of q's dtype, or an fp8 one where the transposed tile takes the call (one token at 16 or
+    32 heads, 576 wide: `MLA_DECODE_TRANSPOSED_FP8`); the kernel's other fp8 calls by name ("mgpu-fp8")."""
+    if is_fp8(call.k_pool.dtype):
+        reason = declines_decode_fp8(call)
+        if reason is None and not _transposed(call):
+            reason = "an fp8 pool off the transposed tile (one token at 16 or 32 heads, 576 wide)"
+        return None if reason is None else f"{reason}; other fp8 latent pools: impl=\"mgpu-fp8\", by name"
     if call.k_pool.dtype != call.q.dtype or call.kv_scales is not None:
         return (f"a {jnp.dtype(call.k_pool.dtype).name} pool with {jnp.dtype(call.q.dtype).name} q, or K/V scales "
                 "(fp8 latent pools: impl=\"mgpu-fp8\", by name)")
@@ -218,9 +226,8 @@ def run_decode(call: DecodeCall):
 
 
 DECODE = Implementation("mgpu", declines_decode, run_decode)
-# fp8 latent pools (issue 26): the kernel's producer converts each tile to f16 in shared memory (the Triton kernel
-# reads fp8 MLA rows at 19% of the fp8 floor, slower than the bf16 cache). By name only until its GPU tests and timing
-# have run.
+# fp8 latent pools (issue 26): the kernel's producer converts each tile to f16 in shared memory. Every fp8 call the
+# kernel takes, by name; `DECODE` takes those on the transposed tile.
 DECODE_FP8 = Implementation("mgpu-fp8", declines_decode_fp8, run_decode)
 
 

@@ -131,10 +131,12 @@ EXTEND_MGPU_FP8_IN_KERNEL_MAX_READERS = 4
 # MLA-L 0.416 (96.9%) against 0.421 (95.7%, 0281adf). 16-bit caches only: see MLA_DECODE_TRANSPOSED_FP8.
 MLA_DECODE_TRANSPOSED = True
 
-# The same choice over fp8 latent caches ("mgpu-fp8", by name): the padded tile. The transposed tile's one producer
-# warpgroup converts every tile for its one consumer, and it ran slower: H100 (37975d2, one run, kernel merge on both)
-# MLA-FP8 0.269 ms transposed against 0.254 padded (the Triton default 0.198; the bf16 cache 0.115).
-MLA_DECODE_TRANSPOSED_FP8 = False
+# The same choice over fp8 latent caches: the transposed tile, which also makes "mgpu" (the default) take one-token
+# fp8 MLA decode at 16 or 32 heads. Its one producer warpgroup converts every tile for its one consumer: at 40
+# registers it spilled and ran slower than the padded tile (H100, 37975d2: MLA-FP8 0.269 ms against 0.254); keeping
+# 224 (`TRANSPOSED_REGISTERS`), H100 (3fba716, one run, 3 rounds, 2.1% apart): 0.106 ms (47.6% of the fp8 floor)
+# against the padded tile's 0.249, the Triton kernel's 0.195 and the bf16 cache's 0.111.
+MLA_DECODE_TRANSPOSED_FP8 = True
 
 # The MLA kernel merging a sequence's splits itself (`MgpuDecodeConfig.kernel_merge`, None takes this), on either tile:
 # its last non-empty split folds the others' partials, passed in their registers' order, after a cluster barrier (2-8

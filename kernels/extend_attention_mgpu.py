@@ -438,23 +438,28 @@ F16_MIN_GAIN = 2.0 ** -100  # a zero gain's stand-in: a masked score (-inf) time
 # them out of the producer's loop: 13 of them (64-bit) outlived its 40 registers at E3-FP8 and ptxas spilled them to
 # local memory, one LDL before each store of every tile (SASS of the H100's build, thirty-fifth session). True: each
 # tile's step computes them again from an opaque copy of the thread index (`fp8_step_thread`), a few integer ops a
-# store instead of a local-memory load. Opt-in until timed (`experiments/with_kernel_flags.py`).
-FP8_ADDRESSES_PER_TILE = False
+# store instead of a local-memory load. The default for producers at 40 registers (the extend kernel's, the MLA padded
+# tile's) since 3fba716's GPU run (H100, one call, 3 rounds each, with / without, ms): MLA-FP8 on the padded tile
+# 0.144 / 0.247 (ptxas: 464 / 1160 bytes spilled), E3-FP8 0.776 / 0.776, E1-FP8 1.854 / 1.844 (`mgpu-fp8`); the fp8
+# GPU tests of both kernels (48) passed with it and gave the same bits. The MLA transposed tile's producer keeps 224
+# registers, and its addresses in them (`stream_latent_tiles(addresses_per_tile=False)`).
+FP8_ADDRESSES_PER_TILE = True
 
 
-def opt_in_flags() -> tuple[str, ...]:
-    """This module's opt-in kernel forms (its upper-case booleans, read when a kernel is traced): what
-    `benchmarks/experiments/with_kernel_flags.py` and the tests' JAXATTN_TEST_KERNEL_FLAGS may switch on."""
+def kernel_flags() -> tuple[str, ...]:
+    """This module's switchable kernel forms (its upper-case booleans, read when a kernel is traced: opt-in ones False,
+    a form kept switchable after becoming the default True): what `benchmarks/experiments/with_kernel_flags.py` sets
+    and the tests' JAXATTN_TEST_KERNEL_FLAGS switches on."""
     return tuple(sorted(name for name, value in globals().items() if name.isupper() and isinstance(value, bool)))
 
 
-def fp8_step_thread():
-    """This thread's index in its warpgroup for the fp8 copies' and conversion's addresses: with
-    `FP8_ADDRESSES_PER_TILE` an opaque copy (inline asm with side effects), which keeps every address derived from it
-    inside the producer's loop (`benchmarks/experiments/hoisted_addresses_replica.cu`, compiled by nvcc 13 for sm_90a:
-    89 registers without the copy, 46 with it)."""
+def fp8_step_thread(per_tile: bool | None = None):
+    """This thread's index in its warpgroup for the fp8 copies' and conversion's addresses: per_tile (None:
+    `FP8_ADDRESSES_PER_TILE`) an opaque copy (inline asm with side effects), which keeps every address derived from
+    it inside the producer's loop (`benchmarks/experiments/hoisted_addresses_replica.cu`, compiled by nvcc 13 for
+    sm_90a: 89 registers without the copy, 46 with it)."""
     thread = thread_in_warpgroup()
-    if not FP8_ADDRESSES_PER_TILE:
+    if not (FP8_ADDRESSES_PER_TILE if per_tile is None else per_tile):
         return thread
     return mgpu_utils.inline_ptx("mov.b32 $0, $1;", thread, result_types=ir.IntegerType.get_signless(32),
                                  has_side_effects=True)
@@ -598,11 +603,12 @@ def online_softmax_tile(s, acc, m_i, l_i, scale_log2, *, keys_axis: int = 1):
 
 
 def issue_fp8_rows(pool_ref, smem, sources, slot, kv_head, *, block_kv: int, head_dim: int,
-                   swizzle: int = SWIZZLE_BYTES):
+                   swizzle: int = SWIZZLE_BYTES, addresses_per_tile: bool | None = None):
     """Starts the cp.async copies of one fp8 K or V tile into the upper half of ring slot `slot` of `smem` (a 16-bit
     [stages, block_kv, head_dim] ring, `SWIZZLED`; the fp8 rows stored as `fp8_staged_byte` lays them out): tile row
     r <- row sources[r] of pool_ref ([slots, kv_heads, head_dim] fp8), head kv_head; zeros where the source is -1.
-    Not committed: the caller commits the step's copies as one cp.async group (`commit_copies`)."""
+    Not committed: the caller commits the step's copies as one cp.async group (`commit_copies`). addresses_per_tile:
+    `fp8_step_thread`'s per_tile."""
     check_fp8_tile(block_kv, head_dim)
     kv_heads = pool_ref.shape[1]
     row_bytes = kv_heads * head_dim
@@ -614,7 +620,7 @@ def issue_fp8_rows(pool_ref, smem, sources, slot, kv_head, *, block_kv: int, hea
         i8, i64 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(64)
         slot, kv_head = scalar_value(slot), scalar_value(kv_head)
         my_source = vector.extract(sources.registers.flat[0], [], [0])
-        warp, lane = _lane_ids(fp8_step_thread())
+        warp, lane = _lane_ids(fp8_step_thread(addresses_per_tile))
         smem_base = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(smem), [arith.muli(slot, _i32(slot_bytes))], i8)
         base = arith.addi(global_address(pool), arith.extui(i64, arith.muli(kv_head, _i32(head_dim))))
         full = _i32(0xFFFFFFFF)
@@ -686,7 +692,7 @@ def fp8_convert_ptx(fp8_dtype, dtype, scaled: bool = True) -> str:
 
 
 def convert_fp8_tiles(tiles, bars, slot, *, block_kv: int, head_dim: int, fp8_dtype, dtype, wait_pending: int | None,
-                      swizzle: int = SWIZZLE_BYTES):
+                      swizzle: int = SWIZZLE_BYTES, addresses_per_tile: bool | None = None):
     """Rewrites the fp8 tiles `issue_fp8_rows` copied into ring slot `slot` of each ring as the `SWIZZLED` tiles of
     `dtype`, then completes each tile's mbarrier (each producer thread arrives once: its 128 arrivals, as a cp.async
     tile's). tiles: ((smem, barrier, scale), ...), smem a 16-bit [stages, block_kv, head_dim] ring, barrier an index
@@ -694,7 +700,7 @@ def convert_fp8_tiles(tiles, bars, slot, *, block_kv: int, head_dim: int, fp8_dt
     one for all tiles). The tiles go through the same steps (`fp8_conversion_steps`: phases, then rounds), sharing
     their syncs. wait_pending: None (the copies were
     waited for by an earlier call), or wait until at most this many of the thread's cp.async groups are in flight,
-    then sync the warpgroup so every thread's copies are visible."""
+    then sync the warpgroup so every thread's copies are visible. addresses_per_tile: `fp8_step_thread`'s per_tile."""
     check_fp8_tile(block_kv, head_dim)
     slot_bytes = 2 * block_kv * head_dim
     scaled = tiles[0][2] is not None
@@ -717,7 +723,7 @@ def convert_fp8_tiles(tiles, bars, slot, *, block_kv: int, head_dim: int, fp8_dt
         if wait_pending is not None:
             nvvm.cp_async_wait_group(wait_pending)
             sync()
-        thread = fp8_step_thread()
+        thread = fp8_step_thread(addresses_per_tile)
         bases = [mgpu_utils.getelementptr(mgpu_utils.memref_ptr(smem), [arith.muli(slot, _i32(slot_bytes))], i8)
                  for smem in smems]
         def load(base, row, chunk):
@@ -799,8 +805,10 @@ def cp_async_uses(step, slot, *, pre_steps, tail_step, stages: int, first_step=N
 # `cp_async_uses` over the TMA ranges and branches between TMA and cp.async barriers on every tile. In the SASS of the
 # H100's E3 build (thirty-fifth session) the two-stage kernel's prefix loop runs 533 instructions a tile against the
 # unified kernel's 513 (per-thread min / max / compares, 6 waits against 4, 11 branches against 5), and its kernel
-# took 3.5-4% longer wherever a prefix is cached. Opt-in until the GPU tests and a timing run.
-PREFIX_FAST_WAITS = False
+# took 3.5-4% longer wherever a prefix is cached. The default since 3fba716's GPU run (H100, one call, 3 rounds each,
+# default / fast, ms: E3 0.616 / 0.602, T64 1.090 / 1.041, E3-P16 0.617 / 0.595, E1 1.609 / 1.558; E3's kernel 520.5
+# us, the unified kernel's 520.0; the same bits on 8 GPU cases); False gives the general wait back.
+PREFIX_FAST_WAITS = True
 
 
 def prefix_cp_async_uses(step, slot, *, stages: int, first_step=None):

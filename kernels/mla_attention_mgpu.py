@@ -727,7 +727,8 @@ def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, shape: LatentShape
 
 def stream_latent_tiles(q_ref, new_ref, pool_ref, kv_indices_ref, q_smem, k_smem, bars, *, q_row0, q_count,
                         q_block_rows: int, q_bar: int, ready: int, free: int, stages: int, steps, tile_source,
-                        block_kv: int, head_dim: int, swizzle: int, copies_first: bool = False):
+                        block_kv: int, head_dim: int, swizzle: int, copies_first: bool = False,
+                        addresses_per_tile: bool | None = None):
     """The producer warpgroup's work (both decode tiles, and extend): Q's q_block_rows rows by cp.async (rows past
     q_count zero-filled) into q_smem ([1, q_block_rows, width]) on mbarrier q_bar, then the CTA's `steps` latent tiles
     into the ring k_smem ([stages, block_kv, width]) on mbarriers ready + slot, each slot's previous tile first
@@ -736,7 +737,8 @@ def stream_latent_tiles(q_ref, new_ref, pool_ref, kv_indices_ref, q_smem, k_smem
     the copies stages - 1 tiles ahead of the conversions. copies_first: each step issues the copies of tile
     step + stages - 1 before converting tile `step` (their latency overlapping the conversion; the slot's release by
     the consumers is waited for first, so this suits consumers that finish a tile quickly: the transposed tile),
-    else after it (the conversion never waits for the consumers: the padded tile's two busy warpgroups)."""
+    else after it (the conversion never waits for the consumers: the padded tile's two busy warpgroups).
+    addresses_per_tile: the fp8 copies' and conversion's (`fp8_step_thread`; None: `FP8_ADDRESSES_PER_TILE`)."""
     from_q = q_count < 0  # a traced False: rows first + r of q
     q_rows = row_sources(kv_indices_ref, from_q, q_row0, q_count, block_kv=q_block_rows, pool_rows=q_ref.shape[0])
     issue_rows(q_ref, q_ref, q_smem, bars, q_rows, from_q, jnp.int32(0), jnp.int32(q_bar), jnp.int32(0),
@@ -756,7 +758,7 @@ def stream_latent_tiles(q_ref, new_ref, pool_ref, kv_indices_ref, q_smem, k_smem
                 slot = lax.rem(step, stages)
                 wait_free(step, slot)
                 issue_fp8_rows(pool_ref, k_smem, sources, slot, jnp.int32(0), block_kv=block_kv, head_dim=head_dim,
-                               swizzle=swizzle)
+                               swizzle=swizzle, addresses_per_tile=addresses_per_tile)
             commit_copies()
 
         def fp8_step(step, sources):
@@ -769,7 +771,8 @@ def stream_latent_tiles(q_ref, new_ref, pool_ref, kv_indices_ref, q_smem, k_smem
             # Tile step's copies are its cp.async group; the groups of the tiles after it issued so far may fly on.
             convert_fp8_tiles(((k_smem, ready + slot, None),), bars, slot, block_kv=block_kv, head_dim=head_dim,
                               fp8_dtype=pool_ref.dtype, dtype=q_smem.dtype,
-                              wait_pending=stages - 1 if copies_first else stages - 2, swizzle=swizzle)
+                              wait_pending=stages - 1 if copies_first else stages - 2, swizzle=swizzle,
+                              addresses_per_tile=addresses_per_tile)
             if not copies_first:
                 start(step + (stages - 1), sources)
             return next_sources
@@ -1206,7 +1209,8 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
                     q_count=jnp.int32(rows), q_block_rows=rows, q_bar=q_bar, ready=ready, free=free, stages=stages,
                     steps=cta.steps, tile_source=lambda step: (cta.split_len > 0, cta.kv_begin + cta.split_start
                                                                + step * BLOCK_KV, cta.split_len - step * BLOCK_KV),
-                    block_kv=BLOCK_KV, head_dim=width, swizzle=SWIZZLE_BYTES, copies_first=True)
+                    block_kv=BLOCK_KV, head_dim=width, swizzle=SWIZZLE_BYTES, copies_first=True,
+                    addresses_per_tile=False)  # 224 registers hold them (`TRANSPOSED_REGISTERS`)
                 if clustered:
                     cluster_sync()
 

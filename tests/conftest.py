@@ -15,15 +15,18 @@ if not os.path.exists("/dev/nvidiactl"):
     ).strip()
 
 
-# JAXATTN_TEST_KERNEL_FLAGS=PREFIX_FAST_WAITS[,FP8_ADDRESSES_PER_TILE]: the tests run with those opt-in forms of the
-# Mosaic GPU kernels on (upper-case booleans of jaxattn.kernels.extend_attention_mgpu), before one becomes a default.
+# JAXATTN_TEST_KERNEL_FLAGS=FLAG[=0|1][,...]: the tests run with those forms of the Mosaic GPU kernels on (or, =0,
+# off: the upper-case booleans of jaxattn.kernels.extend_attention_mgpu, `kernel_flags()`), a form before it becomes
+# a default or a default's predecessor.
 if os.environ.get("JAXATTN_TEST_KERNEL_FLAGS"):
     from jaxattn.kernels import extend_attention_mgpu
 
-    for _flag in os.environ["JAXATTN_TEST_KERNEL_FLAGS"].split(","):
-        if _flag not in extend_attention_mgpu.opt_in_flags():
-            raise ValueError(f"JAXATTN_TEST_KERNEL_FLAGS names {_flag!r}, not a flag of extend_attention_mgpu")
-        setattr(extend_attention_mgpu, _flag, True)
+    for _setting in os.environ["JAXATTN_TEST_KERNEL_FLAGS"].split(","):
+        _flag, _, _value = _setting.partition("=")
+        if _flag not in extend_attention_mgpu.kernel_flags() or _value not in ("", "0", "1"):
+            raise ValueError(f"JAXATTN_TEST_KERNEL_FLAGS: expected FLAG[=0|1] with FLAG one of "
+                             f"{extend_attention_mgpu.kernel_flags()}; got {_setting!r}")
+        setattr(extend_attention_mgpu, _flag, _value != "0")
 
 
 @pytest.fixture

@@ -2123,16 +2123,21 @@ def test_lowers_for_cuda_on_cpu(part):
 
 
 @needs_lowering_plugin
-@pytest.mark.parametrize("flag,shape", [
-    ("FP8_ADDRESSES_PER_TILE", "fp8-e4m3-128-bf16-tma"), ("FP8_ADDRESSES_PER_TILE", "mla-decode-e4m3-16-bf16-window"),
-    ("PREFIX_FAST_WAITS", "gqa-128-bf16"), ("PREFIX_FAST_WAITS", "fp8-e4m3-128-bf16-f16-window-mask")])
-def test_opt_in_kernel_flags_lower_for_cuda(flag, shape):
-    # The opt-in forms lower for sm_90: FP8_ADDRESSES_PER_TILE (the fp8 copies' and conversion's addresses from an
-    # opaque thread index in each tile's step) in the extend and MLA kernels; PREFIX_FAST_WAITS (prefix tiles' waits
-    # without the TMA branch) plain, and with fp8 f16 tiles under a window and a custom mask (the window's prefix loop).
+@pytest.mark.parametrize("flag,value,shape", [
+    ("FP8_ADDRESSES_PER_TILE", False, "fp8-e4m3-128-bf16-tma"),
+    ("FP8_ADDRESSES_PER_TILE", False, "mla-decode-e4m3-16-bf16-window"),
+    ("PREFIX_FAST_WAITS", False, "gqa-128-bf16"), ("PREFIX_FAST_WAITS", False, "fp8-e4m3-128-bf16-f16-window-mask")])
+def test_switchable_kernel_flags_lower_for_cuda(flag, value, shape):
+    # The forms off the defaults lower for sm_90: FP8_ADDRESSES_PER_TILE off (the fp8 copies' and conversion's
+    # addresses hoisted out of the producer's loop) in the extend and MLA (padded tile) kernels; PREFIX_FAST_WAITS off
+    # (prefix tiles' waits through the general TMA / cp.async wait) plain, and with fp8 f16 tiles under a window and a
+    # custom mask (the window's prefix loop).
+    from jaxattn.kernels import extend_attention_mgpu as kernel_module
+
+    assert flag in kernel_module.kernel_flags() and getattr(kernel_module, flag) != value  # the form off the default
     script = ("import runpy, sys\n"
               "from jaxattn.kernels import extend_attention_mgpu\n"
-              f"extend_attention_mgpu.{flag} = True\n"
+              f"extend_attention_mgpu.{flag} = {value}\n"
               f"sys.argv = ['lower', {shape!r}]\n"
               "runpy.run_module('tests.lower_mgpu_kernel', run_name='__main__')\n")
     run = _in_lowering_env("-c", script)

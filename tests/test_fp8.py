@@ -451,8 +451,10 @@ def test_mla_kernel_converts_fp8_latent_tiles_itself(rng, fmt, tokens, window, t
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_fp8_addresses_per_tile_change_no_bit(rng, fmt, monkeypatch):
     # FP8_ADDRESSES_PER_TILE moves where the fp8 copies' and conversion's addresses are computed, nothing else: the
-    # extend kernel's fp8 tiles (f16, the default) and the MLA kernel's give the same bits with and without it.
+    # extend kernel's fp8 tiles (f16, the default) and the MLA kernel's padded tile (the transposed one keeps its
+    # addresses in registers either way) give the same bits with and without it.
     from jaxattn.kernels import extend_attention_mgpu as kernel_module
+    from jaxattn.tuning import MgpuDecodeConfig
 
     batch = make_batch(rng, [700, 130, 1], [200, 5, 300], hq=8, hkv=2, dqk=128, dtype=jnp.bfloat16, max_extend_len=300)
     kp, vp = quantised(batch.k_pool, per_head(2), fmt), quantised(batch.v_pool, 0.75, fmt)
@@ -467,7 +469,8 @@ def test_fp8_addresses_per_tile_change_no_bit(rng, fmt, monkeypatch):
         jax.clear_caches()  # the flag is read when the kernels are traced
         extend = extend_attention(batch.q, batch.k_new, batch.v_new, kp, vp, batch.meta, impl="mgpu-fp8",
                                   k_scale=per_head(2), v_scale=0.75)
-        mla = decode_attention(q, k8, None, meta, impl="mgpu-fp8", v_head_dim=512, k_scale=0.37)
+        mla = decode_attention(q, k8, None, meta, impl="mgpu-fp8", v_head_dim=512, k_scale=0.37,
+                               config=MgpuDecodeConfig(transposed=False))
         outputs.append((np.float32(extend), np.float32(mla)))
     assert not np.isnan(outputs[0][0][: batch.tokens]).any() and not np.isnan(outputs[0][1]).any()
     for before, after in zip(*outputs):

@@ -1,12 +1,13 @@
-"""Experiment: runs a module or script with opt-in flags of the Mosaic GPU kernels set, so a bench or timeline run can
-time a kernel form before it becomes the default (the flags are read when a kernel is traced).
+"""Experiment: runs a module or script with flags of the Mosaic GPU kernels set, so a bench or timeline run can time
+a kernel form before it becomes the default, or the default against the form it replaced (the flags are read when a
+kernel is traced).
 
-Flags: `jaxattn.kernels.extend_attention_mgpu.opt_in_flags()` (they reach the MLA and decode kernels that import its
+Flags: `jaxattn.kernels.extend_attention_mgpu.kernel_flags()` (they reach the MLA and decode kernels that import its
 pieces), e.g. PREFIX_FAST_WAITS, FP8_ADDRESSES_PER_TILE.
 
 Usage, from the repository root:
-    python3 benchmarks/experiments/with_kernel_flags.py PREFIX_FAST_WAITS=1 -- -m jaxattn.bench extend --cases E3
-    python3 benchmarks/experiments/with_kernel_flags.py PREFIX_FAST_WAITS=1 -- benchmarks/experiments/bench_timeline.py \
+    python3 benchmarks/experiments/with_kernel_flags.py FP8_ADDRESSES_PER_TILE=1 -- -m jaxattn.bench extend --cases E3
+    python3 benchmarks/experiments/with_kernel_flags.py PREFIX_FAST_WAITS=0 -- benchmarks/experiments/bench_timeline.py \
         extend --cases E3
 """
 
@@ -27,7 +28,7 @@ def main():
         raise SystemExit(__doc__)
     from jaxattn.kernels import extend_attention_mgpu
 
-    flags = extend_attention_mgpu.opt_in_flags()
+    flags = extend_attention_mgpu.kernel_flags()
     for setting in settings:
         name, _, value = setting.partition("=")
         if name not in flags or value not in ("0", "1"):

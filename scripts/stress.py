@@ -87,6 +87,7 @@ class Profile:
     v_in_k: bool = False
     ext_bucket: int = 0  # extend only: max_extend_len when not the shapes' (<= 64: a verify step's short extends)
     page_size: int = 1  # extend only: pages of this many slots, metadata from the page table (whole-page copies)
+    ops: tuple[str, ...] = ("decode", "extend")  # the ops that take it (its batches of the others are skipped)
 
     def pool_dtype(self):
         return jnp.dtype(self.kv_dtype or self.dtype)
@@ -95,6 +96,8 @@ class Profile:
         """The ops' and write_kv's k_scale / v_scale for this profile's pools (none for 16/32-bit pools)."""
         if not self.kv_dtype:
             return {}
+        if self.v_in_k:  # one latent pool: V is K's first dims, scaled by k_scale
+            return dict(k_scale=0.5)
         if self.per_head_scales:
             heads = jnp.linspace(0.25, 1.0, self.kv_heads, dtype=jnp.float32)
             return dict(k_scale=heads, v_scale=heads[::-1])
@@ -180,6 +183,14 @@ def profiles(shapes: str) -> list[Profile]:
         Profile("mla-latent-verify-tree-4", 16, 1, 576, 512, "float16", v_in_k=True, tokens=4, tree=True),
         Profile("mla-latent-288", 16, 1, 288, 256, "bfloat16", v_in_k=True, sinks=True),  # the half-size head
         Profile("mla-latent-288-verify-4", 16, 1, 288, 256, "float16", v_in_k=True, tokens=4),
+        # fp8 latent caches (decode only: MLA extend takes 16-bit pools): one token at 16 or 32 heads on the MLA
+        # kernel's transposed tile (its default since f5e08aa), verify steps on the Triton kernel.
+        Profile("mla-latent-fp8", 16, 1, 576, 512, "bfloat16", v_in_k=True, sinks=True, kv_dtype="float8_e4m3fn",
+                ops=("decode",)),
+        Profile("mla-latent-fp8-e5m2-32", 32, 1, 576, 512, "float16", v_in_k=True, window=300,
+                kv_dtype="float8_e5m2", ops=("decode",)),
+        Profile("mla-latent-fp8-verify-4", 16, 1, 576, 512, "bfloat16", v_in_k=True, tokens=4,
+                kv_dtype="float8_e4m3fn", ops=("decode",)),
         Profile("llama-verify-tree-6", 32, 8, 128, 128, "bfloat16", logit_cap=30.0, tokens=6, tree=True),
         Profile("llama-verify-tree-fp8", 32, 8, 128, 128, "bfloat16", sinks=True, tokens=5, tree=True,
                 kv_dtype="float8_e4m3fn"),
@@ -602,6 +613,8 @@ def main(argv=None):
         for done, i in enumerate(mine, 1):
             profile_index = i % len(profs)
             profile = profs[profile_index]
+            if op not in profile.ops:
+                continue
             if profile.name not in runners:
                 seed = args.seed * 1000 + profile_index
                 if op == "decode":

@@ -8,15 +8,21 @@ instructions (STL / LDL) by region (before and after the producer's setmaxnreg d
 branch back to it, retry loops of mbarrier waits left out) with its instruction count and the opcodes that matter in
 attention loops. With a second PTX, each side's loops that issue wgmma are compared opcode by opcode.
 
-Found with it (thirty-fifth session, benchmarks/RESULTS.md): the fp8 extend producer's hoisted addresses in local
-memory, and the two-stage prefix loop's 533 instructions a tile against the unified loop's 513.
+With --splits, one PTX is built again for each register split (its `setmaxnreg` increases set to the consumers'
+count, its decreases to the producer's), each report saying whether the split can launch (`register_split_fits`).
+
+Found with it (benchmarks/RESULTS.md): the fp8 extend producer's hoisted addresses in local memory, and the two-stage
+prefix loop's 533 instructions a tile against the unified loop's 513 (thirty-fifth session); that no split of three
+warpgroups frees the fp8 MLA producer's spills, which end near 224 registers (thirty-sixth session).
 
 Usage: python benchmarks/experiments/sass_loops.py A.ptx [B.ptx]
+       python benchmarks/experiments/sass_loops.py A.ptx --splits 232/40,216/72,208/88
 """
 
 import collections
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -78,7 +84,36 @@ def report(ptx: str):
     return wgmma_loops
 
 
+def with_split(ptx_text: str, consumer: int, producer: int) -> str:
+    """The PTX with every `setmaxnreg` increase set to `consumer` registers and every decrease to `producer`."""
+    text = re.sub(r"setmaxnreg\.inc\.sync\.aligned\.u32 \d+;", f"setmaxnreg.inc.sync.aligned.u32 {consumer};",
+                  ptx_text)
+    return re.sub(r"setmaxnreg\.dec\.sync\.aligned\.u32 \d+;", f"setmaxnreg.dec.sync.aligned.u32 {producer};", text)
+
+
+def report_splits(ptx: str, splits: str):
+    """report() of `ptx` rebuilt at each "consumer/producer" split of `splits` (comma-separated)."""
+    from jaxattn.kernels.extend_attention_mgpu import WARPGROUP, register_split_fits
+
+    with open(ptx) as f:
+        text = f.read()
+    threads = re.search(r"\.maxntid (\d+)", text)
+    warpgroups = int(threads.group(1)) // WARPGROUP if threads else None
+    with tempfile.TemporaryDirectory() as tmp:
+        for split in splits.split(","):
+            consumer, producer = map(int, split.split("/"))
+            fits = warpgroups and register_split_fits((consumer,) * (warpgroups - 1) + (producer,))
+            print(f"=== split {consumer} / {producer} ({warpgroups} warpgroups: "
+                  f"{'fits the launch' if fits else 'past the launch: compiled, not runnable'})")
+            path = os.path.join(tmp, f"split_{consumer}_{producer}.ptx")
+            with open(path, "w") as f:
+                f.write(with_split(text, consumer, producer))
+            report(path)
+
+
 def main():
+    if len(sys.argv) == 4 and sys.argv[2] == "--splits":
+        return report_splits(sys.argv[1], sys.argv[3])
     if len(sys.argv) not in (2, 3):
         raise SystemExit(__doc__)
     sides = [report(path) for path in sys.argv[1:]]

@@ -101,6 +101,14 @@ def register_split_fits(registers) -> bool:
     return all(24 <= r <= 256 and r % 8 == 0 for r in registers) and WARPGROUP * sum(registers) <= launched
 
 
+def check_register_split(table_entry: str, registers) -> None:
+    """Raises at trace time unless `registers` (one entry per warpgroup) fits (`register_split_fits`), naming the table
+    entry they come from ("REGISTERS[2] = (232, 40)")."""
+    if not register_split_fits(registers):
+        raise ValueError(f"{table_entry} does not fit one CTA's registers (`register_split_fits`): the kernel would "
+                         f"hang")
+
+
 def _cdiv(x, d: int):
     return lax.div(x + (d - 1), jnp.int32(d))
 
@@ -448,9 +456,21 @@ FP8_ADDRESSES_PER_TILE = True
 
 def kernel_flags() -> tuple[str, ...]:
     """This module's switchable kernel forms (its upper-case booleans, read when a kernel is traced: opt-in ones False,
-    a form kept switchable after becoming the default True): what `benchmarks/experiments/with_kernel_flags.py` sets
-    and the tests' JAXATTN_TEST_KERNEL_FLAGS switches on."""
+    a form kept switchable after becoming the default True): what `benchmarks/experiments/with_kernel_flags.py` and
+    the tests' JAXATTN_TEST_KERNEL_FLAGS set (`set_kernel_flag`)."""
     return tuple(sorted(name for name, value in globals().items() if name.isupper() and isinstance(value, bool)))
+
+
+def set_kernel_flag(setting: str, *, value_required: bool = False) -> tuple[str, bool]:
+    """Sets one of `kernel_flags()` from "FLAG=1" / "FLAG=0" (or a bare "FLAG", on, unless value_required) for the
+    kernels traced after it; returns (FLAG, value). Raises ValueError naming the expected form."""
+    name, equals, value = setting.partition("=")
+    values = ("0", "1") if value_required or equals else ("",)
+    if name not in kernel_flags() or value not in values:
+        raise ValueError(f"expected FLAG=0|1{'' if value_required else ' (or FLAG)'} with FLAG one of "
+                         f"{kernel_flags()}; got {setting!r}")
+    globals()[name] = value != "0"
+    return name, value != "0"
 
 
 def fp8_step_thread(per_tile: bool | None = None):
@@ -1009,9 +1029,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
     if overlap and (scheduled or latent):
         raise ValueError("overlap takes 3 consumer warpgroups (no schedule barrier) and K/V tiles of their own")
     consumer_registers, producer_registers = REGISTERS[consumers]
-    if not register_split_fits((consumer_registers,) * consumers + (producer_registers,)):
-        raise ValueError(f"REGISTERS[{consumers}] = {REGISTERS[consumers]} does not fit one CTA's registers "
-                         f"(`register_split_fits`): the kernel would hang")
+    check_register_split(f"REGISTERS[{consumers}] = {REGISTERS[consumers]}",
+                         (consumer_registers,) * consumers + (producer_registers,))
     cta_rows = head_rows_per_cta(consumers, block_q, heads_per_cta)
     q_tiles = -(-(max_extend_len + 7) // cta_rows)  # + 7: tiles start up to 7 rows before a sequence
     window = int(sliding_window) if sliding_window is not None and sliding_window >= 0 else None

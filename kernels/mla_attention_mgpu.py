@@ -67,13 +67,13 @@ from jaxattn.kernels.extend_attention_mgpu import (
     global_address,
     arrive_barrier,
     check_fp8_tile,
+    check_register_split,
     commit_copies,
     convert_fp8_tiles,
     init_barriers,
     issue_fp8_rows,
     issue_rows,
     online_softmax_tile,
-    register_split_fits,
     row_sources,
     scalar_value,
     thread_in_warpgroup,
@@ -1083,9 +1083,8 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
         raise ValueError(f"q has {rows_total} rows; batch {batch} x q_heads {q_heads} = {batch * q_heads}")
     rows, stages, capacity = q_heads, TRANSPOSED_STAGES, kv_indices.shape[0]
     consumer_registers, producer_registers = TRANSPOSED_REGISTERS[fp8]
-    if not register_split_fits((consumer_registers, producer_registers)):
-        raise ValueError(f"TRANSPOSED_REGISTERS[{fp8}] = {TRANSPOSED_REGISTERS[fp8]} does not fit one CTA's registers "
-                         f"(`register_split_fits`): the kernel would hang")
+    check_register_split(f"TRANSPOSED_REGISTERS[{fp8}] = {TRANSPOSED_REGISTERS[fp8]}",
+                         (consumer_registers, producer_registers))
     scale_log2 = float(sm_scale) * LOG2E
     ready, free, q_bar = 0, stages, 2 * stages
     counts = (WARPGROUP,) * (2 * stages + 1)  # every barrier: one warpgroup's 128 arrivals

@@ -22,11 +22,7 @@ if os.environ.get("JAXATTN_TEST_KERNEL_FLAGS"):
     from jaxattn.kernels import extend_attention_mgpu
 
     for _setting in os.environ["JAXATTN_TEST_KERNEL_FLAGS"].split(","):
-        _flag, _, _value = _setting.partition("=")
-        if _flag not in extend_attention_mgpu.kernel_flags() or _value not in ("", "0", "1"):
-            raise ValueError(f"JAXATTN_TEST_KERNEL_FLAGS: expected FLAG[=0|1] with FLAG one of "
-                             f"{extend_attention_mgpu.kernel_flags()}; got {_setting!r}")
-        setattr(extend_attention_mgpu, _flag, _value != "0")
+        extend_attention_mgpu.set_kernel_flag(_setting)
 
 
 @pytest.fixture

@@ -2122,6 +2122,23 @@ def test_lowers_for_cuda_on_cpu(part):
     assert shapes == 93 and run.stdout.count("ok ") == len(range(part, shapes, 2)), run.stdout
 
 
+def test_set_kernel_flag_reads_the_forms_and_refuses_others(monkeypatch):
+    # The one parser of kernel flag settings (the tests' JAXATTN_TEST_KERNEL_FLAGS, experiments/with_kernel_flags.py).
+    from jaxattn.kernels import extend_attention_mgpu as kernel_module
+
+    for flag in kernel_module.kernel_flags():
+        monkeypatch.setattr(kernel_module, flag, getattr(kernel_module, flag))  # restored after the test
+    assert kernel_module.set_kernel_flag("PREFIX_FAST_WAITS=0") == ("PREFIX_FAST_WAITS", False)
+    assert kernel_module.PREFIX_FAST_WAITS is False
+    assert kernel_module.set_kernel_flag("PREFIX_FAST_WAITS") == ("PREFIX_FAST_WAITS", True)
+    assert kernel_module.set_kernel_flag("FP8_ADDRESSES_PER_TILE=0", value_required=True)[1] is False
+    for setting, required in (("BOGUS=1", False), ("PREFIX_FAST_WAITS=2", False), ("PREFIX_FAST_WAITS=", False),
+                              ("PREFIX_FAST_WAITS", True)):
+        with pytest.raises(ValueError, match="expected FLAG=0|1"):
+            kernel_module.set_kernel_flag(setting, value_required=required)
+    assert kernel_module.PREFIX_FAST_WAITS is True and kernel_module.FP8_ADDRESSES_PER_TILE is False
+
+
 @needs_lowering_plugin
 @pytest.mark.parametrize("flag,value,shape", [
     ("FP8_ADDRESSES_PER_TILE", False, "fp8-e4m3-128-bf16-tma"),

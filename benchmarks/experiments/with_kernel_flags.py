@@ -28,13 +28,12 @@ def main():
         raise SystemExit(__doc__)
     from jaxattn.kernels import extend_attention_mgpu
 
-    flags = extend_attention_mgpu.kernel_flags()
     for setting in settings:
-        name, _, value = setting.partition("=")
-        if name not in flags or value not in ("0", "1"):
-            raise SystemExit(f"expected FLAG=0|1 with FLAG one of {flags}; got {setting!r}")
-        setattr(extend_attention_mgpu, name, value == "1")
-        print(f"with_kernel_flags: {name} = {value == '1'}", flush=True)
+        try:
+            name, value = extend_attention_mgpu.set_kernel_flag(setting, value_required=True)
+        except ValueError as error:
+            raise SystemExit(str(error))
+        print(f"with_kernel_flags: {name} = {value}", flush=True)
     if command[0] == "-m":
         sys.argv = [command[1]] + command[2:]
         runpy.run_module(command[1], run_name="__main__", alter_sys=True)

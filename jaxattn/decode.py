@@ -8,11 +8,11 @@ The query of sequence b is the last token of its KV list, its K/V already writte
     `DecodeMetadata` pytree once per batch: the CSR KV lists and the number of KV splits of every sequence.
   * `decode_attention(q, k_pool, v_pool, meta, ...)` runs an implementation from `IMPLEMENTATIONS`: on sm_90 the
     Mosaic GPU MLA kernel (`jaxattn.impl.mgpu_mla`) for MLA's latent cache (576/512 or 288/256, V inside K,
-    16-bit; an fp8 latent cache 576 wide at one token and 16 or 32 heads), the Mosaic GPU GQA kernel
+    16-bit, or an fp8 latent cache 576 wide), the Mosaic GPU GQA kernel
     (`jaxattn.impl.mgpu_decode`) for separate 16-bit K/V pools (head dim 64/128, one token, no soft cap), else SGLang's
     split-KV Triton kernels (`jaxattn.impl.triton_decode`); `impl="mgpu-gqa-fp8"` runs the GQA kernel on fp8 pools
     (opt-in: slower than Triton there so far) and `impl="mgpu-fp8"` the MLA kernel on any fp8 latent call it takes
-    (verify steps and other head counts on its padded tile: slower than Triton there so far).
+    (what "mgpu" takes over fp8, by name).
   * `decode_attention_reference(q, k_pool, v_pool, meta, ...)`: the same call on the pure-jnp reference.
 
 Several query tokens per sequence (speculative verify, multi-token prediction): q ``[batch, tokens, q_heads, dim]``,

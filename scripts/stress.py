@@ -184,7 +184,7 @@ def profiles(shapes: str) -> list[Profile]:
         Profile("mla-latent-288", 16, 1, 288, 256, "bfloat16", v_in_k=True, sinks=True),  # the half-size head
         Profile("mla-latent-288-verify-4", 16, 1, 288, 256, "float16", v_in_k=True, tokens=4),
         # fp8 latent caches (decode only: MLA extend takes 16-bit pools): one token at 16 or 32 heads on the MLA
-        # kernel's transposed tile (its default since f5e08aa), verify steps on the Triton kernel.
+        # kernel's transposed tile (its default since f5e08aa), verify steps on its padded tile (MLA_DECODE_PADDED_FP8).
         Profile("mla-latent-fp8", 16, 1, 576, 512, "bfloat16", v_in_k=True, sinks=True, kv_dtype="float8_e4m3fn",
                 ops=("decode",)),
         Profile("mla-latent-fp8-e5m2-32", 32, 1, 576, 512, "float16", v_in_k=True, window=300,

@@ -262,7 +262,7 @@ def test_declines_name_the_reason():
     assert "separate V pool" in mgpu_mla.declines_decode(_call(v_pool=True))
     assert "kv heads" in mgpu_mla.declines_decode(_call(kv_heads=2, q_heads=16))
     assert "float32" in mgpu_mla.declines_decode(_call(dtype=jnp.float32))
-    assert "impl=\"mgpu-fp8\"" in mgpu_mla.declines_decode(_call(pool_dtype=jnp.float8_e4m3fn, tokens=4))
+    assert mgpu_mla.declines_decode(_call(pool_dtype=jnp.float8_e4m3fn, tokens=4)) == mgpu_mla.declines_decode(_call())
     assert "288 wide" in mgpu_mla.declines_decode(_call(pool_dtype=jnp.float8_e4m3fn, qk=288, v_head_dim=256))
     assert "soft cap" in mgpu_mla.declines_decode(_call(logit_cap=30.0))
     assert "grid's third dimension" in mgpu_mla.declines_decode(_call(batch=70000))
@@ -322,25 +322,35 @@ def test_transposed_tile_is_the_default_where_it_takes_the_call():
         assert not mgpu_mla._transposed(call)
 
 
-def test_default_takes_fp8_latent_decode_on_the_transposed_tile_only(monkeypatch):
-    # On an sm_90 GPU (stood in for here), decode_attention's first implementation, "mgpu", takes one-token fp8 MLA
-    # decode at 16 or 32 heads (the transposed tile, 1.8x Triton's kernel on the H100); verify steps and 64 heads fall
-    # through to the Triton kernel, the padded tile forced by its config to "mgpu-fp8" (which Triton's config type
-    # declines), and "mgpu-fp8" still takes them all by name.
+def test_default_takes_fp8_latent_decode_on_either_tile(monkeypatch):
+    # On an sm_90 GPU (stood in for here), decode_attention's first implementation, "mgpu", takes fp8 MLA decode:
+    # one token at 16 or 32 heads on the transposed tile (1.8x Triton's kernel on the H100), verify steps and 64 heads
+    # on the padded tile (MLA_DECODE_PADDED_FP8: 3.3x Triton's kernel at MLA-V4-FP8 on the H200). With that flag off
+    # they fall through to the Triton kernel, the padded tile forced by its config to "mgpu-fp8" (which Triton's
+    # config type declines), and "mgpu-fp8" takes them all by name either way.
     from jaxattn import decode as decode_module, hardware
     from jaxattn.registry import select
     from jaxattn.tuning import MgpuDecodeConfig
 
     monkeypatch.setattr(hardware, "mosaic_gpu_unavailable", lambda launch_mode: None)
+    assert mgpu_mla.MLA_DECODE_PADDED_FP8
     for fmt in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+        off_transposed = (_call(pool_dtype=fmt, tokens=4), _call(pool_dtype=fmt, q_heads=64),
+                          _call(pool_dtype=fmt, config=MgpuDecodeConfig(transposed=False)))
         for q_heads in (16, 32):
             assert select(decode_module.IMPLEMENTATIONS, _call(q_heads=q_heads, pool_dtype=fmt)).name == "mgpu"
         assert select(decode_module.IMPLEMENTATIONS, _call(pool_dtype=fmt, dtype=jnp.float16)).name == "mgpu"
-        for call in (_call(pool_dtype=fmt, tokens=4), _call(pool_dtype=fmt, q_heads=64),
-                     _call(pool_dtype=fmt, config=MgpuDecodeConfig(transposed=False))):
-            assert "off the transposed tile" in mgpu_mla.declines_decode(call)
-            assert select(decode_module.IMPLEMENTATIONS, call).name == ("mgpu-fp8" if call.config else "triton")
-            assert select(decode_module.IMPLEMENTATIONS, call, impl="mgpu-fp8").name == "mgpu-fp8"
+        for call in off_transposed:
+            assert not mgpu_mla._transposed(call) and mgpu_mla.declines_decode(call) is None
+            assert select(decode_module.IMPLEMENTATIONS, call).name == "mgpu"
+        assert "288 wide" in mgpu_mla.declines_decode(_call(pool_dtype=fmt, qk=288, v_head_dim=256))
+        with monkeypatch.context() as flag_off:
+            flag_off.setattr(mgpu_mla, "MLA_DECODE_PADDED_FP8", False)
+            assert select(decode_module.IMPLEMENTATIONS, _call(pool_dtype=fmt)).name == "mgpu"
+            for call in off_transposed:
+                assert "MLA_DECODE_PADDED_FP8 off" in mgpu_mla.declines_decode(call)
+                assert select(decode_module.IMPLEMENTATIONS, call).name == ("mgpu-fp8" if call.config else "triton")
+                assert select(decode_module.IMPLEMENTATIONS, call, impl="mgpu-fp8").name == "mgpu-fp8"
 
 
 def test_kernel_merge_is_the_default_on_both_tiles():

@@ -17,9 +17,10 @@ result does not depend on its batch).
 
 `DECODE_FP8` ("mgpu-fp8", by name): the same decode over an fp8 (e4m3fn / e5m2) latent cache 576 wide, the
 kernel's producer converting each tile to f16 in shared memory; q is multiplied by the softmax scale and k_scale and
-rounded to f16 once, v_scale multiplies the outputs. On the transposed tile (one token at 16 or 32 heads) it is
-`DECODE`'s too, so the default takes those calls (H100, 3fba716: MLA-FP8 0.106 ms, the Triton kernel 0.195, the bf16
-cache 0.111); the padded tile (verify steps, other head counts) stays by name, slower than Triton there (0.249).
+rounded to f16 once, v_scale multiplies the outputs. It is `DECODE`'s too, so the default takes those calls: one
+token at 16 or 32 heads on the transposed tile (H100, 3fba716: MLA-FP8 0.106 ms, the Triton kernel 0.195, the bf16
+cache 0.111), verify steps and other head counts on the padded tile (H200, a56875d: MLA-V4-FP8 0.154 ms, Triton's
+0.504; `tuning.sm90.MLA_DECODE_PADDED_FP8`).
 
 Both take DeepSeek's 576/512 latent head and the half-size 288/256 (`MLA_HEAD_DIMS`). `EXTEND`, the "mgpu"
 implementation of `jaxattn.mla.mla_extend_attention` (two-stage, causal, sinks allowed): one pass, 64 (token, head) rows per CTA over
@@ -41,7 +42,8 @@ from jaxattn.impl import triton_decode
 from jaxattn.metadata import MIN_BLOCK_KV
 from jaxattn.registry import Implementation
 from jaxattn.tuning import MgpuDecodeConfig
-from jaxattn.tuning.sm90 import MLA_DECODE_KERNEL_MERGE, MLA_DECODE_TRANSPOSED, MLA_DECODE_TRANSPOSED_FP8
+from jaxattn.tuning.sm90 import (MLA_DECODE_KERNEL_MERGE, MLA_DECODE_PADDED_FP8, MLA_DECODE_TRANSPOSED,
+                                MLA_DECODE_TRANSPOSED_FP8)
 
 # The latent head shapes the kernel builds (`SHAPES` of kernels/mla_attention_mgpu.py), each tested on the H200.
 MLA_HEAD_DIMS = ((576, 512), (288, 256))
@@ -60,13 +62,15 @@ def rows_unsupported(tokens: int, q_heads: int) -> str | None:
 
 
 def declines_decode(call: DecodeCall) -> str | None:
-    """"mgpu": a latent pool of q's dtype, or an fp8 one where the transposed tile takes the call (one token at 16 or
-    32 heads, 576 wide: `MLA_DECODE_TRANSPOSED_FP8`); the kernel's other fp8 calls by name ("mgpu-fp8")."""
+    """"mgpu": a latent pool of q's dtype, or an fp8 one 576 wide: on the transposed tile where it takes the call
+    (one token at 16 or 32 heads: `MLA_DECODE_TRANSPOSED_FP8`), else on the padded tile (`MLA_DECODE_PADDED_FP8`);
+    "mgpu-fp8" takes the same fp8 calls by name, whatever the two flags say."""
     if is_fp8(call.k_pool.dtype):
         reason = declines_decode_fp8(call)
-        if reason is None and not _transposed(call):
-            reason = "an fp8 pool off the transposed tile (one token at 16 or 32 heads, 576 wide)"
-        return None if reason is None else f"{reason}; other fp8 latent pools: impl=\"mgpu-fp8\", by name"
+        if reason is None and not (_transposed(call) or MLA_DECODE_PADDED_FP8):
+            return ("an fp8 pool off the transposed tile (one token at 16 or 32 heads, 576 wide) with "
+                    "MLA_DECODE_PADDED_FP8 off (impl=\"mgpu-fp8\" takes it by name)")
+        return reason
     if call.k_pool.dtype != call.q.dtype or call.kv_scales is not None:
         return (f"a {jnp.dtype(call.k_pool.dtype).name} pool with {jnp.dtype(call.q.dtype).name} q, or K/V scales "
                 "(fp8 latent pools: impl=\"mgpu-fp8\", by name)")

@@ -138,6 +138,13 @@ MLA_DECODE_TRANSPOSED = True
 # against the padded tile's 0.249, the Triton kernel's 0.195 and the bf16 cache's 0.111.
 MLA_DECODE_TRANSPOSED_FP8 = True
 
+# The fp8 latent calls the transposed tile does not take (verify steps, 64+ heads) on the MLA kernel's padded tile
+# under "mgpu" rather than on the Triton kernel (it also takes them by name, "mgpu-fp8"). Since its producer computes
+# the fp8 copies' addresses per tile (`FP8_ADDRESSES_PER_TILE`, 11335e2) it is the faster: H200 (a56875d, one run, 3
+# rounds), ms, padded tile / Triton: MLA-V4-FP8 (4 tokens verified) 0.154 / 0.504, MLA-FP8 0.142 / 0.196; H100
+# (3fba716) MLA-FP8 0.144 / 0.195. 64+ heads over fp8 are not measured (the same tile per 64-row head block).
+MLA_DECODE_PADDED_FP8 = True
+
 # The MLA kernel merging a sequence's splits itself (`MgpuDecodeConfig.kernel_merge`, None takes this), on either tile:
 # its last non-empty split folds the others' partials, passed in their registers' order, after a cluster barrier (2-8
 # splits, e0c9269 / e0cee0d) or a semaphore; no Triton merge launched. H100, ms, kernel / Triton merge: the transposed

@@ -357,6 +357,37 @@ def test_ffi_rows_skip_without_jax_tvm_ffi(monkeypatch):
     assert {"flashinfer-fa3-ffi-8-layers", "flashinfer-fa3-in-jit-8-layers"} <= set(bench.BACKENDS["extend"])
 
 
+def test_torch_layers_rows_launch_into_their_own_outputs_and_lses():
+    # flashinfer-8-layers / flashinfer-fa3-8-layers: the torch-launched peer of the *-ffi-8-layers rows, 8 launches per
+    # timed call (time_calls divides by them), each into its own preallocated output and LSE, as the FFI launch
+    # writes both.
+    import types
+
+    from jaxattn.bench.peers import torch_layers
+
+    class Wrapper:
+        def __init__(self):
+            self.launches = []
+
+        def run(self, q, kv, *variant, out=None, lse=None, return_lse=False, **kwargs):
+            self.launches.append((variant, out, lse, return_lse, kwargs))
+
+    fake_torch = types.SimpleNamespace(float32="f32", empty=lambda *shape, dtype, device: (shape, dtype, object()))
+    q = types.SimpleNamespace(shape=(6, 4, 576), dtype="bf16", device="cuda")
+    wrapper = Wrapper()
+    step = torch_layers(fake_torch, wrapper, q, ("k", "v"), 512, 8, "sinks", k_scale=0.5)
+    assert step.calls == 8 and wrapper.launches == []
+    step()
+    assert len(wrapper.launches) == 8
+    assert {len({id(launch[1]) for launch in wrapper.launches}), len({id(launch[2]) for launch in wrapper.launches})} \
+        == {8}
+    for variant, out, lse, return_lse, kwargs in wrapper.launches:
+        assert variant == ("sinks",) and return_lse and kwargs == {"k_scale": 0.5}
+        assert out[:2] == ((6, 4, 512), "bf16") and lse[:2] == ((6, 4), "f32")
+    assert {"flashinfer-8-layers"} <= set(bench.BACKENDS["decode"])
+    assert {"flashinfer-fa3-8-layers"} <= set(bench.BACKENDS["extend"])
+
+
 def test_layers_of_a_step_run_in_order():
     # A model's layer i reads layer i - 1's output; the 8-layer rows' calls are chained the same way (each query
     # behind an optimization barrier with the previous output), so XLA cannot run two at once or reorder them.

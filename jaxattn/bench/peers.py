@@ -233,7 +233,23 @@ def decode_flashinfer(inp: Inputs, tensor_cores: bool, through_jax: bool = False
     q = tv["q"]
     if through_jax:
         return bridged(wrapper, inp, layers, launch=launch)
+    if layers > 1:
+        return torch_layers(torch, wrapper, q, (k, v), case.dv, layers, **scales(inp))
     return lambda: wrapper.run(q, (k, v), **scales(inp))
+
+
+def torch_layers(torch, wrapper, q, kv, dv: int, layers: int, *variant, **run_kwargs):
+    """The planned wrapper launched from torch `layers` times per call (time_calls divides by it), each launch into its
+    own preallocated output and LSE: the work and the sample shape of the `*-ffi-8-layers` rows (whose launches
+    write the LSE too), so the two compare like for like."""
+    outs = [torch.empty(*q.shape[:2], dv, dtype=q.dtype, device=q.device) for _ in range(layers)]
+    lses = [torch.empty(*q.shape[:2], dtype=torch.float32, device=q.device) for _ in range(layers)]
+
+    def step():
+        for out, lse in zip(outs, lses):
+            wrapper.run(q, kv, *variant, out=out, lse=lse, return_lse=True, **run_kwargs)
+
+    return PerCall(step, layers)
 
 
 def decode_flashinfer_mla_declines(case) -> str | None:
@@ -488,6 +504,8 @@ def extend_flashinfer(inp: Inputs, backend: str, through_jax: bool = False, laye
     if through_jax:
         return bridged(wrapper, inp, layers, variant_args=variant, launch=launch)
     torch_variant = tuple(torch.from_dlpack(a) if hasattr(a, "__dlpack__") else a for a in variant)
+    if layers > 1:
+        return torch_layers(torch, wrapper, q, (k, v), case.dv, layers, *torch_variant, **run_scales)
     return lambda: wrapper.run(q, (k, v), *torch_variant, **run_scales)
 
 
@@ -516,6 +534,8 @@ BACKENDS = {
         "jaxattn-mgpu-gqa": (decode_mgpu_gqa, jax_sync),  # GQA (fp8 or 16-bit pools) on the Mosaic GPU kernel
         "jaxattn-extend": (decode_as_extend, jax_sync),
         "flashinfer": (lambda inp: decode_flashinfer(inp, False), torch_sync),
+        # launched from torch 8 times per timed call into preallocated outputs and LSEs, as the FFI rows run
+        "flashinfer-8-layers": (lambda inp: decode_flashinfer(inp, False, layers=8), torch_sync),
         "flashinfer-tc": (lambda inp: decode_flashinfer(inp, True), torch_sync),
         "flashinfer-mla": (decode_flashinfer_mla, torch_sync),
         "flashinfer-fa3": (verify_flashinfer_fa3, torch_sync),
@@ -540,6 +560,7 @@ BACKENDS = {
         "jaxattn-mgpu-draft-words": (lambda inp: extend_draft_words(inp, mgpu=True), jax_sync),
         "flashinfer-fa2": (lambda inp: extend_flashinfer(inp, "fa2"), torch_sync),
         "flashinfer-fa3": (lambda inp: extend_flashinfer(inp, "fa3"), torch_sync),
+        "flashinfer-fa3-8-layers": (lambda inp: extend_flashinfer(inp, "fa3", layers=8), torch_sync),
         "flashinfer-fa3-in-jit": (lambda inp: extend_flashinfer(inp, "fa3", through_jax=True), jax_sync),
         "flashinfer-fa3-in-jit-8-layers": (lambda inp: extend_flashinfer(inp, "fa3", through_jax=True, layers=8),
                                            jax_sync),

@@ -69,11 +69,13 @@ LABELS = {
     "flashinfer-in-jit": "FlashInfer from jit (bridge)",
     "flashinfer-in-jit-8-layers": "FlashInfer from jit (bridge), 8 layers per step",
     "flashinfer-ffi-8-layers": "FlashInfer from jit (XLA FFI launch), 8 layers per step",
+    "flashinfer-8-layers": "FlashInfer from torch, 8 launches per call (outputs and LSEs preallocated)",
     "flashinfer-fa2": "FlashInfer fa2",
     "flashinfer-fa3": "FlashInfer fa3",
     "flashinfer-fa3-in-jit": "FlashInfer fa3 from jit (bridge)",
     "flashinfer-fa3-in-jit-8-layers": "FlashInfer fa3 from jit (bridge), 8 layers per step",
     "flashinfer-fa3-ffi-8-layers": "FlashInfer fa3 from jit (XLA FFI launch), 8 layers per step",
+    "flashinfer-fa3-8-layers": "FlashInfer fa3 from torch, 8 launches per call (outputs and LSEs preallocated)",
     "cudnn": "cuDNN (dense only)",
     "reference": "reference (jnp)",
 }

@@ -143,7 +143,10 @@ def store_rows(values, out, first, valid_rows, *, row_stride: int, first_scale: 
     flat GMEM buffer `out` (values' dtype), row r column c at element first * first_scale + r * row_stride + column0
     + c (int64 arithmetic), from registers. first, valid_rows: i32 scalars. No other element of `out` is written.
     transposed: `values` holds the rows as its columns ([cols, rows] in the WGMMA layout, or [rows] in its column
-    layout: the transposed tile's output and LSE), stored the same way."""
+    layout: the transposed tile's output and LSE), stored the same way.
+
+    [rows, cols] values go one register at a time (`register_stores`): a WGMMA register holds a row's consecutive
+    columns, stored by one vector instruction (2 elements: half the instructions and L2 writes of element stores)."""
     two_d = len(values.shape) == 2
     layout = plgpu.Layout.WGMMA if two_d else plgpu.Layout.WGMMA.reduce(0 if transposed else 1)
 
@@ -157,7 +160,7 @@ def store_rows(values, out, first, valid_rows, *, row_stride: int, first_scale: 
         valid_rows = arith.extsi(i64, valid_rows)
         base = llvm.inttoptr(llvm.PointerType.get(1), global_address(out))
 
-        def store(value, index):
+        def store(value, index):  # value: one element, or a register's elements of one row from column index[1]
             if transposed:  # (column, row) in two dimensions; one dimension: the row
                 r = arith.index_cast(i64, index[1] if two_d else index[0])
                 c = arith.index_cast(i64, index[0]) if two_d else arith.constant(i64, 0)
@@ -166,14 +169,31 @@ def store_rows(values, out, first, valid_rows, *, row_stride: int, first_scale: 
                 c = arith.index_cast(i64, index[1]) if two_d else arith.constant(i64, 0)
             valid = arith.cmpi(arith.CmpIPredicate.slt, r, valid_rows)
             at = arith.addi(start, arith.addi(arith.muli(r, arith.constant(i64, row_stride)), c))
+            element = ir.VectorType(value.type).element_type if isinstance(value.type, ir.VectorType) else value.type
             branch = scf.IfOp(valid)
             with ir.InsertionPoint(branch.then_block):
-                llvm.store(value, mgpu_utils.getelementptr(base, [at], value.type))
+                llvm.store(value, mgpu_utils.getelementptr(base, [at], element))
                 scf.yield_([])
 
-        values.foreach(store)
+        if two_d and not transposed and register_stores(values, row_stride, first_scale, column0):
+            for index, register in zip(values.layout.thread_idxs(values.shape), np.ndindex(values.registers.shape),
+                                       strict=True):
+                store(values.registers[register], index)
+        else:
+            values.foreach(store)
 
     run(values, out, first, valid_rows)
+
+
+def register_stores(values, row_stride: int, first_scale: int, column0: int) -> bool:
+    """Whether `store_rows` stores [rows, cols] `values` (the WGMMA layout) a register at a time: each register is a
+    vector of n consecutive columns of a row from a multiple of n, so where every other term of the element offset
+    is a multiple of n too, each vector store is aligned to its own size (the buffer's start is)."""
+    register_type = values.registers.flat[0].type
+    if not isinstance(register_type, ir.VectorType):
+        return False
+    n = ir.VectorType(register_type).shape[0]
+    return all(term % n == 0 for term in (row_stride, first_scale, column0))
 
 
 def online_softmax_start(rows: int, acc_shape, *, stats_axis: int):

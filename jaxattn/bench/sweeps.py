@@ -37,6 +37,18 @@ def sweep_variants(op: str, case: Case):
                 config = DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages, fp8_v_in_registers=True)
                 label = f"n{block_n} w{num_warps} s{num_stages} v-in-registers"
                 variants.append((label, lambda inp, c=config: decode_jaxattn(inp, config=c)))
+        if case.fp8 and not mla:  # issue 26, not yet timed: one-warp tiles (no cross-warp row reductions; 7-12
+            # programs a multiprocessor where the table tile holds 4 at 254 registers) and split counts per tile.
+            # Stages 3/4, 5/6 and 7/8 compile to the same code (1, 2, 3 K/V buffers); 2 loads the indices unpipelined.
+            for block_n, num_warps, num_stages in ((32, 1, 6), (32, 1, 8), (32, 1, 4), (64, 1, 4), (64, 1, 6),
+                                                   (16, 1, 6), (64, 2, 2)):
+                config = DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+                variants.append((f"fp8 n{block_n} w{num_warps} s{num_stages}",
+                                 lambda inp, c=config: decode_jaxattn(inp, config=c)))
+            for (block_n, num_warps, num_stages), pps in itertools.product(((64, 2, 6), (32, 1, 6)), (4, 12, 16, 24, 32)):
+                config = DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+                variants.append((f"fp8 n{block_n} w{num_warps} s{num_stages} pps{pps}",
+                                 lambda inp, c=config, p=pps: decode_jaxattn(inp, config=c, programs_per_sm=p)))
         if mla and not case.fp8:  # 64-row tiles (MLA's 16 heads padded, or 16 heads x 4 tokens): wgmma, 8 warps
             for block_n, num_stages in ((16, 2), (16, 3), (32, 2), (32, 3)):
                 config = DecodeConfig(block_n=block_n, block_h=64, num_warps=8, num_stages=num_stages)

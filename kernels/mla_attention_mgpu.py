@@ -625,7 +625,7 @@ def wait_ring_tile(bars, ready: int, stages: int, step):
 
 
 def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, shape: LatentShape, scale_log2, steps, loops, tile_source,
-         q_row0, q_count, store_out, sink=None, producer_done=None):
+         q_row0, q_count, store_out, sink=None, producer_done=None, early_masks=True):
     """One CTA's work (call inside `pl.when` of a non-empty CTA; every warpgroup runs it).
 
     q_ref: [rows, 1, qk_dim]; new_ref / pool_ref: [*, 1, qk_dim] (the producer's two row sources); steps: the K tiles;
@@ -636,7 +636,9 @@ def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, shape: LatentShape
     the first half of the columns) and, from warpgroup 0, f32[64] natural-log LSE rows (None from warpgroup 1; both
     consumer warpgroups call it, last, so it may hold a barrier of theirs); sink: f32[64] (WGMMA row
     layout), each row's natural-log sink logit joining its denominator, or None; producer_done: called last by the
-    producer warpgroup (after its last copy), or None. An fp8 pool (every tile from it,
+    producer warpgroup (after its last copy), or None. early_masks: each masked tile's mask is computed before its S
+    wgmma (a mask that gathers, e.g. draft words, overlapping it), else after it (a mask computed from indices alone:
+    nothing of it lives across the wgmma, where the scores' registers do). An fp8 pool (every tile from it,
     f16 Q): the producer copies each tile's fp8 rows into the upper half of its ring slot and converts them there to
     f16 (`convert_fp8_tiles`, unscaled: the caller folds the scales into q and the output), its copies one tile ahead
     of its conversions.
@@ -666,7 +668,7 @@ def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, shape: LatentShape
 
         def step_fn(step, carry, mask=None):
             acc, m_i, l_i = carry
-            visible = None if mask is None else mask(step)  # gathers (draft bits) overlap the wgmma below
+            visible = mask(step) if mask is not None and early_masks else None  # gathers overlap the wgmma below
             slot = wait_tile(step)
 
             def qk(s_ref):
@@ -674,8 +676,8 @@ def _cta(q_ref, new_ref, pool_ref, kv_indices_ref, scoped, *, shape: LatentShape
                 return s_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, block_kv), jnp.float32))
-            if visible is not None:
-                s = jnp.where(visible, s, -jnp.inf)
+            if mask is not None:
+                s = jnp.where(mask(step) if visible is None else visible, s, -jnp.inf)
             p, acc, m_new, l_i, alpha = online_softmax_tile(s, acc, m_i, l_i, scale_log2)
             p16 = p.astype(dtype)
             # Warpgroup 1 has read the previous P and alpha (its arrival #step - 1 on P free).
@@ -999,7 +1001,7 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
                  tile_source=lambda step: (cta.split_len > 0, cta.kv_begin + cta.split_start + step * block_kv,
                                            cta.split_len - step * block_kv),
                  q_row0=row0, q_count=jnp.int32(block_rows), store_out=store_out,
-                 producer_done=cluster_sync if clustered else None)
+                 producer_done=cluster_sync if clustered else None, early_masks=words_ref is not None)
 
         if clustered:
             @pl.when(cta.split_len <= 0)

@@ -804,16 +804,20 @@ def stream_latent_tiles(q_ref, new_ref, pool_ref, kv_indices_ref, q_smem, k_smem
         lax.fori_loop(0, steps, fp8_step, sources_of(jnp.int32(stages - 1)))
         return
 
-    def step_body(step, sources):
-        next_sources = sources_of(step + 1)  # its loads overlap this tile's wait and copies
+    # Each tile's rows are loaded from kv_indices two tiles ahead: tiles 0 and 1's loads fly together before the
+    # first copy (one index round trip before the ring's first two tiles, not one before each), and later ones
+    # overlap two tiles' waits and copies.
+    def step_body(step, carried):
+        sources, next_sources = carried
+        after_next = sources_of(step + 2)
         slot = lax.rem(step, stages)
         wait_free(step, slot)
         from_pool = tile_source(step)[0]
         issue_rows(new_ref, pool_ref, k_smem, bars, sources, from_pool, slot, ready + slot, jnp.int32(0),
                    block_kv=block_kv, head_dim=head_dim, swizzle=swizzle)
-        return next_sources
+        return next_sources, after_next
 
-    lax.fori_loop(0, steps, step_body, sources_of(jnp.int32(0)))
+    lax.fori_loop(0, steps, step_body, (sources_of(jnp.int32(0)), sources_of(jnp.int32(1))))
 
 
 def _check_v_scale(k_pool, v_scale) -> bool:

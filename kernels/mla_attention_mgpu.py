@@ -375,6 +375,14 @@ def cluster_sync(acquire_gpu: bool = False):
 CLUSTER_MAX_SPLITS = 8
 
 
+def check_merger_skew(merger_skew, merge: bool) -> None:
+    """Refuses a merger_skew (`decode_cta`) that is not a whole number of keys >= 0, or one without merge=True (the
+    split ranges of a Triton-merged call stay the Triton kernel's)."""
+    if not isinstance(merger_skew, int) or merger_skew < 0 or (merger_skew and not merge):
+        raise ValueError(f"merger_skew must be an int >= 0, and 0 unless merge=True; got {merger_skew!r} with "
+                         f"merge={merge}")
+
+
 def merge_waits(merge: bool, max_kv_splits: int) -> tuple[bool, bool]:
     """(waits, clustered) of a decode launch: whether a merging call's last split waits for the others' partials (one
     split: its CTA stores the result, nothing to wait for), and whether at its cluster's barrier (up to
@@ -486,10 +494,12 @@ class DecodeCta(NamedTuple):
 
 
 def decode_cta(kv_indptr, num_kv_splits, seq, split, *, capacity: int, sliding_window: int, max_kv_splits: int,
-               min_block_kv: int, tokens: int, block_kv: int = BLOCK_KV) -> DecodeCta:
+               min_block_kv: int, tokens: int, block_kv: int = BLOCK_KV, merger_skew: int = 0) -> DecodeCta:
     """Split `split` of sequence `seq` (kv_indptr, num_kv_splits: refs in the kernel, arrays in the model; both
     unchecked), as `kernels/decode_attention.py` cuts it: the range clamped into [0, capacity], a window's last W + 1
-    keys, splits of per_split keys (a multiple of min_block_kv)."""
+    keys, splits of per_split keys (a multiple of min_block_kv). merger_skew (keys, >= 0; merge=True): the last split
+    with keys, which merges, starts that many keys early, taken from the split before it where that one keeps keys,
+    so that split publishes its partial while the merger still streams (every split but the last is whole)."""
     kv_begin = jnp.clip(kv_indptr[seq], 0, capacity)
     kv_end = jnp.clip(kv_indptr[seq + 1], kv_begin, capacity)
     kv_len = kv_end - kv_begin
@@ -500,13 +510,18 @@ def decode_cta(kv_indptr, num_kv_splits, seq, split, *, capacity: int, sliding_w
     per_split = _cdiv(_cdiv(kv_len, n_splits), min_block_kv) * min_block_kv
     split_start = split * per_split
     split_len = jnp.maximum(jnp.minimum(split_start + per_split, kv_len) - split_start, 0)
+    nonempty_splits = jnp.where(kv_len > 0, _cdiv(kv_len, jnp.maximum(per_split, 1)), 0)
+    if merger_skew:
+        merger = nonempty_splits - 1
+        skew = jnp.where((merger >= 1) & (per_split > merger_skew), merger_skew, 0)
+        split_start = split_start - jnp.where(split == merger, skew, 0)
+        split_len = split_len + jnp.where(split == merger, skew, 0) - jnp.where(split == merger - 1, skew, 0)
     steps = _cdiv(split_len, block_kv)
     # Tiles whose every key is in the split and (several tokens) before the drafts run unmasked.
     full_steps = lax.div(split_len, block_kv)
     if tokens > 1:
         before_drafts = jnp.maximum(kv_len - tokens - split_start, 0)
         full_steps = jnp.minimum(full_steps, lax.div(before_drafts, block_kv))
-    nonempty_splits = jnp.where(kv_len > 0, _cdiv(kv_len, jnp.maximum(per_split, 1)), 0)
     return DecodeCta(kv_begin, kv_len, split_start, split_len, steps, full_steps, nonempty_splits)
 
 
@@ -855,7 +870,7 @@ def _latent_shape(q, k_pool, k_new=None, fp8_pool=False, block_kv: int = BLOCK_K
 
 def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draft_words, sinks=None, *, tokens,
                            q_heads, sm_scale, max_kv_splits, sliding_window=-1, min_block_kv=32, v_scale=None,
-                           block_kv=BLOCK_KV, merge=False, out_dtype=None):
+                           block_kv=BLOCK_KV, merge=False, out_dtype=None, merger_skew=0):
     """Split-KV MLA decode. merge=False, stage 1: (mid_o f32[rows * max_kv_splits, 512], mid_lse f32[rows *
     max_kv_splits]) with rows = batch * tokens * q_heads in (sequence, token, head) order: row g's split s at g *
     max_kv_splits + s, the layout of `decode_stage1_kernel`'s MID_O / MID_LSE (f32[batch * tokens, q_heads,
@@ -864,7 +879,8 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
     its last non-empty split as `mla_decode_transposed_kernel` merges them (each consumer warpgroup its half of the
     columns; the CTAs pass their partials through spill slots, a block's splits one cluster up to
     `CLUSTER_MAX_SPLITS`, else with a semaphore per (sequence, head block)); sinks
-    (f32[q_heads], merge=True only) join each row's denominator there.
+    (f32[q_heads], merge=True only) join each row's denominator there; merger_skew (merge=True only): the merging
+    split's extra keys (`decode_cta`).
 
     q: [batch * tokens * q_heads, 1, qk_dim] bf16/f16 (rows in that order; qk_dim 576 or 288); k_pool: [slots, 1,
     qk_dim], q's dtype (V = each row's first 512 / 256 dims: mid_o's width); kv_indptr: i32[batch + 1]; kv_indices: i32/i64[capacity]; num_kv_splits: i32[batch]
@@ -896,6 +912,7 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
                          f"{batch * rows_per_seq}")
     if sinks is not None and not merge:
         raise ValueError("sinks are added by the merge: merge=True (or the Triton merge's sink argument)")
+    check_merger_skew(merger_skew, merge)
     block_rows = min(rows_per_seq, BLOCK_ROWS)  # the CTA's real rows (static)
     head_blocks = rows_per_seq // block_rows
     capacity = kv_indices.shape[0]
@@ -915,7 +932,8 @@ def mla_decode_mgpu_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draf
         seq = lax.axis_index("seq")
         wg = lax.axis_index("wg")
         cta = decode_cta(kv_indptr_ref, splits_ref, seq, split, capacity=capacity, sliding_window=sliding_window,
-                         max_kv_splits=max_kv_splits, min_block_kv=min_block_kv, tokens=tokens, block_kv=block_kv)
+                         max_kv_splits=max_kv_splits, min_block_kv=min_block_kv, tokens=tokens, block_kv=block_kv,
+                         merger_skew=merger_skew)
         row0 = seq * rows_per_seq + block * block_rows  # the block's first row among all rows
         group = seq * head_blocks + block  # the (sequence, head block) whose splits merge together
         sems = pl.get_global(plgpu.SemaphoreType.REGULAR((batch * head_blocks,))) if waits and not clustered else None
@@ -1081,7 +1099,7 @@ def transposed_rows_supported(rows_per_seq: int) -> bool:
 
 def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits, sinks=None, *, q_heads, sm_scale,
                                  max_kv_splits, sliding_window=-1, min_block_kv=32, merge=False, v_scale=None,
-                                 out_dtype=None):
+                                 out_dtype=None, merger_skew=0):
     """Split-KV MLA decode on the transposed tile, one query token per sequence. q: [batch * q_heads, 1, 576]
     bf16/f16; k_pool: [slots, 1, 576] of q's dtype, or fp8 (e4m3fn / e5m2) with f16 q and v_scale as
     `mla_decode_mgpu_kernel` takes them (the producer converts each tile to f16 in shared memory, `stream_latent_tiles`;
@@ -1097,7 +1115,8 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
     only) add exp(sink) to each head's denominator as the Triton merge adds them. Up to `CLUSTER_MAX_SPLITS` splits
     the sequence's splits are one cluster and wait at its barrier (co-scheduled); past it, on a GMEM semaphore per
     sequence, where waiting only on lower block indices relies on CTAs being dispatched in block order (as split-K
-    serial reductions do), so any grid size finishes."""
+    serial reductions do), so any grid size finishes. merger_skew (merge=True only): the merging split's extra keys
+    (`decode_cta`)."""
     shape = _latent_shape(q, k_pool, fp8_pool=True)
     fp8 = _check_v_scale(k_pool, v_scale)
     if shape.qk_dim != TRANSPOSED_QK_DIM or not transposed_rows_supported(q_heads):
@@ -1116,6 +1135,7 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
     counts = (WARPGROUP,) * (2 * stages + 1)  # every barrier: one warpgroup's 128 arrivals
     if sinks is not None and not merge:
         raise ValueError("sinks are added by the merge: merge=True (or the Triton merge's sink argument)")
+    check_merger_skew(merger_skew, merge)
     waits, clustered = merge_waits(merge, max_kv_splits)
     columns = plgpu.Layout.WGMMA.reduce(0)  # the tile's per-head (column) values: m, l, LSE
 
@@ -1125,7 +1145,7 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
         split, seq = lax.axis_index("splits"), lax.axis_index("seq")
         wg = lax.axis_index("wg")
         cta = decode_cta(kv_indptr_ref, splits_ref, seq, split, capacity=capacity, sliding_window=sliding_window,
-                         max_kv_splits=max_kv_splits, min_block_kv=min_block_kv, tokens=1)
+                         max_kv_splits=max_kv_splits, min_block_kv=min_block_kv, tokens=1, merger_skew=merger_skew)
         row0 = seq * rows  # the sequence's first row (its heads) among all rows
         first_out = row0 * max_kv_splits  # row g's split s sits at g * max_kv_splits + s
         sems = pl.get_global(plgpu.SemaphoreType.REGULAR((batch,))) if waits and not clustered else None

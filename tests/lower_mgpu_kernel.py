@@ -286,6 +286,10 @@ DECODE_SHAPES = [
      dict(merge=True, draft=True, splits=3, waits_on="cluster")),
     ("mla-decode-merge-e4m3-16-bf16-sinks-2-splits", 8, 1, 16, jnp.bfloat16,
      dict(merge=True, pool=jnp.float8_e4m3fn, sinks=True, splits=2, transposed=False, waits_on="cluster")),
+    # The merging split taking 64 keys from the split before it (`MgpuDecodeConfig.merger_skew`): both tiles.
+    ("mla-decode-transposed-merge-16-bf16-2-splits-skew", 8, 1, 16, jnp.bfloat16,
+     dict(merge=True, splits=2, merger_skew=64, waits_on="cluster")),
+    ("mla-verify-merge-4x16-bf16-causal-skew", 4, 4, 16, jnp.bfloat16, dict(merge=True, merger_skew=64)),
 ]
 
 
@@ -305,6 +309,7 @@ def lower_decode(batch, tokens, q_heads, dtype, features, slots=3000, capacity=5
     merge = features.pop("merge", None)
     waits_on = features.pop("waits_on", None)  # merge shapes: how the last split waits, "cluster" or "semaphore"
     splits_bound = features.pop("splits", None)
+    merger_skew = features.pop("merger_skew", None)
     args = (S(q_shape, dtype), S((slots, 1, dim), pool), S((batch + 1,), jnp.int32), S((capacity,), index_dtype),
             S((batch,), jnp.int32), S((batch, tokens), jnp.int32) if features.pop("draft", False) else None,
             S((2, 1), jnp.float32) if pool != dtype else None)
@@ -317,9 +322,9 @@ def lower_decode(batch, tokens, q_heads, dtype, features, slots=3000, capacity=5
         decode_call = DecodeCall(q=q, k_pool=k_pool, v_pool=None, meta=meta, sinks=sinks, sm_scale=0.07, logit_cap=0.0,
                                  xai_temperature_len=-1, sliding_window=features.get("sliding_window", -1),
                                  v_head_dim={576: 512, 288: 256}[dim], return_lse=False,
-                                 config=None if block_kv is transposed is merge is splits_bound is None else
-                                 MgpuDecodeConfig(block_kv=block_kv, transposed=transposed, kernel_merge=merge,
-                                                  splits=splits_bound),
+                                 config=None if block_kv is transposed is merge is splits_bound is merger_skew is None
+                                 else MgpuDecodeConfig(block_kv=block_kv, transposed=transposed, kernel_merge=merge,
+                                                       splits=splits_bound, merger_skew=merger_skew),
                                  launch_mode="gpu",
                                  draft_mask=draft_mask, kv_scales=kv_scales)
         if merge:  # the kernel's result (no Triton stage)

@@ -132,6 +132,28 @@ def test_kernel_merge_matches_reference_and_the_triton_merge(rng, q_heads, windo
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("transposed,tokens,splits,sinks", [(True, 1, 2, False), (True, 1, 8, True),
+                                                            (False, 4, 2, True), (False, 1, 3, False)],
+                         ids=["transposed-2", "transposed-8-sinks", "padded-verify-4-2-sinks", "padded-3"])
+def test_merger_skew_matches_reference_and_the_even_splits(rng, transposed, tokens, splits, sinks):
+    # MgpuDecodeConfig.merger_skew: the merging split takes 64 keys from the split before it (none where that one
+    # would be left without keys); against the reference, and the same call with even splits.
+    from jaxattn.tuning import MgpuDecodeConfig
+
+    lens = KV_LENS + [20000, 0, 5]
+    q, k_pool, meta = make_case(rng, lens, 16, tokens, jnp.bfloat16)
+    meta = dataclasses.replace(meta, num_kv_splits=jnp.full_like(meta.num_kv_splits, 64), max_kv_splits=64)
+    sink_arg = dict(sinks=jnp.asarray(rng.standard_normal(16).astype(np.float32))) if sinks else {}
+    config = MgpuDecodeConfig(splits=splits, kernel_merge=True, transposed=transposed, merger_skew=64)
+    o, lse, ref_o, ref_lse = run_both(q, k_pool, meta, config=config, **sink_arg)
+    assert_close(o, lse, ref_o, ref_lse, jnp.bfloat16)
+    even = decode_attention(q, k_pool, None, meta, impl="mgpu", **sink_arg,
+                            config=dataclasses.replace(config, merger_skew=0))
+    np.testing.assert_allclose(np.float32(o), np.float32(even), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+@needs_gpu
 @pytest.mark.parametrize("tokens,q_heads,splits,sinks,dim", [(4, 16, None, False, 576), (4, 16, 64, True, 576),
                                                              (1, 128, 8, True, 576), (2, 32, 2, False, 576),
                                                              (1, 16, 3, False, 288)],
@@ -272,6 +294,13 @@ def test_declines_name_the_reason():
     from jaxattn.tuning import MgpuDecodeConfig
 
     assert "576 only" in mgpu_mla.declines_decode(_call(qk=288, v_head_dim=256, config=MgpuDecodeConfig(block_kv=32)))
+    assert "without the kernel merge" in mgpu_mla.declines_decode(
+        _call(config=MgpuDecodeConfig(kernel_merge=False, merger_skew=64)))
+    assert "merger_skew=" in mgpu_decode.declines(_call(qk=128, v_pool=True, kv_heads=2,
+                                                        config=MgpuDecodeConfig(merger_skew=64)))
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="merger_skew must be None or an int >= 0"):
+            MgpuDecodeConfig(merger_skew=bad)
     transposed = MgpuDecodeConfig(transposed=True)
     assert "one token, 16 or 32 heads" in mgpu_mla.declines_decode(_call(q_heads=128, config=transposed))
     assert "one token, 16 or 32 heads" in mgpu_mla.declines_decode(_call(q_heads=64, config=transposed))

@@ -84,8 +84,9 @@ def store(out_flat, values, first, valid_rows, *, row_stride, first_scale, colum
 
 
 def model_decode(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draft_words, *, tokens, q_heads, sm_scale,
-                 max_kv_splits, window=-1, block_kv=K.BLOCK_KV):
-    """mla_decode_mgpu_kernel's partial buffers (mid_o, mid_lse), unwritten entries NaN; block_kv: its key tile."""
+                 max_kv_splits, window=-1, block_kv=K.BLOCK_KV, merger_skew=0):
+    """mla_decode_mgpu_kernel's partial buffers (mid_o, mid_lse), unwritten entries NaN; block_kv: its key tile;
+    merger_skew: the merging split's extra keys (`decode_cta`; the kernel's with merge=True)."""
     shape = K.SHAPES[q.shape[-1]]
     rows_total, batch = q.shape[0], len(kv_indptr) - 1
     rows_per_seq = tokens * q_heads
@@ -100,7 +101,7 @@ def model_decode(q, k_pool, kv_indptr, kv_indices, num_kv_splits, draft_words, *
             for split in range(max_kv_splits):
                 cta = K.decode_cta(kv_indptr, num_kv_splits, seq, split, capacity=len(kv_indices),
                                    sliding_window=window, max_kv_splits=max_kv_splits, min_block_kv=32, tokens=tokens,
-                                   block_kv=block_kv)
+                                   block_kv=block_kv, merger_skew=merger_skew)
                 if _int(cta.split_len) <= 0:
                     continue
 
@@ -175,7 +176,8 @@ def test_decode_model_matches_reference(rng, dim, block_kv, tokens, tree):
     np.testing.assert_allclose(o.reshape(np.asarray(ref).shape), np.asarray(ref), atol=2e-5, rtol=2e-5)
 
 
-def model_kernel_merge(mid_o, mid_lse, kv_indptr, num_kv_splits, *, capacity, max_kv_splits, q_heads, sinks, padded):
+def model_kernel_merge(mid_o, mid_lse, kv_indptr, num_kv_splits, *, capacity, max_kv_splits, q_heads, sinks, padded,
+                       merger_skew=0):
     """The kernel's own merge (merge=True) over the partials of `model_decode`: per sequence (one token), the split
     roles by `decode_cta` (splits [0, nonempty_splits) have keys; the last of them merges), the partials folded in
     the kernel's order (the padded tile: its own first, then the writers'; the transposed: the writers', then its own)
@@ -186,10 +188,15 @@ def model_kernel_merge(mid_o, mid_lse, kv_indptr, num_kv_splits, *, capacity, ma
     arrange = (lambda a: a) if padded else (lambda a: a.T)  # the transposed tile holds [v_dim, heads]
     for seq in range(len(kv_indptr) - 1):
         ctas = [K.decode_cta(kv_indptr, num_kv_splits, seq, split, capacity=capacity, sliding_window=-1,
-                             max_kv_splits=max_kv_splits, min_block_kv=32, tokens=1) for split in range(max_kv_splits)]
+                             max_kv_splits=max_kv_splits, min_block_kv=32, tokens=1, merger_skew=merger_skew)
+                for split in range(max_kv_splits)]
         nonempty = _int(ctas[0].nonempty_splits)
         assert all(_int(c.nonempty_splits) == nonempty for c in ctas)
         assert [s for s, c in enumerate(ctas) if _int(c.split_len) > 0] == list(range(nonempty))
+        # The splits with keys cover the sequence's keys once, in order (a skewed merger starts where its writer ends).
+        covered = [(_int(c.split_start), _int(c.split_start) + _int(c.split_len)) for c in ctas[:nonempty]]
+        assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
+        assert not covered or (covered[0][0], covered[-1][1]) == (0, _int(ctas[0].kv_len))
         rows = slice(seq * q_heads, (seq + 1) * q_heads)
         part = lambda s: (jnp.asarray(arrange(mid_o[rows, s])), jnp.asarray(mid_lse[rows, s]))  # noqa: E731
         merged = (jnp.zeros(arrange(mid_o[rows, 0]).shape, jnp.float32), jnp.full(q_heads, -jnp.inf, jnp.float32),
@@ -204,11 +211,30 @@ def model_kernel_merge(mid_o, mid_lse, kv_indptr, num_kv_splits, *, capacity, ma
     return out, lse_out
 
 
+def test_merger_skew_moves_keys_from_the_last_writer_to_the_merger():
+    # MLA at 64 x 4096 keys, 2 splits: the writer keeps 4096 / 2 - 64 keys and the merger takes the rest; at 3 splits
+    # only the boundary before the merger moves; no skew where the writer would be left without keys, or one split.
+    def ranges(kv_len, splits, skew):
+        ctas = [K.decode_cta(np.array([0, kv_len]), np.array([splits]), 0, s, capacity=kv_len, sliding_window=-1,
+                             max_kv_splits=splits, min_block_kv=32, tokens=1, merger_skew=skew) for s in range(splits)]
+        return [(_int(c.split_start), _int(c.split_len), _int(c.steps)) for c in ctas]
+
+    assert ranges(4096, 2, 0) == [(0, 2048, 32), (2048, 2048, 32)]
+    assert ranges(4096, 2, 64) == [(0, 1984, 31), (1984, 2112, 33)]
+    assert ranges(3000, 3, 64) == [(0, 1024, 16), (1024, 960, 15), (1984, 1016, 16)]
+    assert ranges(4096, 2, 2048) == ranges(4096, 2, 0)
+    assert ranges(4096, 1, 64) == ranges(4096, 1, 0)
+    with pytest.raises(ValueError, match="merger_skew must be an int >= 0, and 0 unless merge=True"):
+        K.check_merger_skew(64, merge=False)
+
+
 @pytest.mark.parametrize("padded", [False, True], ids=["transposed", "padded"])
 @pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
-def test_kernel_merge_model_matches_reference(rng, padded, sinks):
+@pytest.mark.parametrize("merger_skew", [0, 64, 4096], ids=["even", "skew-64", "skew-past-a-split"])
+def test_kernel_merge_model_matches_reference(rng, padded, sinks, merger_skew):
     # The split roles and the merge's arithmetic (the kernel module's functions): sequences without keys (0, and the
-    # LSE -inf or the sink's), one split, several; against the reference's output and LSE.
+    # LSE -inf or the sink's), one split, several; against the reference's output and LSE. merger_skew: the merging
+    # split takes keys from the one before it (none where that split would be left without keys).
     kv_lens = [1, 37, 0, 64, 161, 300, 1000]
     batch, q_heads, dim, v_dim, splits = len(kv_lens), 16, 576, 512, 4
     kv_indptr, kv_indices, slots = random_pool_batch(rng, kv_lens, num_slots=sum(kv_lens) + 9)
@@ -222,10 +248,10 @@ def test_kernel_merge_model_matches_reference(rng, padded, sinks):
     scale = dim ** -0.5
     mid_o, mid_lse = model_decode(q.reshape(-1, 1, dim), k_pool, np.asarray(kv_indptr), np.asarray(kv_indices),
                                   np.asarray(meta.num_kv_splits), None, tokens=1, q_heads=q_heads, sm_scale=scale,
-                                  max_kv_splits=splits)
+                                  max_kv_splits=splits, merger_skew=merger_skew)
     o, lse = model_kernel_merge(mid_o, mid_lse, np.asarray(kv_indptr), np.asarray(meta.num_kv_splits),
                                 capacity=len(kv_indices), max_kv_splits=splits, q_heads=q_heads, sinks=sink_values,
-                                padded=padded)
+                                padded=padded, merger_skew=merger_skew)
     ref, ref_lse = decode_attention_reference(jnp.asarray(q), jnp.asarray(k_pool), None, meta, v_head_dim=v_dim,
                                               sm_scale=scale, return_lse=True,
                                               sinks=None if sink_values is None else jnp.asarray(sink_values))

@@ -66,6 +66,10 @@ def sweep_variants(op: str, case: Case):
                 config = MgpuDecodeConfig(kernel_merge=merge == "kernel")
                 variants.append((f"mgpu merge={merge} splits=own",
                                  lambda inp, c=config: decode_jaxattn(inp, config=c, impl=impl)))
+            for skew in (64, 128):  # the merging split taking over keys from the one before it (its default tile)
+                config = MgpuDecodeConfig(kernel_merge=True, merger_skew=skew)
+                variants.append((f"mgpu skew={skew} splits=own",
+                                 lambda inp, c=config: decode_jaxattn(inp, config=c, impl=impl)))
             if case.head_dim == 576:  # 32-key tiles in a 4-deep ring; the transposed tile (one token)
                 for splits in (None, 1, 2, 4):
                     config = MgpuDecodeConfig(splits=splits, block_kv=32)

@@ -35,8 +35,9 @@ def _declines(call: DecodeCall) -> str | None:
 
     if call.config is not None and not isinstance(call.config, MgpuDecodeConfig):
         return f"config is a {type(call.config).__name__} (this kernel takes an MgpuDecodeConfig or none)"
-    if call.config is not None and (call.config.block_kv is not None or call.config.transposed):
-        return "MgpuDecodeConfig(block_kv=, transposed=) (the MLA kernel's tiles; this kernel's are fixed)"
+    if call.config is not None and (call.config.block_kv is not None or call.config.transposed
+                                    or call.config.merger_skew):
+        return "MgpuDecodeConfig(block_kv=, transposed=, merger_skew=) (the MLA kernel's tiles; this kernel's are fixed)"
     if call.v_pool is None:
         return "a latent pool (V inside K: the MLA kernel's)"
     if jnp.dtype(call.q.dtype) not in map(jnp.dtype, MGPU_DTYPES):

@@ -42,8 +42,8 @@ from jaxattn.impl import triton_decode
 from jaxattn.metadata import MIN_BLOCK_KV
 from jaxattn.registry import Implementation
 from jaxattn.tuning import MgpuDecodeConfig
-from jaxattn.tuning.sm90 import (MLA_DECODE_KERNEL_MERGE, MLA_DECODE_PADDED_FP8, MLA_DECODE_TRANSPOSED,
-                                MLA_DECODE_TRANSPOSED_FP8)
+from jaxattn.tuning.sm90 import (MLA_DECODE_KERNEL_MERGE, MLA_DECODE_MERGER_SKEW, MLA_DECODE_PADDED_FP8,
+                                MLA_DECODE_TRANSPOSED, MLA_DECODE_TRANSPOSED_FP8)
 
 # The latent head shapes the kernel builds (`SHAPES` of kernels/mla_attention_mgpu.py), each tested on the H200.
 MLA_HEAD_DIMS = ((576, 512), (288, 256))
@@ -105,6 +105,8 @@ def _declines_decode_call(call: DecodeCall) -> str | None:
         reason = _transposed_unsupported(call)
         if reason is not None:
             return f"MgpuDecodeConfig(transposed=True) with {reason}"
+    if call.config is not None and call.config.merger_skew and not _kernel_merges(call):
+        return "MgpuDecodeConfig(merger_skew=) without the kernel merge (it moves the merging split's keys)"
     if (call.qk_head_dim, call.v_head_dim) not in MLA_HEAD_DIMS:
         return f"head dims {call.qk_head_dim}/{call.v_head_dim} (MLA's latent heads {MLA_HEAD_DIMS} only)"
     if call.v_pool is not None:
@@ -189,6 +191,7 @@ def _launch(call: DecodeCall, splits: int, *, merge: bool):
                   meta.num_kv_splits.astype(jnp.int32))
     window = call.sliding_window if call.sliding_window >= 0 else -1
     sinks = call.sinks if merge else None
+    skew = 0 if not merge else _merger_skew(call)
     q, sm_scale, v_scale = call.q, call.sm_scale, None
     if is_fp8(call.k_pool.dtype):
         # f16 dots (f16 holds every fp8 value): q times the softmax scale and k_scale in f32, rounded to f16 once (as
@@ -200,7 +203,7 @@ def _launch(call: DecodeCall, splits: int, *, merge: bool):
         return mla_decode_transposed_kernel(
             q.reshape(batch * q_heads, 1, call.qk_head_dim), call.k_pool, *index_args, sinks, q_heads=q_heads,
             sm_scale=sm_scale, max_kv_splits=splits, sliding_window=window, min_block_kv=MIN_BLOCK_KV,
-            merge=merge, v_scale=v_scale, out_dtype=call.q.dtype)
+            merge=merge, v_scale=v_scale, out_dtype=call.q.dtype, merger_skew=skew)
     draft_words = None  # one token, or several under the causal mask (the kernel computes it: no per-call words)
     if tokens > 1 and call.draft_mask is not None:  # one word per (sequence, token), its heads' rows share it
         words = call.draft_mask
@@ -209,8 +212,15 @@ def _launch(call: DecodeCall, splits: int, *, merge: bool):
     return mla_decode_mgpu_kernel(
         q.reshape(batch * tokens * q_heads, 1, call.qk_head_dim), call.k_pool, *index_args, draft_words, sinks,
         tokens=tokens, q_heads=q_heads, sm_scale=sm_scale, max_kv_splits=splits, sliding_window=window,
-        min_block_kv=MIN_BLOCK_KV, v_scale=v_scale, merge=merge, out_dtype=call.q.dtype,
+        min_block_kv=MIN_BLOCK_KV, v_scale=v_scale, merge=merge, out_dtype=call.q.dtype, merger_skew=skew,
         **({} if call.config is None or call.config.block_kv is None else dict(block_kv=call.config.block_kv)))
+
+
+def _merger_skew(call: DecodeCall) -> int:
+    """The merging split's extra keys: `MgpuDecodeConfig.merger_skew` where set, else `MLA_DECODE_MERGER_SKEW`."""
+    if isinstance(call.config, MgpuDecodeConfig) and call.config.merger_skew is not None:
+        return call.config.merger_skew
+    return MLA_DECODE_MERGER_SKEW
 
 
 def _kernel_merges(call: DecodeCall) -> bool:

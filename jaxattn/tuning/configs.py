@@ -155,7 +155,10 @@ class MgpuDecodeConfig:
     on or off; None: wherever it takes the call over a 16-bit cache (`tuning.sm90.MLA_DECODE_TRANSPOSED`; over fp8,
     `MLA_DECODE_TRANSPOSED_FP8`). kernel_merge: the MLA kernel
     (either tile) merging a sequence's splits itself (its last split folds the others' partials: no Triton merge
-    launched) where True, the Triton merge where False; None: `tuning.sm90.MLA_DECODE_KERNEL_MERGE`."""
+    launched) where True, the Triton merge where False; None: `tuning.sm90.MLA_DECODE_KERNEL_MERGE`. merger_skew:
+    with the kernel merge, the keys the merging split (a sequence's last with keys) takes over from the split before
+    it, so that one publishes its partial while the merger still streams (`decode_cta` of
+    `kernels/mla_attention_mgpu.py`); None: `tuning.sm90.MLA_DECODE_MERGER_SKEW`."""
 
     splits: int | None = None
     stages: int | None = None
@@ -163,6 +166,7 @@ class MgpuDecodeConfig:
     block_kv: int | None = None
     transposed: bool | None = None
     kernel_merge: bool | None = None
+    merger_skew: int | None = None
 
     def __post_init__(self):
         if self.splits is not None and (not isinstance(self.splits, int) or self.splits < 1):
@@ -177,4 +181,7 @@ class MgpuDecodeConfig:
             raise ValueError(f"MgpuDecodeConfig.transposed must be None, True or False; got {self.transposed!r}")
         if self.kernel_merge is not None and not isinstance(self.kernel_merge, bool):
             raise ValueError(f"MgpuDecodeConfig.kernel_merge must be None, True or False; got {self.kernel_merge!r}")
+        if self.merger_skew is not None and (not isinstance(self.merger_skew, int) or isinstance(self.merger_skew, bool)
+                                             or self.merger_skew < 0):
+            raise ValueError(f"MgpuDecodeConfig.merger_skew must be None or an int >= 0; got {self.merger_skew!r}")
 

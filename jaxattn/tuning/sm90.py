@@ -155,5 +155,11 @@ MLA_DECODE_PADDED_FP8 = True
 # (fe6f0e3). H200 (fe6f0e3, one run): the transposed tile MLA 0.0863 / 0.0882, MLA-L 0.2861 / 0.2937.
 MLA_DECODE_KERNEL_MERGE = True
 
+# Keys the MLA kernel's merging split takes over from the split before it (`MgpuDecodeConfig.merger_skew`, None takes
+# this), so that split publishes its partial (stores, a GPU-scope fence, the cluster barrier: about 1.5 us by a reading
+# of the transposed tile) while the merger streams its extra tile. 0 (off) until timed: `gpu_queue/5`'s MLA sweep
+# ("skew=64").
+MLA_DECODE_MERGER_SKEW = 0
+
 TABLES = {"decode": DECODE, "decode_fp8": DECODE_FP8, "extend": EXTEND, "extend_mgpu": EXTEND_MGPU,
           "extend_mgpu_short_window": EXTEND_MGPU_SHORT_WINDOW, "extend_mgpu_latent": EXTEND_MGPU_LATENT}

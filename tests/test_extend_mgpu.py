@@ -2119,7 +2119,7 @@ def test_lowers_for_cuda_on_cpu(part):
     from tests.lower_mgpu_kernel import DECODE_SHAPES, SHAPES
 
     shapes = len(SHAPES) + len(DECODE_SHAPES)
-    assert shapes == 93 and run.stdout.count("ok ") == len(range(part, shapes, 2)), run.stdout
+    assert shapes == 95 and run.stdout.count("ok ") == len(range(part, shapes, 2)), run.stdout
 
 
 def test_set_kernel_flag_reads_the_forms_and_refuses_others(monkeypatch):

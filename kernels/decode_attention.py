@@ -27,10 +27,12 @@ p (in [0, 1]) is rounded to f16 instead of bf16 for the p.v dot.
 V_IN_REGISTERS (the grouped kernel, fp8 pools; `DecodeConfig.fp8_v_in_registers`): the p.v dot's V operand wants keys
 along its reduction axis, across the rows memory holds, and sm_90 has no transposing 8-bit ldmatrix, so Triton reads an
 fp8 V tile from shared memory a byte at a time (128 ld.shared.b8 per 64-key tile, 255 registers at 128/128). With
-V_IN_REGISTERS the tile is dequantised (times v_scale) to q's dot dtype in registers first, and the dot reads the
-16-bit copy with ldmatrix.trans (156 registers); the split's output is then not multiplied by v_scale again. f16's
-range must hold |V| (the dequantised value), which real activations do. Timed on the H200 (d3464cf) it was slower at
-every tile (D1-FP8 0.198 ms against 0.177 ms): off in the tables.
+V_IN_REGISTERS the tile is converted to f16 in the load's layout first (`_f16_of_fp8`: exact, unscaled, v_scale on
+the split's output as without it), and the dot reads the f16 copy with ldmatrix.trans. SASS for sm_90 (ptxas on a
+CPU), the table's 64-key tile at 2 warps: 29.5 warp-instructions a key against 33.3 (shared-memory loads 1.4 against
+5.9), 168 registers against 254; at 6 stages its f16 copy's shared memory keeps it at 4 programs an SM, at 4 stages 5.
+Not yet timed. (A first form converted through f32 times v_scale, which Triton's layout passes did not move, and ran
+slower at every tile on the H200, d3464cf: D1-FP8 0.198 ms against 0.177.)
 
 fp8 scores (q K^T on fp8 tensor cores from the stored K rows, q split into three e4m3 parts, with the keys as rows
 for fp8 wgmma) were tried and removed: on the H200 (2026-12-05) 1.4-1.6x slower than the f16 dots' table tile, whose
@@ -53,6 +55,8 @@ token (their positions are the last key's). A split can hold no key a row sees (
 row stores out 0 and LSE -inf, which stage 2 merges as an empty split.
 """
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -60,6 +64,25 @@ from jaxattn.kernels.kv_scales import load_kv_scales
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+# Whether this copy of the module runs under Triton's interpreter (jaxattn.launch imports a second copy with
+# TRITON_INTERPRET=1): the interpreter runs no inline PTX.
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@triton.jit
+def _f16_of_fp8(x):
+    """An fp8 tile (e4m3fn or e5m2) as f16, exactly, by one packed cvt per two values. Inline PTX, so Triton's layout
+    passes cannot move the consumer's (a dot operand's) layout back onto the fp8 load, as they do through `.to`:
+    the conversion runs in the load's layout (16-byte reads) and the f16 tile reaches the dot through a 16-bit
+    layout change (ldmatrix.trans), not by byte reads from shared memory."""
+    if INTERPRETED:
+        return x.to(tl.float16)
+    elif x.dtype == tl.float8e5:
+        return tl.inline_asm_elementwise("cvt.rn.f16x2.e5m2x2 $0, $1;", "=r,h", [x.to(tl.uint8, bitcast=True)],
+                                         dtype=tl.float16, is_pure=False, pack=2)
+    else:
+        return tl.inline_asm_elementwise("cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h", [x.to(tl.uint8, bitcast=True)],
+                                         dtype=tl.float16, is_pure=False, pack=2)
 
 
 # Reductions through tl.reduce with these combine functions (tl.max / tl.sum would do the same on the GPU);
@@ -304,7 +327,7 @@ def decode_stage1_kernel(
                 v_head + slots[:, None] * STRIDE_V_SLOT + offs_dv[None, :], mask=mask_n[:, None] & mask_dv[None, :], other=0.0
             )
         if V_IN_REGISTERS:
-            v = (v_stored.to(tl.float32) * v_scale).to(q.dtype)
+            v = _f16_of_fp8(v_stored).to(q.dtype)
         elif V_FROM_K:
             v = k
         else:
@@ -322,7 +345,7 @@ def decode_stage1_kernel(
         out = tl.trans(acc) / safe_l[:, None]
     else:
         out = acc / safe_l[:, None]
-    if HAS_KV_SCALES and not V_IN_REGISTERS:
+    if HAS_KV_SCALES:
         out = out * v_scale
     lse = tl.where(has_keys, (m_i + tl.log2(safe_l)) * LN2, float("-inf"))
     row = (token_rows * Q_HEADS + heads) * MAX_KV_SPLITS + split  # [BLOCK_H]

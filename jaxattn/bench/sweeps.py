@@ -49,6 +49,14 @@ def sweep_variants(op: str, case: Case):
                 config = DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
                 variants.append((f"fp8 n{block_n} w{num_warps} s{num_stages} pps{pps}",
                                  lambda inp, c=config, p=pps: decode_jaxattn(inp, config=c, programs_per_sm=p)))
+            # V converted to f16 in its load's layout (fp8_v_in_registers): 29 SASS instructions a key, 168 registers;
+            # 5 programs an SM at n64 w2 s4, 10 at n32 w1 s4.
+            for (block_n, num_warps, num_stages), pps in itertools.product(((64, 2, 4), (64, 2, 6), (32, 1, 4)),
+                                                                            (None, 4, 16)):
+                config = DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                                      fp8_v_in_registers=True)
+                variants.append((f"fp8 vreg n{block_n} w{num_warps} s{num_stages}{f' pps{pps}' if pps else ''}",
+                                 lambda inp, c=config, p=pps: decode_jaxattn(inp, config=c, programs_per_sm=p)))
         if mla and not case.fp8:  # 64-row tiles (MLA's 16 heads padded, or 16 heads x 4 tokens): wgmma, 8 warps
             for block_n, num_stages in ((16, 2), (16, 3), (32, 2), (32, 3)):
                 config = DecodeConfig(block_n=block_n, block_h=64, num_warps=8, num_stages=num_stages)

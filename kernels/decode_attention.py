@@ -29,9 +29,10 @@ along its reduction axis, across the rows memory holds, and sm_90 has no transpo
 fp8 V tile from shared memory a byte at a time (128 ld.shared.b8 per 64-key tile, 255 registers at 128/128). With
 V_IN_REGISTERS the tile is converted to f16 in the load's layout first (`_f16_of_fp8`: exact, unscaled, v_scale on
 the split's output as without it), and the dot reads the f16 copy with ldmatrix.trans. SASS for sm_90 (ptxas on a
-CPU), the table's 64-key tile at 2 warps: 29.5 warp-instructions a key against 33.3 (shared-memory loads 1.4 against
-5.9), 168 registers against 254; at 6 stages its f16 copy's shared memory keeps it at 4 programs an SM, at 4 stages 5.
-Not yet timed. (A first form converted through f32 times v_scale, which Triton's layout passes did not move, and ran
+CPU, Triton 3.6), the table's 64-key tile at 2 warps: 20.7 warp-instructions a key against 33.3 (shared-memory loads
+1.4 against 5.9; no byte packing: 29.5 with two values an asm block), 168 registers against 254; at 6 stages its f16
+copy's shared memory keeps it at 4 programs an SM, at 4 stages 5; 32-key tiles at one warp 20.8, 10 an SM. Not yet
+timed. (A first form converted through f32 times v_scale, which Triton's layout passes did not move, and ran
 slower at every tile on the H200, d3464cf: D1-FP8 0.198 ms against 0.177.)
 
 fp8 scores (q K^T on fp8 tensor cores from the stored K rows, q split into three e4m3 parts, with the keys as rows
@@ -71,18 +72,21 @@ INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 @triton.jit
 def _f16_of_fp8(x):
-    """An fp8 tile (e4m3fn or e5m2) as f16, exactly, by one packed cvt per two values. Inline PTX, so Triton's layout
-    passes cannot move the consumer's (a dot operand's) layout back onto the fp8 load, as they do through `.to`:
-    the conversion runs in the load's layout (16-byte reads) and the f16 tile reaches the dot through a 16-bit
-    layout change (ldmatrix.trans), not by byte reads from shared memory."""
+    """An fp8 tile (e4m3fn or e5m2) as f16, exactly, by one packed cvt per two values, four values (one 32-bit register
+    as loaded, so no byte shuffles) per asm block. Inline PTX, so Triton's layout passes cannot move the consumer's (a
+    dot operand's) layout back onto the fp8 load, as they do through `.to`: the conversion runs in the load's layout
+    (16-byte reads) and the f16 tile reaches the dot through a 16-bit layout change (ldmatrix.trans), not by byte
+    reads from shared memory."""
     if INTERPRETED:
         return x.to(tl.float16)
     elif x.dtype == tl.float8e5:
-        return tl.inline_asm_elementwise("cvt.rn.f16x2.e5m2x2 $0, $1;", "=r,h", [x.to(tl.uint8, bitcast=True)],
-                                         dtype=tl.float16, is_pure=False, pack=2)
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e5m2x2 $0, lo; cvt.rn.f16x2.e5m2x2 $1, hi; }",
+            "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
     else:
-        return tl.inline_asm_elementwise("cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h", [x.to(tl.uint8, bitcast=True)],
-                                         dtype=tl.float16, is_pure=False, pack=2)
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
 
 
 # Reductions through tl.reduce with these combine functions (tl.max / tl.sum would do the same on the GPU);

@@ -477,6 +477,31 @@ def test_fp8_addresses_per_tile_change_no_bit(rng, fmt, monkeypatch):
         np.testing.assert_array_equal(after, before)
 
 
+def test_v_in_registers_is_declined_before_sm_89(rng, monkeypatch):
+    # DecodeConfig(fp8_v_in_registers=True) converts V with sm_89+'s cvt.rn.f16x2.e4m3x2 (inline PTX): on an older GPU
+    # the Triton implementation declines it by name rather than failing in ptxas; the interpreter converts with .to.
+    from jaxattn import hardware
+    from jaxattn.calls import DecodeCall
+    from jaxattn.impl import triton_decode
+
+    q, k_pool, v_pool, kv_indptr, kv_indices = make_pools(rng, [3, 9], 8, 2, 128, 128, jnp.bfloat16)
+    meta = decode_metadata_from_indptr(kv_indptr, kv_indices, q_heads=8, kv_heads=2)
+
+    def call(launch_mode, v_in_registers=True):
+        return DecodeCall(q=q, k_pool=k_pool.astype(jnp.float8_e4m3fn), v_pool=v_pool.astype(jnp.float8_e4m3fn),
+                          meta=meta, sinks=None, sm_scale=0.07, logit_cap=0.0, xai_temperature_len=-1,
+                          sliding_window=-1, v_head_dim=128, return_lse=False, launch_mode=launch_mode,
+                          config=DecodeConfig(block_n=32, fp8_v_in_registers=v_in_registers))
+
+    monkeypatch.setattr(hardware, "gpu_family_name", lambda: "sm_80")
+    assert "on sm_80 (its fp8 conversion is sm_89+'s" in triton_decode.declines(call("gpu"))
+    assert triton_decode.declines(call("gpu", v_in_registers=False)) is None
+    assert triton_decode.declines(call("interpret")) is None
+    for family in ("sm_89", "sm_90", "sm_100"):
+        monkeypatch.setattr(hardware, "gpu_family_name", lambda family=family: family)
+        assert triton_decode.declines(call("gpu")) is None
+
+
 def test_mla_fp8_implementation_declines_with_reasons(rng):
     from jaxattn import decode
     from jaxattn.calls import DecodeCall

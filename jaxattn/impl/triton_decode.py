@@ -33,6 +33,11 @@ def declines(call: DecodeCall) -> str | None:
         return f"config is a {type(call.config).__name__}, not a DecodeConfig"
     if call.tokens_per_seq > 1 and call.config is not None and call.config.block_h == 1:
         return "DecodeConfig(block_h=1) (the vector kernel) takes one query token per sequence"
+    if call.config is not None and call.config.fp8_v_in_registers and call.launch_mode == "gpu":
+        family = hardware.gpu_family_name()
+        if family is not None and int(family.removeprefix("sm_")) < 89:
+            return (f"DecodeConfig(fp8_v_in_registers=True) on {family} (its fp8 conversion is sm_89+'s "
+                    "cvt.rn.f16x2.e4m3x2 / e5m2x2)")
     return None
 
 

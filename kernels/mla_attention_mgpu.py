@@ -1085,6 +1085,12 @@ TRANSPOSED_QK_DIM = 576  # the latent head it takes (V: the first 512 columns, 8
 # keeps 224.
 TRANSPOSED_REGISTERS = {False: (232, 40), True: (232, 224)}
 
+# The transposed tile's fp8 producer issues tile t + 1's copies before converting tile t (`stream_latent_tiles
+# (copies_first=True)`): the copy waits for the slot's release, and then tile t's conversion waits behind it. False:
+# the conversion first. Chosen by reading, not timed against each other (MLA-FP8 ~0.11 ms on H100 and H200 alike,
+# not HBM-bound): `benchmarks/experiments/mla_fp8_order.py` times both.
+TRANSPOSED_FP8_COPIES_FIRST = True
+
 
 # At 64 heads Q's 72 KB beside the 144 KB ring, P and Mosaic's scratch passed the 227 KB of shared memory (the H100
 # refused the launch: "invalid argument", 2026-12-05); 48 never ran; there the padded tile's M is mostly full anyway.
@@ -1254,7 +1260,8 @@ def mla_decode_transposed_kernel(q, k_pool, kv_indptr, kv_indices, num_kv_splits
                     q_count=jnp.int32(rows), q_block_rows=rows, q_bar=q_bar, ready=ready, free=free, stages=stages,
                     steps=cta.steps, tile_source=lambda step: (cta.split_len > 0, cta.kv_begin + cta.split_start
                                                                + step * BLOCK_KV, cta.split_len - step * BLOCK_KV),
-                    block_kv=BLOCK_KV, head_dim=width, swizzle=SWIZZLE_BYTES, copies_first=True,
+                    block_kv=BLOCK_KV, head_dim=width, swizzle=SWIZZLE_BYTES,
+                    copies_first=TRANSPOSED_FP8_COPIES_FIRST,
                     addresses_per_tile=False)  # 224 registers hold them (`TRANSPOSED_REGISTERS`)
                 if clustered:
                     cluster_sync()

@@ -46,20 +46,6 @@ def plan_wrapper(flashinfer, torch, case, tv, workspace, e1_backend: str):
     return wrapper
 
 
-def torch_layers(torch, case, tv, wrapper, layers: int):
-    """(q, k, v, outs, lses, step): torch's views of the case's q and pools (NHD, page size 1), an output and an LSE
-    buffer per layer, and `step()`, which launches the planned wrapper once per layer from torch."""
-    k, v, q = tv["k_pool"].unsqueeze(1), tv["v_pool"].unsqueeze(1), tv["q"]
-    outs = [torch.empty(q.shape[0], q.shape[1], case.dv, dtype=q.dtype, device="cuda") for _ in range(layers)]
-    lses = [torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device="cuda") for _ in range(layers)]
-
-    def step():
-        for o, lse in zip(outs, lses):
-            wrapper.run(q, (k, v), out=o, lse=lse, return_lse=True)
-
-    return q, k, v, outs, lses, step
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="D1,D2,D3,E1")
@@ -75,6 +61,7 @@ def main():
     import flashinfer
 
     from jaxattn import bench
+    from jaxattn.bench.peers import torch_layers
     from jaxattn.backends.flashinfer import bridged_run
     from jaxattn.backends.flashinfer_ffi import FfiLauncher
 
@@ -112,10 +99,10 @@ def main():
             inp = bench.make_inputs(case)
             _, tv = bench.torch_views(inp)
             wrapper = plan_wrapper(flashinfer, torch, case, tv, workspace, args.e1_backend)
-            q, k, v, outs, lses, torch_step = torch_layers(torch, case, tv, wrapper, layers)
-            wrapper.run(q, (k, v), out=outs[0], lse=lses[0], return_lse=True)  # builds nothing new: plan() built it
-            torch.cuda.synchronize()
-            want = outs[0].float().cpu().numpy()
+            q, kv = tv["q"], (tv["k_pool"].unsqueeze(1), tv["v_pool"].unsqueeze(1))  # NHD, page size 1
+            # `layers` launches from torch a call, each into its own output and LSE (the bench's torch x8 rows)
+            torch_step = torch_layers(torch, wrapper, q, kv, case.dv, layers)
+            want = wrapper.run(q, kv).float().cpu().numpy()  # builds nothing new: plan() built it
         except Exception as error:
             row(name, "setup", error=error_text(error))
             traceback.print_exc()
@@ -124,7 +111,7 @@ def main():
         report["setup_s"][name] = round(time.perf_counter() - start, 1)
         print(f"{name}: inputs and plan (incl. any kernel build) {report['setup_s'][name]} s", flush=True)
 
-        variants = {"torch": (bench.PerCall(torch_step, layers), bench.torch_sync)}
+        variants = {"torch": (torch_step, bench.torch_sync)}
 
         def jitted(run, calls):
             def step(q, k, v):
@@ -169,7 +156,7 @@ def main():
             print(f"{name:3s} {variant:10s} {ms:8.4f} ms/call   x torch {ratio if ratio is None else f'{ratio:.4f}'}   "
                   f"rounds {[round(x, 4) for x in rounds]}", flush=True)
         save()
-        del inp, tv, wrapper, k, v, q, outs, lses, torch_step, variants, samples
+        del inp, tv, wrapper, kv, q, torch_step, variants, samples
         torch.cuda.empty_cache()
     save()
 

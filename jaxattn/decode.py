@@ -67,8 +67,8 @@ from jaxattn.tuning import (  # noqa: F401  (re-exported)
 )
 from jaxattn.tuning.sm90 import DECODE as SM90_CONFIGS  # noqa: F401  (re-exported)
 
-# In order of preference: the first that takes a call runs it (on sm_90, MLA's latent cache (fp8 on the transposed
-# tile included) and GQA over 16-bit pools take the Mosaic GPU kernels; everything else, and every call off Hopper,
+# In order of preference: the first that takes a call runs it (on sm_90, MLA's latent cache (fp8 ones 576 wide
+# included) and GQA over 16-bit pools take the Mosaic GPU kernels; everything else, and every call off Hopper,
 # the Triton kernels). The Mosaic GPU kernels' fp8 entries come after Triton, which takes every call, so they run only
 # by name (`impl="mgpu-gqa-fp8"`, `"mgpu-fp8"`).
 IMPLEMENTATIONS = (mgpu_mla.DECODE, mgpu_decode.DECODE, triton_decode.IMPLEMENTATION, mgpu_decode.DECODE_FP8,

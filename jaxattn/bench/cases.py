@@ -147,8 +147,8 @@ CASES = {
     "D3-FP8": Case("D3-FP8", "decode", 256, 1023, 1, kv_dtype="float8_e4m3fn"),
     "MLA-FP8": Case("MLA-FP8", "decode", 64, 4095, 1, q_heads=16, kv_heads=1, head_dim=576, v_head_dim=512,
                     kv_dtype="float8_e4m3fn"),
-    # MLA-V4 over an fp8 latent cache, by name: the Triton kernel (the default for verify steps) against the MLA
-    # kernel's padded tile (`jaxattn-mgpu`, "mgpu-fp8"), 0.144 ms at MLA-FP8 with its addresses per tile (3fba716).
+    # MLA-V4 over an fp8 latent cache, by name: the MLA kernel's padded tile (the default since 815627c; H200,
+    # a56875d: 0.154 ms) against the Triton kernel (`jaxattn-triton`; 0.504 ms).
     "MLA-V4-FP8": Case("MLA-V4-FP8", "decode", 64, 4092, 4, q_heads=16, kv_heads=1, head_dim=576, v_head_dim=512,
                        kv_dtype="float8_e4m3fn", default=False),
     "E1": Case("E1", "extend", 8, 2048, 2048),

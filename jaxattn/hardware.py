@@ -22,10 +22,17 @@ class GpuFamily:
     shared_memory_bytes: int  # opt-in shared memory per thread block
     sm_count: int  # multiprocessors of the reference part (H200 SXM), used when no device can be asked
     aot_target: tuple  # Triton's GPUTarget(backend, arch, warp size) for ahead-of-time builds
+    # Per multiprocessor: what bounds how many thread blocks it holds at once (`resident_blocks`).
+    registers_per_sm: int
+    shared_memory_per_sm: int  # bytes, of which each resident block also takes shared_memory_reserved_per_block
+    shared_memory_reserved_per_block: int
+    max_warps_per_sm: int
+    max_blocks_per_sm: int
 
 
 SM90 = GpuFamily(name="sm_90", compute_capability="9.0", shared_memory_bytes=227 * 1024, sm_count=132,
-                 aot_target=("cuda", 90, 32))
+                 aot_target=("cuda", 90, 32), registers_per_sm=65536, shared_memory_per_sm=228 * 1024,
+                 shared_memory_reserved_per_block=1024, max_warps_per_sm=64, max_blocks_per_sm=32)
 FAMILIES = {SM90.name: SM90}
 # CUDA's bound on a launch grid's second and third dimensions (the first takes up to 2**31 - 1).
 GRID_YZ_LIMIT = 65535
@@ -55,6 +62,17 @@ def gpu_family_name() -> str | None:
 def is_sm90() -> bool:
     """Whether the visible GPU is a Hopper part (wgmma, TMA): the Mosaic GPU kernels' requirement."""
     return gpu_family_name() == SM90.name
+
+
+def resident_blocks(registers: int, shared_bytes: int, num_warps: int, family: GpuFamily = SM90) -> int:
+    """Thread blocks of a kernel one multiprocessor holds at once (CUDA's occupancy rules): the fewest of what its
+    registers, shared memory and warps allow. registers: per thread (ptxas's count; allocated in steps of 8 a
+    thread and 256 a warp); shared_bytes: the block's dynamic + static shared memory."""
+    warp_registers = -(-(-(-registers // 8) * 8 * 32) // 256) * 256
+    by_registers = family.registers_per_sm // (warp_registers * num_warps)
+    by_shared = family.shared_memory_per_sm // (shared_bytes + family.shared_memory_reserved_per_block)
+    by_warps = family.max_warps_per_sm // num_warps
+    return min(by_registers, by_shared, by_warps, family.max_blocks_per_sm)
 
 
 def sm_count() -> int:

@@ -233,6 +233,32 @@ def _split_work(q_heads, kv_heads):
     return kv_heads * max(1, -(-group // 4))
 
 
+# The cost of a split count S under `SplitWaves`, in the time a full wave of resident programs takes per key (fitted
+# on the H100, fp8 decode D1-D3 at 1-50 splits: benchmarks/RESULTS.md, thirty-eighth session): each split a program
+# streams costs SPLIT_FIXED_KEYS keys' worth more (prologue, pipeline fill, its partial's write), and a last wave of
+# fewer programs than multiprocessors runs at a lone program's rate, adding LAST_WAVE_KEY_SHARE of a split's keys.
+SPLIT_FIXED_KEYS = 113
+LAST_WAVE_KEY_SHARE = 0.4
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitWaves:
+    """Decode split counts chosen by whole waves of resident stage-1 programs (`num_kv_splits_by_waves`), for the
+    kernel configuration that will run them.
+
+    resident_per_sm: stage-1 programs one multiprocessor holds at once (`jaxattn.hardware.resident_blocks` of the
+      compiled kernel); heads_per_program: q heads of one kv head a program takes (the config's block_h, 1 for the
+      vector kernel). `jaxattn.tuning.decode_split_waves` gives both for a table's configuration.
+    """
+
+    resident_per_sm: int
+    heads_per_program: int
+
+    def __post_init__(self):
+        check_positive_int("SplitWaves.resident_per_sm", self.resident_per_sm)
+        check_positive_int("SplitWaves.heads_per_program", self.heads_per_program)
+
+
 def default_max_kv_splits(max_batch, q_heads, kv_heads, max_context_len, *, deterministic=False, split_tile_size=256,
                           num_sms=None, programs_per_sm=8, min_split_len=256):
     """A static split bound: the most splits the dynamic heuristic would want, at most 64.
@@ -256,8 +282,11 @@ def default_max_kv_splits(max_batch, q_heads, kv_heads, max_context_len, *, dete
 
 
 def num_kv_splits_heuristic(eff_lens, *, max_kv_splits, q_heads, kv_heads, deterministic=False, split_tile_size=256,
-                            num_sms=None, programs_per_sm=8, min_split_len=256):
+                            num_sms=None, programs_per_sm=8, min_split_len=256, split_waves=None):
     """i32[batch] splits per sequence, computed on device (no host sync).
+
+    split_waves: a `SplitWaves` picks the count by whole waves of resident programs instead
+    (`num_kv_splits_by_waves`); programs_per_sm is then unused.
 
     Dynamic (default): pick one split count S for the longest sequence so that the stage-1 grid
     (active sequences x `_split_work` x S, in programs of 4 q heads) gives about `programs_per_sm` per multiprocessor and every
@@ -271,6 +300,9 @@ def num_kv_splits_heuristic(eff_lens, *, max_kv_splits, q_heads, kv_heads, deter
         splits = (eff_lens + split_tile_size - 1) // split_tile_size
         return jnp.clip(splits, 1, max_kv_splits).astype(jnp.int32)
     num_sms = hardware.sm_count() if num_sms is None else num_sms
+    if split_waves is not None:
+        return num_kv_splits_by_waves(eff_lens, max_kv_splits=max_kv_splits, q_heads=q_heads, kv_heads=kv_heads,
+                                      split_waves=split_waves, num_sms=num_sms, min_split_len=min_split_len)
     max_len = jnp.max(eff_lens, initial=0)
     active = jnp.maximum(jnp.sum(eff_lens > 0), 1)
     per_split_programs = active * _split_work(q_heads, kv_heads)
@@ -282,10 +314,49 @@ def num_kv_splits_heuristic(eff_lens, *, max_kv_splits, q_heads, kv_heads, deter
     return jnp.clip(splits, 1, max_kv_splits).astype(jnp.int32)
 
 
+def num_kv_splits_by_waves(eff_lens, *, max_kv_splits, q_heads, kv_heads, split_waves: SplitWaves, num_sms,
+                           min_split_len=256):
+    """i32[batch] splits per sequence with the count S chosen by waves of resident stage-1 programs, on device.
+
+    A program streams its split's keys at a rate set by how many programs share HBM: a full GPU of resident programs
+    (num_sms x resident_per_sm) runs at the memory's pace, a last wave of a few dozen runs at one program's latency.
+    For every S <= max_kv_splits (and at least min_split_len keys a split, as the fill heuristic) the cost is
+    waves(S) x (SPLIT_FIXED_KEYS + keys a split), plus LAST_WAVE_KEY_SHARE x keys a split when the last wave holds
+    fewer programs than multiprocessors; the cheapest S among those filling the GPU at least once wins (the fewest
+    splits on a tie); when none fills it, the most splits allowed. Sequences then get ceil(len / chunk) splits,
+    chunk = ceil(max_len / S), as the fill heuristic gives them.
+
+    eff_lens: i32[batch], keys each sequence attends to (0: a padding row).
+    """
+    eff_lens = jnp.maximum(eff_lens.astype(jnp.int32), 0)
+    group = q_heads // kv_heads
+    programs_per_split = kv_heads * -(-group // split_waves.heads_per_program)
+    capacity = num_sms * split_waves.resident_per_sm
+    max_len = jnp.max(eff_lens, initial=0)
+    counts = jnp.arange(1, max_kv_splits + 1, dtype=jnp.int32)  # [C] candidate S
+    chunks = jnp.maximum((max_len + counts - 1) // counts, 1)  # [C]
+    splits = (eff_lens[None, :] + chunks[:, None] - 1) // chunks[:, None]  # [C, batch]
+    programs = jnp.sum(splits, axis=1) * programs_per_split  # [C]
+    by_len = jnp.maximum((max_len + min_split_len - 1) // min_split_len, 1)
+    allowed = counts <= by_len
+    filling = allowed & (programs >= capacity)
+    waves = programs.astype(jnp.float32) / capacity
+    last_wave = programs % capacity
+    lone_tail = (programs > capacity) & (last_wave > 0) & (last_wave < num_sms)
+    keys = chunks.astype(jnp.float32)
+    cost = waves * (SPLIT_FIXED_KEYS + keys) + jnp.where(lone_tail, LAST_WAVE_KEY_SHARE * keys, 0.0)
+    cheapest = counts[jnp.argmin(jnp.where(filling, cost, jnp.inf))]
+    most = jnp.minimum(by_len, max_kv_splits)
+    target = jnp.where(jnp.any(filling), cheapest, most)
+    chunk = jnp.maximum((max_len + target - 1) // target, 1)
+    return jnp.clip((eff_lens + chunk - 1) // chunk, 1, max_kv_splits).astype(jnp.int32)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("kv_capacity", "max_kv_splits", "q_heads", "kv_heads", "deterministic", "split_tile_size",
-                     "sliding_window", "max_context_len", "num_sms", "programs_per_sm", "min_split_len", "launch_mode", "mode"),
+                     "sliding_window", "max_context_len", "num_sms", "programs_per_sm", "min_split_len", "split_waves",
+                     "launch_mode", "mode"),
 )
 def decode_metadata(
     req_to_token: jax.Array,
@@ -304,6 +375,7 @@ def decode_metadata(
     num_sms: int | None = None,
     programs_per_sm: int = 8,
     min_split_len: int = 256,
+    split_waves: SplitWaves | None = None,
     launch_mode: str | None = None,
     mode: str | None = None,
 ) -> DecodeMetadata:
@@ -322,6 +394,8 @@ def decode_metadata(
         encoder tokens of cross attention sit before it).
       max_context_len: static bound on a sequence's keys (default req_to_token.shape[1]).
       num_sms, programs_per_sm, min_split_len: the dynamic split heuristic's knobs (see `num_kv_splits_heuristic`).
+      split_waves: optional `SplitWaves` of the decode kernel's configuration: split counts by whole waves of its
+        resident programs (`num_kv_splits_by_waves`) instead of programs_per_sm.
       launch_mode: launch mode of the index kernel (`mode`: its old name).
 
     Returns:
@@ -353,13 +427,14 @@ def decode_metadata(
         kv_indptr, kv_indices, seq_lens, q_heads=q_heads, kv_heads=kv_heads, max_kv_splits=max_kv_splits,
         deterministic=deterministic, split_tile_size=split_tile_size, sliding_window=sliding_window,
         max_context_len=max_listed, num_sms=num_sms, programs_per_sm=programs_per_sm, min_split_len=min_split_len,
+        split_waves=split_waves,
     )
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("max_kv_splits", "q_heads", "kv_heads", "deterministic", "split_tile_size", "sliding_window",
-                     "max_context_len", "num_sms", "programs_per_sm", "min_split_len"),
+                     "max_context_len", "num_sms", "programs_per_sm", "min_split_len", "split_waves"),
 )
 def decode_metadata_from_indptr(
     kv_indptr: jax.Array,
@@ -376,6 +451,7 @@ def decode_metadata_from_indptr(
     num_sms: int | None = None,
     programs_per_sm: int = 8,
     min_split_len: int = 256,
+    split_waves: SplitWaves | None = None,
 ) -> DecodeMetadata:
     """Decode metadata for callers that already hold CSR KV lists.
 
@@ -399,6 +475,8 @@ def decode_metadata_from_indptr(
         check_array("seq_lens", seq_lens, shape=(batch,), dtypes=INDEX_DTYPES, what="[max_batch]")
     check_heads(q_heads, kv_heads)
     check_split_knobs(split_tile_size, min_split_len, programs_per_sm, num_sms)
+    if split_waves is not None and not isinstance(split_waves, SplitWaves):
+        raise ValueError(f"split_waves must be None or a jaxattn.metadata.SplitWaves; got {split_waves!r}")
     check_window("sliding_window", sliding_window)
     if max_context_len is not None:
         check_positive_int("max_context_len", max_context_len)
@@ -418,7 +496,7 @@ def decode_metadata_from_indptr(
     splits = num_kv_splits_heuristic(
         decode_listed_keys(kv_lens, sliding_window), max_kv_splits=max_kv_splits, q_heads=q_heads, kv_heads=kv_heads,
         deterministic=deterministic, split_tile_size=split_tile_size, num_sms=num_sms, programs_per_sm=programs_per_sm,
-        min_split_len=min_split_len,
+        min_split_len=min_split_len, split_waves=split_waves,
     )
     return DecodeMetadata(kv_indptr, kv_indices, splits, seq_lens, max_kv_splits, kv_capacity, sliding_window,
                           deterministic, max_context_len)

@@ -67,6 +67,7 @@ from jaxattn.metadata import (
     DecodeMetadata,
     ExtendMetadata,
     ExtendUnifiedMetadata,
+    SplitWaves,
     cross_attention_metadata_from_lists,
     decode_listed_keys,
     decode_metadata_from_indptr,
@@ -260,7 +261,7 @@ def out_cache_loc_from_pages(
     jax.jit,
     static_argnames=("page_size", "num_slots", "kv_capacity", "max_kv_splits", "q_heads", "kv_heads", "deterministic",
                      "split_tile_size", "sliding_window", "max_context_len", "num_sms", "programs_per_sm",
-                     "min_split_len", "launch_mode", "mode"),
+                     "min_split_len", "split_waves", "launch_mode", "mode"),
 )
 def decode_metadata_from_pages(
     req_to_page: jax.Array,
@@ -281,6 +282,7 @@ def decode_metadata_from_pages(
     num_sms: int | None = None,
     programs_per_sm: int = 8,
     min_split_len: int = 256,
+    split_waves: SplitWaves | None = None,
     launch_mode: str | None = None,
     mode: str | None = None,
 ) -> DecodeMetadata:
@@ -318,6 +320,7 @@ def decode_metadata_from_pages(
         kv_indptr, kv_indices, seq_lens, q_heads=q_heads, kv_heads=kv_heads, max_kv_splits=max_kv_splits,
         deterministic=deterministic, split_tile_size=split_tile_size, sliding_window=sliding_window,
         max_context_len=max_listed, num_sms=num_sms, programs_per_sm=programs_per_sm, min_split_len=min_split_len,
+        split_waves=split_waves,
     )
 
 

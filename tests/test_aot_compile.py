@@ -4,7 +4,7 @@ import pytest
 import triton
 
 from jaxattn.aot import H200_SHARED_LIMIT_BYTES, compile_build, shipped_builds
-from jaxattn.tuning.sm90 import TIMED_TRITON
+from jaxattn.tuning.sm90 import DECODE_FP8_RESIDENT_PER_SM, TIMED_TRITON
 
 BUILDS = shipped_builds()
 
@@ -56,3 +56,27 @@ def test_main_loop_reads_the_key_loop_of_a_build():
     assert table.count("HMMA") > 0 and table.count("HGMMA") == 0, table.opcodes[:12]
     assert rows.count("HGMMA") > 0, rows.opcodes[:12]
     assert min(table.instructions, rows.instructions) > 200
+
+
+def test_resident_blocks_follow_cudas_occupancy_rules():
+    from jaxattn.hardware import resident_blocks
+
+    assert resident_blocks(255, 39424, 2) == 4  # registers: 256 a thread x 64 threads = 16K of the SM's 64K
+    assert resident_blocks(168, 0, 2) == 6  # 168 x 32 = 21 x 256 a warp: 10752 a block
+    assert resident_blocks(116, 74240, 4) == 3  # shared memory: 3 x (72.5 + 1 reserved) KB of 228
+    assert resident_blocks(32, 0, 16) == 4  # warps: 64 an SM
+    assert resident_blocks(16, 0, 1) == 32  # blocks: 32 an SM
+
+
+@pytest.mark.parametrize("key", sorted(DECODE_FP8_RESIDENT_PER_SM), ids=str)
+def test_decode_fp8_residency_table_matches_the_compiled_tiles(key):
+    # tuning.sm90.DECODE_FP8_RESIDENT_PER_SM (split counts by waves of resident programs) against the table tile
+    # as the Triton the tables were timed with compiles it.
+    from jaxattn.hardware import resident_blocks
+
+    qk_dim, v_dim, _ = key
+    kb = {b.key: b for b in BUILDS}[f"decode_attention.decode_stage1_kernel[bf16 q, fp8e4nv pool {qk_dim}/{v_dim}]"]
+    report = compile_build(kb)
+    if report.registers is None or not triton.__version__.startswith(TIMED_TRITON):
+        pytest.skip(f"residency is stated for Triton {TIMED_TRITON}'s code (ptxas report: {report.registers})")
+    assert resident_blocks(report.registers, report.shared_bytes, kb.num_warps) == DECODE_FP8_RESIDENT_PER_SM[key]

@@ -23,6 +23,7 @@ from jaxattn.decode import (
     num_kv_splits_heuristic,
     vector_config,
 )
+from jaxattn.metadata import LAST_WAVE_KEY_SHARE, SPLIT_FIXED_KEYS, SplitWaves
 from jaxattn.reference import ragged_paged_attention_reference
 from tests.helpers import MODES, random_normal, random_pool_batch, tolerance
 
@@ -281,6 +282,76 @@ def test_split_heuristic_fills_the_h200():
     assert int(num_kv_splits_heuristic(jnp.full((64,), 4096), **mla)[0]) == 5
     assert int(num_kv_splits_heuristic(jnp.full((128,), 8192), **mla)[0]) == 3
     assert int(num_kv_splits_heuristic(jnp.full((64,), 4096), **dict(mla, q_heads=4))[0]) == 16  # 4 heads: as GQA
+
+
+def _split_count_by_the_cost_model(lens, *, max_kv_splits, programs_per_split, capacity, num_sms, min_split_len=256):
+    """num_kv_splits_by_waves's choice of S, by loops over the cost model its docstring states (the test's oracle)."""
+    max_len = max(lens)
+    by_len = max(-(-max_len // min_split_len), 1)
+    costs = {}
+    for count in range(1, min(by_len, max_kv_splits) + 1):
+        chunk = max(-(-max_len // count), 1)
+        programs = sum(-(-n // chunk) for n in lens) * programs_per_split
+        if programs < capacity:
+            continue
+        tail = programs % capacity
+        lone = LAST_WAVE_KEY_SHARE * chunk if 0 < tail < num_sms and programs > capacity else 0.0
+        costs[count] = programs / capacity * (SPLIT_FIXED_KEYS + chunk) + lone
+    if not costs:
+        return min(by_len, max_kv_splits)
+    return min(costs, key=lambda count: (costs[count], count))
+
+
+def test_split_counts_by_waves_follow_the_cost_model():
+    # The fp8 table tile at 32/8 heads (4 programs an SM, one program per kv head and split) on 132 SMs: 528 at once.
+    waves = SplitWaves(resident_per_sm=4, heads_per_program=16)
+    kw = dict(q_heads=32, kv_heads=8, num_sms=132, split_waves=waves)
+    d2 = int(num_kv_splits_heuristic(jnp.full((8,), 32768), max_kv_splits=34, **kw)[0])
+    # D2: 17 splits (the fill heuristic's) leave a last wave of 32 programs running alone (+11% on the H100).
+    assert int(num_kv_splits_heuristic(jnp.full((8,), 32768), max_kv_splits=34, **dict(kw, split_waves=None))[0]) == 17
+    assert d2 != 17 and not 0 < (8 * 8 * d2) % 528 < 132 and 8 * 8 * d2 >= 528
+    d1 = int(num_kv_splits_heuristic(jnp.full((64,), 4096), max_kv_splits=6, **kw)[0])
+    assert d1 == 2  # 1 split is 512 programs, short of a full GPU; 2 splits the cheapest of those filling it
+    assert int(num_kv_splits_heuristic(jnp.full((256,), 1024), max_kv_splits=4, **kw)[0]) == 1  # D3: 3.9 waves
+    rng = np.random.default_rng(7)
+    for _ in range(12):  # random batches against the loops
+        batch = int(rng.integers(1, 80))
+        lens = rng.integers(0, 20000, size=batch)
+        lens[rng.integers(0, batch)] = max(int(lens.max()), 1)
+        max_kv_splits = int(rng.integers(1, 40))
+        resident, heads = int(rng.integers(1, 9)), int(rng.choice([1, 16, 32]))
+        q_heads, kv_heads = int(rng.choice([8, 32, 64])), 8
+        got = np.asarray(num_kv_splits_heuristic(jnp.asarray(lens), max_kv_splits=max_kv_splits, q_heads=q_heads,
+                                                 kv_heads=kv_heads, num_sms=132,
+                                                 split_waves=SplitWaves(resident, heads)))
+        count = _split_count_by_the_cost_model(
+            lens.tolist(), max_kv_splits=max_kv_splits, programs_per_split=kv_heads * -(-(q_heads // kv_heads) // heads),
+            capacity=132 * resident, num_sms=132)
+        chunk = max(-(-int(lens.max()) // count), 1)
+        np.testing.assert_array_equal(got, np.clip(-(-lens // chunk), 1, max_kv_splits), err_msg=f"{lens}, S={count}")
+    # Padding rows only: one split each, as the fill heuristic.
+    assert np.asarray(num_kv_splits_heuristic(jnp.zeros((4,), jnp.int32), max_kv_splits=8, **kw)).tolist() == [1] * 4
+
+
+def test_metadata_takes_split_waves():
+    from jaxattn import tuning
+
+    waves = tuning.decode_split_waves(128, 128, 32, 8, family="sm_90")
+    assert waves == SplitWaves(resident_per_sm=4, heads_per_program=16)
+    assert tuning.decode_split_waves(128, 128, 32, 8, family="sm_90", fp8_pool=False) is None  # 16-bit: none listed
+    assert tuning.decode_split_waves(64, 64, 32, 8, family="sm_90") is None  # no residency for the key
+    lens = jnp.asarray([32768] * 8, jnp.int32)
+    indptr = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lens)]).astype(jnp.int32)
+    indices = jnp.zeros((8 * 32768,), jnp.int32)
+    meta = decode_metadata_from_indptr(indptr, indices, q_heads=32, kv_heads=8, num_sms=132, split_waves=waves)
+    expected = num_kv_splits_heuristic(lens, max_kv_splits=meta.max_kv_splits, q_heads=32, kv_heads=8, num_sms=132,
+                                       split_waves=waves)
+    np.testing.assert_array_equal(meta.num_kv_splits, expected)
+    assert meta.max_kv_splits == 34  # the static bound is the fill heuristic's either way
+    with pytest.raises(ValueError, match="split_waves must be None or a jaxattn.metadata.SplitWaves"):
+        decode_metadata_from_indptr(indptr, indices, q_heads=32, kv_heads=8, split_waves=(4, 16))
+    with pytest.raises(ValueError, match="SplitWaves.resident_per_sm"):
+        SplitWaves(resident_per_sm=0, heads_per_program=16)
 
 
 def test_config_table():

@@ -20,14 +20,14 @@ import jax.numpy as jnp
 import triton
 
 from jaxattn import hardware
-from jaxattn.metadata import rope_split
+from jaxattn.metadata import SplitWaves, rope_split
 from jaxattn.tuning import sm90
 from jaxattn.tuning.configs import DecodeConfig, ExtendConfig, MgpuDecodeConfig, MgpuExtendConfig
 
 __all__ = [
     "DecodeConfig", "ExtendConfig", "MgpuDecodeConfig", "MgpuExtendConfig", "TABLES", "table", "decode_config", "float32_decode_config", "clamp_decode_config",
     "heuristic_decode_config", "vector_config", "head_dim_family", "extend_config", "with_custom_mask", "pack_heads",
-    "mgpu_extend_config", "mgpu_extend_latent_config",
+    "mgpu_extend_config", "mgpu_extend_latent_config", "decode_split_waves",
 ]
 
 # GPU family -> op -> table (see each family module for its keys).
@@ -43,9 +43,8 @@ def _warn_once(message: str) -> None:
 
 
 def table(op: str, family: str | None = None) -> dict:
-    """The `op` table ("decode", "decode_fp8", "extend", "extend_mgpu", "extend_mgpu_short_window",
-    "extend_mgpu_latent") of `family`
-    (default: the visible GPU's family)."""
+    """The `op` table ("decode", "decode_fp8", "decode_fp8_resident_per_sm", "extend", "extend_mgpu",
+    "extend_mgpu_short_window", "extend_mgpu_latent") of `family` (default: the visible GPU's family)."""
     if family is None:
         family = hardware.gpu_family_name() or hardware.REFERENCE_FAMILY.name
     tables = TABLES.get(family)
@@ -57,6 +56,11 @@ def table(op: str, family: str | None = None) -> dict:
 
 # ---------------------------------------------------------------------------------------------
 # Decode (Triton split-KV kernels)
+
+
+def decode_group_bucket(group: int) -> str:
+    """The decode tables' group key: "g1" (MHA), "g16" (up to 16 q heads a kv head) or "g>16"."""
+    return "g1" if group == 1 else "g16" if group <= 16 else "g>16"
 
 
 def heuristic_decode_config(qk_head_dim: int, v_head_dim: int, group: int) -> DecodeConfig:
@@ -115,7 +119,7 @@ def decode_config(qk_head_dim: int, v_head_dim: int, group: int, family: str | N
     (the tables are bf16/fp16's; float32 takes `float32_decode_config`). fp8_pool: the pool is e4m3fn / e5m2 (the
     "decode_fp8" table's entry where it has one).
     """
-    bucket = "g1" if group == 1 else "g16" if group <= 16 else "g>16"
+    bucket = decode_group_bucket(group)
     entries = table("decode", family)
     if fp8_pool:
         entries = {**entries, **table("decode_fp8", family)}
@@ -129,6 +133,21 @@ def decode_config(qk_head_dim: int, v_head_dim: int, group: int, family: str | N
     if dtype is not None and jnp.dtype(dtype) == jnp.float32:
         config = float32_decode_config(config, qk_head_dim, v_head_dim)
     return clamp_decode_config(config, group)
+
+
+def decode_split_waves(qk_head_dim: int, v_head_dim: int, q_heads: int, kv_heads: int, family: str | None = None,
+                       fp8_pool: bool = True) -> SplitWaves | None:
+    """`SplitWaves` of the table's fp8 decode tile for this shape (its resident programs and heads a program), for
+    `decode_metadata(split_waves=...)`; None where the family's table lists no residency for the key (16-bit pools
+    have none yet)."""
+    if not fp8_pool:
+        return None
+    group = q_heads // kv_heads
+    resident = table("decode_fp8_resident_per_sm", family).get((qk_head_dim, v_head_dim, decode_group_bucket(group)))
+    if resident is None:
+        return None
+    config = decode_config(qk_head_dim, v_head_dim, group, family=family, fp8_pool=True)
+    return SplitWaves(resident_per_sm=resident, heads_per_program=config.block_h)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -52,6 +52,16 @@ DECODE_FP8: dict[tuple[int, int, str], DecodeConfig] = {
     (576, 512, "g16"): DecodeConfig(block_n=64, block_h=16, num_warps=4, num_stages=2),
 }
 
+# Stage-1 programs one multiprocessor holds of DECODE_FP8's tiles as TIMED_TRITON compiles them
+# (`hardware.resident_blocks` of their registers, shared memory and warps; tests/test_aot_compile.py checks these):
+# 128/128 255 registers x 2 warps, 39 KB; 576/512 255 x 4 warps, 70 KB. Split counts by whole waves of them
+# (`jaxattn.metadata.SplitWaves` through `tuning.decode_split_waves`) are opt-in: at D1-D3 fp8 on the H100 the time
+# followed the waves (benchmarks/RESULTS.md, thirty-eighth session), not yet timed as a policy.
+DECODE_FP8_RESIDENT_PER_SM: dict[tuple[int, int, str], int] = {
+    (128, 128, "g16"): 4,
+    (576, 512, "g16"): 2,
+}
+
 # Two-stage kernel, bf16, each candidate checked against the reference first. "128" on E1/E3 (sweep of 2026-12-02):
 # 128x128 tiles with 3 stages, 2.56 ms on E1 against 5.24 ms for 128x32/2. The others on the tuning cases
 # T64/T256/T192/T576/T288 of jaxattn.bench (benchmarks/experiments/extend_tuning.py,
@@ -161,5 +171,6 @@ MLA_DECODE_KERNEL_MERGE = True
 # ("skew=64").
 MLA_DECODE_MERGER_SKEW = 0
 
-TABLES = {"decode": DECODE, "decode_fp8": DECODE_FP8, "extend": EXTEND, "extend_mgpu": EXTEND_MGPU,
+TABLES = {"decode": DECODE, "decode_fp8": DECODE_FP8, "decode_fp8_resident_per_sm": DECODE_FP8_RESIDENT_PER_SM,
+          "extend": EXTEND, "extend_mgpu": EXTEND_MGPU,
           "extend_mgpu_short_window": EXTEND_MGPU_SHORT_WINDOW, "extend_mgpu_latent": EXTEND_MGPU_LATENT}

@@ -64,11 +64,13 @@ def in_one_step(one_call, q, args: tuple, layers: int):
     return PerCall(lambda: fn(qs, *args), layers)
 
 
-def decode_jaxattn(inp: Inputs, config=None, programs_per_sm=None, impl=None, layers: int = 1):
+def decode_jaxattn(inp: Inputs, config=None, programs_per_sm=None, impl=None, layers: int = 1, split_waves=None,
+                   max_kv_splits=None):
     from jaxattn import decode, metadata
 
     case = inp.case
-    split_kw = {} if programs_per_sm is None else dict(programs_per_sm=programs_per_sm)
+    split_kw = dict(programs_per_sm=programs_per_sm, split_waves=split_waves, max_kv_splits=max_kv_splits)
+    split_kw = {name: value for name, value in split_kw.items() if value is not None}
     meta = metadata.decode_metadata_from_indptr(
         inp.kv_indptr, inp.kv_indices, inp.seq_lens, q_heads=case.q_heads, kv_heads=case.kv_heads, **split_kw
     )

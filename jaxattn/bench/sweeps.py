@@ -57,6 +57,19 @@ def sweep_variants(op: str, case: Case):
                                       fp8_v_in_registers=True)
                 variants.append((f"fp8 vreg n{block_n} w{num_warps} s{num_stages}{f' pps{pps}' if pps else ''}",
                                  lambda inp, c=config, p=pps: decode_jaxattn(inp, config=c, programs_per_sm=p)))
+        if case.fp8 and not mla:  # Split counts by whole waves of the table tile's resident programs (SplitWaves;
+            # its time followed the waves on the H100, thirty-eighth session), and fixed counts to check the model's
+            # choice against (a huge programs_per_sm: the fill heuristic takes the bound).
+            from jaxattn import tuning
+
+            waves = tuning.decode_split_waves(case.head_dim, case.dv, case.q_heads, case.kv_heads)
+            variants.append(("fp8 waves", lambda inp, w=waves: decode_jaxattn(inp, split_waves=w)))
+            config = DecodeConfig(block_n=64, num_warps=2, num_stages=6, fp8_v_in_registers=True)
+            variants.append(("fp8 vreg n64 w2 s6 waves",
+                             lambda inp, c=config, w=waves: decode_jaxattn(inp, config=c, split_waves=w)))
+            for splits in (1, 2, 4, 8, 11, 12, 16, 33):
+                variants.append((f"fp8 splits={splits}", lambda inp, s=splits: decode_jaxattn(
+                    inp, programs_per_sm=1 << 16, max_kv_splits=s)))
         if mla and not case.fp8:  # 64-row tiles (MLA's 16 heads padded, or 16 heads x 4 tokens): wgmma, 8 warps
             for block_n, num_stages in ((16, 2), (16, 3), (32, 2), (32, 3)):
                 config = DecodeConfig(block_n=block_n, block_h=64, num_warps=8, num_stages=num_stages)

@@ -212,6 +212,38 @@ def test_fp8_pool_matches_reference(rng):
     np.testing.assert_array_equal(np.asarray(outs[0][1]).view(np.uint8), np.asarray(outs[1][1]).view(np.uint8))
 
 
+def test_fp8_pools_size_decode_splits_by_waves_where_the_table_says(rng, monkeypatch):
+    # TritonBackend(kv_dtype=<fp8>) passes the fp8 tile's SplitWaves to its decode lists (full and window) when
+    # tuning.sm90.DECODE_FP8_SPLIT_WAVES is on; 16-bit pools, the flag off or deterministic mode pass none.
+    import jaxattn.backends.triton as triton_backend
+    from jaxattn.metadata import SplitWaves
+    from jaxattn.tuning import decode_split_waves
+
+    seen = []
+    build = triton_backend.decode_metadata
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["split_waves"])
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "decode_metadata", recording)
+    batch, req_to_token = make_batch(rng, [6, 3], [1, 1], mode=ForwardMode.DECODE, token_bucket=2, batch_bucket=2)
+    layers = [AttentionLayer(0, 32, 8, 128), AttentionLayer(1, 32, 8, 128, sliding_window=WINDOW)]
+    waves = decode_split_waves(128, 128, 32, 8)
+    assert isinstance(waves, SplitWaves)
+    cases = ((True, dict(kv_dtype=jnp.float8_e4m3fn), waves), (True, dict(kv_dtype="float8_e5m2"), waves),
+             (True, dict(kv_dtype=jnp.bfloat16), None), (True, dict(), None),
+             (True, dict(kv_dtype=jnp.float8_e4m3fn, deterministic=True), None),
+             (False, dict(kv_dtype=jnp.float8_e4m3fn), None))
+    for flag, kind, expected in cases:
+        monkeypatch.setattr(triton_backend, "DECODE_FP8_SPLIT_WAVES", flag)
+        seen.clear()
+        TritonBackend(**kind).init_forward_metadata(batch, req_to_token, layers)
+        assert seen == [expected, expected], (flag, kind)  # the full lists and the window's
+    with pytest.raises(ValueError, match="kv_dtype must be None or a dtype"):
+        TritonBackend(kv_dtype=8)
+
+
 def test_windows_from_layers_get_trimmed_lists(rng):
     batch, req_to_token = make_batch(rng, [9, 2], [1, 1], mode=ForwardMode.DECODE, token_bucket=2, batch_bucket=2)
     meta = TritonBackend(sliding_windows=(5,)).init_forward_metadata(batch, req_to_token, layers=SELF_LAYERS + (CROSS,))

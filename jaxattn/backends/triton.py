@@ -81,7 +81,7 @@ from jaxattn.checks import INDEX_DTYPES, check_array, check_positive_int, launch
 from jaxattn.decode import decode_attention
 from jaxattn.extend import extend_attention, extend_attention_unified
 from jaxattn.extend_mgpu import unified_window_on_full_lists
-from jaxattn.fp8 import dequantised_rows
+from jaxattn.fp8 import dequantised_rows, is_fp8
 from jaxattn.kv_indices import build_unified_kv_indices, create_kv_indices
 from jaxattn.mla import mla_extend_attention
 from jaxattn.metadata import (
@@ -105,6 +105,8 @@ from jaxattn.paging import (
     token_slots,
 )
 from jaxattn.serving.batch import ForwardBatch, ForwardMode
+from jaxattn.tuning import decode_split_waves
+from jaxattn.tuning.sm90 import DECODE_FP8_SPLIT_WAVES
 from jaxattn.serving.kv_pool import write_kv
 
 
@@ -170,13 +172,16 @@ class TritonBackend:
         taken from `layers` in `init_forward_metadata`, else 1 and 1).
       split_tile_size: keys per decode split in deterministic mode (SGLang's 256).
       launch_mode: "gpu", "interpret" or None (automatic), passed to every kernel.
+      kv_dtype: the KV pools' dtype (only performance; default 16-bit). With fp8 pools and
+        `tuning.sm90.DECODE_FP8_SPLIT_WAVES` on, decode split counts follow whole waves of the fp8 tile's resident
+        programs (`jaxattn.metadata.SplitWaves`, sized from the first of `layers`).
     """
 
     name = "triton"
 
     def __init__(self, deterministic: bool = False, max_kv_splits: int | None = None, sliding_windows=(), *,
                  q_heads: int | None = None, kv_heads: int | None = None, split_tile_size: int = 256,
-                 launch_mode: str | None = None):
+                 launch_mode: str | None = None, kv_dtype=None):
         if max_kv_splits is not None:
             check_positive_int("max_kv_splits", max_kv_splits)
         check_positive_int("split_tile_size", split_tile_size)
@@ -191,6 +196,9 @@ class TritonBackend:
         self.q_heads, self.kv_heads = q_heads, kv_heads
         self.split_tile_size = split_tile_size
         self.launch_mode = launch_mode
+        if kv_dtype is not None and not isinstance(kv_dtype, (jnp.dtype, type, str)):
+            raise ValueError(f"kv_dtype must be None or a dtype (the KV pools'); got {kv_dtype!r}")
+        self.fp8_pools = kv_dtype is not None and is_fp8(kv_dtype)
 
     # -----------------------------------------------------------------------------------------
     # Metadata
@@ -202,12 +210,21 @@ class TritonBackend:
             return layer.q_heads, layer.kv_heads
         return 1, 1
 
-    def _decode_lists(self, batch, req_to_token, seq_lens, token_offsets, *, capacity, max_len, window, heads):
+    def _split_waves(self, layers, heads):
+        """The decode lists' `SplitWaves` (fp8 pools, where the table turns them on and `layers` give the head dims)."""
+        if not (self.fp8_pools and DECODE_FP8_SPLIT_WAVES and layers) or self.deterministic:
+            return None
+        layer = layers[0]
+        return decode_split_waves(layer.head_dim, layer.dv, heads[0], heads[1])
+
+    def _decode_lists(self, batch, req_to_token, seq_lens, token_offsets, *, capacity, max_len, window, heads,
+                      split_waves=None):
         """DecodeMetadata over each sequence's last keys (all of them, or a window's) from its token_offsets column."""
         kwargs = dict(
             kv_capacity=capacity, q_heads=heads[0], kv_heads=heads[1], max_kv_splits=self.max_kv_splits,
             deterministic=self.deterministic, split_tile_size=self.split_tile_size, sliding_window=window,
             token_offsets=token_offsets, max_context_len=max_len, launch_mode=self.launch_mode,
+            split_waves=split_waves,
         )
         if isinstance(req_to_token, PageTable):
             return decode_metadata_from_pages(req_to_token.req_to_page, batch.req_pool_indices, seq_lens,
@@ -255,17 +272,18 @@ class TritonBackend:
         column0 = jnp.zeros((B,), jnp.int32) if encoder is None else encoder  # first decoder token's column
 
         if mode == ForwardMode.DECODE:
+            waves = self._split_waves(layers, heads)
             attn = self._decode_lists(batch, req_to_token, seq_lens, column0, capacity=batch.kv_capacity,
-                                      max_len=batch.max_seq_len, window=-1, heads=heads)
+                                      max_len=batch.max_seq_len, window=-1, heads=heads, split_waves=waves)
             window_attn = tuple(
                 self._decode_lists(batch, req_to_token, seq_lens, column0, capacity=min(batch.kv_capacity, B * (w + 1)),
-                                   max_len=batch.max_seq_len, window=w, heads=heads)
+                                   max_len=batch.max_seq_len, window=w, heads=heads, split_waves=waves)
                 for w in windows
             )
             cross = None
             if encoder is not None:
                 cross = self._decode_lists(batch, req_to_token, encoder, None, capacity=batch.kv_capacity,
-                                           max_len=batch.max_seq_len, window=-1, heads=heads)
+                                           max_len=batch.max_seq_len, window=-1, heads=heads, split_waves=waves)
             return TritonMetadata(attn=attn, window_attn=window_attn, cross_attn=cross, custom_mask=None,
                                   window_custom_masks=(None,) * len(windows), **common)
 

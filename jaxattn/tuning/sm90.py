@@ -62,6 +62,10 @@ DECODE_FP8_RESIDENT_PER_SM: dict[tuple[int, int, str], int] = {
     (576, 512, "g16"): 2,
 }
 
+# TritonBackend(kv_dtype=<fp8>) sizes its decode splits by those waves. Off until the H200 times the policy (GPU queue
+# 1: "fp8 waves" beside the fill heuristic and fixed counts).
+DECODE_FP8_SPLIT_WAVES = False
+
 # Two-stage kernel, bf16, each candidate checked against the reference first. "128" on E1/E3 (sweep of 2026-12-02):
 # 128x128 tiles with 3 stages, 2.56 ms on E1 against 5.24 ms for 128x32/2. The others on the tuning cases
 # T64/T256/T192/T576/T288 of jaxattn.bench (benchmarks/experiments/extend_tuning.py,

@@ -217,7 +217,7 @@ def test_fp8_pools_size_decode_splits_by_waves_where_the_table_says(rng, monkeyp
     # tuning.sm90.DECODE_FP8_SPLIT_WAVES is on; 16-bit pools, the flag off or deterministic mode pass none.
     import jaxattn.backends.triton as triton_backend
     from jaxattn.metadata import SplitWaves
-    from jaxattn.tuning import decode_split_waves
+    from jaxattn.tuning import decode_split_waves, sm90
 
     seen = []
     build = triton_backend.decode_metadata
@@ -236,7 +236,7 @@ def test_fp8_pools_size_decode_splits_by_waves_where_the_table_says(rng, monkeyp
              (True, dict(kv_dtype=jnp.float8_e4m3fn, deterministic=True), None),
              (False, dict(kv_dtype=jnp.float8_e4m3fn), None))
     for flag, kind, expected in cases:
-        monkeypatch.setattr(triton_backend, "DECODE_FP8_SPLIT_WAVES", flag)
+        monkeypatch.setattr(sm90, "DECODE_FP8_SPLIT_WAVES", flag)
         seen.clear()
         TritonBackend(**kind).init_forward_metadata(batch, req_to_token, layers)
         assert seen == [expected, expected], (flag, kind)  # the full lists and the window's

@@ -105,8 +105,7 @@ from jaxattn.paging import (
     token_slots,
 )
 from jaxattn.serving.batch import ForwardBatch, ForwardMode
-from jaxattn.tuning import decode_split_waves
-from jaxattn.tuning.sm90 import DECODE_FP8_SPLIT_WAVES
+from jaxattn.tuning import default_decode_split_waves
 from jaxattn.serving.kv_pool import write_kv
 
 
@@ -211,11 +210,10 @@ class TritonBackend:
         return 1, 1
 
     def _split_waves(self, layers, heads):
-        """The decode lists' `SplitWaves` (fp8 pools, where the table turns them on and `layers` give the head dims)."""
-        if not (self.fp8_pools and DECODE_FP8_SPLIT_WAVES and layers) or self.deterministic:
+        """The decode lists' `SplitWaves` (`tuning.default_decode_split_waves`; `layers` give the head dims)."""
+        if not layers or self.deterministic:
             return None
-        layer = layers[0]
-        return decode_split_waves(layer.head_dim, layer.dv, heads[0], heads[1])
+        return default_decode_split_waves(layers[0].head_dim, layers[0].dv, heads[0], heads[1], self.fp8_pools)
 
     def _decode_lists(self, batch, req_to_token, seq_lens, token_offsets, *, capacity, max_len, window, heads,
                       split_waves=None):

@@ -66,9 +66,11 @@ def in_one_step(one_call, q, args: tuple, layers: int):
 
 def decode_jaxattn(inp: Inputs, config=None, programs_per_sm=None, impl=None, layers: int = 1, split_waves=None,
                    max_kv_splits=None):
-    from jaxattn import decode, metadata
+    from jaxattn import decode, metadata, tuning
 
     case = inp.case
+    if split_waves is None and programs_per_sm is None and max_kv_splits is None:  # the default, as TritonBackend's
+        split_waves = tuning.default_decode_split_waves(case.head_dim, case.dv, case.q_heads, case.kv_heads, case.fp8)
     split_kw = dict(programs_per_sm=programs_per_sm, split_waves=split_waves, max_kv_splits=max_kv_splits)
     split_kw = {name: value for name, value in split_kw.items() if value is not None}
     meta = metadata.decode_metadata_from_indptr(

@@ -27,7 +27,7 @@ from jaxattn.tuning.configs import DecodeConfig, ExtendConfig, MgpuDecodeConfig,
 __all__ = [
     "DecodeConfig", "ExtendConfig", "MgpuDecodeConfig", "MgpuExtendConfig", "TABLES", "table", "decode_config", "float32_decode_config", "clamp_decode_config",
     "heuristic_decode_config", "vector_config", "head_dim_family", "extend_config", "with_custom_mask", "pack_heads",
-    "mgpu_extend_config", "mgpu_extend_latent_config", "decode_split_waves",
+    "mgpu_extend_config", "mgpu_extend_latent_config", "decode_split_waves", "default_decode_split_waves",
 ]
 
 # GPU family -> op -> table (see each family module for its keys).
@@ -148,6 +148,15 @@ def decode_split_waves(qk_head_dim: int, v_head_dim: int, q_heads: int, kv_heads
         return None
     config = decode_config(qk_head_dim, v_head_dim, group, family=family, fp8_pool=True)
     return SplitWaves(resident_per_sm=resident, heads_per_program=config.block_h)
+
+
+def default_decode_split_waves(qk_head_dim: int, v_head_dim: int, q_heads: int, kv_heads: int,
+                               fp8_pool: bool) -> SplitWaves | None:
+    """The `SplitWaves` decode lists get by default: `decode_split_waves` for fp8 pools while
+    `sm90.DECODE_FP8_SPLIT_WAVES` is on, else None (the fill heuristic)."""
+    if not (fp8_pool and sm90.DECODE_FP8_SPLIT_WAVES):
+        return None
+    return decode_split_waves(qk_head_dim, v_head_dim, q_heads, kv_heads)
 
 
 # ---------------------------------------------------------------------------------------------

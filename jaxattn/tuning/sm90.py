@@ -52,14 +52,14 @@ DECODE_FP8: dict[tuple[int, int, str], DecodeConfig] = {
     (576, 512, "g16"): DecodeConfig(block_n=64, block_h=16, num_warps=4, num_stages=2),
 }
 
-# Stage-1 programs one multiprocessor holds of DECODE_FP8's tiles as TIMED_TRITON compiles them
-# (`hardware.resident_blocks` of their registers, shared memory and warps; tests/test_aot_compile.py checks these):
-# 128/128 255 registers x 2 warps, 39 KB; 576/512 255 x 4 warps, 70 KB. Split counts by whole waves of them
-# (`jaxattn.metadata.SplitWaves` through `tuning.decode_split_waves`) are opt-in: at D1-D3 fp8 on the H100 the time
-# followed the waves (benchmarks/RESULTS.md, thirty-eighth session), not yet timed as a policy.
+# Stage-1 programs one multiprocessor holds of DECODE_FP8's GQA tile as TIMED_TRITON compiles it
+# (`hardware.resident_blocks` of its registers, shared memory and warps; tests/test_aot_compile.py checks it): 255
+# registers x 2 warps, 39 KB. Split counts by whole waves of them (`jaxattn.metadata.SplitWaves` through
+# `tuning.decode_split_waves`) are opt-in: at D1-D3 fp8 on the H100 the time followed the waves (benchmarks/RESULTS.md,
+# thirty-eighth session), not yet timed as a policy. Not listed: 576/512, whose fp8 latent calls the Mosaic GPU MLA
+# kernel takes (its own split counts).
 DECODE_FP8_RESIDENT_PER_SM: dict[tuple[int, int, str], int] = {
     (128, 128, "g16"): 4,
-    (576, 512, "g16"): 2,
 }
 
 # TritonBackend(kv_dtype=<fp8>) sizes its decode splits by those waves. Off until the H200 times the policy (GPU queue

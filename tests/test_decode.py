@@ -314,11 +314,12 @@ def test_split_counts_by_waves_follow_the_cost_model():
     assert d1 == 2  # 1 split is 512 programs, short of a full GPU; 2 splits the cheapest of those filling it
     assert int(num_kv_splits_heuristic(jnp.full((256,), 1024), max_kv_splits=4, **kw)[0]) == 1  # D3: 3.9 waves
     rng = np.random.default_rng(7)
-    for _ in range(12):  # random batches against the loops
-        batch = int(rng.integers(1, 80))
-        lens = rng.integers(0, 20000, size=batch)
-        lens[rng.integers(0, batch)] = max(int(lens.max()), 1)
-        max_kv_splits = int(rng.integers(1, 40))
+    for _ in range(8):  # random batches (one padded shape: padding rows count no programs) against the loops
+        batch = int(rng.integers(1, 64))
+        lens = np.zeros(64, np.int64)
+        lens[:batch] = rng.integers(0, 20000, size=batch)
+        lens[0] = max(int(lens.max()), 1)
+        max_kv_splits = int(rng.choice([6, 34]))
         resident, heads = int(rng.integers(1, 9)), int(rng.choice([1, 16, 32]))
         q_heads, kv_heads = int(rng.choice([8, 32, 64])), 8
         got = np.asarray(num_kv_splits_heuristic(jnp.asarray(lens), max_kv_splits=max_kv_splits, q_heads=q_heads,

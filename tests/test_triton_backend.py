@@ -240,8 +240,9 @@ def test_fp8_pools_size_decode_splits_by_waves_where_the_table_says(rng, monkeyp
         seen.clear()
         TritonBackend(**kind).init_forward_metadata(batch, req_to_token, layers)
         assert seen == [expected, expected], (flag, kind)  # the full lists and the window's
-    with pytest.raises(ValueError, match="kv_dtype must be None or a dtype"):
-        TritonBackend(kv_dtype=8)
+    for wrong in (8, "fp9"):
+        with pytest.raises(ValueError, match="kv_dtype must be None or a dtype"):
+            TritonBackend(kv_dtype=wrong)
 
 
 def test_windows_from_layers_get_trimmed_lists(rng):

@@ -105,8 +105,8 @@ from jaxattn.paging import (
     token_slots,
 )
 from jaxattn.serving.batch import ForwardBatch, ForwardMode
-from jaxattn.tuning import default_decode_split_waves
 from jaxattn.serving.kv_pool import write_kv
+from jaxattn.tuning import default_decode_split_waves
 
 
 @jax.tree_util.register_dataclass
@@ -195,8 +195,11 @@ class TritonBackend:
         self.q_heads, self.kv_heads = q_heads, kv_heads
         self.split_tile_size = split_tile_size
         self.launch_mode = launch_mode
-        if kv_dtype is not None and not isinstance(kv_dtype, (jnp.dtype, type, str)):
-            raise ValueError(f"kv_dtype must be None or a dtype (the KV pools'); got {kv_dtype!r}")
+        if kv_dtype is not None:
+            try:
+                kv_dtype = jnp.dtype(kv_dtype)
+            except TypeError:
+                raise ValueError(f"kv_dtype must be None or a dtype (the KV pools'); got {kv_dtype!r}") from None
         self.fp8_pools = kv_dtype is not None and is_fp8(kv_dtype)
 
     # -----------------------------------------------------------------------------------------

@@ -144,6 +144,18 @@ def test_tree_verify_case(one_call):
     np.testing.assert_allclose(one_call[-2], one_call[-1], atol=2e-2, rtol=2e-2)
 
 
+def test_fp8_split_rows_run_the_kernel_at_their_split_counts(one_call):
+    # The "fp8 waves" / "fp8 splits=N" sweep rows (split counts by waves of resident programs, or fixed) through the
+    # interpreter: each row's output is the reference's, over a pool 2 splits long (301 keys, 256 a split at least).
+    case = bench.Case("TF", "decode", batch=2, prefix=300, new=1, q_heads=8, kv_heads=2, head_dim=128,
+                      kv_dtype="float8_e4m3fn")
+    rows = bench.run("decode", [case], backends=["reference"], sweep="^fp8 (waves|splits=(1|2))$", log=lambda _: None,
+                     progress=False)
+    assert [r["backend"] for r in rows] == ["reference", "sweep[fp8 waves]", "sweep[fp8 splits=1]", "sweep[fp8 splits=2]"]
+    for out in one_call[1:]:
+        np.testing.assert_allclose(out, one_call[0], atol=2e-2, rtol=2e-2)
+
+
 def test_sweep_takes_a_label_regex(one_call, monkeypatch):
     # --sweep REGEX times only the candidate configurations whose label it finds (here the keys-as-rows decode tiles,
     # run through the interpreter); --sweep alone parses to True (all of them).

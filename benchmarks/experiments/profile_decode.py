@@ -22,22 +22,33 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--case", default="D1-FP8")
     parser.add_argument("--calls", type=int, default=4)
+    parser.add_argument("--v-in-registers", action="store_true",
+                        help="fp8 pools: the table's tile with V converted in registers (DecodeConfig.fp8_v_in_registers)")
+    parser.add_argument("--split-waves", action="store_true",
+                        help="split counts by waves of the fp8 tile's resident programs (tuning.decode_split_waves)")
     args = parser.parse_args(argv)
+
+    import dataclasses
 
     import jax
 
-    from jaxattn import bench, decode, metadata
+    from jaxattn import bench, decode, metadata, tuning
 
     case = bench.CASES[args.case]
     inp = bench.make_inputs(case)
     scales = bench.peers.scales(inp)
+    waves = tuning.decode_split_waves(case.head_dim, case.dv, case.q_heads, case.kv_heads) if args.split_waves else None
     meta = metadata.decode_metadata_from_indptr(inp.kv_indptr, inp.kv_indices, inp.seq_lens,
-                                                q_heads=case.q_heads, kv_heads=case.kv_heads)
-    fn = jax.jit(lambda q, k, v, m: decode.decode_attention(q, k, v, m, **scales))
+                                                q_heads=case.q_heads, kv_heads=case.kv_heads, split_waves=waves)
+    config = None
+    if args.v_in_registers:
+        config = tuning.decode_config(case.head_dim, case.dv, case.q_heads // case.kv_heads, fp8_pool=True)
+        config = dataclasses.replace(config, fp8_v_in_registers=True)
+    fn = jax.jit(lambda q, k, v, m: decode.decode_attention(q, k, v, m, config=config, **scales))
     for _ in range(args.calls):
         out = fn(inp.q, inp.k_pool, inp.v_pool, meta)
     jax.block_until_ready(out)
-    print(args.case, "done", out.shape, out.dtype)
+    print(args.case, "done", out.shape, out.dtype, "splits", sorted(set(map(int, meta.num_kv_splits))))
     return 0
 
 

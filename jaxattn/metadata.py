@@ -307,11 +307,20 @@ def num_kv_splits_heuristic(eff_lens, *, max_kv_splits, q_heads, kv_heads, deter
     active = jnp.maximum(jnp.sum(eff_lens > 0), 1)
     per_split_programs = active * _split_work(q_heads, kv_heads)
     by_fill = (num_sms * programs_per_sm + per_split_programs - 1) // per_split_programs
-    by_len = jnp.maximum((max_len + min_split_len - 1) // min_split_len, 1)
-    target = jnp.clip(jnp.minimum(by_fill, by_len), 1, max_kv_splits)
-    chunk = jnp.maximum((max_len + target - 1) // target, 1)
-    splits = (eff_lens + chunk - 1) // chunk
-    return jnp.clip(splits, 1, max_kv_splits).astype(jnp.int32)
+    target = jnp.clip(jnp.minimum(by_fill, _most_splits_by_length(max_len, min_split_len)), 1, max_kv_splits)
+    return jnp.clip(_even_splits(eff_lens, max_len, target), 1, max_kv_splits).astype(jnp.int32)
+
+
+def _most_splits_by_length(max_len, min_split_len):
+    """The most splits the longest sequence takes with at least min_split_len keys each (at least 1)."""
+    return jnp.maximum((max_len + min_split_len - 1) // min_split_len, 1)
+
+
+def _even_splits(eff_lens, max_len, count):
+    """Splits of each sequence when the longest is cut in `count`: ceil(len / chunk), chunk = ceil(max_len / count),
+    so splits have about the same size across the batch (0 for an empty row). count broadcasts against eff_lens."""
+    chunk = jnp.maximum((max_len + count - 1) // count, 1)
+    return (eff_lens + chunk - 1) // chunk
 
 
 def num_kv_splits_by_waves(eff_lens, *, max_kv_splits, q_heads, kv_heads, split_waves: SplitWaves, num_sms,
@@ -334,10 +343,9 @@ def num_kv_splits_by_waves(eff_lens, *, max_kv_splits, q_heads, kv_heads, split_
     capacity = num_sms * split_waves.resident_per_sm
     max_len = jnp.max(eff_lens, initial=0)
     counts = jnp.arange(1, max_kv_splits + 1, dtype=jnp.int32)  # [C] candidate S
-    chunks = jnp.maximum((max_len + counts - 1) // counts, 1)  # [C]
-    splits = (eff_lens[None, :] + chunks[:, None] - 1) // chunks[:, None]  # [C, batch]
-    programs = jnp.sum(splits, axis=1) * programs_per_split  # [C]
-    by_len = jnp.maximum((max_len + min_split_len - 1) // min_split_len, 1)
+    chunks = jnp.maximum((max_len + counts - 1) // counts, 1)  # [C] keys a split (of the longest sequence)
+    programs = jnp.sum(_even_splits(eff_lens[None, :], max_len, counts[:, None]), axis=1) * programs_per_split  # [C]
+    by_len = _most_splits_by_length(max_len, min_split_len)
     allowed = counts <= by_len
     filling = allowed & (programs >= capacity)
     waves = programs.astype(jnp.float32) / capacity
@@ -348,8 +356,7 @@ def num_kv_splits_by_waves(eff_lens, *, max_kv_splits, q_heads, kv_heads, split_
     cheapest = counts[jnp.argmin(jnp.where(filling, cost, jnp.inf))]
     most = jnp.minimum(by_len, max_kv_splits)
     target = jnp.where(jnp.any(filling), cheapest, most)
-    chunk = jnp.maximum((max_len + target - 1) // target, 1)
-    return jnp.clip((eff_lens + chunk - 1) // chunk, 1, max_kv_splits).astype(jnp.int32)
+    return jnp.clip(_even_splits(eff_lens, max_len, target), 1, max_kv_splits).astype(jnp.int32)
 
 
 @functools.partial(

@@ -31,8 +31,9 @@ V_IN_REGISTERS the tile is converted to f16 in the load's layout first (`_f16_of
 the split's output as without it), and the dot reads the f16 copy with ldmatrix.trans. SASS for sm_90 (ptxas on a
 CPU, Triton 3.6), the table's 64-key tile at 2 warps: 20.7 warp-instructions a key against 33.3 (shared-memory loads
 1.4 against 5.9; no byte packing: 29.5 with two values an asm block), 168 registers against 254; at 6 stages its f16
-copy's shared memory keeps it at 4 programs an SM, at 4 stages 5; 32-key tiles at one warp 20.8, 10 an SM. Not yet
-timed. (A first form converted through f32 times v_scale, which Triton's layout passes did not move, and ran
+copy's shared memory keeps it at 4 programs an SM, at 4 stages 5; 32-key tiles at one warp 20.8, 10 an SM. On the
+H100 (236f758) no faster than the table tile at the same split counts (D1-FP8 0.244-0.247 ms against 0.227 at the
+default splits). (A first form converted through f32 times v_scale, which Triton's layout passes did not move, and ran
 slower at every tile on the H200, d3464cf: D1-FP8 0.198 ms against 0.177.)
 
 fp8 scores (q K^T on fp8 tensor cores from the stored K rows, q split into three e4m3 parts, with the keys as rows

@@ -334,12 +334,14 @@ def test_split_counts_by_waves_follow_the_cost_model():
     assert np.asarray(num_kv_splits_heuristic(jnp.zeros((4,), jnp.int32), max_kv_splits=8, **kw)).tolist() == [1] * 4
 
 
-def test_metadata_takes_split_waves():
+def test_metadata_takes_split_waves(monkeypatch):
     from jaxattn import tuning
 
     waves = tuning.decode_split_waves(128, 128, 32, 8, family="sm_90")
     assert waves == SplitWaves(resident_per_sm=4, heads_per_program=16)
-    assert tuning.decode_split_waves(128, 128, 32, 8, family="sm_90", fp8_pool=False) is None  # 16-bit: none listed
+    monkeypatch.setattr(tuning.sm90, "DECODE_FP8_SPLIT_WAVES", True)
+    assert tuning.default_decode_split_waves(128, 128, 32, 8, fp8_pool=True) == waves
+    assert tuning.default_decode_split_waves(128, 128, 32, 8, fp8_pool=False) is None  # 16-bit pools: none
     assert tuning.decode_split_waves(64, 64, 32, 8, family="sm_90") is None  # no residency for the key
     lens = jnp.asarray([32768] * 8, jnp.int32)
     indptr = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lens)]).astype(jnp.int32)

@@ -64,8 +64,9 @@ def sweep_variants(op: str, case: Case):
 
             waves = tuning.decode_split_waves(case.head_dim, case.dv, case.q_heads, case.kv_heads)
             variants.append(("fp8 waves", lambda inp, w=waves: decode_jaxattn(inp, split_waves=w)))
-            config = DecodeConfig(block_n=64, num_warps=2, num_stages=6, fp8_v_in_registers=True)
-            variants.append(("fp8 vreg n64 w2 s6 waves",
+            table_tile = tuning.decode_config(case.head_dim, case.dv, case.q_heads // case.kv_heads, fp8_pool=True)
+            config = dataclasses.replace(table_tile, fp8_v_in_registers=True)
+            variants.append((f"fp8 vreg n{config.block_n} w{config.num_warps} s{config.num_stages} waves",
                              lambda inp, c=config, w=waves: decode_jaxattn(inp, config=c, split_waves=w)))
             for splits in (1, 2, 4, 8, 11, 12, 16, 33):
                 variants.append((f"fp8 splits={splits}", lambda inp, s=splits: decode_jaxattn(

@@ -135,13 +135,10 @@ def decode_config(qk_head_dim: int, v_head_dim: int, group: int, family: str | N
     return clamp_decode_config(config, group)
 
 
-def decode_split_waves(qk_head_dim: int, v_head_dim: int, q_heads: int, kv_heads: int, family: str | None = None,
-                       fp8_pool: bool = True) -> SplitWaves | None:
+def decode_split_waves(qk_head_dim: int, v_head_dim: int, q_heads: int, kv_heads: int,
+                       family: str | None = None) -> SplitWaves | None:
     """`SplitWaves` of the table's fp8 decode tile for this shape (its resident programs and heads a program), for
-    `decode_metadata(split_waves=...)`; None where the family's table lists no residency for the key (16-bit pools
-    have none yet)."""
-    if not fp8_pool:
-        return None
+    `decode_metadata(split_waves=...)`; None where the family's table lists no residency for the key."""
     group = q_heads // kv_heads
     resident = table("decode_fp8_resident_per_sm", family).get((qk_head_dim, v_head_dim, decode_group_bucket(group)))
     if resident is None:

@@ -20,7 +20,8 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 2
     # fp8 pools, grouped kernel: convert V to f16 in its load's layout before the p.v dot (kernels/decode_attention.py,
-    # V_IN_REGISTERS: fewer instructions a key on sm_90's SASS, not yet timed; sm_89+ only); off in the tables.
+    # V_IN_REGISTERS: fewer instructions a key on sm_90's SASS, no faster on the H100 at 236f758; sm_89+ only); off
+    # in the tables.
     fp8_v_in_registers: bool = False
     # Grouped kernel: both dots with the keys as their M dimension (K q^T and V^T p^T; kernels/decode_attention.py,
     # KEYS_AS_ROWS): block_h q rows become the dots' N (16 is a whole wgmma N), so a few heads take wgmma without

@@ -171,8 +171,8 @@ MLA_DECODE_KERNEL_MERGE = True
 
 # Keys the MLA kernel's merging split takes over from the split before it (`MgpuDecodeConfig.merger_skew`, None takes
 # this), so that split publishes its partial (stores, a GPU-scope fence, the cluster barrier: about 1.5 us by a reading
-# of the transposed tile) while the merger streams its extra tile. 0 (off) until timed: `gpu_queue/5`'s MLA sweep
-# ("skew=64").
+# of the transposed tile) while the merger streams its extra tile. H100 (236f758, 7 rounds): skew 64 / 128 tie the
+# even splits at MLA and MLA-V4 (0.117 / 0.136 ms each): 0 (off).
 MLA_DECODE_MERGER_SKEW = 0
 
 TABLES = {"decode": DECODE, "decode_fp8": DECODE_FP8, "decode_fp8_resident_per_sm": DECODE_FP8_RESIDENT_PER_SM,

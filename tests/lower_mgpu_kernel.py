@@ -4,8 +4,9 @@ tests/test_extend_mgpu.py.
 Needs jax's CUDA plugin module on sys.path (scripts/setup.sh puts it in .venv/mosaic_gpu_lowering). Lowering runs
 Pallas' Mosaic GPU lowering and Mosaic's layout inference, which reject what the kernel cannot express (e.g. a TMA
 into 8-row tiles at a row offset not provably a multiple of 8); ptxas and the run itself happen only on a GPU.
-Prints one line per shape: "ok <label>" or "FAIL <label>: <error>". Arguments: a substring of the labels to lower, and
-"i/n" to lower every n-th shape from the i-th (tests/test_extend_mgpu.py runs two halves in parallel).
+Prints one line per shape: "ok <label>" or "FAIL <label>: <error>". Arguments: a substring of the labels to lower,
+"i/n" to lower every n-th shape from the i-th, and "--core" for the `CORE` shapes only. Each shape costs about a second
+of lowering: README's test command lowers the `CORE` shapes (tests/test_extend_mgpu.py), CI (`.ci/run`) every shape.
 """
 import dataclasses
 import re
@@ -293,6 +294,24 @@ DECODE_SHAPES = [
 ]
 
 
+# What README's test command lowers (every shape takes ~1.1 s; CI lowers all of them): each kernel family once, with
+# the most features a shape of that family combines.
+CORE = [
+    # extend: window + soft cap + sinks by TMA; a custom mask over the prefix columns; a draft tree two heads a CTA;
+    # three consumers overlapped; unified masked and packed; 192/128; 256; page lists; fp8 pools, both forms.
+    "all-128-bf16-tma", "mask-prefix-64-f16-cap-sinks-xai", "packed-draft-window-64-f16", "overlap-64-f16-all",
+    "unified-packed-mask-window-64-f16-sinks", "mha-192-128-bf16-tma-window", "gqa-256-f16-tma-window-cap",
+    "pages64-unified-64-f16-kv64s3-mask", "fp8-e4m3-128-bf16-f16-window-mask", "fp8-e5m2-unified-128-bf16-mask",
+    # MLA extend (its own kernel and the GQA kernel's latent form); the GQA decode kernel (fp8, one split persistent);
+    # MLA decode: the padded tile at 32-key tiles, the transposed one merging through a cluster, the padded one through
+    # a semaphore.
+    "mla-extend-16-f16-sinks-i64", "mla-extend-gqa-288-16-f16-short-i64", "gqa-decode-e5m2-8x1-f16-window-i64",
+    "gqa-decode-e4m3-12x3-bf16-final-persistent", "mla-verify-kv32-e4m3-4x16-bf16-draft",
+    "mla-decode-transposed-merge-e5m2-32-bf16-2-splits", "mla-decode-merge-e4m3-16-bf16-sinks",
+    "mla-verify-merge-8x16-f16-causal-sinks",
+]
+
+
 def lower_decode(batch, tokens, q_heads, dtype, features, slots=3000, capacity=5000):
     S = jax.ShapeDtypeStruct
     if batch == "extend":
@@ -400,10 +419,14 @@ def lower_mla_extend(tokens, q_heads, dtype, features, *, slots, capacity, batch
 if __name__ == "__main__":
     warnings.simplefilter("ignore")
     failed = 0
-    only = sys.argv[1] if len(sys.argv) > 1 else ""  # a substring of the labels to lower (default: every shape)
-    part = sys.argv[2] if len(sys.argv) > 2 else "0/1"  # "i/n": every n-th shape from the i-th (tests split the work)
+    core = "--core" in sys.argv
+    args = [a for a in sys.argv[1:] if a != "--core"]
+    only = args[0] if args else ""  # a substring of the labels to lower (default: every shape)
+    part = args[1] if len(args) > 1 else "0/1"  # "i/n": every n-th shape from the i-th (tests split the work)
     index, parts = map(int, part.split("/"))
     shapes = SHAPES + [(label, "decode", *rest) for label, *rest in DECODE_SHAPES]
+    if core:
+        shapes = [shape for shape in shapes if shape[0] in CORE]
     for label, *shape in shapes[index::parts]:
         if only not in label:
             continue

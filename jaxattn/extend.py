@@ -291,8 +291,8 @@ def extend_attention_reference(
                                              "xai_temperature_len", "sm_scale"))
 def _extend_reference(q, k_new, v_new, k_pool, v_pool, meta, custom_mask, sinks, scales, draft_mask, *, causal,
                       skip_prefix_custom_mask, sliding_window, logit_cap, xai_temperature_len, sm_scale):
-    tokens, slots, capacity = q.shape[0], k_pool.shape[0], meta.kv_capacity
-    prefix_slots = jnp.clip(meta.kv_indices.astype(jnp.int32), 0, slots - 1)  # the reference's slot rule
+    tokens, capacity = q.shape[0], meta.kv_capacity
+    prefix_slots = meta.kv_indices  # outside the pool: slot 0 (dequantised_rows)
     k_prefix = dequantised_rows(k_pool, prefix_slots, None if scales is None else scales[0], jnp.float32)
     v_prefix = dequantised_rows(v_pool, prefix_slots, None if scales is None else scales[1], jnp.float32)
     k_all = jnp.concatenate([k_prefix, k_new.astype(jnp.float32)])

@@ -130,7 +130,6 @@ def ragged_paged_attention_reference(
             raise ValueError("give kv_start_pos only (kv_start_positions is its old name)")
         kv_start_pos = kv_start_positions
     starts = jnp.zeros((batch,), jnp.int32) if kv_start_pos is None else kv_start_pos.astype(jnp.int32)
-    num_slots = k_pool.shape[0]
     scales = kv_scale_table(k_scale, v_scale, kv_heads)  # f32[2, kv_heads] or None
 
     def one_sequence(b):
@@ -141,8 +140,7 @@ def ragged_paged_attention_reference(
         q_valid = i < q_len
         k_valid = j < kv_len
         q_rows = jnp.clip(q_start + i, 0, tokens - 1)
-        slots = kv_indices[jnp.clip(kv_start + j, 0, kv_indices.shape[0] - 1)]
-        slots = jnp.clip(slots, 0, num_slots - 1)
+        slots = kv_indices[jnp.clip(kv_start + j, 0, kv_indices.shape[0] - 1)]  # outside the pool: slot 0
         qb = q[q_rows].astype(jnp.float32)  # [Q, Hq, D]
         # Rows past the list's end are zeroed: the slots there are arbitrary and may hold NaN (0 * NaN = NaN).
         kb = dequantised_rows(k_pool, slots, None if scales is None else scales[0], jnp.float32)  # [K, Hkv, D]

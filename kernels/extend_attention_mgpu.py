@@ -201,8 +201,9 @@ def arrive_barrier(bars, index):
 
 def row_sources(kv_indices, from_pool, first, count, *, block_kv: int, pool_rows: int):
     """The source row of each K/V tile row a producer thread will hand out (see `issue_rows`), as an i32[128]
-    (thread t holds tile row (t // 32) * rows_per_warp + t % rows_per_warp): kv_indices[first + r] clamped into the
-    pool when from_pool, else first + r; -1 for rows r >= count (copied as zeros).
+    (thread t holds tile row (t // 32) * rows_per_warp + t % rows_per_warp): kv_indices[first + r] when from_pool (a
+    slot outside the pool: the padding slot 0, as every kernel and the reference read it), else first + r; -1 for rows
+    r >= count (copied as zeros).
     """
     rows_per_warp = block_kv // 4
     capacity = kv_indices.shape[0]
@@ -222,10 +223,13 @@ def row_sources(kv_indices, from_pool, first, count, *, block_kv: int, pool_rows
         index_type = ir.MemRefType(indices.type).element_type
         pointer = llvm.inttoptr(llvm.PointerType.get(1), global_address(indices))
         slot = llvm.load(index_type, mgpu_utils.getelementptr(pointer, [safe], index_type))
-        if ir.IntegerType(index_type).width == 64:  # clamp before narrowing: an out-of-range slot reads a pool row
-            slot = arith.trunci(i32, arith.maxsi(arith.minsi(slot, _i64(pool_rows - 1)), _i64(0)))
-        else:
-            slot = arith.maxsi(arith.minsi(slot, _i32(pool_rows - 1)), _i32(0))
+        # Checked before narrowing an int64 slot, so one past 2**32 cannot wrap into the pool.
+        bound = _i64 if ir.IntegerType(index_type).width == 64 else _i32
+        in_pool = arith.andi(arith.cmpi(arith.CmpIPredicate.sge, slot, bound(0)),
+                             arith.cmpi(arith.CmpIPredicate.slt, slot, bound(pool_rows)))
+        slot = arith.select(in_pool, slot, bound(0))
+        if ir.IntegerType(index_type).width == 64:
+            slot = arith.trunci(i32, slot)
         source = arith.select(from_pool, slot, position)
         source = arith.select(listed, source, _i32(-1))
         return mgpu.FragmentedArray(
@@ -953,8 +957,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
       sequence's listed prefix starts a page, and the slots of each run of P' listed keys are consecutive from a
       multiple of P'): prefix tiles wholly inside the listed prefix (the unified form: inside its cached prefix,
       prefix_lens) come by TMA, block_kv / P' copies of P' rows, each from the slot its first key lists rounded down
-      to a multiple of P' (clamped into the pool, which holds whole pages: a bad list reads wrong rows of the pool,
-      never outside it). The other tiles by cp.async, row by row.
+      to a multiple of P' (slot 0 for one outside the pool, which holds whole pages: a bad list reads wrong rows of the
+      pool, never outside it). The other tiles by cp.async, row by row.
     page_issue: how the page copies are issued: "pallas" (one Pallas copy per page, each with a warpgroup barrier and
       an arrival on the slot's page barrier) or "inline" (experimental, `issue_pages`: one thread issues a tile's
       copies, completing the slot's row-copy mbarrier; not yet run on a GPU).
@@ -1665,12 +1669,13 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
 
                 def page_starts(step):
                     # Whole pages: each page copy of tile `step` starts at pool row start * page_rows, start the slot
-                    # its first key lists (clamped into the pool) over page_rows. Multiplied where the copy is issued,
+                    # its first key lists (outside the pool: slot 0) over page_rows. Multiplied where the copy is issued,
                     # so Mosaic sees an 8-aligned row (a loop carry would hide the factor).
                     starts = []
                     for chunk in range(block_kv // page_rows):
                         index = jnp.clip(kv_start + step * block_kv + chunk * page_rows, 0, capacity - 1)
-                        slot = jnp.clip(kv_indices_ref[index], 0, pool_rows - 1).astype(jnp.int32)
+                        slot = kv_indices_ref[index]
+                        slot = jnp.where((slot >= 0) & (slot < pool_rows), slot, 0).astype(jnp.int32)
                         starts.append(lax.div(slot, jnp.int32(page_rows)))
                     return tuple(starts)
 

@@ -35,8 +35,9 @@ upper half of its ring slot and converts them there to f16 (`convert_fp8_tiles` 
 ahead; the consumers are unchanged.
 
 Decode's split geometry, index checks and empty rows follow `kernels/decode_attention.py` (the effective range under
-a window, `per_split` keys per split in multiples of MIN_BLOCK_KV, ranges cut into kv_indices, slots clamped into the
-pool, an empty split stores nothing, a row that sees no key of a split stores 0 and LSE -inf, NaN stays NaN).
+a window, `per_split` keys per split in multiples of MIN_BLOCK_KV, ranges cut into kv_indices, slots outside the
+pool read as slot 0, an empty split stores nothing, a row that sees no key of a split stores 0 and LSE -inf, NaN stays
+NaN).
 """
 
 from __future__ import annotations
@@ -1317,7 +1318,7 @@ def mla_extend_mgpu_kernel(q, k_new, k_pool, qo_indptr, kv_indptr, kv_indices, o
     and listed prefix slots; its token t sees the whole prefix and its new tokens 0..t); kv_indices: i32/i64[capacity];
     out_ref: a Ref [tokens * q_heads, v_dim] of q's dtype (512 / 256). Tokens past max_extend_len of a sequence are not computed
     (as in the Triton kernels). sinks: f32[q_heads] natural-log logits joining the denominators, or None.
-    Ranges are cut into kv_indices and the token rows, slots clamped into the pool.
+    Ranges are cut into kv_indices and the token rows, slots outside the pool read as slot 0.
     """
     shape = _latent_shape(q, k_pool, k_new)
     v_dim, v_split = shape.v_dim, shape.v_split

@@ -119,6 +119,39 @@ def test_decode_hostile_indptr_and_slots(rng, config):
     assert np.all(np.asarray(lse[2]) == -np.inf)
 
 
+def test_references_read_slots_outside_the_pool_as_slot_0(rng):
+    # The references take the kernels' slot rule on the raw lists: a slot outside the pool reads the padding slot 0,
+    # not the pool's last row (clamped), which can hold another request's keys (NaN here, so a clamp shows).
+    def with_nan_row(x):  # a last row no list names
+        return jnp.concatenate([x, jnp.full_like(x[:1], jnp.nan)])
+
+    q, k_pool, v_pool, indptr, slots, num_slots = decode_inputs(rng)
+    k_pool, v_pool, num_slots = with_nan_row(k_pool), with_nan_row(v_pool), num_slots + 1
+    bad = slots.copy()
+    bad[[1, 8, 43, 46]] = hostile_slots(num_slots)
+    raw, sanitized = meta_for(indptr, bad), meta_for(indptr, sanitize(bad, num_slots))
+    ref = decode_attention_reference(q, k_pool, v_pool, raw)
+    assert_same(ref, decode_attention_reference(q, k_pool, v_pool, sanitized))
+    assert not nan_rows(ref).any()
+    assert_same(decode_attention(q, k_pool, v_pool, raw, mode=MODE), ref)
+    case = extend_inputs(rng)
+    k_pool, v_pool, num_slots = with_nan_row(case.k_pool), with_nan_row(case.v_pool), case.num_slots + 1
+    bad = case.prefix_slots.copy()
+    bad[[2, 7, 21, 25]] = hostile_slots(num_slots)
+    qo, kvp = csr(EXT_NEW), csr(EXT_PREFIX)
+    ref = extend_attention_reference(case.q, case.k_new, case.v_new, k_pool, v_pool, two_stage_meta(qo, kvp, bad))
+    sanitized = two_stage_meta(qo, kvp, sanitize(bad, num_slots))
+    assert_same(ref, extend_attention_reference(case.q, case.k_new, case.v_new, k_pool, v_pool, sanitized))
+    assert not nan_rows(ref).any()
+    kv_indptr, kv_indices = unified_lists(case)
+    bad = kv_indices.copy()
+    bad[[2, 30, 45, 55]] = hostile_slots(num_slots)
+    ref = extend_attention_unified_reference(case.q, k_pool, v_pool, unified_meta(qo, kv_indptr, bad))
+    sanitized = unified_meta(qo, kv_indptr, sanitize(bad, num_slots))
+    assert_same(ref, extend_attention_unified_reference(case.q, k_pool, v_pool, sanitized))
+    assert not nan_rows(ref).any()
+
+
 def test_decode_metadata_hostile_tables(rng):
     q, k_pool, v_pool, indptr, slots, num_slots = decode_inputs(rng)
     lens = np.diff(indptr)

@@ -3,8 +3,8 @@
 The kernel cannot run on CPU (CI lowers it: tests/lower_mgpu_kernel.py); its numerics run on the H200. This model
 replays, CTA by CTA, what the kernel's warpgroups do with the kernel module's own geometry functions (`decode_cta`,
 `decode_visible`, `extend_cta`, `extend_tile_source`, `extend_loops`, ...): which tiles a CTA visits in which order,
-which rows each tile gathers (zeros past its count, slots clamped into the pool), which scores it masks, the online
-softmax in base 2, the sink fold, where `store_rows` puts each output row (the flat offsets the kernel computes), and
+which rows each tile gathers (zeros past its count, slots outside the pool read as slot 0), which scores it masks,
+the online softmax in base 2, the sink fold, where `store_rows` puts each output row (the flat offsets the kernel computes), and
 the kernel's own merge of the splits (which split merges, in which order, with the module's merge functions).
 An index or geometry slip in those functions shows here as a mismatch with the reference, without a GPU.
 """
@@ -32,8 +32,8 @@ def _int(x):
 
 
 def gather_tile(source, first, count, *, indices=None, pool_rows, block_kv=K.BLOCK_KV):
-    """`row_sources` + `issue_rows`: tile row r <- source row (indices[first + r] clamped into the pool, or first + r),
-    zeros for r >= count."""
+    """`row_sources` + `issue_rows`: tile row r <- source row (indices[first + r], slot 0 where that is outside the
+    pool; or first + r), zeros for r >= count."""
     tile = np.zeros((block_kv, source.shape[-1]), np.float32)
     for r in range(block_kv):
         if r >= count:
@@ -41,7 +41,8 @@ def gather_tile(source, first, count, *, indices=None, pool_rows, block_kv=K.BLO
         if indices is None:
             row = first + r
         else:
-            row = int(np.clip(indices[int(np.clip(first + r, 0, len(indices) - 1))], 0, pool_rows - 1))
+            row = int(indices[int(np.clip(first + r, 0, len(indices) - 1))])
+            row = row if 0 <= row < pool_rows else 0
         tile[r] = source[row, 0]
     return tile
 

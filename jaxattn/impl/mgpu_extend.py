@@ -208,9 +208,9 @@ def dequantised_prefix(k_pool, v_pool, meta: ExtendMetadata | ExtendUnifiedMetad
     The kernel's producer copies 16-bit rows into the tensor-core layout; fp8 rows would need a conversion pass in
     shared memory it does not have. The copy is kv_capacity rows (the batch's listed prefix bound), never the pool:
     at E1 (16k prefix rows x 8 heads x 128) 34 MB read and 67 MB written, about 1.5% of the kernel's time.
-    Out-of-range slots are clamped into the pool, as the kernel does.
+    Slots outside the pool read slot 0, as the kernel does.
     """
-    slots = jnp.clip(meta.kv_indices.astype(jnp.int32), 0, k_pool.shape[0] - 1)
+    slots = meta.kv_indices
     k = dequantised_rows(k_pool, slots, None if kv_scales is None else kv_scales[0], dtype)
     v = dequantised_rows(v_pool, slots, None if kv_scales is None else kv_scales[1], dtype)
     # The gathered rows are in list order, not in pages.

@@ -172,7 +172,8 @@ def decode_attention_reference(
     kv_lens = kv_indptr[1:] - kv_indptr[:-1]
     max_kv_len = meta.max_kv_len
     try:
-        max_kv_len = max(int(np.max(np.asarray(kv_lens), initial=0)), 1)
+        # A list is at most kv_capacity keys (the kernels cut a hostile indptr there), so a step sizes no more.
+        max_kv_len = min(max(int(np.max(np.asarray(kv_lens), initial=0)), 1), max(meta.kv_capacity, 1))
     except jax.errors.TracerArrayConversionError:
         max_kv_len = meta.kv_capacity if max_kv_len is None else min(max_kv_len, meta.kv_capacity)
     out = ragged_paged_attention_reference(

@@ -152,6 +152,15 @@ def test_references_read_slots_outside_the_pool_as_slot_0(rng):
     assert not nan_rows(ref).any()
 
 
+def test_decode_reference_sizes_a_hostile_indptr_by_the_list(rng):
+    # Outside jit the reference sizes its gather from the lengths it reads; a range of 2**31 - 1 keys over a 30-entry
+    # list is cut at kv_capacity (it asked XLA for ~290 GB before), as every list is.
+    q, k_pool, v_pool, _, slots, _ = decode_inputs(rng)
+    indptr = np.array([0, 2**31 - 1, 2**31 - 1, 2**31 - 1, 2**31 - 1], np.int32)
+    o = decode_attention_reference(q, k_pool, v_pool, meta_for(indptr, slots[:30]))
+    assert o.shape == q.shape and not nan_rows(o).any()
+
+
 def test_decode_metadata_hostile_tables(rng):
     q, k_pool, v_pool, indptr, slots, num_slots = decode_inputs(rng)
     lens = np.diff(indptr)

@@ -684,7 +684,7 @@ def test_token_lists_page_ids_and_replaced_tokens_are_checked_by_name():
     # Lax spots an adversarial pass found: unordered or one-shot token iterables (a refused call used up a generator),
     # strings as slot / page ids, page ids outside the pool, a request whose tokens the caller replaced by None.
     table = table_with(num_slots=32, max_context=8)
-    for tokens in ({1, 2}, {1: 2}, b"ab", (t for t in [1, 2])):
+    for tokens in ({1, 2}, {1: 2}, b"ab", (t for t in [1, 2]), np.array(5), np.ones((2, 3), np.int32)):
         rejected(table, lambda tokens=tokens: table.add(tokens), r"add\(tokens\) must be a sequence of token ids")
     request = prefill(table, [1, 2, 3])
     for call, match in ((lambda: table.slot_refs("3"), r"slot_refs\(slot\) must be an int"),

@@ -79,6 +79,9 @@ def _check_token_sequence(where: str, tokens) -> None:
             or not hasattr(tokens, "__getitem__"):
         raise ServingError(f"{where} must be a sequence of token ids (a list, tuple or 1-D array); got "
                            f"{type(tokens).__name__}")
+    if getattr(tokens, "ndim", 1) != 1:  # arrays: a 0-d one has __len__ too (and raises on it)
+        raise ServingError(f"{where} must be a sequence of token ids (a list, tuple or 1-D array); got a "
+                           f"{tokens.ndim}-D array of shape {tuple(tokens.shape)}")
 
 
 def _token_list(where: str, tokens) -> list[int]:

@@ -22,6 +22,18 @@ FLOAT_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 INDEX_DTYPES = (jnp.int32, jnp.int64)
 
 
+def index_i32(x):
+    """An index array (rows, slots, page ids, lengths, offsets; int32 or int64) as int32, int64 values past int32's
+    range saturated to its ends rather than wrapped: a value out of range stays out of range (a row or slot the
+    rules then read as 0, a length cut to its buffer), as with `jax_enable_x64` a table entry of 2**32 + 3 must not
+    become slot 3."""
+    x = jnp.asarray(x)
+    if x.dtype == jnp.int64:
+        info = jnp.iinfo(jnp.int32)
+        x = jnp.clip(x, info.min, info.max)
+    return x.astype(jnp.int32)
+
+
 def dtype_names(dtypes) -> str:
     return "/".join(np.dtype(d).name for d in dtypes)
 

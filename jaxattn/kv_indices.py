@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxattn.checks import (
+    index_i32,
     INDEX_DTYPES,
     check_array,
     check_index_dtype,
@@ -71,15 +72,15 @@ def create_kv_indices(
     check_index_dtype("index_dtype", index_dtype)
     batch = req_pool_indices.shape[0]
     max_reqs, max_ctx = req_to_token.shape
-    kv_lens = jnp.maximum(kv_lens.astype(jnp.int32), 0)
-    kv_starts = jnp.zeros((batch,), jnp.int32) if kv_starts is None else kv_starts.astype(jnp.int32)
+    kv_lens = jnp.maximum(index_i32(kv_lens), 0)
+    kv_starts = jnp.zeros((batch,), jnp.int32) if kv_starts is None else index_i32(kv_starts)
     kv_indptr = exclusive_cumsum(kv_lens)
     if batch == 0:
         return kv_indptr, jnp.zeros((capacity,), index_dtype)
     kv_indices = launch(
         ("kv_indices", "create_kv_indices_kernel"),
-        req_to_token.astype(jnp.int32),
-        req_pool_indices.astype(jnp.int32),
+        index_i32(req_to_token),
+        index_i32(req_pool_indices),
         kv_lens,
         kv_starts,
         kv_indptr,
@@ -100,8 +101,8 @@ def create_kv_indices_reference(req_to_token, req_pool_indices, kv_lens, kv_star
     _check_create_args(req_to_token, req_pool_indices, kv_lens, kv_starts)
     batch = req_pool_indices.shape[0]
     max_reqs, max_ctx = req_to_token.shape
-    kv_lens = jnp.maximum(kv_lens.astype(jnp.int32), 0)
-    kv_starts = jnp.zeros((batch,), jnp.int32) if kv_starts is None else kv_starts.astype(jnp.int32)
+    kv_lens = jnp.maximum(index_i32(kv_lens), 0)
+    kv_starts = jnp.zeros((batch,), jnp.int32) if kv_starts is None else index_i32(kv_starts)
     kv_indptr = exclusive_cumsum(kv_lens)
     out_pos = jnp.arange(capacity, dtype=jnp.int32)
     seq = jnp.clip(jnp.searchsorted(kv_indptr, out_pos, side="right") - 1, 0, max(batch - 1, 0))
@@ -161,8 +162,8 @@ def build_unified_kv_indices(
         capacity = prefix_kv_indices.shape[0] + extend_kv_indices.shape[0]
     check_positive_int("capacity", capacity)
     check_index_dtype("index_dtype", index_dtype)
-    prefix_kv_indptr = prefix_kv_indptr.astype(jnp.int32)
-    extend_seq_lens = jnp.maximum(extend_seq_lens.astype(jnp.int32), 0)
+    prefix_kv_indptr = index_i32(prefix_kv_indptr)
+    extend_seq_lens = jnp.maximum(index_i32(extend_seq_lens), 0)
     if extend_start_loc is None:
         extend_start_loc = exclusive_cumsum(extend_seq_lens)[:-1]
     prefix_lens = prefix_kv_indptr[1:] - prefix_kv_indptr[:-1]
@@ -173,7 +174,7 @@ def build_unified_kv_indices(
         ("kv_indices", "concat_kv_indices_kernel"),
         prefix_kv_indptr,
         prefix_kv_indices,
-        extend_start_loc.astype(jnp.int32),
+        index_i32(extend_start_loc),
         extend_seq_lens,
         extend_kv_indices,
         unified_kv_indptr,
@@ -196,8 +197,8 @@ def build_unified_kv_indices_reference(
     batch = _check_unified_args(prefix_kv_indptr, prefix_kv_indices, extend_start_loc, extend_seq_lens, extend_kv_indices)
     if capacity is None:
         capacity = prefix_kv_indices.shape[0] + extend_kv_indices.shape[0]
-    prefix_kv_indptr = prefix_kv_indptr.astype(jnp.int32)
-    extend_seq_lens = jnp.maximum(extend_seq_lens.astype(jnp.int32), 0)
+    prefix_kv_indptr = index_i32(prefix_kv_indptr)
+    extend_seq_lens = jnp.maximum(index_i32(extend_seq_lens), 0)
     if extend_start_loc is None:
         extend_start_loc = exclusive_cumsum(extend_seq_lens)[:-1]
     prefix_lens = prefix_kv_indptr[1:] - prefix_kv_indptr[:-1]

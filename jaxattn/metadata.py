@@ -31,6 +31,7 @@ import triton
 
 from jaxattn import hardware
 from jaxattn.checks import (
+    index_i32,
     INDEX_DTYPES,
     MAX_DECODE_QUERY_TOKENS,
     check_array,
@@ -57,7 +58,7 @@ def window_first_key(prefix_lens, sliding_window: int):
 
     prefix_lens: i32[batch] (numpy or jax), the keys before each sequence's first query.
     """
-    prefix_lens = jnp.maximum(jnp.asarray(prefix_lens).astype(jnp.int32), 0)
+    prefix_lens = jnp.maximum(index_i32(prefix_lens), 0)
     if sliding_window < 0:
         return jnp.zeros_like(prefix_lens)
     return jnp.maximum(prefix_lens - sliding_window, 0)
@@ -65,7 +66,7 @@ def window_first_key(prefix_lens, sliding_window: int):
 
 def listed_prefix(prefix_lens, sliding_window: int):
     """(listed, dropped) prefix keys per sequence under `window_first_key` (all of them without a window)."""
-    prefix_lens = jnp.maximum(prefix_lens.astype(jnp.int32), 0)
+    prefix_lens = jnp.maximum(index_i32(prefix_lens), 0)
     dropped = window_first_key(prefix_lens, sliding_window)
     return prefix_lens - dropped, dropped
 
@@ -111,8 +112,8 @@ def custom_mask_from_draft_bits(draft_mask, extend_lens, seq_lens, capacity: int
     per sequence at `custom_mask_indptr(extend_lens, seq_lens)`, False past the end.
     """
     batch, drafts = draft_mask.shape
-    extend_lens = jnp.maximum(extend_lens.astype(jnp.int32), 0)
-    seq_lens = jnp.maximum(seq_lens.astype(jnp.int32), 0)
+    extend_lens = jnp.maximum(index_i32(extend_lens), 0)
+    seq_lens = jnp.maximum(index_i32(seq_lens), 0)
     indptr = custom_mask_indptr(extend_lens, seq_lens)
     flat = jnp.arange(capacity, dtype=indptr.dtype)
     b = jnp.clip(jnp.searchsorted(indptr, flat, side="right") - 1, 0, batch - 1)
@@ -127,7 +128,7 @@ def custom_mask_from_draft_bits(draft_mask, extend_lens, seq_lens, capacity: int
 
 def decode_listed_keys(seq_lens, sliding_window: int):
     """Keys a decode query lists per sequence (its own included): min(seq_len, W + 1) with a window."""
-    seq_lens = jnp.maximum(seq_lens.astype(jnp.int32), 0)
+    seq_lens = jnp.maximum(index_i32(seq_lens), 0)
     return seq_lens - window_first_key(seq_lens - 1, sliding_window)
 
 
@@ -137,8 +138,8 @@ def listed_columns_mask(custom_mask, mask_indptr, listed, start_pos, q_lens, ski
     Returns (mask bool[len(custom_mask)], mask_indptr i32[batch + 1] of the cut rows). skip_prefix: the listed prefix
     columns read as visible (SGLang's skip_prefix_custom_mask).
     """
-    listed = listed.astype(jnp.int32)
-    start_pos = start_pos.astype(jnp.int32)
+    listed = index_i32(listed)
+    start_pos = index_i32(start_pos)
     batch = listed.shape[0]
     width = listed + q_lens
     out_indptr = custom_mask_indptr(q_lens, width)
@@ -182,7 +183,7 @@ def row_token_offsets(token_offsets, batch):
     if token_offsets is None:
         return jnp.zeros((batch,), jnp.int32)
     check_array("token_offsets", token_offsets, shape=(batch,), dtypes=INDEX_DTYPES, what="[batch]")
-    return jnp.maximum(token_offsets.astype(jnp.int32), 0)
+    return jnp.maximum(index_i32(token_offsets), 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -421,7 +422,7 @@ def decode_metadata(
         raise ValueError(f"req_to_token must have at least one column (its width is the default max_context_len); got "
                          f"shape {tuple(req_to_token.shape)}")
     offsets = row_token_offsets(token_offsets, req_pool_indices.shape[0])
-    seq_lens = jnp.maximum(seq_lens.astype(jnp.int32), 0)
+    seq_lens = jnp.maximum(index_i32(seq_lens), 0)
     listed = decode_listed_keys(seq_lens, sliding_window)
     kv_indptr, kv_indices = create_kv_indices(
         req_to_token, req_pool_indices, listed, offsets + seq_lens - listed, capacity=kv_capacity, launch_mode=launch_mode_argument(launch_mode, mode)
@@ -497,9 +498,9 @@ def decode_metadata_from_indptr(
             num_sms=num_sms, programs_per_sm=programs_per_sm, min_split_len=min_split_len,
         )
     check_split_args(max_kv_splits, deterministic, split_tile_size, max_ctx)
-    kv_indptr = kv_indptr.astype(jnp.int32)
+    kv_indptr = index_i32(kv_indptr)
     kv_lens = jnp.maximum(kv_indptr[1:] - kv_indptr[:-1], 0)
-    seq_lens = kv_lens if seq_lens is None else seq_lens.astype(jnp.int32)
+    seq_lens = kv_lens if seq_lens is None else index_i32(seq_lens)
     splits = num_kv_splits_heuristic(
         decode_listed_keys(kv_lens, sliding_window), max_kv_splits=max_kv_splits, q_heads=q_heads, kv_heads=kv_heads,
         deterministic=deterministic, split_tile_size=split_tile_size, num_sms=num_sms, programs_per_sm=programs_per_sm,
@@ -597,7 +598,7 @@ def extend_metadata(
     """
     check_extend_builder_args(req_to_token, req_pool_indices, prefix_lens, extend_lens, max_extend_len, kv_capacity,
                               sliding_window, index_dtype)
-    extend_lens = jnp.maximum(extend_lens.astype(jnp.int32), 0)
+    extend_lens = jnp.maximum(index_i32(extend_lens), 0)
     listed, start, kv_indptr, kv_indices = _listed_prefix_lists(
         req_to_token, req_pool_indices, prefix_lens, sliding_window, token_offsets, kv_capacity, index_dtype,
         launch_mode_argument(launch_mode, mode))
@@ -658,7 +659,7 @@ def extend_unified_metadata(
     check_extend_builder_args(req_to_token, req_pool_indices, prefix_lens, extend_lens, max_extend_len, kv_capacity,
                               sliding_window, index_dtype)
     check_array("out_cache_loc", out_cache_loc, ndim=1, dtypes=INDEX_DTYPES, what="[extend_tokens]")
-    extend_lens = jnp.maximum(extend_lens.astype(jnp.int32), 0)
+    extend_lens = jnp.maximum(index_i32(extend_lens), 0)
     launch_mode = launch_mode_argument(launch_mode, mode)
     _, start, prefix_indptr, prefix_indices = _listed_prefix_lists(
         req_to_token, req_pool_indices, prefix_lens, sliding_window, token_offsets, kv_capacity, index_dtype, launch_mode)
@@ -706,7 +707,7 @@ def cross_attention_metadata(
     """`ExtendUnifiedMetadata` of cross attention: each sequence's new tokens over its encoder's tokens (the first
     encoder_lens[b] columns of its req_to_token row), all listed as "prefix" keys; run non-causal."""
     check_extend_builder_args(req_to_token, req_pool_indices, encoder_lens, extend_lens, max_extend_len, kv_capacity)
-    encoder_lens = jnp.maximum(encoder_lens.astype(jnp.int32), 0)
+    encoder_lens = jnp.maximum(index_i32(encoder_lens), 0)
     indptr, indices = create_kv_indices(req_to_token, req_pool_indices, encoder_lens, None, capacity=kv_capacity, launch_mode=launch_mode_argument(launch_mode, mode))
     return cross_attention_metadata_from_lists(indptr, indices, encoder_lens, extend_lens, max_extend_len=max_extend_len,
                                                kv_capacity=kv_capacity)
@@ -717,7 +718,7 @@ def cross_attention_metadata_from_lists(kv_indptr, kv_indices, encoder_lens, ext
     """The cross-attention metadata around the encoder tokens' lists (kv_indptr i32[B + 1], kv_indices [kv_capacity]),
     shared by the req_to_token and page-table builders. encoder_lens: i32[B], >= 0."""
     return ExtendUnifiedMetadata(
-        qo_indptr=exclusive_cumsum(jnp.maximum(extend_lens.astype(jnp.int32), 0)), kv_indptr=kv_indptr,
+        qo_indptr=exclusive_cumsum(jnp.maximum(index_i32(extend_lens), 0)), kv_indptr=kv_indptr,
         kv_indices=kv_indices, prefix_lens=encoder_lens, kv_start_pos=jnp.zeros_like(encoder_lens), mask_indptr=None,
         max_extend_len=max_extend_len, kv_capacity=kv_capacity,
     )

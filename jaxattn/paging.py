@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxattn.checks import (
+    index_i32,
     INDEX_DTYPES,
     PAGE_SIZES,  # noqa: F401  (re-exported: the page sizes the layout takes)
     check_array,
@@ -131,13 +132,13 @@ def page_in_pool(page_ids, page_size: int, *, num_slots: int):
 
 def _slots(req_to_page, rows, positions, page_size, num_slots):
     """The page rule (arguments already checked): slot of (row, position), 0 where anything is out of range."""
-    rows, positions = jnp.broadcast_arrays(jnp.asarray(rows).astype(jnp.int32), jnp.asarray(positions).astype(jnp.int32))
+    rows, positions = jnp.broadcast_arrays(index_i32(rows), index_i32(positions))
     max_reqs, max_pages = req_to_page.shape
     if max_reqs == 0 or max_pages == 0:
         return jnp.zeros(rows.shape, jnp.int32)
     column = positions // page_size  # floor: a negative position gives a negative column
     ok = (rows >= 0) & (rows < max_reqs) & (positions >= 0) & (column < max_pages)
-    page = req_to_page[jnp.clip(rows, 0, max_reqs - 1), jnp.clip(column, 0, max_pages - 1)].astype(jnp.int32)
+    page = index_i32(req_to_page[jnp.clip(rows, 0, max_reqs - 1), jnp.clip(column, 0, max_pages - 1)])
     ok = ok & page_in_pool(page, page_size, num_slots=num_slots)
     return jnp.where(ok, page * page_size + positions % page_size, 0).astype(jnp.int32)
 
@@ -186,14 +187,14 @@ def req_to_token_from_pages(req_to_page: jax.Array, page_size: int, max_context_
 def _paged_lists(req_to_page, req_pool_indices, kv_lens, kv_starts, page_size, num_slots, capacity, index_dtype):
     """(kv_indptr, kv_indices): `create_kv_indices`'s lists, one page-table gather per entry (arguments checked)."""
     batch = req_pool_indices.shape[0]
-    kv_lens = jnp.maximum(kv_lens.astype(jnp.int32), 0)
-    kv_starts = jnp.zeros((batch,), jnp.int32) if kv_starts is None else kv_starts.astype(jnp.int32)
+    kv_lens = jnp.maximum(index_i32(kv_lens), 0)
+    kv_starts = jnp.zeros((batch,), jnp.int32) if kv_starts is None else index_i32(kv_starts)
     kv_indptr = exclusive_cumsum(kv_lens)
     if batch == 0:
         return kv_indptr, jnp.zeros((capacity,), index_dtype)
     entry = jnp.arange(capacity, dtype=jnp.int32)
     seq = jnp.clip(jnp.searchsorted(kv_indptr, entry, side="right") - 1, 0, batch - 1)
-    slots = _slots(req_to_page, req_pool_indices.astype(jnp.int32)[seq], kv_starts[seq] + entry - kv_indptr[seq],
+    slots = _slots(req_to_page, index_i32(req_pool_indices)[seq], kv_starts[seq] + entry - kv_indptr[seq],
                    page_size, num_slots)
     return kv_indptr, jnp.where(entry < kv_indptr[-1], slots, 0).astype(index_dtype)
 
@@ -250,8 +251,8 @@ def out_cache_loc_from_pages(
     check_extend_builder_args(req_to_page, req_pool_indices, prefix_lens, extend_lens, 1, 1)
     check_positive_int("num_tokens", num_tokens)
     batch = req_pool_indices.shape[0]
-    extend_lens = jnp.maximum(extend_lens.astype(jnp.int32), 0)
-    start = jnp.maximum(prefix_lens.astype(jnp.int32), 0) + row_token_offsets(token_offsets, batch)
+    extend_lens = jnp.maximum(index_i32(extend_lens), 0)
+    start = jnp.maximum(index_i32(prefix_lens), 0) + row_token_offsets(token_offsets, batch)
     _, slots = _paged_lists(req_to_page, req_pool_indices, extend_lens, start, page_size, num_slots, num_tokens,
                             jnp.int32)
     return slots
@@ -308,7 +309,7 @@ def decode_metadata_from_pages(
         check_positive_int("max_context_len", max_context_len)
     launch_mode_argument(launch_mode, mode)
     offsets = row_token_offsets(token_offsets, req_pool_indices.shape[0])
-    seq_lens = jnp.maximum(seq_lens.astype(jnp.int32), 0)
+    seq_lens = jnp.maximum(index_i32(seq_lens), 0)
     listed = decode_listed_keys(seq_lens, sliding_window)
     kv_indptr, kv_indices = _paged_lists(req_to_page, req_pool_indices, listed, offsets + seq_lens - listed, page_size,
                                          num_slots, kv_capacity, jnp.int32)
@@ -365,7 +366,7 @@ def extend_metadata_from_pages(
     _check_extend_pages(req_to_page, req_pool_indices, prefix_lens, extend_lens, page_size, num_slots, max_extend_len,
                         kv_capacity, sliding_window, index_dtype)
     launch_mode_argument(launch_mode, mode)
-    extend_lens = jnp.maximum(extend_lens.astype(jnp.int32), 0)
+    extend_lens = jnp.maximum(index_i32(extend_lens), 0)
     listed, start, kv_indptr, kv_indices = _listed_prefix_pages(
         req_to_page, req_pool_indices, prefix_lens, sliding_window, token_offsets, page_size, num_slots, kv_capacity,
         index_dtype)
@@ -402,7 +403,7 @@ def extend_unified_metadata_from_pages(
                         kv_capacity, sliding_window, index_dtype)
     check_array("out_cache_loc", out_cache_loc, ndim=1, dtypes=INDEX_DTYPES, what="[extend_tokens]")
     launch_mode = launch_mode_argument(launch_mode, mode)
-    extend_lens = jnp.maximum(extend_lens.astype(jnp.int32), 0)
+    extend_lens = jnp.maximum(index_i32(extend_lens), 0)
     _, start, prefix_indptr, prefix_indices = _listed_prefix_pages(
         req_to_page, req_pool_indices, prefix_lens, sliding_window, token_offsets, page_size, num_slots, kv_capacity,
         index_dtype)
@@ -435,7 +436,7 @@ def cross_attention_metadata_from_pages(
     `decode_metadata_from_pages`; others as `cross_attention_metadata`."""
     _check_extend_pages(req_to_page, req_pool_indices, encoder_lens, extend_lens, page_size, num_slots, max_extend_len,
                         kv_capacity, -1, jnp.int32)
-    encoder_lens = jnp.maximum(encoder_lens.astype(jnp.int32), 0)
+    encoder_lens = jnp.maximum(index_i32(encoder_lens), 0)
     kv_indptr, kv_indices = _paged_lists(req_to_page, req_pool_indices, encoder_lens, None, page_size, num_slots,
                                          kv_capacity, jnp.int32)
     return cross_attention_metadata_from_lists(kv_indptr, kv_indices, encoder_lens, extend_lens,

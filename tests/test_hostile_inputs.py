@@ -14,6 +14,7 @@ finite. NaN tests: NaN in q or a visible K/V makes exactly the rows that see it 
 import dataclasses
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -159,6 +160,31 @@ def test_decode_reference_sizes_a_hostile_indptr_by_the_list(rng):
     indptr = np.array([0, 2**31 - 1, 2**31 - 1, 2**31 - 1, 2**31 - 1], np.int32)
     o = decode_attention_reference(q, k_pool, v_pool, meta_for(indptr, slots[:30]))
     assert o.shape == q.shape and not nan_rows(o).any()
+
+
+def test_int64_tables_past_int32_are_not_wrapped_into_range():
+    # With jax_enable_x64, int64 table entries, rows and page ids past 2**31 stay out of range when the builders narrow
+    # them to int32 (saturated, not wrapped): a slot of 2**32 + 3 is not slot 3, row 2**32 + 1 not row 1, page
+    # 2**32 + 1 not page 1; the kernels then read slot 0 as the references do.
+    from jaxattn.paging import token_slots
+
+    with jax.enable_x64(True):
+        table = jnp.array([[2**32 + 3, 5, 6, 0], [7, 8, 9, 0]], jnp.int64)
+        lens = jnp.array([3], jnp.int64)
+        for row, want in ((0, [None, 5, 6, 0]), (2**32 + 1, [0, 0, 0, 0])):
+            rows = jnp.array([row], jnp.int64)
+            _, got = create_kv_indices(table, rows, lens, capacity=4, index_dtype=jnp.int64, mode=MODE)
+            _, ref = create_kv_indices_reference(table, rows, lens, capacity=4, index_dtype=jnp.int64)
+            got, ref = np.asarray(got), np.asarray(ref)
+            np.testing.assert_array_equal(got[1:], want[1:])
+            np.testing.assert_array_equal(ref[1:], want[1:])
+            if want[0] is None:  # both outside [0, 2**31): read as slot 0 by every kernel and reference
+                assert got[0] >= 2**31 - 1 and ref[0] >= 2**31 - 1, (got, ref)
+            else:
+                assert got[0] == ref[0] == want[0]
+        slots = token_slots(jnp.array([[2**32 + 1, 2]], jnp.int64), jnp.array([0], jnp.int64),
+                            jnp.arange(4, dtype=jnp.int64), 8, num_slots=64)
+        np.testing.assert_array_equal(np.asarray(slots), 0)
 
 
 def test_decode_metadata_hostile_tables(rng):

@@ -58,7 +58,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
-from jaxattn.checks import INDEX_DTYPES, check_array, check_positive_int, check_request_tables, check_window
+from jaxattn.checks import (
+    INDEX_DTYPES,
+    check_array,
+    check_positive_int,
+    check_request_tables,
+    check_window,
+    index_i32,
+)
 from jaxattn.metadata import DecodeMetadata, ExtendMetadata, ExtendUnifiedMetadata, listed_prefix
 from jaxattn.paging import PageTable, page_in_pool
 from jaxattn.serving.kv_pool import check_write_slots
@@ -127,7 +134,7 @@ def _check_all(ok, message, **values):
 def _non_negative(name, lengths):
     if lengths.size == 0:
         return
-    lengths = lengths.astype(jnp.int32)
+    lengths = index_i32(lengths)
     bad = lengths < 0
     i = _first(bad)
     _check_all(~bad, f"{name}[{{i}}] = {{v}} is negative (lengths must be >= 0)", i=i, v=lengths[i])
@@ -136,7 +143,7 @@ def _non_negative(name, lengths):
 def _at_most(name, values, bound, what):
     if values.size == 0:
         return
-    values = values.astype(jnp.int32)
+    values = index_i32(values)
     bad = values > bound
     i = _first(bad)
     _check_all(~bad, f"{name}[{{i}}] = {{v}} exceeds {what} ({{bound}})", i=i, v=values[i], bound=jnp.int32(bound))
@@ -157,7 +164,7 @@ def _slots_in_range(name, slots, num_slots, valid=None):
 
 def _indptr(name, indptr, capacity, capacity_name="the index capacity"):
     """indptr[0] == 0, non-decreasing, indptr[-1] <= capacity (None: no bound); returns the lengths (clamped >= 0)."""
-    indptr = indptr.astype(jnp.int32)
+    indptr = index_i32(indptr)
     checkify.check(indptr[0] == 0, _PREFIX + f"{name}[0] = {{v}} must be 0", v=indptr[0])
     steps = indptr[1:] - indptr[:-1]
     if steps.size:
@@ -173,7 +180,7 @@ def _indptr(name, indptr, capacity, capacity_name="the index capacity"):
 def _rows_in_range(req_pool_indices, max_reqs, active):
     if active.size == 0:
         return
-    rows = req_pool_indices.astype(jnp.int32)
+    rows = index_i32(req_pool_indices)
     bad = active & ((rows < 0) | (rows >= max_reqs))
     i = _first(bad)
     _check_all(~bad, f"req_pool_indices[{{i}}] = {{v}} is outside req_to_token's rows [0, {max_reqs}) (a non-empty sequence)",
@@ -198,8 +205,8 @@ def _listed_page_entries(table: PageTable, req_pool_indices, begin, end):
     max_reqs, max_pages = table.req_to_page.shape
     if req_pool_indices.size == 0:
         return
-    rows = jnp.clip(req_pool_indices.astype(jnp.int32), 0, max_reqs - 1)
-    pages = table.req_to_page[rows].astype(jnp.int32)  # [batch, max_pages]: only the rows the batch uses
+    rows = jnp.clip(index_i32(req_pool_indices), 0, max_reqs - 1)
+    pages = index_i32(table.req_to_page[rows])  # [batch, max_pages]: only the rows the batch uses
     column = jnp.arange(max_pages, dtype=jnp.int32)[None, :]
     size = table.page_size
     listed = (column >= begin[:, None] // size) & (column * size < end[:, None]) & (end > begin)[:, None]
@@ -220,7 +227,7 @@ def _listed_table_entries(req_to_token, req_pool_indices, begin, end, num_slots)
     max_reqs, max_ctx = req_to_token.shape
     if req_pool_indices.size == 0:
         return
-    rows = jnp.clip(req_pool_indices.astype(jnp.int32), 0, max_reqs - 1)
+    rows = jnp.clip(index_i32(req_pool_indices), 0, max_reqs - 1)
     table = req_to_token[rows]  # [batch, max_ctx]: only the rows the batch uses
     pos = jnp.arange(max_ctx, dtype=jnp.int32)[None, :]
     listed = (pos >= begin[:, None]) & (pos < end[:, None])
@@ -240,7 +247,7 @@ def validate_write_slots(out_cache_loc, num_slots: int):
     """out_cache_loc inside [0, num_slots) and no slot other than the padding slot 0 named twice."""
     check_array("out_cache_loc", out_cache_loc, ndim=1, dtypes=INDEX_DTYPES, what="[tokens]")
     check_positive_int("num_slots", num_slots)
-    loc = out_cache_loc.astype(jnp.int32)
+    loc = index_i32(out_cache_loc)
     bad = (loc < 0) | (loc >= num_slots)
     i = _first(bad)
     _check_all(~bad, f"out_cache_loc[{{i}}] = {{v}} is outside the pool [0, {num_slots})", i=i, v=loc[i])
@@ -269,7 +276,7 @@ def validate_verify_drafts(extend_lens, seq_lens, drafts: int):
     check_array("extend_lens", extend_lens, ndim=1, dtypes=INDEX_DTYPES, what="[batch]")
     check_array("seq_lens", seq_lens, shape=extend_lens.shape, dtypes=INDEX_DTYPES, what="[batch]")
     check_positive_int("drafts", drafts)
-    extend, seq = extend_lens.astype(jnp.int32), seq_lens.astype(jnp.int32)
+    extend, seq = index_i32(extend_lens), index_i32(seq_lens)
     bad = jnp.where(seq > 0, extend != drafts, extend != 0)
     i = _first(bad)
     _check_all(~bad, f"extend_lens[{{i}}] = {{v}} (seq_lens {{s}}): a draft-mask verify step gives every sequence with "
@@ -299,7 +306,7 @@ def validate_decode_inputs(req_to_token, req_pool_indices, seq_lens, *, num_slot
     check_array("seq_lens", seq_lens, shape=req_pool_indices.shape, dtypes=INDEX_DTYPES, what="[max_batch]")
     check_positive_int("num_slots", num_slots)
     check_window("sliding_window", sliding_window)
-    seq_lens = seq_lens.astype(jnp.int32)
+    seq_lens = index_i32(seq_lens)
     _non_negative("seq_lens", seq_lens)
     _at_most("seq_lens", seq_lens, max_ctx, "max_context_len, req_to_token.shape[1]")
     active = seq_lens > 0
@@ -333,8 +340,8 @@ def validate_extend_inputs(req_to_token, req_pool_indices, prefix_lens, extend_l
     check_request_tables(req_to_token.req_to_page if paged else req_to_token, req_pool_indices, prefix_lens, extend_lens)
     check_positive_int("max_extend_len", max_extend_len)
     check_window("sliding_window", sliding_window)
-    prefix_lens = prefix_lens.astype(jnp.int32)
-    extend_lens = extend_lens.astype(jnp.int32)
+    prefix_lens = index_i32(prefix_lens)
+    extend_lens = index_i32(extend_lens)
     _non_negative("prefix_lens", prefix_lens)
     _non_negative("extend_lens", extend_lens)
     _at_most("extend_lens", extend_lens, max_extend_len, "the max_extend_len bucket")
@@ -386,7 +393,7 @@ def validate_decode_metadata(meta, *, num_slots: int):
         raise ValueError(f"meta must be a DecodeMetadata; got {type(meta).__name__}")
     check_positive_int("num_slots", num_slots)
     lens = _indptr("kv_indptr", meta.kv_indptr, meta.kv_capacity, "kv_capacity")
-    seq_lens = meta.seq_lens.astype(jnp.int32)
+    seq_lens = index_i32(meta.seq_lens)
     bad = seq_lens < lens
     if bad.size:
         i = _first(bad)
@@ -415,7 +422,7 @@ def validate_extend_metadata(meta, *, num_slots: int, num_tokens: int | None = N
     if meta.mask_indptr is not None:
         _indptr("mask_indptr", meta.mask_indptr, None)
     if isinstance(meta, ExtendUnifiedMetadata):
-        prefix = meta.prefix_lens.astype(jnp.int32)
+        prefix = index_i32(meta.prefix_lens)
         bad = (prefix < 0) | (kv_lens - prefix != q_lens)
         if bad.size:
             i = _first(bad)
@@ -423,8 +430,8 @@ def validate_extend_metadata(meta, *, num_slots: int, num_tokens: int | None = N
                    n=kv_lens[i], q=q_lens[i])
     used = jnp.arange(meta.kv_capacity) < meta.kv_indptr[-1]
     if meta.page_size > 1:
-        paged = meta.prefix_lens.astype(jnp.int32) if isinstance(meta, ExtendUnifiedMetadata) else kv_lens
-        _check_whole_pages(meta.kv_indices, meta.kv_indptr.astype(jnp.int32), paged, meta.page_size)
+        paged = index_i32(meta.prefix_lens) if isinstance(meta, ExtendUnifiedMetadata) else kv_lens
+        _check_whole_pages(meta.kv_indices, index_i32(meta.kv_indptr), paged, meta.page_size)
     return dataclasses.replace(meta, kv_indices=_sanitized_indices(meta.kv_indices, used, num_slots))
 
 
@@ -436,7 +443,7 @@ def _check_whole_pages(kv_indices, kv_indptr, paged_lens, page_size: int) -> Non
         return
     seq = jnp.clip(jnp.searchsorted(kv_indptr, entries, side="right") - 1, 0, paged_lens.shape[0] - 1)
     key = entries - kv_indptr[seq]
-    slots = kv_indices.astype(jnp.int32)
+    slots = index_i32(kv_indices)
     previous = jnp.concatenate([slots[:1], slots[:-1]])
     whole = jnp.where(key % page_size == 0, slots % page_size == 0, slots == previous + 1)
     bad = (entries < kv_indptr[-1]) & (key < paged_lens[seq]) & ~whole

@@ -51,6 +51,7 @@ import jax.numpy as jnp
 
 from jaxattn.calls import ExtendCall
 from jaxattn.checks import (
+    index_i32,
     INDEX_DTYPES,
     check_array,
     check_extend_args,
@@ -297,10 +298,10 @@ def _extend_reference(q, k_new, v_new, k_pool, v_pool, meta, custom_mask, sinks,
     v_prefix = dequantised_rows(v_pool, prefix_slots, None if scales is None else scales[1], jnp.float32)
     k_all = jnp.concatenate([k_prefix, k_new.astype(jnp.float32)])
     v_all = jnp.concatenate([v_prefix, v_new.astype(jnp.float32)])
-    qo_indptr = meta.qo_indptr.astype(jnp.int32)
+    qo_indptr = index_i32(meta.qo_indptr)
     extend_lens = qo_indptr[1:] - qo_indptr[:-1]
     kv_indptr, kv_indices, listed = build_unified_kv_indices_reference(
-        meta.kv_indptr.astype(jnp.int32), jnp.arange(capacity, dtype=jnp.int32), qo_indptr[:-1], extend_lens,
+        index_i32(meta.kv_indptr), jnp.arange(capacity, dtype=jnp.int32), qo_indptr[:-1], extend_lens,
         capacity + jnp.arange(max(tokens, 1), dtype=jnp.int32), capacity=capacity + max(tokens, 1),
     )
     mask, mask_indptr = None, None

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn.checks import check_attention_args
+from jaxattn.checks import check_attention_args, index_i32
 from jaxattn.fp8 import dequantised_rows, kv_scale_table
 
 
@@ -123,13 +123,13 @@ def ragged_paged_attention_reference(
     max_q_len = _static_max_len(qo_indptr, max_q_len, "max_q_len")
     max_kv_len = _static_max_len(kv_indptr, max_kv_len, "max_kv_len")
     sm_scale = 1.0 / math.sqrt(qk_dim) if sm_scale is None else float(sm_scale)
-    qo_indptr = qo_indptr.astype(jnp.int32)
-    kv_indptr = kv_indptr.astype(jnp.int32)
+    qo_indptr = index_i32(qo_indptr)
+    kv_indptr = index_i32(kv_indptr)
     if kv_start_positions is not None:
         if kv_start_pos is not None:
             raise ValueError("give kv_start_pos only (kv_start_positions is its old name)")
         kv_start_pos = kv_start_positions
-    starts = jnp.zeros((batch,), jnp.int32) if kv_start_pos is None else kv_start_pos.astype(jnp.int32)
+    starts = jnp.zeros((batch,), jnp.int32) if kv_start_pos is None else index_i32(kv_start_pos)
     scales = kv_scale_table(k_scale, v_scale, kv_heads)  # f32[2, kv_heads] or None
 
     def one_sequence(b):

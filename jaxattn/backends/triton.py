@@ -77,7 +77,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxattn.backends.layer import AttentionLayer, is_latent_pool, split_heads
-from jaxattn.checks import INDEX_DTYPES, check_array, check_positive_int, launch_mode_argument
+from jaxattn.checks import INDEX_DTYPES, check_array, check_positive_int, index_i32, launch_mode_argument
 from jaxattn.decode import decode_attention
 from jaxattn.extend import extend_attention, extend_attention_unified
 from jaxattn.extend_mgpu import unified_window_on_full_lists
@@ -268,8 +268,8 @@ class TritonBackend:
             return TritonMetadata(attn=None, window_attn=(None,) * len(windows), cross_attn=None, custom_mask=None,
                                   window_custom_masks=(None,) * len(windows), **common)
         B = batch.batch_size
-        seq_lens = jnp.maximum(batch.seq_lens.astype(jnp.int32), 0)
-        encoder = None if batch.encoder_lens is None else jnp.maximum(batch.encoder_lens.astype(jnp.int32), 0)
+        seq_lens = jnp.maximum(index_i32(batch.seq_lens), 0)
+        encoder = None if batch.encoder_lens is None else jnp.maximum(index_i32(batch.encoder_lens), 0)
         column0 = jnp.zeros((B,), jnp.int32) if encoder is None else encoder  # first decoder token's column
 
         if mode == ForwardMode.DECODE:
@@ -308,7 +308,7 @@ class TritonBackend:
                 if not self.deterministic:  # the unified kernel takes masks only
                     draft_words = batch.verify_draft_words()
             if self.deterministic:
-                extend_lens = jnp.maximum(batch.extend_lens.astype(jnp.int32), 0)
+                extend_lens = jnp.maximum(index_i32(batch.extend_lens), 0)
                 window_masks = tuple(
                     listed_columns_mask(mask, batch.mask_indptr, m.prefix_lens, m.kv_start_pos, extend_lens, True)[0]
                     for m in window_attn
@@ -503,8 +503,8 @@ def draft_decode_metadata(
     check_positive_int("topk", topk)
     check_positive_int("kv_capacity", kv_capacity)
     launch_mode = launch_mode_argument(launch_mode, mode)
-    rows = jnp.repeat(req_pool_indices.astype(jnp.int32), topk)  # row r = b * topk + t
-    seq = jnp.repeat(jnp.maximum(seq_lens.astype(jnp.int32), 0), topk)
+    rows = jnp.repeat(index_i32(req_pool_indices), topk)  # row r = b * topk + t
+    seq = jnp.repeat(jnp.maximum(index_i32(seq_lens), 0), topk)
     branch = jnp.tile(jnp.arange(topk, dtype=jnp.int32), batch)
     real = seq > 0
     if paged:

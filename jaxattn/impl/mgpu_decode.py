@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from jaxattn import hardware
 from jaxattn.calls import DecodeCall
+from jaxattn.checks import index_i32
 from jaxattn.fp8 import is_fp8
 from jaxattn.impl import triton_decode
 from jaxattn.metadata import MIN_BLOCK_KV
@@ -135,14 +136,14 @@ def _launch(call: DecodeCall, splits: int, final: bool):
     config = call.config or MgpuDecodeConfig()
     kv_indices = meta.kv_indices if meta.kv_indices.shape[0] else jnp.zeros((1,), meta.kv_indices.dtype)
     # The metadata's splits per sequence under this kernel's static bound: both stages clamp them to it alike.
-    num_kv_splits = meta.num_kv_splits.astype(jnp.int32)
+    num_kv_splits = index_i32(meta.num_kv_splits)
     fp8 = call.k_pool.dtype != call.q.dtype
     kv_scales = None
     if fp8:  # f32[2 * kv_heads]: K scales, then V scales
         kv_scales = (jnp.ones((2 * call.kv_heads,), jnp.float32) if call.kv_scales is None
                      else call.kv_scales.astype(jnp.float32).reshape(-1))
     out, lse = gqa_decode_mgpu_kernel(
-        call.q, call.k_pool, call.v_pool, meta.kv_indptr.astype(jnp.int32), kv_indices, num_kv_splits, kv_scales,
+        call.q, call.k_pool, call.v_pool, index_i32(meta.kv_indptr), kv_indices, num_kv_splits, kv_scales,
         sm_scale=call.sm_scale, max_kv_splits=splits,
         stages=ring_stages(call.qk_head_dim, jnp.dtype(call.k_pool.dtype).itemsize, config.stages),
         sliding_window=call.sliding_window if call.sliding_window >= 0 else -1, min_block_kv=MIN_BLOCK_KV,

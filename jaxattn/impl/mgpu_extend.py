@@ -41,7 +41,7 @@ import jax.numpy as jnp
 
 from jaxattn import hardware, tuning
 from jaxattn.calls import ExtendCall, score_features
-from jaxattn.checks import check_array, check_extend_args, check_extend_draft_mask, check_new_tokens
+from jaxattn.checks import check_array, check_extend_args, check_extend_draft_mask, check_new_tokens, index_i32
 from jaxattn.fp8 import dequantised_rows, is_fp8
 from jaxattn.tuning.sm90 import EXTEND_MGPU_FP8_IN_KERNEL_MAX_READERS, EXTEND_MGPU_PAGE_COPY_MIN_ROWS
 from jaxattn.launch import launch_mode as resolve_launch_mode
@@ -516,7 +516,7 @@ def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: 
         fp8 = dict(kv_scales=kv_scales, fp8_tiles=config.fp8_tiles if fits else "q_dtype")
     extend_attention_mgpu_kernel(
         q, None if unified else k_new, None if unified else v_new, k_pool, v_pool, kv_indices,
-        meta.qo_indptr.astype(jnp.int32), meta.kv_indptr.astype(jnp.int32), out_ref,
+        index_i32(meta.qo_indptr), index_i32(meta.kv_indptr), out_ref,
         max_extend_len=meta.max_extend_len, sm_scale=sm_scale,
         block_q=config.block_q, block_kv=config.block_kv, stages=config.stages, consumers=config.consumers,
         overlap=config.overlap,
@@ -526,8 +526,8 @@ def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: 
         logit_cap=float(logit_cap) if logit_cap > 0 else 0.0,
         sinks=None if sinks is None else sinks.astype(jnp.float32),
         xai_temperature_len=xai,
-        kv_start_pos=kv_start_pos.astype(jnp.int32) if xai > 0 or custom_mask is not None else None,
-        prefix_lens=prefix_lens.astype(jnp.int32) if unified else None,
+        kv_start_pos=index_i32(kv_start_pos) if xai > 0 or custom_mask is not None else None,
+        prefix_lens=index_i32(prefix_lens) if unified else None,
         custom_mask=custom_mask, mask_indptr=None if custom_mask is None else meta.mask_indptr,
         skip_prefix_custom_mask=bool(skip_prefix_custom_mask), draft_mask=draft_mask,
         heads_per_cta=heads_per_cta(meta.max_extend_len, q_heads // k_pool.shape[1], config),

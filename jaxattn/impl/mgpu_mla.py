@@ -37,6 +37,7 @@ import jax.numpy as jnp
 
 from jaxattn import hardware
 from jaxattn.calls import DecodeCall, MlaExtendCall
+from jaxattn.checks import index_i32
 from jaxattn.fp8 import is_fp8
 from jaxattn.impl import triton_decode
 from jaxattn.metadata import MIN_BLOCK_KV
@@ -177,7 +178,7 @@ def mla_decode_partials(call: DecodeCall):
     mid_o, mid_lse = _launch(call, splits, merge=False)
     rows = call.batch * call.tokens_per_seq
     return (mid_o.reshape(rows, call.q_heads, splits, call.v_head_dim), mid_lse.reshape(rows, call.q_heads, splits),
-            call.meta.num_kv_splits.astype(jnp.int32), splits)
+            index_i32(call.meta.num_kv_splits), splits)
 
 
 def _launch(call: DecodeCall, splits: int, *, merge: bool):
@@ -187,8 +188,8 @@ def _launch(call: DecodeCall, splits: int, *, merge: bool):
 
     meta = call.meta
     batch, tokens, q_heads = call.batch, call.tokens_per_seq, call.q_heads
-    index_args = (meta.kv_indptr.astype(jnp.int32), _listed_indices(meta.kv_indices),
-                  meta.num_kv_splits.astype(jnp.int32))
+    index_args = (index_i32(meta.kv_indptr), _listed_indices(meta.kv_indices),
+                  index_i32(meta.num_kv_splits))
     window = call.sliding_window if call.sliding_window >= 0 else -1
     sinks = call.sinks if merge else None
     skew = 0 if not merge else _merger_skew(call)
@@ -277,8 +278,8 @@ def run_extend(call: MlaExtendCall):
                                 max_extend_len=meta.max_extend_len, owner=call.q)
     out_ref = jax.new_ref(out.reshape(tokens * q_heads, call.v_head_dim))
     mla_extend_mgpu_kernel(
-        call.q.reshape(tokens * q_heads, 1, dim), call.k_new, call.k_pool, meta.qo_indptr.astype(jnp.int32),
-        meta.kv_indptr.astype(jnp.int32), kv_indices, out_ref, q_heads=q_heads, sm_scale=call.sm_scale,
+        call.q.reshape(tokens * q_heads, 1, dim), call.k_new, call.k_pool, index_i32(meta.qo_indptr),
+        index_i32(meta.kv_indptr), kv_indices, out_ref, q_heads=q_heads, sm_scale=call.sm_scale,
         max_extend_len=meta.max_extend_len, sinks=None if call.sinks is None else call.sinks.astype(jnp.float32))
     return out_ref[...].reshape(tokens, q_heads, call.v_head_dim)
 

@@ -19,6 +19,7 @@ import triton
 from jaxattn import hardware, tuning
 from jaxattn.aot import build
 from jaxattn.calls import DecodeCall
+from jaxattn.checks import index_i32
 from jaxattn.launch import launch
 from jaxattn.metadata import MIN_BLOCK_KV, rope_split
 from jaxattn.registry import Implementation
@@ -147,10 +148,10 @@ def run(call: DecodeCall):
         q,
         k_pool,
         k_pool if v_pool is None else v_pool,
-        meta.kv_indptr.astype(jnp.int32),
+        index_i32(meta.kv_indptr),
         meta.kv_indices,
-        meta.num_kv_splits.astype(jnp.int32),
-        meta.seq_lens.astype(jnp.int32),
+        index_i32(meta.num_kv_splits),
+        index_i32(meta.seq_lens),
         kv_scales,
         draft_mask,
         out_shape=(
@@ -164,7 +165,7 @@ def run(call: DecodeCall):
         name=f"decode_stage1_BLOCK_H={config.block_h}_BLOCK_N={config.block_n}",
         **constexprs,
     )
-    return merge_splits(call, mid_o, mid_lse, meta.num_kv_splits.astype(jnp.int32), max_splits)
+    return merge_splits(call, mid_o, mid_lse, index_i32(meta.num_kv_splits), max_splits)
 
 
 def merge_splits(call: DecodeCall, mid_o, mid_lse, num_kv_splits, max_splits: int):
@@ -179,7 +180,7 @@ def merge_splits(call: DecodeCall, mid_o, mid_lse, num_kv_splits, max_splits: in
         ("decode_attention", "decode_stage2_kernel"),
         mid_o,
         mid_lse,
-        meta.kv_indptr.astype(jnp.int32),
+        index_i32(meta.kv_indptr),
         num_kv_splits,
         sink_arg,
         out_shape=(jax.ShapeDtypeStruct((batch * tokens, q_heads, v_dim), call.q.dtype),

@@ -14,6 +14,7 @@ import triton
 from jaxattn import tuning
 from jaxattn.aot import build
 from jaxattn.calls import ExtendCall
+from jaxattn.checks import index_i32
 from jaxattn.launch import launch
 from jaxattn.metadata import rope_split
 from jaxattn.registry import Implementation
@@ -132,16 +133,16 @@ def _launch(call: ExtendCall, kernel: str, arrays: tuple, two_stage: bool):
 def run_two_stage(call: ExtendCall):
     meta = call.meta
     return _launch(call, "extend_attention_kernel", (
-        call.q, call.k_new, call.v_new, call.k_pool, call.v_pool, meta.qo_indptr.astype(jnp.int32),
-        meta.kv_indptr.astype(jnp.int32), meta.kv_indices, call.kv_start_pos.astype(jnp.int32),
+        call.q, call.k_new, call.v_new, call.k_pool, call.v_pool, index_i32(meta.qo_indptr),
+        index_i32(meta.kv_indptr), meta.kv_indices, index_i32(call.kv_start_pos),
     ), two_stage=True)
 
 
 def run_unified(call: ExtendCall):
     meta = call.meta
     return _launch(call, "extend_attention_unified_kernel", (
-        call.q, call.k_pool, call.v_pool, meta.qo_indptr.astype(jnp.int32), meta.kv_indptr.astype(jnp.int32),
-        meta.kv_indices, meta.prefix_lens.astype(jnp.int32), call.kv_start_pos.astype(jnp.int32),
+        call.q, call.k_pool, call.v_pool, index_i32(meta.qo_indptr), index_i32(meta.kv_indptr),
+        meta.kv_indices, index_i32(meta.prefix_lens), index_i32(call.kv_start_pos),
     ), two_stage=False)
 
 

@@ -18,7 +18,7 @@ import enum
 import jax
 import jax.numpy as jnp
 
-from jaxattn.checks import INDEX_DTYPES, MASK_DTYPES, MAX_DECODE_QUERY_TOKENS, check_array
+from jaxattn.checks import INDEX_DTYPES, MASK_DTYPES, MAX_DECODE_QUERY_TOKENS, check_array, index_i32
 from jaxattn.kv_indices import exclusive_cumsum
 from jaxattn.metadata import custom_mask_from_draft_bits, custom_mask_indptr
 
@@ -146,7 +146,7 @@ class ForwardBatch:
         batch, drafts = self.draft_mask.shape
         words = jax.lax.bitcast_convert_type(self.draft_mask, jnp.uint32) if self.draft_mask.dtype == jnp.int32 \
             else self.draft_mask
-        listed = jnp.clip(self.extend_lens.astype(jnp.int32), 0, 32).astype(jnp.uint32)
+        listed = jnp.clip(index_i32(self.extend_lens), 0, 32).astype(jnp.uint32)
         keep = jnp.where(listed >= 32, jnp.uint32(0xFFFFFFFF), (jnp.uint32(1) << listed) - 1)
         return jax.lax.bitcast_convert_type(words & keep[:, None], jnp.int32).reshape(batch * drafts, 1)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn.checks import FLOAT_DTYPES, INDEX_DTYPES, check_array, check_kv_scale
+from jaxattn.checks import FLOAT_DTYPES, INDEX_DTYPES, check_array, check_kv_scale, index_i32
 from jaxattn.fp8 import FP8_DTYPES, is_fp8, largest_finite, per_head_factor  # noqa: F401  (FP8_DTYPES, is_fp8 re-exported)
 
 BUFFER_DTYPES = FLOAT_DTYPES + FP8_DTYPES
@@ -94,7 +94,7 @@ def check_write_slots(out_cache_loc, num_slots: int):
     """Run-time check (checkify) that real slots are in range and distinct; slot 0 may repeat."""
     from jax.experimental import checkify
 
-    loc = out_cache_loc.astype(jnp.int32)
+    loc = index_i32(out_cache_loc)
     checkify.check(jnp.all((loc >= 0) & (loc < num_slots)), "out_cache_loc has a slot outside [0, {n})", n=jnp.int32(num_slots))
     ordered = jnp.sort(loc)
     repeated = (ordered[1:] == ordered[:-1]) & (ordered[1:] != 0)

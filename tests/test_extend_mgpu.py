@@ -2129,6 +2129,11 @@ def test_core_lowering_shapes_are_shapes():
     labels = [shape[0] for shape in SHAPES + DECODE_SHAPES]
     assert len(labels) == len(set(labels)) == 95
     assert len(CORE) == len(set(CORE)) and set(CORE) <= set(labels), sorted(set(CORE) - set(labels))
+    # The other shapes are lowered by CI only: .ci/run lowers every shape on both stacks.
+    with open(os.path.join(os.path.dirname(__file__), "..", ".ci", "run")) as f:
+        ci = f.read()
+    assert '-m tests.lower_mgpu_kernel "" "$half/2"' in ci
+    assert "\nlower_every_shape .venv\n" in ci and "\nlower_every_shape .venv/latest\n" in ci
 
 
 def test_set_kernel_flag_reads_the_forms_and_refuses_others(monkeypatch):

@@ -1669,8 +1669,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
 
                 def page_starts(step):
                     # Whole pages: each page copy of tile `step` starts at pool row start * page_rows, start the slot
-                    # its first key lists (outside the pool: slot 0) over page_rows. Multiplied where the copy is issued,
-                    # so Mosaic sees an 8-aligned row (a loop carry would hide the factor).
+                    # its first key lists (outside the pool: slot 0) over page_rows. Multiplied where the copy is
+                    # issued, so Mosaic sees an 8-aligned row (a loop carry would hide the factor).
                     starts = []
                     for chunk in range(block_kv // page_rows):
                         index = jnp.clip(kv_start + step * block_kv + chunk * page_rows, 0, capacity - 1)

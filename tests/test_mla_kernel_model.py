@@ -4,9 +4,9 @@ The kernel cannot run on CPU (CI lowers it: tests/lower_mgpu_kernel.py); its num
 replays, CTA by CTA, what the kernel's warpgroups do with the kernel module's own geometry functions (`decode_cta`,
 `decode_visible`, `extend_cta`, `extend_tile_source`, `extend_loops`, ...): which tiles a CTA visits in which order,
 which rows each tile gathers (zeros past its count, slots outside the pool read as slot 0), which scores it masks,
-the online softmax in base 2, the sink fold, where `store_rows` puts each output row (the flat offsets the kernel computes), and
-the kernel's own merge of the splits (which split merges, in which order, with the module's merge functions).
-An index or geometry slip in those functions shows here as a mismatch with the reference, without a GPU.
+the online softmax in base 2, the sink fold, where `store_rows` puts each output row (the flat offsets the kernel
+computes), and the kernel's own merge of the splits (which split merges, in which order, with the module's merge
+functions). An index or geometry slip in those functions shows here as a mismatch with the reference, without a GPU.
 """
 
 import dataclasses

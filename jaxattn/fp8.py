@@ -42,17 +42,19 @@ def per_head_factor(scale):
     return jnp.asarray(scale, jnp.float32).reshape(1, -1, 1)
 
 
-def slots_in_pool(slots, num_slots: int):
-    """The pool rows `slots` read: a slot outside [0, num_slots) reads the padding slot 0, in any integer dtype (no
-    narrowing first, so an int64 slot past 2**32 cannot wrap into the pool). Every kernel follows the same rule
-    (Triton's `_checked_slots`, the Mosaic GPU kernels' `row_sources`)."""
-    return jnp.where((slots >= 0) & (slots < num_slots), slots, 0)
+def in_pool(ids, num_rows: int):
+    """bool[...]: the ids (slots, or page ids over num_rows pages) that address a real row of the pool,
+    1 <= id < num_rows (numpy or jax arrays, any integer dtype: no narrowing first, so an int64 id past 2**32 cannot
+    wrap into the pool). Any other id reads as the padding row 0 (0 itself is that row): the one rule of the
+    references' gathers, `jaxattn.paging.page_in_pool` and FlashInfer's lists, as every kernel reads (Triton's
+    `_checked_slots`, the Mosaic GPU kernels' `row_sources`)."""
+    return (ids > 0) & (ids < num_rows)
 
 
 def dequantised_rows(pool, slots, scale, dtype):
     """pool[slots] as `dtype` values, multiplied by `scale` (None: as stored) in float32: the rows a step needs,
     never the pool. pool: [slots, kv_heads, dim]; slots: [rows], any value (outside the pool: slot 0)."""
-    rows = pool[slots_in_pool(slots, pool.shape[0])]
+    rows = pool[jnp.where(in_pool(slots, pool.shape[0]), slots, 0)]
     if scale is None:
         return rows.astype(dtype)
     return (rows.astype(jnp.float32) * per_head_factor(scale)).astype(dtype)

@@ -63,6 +63,7 @@ from jaxattn.checks import (
     check_window,
     launch_mode_argument,
 )
+from jaxattn.fp8 import in_pool
 from jaxattn.kv_indices import exclusive_cumsum
 from jaxattn.metadata import (
     DecodeMetadata,
@@ -126,8 +127,8 @@ class PageTable:
 def page_in_pool(page_ids, page_size: int, *, num_slots: int):
     """bool[...]: the page ids that address a real page of the pool, 1 <= id < num_slots // page_size (numpy or jax
     arrays). Any other id reads as the padding page 0: the one rule of which table entries are pages (the slot
-    gathers here, FlashInfer's page lists)."""
-    return (page_ids > 0) & (page_ids < num_slots // page_size)
+    gathers here, FlashInfer's page lists; `jaxattn.fp8.in_pool` over pages)."""
+    return in_pool(page_ids, num_slots // page_size)
 
 
 def _slots(req_to_page, rows, positions, page_size, num_slots):

@@ -328,13 +328,16 @@ def num_kv_splits_by_waves(eff_lens, *, max_kv_splits, q_heads, kv_heads, split_
                            min_split_len=256):
     """i32[batch] splits per sequence with the count S chosen by waves of resident stage-1 programs, on device.
 
-    A program streams its split's keys at a rate set by how many programs share HBM: a full GPU of resident programs
-    (num_sms x resident_per_sm) runs at the memory's pace, a last wave of a few dozen runs at one program's latency.
-    For every S <= max_kv_splits (and at least min_split_len keys a split, as the fill heuristic) the cost is
-    waves(S) x (SPLIT_FIXED_KEYS + keys a split), plus LAST_WAVE_KEY_SHARE x keys a split when the last wave holds
-    fewer programs than multiprocessors; the cheapest S among those filling the GPU at least once wins (the fewest
-    splits on a tie); when none fills it, the most splits allowed. Sequences then get ceil(len / chunk) splits,
-    chunk = ceil(max_len / S), as the fill heuristic gives them.
+    A program streams its split's keys at a rate set by how many programs share HBM: a GPU of resident programs
+    (num_sms x resident_per_sm, one wave) runs at the memory's pace from about half a wave on, a last wave of a few
+    dozen runs at one program's latency. The counts considered are S <= max_kv_splits with at least min_split_len
+    keys a split (as the fill heuristic). Where one split a sequence fits in one wave, the most splits that still fit
+    in one wave win: a second wave adds a tail and each split a fixed cost (H100, fp8 D1 / D2, RESULTS.md, fortieth
+    session: 1 and 8 splits, 512 programs each, 0.217 / 0.216 ms; 4 splits, half a wave, 0.217; 2 and 11-17 splits
+    0.220 and 0.248-0.264). Otherwise the cost of S is waves(S) x (SPLIT_FIXED_KEYS + keys a split), plus
+    LAST_WAVE_KEY_SHARE x keys a split when the last wave holds fewer programs than multiprocessors, and the cheapest
+    S wins (the fewest splits on a tie). Sequences then get ceil(len / chunk) splits, chunk = ceil(max_len / S), as the
+    fill heuristic gives them.
 
     eff_lens: i32[batch], keys each sequence attends to (0: a padding row).
     """
@@ -348,15 +351,14 @@ def num_kv_splits_by_waves(eff_lens, *, max_kv_splits, q_heads, kv_heads, split_
     programs = jnp.sum(_even_splits(eff_lens[None, :], max_len, counts[:, None]), axis=1) * programs_per_split  # [C]
     by_len = _most_splits_by_length(max_len, min_split_len)
     allowed = counts <= by_len
-    filling = allowed & (programs >= capacity)
+    widest_one_wave = jnp.max(jnp.where(allowed & (programs <= capacity), counts, 0))  # 0: one split overflows a wave
     waves = programs.astype(jnp.float32) / capacity
     last_wave = programs % capacity
     lone_tail = (programs > capacity) & (last_wave > 0) & (last_wave < num_sms)
     keys = chunks.astype(jnp.float32)
     cost = waves * (SPLIT_FIXED_KEYS + keys) + jnp.where(lone_tail, LAST_WAVE_KEY_SHARE * keys, 0.0)
-    cheapest = counts[jnp.argmin(jnp.where(filling, cost, jnp.inf))]
-    most = jnp.minimum(by_len, max_kv_splits)
-    target = jnp.where(jnp.any(filling), cheapest, most)
+    cheapest = counts[jnp.argmin(jnp.where(allowed, cost, jnp.inf))]
+    target = jnp.where(widest_one_wave > 0, widest_one_wave, cheapest)
     return jnp.clip(_even_splits(eff_lens, max_len, target), 1, max_kv_splits).astype(jnp.int32)
 
 

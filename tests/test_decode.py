@@ -288,17 +288,17 @@ def _split_count_by_the_cost_model(lens, *, max_kv_splits, programs_per_split, c
     """num_kv_splits_by_waves's choice of S, by loops over the cost model its docstring states (the test's oracle)."""
     max_len = max(lens)
     by_len = max(-(-max_len // min_split_len), 1)
-    costs = {}
+    costs, one_wave = {}, []
     for count in range(1, min(by_len, max_kv_splits) + 1):
         chunk = max(-(-max_len // count), 1)
         programs = sum(-(-n // chunk) for n in lens) * programs_per_split
-        if programs < capacity:
-            continue
+        if programs <= capacity:
+            one_wave.append(count)
         tail = programs % capacity
         lone = LAST_WAVE_KEY_SHARE * chunk if 0 < tail < num_sms and programs > capacity else 0.0
         costs[count] = programs / capacity * (SPLIT_FIXED_KEYS + chunk) + lone
-    if not costs:
-        return min(by_len, max_kv_splits)
+    if one_wave:
+        return max(one_wave)
     return min(costs, key=lambda count: (costs[count], count))
 
 
@@ -306,13 +306,15 @@ def test_split_counts_by_waves_follow_the_cost_model():
     # The fp8 table tile at 32/8 heads (4 programs an SM, one program per kv head and split) on 132 SMs: 528 at once.
     waves = SplitWaves(resident_per_sm=4, heads_per_program=16)
     kw = dict(q_heads=32, kv_heads=8, num_sms=132, split_waves=waves)
-    d2 = int(num_kv_splits_heuristic(jnp.full((8,), 32768), max_kv_splits=34, **kw)[0])
-    # D2: 17 splits (the fill heuristic's) leave a last wave of 32 programs running alone (+11% on the H100).
+    # D2: 17 splits (the fill heuristic's) leave a last wave of 32 programs running alone (+19% on the H100); 8 splits
+    # are 512 programs, the most that fit in one wave. D1: one split a sequence is already 512 programs.
     assert int(num_kv_splits_heuristic(jnp.full((8,), 32768), max_kv_splits=34, **dict(kw, split_waves=None))[0]) == 17
-    assert d2 != 17 and not 0 < (8 * 8 * d2) % 528 < 132 and 8 * 8 * d2 >= 528
-    d1 = int(num_kv_splits_heuristic(jnp.full((64,), 4096), max_kv_splits=6, **kw)[0])
-    assert d1 == 2  # 1 split is 512 programs, short of a full GPU; 2 splits the cheapest of those filling it
-    assert int(num_kv_splits_heuristic(jnp.full((256,), 1024), max_kv_splits=4, **kw)[0]) == 1  # D3: 3.9 waves
+    assert int(num_kv_splits_heuristic(jnp.full((8,), 32768), max_kv_splits=34, **kw)[0]) == 8
+    assert int(num_kv_splits_heuristic(jnp.full((64,), 4096), max_kv_splits=6, **kw)[0]) == 1
+    # D3: one split is 2048 programs (3.9 waves); more splits only add waves.
+    assert int(num_kv_splits_heuristic(jnp.full((256,), 1024), max_kv_splits=4, **kw)[0]) == 1
+    # 67 x 4096: one split overflows a wave by 8 programs that would run alone; the cost model spreads them.
+    assert int(num_kv_splits_heuristic(jnp.full((67,), 4096), max_kv_splits=6, **kw)[0]) > 1
     rng = np.random.default_rng(7)
     for _ in range(8):  # random batches (one padded shape: padding rows count no programs) against the loops
         batch = int(rng.integers(1, 64))

@@ -54,17 +54,18 @@ DECODE_FP8: dict[tuple[int, int, str], DecodeConfig] = {
 
 # Stage-1 programs one multiprocessor holds of DECODE_FP8's GQA tile as TIMED_TRITON compiles it
 # (`hardware.resident_blocks` of its registers, shared memory and warps; tests/test_aot_compile.py checks it): 255
-# registers x 2 warps, 39 KB. Split counts by whole waves of them (`jaxattn.metadata.SplitWaves` through
-# `tuning.decode_split_waves`) are opt-in: at D1-D3 fp8 on the H100 the time followed the waves (benchmarks/RESULTS.md,
-# thirty-eighth session), not yet timed as a policy. Not listed: 576/512, whose fp8 latent calls the Mosaic GPU MLA
-# kernel takes (its own split counts).
+# registers x 2 warps, 39 KB. Not listed: 576/512, whose fp8 latent calls the Mosaic GPU MLA kernel takes (its own
+# split counts).
 DECODE_FP8_RESIDENT_PER_SM: dict[tuple[int, int, str], int] = {
     (128, 128, "g16"): 4,
 }
 
-# TritonBackend(kv_dtype=<fp8>) sizes its decode splits by those waves. Off until the H200 times the policy (GPU queue
-# 1: "fp8 waves" beside the fill heuristic and fixed counts).
-DECODE_FP8_SPLIT_WAVES = False
+# TritonBackend(kv_dtype=<fp8>) and the bench's jaxattn row size fp8 decode splits by whole waves of those programs
+# (`jaxattn.metadata.SplitWaves` through `tuning.default_decode_split_waves`) instead of the fill heuristic. H100,
+# afec991 (benchmarks/RESULTS.md, fortieth session), fp8 D1 / D2 / D3: the fill heuristic's 3 / 17 / 1 splits 0.226 /
+# 0.256 / 0.227 ms; the wave rule's 1 / 8 / 1 split counts, timed as fixed counts in the same run, 0.217 / 0.216 /
+# 0.228. Not yet timed as the policy on the H200 (GPU queue 1).
+DECODE_FP8_SPLIT_WAVES = True
 
 # Two-stage kernel, bf16, each candidate checked against the reference first. "128" on E1/E3 (sweep of 2026-12-02):
 # 128x128 tiles with 3 stages, 2.56 ms on E1 against 5.24 ms for 128x32/2. The others on the tuning cases

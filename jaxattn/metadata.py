@@ -225,6 +225,11 @@ class DecodeMetadata:
         return self.kv_indptr.shape[0] - 1
 
 
+# Stage-1 programs a multiprocessor the fill heuristic aims at (`num_kv_splits_heuristic`), from the H200's bf16 GQA
+# decode (benchmarks/results/2026-12-02_h200_decode_sweep.json tried 4 and 16 beside it).
+FILL_PROGRAMS_PER_SM = 8
+
+
 def _split_work(q_heads, kv_heads):
     """Stage-1 work per sequence and split, in programs of 4 q heads (the GQA shape programs_per_sm = 8 was tuned on):
     one kv head's group of G heads counts ceil(G / 4). A program over MLA's 16 heads does 4x the dot work and writes
@@ -261,7 +266,7 @@ class SplitWaves:
 
 
 def default_max_kv_splits(max_batch, q_heads, kv_heads, max_context_len, *, deterministic=False, split_tile_size=256,
-                          num_sms=None, programs_per_sm=8, min_split_len=256):
+                          num_sms=None, programs_per_sm=FILL_PROGRAMS_PER_SM, min_split_len=256):
     """A static split bound: the most splits the dynamic heuristic would want, at most 64.
 
     Stage 1 launches max_batch x head_blocks x max_kv_splits programs and the unused ones exit at once, but
@@ -283,7 +288,7 @@ def default_max_kv_splits(max_batch, q_heads, kv_heads, max_context_len, *, dete
 
 
 def num_kv_splits_heuristic(eff_lens, *, max_kv_splits, q_heads, kv_heads, deterministic=False, split_tile_size=256,
-                            num_sms=None, programs_per_sm=8, min_split_len=256, split_waves=None):
+                            num_sms=None, programs_per_sm=FILL_PROGRAMS_PER_SM, min_split_len=256, split_waves=None):
     """i32[batch] splits per sequence, computed on device (no host sync).
 
     split_waves: a `SplitWaves` picks the count by whole waves of resident programs instead
@@ -383,7 +388,7 @@ def decode_metadata(
     token_offsets: jax.Array | None = None,
     max_context_len: int | None = None,
     num_sms: int | None = None,
-    programs_per_sm: int = 8,
+    programs_per_sm: int = FILL_PROGRAMS_PER_SM,
     min_split_len: int = 256,
     split_waves: SplitWaves | None = None,
     launch_mode: str | None = None,
@@ -459,7 +464,7 @@ def decode_metadata_from_indptr(
     sliding_window: int = -1,
     max_context_len: int | None = None,
     num_sms: int | None = None,
-    programs_per_sm: int = 8,
+    programs_per_sm: int = FILL_PROGRAMS_PER_SM,
     min_split_len: int = 256,
     split_waves: SplitWaves | None = None,
 ) -> DecodeMetadata:

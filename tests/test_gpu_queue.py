@@ -65,3 +65,39 @@ def test_gpu_check_selections_select_tests(name):
                              env=dict(os.environ, JAX_PLATFORMS="cpu"))
         collected = re.search(r"(\d+)/\d+ tests collected", run.stdout)
         assert collected and int(collected.group(1)) > 0, f"{name}: step {step} selects no GPU test\n{run.stdout[-2000:]}"
+
+
+def bench_arguments(words):
+    """(op, {flag: value}) of a `python3 -m jaxattn.bench <op> ...` command's words (after an `env ...` prefix)."""
+    start = words.index("jaxattn.bench") + 1
+    op, flags = words[start], {}
+    for flag, value in zip(words[start + 1:], words[start + 2:]):
+        if flag.startswith("--") and not value.startswith("--"):
+            flags[flag] = value
+    return op, flags
+
+
+@pytest.mark.parametrize("name", STEP_FILES)
+def test_bench_steps_name_real_cases_backends_and_sweep_rows(name):
+    # A misspelt case or backend ends the step at once, and a --sweep expression that matches no row of a case
+    # times nothing for it: both would spend a device call's box for no figure.
+    from jaxattn import bench
+
+    for _, step, command in steps(name):
+        commands = [part for part in command.split("&&") if "jaxattn.bench" in part and "plot" not in part.split()]
+        for part in commands:
+            op, flags = bench_arguments(shlex.split(part))
+            if op not in ("decode", "extend"):
+                continue
+            cases = flags.get("--cases", "").split(",") if "--cases" in flags else [
+                case_name for case_name, case in bench.CASES.items() if case.op == op and case.default]
+            for case_name in cases:
+                assert bench.case_named(case_name) is not None, f"{name}: step {step} names no case {case_name}"
+            for backend in flags.get("--backends", "").split(",") if "--backends" in flags else []:
+                assert backend in bench.BACKENDS[op], f"{name}: step {step} names no {op} backend {backend}"
+            if "--sweep" in flags:
+                pattern = re.compile(flags["--sweep"])
+                for case_name in cases:
+                    labels = [label for label, _ in bench.sweep_variants(op, bench.case_named(case_name))]
+                    assert any(pattern.search(label) for label in labels), (
+                        f"{name}: step {step}'s --sweep matches no row of {case_name}")

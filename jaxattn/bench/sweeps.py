@@ -57,13 +57,16 @@ def sweep_variants(op: str, case: Case):
                                       fp8_v_in_registers=True)
                 variants.append((f"fp8 vreg n{block_n} w{num_warps} s{num_stages}{f' pps{pps}' if pps else ''}",
                                  lambda inp, c=config, p=pps: decode_jaxattn(inp, config=c, programs_per_sm=p)))
-        if case.fp8 and not mla:  # Split counts by whole waves of the table tile's resident programs (SplitWaves;
-            # its time followed the waves on the H100, thirty-eighth session), and fixed counts to check the model's
-            # choice against (a huge programs_per_sm: the fill heuristic takes the bound).
+        if case.fp8 and not mla:  # Split counts by whole waves of the table tile's resident programs (SplitWaves, the
+            # default since the fortieth session), the fill heuristic it replaced, and fixed counts to check the
+            # model's choice against (a huge programs_per_sm: the fill heuristic takes the bound).
             from jaxattn import tuning
+
+            from jaxattn.metadata import FILL_PROGRAMS_PER_SM
 
             waves = tuning.decode_split_waves(case.head_dim, case.dv, case.q_heads, case.kv_heads)
             variants.append(("fp8 waves", lambda inp, w=waves: decode_jaxattn(inp, split_waves=w)))
+            variants.append(("fp8 fill", lambda inp: decode_jaxattn(inp, programs_per_sm=FILL_PROGRAMS_PER_SM)))
             table_tile = tuning.decode_config(case.head_dim, case.dv, case.q_heads // case.kv_heads, fp8_pool=True)
             config = dataclasses.replace(table_tile, fp8_v_in_registers=True)
             variants.append((f"fp8 vreg n{config.block_n} w{config.num_warps} s{config.num_stages} waves",

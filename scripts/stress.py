@@ -10,7 +10,7 @@ Feature mixes come from a fixed list of profiles (head shapes, dtype, window, so
 custom mask, non-causal) so compilation is paid once per profile; lengths, slots, batch fill and data change every
 batch (zero-length sequences included).
 
-    python scripts/stress.py --batches 1000 --json benchmarks/results/stress_h200.json        # on the H200
+    python scripts/stress.py --batches 1000 --json benchmarks/results/stress.json             # on a GPU
     python scripts/stress.py --batches 5 --mode interpret --shapes tiny --json /tmp/s.json    # CPU smoke run
     python scripts/stress.py --batches 1000 --workers 5 --json s.json     # profiles split over 5 processes
 
@@ -122,10 +122,10 @@ class Shapes:
 
 
 SHAPES = {
-    # H200: decode up to 16 x 4096 keys, extend up to 8 x (1024 prefix + 256 new): still many 128-key tiles and
+    # On a GPU: decode up to 16 x 4096 keys, extend up to 8 x (1024 prefix + 256 new): still many 128-key tiles and
     # partial tiles per sequence, and small enough that the jnp reference (a dense [batch, heads, 256, 1280] f32
     # score tensor) lets 1000 extend batches run in a few minutes.
-    "h200": Shapes(dec_batch=16, dec_max_len=4096, ext_batch=8, ext_max_prefix=1024, ext_bucket=256),
+    "gpu": Shapes(dec_batch=16, dec_max_len=4096, ext_batch=8, ext_max_prefix=1024, ext_bucket=256),
     # CPU interpreter smoke run.
     "tiny": Shapes(dec_batch=3, dec_max_len=40, ext_batch=3, ext_max_prefix=24, ext_bucket=8),
 }
@@ -548,7 +548,7 @@ def main(argv=None):
     parser.add_argument("--batches", type=int, default=1000, help="random batches per op (decode, extend)")
     parser.add_argument("--ops", nargs="+", default=["decode", "extend"], choices=["decode", "extend"])
     parser.add_argument("--mode", choices=["gpu", "interpret"], default=None, help="launch mode (default: by platform)")
-    parser.add_argument("--shapes", choices=sorted(SHAPES), default=None, help="size bucket (default: h200 on GPU, tiny otherwise)")
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default=None, help="size bucket (default: gpu on a GPU, tiny otherwise)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the figures here")
     parser.add_argument("--workers", type=int, default=1, help="processes to split the profiles over")
@@ -560,7 +560,7 @@ def main(argv=None):
         parser.error(f"--workers must be >= 1, got {args.workers}")
     warnings.filterwarnings("ignore", message=".*no tuned config.*")
     mode = args.mode or ("gpu" if jax.default_backend() in ("gpu", "cuda") else "interpret")
-    shapes_name = args.shapes or ("h200" if mode == "gpu" else "tiny")
+    shapes_name = args.shapes or ("gpu" if mode == "gpu" else "tiny")
     shapes = SHAPES[shapes_name]
     profs = profiles(shapes_name)
     if args.profiles is not None:
@@ -648,7 +648,7 @@ def finish(tallies, mode, shapes_name, args, start, save, complete):
     mismatches = sum(t.mismatches for t in tallies.values())
     parts = ", ".join(f"{op} {t.batches} batches {t.mismatches} mismatches (worst error/tol {t.worst:.3f})" for op, t in tallies.items())
     label = f" shard {args.shard}" if args.shard else (f" {args.workers} workers" if args.workers > 1 else "")
-    print(f"stress [{mode}, {shapes_name}, seed {args.seed}{label}]: {parts}; total mismatches {mismatches}; {wall:.0f} s"
+    print(f"stress [{mode}, {shapes_name} shapes, seed {args.seed}{label}]: {parts}; total mismatches {mismatches}; {wall:.0f} s"
           + ("" if complete else " (INCOMPLETE: a worker stopped early)"))
     for op, t in tallies.items():
         if t.worst_case is not None:

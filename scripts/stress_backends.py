@@ -65,7 +65,7 @@ class Shapes:
 
 
 SHAPES = {
-    "h200": Shapes(q_heads=32, kv_heads=8, head_dim=128, mla_q_heads=16, context=4096, max_reqs=48, extend_batch=6,
+    "gpu": Shapes(q_heads=32, kv_heads=8, head_dim=128, mla_q_heads=16, context=4096, max_reqs=48, extend_batch=6,
                    extend_tokens=2048, decode_batch=32, drafts=8, dtype="bfloat16"),
     "tiny": Shapes(q_heads=4, kv_heads=2, head_dim=32, mla_q_heads=4, context=64, max_reqs=6, extend_batch=3,
                    extend_tokens=24, decode_batch=4, drafts=3, dtype="float32"),
@@ -79,7 +79,7 @@ class Profile:
     window: int = -1  # in keys; scaled to the size class's context (a quarter of it when > 0)
     logit_cap: float = 0.0
     sinks: bool = False
-    mla: bool = False  # one 576/512 latent head (h200), a latent pool
+    mla: bool = False  # one 576/512 latent head (gpu), a latent pool
     kv_dtype: str = ""  # an fp8 pool ("float8_e4m3fn" / "float8_e5m2"), written and read with the layer's scales
     encoder: bool = False  # encoder-decoder batches: each row's encoder tokens first, its decoder tokens after them
     cross: bool = False  # the layer attends the encoder's tokens (non-causal); else the decoder's own
@@ -328,7 +328,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", choices=["triton", "flashinfer"], default="flashinfer")
     parser.add_argument("--batches", type=int, default=100, help="random batches per profile")
-    parser.add_argument("--shapes", choices=sorted(SHAPES), default=None, help="size class (default: h200 on a GPU)")
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default=None, help="size class (default: gpu on a GPU)")
     parser.add_argument("--profiles", default=None, metavar="REGEX", help="only the profiles whose name matches")
     parser.add_argument("--deterministic", action="store_true", help="the backend's deterministic mode")
     parser.add_argument("--seed", type=int, default=0)
@@ -338,7 +338,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     on_gpu = jax.default_backend() in ("gpu", "cuda")
-    shapes = SHAPES[args.shapes or ("h200" if on_gpu else "tiny")]
+    shapes = SHAPES[args.shapes or ("gpu" if on_gpu else "tiny")]
     profiles = [p for p in PROFILES if args.profiles is None or re.search(args.profiles, p.name)]
     results, total_bad, t0 = {}, 0, time.time()
     for index, profile in enumerate(profiles):

@@ -22,10 +22,12 @@ done
 [ ${#steps_files[@]} -gt 0 ] || { echo "usage: gpu_session.sh STEPS_FILE... [TOTAL_SECONDS]" >&2; exit 2; }
 FINAL=${OUT:-$PWD/out}
 work=/tmp/gpu_session
+rm -rf "$work"  # a warm machine keeps /tmp between calls: logs.tgz holds this call's steps only
 mkdir -p "$FINAL" "$work"
 source scripts/gpu_env.sh >"$work/install.log" 2>&1 || { cat "$work/install.log"; exit 1; }
 start=$SECONDS
-echo "commit ${JAXATTN_COMMIT:-unknown}, $(date -u +%FT%TZ)" >"$FINAL/steps.txt"
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+echo "commit ${JAXATTN_COMMIT:-unknown}, $(date -u +%FT%TZ), ${card:-no GPU seen}" >"$FINAL/steps.txt"
 while read -r -u 3 seconds name command; do  # fd 3: a step reading stdin must not eat the list
   case "$seconds" in ''|'#'*) continue ;; esac
   if [ $((SECONDS - start + seconds)) -gt "$total" ]; then

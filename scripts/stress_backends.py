@@ -66,7 +66,7 @@ class Shapes:
 
 SHAPES = {
     "gpu": Shapes(q_heads=32, kv_heads=8, head_dim=128, mla_q_heads=16, context=4096, max_reqs=48, extend_batch=6,
-                   extend_tokens=2048, decode_batch=32, drafts=8, dtype="bfloat16"),
+                  extend_tokens=2048, decode_batch=32, drafts=8, dtype="bfloat16"),
     "tiny": Shapes(q_heads=4, kv_heads=2, head_dim=32, mla_q_heads=4, context=64, max_reqs=6, extend_batch=3,
                    extend_tokens=24, decode_batch=4, drafts=3, dtype="float32"),
 }

@@ -61,7 +61,6 @@ def sweep_variants(op: str, case: Case):
             # default since the fortieth session), the fill heuristic it replaced, and fixed counts to check the
             # model's choice against (a huge programs_per_sm: the fill heuristic takes the bound).
             from jaxattn import tuning
-
             from jaxattn.metadata import FILL_PROGRAMS_PER_SM
 
             waves = tuning.decode_split_waves(case.head_dim, case.dv, case.q_heads, case.kv_heads)

@@ -14,6 +14,16 @@ swizzled 16-bit tiles under one mbarrier each; on a GPU, each CTA's tile against
 Lowered for e4m3fn and e5m2 on 2026-12-07 (fortieth session); not yet run on a GPU, not in the kernel. Open there:
 how the peer's barrier counts the stores' arrivals at run time, and whether the stores' latency hides behind the
 consumers' matrix work.
+
+In the kernel (a sketch, not built): the cluster pairs the CTAs of one (sequence, q tile, kv head) that differ only
+in their q heads, so both take the same key steps. Slot s of each CTA's ring gets its rows [h * R/2, (h + 1) * R/2)
+from CTA h: that producer stages its half's fp8 rows in its own slot (inside its half's 16-bit rows, converted in
+place in phases as today), stores the 16-bit rows locally and into the peer's slot (the kernel's conversion is
+inline PTX, so `st.async ... mbarrier::complete_tx` to the peer's ready barrier rather than this primitive). Ready[s]
+then waits for both halves; free[s] counts both CTAs' consumers (each consumer arrives on its own CTA's and, by a
+remote `mbarrier.arrive ... shared::cluster`, its peer's), since the peer's producer writes into this slot; both CTAs
+meet a cluster barrier before exiting. tests/barrier_model.py can check that protocol (six warpgroups) before a GPU
+runs it.
 """
 
 import jax

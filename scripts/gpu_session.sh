@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One device call made of time-boxed steps (the H200's calls stop at 10 minutes and bring back at most 8 files).
-# Usage: JAXATTN_COMMIT=<hash> bash scripts/gpu_session.sh STEPS_FILE... [TOTAL_SECONDS]
+# Usage: JAXATTN_COMMIT=<hash> bash scripts/gpu_session.sh [--by-card] STEPS_FILE... [TOTAL_SECONDS]
 #   Several STEPS_FILEs run one after the other in the one call, each step only where its box still fits: a later
 #   list's steps fill what the earlier ones' boxes did not use (a skipped step is listed in steps.txt).
+#   --by-card: the lists whose "# card:" line names the card this call got run first, the others after, each group in
+#   the order given ("# card: h200": its timings are an issue's record, stated on the H200; "# card: any": any Hopper
+#   card answers it). On an H200 the h200 lists lead, elsewhere the any lists; a call gets whichever card comes.
 #   STEPS_FILE: one step per line, "<seconds> <name> <bash command>" ('#' lines and blank lines skipped), run in order
 #   from the checkout's root with what scripts/gpu_env.sh installs, jaxattn on PYTHONPATH and $STEP_OUT a folder for the
 #   step's own files (JSON records). A step runs under `timeout <seconds>`; a step that would end past TOTAL_SECONDS
@@ -12,9 +15,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 total=560
+by_card=0
 steps_files=()
 for arg in "$@"; do
   case "$arg" in
+    --by-card) by_card=1 ;;
     *[!0-9]*|'') steps_files+=("$arg") ;;
     *) total=$arg ;;  # a bare number: the call's seconds
   esac
@@ -28,6 +33,15 @@ source scripts/gpu_env.sh >"$work/install.log" 2>&1 || { cat "$work/install.log"
 start=$SECONDS
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 echo "commit ${JAXATTN_COMMIT:-unknown}, $(date -u +%FT%TZ), ${card:-no GPU seen}" >"$FINAL/steps.txt"
+if [ "$by_card" = 1 ]; then
+  case "$card" in *H200*) preferred=h200 ;; *) preferred=any ;; esac
+  first=() later=()
+  for f in "${steps_files[@]}"; do
+    if [ "$(sed -n 's/^# card: *//p' "$f" | head -1)" = "$preferred" ]; then first+=("$f"); else later+=("$f"); fi
+  done
+  steps_files=(${first[@]+"${first[@]}"} ${later[@]+"${later[@]}"})
+  echo "lists, $preferred first: ${steps_files[*]}" | tee -a "$FINAL/steps.txt"
+fi
 while read -r -u 3 seconds name command; do  # fd 3: a step reading stdin must not eat the list
   case "$seconds" in ''|'#'*) continue ;; esac
   if [ $((SECONDS - start + seconds)) -gt "$total" ]; then

@@ -344,15 +344,67 @@ def test_serve_loop_pattern_with_keep_prefix_returns_everything_but_the_system_p
     assert sorted(table.allocator._free) == list(range(1, 64))
 
 
+def test_rewind_drops_rejected_drafts_and_keeps_a_shared_prefix():
+    # A verify step scheduled 4 drafts after an 8-token prompt whose first 4 tokens another request shares; 1 draft
+    # is accepted: rewinding to 9 frees the 3 rejected slots; rewinding into the shared prefix frees only this
+    # request's own slots (the other still lists the shared ones), and the table stays exact.
+    table = table_with(num_slots=32, max_context=16)
+    owner = prefill(table, list(range(8)))
+    user = table.add(list(range(4)) + [50, 51], shared_prefix_from=owner, shared_len=4)
+    owner.tokens += [60, 61, 62, 63]
+    table.schedule([owner], [4], **EXTEND)
+    slots = table.req_to_token[owner.row, :12].tolist()
+    free_before = table.allocator.available
+    assert table.rewind(owner, 9) == 9 == owner.cached
+    assert table.allocator.available == free_before + 3
+    assert table.req_to_token[owner.row, :9].tolist() == slots[:9] and not table.req_to_token[owner.row, 9:].any()
+    assert set(slots[9:]) <= set(table.allocator._free)
+    assert table.rewind(owner, 2) == 2  # into the shared prefix: positions 2, 3 stay the user's
+    assert [table.slot_refs(s) for s in slots[:5]] == [2, 2, 1, 1, 0]
+    assert table.allocator.available == free_before + 8
+    table.finish(user)  # its own positions 2, 3 go back; 0, 1 stay the owner's
+    assert table.allocator.available == free_before + 10
+    assert table.rewind(owner, 2) == 2  # already there: nothing changes
+    for bad, match in ((3, r"rewind\(cached\) must be in \[0, 2\]"), (-1, r"rewind\(cached\) must be in"),
+                       (1.5, r"rewind\(cached\) must be an int")):
+        rejected(table, lambda: table.rewind(owner, bad), match)
+    table.finish(owner)
+    assert table.allocator.available == free_before + 12
+    rejected(table, lambda: table.rewind(owner, 0), r"rewind\(request\): .* is not a live request")
+
+
+def test_rewind_with_pages_keeps_an_own_partial_page_and_drops_a_shared_one():
+    P = 8
+    table = RequestTable(4, 64, SlotAllocator(8 * P, seed=1, page_size=P))
+    big = dict(EXTEND, token_bucket=32, max_extend_len=32, max_seq_len=64)
+    owner = table.add(list(range(20)))
+    table.schedule([owner], [20], **big)  # pages 0-1 full, page 2 holds 4 tokens
+    pages = table.req_to_page[owner.row, :3].tolist()
+    assert table.rewind(owner, 18) == 18  # inside its own last page: the page stays
+    assert table.req_to_page[owner.row, :3].tolist() == pages and not table.req_to_token[owner.row, 18:].any()
+    assert table.rewind(owner, 16) == 16  # the page boundary: page 2 goes back
+    assert pages[2] in table.allocator._free and table.page_refs(pages[2]) == 0
+    user = table.add(list(range(16)) + [9], shared_prefix_from=owner, shared_len=16)  # shares pages 0 and 1
+    assert table.rewind(owner, 12) == 8  # into shared page 1: dropped whole, the rest recomputed into an own page
+    assert table.page_refs(pages[1]) == 1 and table.page_refs(pages[0]) == 2 and pages[1] not in table.allocator._free
+    assert table.req_to_page[owner.row, :2].tolist() == [pages[0], 0]
+    table.schedule([owner], [8], **big)  # positions 8..15 into a fresh page, not page 1
+    assert table.req_to_page[owner.row, 1] not in pages and table.page_refs(pages[1]) == 1
+    table.finish(user)
+    table.finish(owner)
+    assert table.allocator.available_pages == 7
+
+
 # ---- The stateful test -----------------------------------------------------------------------------------
 
 TOKENS = st.integers(0, 50)
 ONE_IN_8 = st.sampled_from([False] * 7 + [True])  # False first: Hypothesis favours the first element
-ACTIONS = ["extend", "append_tokens", "decode", "finish"] * 3 + ["add", "add", "add_shared", "add_shared", "alloc_directly", "free_directly"]
+ACTIONS = (["extend", "append_tokens", "decode", "finish"] * 3
+           + ["add", "add", "add_shared", "add_shared", "rewind", "rewind", "alloc_directly", "free_directly"])
 
 
 class ServingMachine(RuleBasedStateMachine):
-    """Random add / shared add / extend / decode / finish / alloc / free, valid and invalid, against a model.
+    """Random add / shared add / extend / decode / rewind / finish / alloc / free, valid and invalid, against a model.
 
     The model: `owned[request]` is the list of slots (by position) the request lists, `mine` the pages (slots at
     page size 1) the caller got from `alloc`, `free` the rest. It decides independently whether each call must
@@ -368,6 +420,8 @@ class ServingMachine(RuleBasedStateMachine):
         P, ctx = self.PAGE_SIZE, self.MAX_CTX
         self.num_pages = self.NUM_SLOTS // P
         prompts = data.draw(st.lists(st.lists(TOKENS, min_size=1, max_size=ctx), min_size=1, max_size=3))
+        if P > 1:  # one prompt whose prefilled half spans a whole page, so prefix hits share pages
+            prompts.append(data.draw(st.lists(TOKENS, min_size=2 * P + 4, max_size=2 * P + 4)))
         self.table = RequestTable(self.MAX_REQS, ctx, SlotAllocator(self.NUM_SLOTS, seed=seed, page_size=P))
         self.alloc = self.table.allocator
         self.owned: dict[int, tuple[Request, list[int]]] = {}  # id(request) -> (request, slots)
@@ -441,7 +495,7 @@ class ServingMachine(RuleBasedStateMachine):
         owner = self.pick_request(data)
         live = id(owner) in self.owned
         cached = len(self.slots_of(owner)) if live else owner.cached
-        shared_len = data.draw(st.sampled_from(list(range(cached + 1)) * 3 + [-1, cached + 1]))
+        shared_len = data.draw(st.sampled_from(list(range(cached + 1)) * 3 + [cached] * 4 + [-1, cached + 1]))
         tail = data.draw(st.lists(TOKENS, max_size=3 * self.CHUNK))
         prefix = list(owner.tokens[: max(shared_len, 0)])
         if prefix and data.draw(ONE_IN_8):
@@ -559,6 +613,25 @@ class ServingMachine(RuleBasedStateMachine):
             still = {p for _, other in self.owned.values() for p in self.pages_of(other)}
             self.free |= set(self.pages_of(slots)) - still
             self.finished.append(request)
+
+    def rewind(self, data):
+        if not self.owned:
+            return
+        request = self.pick_request(data)
+        live = id(request) in self.owned
+        cached = len(self.slots_of(request)) if live else request.cached
+        P, slots = self.PAGE_SIZE, self.slots_of(request) if live else []
+        others = {p for key, (_, other) in self.owned.items() if key != id(request) for p in self.pages_of(other)}
+        inside_shared = [i + 1 for i, slot in enumerate(slots) if slot // P in others and (i + 1) % P]
+        n = data.draw(st.sampled_from(list(range(cached + 1)) * 2 + inside_shared * 8 + [-1, cached + 1]))
+        ok = live and 0 <= n <= cached
+        got = self.expect(ok, lambda: self.table.rewind(request, n))
+        if ok:
+            if n % P and slots[n - 1] // P in others:
+                n = n // P * P  # a shared (full) page is dropped whole: never written again
+            assert got == n == request.cached
+            self.free |= set(self.pages_of(slots)) - set(self.pages_of(slots[:n])) - others
+            del slots[n:]
 
     def alloc_directly(self, data):
         n = data.draw(st.sampled_from([0, 1, 1, 2, 2, 3, -1, len(self.free) + 1]))

@@ -13,7 +13,8 @@ Ownership: every pool slot 1..num_slots-1 is either free in the `SlotAllocator` 
 holder: the caller (a plain `alloc`) or one `RequestTable`. Slot 0 is the padding slot and is never handed
 out. Inside a table, each slot a live request lists has a reference count: a request created with
 `shared_prefix_from` shares its owner's first `shared_len` slots (one more reference each), and a slot goes
-back to the pool exactly once, when the last request listing it finishes. Requests can finish in any order.
+back to the pool exactly once, when the last request listing it finishes (or rewinds past it: `rewind`).
+Requests can finish in any order.
 
 Pages (issue 23; `jaxattn.paging`'s layout). `SlotAllocator(num_slots, page_size=P)` hands out whole pages: page p
 is the page-aligned slot run `[p * P, (p + 1) * P)`, page 0 (slots `[0, P)`) is the padding page and never handed
@@ -330,6 +331,17 @@ class RequestTable:
         self.requests[row] = request
         return request
 
+    def _drop_references(self, pages: list[int], where: str) -> None:
+        """Drops a request's reference to each of `pages` (slots at page size 1); those no other live request lists
+        go back to the allocator, which checks them all before anything changes."""
+        released = [p for p in pages if self._refs[p] == 1]
+        what = "slots" if self.page_size == 1 else "pages"
+        self.allocator._release(released, self, f"{where}: the request's {what}")
+        for p in pages:
+            self._refs[p] -= 1
+            if not self._refs[p]:
+                del self._refs[p]
+
     def finish(self, request: Request, keep_prefix: int = 0) -> None:
         """Releases the request's row and its references to its pages (slots at page size 1); pages no other
         live request lists go back to the pool (each exactly once).
@@ -340,18 +352,38 @@ class RequestTable:
         """
         request = self._check_live("finish(request)", request)
         _int("finish(keep_prefix)", keep_prefix, high=request.cached)
-        slots = self.req_to_page[request.row, : self._pages(request.cached)].tolist()
-        released = [s for s in slots if self._refs[s] == 1]
-        what = "slots" if self.page_size == 1 else "pages"
-        self.allocator._release(released, self, f"finish: the request's {what}")  # checks before it changes anything
-        for s in slots:
-            self._refs[s] -= 1
-            if not self._refs[s]:
-                del self._refs[s]
+        self._drop_references(self.req_to_page[request.row, : self._pages(request.cached)].tolist(), "finish")
         self.req_to_token[request.row] = 0
         self.req_to_page[request.row] = 0
         del self.requests[request.row]
         self.free_rows.append(request.row)
+
+    def rewind(self, request: Request, cached: int) -> int:
+        """Drops the request's cached tokens from position `cached` on; returns its new `cached`.
+
+        For a speculative verify step's rejected drafts (`schedule` gave every draft a slot; keep the accepted ones:
+        `rewind(request, request.cached - rejected)`) or a step that failed after `schedule`. The pages (slots at page
+        size 1) past the new end drop this request's reference, those no other live request lists go back to the pool
+        (each exactly once, as `finish` does), and the request's req_to_token / req_to_page entries past the end are
+        zeroed. `request.tokens` is the caller's and stays as it is: replace the rejected tokens before the next
+        `schedule`. With pages (P > 1), a rewind into a page another request also lists (a shared prefix page, always
+        full) drops that page too, so it is never written again: the new `cached` is its first position, and the next
+        extend recomputes the rest into a page of the request's own (as `add` does with a partly shared page).
+        Checked first (a live request of this table; `cached` an int in [0, request.cached]); a rejected call changes
+        nothing."""
+        request = self._check_live("rewind(request)", request)
+        new_cached = _int("rewind(cached)", cached, high=request.cached)
+        P, row = self.page_size, request.row
+        kept = self._pages(new_cached)
+        if new_cached % P and self._refs[int(self.req_to_page[row, kept - 1])] > 1:
+            kept -= 1  # a shared page is full and read only: this request will not write its tail
+            new_cached = kept * P
+        dropped = self.req_to_page[row, kept : self._pages(request.cached)].tolist()
+        self._drop_references(dropped, "rewind")
+        self.req_to_token[row, new_cached : request.cached] = 0
+        self.req_to_page[row, kept : kept + len(dropped)] = 0
+        request._cached = new_cached
+        return new_cached
 
     def schedule(self, requests: list[Request], new_counts: list[int], *, mode: ForwardMode, batch_bucket: int,
                  token_bucket: int, max_extend_len: int, kv_capacity: int, max_seq_len: int):

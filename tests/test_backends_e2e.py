@@ -133,6 +133,53 @@ def test_tree_verification_equals_sequential_decoding_of_each_path(rng, backend_
 
 
 @pytest.mark.parametrize("backend_cls", BACKENDS)
+def test_speculative_decoding_with_rewound_drafts_equals_greedy_decoding(rng, backend_cls):
+    # Greedy speculative decoding: each round verifies the current token and 3 drafts (a chain, as a TARGET_VERIFY
+    # step), keeps the drafts the target agrees with plus its next token, and gives the rejected drafts' slots back
+    # with RequestTable.rewind. The tokens must be plain greedy decoding's, and the slots reused after a rewind
+    # (overwritten by later tokens) must not leak into any later step.
+    config = dataclasses.replace(CONFIG, window_layers=())
+    backend = backend_cls()
+    params, cache, table = new_state(rng, config)
+    step = make_step(backend, params, config=config)
+    prompt, new_tokens, k = list(rng.integers(0, config.vocab, 6)), 10, 3
+    greedy = list(prompt)
+    for _ in range(new_tokens):
+        greedy.append(int(np.argmax(dense_prefix_logits(params, config, greedy)[-1])))
+    free_at_start = table.allocator.available
+    request = table.add(prompt)
+    batch, token_ids = table.schedule([request], [len(prompt)], mode=ForwardMode.EXTEND, batch_bucket=2, token_bucket=8,
+                                      max_extend_len=8, **BUCKETS)
+    logits, cache = step(cache, batch, jnp.asarray(table.req_to_token), token_ids)
+    request.tokens.append(int(np.argmax(np.asarray(logits)[len(prompt) - 1])))  # the current token: not cached yet
+    rejected_total = 0
+    while len(request.tokens) < len(greedy):
+        cached = request.cached
+        # Drafts: the greedy continuation, each wrong with probability 0.4 (a draft model's guesses).
+        truth = greedy[len(request.tokens) : len(request.tokens) + k] + [0] * k
+        drafts = [t if rng.random() < 0.6 else (t + 1) % config.vocab for t in truth[:k]]
+        request.tokens += drafts
+        batch, token_ids = table.schedule([request], [1 + k], mode=ForwardMode.EXTEND, batch_bucket=2, token_bucket=8,
+                                          max_extend_len=8, **BUCKETS)
+        mask = tree_mask_for_verify(list(range(-1, k)), cached).reshape(-1)
+        mask = np.concatenate([mask, np.zeros(200 - mask.size, bool)])
+        batch = dataclasses.replace(batch, mode=ForwardMode.TARGET_VERIFY, custom_mask=jnp.asarray(mask))
+        logits, cache = step(cache, batch, jnp.asarray(table.req_to_token), token_ids)
+        predicted = np.argmax(np.asarray(logits)[: 1 + k], axis=-1).tolist()  # row i: the token after row i
+        accepted = 0
+        while accepted < k and drafts[accepted] == predicted[accepted]:
+            accepted += 1
+        rejected_total += k - accepted
+        assert table.rewind(request, cached + 1 + accepted) == cached + 1 + accepted
+        del request.tokens[cached + 1 + accepted :]
+        request.tokens.append(predicted[accepted])  # the target's own next token: the new current token
+    assert request.tokens[: len(greedy)] == greedy
+    assert rejected_total > 0  # rewinds happened (the draws above make some drafts wrong)
+    table.finish(request)
+    assert table.allocator.available == free_at_start
+
+
+@pytest.mark.parametrize("backend_cls", BACKENDS)
 def test_donated_pool_is_updated_in_place_and_only_at_the_written_slots(rng, backend_cls):
     backend = backend_cls()
     params, cache, table = new_state(rng)

@@ -370,7 +370,8 @@ class RequestTable:
         full) drops that page too, so it is never written again: the new `cached` is its first position, and the next
         extend recomputes the rest into a page of the request's own (as `add` does with a partly shared page).
         Checked first (a live request of this table; `cached` an int in [0, request.cached]); a rejected call changes
-        nothing."""
+        nothing. As with `finish`, call it once the step that writes those slots has run (or failed): a batch scheduled
+        before still lists them, and the pool may hand them to another request."""
         request = self._check_live("rewind(request)", request)
         new_cached = _int("rewind(cached)", cached, high=request.cached)
         P, row = self.page_size, request.row

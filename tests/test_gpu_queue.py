@@ -110,3 +110,27 @@ def test_each_list_names_the_card_it_wants(name):
     with open(os.path.join(QUEUE, name)) as f:
         first = f.readline().strip()
     assert re.fullmatch(r"# card: (h200|any)", first), f"{name}: first line {first!r}, want '# card: h200' or 'any'"
+
+
+@pytest.mark.parametrize("card,order", [("NVIDIA H200", "a b c"), ("NVIDIA H100 80GB HBM3", "b a c"), (None, "b a c")])
+def test_gpu_session_runs_the_lists_for_the_card_it_got_first(tmp_path, card, order):
+    # gpu_session.sh --by-card on a stand-in machine: a fake nvidia-smi names the card (none: no GPU seen), the
+    # install step is a no-op; steps.txt names the card and the steps ran in the card's order.
+    import shutil
+
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(os.path.join(ROOT, "scripts", "gpu_session.sh"), tmp_path / "scripts")
+    (tmp_path / "scripts" / "gpu_env.sh").write_text("true\n")
+    (tmp_path / "bin").mkdir()
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\necho '{card}'\n" if card else "#!/bin/sh\nexit 1\n")
+    smi.chmod(0o755)
+    lists = {"1_a.steps": "h200", "2_b.steps": "any", "3_c.steps": None}
+    for name, tag in lists.items():
+        (tmp_path / name).write_text((f"# card: {tag}\n" if tag else "") + f"5 {name[2]} echo {name[2]}\n")
+    env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", OUT=str(tmp_path / "out"))
+    subprocess.run(["bash", "scripts/gpu_session.sh", "--by-card", *lists, "30"], cwd=tmp_path, env=env, check=True,
+                   capture_output=True, timeout=60)
+    steps_txt = (tmp_path / "out" / "steps.txt").read_text().splitlines()
+    assert steps_txt[0].endswith(card or "no GPU seen")
+    assert [line.split()[0] for line in steps_txt if " rc=" in line] == order.split()

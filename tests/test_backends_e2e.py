@@ -132,20 +132,27 @@ def test_tree_verification_equals_sequential_decoding_of_each_path(rng, backend_
         np.testing.assert_allclose(np.asarray(logits)[i], want, atol=2e-4, rtol=2e-4)
 
 
+def greedy_decoding_setup(rng, backend_cls, new_tokens):
+    """(config, params, cache, table, step, prompt, greedy) for the speculative tests: the toy model without window
+    layers (verify masks index the drafts), a 6-token prompt and its greedy continuation by dense recomputation."""
+    config = dataclasses.replace(CONFIG, window_layers=())
+    params, cache, table = new_state(rng, config)
+    step = make_step(backend_cls(), params, config=config)
+    prompt = list(rng.integers(0, config.vocab, 6))
+    greedy = list(prompt)
+    for _ in range(new_tokens):
+        greedy.append(int(np.argmax(dense_prefix_logits(params, config, greedy)[-1])))
+    return config, params, cache, table, step, prompt, greedy
+
+
 @pytest.mark.parametrize("backend_cls", BACKENDS)
 def test_speculative_decoding_with_rewound_drafts_equals_greedy_decoding(rng, backend_cls):
     # Greedy speculative decoding: each round verifies the current token and 3 drafts (a chain, as a TARGET_VERIFY
     # step), keeps the drafts the target agrees with plus its next token, and gives the rejected drafts' slots back
     # with RequestTable.rewind. The tokens must be plain greedy decoding's, and the slots reused after a rewind
     # (overwritten by later tokens) must not leak into any later step.
-    config = dataclasses.replace(CONFIG, window_layers=())
-    backend = backend_cls()
-    params, cache, table = new_state(rng, config)
-    step = make_step(backend, params, config=config)
-    prompt, new_tokens, k = list(rng.integers(0, config.vocab, 6)), 10, 3
-    greedy = list(prompt)
-    for _ in range(new_tokens):
-        greedy.append(int(np.argmax(dense_prefix_logits(params, config, greedy)[-1])))
+    config, params, cache, table, step, prompt, greedy = greedy_decoding_setup(rng, backend_cls, new_tokens=10)
+    k = 3
     free_at_start = table.allocator.available
     request = table.add(prompt)
     batch, token_ids = table.schedule([request], [len(prompt)], mode=ForwardMode.EXTEND, batch_bucket=2, token_bucket=8,
@@ -175,6 +182,52 @@ def test_speculative_decoding_with_rewound_drafts_equals_greedy_decoding(rng, ba
         request.tokens.append(predicted[accepted])  # the target's own next token: the new current token
     assert request.tokens[: len(greedy)] == greedy
     assert rejected_total > 0  # rewinds happened (the draws above make some drafts wrong)
+    table.finish(request)
+    assert table.allocator.available == free_at_start
+
+
+@pytest.mark.parametrize("backend_cls", BACKENDS)
+def test_a_tree_verify_step_keeps_the_accepted_branch_and_decoding_goes_on_from_it(rng, backend_cls):
+    # Verify rows: the current token and a draft tree of two branches, cur -> (wrong, g1) -> (x, g2), where g1, g2
+    # are greedy's next tokens: the accepted path is rows 0, 2, 4, not a prefix of the verify order. accept_drafts
+    # keeps their slots (their K/V were written at their depths' positions) and frees the others; decoding from the
+    # bonus token must give greedy decoding's tokens.
+    config, params, cache, table, step, prompt, greedy = greedy_decoding_setup(rng, backend_cls, new_tokens=6)
+    free_at_start = table.allocator.available
+    request = table.add(prompt)
+    schedule = functools.partial(table.schedule, batch_bucket=2, token_bucket=8, max_extend_len=8, **BUCKETS)
+    batch, token_ids = schedule([request], [len(prompt)], mode=ForwardMode.EXTEND)
+    logits, cache = step(cache, batch, jnp.asarray(table.req_to_token), token_ids)
+    cur, g1, g2 = int(np.argmax(np.asarray(logits)[len(prompt) - 1])), greedy[7], greedy[8]
+    assert cur == greedy[6]
+    parents, depth = [-1, 0, 0, 1, 2], [0, 1, 1, 2, 2]
+    request.tokens += [cur, (g1 + 1) % config.vocab, g1, int(rng.integers(config.vocab)), g2]
+    first = request.cached
+    batch, token_ids = schedule([request], [len(parents)], mode=ForwardMode.EXTEND)
+    mask = tree_mask_for_verify(parents, first).reshape(-1)
+    positions = np.array(batch.positions)
+    positions[: len(parents)] = first + np.asarray(depth)
+    batch = dataclasses.replace(batch, mode=ForwardMode.TARGET_VERIFY, positions=jnp.asarray(positions),
+                                custom_mask=jnp.asarray(np.concatenate([mask, np.zeros(200 - mask.size, bool)])))
+    logits, cache = step(cache, batch, jnp.asarray(table.req_to_token), token_ids)
+    predicted = np.argmax(np.asarray(logits)[: len(parents)], axis=-1).tolist()
+    path = [0]
+    while True:  # follow the child whose token the target predicts
+        children = [i for i, p in enumerate(parents) if p == path[-1] and request.tokens[first + i] == predicted[path[-1]]]
+        if not children:
+            break
+        path.append(children[0])
+    assert path == [0, 2, 4]
+    slots = table.req_to_token[request.row, first : first + len(parents)].tolist()
+    assert table.accept_drafts(request, first, path) == first + 3 == request.cached
+    assert table.req_to_token[request.row, first : first + 3].tolist() == [slots[i] for i in path]
+    assert not table.req_to_token[request.row, first + 3 :].any() and {slots[1], slots[3]} <= set(table.allocator._free)
+    request.tokens[first:] = [cur, g1, g2, predicted[4]]  # the accepted path, then the target's bonus token
+    for _ in range(2):
+        batch, token_ids = schedule([request], [1], mode=ForwardMode.DECODE, token_bucket=2)
+        logits, cache = step(cache, batch, jnp.asarray(table.req_to_token), token_ids)
+        request.tokens.append(int(np.argmax(np.asarray(logits)[0])))
+    assert request.tokens == greedy[: len(request.tokens)] and len(request.tokens) == len(greedy)
     table.finish(request)
     assert table.allocator.available == free_at_start
 

@@ -395,16 +395,46 @@ def test_rewind_with_pages_keeps_an_own_partial_page_and_drops_a_shared_one():
     assert table.allocator.available_pages == 7
 
 
+def test_accept_drafts_keeps_an_accepted_branch_and_refuses_what_would_move_a_shared_slot_or_a_page():
+    table = table_with(num_slots=32, max_context=16)
+    owner = prefill(table, list(range(8)))
+    owner.tokens += [20, 21, 22, 23, 24]  # verify tokens: cur, then a tree cur -> (21, 22) -> (23 under 21, 24 under 22)
+    table.schedule([owner], [5], **EXTEND)
+    slots = table.req_to_token[owner.row, :13].tolist()
+    for bad, match in (([0, 0], "must be increasing"), ([2, 1], "must be increasing"), ([5], r"kept\[0\]\) must be in \[0, 4\]"),
+                       (3, "must be a sequence"), ([0.5], r"kept\[0\]\) must be an int")):
+        rejected(table, lambda: table.accept_drafts(owner, 8, bad), match)
+    rejected(table, lambda: table.accept_drafts(owner, 14, [0]), r"accept_drafts\(first\) must be in \[0, 13\]")
+    user = table.add(list(range(8)) + [20, 21, 22], shared_prefix_from=owner, shared_len=10)  # shares positions 0-9
+    rejected(table, lambda: table.accept_drafts(owner, 8, [0, 2, 4]), "position 8 is shared with another request")
+    table.finish(user)
+    free_before = table.allocator.available
+    assert table.accept_drafts(owner, 8, [0, 2, 4]) == 11 == owner.cached  # cur, 22, 24
+    assert table.req_to_token[owner.row, :11].tolist() == slots[:8] + [slots[8], slots[10], slots[12]]
+    assert not table.req_to_token[owner.row, 11:].any() and table.allocator.available == free_before + 2
+    assert table.accept_drafts(owner, 9, [0]) == 10  # a prefix: a rewind
+    table.finish(owner)
+    assert table.allocator.available == 31
+    P = 8
+    paged = RequestTable(4, 64, SlotAllocator(8 * P, seed=1, page_size=P))
+    request = paged.add(list(range(20)))
+    paged.schedule([request], [20], **dict(EXTEND, token_bucket=32, max_extend_len=32, max_seq_len=64))
+    rejected(paged, lambda: paged.accept_drafts(request, 16, [0, 2]), "with page_size 8 a kept token cannot move")
+    assert paged.accept_drafts(request, 16, [0, 1]) == 18
+
+
 # ---- The stateful test -----------------------------------------------------------------------------------
 
 TOKENS = st.integers(0, 50)
 ONE_IN_8 = st.sampled_from([False] * 7 + [True])  # False first: Hypothesis favours the first element
 ACTIONS = (["extend", "append_tokens", "decode", "finish"] * 3
-           + ["add", "add", "add_shared", "add_shared", "rewind", "rewind", "alloc_directly", "free_directly"])
+           + ["add", "add", "add_shared", "add_shared", "rewind", "rewind", "accept_drafts", "accept_drafts",
+              "alloc_directly", "free_directly"])
 
 
 class ServingMachine(RuleBasedStateMachine):
-    """Random add / shared add / extend / decode / rewind / finish / alloc / free, valid and invalid, against a model.
+    """Random add / shared add / extend / decode / rewind / accept_drafts / finish / alloc / free, valid and invalid,
+    against a model.
 
     The model: `owned[request]` is the list of slots (by position) the request lists, `mine` the pages (slots at
     page size 1) the caller got from `alloc`, `free` the rest. It decides independently whether each call must
@@ -627,11 +657,46 @@ class ServingMachine(RuleBasedStateMachine):
         ok = live and 0 <= n <= cached
         got = self.expect(ok, lambda: self.table.rewind(request, n))
         if ok:
-            if n % P and slots[n - 1] // P in others:
-                n = n // P * P  # a shared (full) page is dropped whole: never written again
-            assert got == n == request.cached
-            self.free |= set(self.pages_of(slots)) - set(self.pages_of(slots[:n])) - others
-            del slots[n:]
+            assert got == self.model_rewind(request, n) == request.cached
+
+    def model_rewind(self, request, n):
+        """The model's side of a rewind to n (a shared page is dropped whole); returns the new cached count."""
+        P, slots = self.PAGE_SIZE, self.slots_of(request)
+        others = {p for key, (_, other) in self.owned.items() if key != id(request) for p in self.pages_of(other)}
+        if n % P and slots[n - 1] // P in others:
+            n = n // P * P  # a shared (full) page is dropped whole: never written again
+        self.free |= set(self.pages_of(slots)) - set(self.pages_of(slots[:n])) - others
+        del slots[n:]
+        return n
+
+    def accept_drafts(self, data):
+        if not self.owned:
+            return
+        request = self.pick_request(data)
+        live = id(request) in self.owned
+        slots = self.slots_of(request) if live else []
+        cached = len(slots) if live else request.cached
+        first = data.draw(st.sampled_from(list(range(cached + 1)) * 2 + list(range(cached // 2)) * 4 + [-1, cached + 1]))
+        span = max(cached - first, 0)
+        kept = sorted(data.draw(st.sets(st.integers(0, max(span - 1, 0)), max_size=span))) if span else []
+        if span >= 3 and data.draw(st.booleans()):
+            kept = list(range(0, span, 2))  # a second branch's path: 0, 2, 4, ... (slots move)
+        if data.draw(ONE_IN_8):
+            kept = kept[::-1] or [span]  # not increasing, or past the drafts
+        others = {p for key, (_, other) in self.owned.items() if key != id(request) for p in self.pages_of(other)}
+        prefix = kept == list(range(len(kept)))
+        ok = live and 0 <= first <= cached and all(0 <= k < span for k in kept)
+        ok = ok and all(b > a for a, b in zip(kept, kept[1:]))
+        if ok and not prefix:  # slots move: page size 1 only, none shared
+            ok = self.PAGE_SIZE == 1 and not any(slots[first + i] in others for i in range(span))
+        got = self.expect(ok, lambda: self.table.accept_drafts(request, first, kept))
+        if ok and prefix:
+            assert got == self.model_rewind(request, first + len(kept)) == request.cached
+        elif ok:
+            moved = [slots[first + i] for i in kept]
+            self.free |= set(slots[first:]) - set(moved)
+            slots[first:] = moved
+            assert got == len(slots) == request.cached
 
     def alloc_directly(self, data):
         n = data.draw(st.sampled_from([0, 1, 1, 2, 2, 3, -1, len(self.free) + 1]))

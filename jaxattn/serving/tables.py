@@ -386,6 +386,45 @@ class RequestTable:
         request._cached = new_cached
         return new_cached
 
+    def accept_drafts(self, request: Request, first: int, kept) -> int:
+        """After a verify step over a draft tree: keeps the tokens `kept` of the request's cached tokens from position
+        `first` on (indices counted from `first`, increasing: the accepted path in the tree's topological order) as
+        positions first, first + 1, ...; the other tokens' slots from `first` on go back. Returns the new `cached`,
+        first + len(kept).
+
+        The kept tokens' K/V stay where the verify step wrote them, at the positions of their depth in the tree, which
+        the accepted path's tokens now hold: no K/V moves. A path that is not a prefix of the verify order (a branch
+        other than the first) moves slots to other positions, which whole pages cannot do: with page_size > 1 only a
+        prefix (`rewind`) is taken, and a slot another request lists never moves. As `rewind`, the caller's
+        `request.tokens` stay as they are (put the accepted path there), and the call is checked first and
+        transactional.
+        """
+        request = self._check_live("accept_drafts(request)", request)
+        first = _int("accept_drafts(first)", first, high=request.cached)
+        drafts = request.cached - first
+        if isinstance(kept, (int, np.integer)) or not hasattr(kept, "__len__"):
+            raise ServingError(f"accept_drafts(kept) must be a sequence of token indices; got {kept!r}")
+        kept = [_int(f"accept_drafts(kept[{i}])", k, high=drafts - 1) for i, k in enumerate(list(kept))]
+        if any(b <= a for a, b in zip(kept, kept[1:])):
+            raise ServingError(f"accept_drafts(kept) must be increasing (a path in the tree's topological order); got {kept}")
+        if kept == list(range(len(kept))):  # a prefix of the verify order: nothing moves
+            return self.rewind(request, first + len(kept))
+        row = request.row
+        slots = self.req_to_token[row, first : request.cached].tolist()
+        if self.page_size != 1:
+            raise ServingError(f"accept_drafts(kept={kept}): with page_size {self.page_size} a kept token cannot move "
+                               f"to another position of its page; keep a prefix of the verify order (rewind)")
+        shared = [first + i for i, s in enumerate(slots) if self._refs[s] > 1]
+        if shared:
+            raise ServingError(f"accept_drafts(first={first}): position {shared[0]} is shared with another request; "
+                               f"its slot cannot move")
+        kept_slots = [slots[i] for i in kept]
+        self._drop_references([s for i, s in enumerate(slots) if i not in set(kept)], "accept_drafts")
+        self.req_to_token[row, first : request.cached] = 0
+        self.req_to_token[row, first : first + len(kept)] = kept_slots
+        request._cached = first + len(kept)
+        return request.cached
+
     def schedule(self, requests: list[Request], new_counts: list[int], *, mode: ForwardMode, batch_bucket: int,
                  token_bucket: int, max_extend_len: int, kv_capacity: int, max_seq_len: int):
         """Allocates slots for each request's next `new_counts` tokens and builds the padded step inputs.

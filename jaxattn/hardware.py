@@ -11,6 +11,10 @@ import dataclasses
 import functools
 
 import jax
+# Imported here, not first inside a caller's jitted step: the Mosaic GPU routes' checks import Pallas while tracing,
+# and on jax 0.12 importing Pallas registers config states that are part of jit's cache key, so a step whose first
+# trace did the import traced again at its next call (tests/test_backends_e2e.py's trace count on the newest stack).
+import jax.experimental.pallas  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)

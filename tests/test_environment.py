@@ -92,3 +92,25 @@ def test_no_product_file_names_a_path_outside_the_repository():
         with open(os.path.join(root, name), errors="replace") as f:
             found += [f"{name}:{n}" for n, line in enumerate(f, 1) if outside.search(line)]
     assert not found, found
+
+
+def test_a_jitted_step_does_not_trace_again_when_the_mosaic_gpu_routes_import_pallas():
+    # The Mosaic GPU routes' checks import Pallas inside a caller's trace; on jax 0.12 that import registers config
+    # states in jit's cache key, so a step traced before it traced again afterwards. Importing jaxattn's ops must
+    # already have imported it (a fresh interpreter: the suite's own imports would hide it).
+    import subprocess
+
+    code = (
+        "import jax, jax.numpy as jnp\n"
+        "import jaxattn.decode, jaxattn.extend, jaxattn.backends\n"
+        "traces = []\n"
+        "f = jax.jit(lambda x: traces.append(1) or x + 1)\n"
+        "f(jnp.ones(2))\n"
+        "import jax.experimental.pallas.mosaic_gpu, jaxattn.kernels.decode_attention_mgpu\n"
+        "f(jnp.ones(2))\n"
+        "assert len(traces) == 1, len(traces)\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert run.returncode == 0, run.stderr[-2000:]

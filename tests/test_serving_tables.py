@@ -5,6 +5,7 @@ table exactly as they were; no slot is ever held twice (except a prefix shared b
 handed out, and a shared prefix stays allocated while any live request lists it.
 """
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
@@ -423,18 +424,53 @@ def test_accept_drafts_keeps_an_accepted_branch_and_refuses_what_would_move_a_sh
     assert paged.accept_drafts(request, 16, [0, 1]) == 18
 
 
+@pytest.mark.parametrize("page_size", [1, 8])
+def test_reserve_holds_the_draft_steps_slots_where_draft_decode_metadata_reads_them(page_size):
+    # EAGLE's draft phase: topk x steps slots after each sequence, branch t's depth-j token at position
+    # cached + t * steps + j; reserve lists them, the draft lists read them, and rewind gives them back.
+    from jaxattn.triton_backend import draft_decode_metadata
+
+    topk, steps = 2, 3
+    table = RequestTable(4, 64, SlotAllocator(8 * page_size if page_size > 1 else 64, seed=2, page_size=page_size))
+    big = dict(EXTEND, token_bucket=32, max_extend_len=32, max_seq_len=64)
+    requests = [table.add(list(range(n))) for n in (5, 11)]
+    table.schedule(requests, [5, 11], **big)
+    free_before = table.allocator.available
+    reserved = [table.reserve(r, topk * steps) for r in requests]
+    assert [r.cached for r in requests] == [5 + topk * steps, 11 + topk * steps]
+    rows = np.array([r.row for r in requests], np.int32)
+    seq_lens = np.array([5, 11], np.int32)
+    tables = table.page_table() if page_size > 1 else jnp.asarray(table.req_to_token)
+    draft = draft_decode_metadata(tables, jnp.asarray(rows), jnp.asarray(seq_lens), speculative_num_steps=steps,
+                                  topk=topk, kv_capacity=128, q_heads=4, kv_heads=2, max_kv_splits=2,
+                                  max_context_len=64)
+    for i in range(steps - 1):
+        want = [reserved[b][t * steps + i] for b in range(2) for t in range(topk)]
+        assert np.asarray(draft.out_cache_loc[i]).tolist() == want
+    for r, n in zip(requests, (5, 11)):
+        table.rewind(r, n)
+    assert table.allocator.available == free_before
+    r = requests[0]
+    rejected(table, lambda: table.reserve(r, -1), r"reserve\(n\) must be in \[0, 59\]")
+    rejected(table, lambda: table.reserve(r, 60), r"reserve\(n\) must be in")
+    rejected(table, lambda: table.reserve(r, 50 if page_size == 1 else 59), "KV pool exhausted: reserve needs",
+             error=KVPoolExhausted)
+    table.finish(r)
+    rejected(table, lambda: table.reserve(r, 1), r"reserve\(request\): .* is not a live request")
+
+
 # ---- The stateful test -----------------------------------------------------------------------------------
 
 TOKENS = st.integers(0, 50)
 ONE_IN_8 = st.sampled_from([False] * 7 + [True])  # False first: Hypothesis favours the first element
 ACTIONS = (["extend", "append_tokens", "decode", "finish"] * 3
-           + ["add", "add", "add_shared", "add_shared", "rewind", "rewind", "accept_drafts", "accept_drafts",
+           + ["add", "add", "add_shared", "add_shared", "rewind", "rewind", "accept_drafts", "accept_drafts", "reserve",
               "alloc_directly", "free_directly"])
 
 
 class ServingMachine(RuleBasedStateMachine):
-    """Random add / shared add / extend / decode / rewind / accept_drafts / finish / alloc / free, valid and invalid,
-    against a model.
+    """Random add / shared add / extend / decode / reserve / rewind / accept_drafts / finish / alloc / free, valid and
+    invalid, against a model.
 
     The model: `owned[request]` is the list of slots (by position) the request lists, `mine` the pages (slots at
     page size 1) the caller got from `alloc`, `free` the rest. It decides independently whether each call must
@@ -531,7 +567,8 @@ class ServingMachine(RuleBasedStateMachine):
         if prefix and data.draw(ONE_IN_8):
             prefix[0] += 1  # not the owner's tokens: a wrong prefix-cache hit
         tokens = prefix + tail
-        ok = (live and 0 <= shared_len <= cached and prefix == list(owner.tokens[:shared_len]) and len(tokens) <= self.MAX_CTX)
+        ok = (live and 0 <= shared_len <= cached and prefix == list(owner.tokens[:shared_len]) and len(tokens) <= self.MAX_CTX
+              and len(owner.tokens) >= shared_len)  # reserved positions (reserve) have no tokens to share
         full = ok and len(self.owned) >= self.MAX_REQS
         request = self.expect(ok and not full, lambda: self.table.add(tokens, shared_prefix_from=owner, shared_len=shared_len),
                               RequestTableFull if full else ServingError)
@@ -605,27 +642,13 @@ class ServingMachine(RuleBasedStateMachine):
         token_ids, loc, positions = np.asarray(token_ids), np.asarray(batch.out_cache_loc), np.asarray(batch.positions)
         cursor, fresh_all = 0, set()
         for b, (r, n) in enumerate(zip(requests, counts)):
-            old = self.slots_of(r)
-            old_pages = self.pages_of(old)
+            cached = len(self.slots_of(r))
             start = b if decode else cursor
-            new = loc[start : start + n].tolist()
-            assert len(set(new)) == n and 0 not in new
-            fresh = {}
-            for pos, s in zip(range(len(old), len(old) + n), new):
-                assert s % P == pos % P  # page-aligned: position pos sits at page * P + pos % P
-                if pos // P < len(old_pages):
-                    assert s // P == old_pages[pos // P]  # the request's own partly filled last page
-                else:
-                    assert fresh.setdefault(pos // P, s // P) == s // P
-            assert len(fresh) == self.pages_needed(len(old), n)
-            fresh = set(fresh.values())
-            assert fresh <= self.free and not fresh & fresh_all  # fresh pages, each once
+            assert token_ids[start : start + n].tolist() == r.tokens[cached : cached + n]
+            assert positions[start : start + n].tolist() == list(range(cached, cached + n))
+            fresh = self.take_new_slots(r, loc[start : start + n].tolist())
+            assert not fresh & fresh_all  # fresh pages, each once
             fresh_all |= fresh
-            assert token_ids[start : start + n].tolist() == r.tokens[len(old) : len(old) + n]
-            assert positions[start : start + n].tolist() == list(range(len(old), len(old) + n))
-            self.free -= fresh
-            old.extend(new)
-            assert r.cached == len(old)
             cursor += n
         assert (loc[cursor if not decode else len(requests) :] == 0).all()  # padding tokens write to slot 0
 
@@ -668,6 +691,42 @@ class ServingMachine(RuleBasedStateMachine):
         self.free |= set(self.pages_of(slots)) - set(self.pages_of(slots[:n])) - others
         del slots[n:]
         return n
+
+    def reserve(self, data):
+        if not self.owned:
+            return
+        request = self.pick_request(data)
+        live = id(request) in self.owned
+        cached = len(self.slots_of(request)) if live else request.cached
+        room = self.MAX_CTX - cached
+        n = data.draw(st.sampled_from(list(range(min(room, 4 * self.CHUNK) + 1)) * 2 + [-1, room + 1]))
+        ok = live and 0 <= n <= room
+        exhausted = ok and self.pages_needed(cached, n) > len(self.free)
+        got = self.expect(ok and not exhausted, lambda: self.table.reserve(request, n),
+                          KVPoolExhausted if exhausted else ServingError)
+        if got is not None:
+            self.take_new_slots(request, got.tolist())
+
+    def take_new_slots(self, request, new):
+        """Checks the slots a schedule or reserve gave the request's next positions and adds them to the model: its
+        partly filled last page first (page-aligned), then fresh pages, each once. Returns the fresh pages."""
+        P, old = self.PAGE_SIZE, self.slots_of(request)
+        old_pages = self.pages_of(old)
+        assert len(set(new)) == len(new) and 0 not in new
+        fresh = {}
+        for pos, s in zip(range(len(old), len(old) + len(new)), new):
+            assert s % P == pos % P  # page-aligned: position pos sits at page * P + pos % P
+            if pos // P < len(old_pages):
+                assert s // P == old_pages[pos // P]  # the request's own partly filled last page
+            else:
+                assert fresh.setdefault(pos // P, s // P) == s // P
+        assert len(fresh) == self.pages_needed(len(old), len(new))
+        fresh = set(fresh.values())
+        assert fresh <= self.free
+        self.free -= fresh
+        old.extend(new)
+        assert request.cached == len(old)
+        return fresh
 
     def accept_drafts(self, data):
         if not self.owned:

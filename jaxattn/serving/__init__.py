@@ -6,8 +6,8 @@ host-side bookkeeping (`SlotAllocator`, `RequestTable`) that hands the jitted st
   * `jaxattn.serving.tables`: `SlotAllocator`, `Request`, `RequestTable` (numpy, outside jit; every call transactional,
     rejected calls raise `ServingError`). `SlotAllocator(num_slots, page_size=P)` hands out whole pages and
     `RequestTable.page_table()` gives the backends a `jaxattn.paging.PageTable` (whole-page prefix sharing);
-    `RequestTable.rewind` gives back a request's tail and `RequestTable.accept_drafts` keeps a verified draft tree's
-    accepted branch (a verify step's rejected drafts go back to the pool).
+    for speculative decoding, `RequestTable.reserve` holds the draft steps' slots, `rewind` gives back a request's
+    tail and `accept_drafts` keeps a verified draft tree's accepted branch (the rejected drafts go back to the pool).
 """
 
 from jaxattn.serving.batch import ForwardBatch, ForwardMode, tree_mask_for_verify

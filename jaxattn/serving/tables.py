@@ -209,8 +209,9 @@ class SlotAllocator:
 
 class Request:
     """One sequence of a `RequestTable`: its req_to_token `row`, its `tokens` (prompt + generated; the caller
-    appends generated tokens) and `cached`, how many of them have KV in the pool. `row` and `cached` are
-    read-only: the table advances `cached` when it schedules the request."""
+    appends generated tokens) and `cached`, how many positions hold slots in the pool (their KV written by a step,
+    or reserved for draft steps: `RequestTable.reserve`). `row` and `cached` are read-only: the table moves
+    `cached` (schedule, reserve, rewind, accept_drafts)."""
 
     __slots__ = ("_row", "tokens", "_cached")
 
@@ -386,6 +387,26 @@ class RequestTable:
         request._cached = new_cached
         return new_cached
 
+    def reserve(self, request: Request, n: int) -> np.ndarray:
+        """i32[n]: slots for the request's next n positions, held and listed (`cached` advances by n) without a step:
+        the draft phase of speculative decoding, whose draft steps write them (`jaxattn.backends.triton.
+        draft_decode_metadata` reads branch t's depth-j slot at position cached + t * steps + j: reserve topk * steps),
+        then `rewind(request, cached)` gives them back before the verify step. With pages the request's partly filled
+        last page is used first, then whole fresh pages, as `schedule` does. Checked first (a live request, n >= 0,
+        cached + n <= max_context; KVPoolExhausted without enough free slots / pages); a rejected call changes
+        nothing. `request.tokens` is not read."""
+        request = self._check_live("reserve(request)", request)
+        n = _int("reserve(n)", n, high=self.max_context - request.cached)
+        need = self._pages(request.cached + n) - self._pages(request.cached)
+        if need > self.allocator.available_pages:
+            unit = "slots" if self.page_size == 1 else f"pages (page_size {self.page_size})"
+            raise KVPoolExhausted(f"KV pool exhausted: reserve needs {need} {unit}, "
+                                  f"{self.allocator.available_pages} free")
+        new_pages = self.allocator._take(need, self, "reserve")
+        own = self._new_slots(request, n, new_pages)
+        self._commit_slots(request, own, new_pages)
+        return own
+
     def accept_drafts(self, request: Request, first: int, kept) -> int:
         """After a verify step over a draft tree: keeps the tokens `kept` of the request's cached tokens from position
         `first` on (indices counted from `first`, increasing: the accepted path in the tree's topological order) as
@@ -516,9 +537,7 @@ class RequestTable:
                 start = request.cached
                 new_pages = pages[page_cursor : page_cursor + k]
                 page_cursor += k
-                row_pages = np.concatenate([self.req_to_page[request.row, : self._pages(start)], new_pages])
-                pos = np.arange(start, start + n)
-                own = (row_pages[pos // P] * P + pos % P).astype(np.int32)
+                own = self._new_slots(request, n, new_pages)
                 token_pos = b if mode == ForwardMode.DECODE else cursor
                 out_cache_loc[token_pos : token_pos + n] = own
                 positions[token_pos : token_pos + n] = np.arange(start, start + n)
@@ -544,11 +563,22 @@ class RequestTable:
             self.allocator._untake(pages)
             raise
         for request, n, (own, new_pages) in zip(requests, counts, per_request):
-            first = self._pages(request.cached)
-            self.req_to_token[request.row, request.cached : request.cached + n] = own
-            if P != 1:
-                self.req_to_page[request.row, first : first + len(new_pages)] = new_pages
-            for s in new_pages.tolist():
-                self._refs[s] = 1
-            request._cached += n
+            self._commit_slots(request, own, new_pages)
         return batch, token_ids
+
+    def _new_slots(self, request: Request, n: int, new_pages: np.ndarray) -> np.ndarray:
+        """i32[n]: the slots of the request's next n positions: its partly filled last page first, then `new_pages`."""
+        P, start = self.page_size, request.cached
+        row_pages = np.concatenate([self.req_to_page[request.row, : self._pages(start)], new_pages])
+        pos = np.arange(start, start + n)
+        return (row_pages[pos // P] * P + pos % P).astype(np.int32)
+
+    def _commit_slots(self, request: Request, own: np.ndarray, new_pages: np.ndarray) -> None:
+        """Lists `own` (from `_new_slots`) as the request's next positions and holds `new_pages` for it."""
+        first, start = self._pages(request.cached), request.cached
+        self.req_to_token[request.row, start : start + len(own)] = own
+        if self.page_size != 1:
+            self.req_to_page[request.row, first : first + len(new_pages)] = new_pages
+        for p in new_pages.tolist():
+            self._refs[p] = 1
+        request._cached += len(own)

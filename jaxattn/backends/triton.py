@@ -473,7 +473,8 @@ def draft_decode_metadata(
     """Decode metadata of all draft steps in one call (SGLang's generate_draft_decode_kv_indices, page size 1).
 
     Draft slots: the scheduler reserved ``topk * speculative_num_steps`` slots after each sequence's verified
-    tokens; branch t's token at depth j lives at ``req_to_token[row, seq_len + t * speculative_num_steps + j]``.
+    tokens (`jaxattn.serving.RequestTable.reserve`); branch t's token at depth j lives at
+    ``req_to_token[row, seq_len + t * speculative_num_steps + j]``.
     Draft step i (0 <= i < speculative_num_steps - 1) feeds the depth-i tokens: row (b, t) lists
     ``req_to_token[row, :seq_len]`` then its i + 1 draft slots of depth 0..i, and writes the depth-i slot. The last
     step only samples (its tokens are never fed back), so, as SGLang's Triton backend and the trtllm fix in

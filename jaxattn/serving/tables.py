@@ -427,7 +427,8 @@ class RequestTable:
             raise ServingError(f"accept_drafts(kept) must be a sequence of token indices; got {kept!r}")
         kept = [_int(f"accept_drafts(kept[{i}])", k, high=drafts - 1) for i, k in enumerate(list(kept))]
         if any(b <= a for a, b in zip(kept, kept[1:])):
-            raise ServingError(f"accept_drafts(kept) must be increasing (a path in the tree's topological order); got {kept}")
+            raise ServingError(f"accept_drafts(kept) must be increasing (a path in the tree's topological order); "
+                               f"got {kept}")
         if kept == list(range(len(kept))):  # a prefix of the verify order: nothing moves
             return self.rewind(request, first + len(kept))
         row = request.row
@@ -439,8 +440,8 @@ class RequestTable:
         if shared:
             raise ServingError(f"accept_drafts(first={first}): position {shared[0]} is shared with another request; "
                                f"its slot cannot move")
-        kept_slots = [slots[i] for i in kept]
-        self._drop_references([s for i, s in enumerate(slots) if i not in set(kept)], "accept_drafts")
+        kept_slots, kept_rows = [slots[i] for i in kept], set(kept)
+        self._drop_references([s for i, s in enumerate(slots) if i not in kept_rows], "accept_drafts")
         self.req_to_token[row, first : request.cached] = 0
         self.req_to_token[row, first : first + len(kept)] = kept_slots
         request._cached = first + len(kept)

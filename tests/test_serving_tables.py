@@ -533,6 +533,17 @@ class ServingMachine(RuleBasedStateMachine):
         pool = self.live() * 3 + self.finished[-2:] + [self.foreign]
         return data.draw(st.sampled_from(pool))
 
+    def pick_with_slots(self, data):
+        """(request, live, its slots in the model ([] unless live), its cached count) of a `pick_request`."""
+        request = self.pick_request(data)
+        live = id(request) in self.owned
+        slots = self.slots_of(request) if live else []
+        return request, live, slots, len(slots) if live else request.cached
+
+    def pages_of_others(self, request):
+        """The pages the model's other live requests list."""
+        return {p for key, (_, other) in self.owned.items() if key != id(request) for p in self.pages_of(other)}
+
     # -- the rule --
     # One rule picks the call, so every run mixes all of them (with one rule per call, Hypothesis' swarm testing
     # runs many examples with most calls switched off).
@@ -670,11 +681,8 @@ class ServingMachine(RuleBasedStateMachine):
     def rewind(self, data):
         if not self.owned:
             return
-        request = self.pick_request(data)
-        live = id(request) in self.owned
-        cached = len(self.slots_of(request)) if live else request.cached
-        P, slots = self.PAGE_SIZE, self.slots_of(request) if live else []
-        others = {p for key, (_, other) in self.owned.items() if key != id(request) for p in self.pages_of(other)}
+        request, live, slots, cached = self.pick_with_slots(data)
+        P, others = self.PAGE_SIZE, self.pages_of_others(request)
         inside_shared = [i + 1 for i, slot in enumerate(slots) if slot // P in others and (i + 1) % P]
         n = data.draw(st.sampled_from(list(range(cached + 1)) * 2 + inside_shared * 8 + [-1, cached + 1]))
         ok = live and 0 <= n <= cached
@@ -685,7 +693,7 @@ class ServingMachine(RuleBasedStateMachine):
     def model_rewind(self, request, n):
         """The model's side of a rewind to n (a shared page is dropped whole); returns the new cached count."""
         P, slots = self.PAGE_SIZE, self.slots_of(request)
-        others = {p for key, (_, other) in self.owned.items() if key != id(request) for p in self.pages_of(other)}
+        others = self.pages_of_others(request)
         if n % P and slots[n - 1] // P in others:
             n = n // P * P  # a shared (full) page is dropped whole: never written again
         self.free |= set(self.pages_of(slots)) - set(self.pages_of(slots[:n])) - others
@@ -695,9 +703,7 @@ class ServingMachine(RuleBasedStateMachine):
     def reserve(self, data):
         if not self.owned:
             return
-        request = self.pick_request(data)
-        live = id(request) in self.owned
-        cached = len(self.slots_of(request)) if live else request.cached
+        request, live, _, cached = self.pick_with_slots(data)
         room = self.MAX_CTX - cached
         n = data.draw(st.sampled_from(list(range(min(room, 4 * self.CHUNK) + 1)) * 2 + [-1, room + 1]))
         ok = live and 0 <= n <= room
@@ -731,10 +737,7 @@ class ServingMachine(RuleBasedStateMachine):
     def accept_drafts(self, data):
         if not self.owned:
             return
-        request = self.pick_request(data)
-        live = id(request) in self.owned
-        slots = self.slots_of(request) if live else []
-        cached = len(slots) if live else request.cached
+        request, live, slots, cached = self.pick_with_slots(data)
         first = data.draw(st.sampled_from(list(range(cached + 1)) * 2 + list(range(cached // 2)) * 4 + [-1, cached + 1]))
         span = max(cached - first, 0)
         kept = sorted(data.draw(st.sets(st.integers(0, max(span - 1, 0)), max_size=span))) if span else []
@@ -742,7 +745,7 @@ class ServingMachine(RuleBasedStateMachine):
             kept = list(range(0, span, 2))  # a second branch's path: 0, 2, 4, ... (slots move)
         if data.draw(ONE_IN_8):
             kept = kept[::-1] or [span]  # not increasing, or past the drafts
-        others = {p for key, (_, other) in self.owned.items() if key != id(request) for p in self.pages_of(other)}
+        others = self.pages_of_others(request)
         prefix = kept == list(range(len(kept)))
         ok = live and 0 <= first <= cached and all(0 <= k < span for k in kept)
         ok = ok and all(b > a for a, b in zip(kept, kept[1:]))

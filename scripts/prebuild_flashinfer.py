@@ -325,9 +325,9 @@ def uses() -> list[tuple[str, Wrapper]]:
          "bfloat16", False),
         ("benchmarks/experiments/ffi_padding_rows.py", (extend,), AttentionLayer(0, 4, 2, 128), "bfloat16", False),
     ]
-    # scripts/stress_backends.py: every profile at the h200 size class, in each of its modes (fp8 profiles: decode
+    # scripts/stress_backends.py: every profile at the GPU size class, in each of its modes (fp8 profiles: decode
     # only, Runner.run declines the others before planning), without and with --deterministic.
-    shapes = stress_backends.SHAPES["h200"]
+    shapes = stress_backends.SHAPES["gpu"]
     for deterministic in (False, True):
         for profile in stress_backends.PROFILES:
             fp8 = bool(profile.kv_dtype)

@@ -11,7 +11,7 @@ import pytest
 from jaxattn.backends import ReferenceBackend
 from jaxattn.batch import ForwardMode, tree_mask_for_verify
 from jaxattn.kv_pool import allocate_kv_buffers
-from jaxattn.serving import RequestTable, SlotAllocator
+from jaxattn.serving import RequestTable, SlotAllocator, move_kv
 from examples.toy_model import ToyConfig, dense_logits, forward, init_params
 from jaxattn.triton_backend import TritonBackend
 
@@ -26,10 +26,10 @@ NUM_SLOTS, MAX_REQS, MAX_CTX = 96, 6, 32
 BUCKETS = dict(kv_capacity=80, max_seq_len=32)
 
 
-def new_state(rng, config=CONFIG):
+def new_state(rng, config=CONFIG, page_size=1):
     params = init_params(config, seed=int(rng.integers(1 << 30)))
     cache = [allocate_kv_buffers(NUM_SLOTS, config.kv_heads, config.head_dim, dtype=jnp.float32) for _ in range(config.layers)]
-    table = RequestTable(MAX_REQS, MAX_CTX, SlotAllocator(NUM_SLOTS, seed=int(rng.integers(1 << 30))))
+    table = RequestTable(MAX_REQS, MAX_CTX, SlotAllocator(NUM_SLOTS, seed=int(rng.integers(1 << 30)), page_size=page_size))
     return params, cache, table
 
 
@@ -132,11 +132,11 @@ def test_tree_verification_equals_sequential_decoding_of_each_path(rng, backend_
         np.testing.assert_allclose(np.asarray(logits)[i], want, atol=2e-4, rtol=2e-4)
 
 
-def greedy_decoding_setup(rng, backend_cls, new_tokens):
+def greedy_decoding_setup(rng, backend_cls, new_tokens, page_size=1):
     """(config, params, cache, table, step, prompt, greedy) for the speculative tests: the toy model without window
     layers (verify masks index the drafts), a 6-token prompt and its greedy continuation by dense recomputation."""
     config = dataclasses.replace(CONFIG, window_layers=())
-    params, cache, table = new_state(rng, config)
+    params, cache, table = new_state(rng, config, page_size)
     step = make_step(backend_cls(), params, config=config)
     prompt = list(rng.integers(0, config.vocab, 6))
     greedy = list(prompt)
@@ -186,13 +186,16 @@ def test_speculative_decoding_with_rewound_drafts_equals_greedy_decoding(rng, ba
     assert table.allocator.available == free_at_start
 
 
+@pytest.mark.parametrize("page_size", [1, 8])
 @pytest.mark.parametrize("backend_cls", BACKENDS)
-def test_a_tree_verify_step_keeps_the_accepted_branch_and_decoding_goes_on_from_it(rng, backend_cls):
+def test_a_tree_verify_step_keeps_the_accepted_branch_and_decoding_goes_on_from_it(rng, backend_cls, page_size):
     # Verify rows: the current token and a draft tree of two branches, cur -> (wrong, g1) -> (x, g2), where g1, g2
-    # are greedy's next tokens: the accepted path is rows 0, 2, 4, not a prefix of the verify order. accept_drafts
-    # keeps their slots (their K/V were written at their depths' positions) and frees the others; decoding from the
-    # bonus token must give greedy decoding's tokens.
-    config, params, cache, table, step, prompt, greedy = greedy_decoding_setup(rng, backend_cls, new_tokens=6)
+    # are greedy's next tokens: the accepted path is rows 0, 2, 4, not a prefix of the verify order. At page size 1
+    # accept_drafts keeps their slots (their K/V were written at their depths' positions) and frees the others; with
+    # pages accept_drafts_by_copy names the K/V copies into positions first + 1, first + 2 (move_kv in every layer).
+    # Decoding from the bonus token must give greedy decoding's tokens.
+    config, params, cache, table, step, prompt, greedy = greedy_decoding_setup(rng, backend_cls, new_tokens=6,
+                                                                               page_size=page_size)
     free_at_start = table.allocator.available
     request = table.add(prompt)
     schedule = functools.partial(table.schedule, batch_bucket=2, token_bucket=8, max_extend_len=8, **BUCKETS)
@@ -219,13 +222,23 @@ def test_a_tree_verify_step_keeps_the_accepted_branch_and_decoding_goes_on_from_
         path.append(children[0])
     assert path == [0, 2, 4]
     slots = table.req_to_token[request.row, first : first + len(parents)].tolist()
-    assert table.accept_drafts(request, first, path) == first + 3 == request.cached
-    assert table.req_to_token[request.row, first : first + 3].tolist() == [slots[i] for i in path]
-    assert not table.req_to_token[request.row, first + 3 :].any() and {slots[1], slots[3]} <= set(table.allocator._free)
+    if page_size == 1:
+        assert table.accept_drafts(request, first, path) == first + 3 == request.cached
+        assert table.req_to_token[request.row, first : first + 3].tolist() == [slots[i] for i in path]
+        assert {slots[1], slots[3]} <= set(table.allocator._free)
+    else:
+        src, dst = table.accept_drafts_by_copy(request, first, path)
+        assert request.cached == first + 3 and (src.tolist(), dst.tolist()) == ([slots[2], slots[4]], slots[1:3])
+        cache = jax.jit(lambda c, s, d: [move_kv(k, v, s, d) for k, v in c], donate_argnums=0)(
+            cache, jnp.asarray(np.pad(src, (0, 2))), jnp.asarray(np.pad(dst, (0, 2))))  # a padded bucket of 4 moves
+        assert table.req_to_token[request.row, first : first + 3].tolist() == slots[:3]
+    assert not table.req_to_token[request.row, first + 3 :].any()
     request.tokens[first:] = [cur, g1, g2, predicted[4]]  # the accepted path, then the target's bonus token
     for _ in range(2):
         batch, token_ids = schedule([request], [1], mode=ForwardMode.DECODE, token_bucket=2)
         logits, cache = step(cache, batch, jnp.asarray(table.req_to_token), token_ids)
+        want = dense_prefix_logits(params, config, request.tokens[: request.cached])[-1]
+        np.testing.assert_allclose(np.asarray(logits)[0], want, atol=2e-4, rtol=2e-4)  # the kept K/V, not only argmax
         request.tokens.append(int(np.argmax(np.asarray(logits)[0])))
     assert request.tokens == greedy[: len(request.tokens)] and len(request.tokens) == len(greedy)
     table.finish(request)

@@ -10,6 +10,7 @@ from jax.experimental import checkify
 from jaxattn.checked import checked, validate_write_slots
 from jaxattn.decode import decode_attention, decode_attention_reference, decode_metadata_from_indptr
 from jaxattn.kv_pool import allocate_kv_buffers, check_write_slots, read_scaled, write_kv
+from jaxattn.serving import move_kv
 
 SLOTS, HEADS, DIM, V_DIM = 40, 2, 32, 16
 
@@ -147,3 +148,34 @@ def test_latent_pool_writes_k_only():
         write_kv(pool, None, jnp.asarray([1], jnp.int32), k[:1], k[:1])
     with pytest.raises(ValueError, match="v_pool and v are None together"):
         write_kv(pool, pool, jnp.asarray([1], jnp.int32), k[:1], None)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn])
+def test_move_kv_reads_every_source_before_writing(rng, dtype):
+    # An accepted tree branch's copies (RequestTable.accept_drafts_by_copy): slot 9 is a destination and a later pair's
+    # source, so it must give its old row; (0, 0) pads the list; sources outside the pool read slot 0, destinations
+    # outside it are dropped. Rows move bit for bit (fp8 bytes too).
+    k, v = (jnp.asarray(x, dtype) for x in pools(rng))
+    src = np.array([9, 13, 0, -4, SLOTS + 2, 2**31 - 1], np.int32)
+    dst = np.array([5, 9, 0, 20, 21, SLOTS], np.int32)
+    k_out, v_out = jax.jit(move_kv)(k, v, jnp.asarray(src), jnp.asarray(dst))
+    for pool, out in ((k, k_out), (v, v_out)):
+        want = np.asarray(pool.astype(jnp.float32)).copy()
+        want[[5, 9, 20, 21]] = want[[9, 13, 0, 0]]
+        assert out.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), want)
+
+
+def test_move_kv_on_a_latent_pool_and_bad_arguments():
+    pool = jnp.arange(6 * 8, dtype=jnp.float32).reshape(6, 1, 8)
+    k_out, v_out = move_kv(pool, None, np.array([4], np.int64), np.array([2**32 + 1], np.int64))  # not wrapped onto 1
+    assert v_out is None
+    np.testing.assert_array_equal(np.asarray(k_out), np.asarray(pool))
+    k_out, _ = move_kv(pool, None, jnp.asarray([4, 1]), jnp.asarray([1, 4]))  # a swap
+    np.testing.assert_array_equal(np.asarray(k_out)[[1, 4]], np.asarray(pool)[[4, 1]])
+    with pytest.raises(ValueError, match=r"dst"):
+        move_kv(pool, None, jnp.asarray([1, 2]), jnp.asarray([3]))
+    with pytest.raises(ValueError, match=r"src"):
+        move_kv(pool, None, jnp.asarray([1.0]), jnp.asarray([3]))
+    with pytest.raises(ValueError, match=r"v_pool"):
+        move_kv(pool, jnp.zeros((5, 1, 8)), jnp.asarray([1]), jnp.asarray([3]))

@@ -420,8 +420,33 @@ def test_accept_drafts_keeps_an_accepted_branch_and_refuses_what_would_move_a_sh
     paged = RequestTable(4, 64, SlotAllocator(8 * P, seed=1, page_size=P))
     request = paged.add(list(range(20)))
     paged.schedule([request], [20], **dict(EXTEND, token_bucket=32, max_extend_len=32, max_seq_len=64))
-    rejected(paged, lambda: paged.accept_drafts(request, 16, [0, 2]), "with page_size 8 a kept token cannot move")
+    rejected(paged, lambda: paged.accept_drafts(request, 16, [0, 2]), "with page_size 8 .* use accept_drafts_by_copy")
     assert paged.accept_drafts(request, 16, [0, 1]) == 18
+
+
+@pytest.mark.parametrize("page_size", [1, 8])
+def test_accept_drafts_by_copy_names_the_copies_and_keeps_the_positions_slots(page_size):
+    P = page_size
+    table = RequestTable(4, 64, SlotAllocator(16 * P if P > 1 else 64, seed=3, page_size=P))
+    owner = table.add(list(range(30)))
+    table.schedule([owner], [30], **dict(EXTEND, token_bucket=32, max_extend_len=32, max_seq_len=64))
+    slots = table.req_to_token[owner.row, :30].tolist()
+    free_before = table.allocator.available_pages
+    for bad, match in (([1, 1], "must be increasing"), ([14], r"kept\[0\]\) must be in \[0, 13\]"), (2, "a sequence")):
+        rejected(table, lambda: table.accept_drafts_by_copy(owner, 16, bad), match)
+    src, dst = table.accept_drafts_by_copy(owner, 16, [0, 3, 4, 9])  # positions 17, 18, 19 take tokens 19, 20, 25
+    assert src.dtype == dst.dtype == np.int32
+    assert src.tolist() == [slots[19], slots[20], slots[25]] and dst.tolist() == slots[17:20]
+    assert owner.cached == 20 and table.req_to_token[owner.row, :20].tolist() == slots[:20]
+    assert not table.req_to_token[owner.row, 20:].any()
+    # Positions 20-29 went back: 10 slots at page size 1; at page size 8 the pages of 24-29 (page 2 keeps 16-19).
+    assert table.allocator.available_pages == free_before + (10 if P == 1 else 1)
+    assert [len(a) for a in table.accept_drafts_by_copy(owner, 17, [0, 1])] == [0, 0] and owner.cached == 19
+    user = table.add(list(range(16)), shared_prefix_from=owner, shared_len=16)  # shares positions 0-15
+    rejected(table, lambda: table.accept_drafts_by_copy(owner, 8, [0, 2]), "position 9 is shared with another request")
+    table.finish(user)
+    table.finish(owner)
+    assert table.allocator.available_pages == table.allocator.num_pages - 1
 
 
 @pytest.mark.parametrize("page_size", [1, 8])
@@ -749,6 +774,15 @@ class ServingMachine(RuleBasedStateMachine):
         prefix = kept == list(range(len(kept)))
         ok = live and 0 <= first <= cached and all(0 <= k < span for k in kept)
         ok = ok and all(b > a for a, b in zip(kept, kept[1:]))
+        if data.draw(st.booleans()):  # K/V copies into the positions' own slots: any page size
+            moved = [j for j, i in enumerate(kept) if i != j]
+            ok = ok and not any(slots[first + j] // self.PAGE_SIZE in others for j in moved)
+            got = self.expect(ok, lambda: self.table.accept_drafts_by_copy(request, first, kept))
+            if ok:
+                want = ([slots[first + kept[j]] for j in moved], [slots[first + j] for j in moved])
+                assert (got[0].tolist(), got[1].tolist()) == want
+                assert self.model_rewind(request, first + len(kept)) == request.cached  # a rewind (shared pages too)
+            return
         if ok and not prefix:  # slots move: page size 1 only, none shared
             ok = self.PAGE_SIZE == 1 and not any(slots[first + i] in others for i in range(span))
         got = self.expect(ok, lambda: self.table.accept_drafts(request, first, kept))

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn.checks import FLOAT_DTYPES, INDEX_DTYPES, check_array, check_kv_scale, index_i32
-from jaxattn.fp8 import FP8_DTYPES, is_fp8, largest_finite, per_head_factor  # noqa: F401  (FP8_DTYPES, is_fp8 re-exported)
+from jaxattn.fp8 import FP8_DTYPES, in_pool, is_fp8, largest_finite, per_head_factor  # noqa: F401  (FP8_DTYPES, is_fp8 re-exported)
 
 BUFFER_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 
@@ -72,6 +72,38 @@ def write_kv(k_pool, v_pool, out_cache_loc, k, v, *, k_scale: float | None = Non
     v = _quantised(v, v_pool.dtype, v_scale)
     v_pool = v_pool.at[out_cache_loc].set(v.astype(v_pool.dtype), mode="drop", wrap_negative_indices=False)
     return k_pool, v_pool
+
+
+def move_kv(k_pool, v_pool, src, dst):
+    """Copies the K/V rows of slots `src` into slots `dst` (pairwise); returns the updated (k_pool, v_pool).
+
+    For a draft tree's accepted branch with pages (`RequestTable.accept_drafts_by_copy`, SGLang's move_kv_cache): every
+    source row is read before any row is written, so a slot may be both a destination and a later pair's source. The
+    rows move as stored (an fp8 pool's bytes keep their layer scales). Jittable; pad both lists to a static bucket
+    with 0 (slot 0 onto itself: the padding slot, harmless).
+
+    Args:
+      k_pool: [slots, kv_heads, head_dim]. v_pool: [slots, kv_heads, v_head_dim], or None for a latent (MLA) pool
+        (then None is returned in its place).
+      src, dst: int[moves]. A source outside ``[1, slots)`` reads the padding slot 0 (`jaxattn.fp8.in_pool`, the
+        kernels' rule); a destination outside ``[0, slots)`` is dropped. Destinations other than 0 must be distinct
+        (as `write_kv`'s slots).
+    """
+    check_array("k_pool", k_pool, ndim=3, dtypes=BUFFER_DTYPES, what="[slots, kv_heads, head_dim]")
+    slots = k_pool.shape[0]
+    if v_pool is not None:
+        check_array("v_pool", v_pool, shape=(slots, k_pool.shape[1], None), dtypes=BUFFER_DTYPES,
+                    what="[slots, kv_heads, v_head_dim]")
+    check_array("src", src, ndim=1, dtypes=INDEX_DTYPES, what="[moves]")
+    check_array("dst", dst, shape=src.shape, dtypes=INDEX_DTYPES, what="[moves] (as src)")
+    src = jnp.where(in_pool(src, slots), src, 0)
+    dst = jnp.where((dst >= 0) & (dst < slots), dst, -1)  # no int32 narrowing first: 2**32 + 3 stays out of range
+    src, dst = index_i32(src), index_i32(dst)
+
+    def moved(pool):
+        return pool.at[dst].set(pool[src], mode="drop", wrap_negative_indices=False)
+
+    return moved(k_pool), None if v_pool is None else moved(v_pool)
 
 
 def _quantised(x, dtype, scale):

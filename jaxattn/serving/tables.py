@@ -415,37 +415,64 @@ class RequestTable:
 
         The kept tokens' K/V stay where the verify step wrote them, at the positions of their depth in the tree, which
         the accepted path's tokens now hold: no K/V moves. A path that is not a prefix of the verify order (a branch
-        other than the first) moves slots to other positions, which whole pages cannot do: with page_size > 1 only a
-        prefix (`rewind`) is taken, and a slot another request lists never moves. As `rewind`, the caller's
-        `request.tokens` stay as they are (put the accepted path there), and the call is checked first and
+        other than the first) moves slots to other positions, which whole pages cannot do: with page_size > 1 such a
+        path takes `accept_drafts_by_copy` (K/V copies), and a slot another request lists never moves. As `rewind`, the
+        caller's `request.tokens` stay as they are (put the accepted path there), and the call is checked first and
         transactional.
         """
         request = self._check_live("accept_drafts(request)", request)
-        first = _int("accept_drafts(first)", first, high=request.cached)
-        drafts = request.cached - first
-        if isinstance(kept, (int, np.integer)) or not hasattr(kept, "__len__"):
-            raise ServingError(f"accept_drafts(kept) must be a sequence of token indices; got {kept!r}")
-        kept = [_int(f"accept_drafts(kept[{i}])", k, high=drafts - 1) for i, k in enumerate(list(kept))]
-        if any(b <= a for a, b in zip(kept, kept[1:])):
-            raise ServingError(f"accept_drafts(kept) must be increasing (a path in the tree's topological order); "
-                               f"got {kept}")
+        first, kept = self._accepted_path("accept_drafts", request, first, kept)
         if kept == list(range(len(kept))):  # a prefix of the verify order: nothing moves
             return self.rewind(request, first + len(kept))
         row = request.row
         slots = self.req_to_token[row, first : request.cached].tolist()
         if self.page_size != 1:
             raise ServingError(f"accept_drafts(kept={kept}): with page_size {self.page_size} a kept token cannot move "
-                               f"to another position of its page; keep a prefix of the verify order (rewind)")
-        shared = [first + i for i, s in enumerate(slots) if self._refs[s] > 1]
-        if shared:
-            raise ServingError(f"accept_drafts(first={first}): position {shared[0]} is shared with another request; "
-                               f"its slot cannot move")
+                               f"to another position of its page; use accept_drafts_by_copy (K/V copies)")
+        self._check_unshared("accept_drafts", request, first, range(first, request.cached))
         kept_slots, kept_rows = [slots[i] for i in kept], set(kept)
         self._drop_references([s for i, s in enumerate(slots) if i not in kept_rows], "accept_drafts")
         self.req_to_token[row, first : request.cached] = 0
         self.req_to_token[row, first : first + len(kept)] = kept_slots
         request._cached = first + len(kept)
         return request.cached
+
+    def accept_drafts_by_copy(self, request: Request, first: int, kept) -> tuple[np.ndarray, np.ndarray]:
+        """`accept_drafts` at any page size: the kept tokens take positions first, first + 1, ... in the slots already
+        listed there, so their K/V must be copied. Returns (src, dst), i32[moves] each: copy the K/V of slot src[i]
+        into slot dst[i] in every layer's pool (`jaxattn.serving.move_kv`, jittable) before the next step writes into
+        the pool, since the rejected tokens' slots, sources among them, go back to it here. Only the kept tokens that
+        change position move; the table's side is then `rewind(request, first + len(kept))` (a prefix of the verify
+        order moves nothing: then it is only that). Checked first as `accept_drafts` (and a position taking a kept
+        token must not be in a page another request lists); transactional."""
+        request = self._check_live("accept_drafts_by_copy(request)", request)
+        first, kept = self._accepted_path("accept_drafts_by_copy", request, first, kept)
+        slots = self.req_to_token[request.row, first : request.cached]
+        moved = [j for j, i in enumerate(kept) if i != j]
+        self._check_unshared("accept_drafts_by_copy", request, first, [first + j for j in moved])
+        src = np.array([slots[kept[j]] for j in moved], np.int32)
+        dst = np.array([slots[j] for j in moved], np.int32)
+        self.rewind(request, first + len(kept))
+        return src, dst
+
+    def _accepted_path(self, where: str, request: Request, first, kept) -> tuple[int, list[int]]:
+        """(first, kept) checked: first in [0, cached], kept increasing indices of the tokens from `first` on."""
+        first = _int(f"{where}(first)", first, high=request.cached)
+        drafts = request.cached - first
+        if isinstance(kept, (int, np.integer)) or not hasattr(kept, "__len__"):
+            raise ServingError(f"{where}(kept) must be a sequence of token indices; got {kept!r}")
+        kept = [_int(f"{where}(kept[{i}])", k, high=drafts - 1) for i, k in enumerate(list(kept))]
+        if any(b <= a for a, b in zip(kept, kept[1:])):
+            raise ServingError(f"{where}(kept) must be increasing (a path in the tree's topological order); got {kept}")
+        return first, kept
+
+    def _check_unshared(self, where: str, request: Request, first: int, positions) -> None:
+        """Raises if the slot of one of the request's `positions` is in a page another request also lists."""
+        slots = self.req_to_token[request.row]
+        shared = [p for p in positions if self._refs[int(slots[p]) // self.page_size] > 1]
+        if shared:
+            raise ServingError(f"{where}(first={first}): position {shared[0]} is shared with another request; "
+                               f"its slot cannot take another token")
 
     def schedule(self, requests: list[Request], new_counts: list[int], *, mode: ForwardMode, batch_bucket: int,
                  token_bucket: int, max_extend_len: int, kv_capacity: int, max_seq_len: int):

@@ -257,3 +257,22 @@ def test_serve_example_with_pages_larger_than_the_system_prompt_share(page_size)
                           "--requests", "4"], cwd=root, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "max |paged - dense| logits" in run.stdout
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_speculative_example_decodes_greedily_off_either_branch(page_size):
+    # examples/speculative.py end to end (reference backend): draft trees verified in TARGET_VERIFY steps, branches
+    # other than the first accepted (seed 1 takes some), with pages through accept_drafts_by_copy and move_kv; the
+    # script exits non-zero unless the tokens equal greedy decoding and every slot is back in the pool.
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "examples/speculative.py", "--backend", "reference", "--page-size",
+                          str(page_size), "--seed", "1"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert re.search(r"tokens equal greedy decoding\s+True", run.stdout)
+    copies = int(re.search(r"K/V copies\s+(\d+)", run.stdout).group(1))
+    assert (copies > 0) == (page_size > 1)

@@ -67,7 +67,9 @@ def main(argv=None) -> int:
     draft_params = jax.tree.unflatten(jax.tree.structure(params), [
         w + args.draft_noise * jnp.std(w) * jax.random.normal(key, w.shape, w.dtype)
         for w, key in zip(jax.tree.leaves(params), noise)])
-    cache = [allocate_kv_buffers(NUM_SLOTS, config.kv_heads, config.head_dim) for _ in range(config.layers)]
+    # float32 everywhere (the toy's default), so the verify logits and plain greedy decoding agree on every argmax.
+    cache = [allocate_kv_buffers(NUM_SLOTS, config.kv_heads, config.head_dim, dtype=jnp.dtype(config.dtype))
+             for _ in range(config.layers)]
     table = RequestTable(4, MAX_CTX, SlotAllocator(NUM_SLOTS, seed=args.seed, page_size=args.page_size))
     free_at_start = table.allocator.available_pages
     parents, depths = draft_tree(args.depth)

@@ -32,7 +32,7 @@ def parse_force(spec: str) -> dict:
 
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--cases", default="T64,E1")
+parser.add_argument("--cases", default="T64,E1", help="bench case names, paged ones too (E2-P64)")
 parser.add_argument("--force", action="append", default=[], help="name=value[,name=value]: one variant (repeatable)")
 parser.add_argument("--unified", action="store_true", help="the unified form (every key from the pool) instead")
 parser.add_argument("--rounds", type=int, default=3)
@@ -62,7 +62,9 @@ def whole_output_zeroed(enabled: bool):
 
 rows = []
 for name in args.cases.split(","):
-    case = bench.CASES[name]
+    case = bench.case_named(name)  # paged ones too (E2-P64)
+    if case is None:
+        raise SystemExit(f"mgpu_options: no bench case {name!r}")
     inp = bench.make_inputs(case)
     meta = bench.extend_meta(inp, unified=args.unified)
     if args.unified:

@@ -1680,6 +1680,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     return tuple(starts)
 
                 def issue(step, sources, starts):
+                    # starts: `page_starts(step)`, or None where no tile of the loop is one of whole pages
+                    paged = bool(page_rows) and starts is not None
                     slot = lax.rem(step, jnp.int32(stages))
                     from_pool = step < pre_steps
                     tma = by_tma(step)
@@ -1695,7 +1697,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                                        kv_head, block_kv=block_kv, head_dim=head_dim)
 
                         def cp_async():  # the tiles on the kv_bars mbarriers
-                            if not page_rows or pallas_pages:
+                            if not paged or pallas_pages:
                                 return rows_by_cp_async()
                             pages = step < page_steps
                             pl.when(pages)(lambda: issue_pages(pool_ref, smem, kv_bars, starts, slot, which * stages + slot,
@@ -1708,14 +1710,14 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                                                         smem.at[slot, pl.ds(chunk * page_rows, page_rows)],
                                                         page_ready[which].at[slot])
 
-                        if not tma_new_tiles and not pallas_pages:
+                        if not tma_new_tiles and not (paged and pallas_pages):
                             return cp_async()
                         copied = []
                         if tma_new_tiles:
                             copied.append(tma)
                             pl.when(tma)(lambda: plgpu.copy_gmem_to_smem(new_ref.at[rows, kv_head], smem.at[slot],
                                                                          ready.at[slot]))
-                        if pallas_pages:
+                        if paged and pallas_pages:
                             copied.append(step < page_steps)
                             pl.when(copied[-1])(page_copies)
                         pl.when(jnp.logical_not(functools.reduce(jnp.logical_or, copied)))(cp_async)
@@ -1789,7 +1791,12 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                 if fp8:
                     fp8_producer_loop(first)
                 elif page_rows:
-                    lax.fori_loop(first_step, cta_steps, paged_step_body, (sources_of(first), page_starts(first)))
+                    # Tiles of whole pages first, then the rest without the page starts' lookups (new keys, a
+                    # partial last prefix tile): with them in every step E2 at page 64 (no prefix) ran 2.4% behind
+                    # row copies on the H100.
+                    last_paged = jnp.clip(page_steps, first, cta_steps)
+                    lax.fori_loop(first, last_paged, paged_step_body, (sources_of(first), page_starts(first)))
+                    lax.fori_loop(last_paged, cta_steps, step_body, sources_of(last_paged))
                 else:
                     lax.fori_loop(first_step, cta_steps, step_body, sources_of(first))
 

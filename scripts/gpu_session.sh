@@ -4,8 +4,9 @@
 #   Several STEPS_FILEs run one after the other in the one call, each step only where its box still fits: a later
 #   list's steps fill what the earlier ones' boxes did not use (a skipped step is listed in steps.txt).
 #   --by-card: the lists whose "# card:" line names the card this call got run first, the others after, each group in
-#   the order given ("# card: h200": its timings are an issue's record, stated on the H200; "# card: any": any Hopper
-#   card answers it). On an H200 the h200 lists lead, elsewhere the any lists; a call gets whichever card comes.
+#   the order given ("# card: h200": the list needs an H200, e.g. its memory; "# card: any": any Hopper card answers
+#   it, a record too, with its peers and floor on the same card). On an H200 the h200 lists lead, elsewhere the any
+#   lists; a call gets whichever card comes.
 #   STEPS_FILE: one step per line, "<seconds> <name> <bash command>" ('#' lines and blank lines skipped), run in order
 #   from the checkout's root with what scripts/gpu_env.sh installs, jaxattn on PYTHONPATH and $STEP_OUT a folder for the
 #   step's own files (JSON records). A step runs under `timeout <seconds>`; a step that would end past TOTAL_SECONDS

@@ -105,8 +105,8 @@ def test_bench_steps_name_real_cases_backends_and_sweep_rows(name):
 
 @pytest.mark.parametrize("name", STEP_FILES)
 def test_each_list_names_the_card_it_wants(name):
-    # gpu_session.sh --by-card runs first the lists whose first line names the card the call got ("h200": an issue's
-    # record, stated on the H200; "any": any Hopper card answers it), so a call is useful whichever card comes.
+    # gpu_session.sh --by-card runs first the lists whose first line names the card the call got ("h200": the list
+    # needs an H200; "any": any Hopper card answers it), so a call is useful whichever card comes.
     with open(os.path.join(QUEUE, name)) as f:
         first = f.readline().strip()
     assert re.fullmatch(r"# card: (h200|any)", first), f"{name}: first line {first!r}, want '# card: h200' or 'any'"

@@ -13,6 +13,7 @@ import math
 import numbers
 from typing import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -197,18 +198,30 @@ def check_kv_scale(name: str, scale, kv_heads: int) -> None:
         raise ValueError(f"{name} must be None, a finite float > 0 or a float array [] / [kv_heads] (the pool stores value / scale); got {scale!r}")
 
 
-def checks_float_kv_scales(op):
-    """Decorates a jitted op taking k_scale / v_scale: Python float scales are checked before jit turns them into
-    tracers (a traced value cannot be tested at trace time); array scales are checked inside, with the pool's heads."""
+def jit_with_kv_scales(static_argnames: tuple[str, ...]):
+    """`jax.jit(op, static_argnames=...)` for an op taking k_scale / v_scale (None, Python numbers or float arrays).
 
-    @functools.wraps(op)
-    def checked_op(*args, k_scale=None, v_scale=None, **kwargs):
-        for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if not hasattr(scale, "shape"):
-                check_kv_scale(name, scale, kv_heads=1)
-        return op(*args, k_scale=k_scale, v_scale=v_scale, **kwargs)
+    Python number scales (SGLang's per-layer scales) are checked here, before jit would turn them into tracers (a
+    traced value cannot be tested at trace time), and are static arguments, as sm_scale is: constants of the compiled
+    op, where traced ones make XLA broadcast the scale table in a kernel of its own on every call (a launch and a gap:
+    an fp8 decode call's cost on the GPU's clock, RESULTS, forty-first session). Array scales stay traced and are
+    checked inside, with the pool's heads."""
 
-    return checked_op
+    def decorate(op):
+        traced = jax.jit(op, static_argnames=static_argnames)
+        constant = jax.jit(op, static_argnames=(*static_argnames, "k_scale", "v_scale"))
+
+        @functools.wraps(traced)
+        def checked_op(*args, k_scale=None, v_scale=None, **kwargs):
+            for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+                if not hasattr(scale, "shape"):
+                    check_kv_scale(name, scale, kv_heads=1)
+            jitted = traced if hasattr(k_scale, "shape") or hasattr(v_scale, "shape") else constant
+            return jitted(*args, k_scale=k_scale, v_scale=v_scale, **kwargs)
+
+        return checked_op
+
+    return decorate
 
 
 # ---------------------------------------------------------------------------------------------

@@ -35,7 +35,6 @@ Example::
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -43,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn.calls import DecodeCall
-from jaxattn.checks import check_decode_args, checks_float_kv_scales, launch_mode_argument
+from jaxattn.checks import check_decode_args, jit_with_kv_scales, launch_mode_argument
 from jaxattn.fp8 import kv_scale_table
 from jaxattn.impl import mgpu_decode, mgpu_mla, triton_decode
 from jaxattn.launch import launch_mode as resolve_launch_mode
@@ -79,12 +78,8 @@ def _effective_window(meta, sliding_window):
     return sliding_window if sliding_window >= 0 else meta.sliding_window
 
 
-@checks_float_kv_scales
-@functools.partial(
-    jax.jit,
-    static_argnames=("sm_scale", "logit_cap", "xai_temperature_len", "sliding_window", "return_lse", "v_head_dim",
-                     "config", "launch_mode", "mode", "impl"),
-)
+@jit_with_kv_scales(static_argnames=("sm_scale", "logit_cap", "xai_temperature_len", "sliding_window", "return_lse",
+                                      "v_head_dim", "config", "launch_mode", "mode", "impl"))
 def decode_attention(
     q: jax.Array,
     k_pool: jax.Array,

@@ -57,7 +57,7 @@ from jaxattn.checks import (
     check_extend_args,
     check_extend_draft_mask,
     check_new_tokens,
-    checks_float_kv_scales,
+    jit_with_kv_scales,
     launch_mode_argument,
 )
 from jaxattn.fp8 import dequantised_rows, kv_scale_table
@@ -106,8 +106,7 @@ def _call(form, q, k_new, v_new, k_pool, v_pool, meta, kv_start_pos, *, causal, 
     )
 
 
-@checks_float_kv_scales
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@jit_with_kv_scales(static_argnames=_STATIC)
 def extend_attention(
     q: jax.Array,
     k_new: jax.Array,
@@ -183,8 +182,7 @@ def extend_attention(
     return select(IMPLEMENTATIONS, call, impl).run(call)
 
 
-@checks_float_kv_scales
-@functools.partial(jax.jit, static_argnames=tuple(s for s in _STATIC if s != "skip_prefix_custom_mask"))
+@jit_with_kv_scales(static_argnames=tuple(s for s in _STATIC if s != "skip_prefix_custom_mask"))
 def extend_attention_unified(
     q: jax.Array,
     k_pool: jax.Array,

@@ -14,6 +14,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import triton
 
 from jaxattn import hardware, tuning
@@ -136,10 +137,11 @@ def run(call: DecodeCall):
         f16_dots=uses_f16_dots(q.dtype, has_kv_scales), q_tokens=tokens,
         has_draft_mask=call.draft_mask is not None,
     )
-    kv_scales = jnp.ones((2, kv_heads), jnp.float32) if call.kv_scales is None else call.kv_scales
+    # Unused operands as numpy constants: jnp would have XLA launch a broadcast kernel for each on every call.
+    kv_scales = jnp.asarray(np.ones((2, kv_heads), np.float32)) if call.kv_scales is None else call.kv_scales
     # The kernel reads 32 bits per row: u32 masks are reinterpreted, not converted (bit 31 would not survive a cast).
     if call.draft_mask is None:
-        draft_mask = jnp.zeros((1,), jnp.int32)
+        draft_mask = jnp.asarray(np.zeros((1,), np.int32))
     else:
         draft_mask = jax.lax.bitcast_convert_type(call.draft_mask.reshape(-1), jnp.int32)
     head_programs = q_heads if config.block_h == 1 else kv_heads * -(-rows // config.block_h)
@@ -175,7 +177,7 @@ def merge_splits(call: DecodeCall, mid_o, mid_lse, num_kv_splits, max_splits: in
     (i32[batch]) and max_splits; entries of empty splits are never read. Adds the sink; returns the op's result."""
     batch, q_heads, v_dim, tokens = call.batch, call.q_heads, call.v_head_dim, call.tokens_per_seq
     meta = call.meta
-    sink_arg = jnp.zeros((q_heads,), jnp.float32) if call.sinks is None else call.sinks.astype(jnp.float32)
+    sink_arg = jnp.asarray(np.zeros((q_heads,), np.float32)) if call.sinks is None else call.sinks.astype(jnp.float32)
     o, lse = launch(
         ("decode_attention", "decode_stage2_kernel"),
         mid_o,

@@ -31,9 +31,8 @@ from jaxattn.serving import ForwardMode, RequestTable, SlotAllocator, move_kv, t
 from toy_model import ToyConfig, dense_logits, forward, init_params
 
 CONFIG = ToyConfig(vocab=128, hidden=64, layers=3, q_heads=4, kv_heads=2, head_dim=32)
-NUM_SLOTS, MAX_CTX = 1024, 128
+NUM_SLOTS, MAX_CTX, PROMPT_LEN = 1024, 128, 12
 BRANCHES = 2  # the tree: two branches from the current token (the draft's top two), each a chain of --depth tokens
-MASK_BUCKET = 1024  # static length of the flattened tree mask (rows x keys of one request)
 
 
 def draft_tree(depth: int):
@@ -72,8 +71,14 @@ def main(argv=None) -> int:
              for _ in range(config.layers)]
     table = RequestTable(4, MAX_CTX, SlotAllocator(NUM_SLOTS, seed=args.seed, page_size=args.page_size))
     free_at_start = table.allocator.available_pages
+    if args.depth < 1:
+        raise SystemExit(f"speculative: --depth must be >= 1; got {args.depth}")
     parents, depths = draft_tree(args.depth)
     rows = len(parents)
+    if PROMPT_LEN + args.new_tokens + rows > MAX_CTX:
+        raise SystemExit(f"speculative: the prompt ({PROMPT_LEN}), --new-tokens and a tree of {rows} rows must fit "
+                         f"{MAX_CTX} positions")
+    mask_bucket = rows * MAX_CTX  # static length of the flattened tree mask (rows x keys of one request)
     buckets = dict(batch_bucket=2, token_bucket=max(32, rows), max_extend_len=max(32, rows), kv_capacity=2 * MAX_CTX,
                    max_seq_len=MAX_CTX)
 
@@ -94,7 +99,7 @@ def main(argv=None) -> int:
         logits = np.asarray(dense(weights, config, jnp.asarray(padded)))[len(tokens) - 1]
         return np.argsort(-logits)[:k].tolist()
 
-    prompt = rng.integers(0, config.vocab, 12).tolist()
+    prompt = rng.integers(0, config.vocab, PROMPT_LEN).tolist()
     greedy = list(prompt)
     for _ in range(args.new_tokens):
         greedy += next_tokens(params, greedy)
@@ -120,7 +125,7 @@ def main(argv=None) -> int:
         positions = np.array(batch.positions)
         positions[:rows] = first + np.asarray(depths)  # each tree token at its depth's position
         batch = dataclasses.replace(batch, mode=ForwardMode.TARGET_VERIFY, positions=jnp.asarray(positions),
-                                    custom_mask=jnp.asarray(np.pad(mask, (0, MASK_BUCKET - mask.size))))
+                                    custom_mask=jnp.asarray(np.pad(mask, (0, mask_bucket - mask.size))))
         logits, cache = step(cache, batch, kv_table(), token_ids)
         predicted = np.argmax(np.asarray(logits)[:rows], axis=-1).tolist()  # row i: the target's token after row i
         path = [0]

@@ -64,7 +64,7 @@ DECODE_FP8_RESIDENT_PER_SM: dict[tuple[int, int, str], int] = {
 # (`jaxattn.metadata.SplitWaves` through `tuning.default_decode_split_waves`) instead of the fill heuristic. H100,
 # afec991 (benchmarks/RESULTS.md, fortieth session), fp8 D1 / D2 / D3: the fill heuristic's 3 / 17 / 1 splits 0.226 /
 # 0.256 / 0.227 ms; the wave rule's 1 / 8 / 1 split counts, timed as fixed counts in the same run, 0.217 / 0.216 /
-# 0.228. Not yet timed as the policy on the H200 (GPU queue 1).
+# 0.228; as the default at 089bb79 (forty-first session) 0.217 / 0.215 / 0.226. Not yet timed on an H200.
 DECODE_FP8_SPLIT_WAVES = True
 
 # Two-stage kernel, bf16, each candidate checked against the reference first. "128" on E1/E3 (sweep of 2026-12-02):

@@ -134,13 +134,13 @@ def _split_geometry(NUM_KV_SPLITS, seq, kv_len, MAX_KV_SPLITS: tl.constexpr, MIN
 def _split_range(KV_INDPTR, NUM_KV_SPLITS, seq, split, SLIDING_WINDOW: tl.constexpr, MAX_KV_SPLITS: tl.constexpr,
                  MIN_BLOCK_KV: tl.constexpr, KV_CAPACITY: tl.constexpr):
     """(first kv_indices entry, number of keys, non-empty, the split's first key as an index into the effective
-    range, the effective length) of split `split` of sequence `seq` (stage 1)."""
+    range, the effective length, the sequence's split count) of split `split` of sequence `seq` (stage 1)."""
     kv_begin, kv_len = _effective_range(KV_INDPTR, seq, SLIDING_WINDOW, KV_CAPACITY)
     num_splits, per_split = _split_geometry(NUM_KV_SPLITS, seq, kv_len, MAX_KV_SPLITS, MIN_BLOCK_KV)
     split_start = split * per_split
     split_end = tl.minimum(split_start + per_split, kv_len)
     split_len = tl.maximum(split_end - split_start, 0).to(tl.int32)
-    return kv_begin + split_start, split_len, split_end > split_start, split_start, kv_len
+    return kv_begin + split_start, split_len, split_end > split_start, split_start, kv_len, num_splits
 
 
 @triton.jit
@@ -148,6 +148,17 @@ def _checked_slots(slots, NUM_SLOTS: tl.constexpr):
     """A slot outside the pool (negative, 2**30, just past the end) reads the padding slot 0 instead (one select per
     key, not per element)."""
     return tl.where((slots >= 0) & (slots < NUM_SLOTS), slots, 0)
+
+
+@triton.jit
+def _split_stores(non_empty, num_splits, split, FINAL_AT_ONE_SPLIT: tl.constexpr):
+    """(store the split's partial, store the row's final output) for a stage-1 program. With FINAL_AT_ONE_SPLIT a
+    sequence of one split has its rows' output and LSE stored by split 0 itself, empty or not (0 and -inf, as the
+    merge gives them): the merge of one split is the split unchanged (weight exp(lse - lse) = 1), so the result is
+    the same, and the merge's programs skip those rows (`decode_stage2_kernel`)."""
+    if FINAL_AT_ONE_SPLIT:
+        return non_empty & (num_splits > 1), (num_splits == 1) & (split == 0)
+    return non_empty, split < 0  # (no final store)
 
 
 @triton.jit
@@ -185,6 +196,8 @@ def decode_stage1_kernel(
     DRAFT_MASK,  # i32[batch, Q_TOKENS]: bit j of [b, t]: token t sees draft j (read only if HAS_DRAFT_MASK)
     MID_O,  # out: f32[batch * Q_TOKENS, q_heads, MAX_KV_SPLITS, v_head_dim], per-split normalised output
     MID_LSE,  # out: f32[batch * Q_TOKENS, q_heads, MAX_KV_SPLITS], per-split natural-log LSE
+    O,  # out: [batch * Q_TOKENS, q_heads, v_head_dim]: the rows of one-split sequences (if FINAL_AT_ONE_SPLIT)
+    LSE,  # out: f32[batch * Q_TOKENS, q_heads]: the same rows' natural-log LSE (if FINAL_AT_ONE_SPLIT)
     SM_SCALE: tl.constexpr,
     LOGIT_CAP: tl.constexpr,  # > 0: soft cap cap * tanh(s / cap)
     XAI_TEMPERATURE_LEN: tl.constexpr,  # > 0: Grok's position-dependent temperature
@@ -215,6 +228,7 @@ def decode_stage1_kernel(
     Q_TOKENS: tl.constexpr,  # query tokens per sequence (module docstring)
     HAS_DRAFT_MASK: tl.constexpr,  # Q_TOKENS > 1: DRAFT_MASK gives each token's drafts; else causal
     KEYS_AS_ROWS: tl.constexpr,  # the dots with keys as their M dimension (module docstring)
+    FINAL_AT_ONE_SPLIT: tl.constexpr,  # a one-split sequence's rows go to O / LSE, not the partials (docstring)
 ):
     tl.static_assert(BLOCK_H >= 16, "tl.dot needs at least 16 rows")
     if Q_TOKENS > 1:
@@ -236,7 +250,7 @@ def decode_stage1_kernel(
 
     # An empty split runs no loop iteration and stores nothing (stage 2 skips it). No early `if`: the body stays
     # a plain loop, which Triton's software pipeliner handles.
-    kv_first, split_len, non_empty, split_start, kv_len = _split_range(
+    kv_first, split_len, non_empty, split_start, kv_len, num_splits = _split_range(
         KV_INDPTR, NUM_KV_SPLITS, seq, split, SLIDING_WINDOW, MAX_KV_SPLITS, MIN_BLOCK_KV, KV_CAPACITY
     )
     kv_head = head_block // HEAD_BLOCKS_PER_KV
@@ -353,9 +367,16 @@ def decode_stage1_kernel(
     if HAS_KV_SCALES:
         out = out * v_scale
     lse = tl.where(has_keys, (m_i + tl.log2(safe_l)) * LN2, float("-inf"))
-    row = (token_rows * Q_HEADS + heads) * MAX_KV_SPLITS + split  # [BLOCK_H]
-    tl.store(MID_O + row[:, None] * V_HEAD_DIM + offs_dv[None, :], out, mask=(mask_h & non_empty)[:, None] & mask_dv[None, :])
-    tl.store(MID_LSE + row, lse, mask=mask_h & non_empty)
+    partial, final = _split_stores(non_empty, num_splits, split, FINAL_AT_ONE_SPLIT)
+    out_row = token_rows * Q_HEADS + heads  # [BLOCK_H]
+    row = out_row * MAX_KV_SPLITS + split
+    tl.store(MID_O + row[:, None] * V_HEAD_DIM + offs_dv[None, :], out, mask=(mask_h & partial)[:, None] & mask_dv[None, :])
+    tl.store(MID_LSE + row, lse, mask=mask_h & partial)
+    if FINAL_AT_ONE_SPLIT:
+        out = tl.where(has_keys[:, None], out, 0.0)  # the merge's empty row, whatever v_scale is
+        tl.store(O + out_row[:, None] * V_HEAD_DIM + offs_dv[None, :], out.to(O.dtype.element_ty),
+                 mask=(mask_h & final)[:, None] & mask_dv[None, :])
+        tl.store(LSE + out_row, lse, mask=mask_h & final)
 
 
 @triton.jit
@@ -371,6 +392,8 @@ def decode_stage1_vector_kernel(
     DRAFT_MASK,  # unused: one query token per sequence (the grouped kernel's argument list)
     MID_O,  # out: f32[batch, q_heads, MAX_KV_SPLITS, v_head_dim]
     MID_LSE,  # out: f32[batch, q_heads, MAX_KV_SPLITS]
+    O,  # out: [batch, q_heads, v_head_dim] (if FINAL_AT_ONE_SPLIT, as the grouped kernel's)
+    LSE,  # out: f32[batch, q_heads] (if FINAL_AT_ONE_SPLIT)
     SM_SCALE: tl.constexpr,
     LOGIT_CAP: tl.constexpr,
     XAI_TEMPERATURE_LEN: tl.constexpr,
@@ -393,6 +416,7 @@ def decode_stage1_vector_kernel(
     NUM_SLOTS: tl.constexpr,
     KV_CAPACITY: tl.constexpr,
     HAS_KV_SCALES: tl.constexpr,
+    FINAL_AT_ONE_SPLIT: tl.constexpr,
 ):
     """Stage 1 for one q head per program (MHA, GROUP == 1): q.k and p.v as multiply-and-sum, no tl.dot.
 
@@ -402,7 +426,7 @@ def decode_stage1_vector_kernel(
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     split = tl.program_id(2).to(tl.int64)
-    kv_first, split_len, non_empty, _, _ = _split_range(
+    kv_first, split_len, non_empty, _, _, num_splits = _split_range(
         KV_INDPTR, NUM_KV_SPLITS, seq, split, SLIDING_WINDOW, MAX_KV_SPLITS, MIN_BLOCK_KV, KV_CAPACITY
     )
     kv_head = head // GROUP
@@ -459,9 +483,15 @@ def decode_stage1_vector_kernel(
     if HAS_KV_SCALES:
         out = out * v_scale
     lse = tl.where(has_keys, (m_i + tl.log2(safe_l)) * LN2, float("-inf"))
-    row = (seq * Q_HEADS + head) * MAX_KV_SPLITS + split
-    tl.store(MID_O + row * V_HEAD_DIM + offs_dv, out, mask=mask_dv & non_empty)
-    tl.store(MID_LSE + row, lse, mask=non_empty)
+    partial, final = _split_stores(non_empty, num_splits, split, FINAL_AT_ONE_SPLIT)
+    out_row = seq * Q_HEADS + head
+    row = out_row * MAX_KV_SPLITS + split
+    tl.store(MID_O + row * V_HEAD_DIM + offs_dv, out, mask=mask_dv & partial)
+    tl.store(MID_LSE + row, lse, mask=partial)
+    if FINAL_AT_ONE_SPLIT:
+        out = tl.where(has_keys, out, 0.0)  # the merge's empty row, whatever v_scale is
+        tl.store(O + out_row * V_HEAD_DIM + offs_dv, out.to(O.dtype.element_ty), mask=mask_dv & final)
+        tl.store(LSE + out_row, lse, mask=final)
 
 
 @triton.jit
@@ -471,6 +501,8 @@ def decode_stage2_kernel(
     KV_INDPTR,  # i32[batch + 1]
     NUM_KV_SPLITS,  # i32[batch]
     SINKS,  # f32[q_heads] (ignored unless HAS_SINK)
+    O_STAGE1,  # unread: the O stage 1 wrote (if FINAL_AT_ONE_SPLIT), aliased to O by the launch
+    LSE_STAGE1,  # unread: the LSE stage 1 wrote, aliased to LSE
     O,  # out: [batch * Q_TOKENS, q_heads, v_head_dim]
     LSE,  # out: f32[batch * Q_TOKENS, q_heads]
     SLIDING_WINDOW: tl.constexpr,
@@ -482,6 +514,7 @@ def decode_stage2_kernel(
     MIN_BLOCK_KV: tl.constexpr,
     KV_CAPACITY: tl.constexpr,  # stage 1's: the same clamped ranges, so the same non-empty splits
     Q_TOKENS: tl.constexpr,  # query tokens per sequence: program 0's index is a (sequence, token) row
+    FINAL_AT_ONE_SPLIT: tl.constexpr,  # stage 1 stored the rows of one-split sequences: leave them
 ):
     token_row = tl.program_id(0).to(tl.int64)
     seq = token_row // Q_TOKENS
@@ -492,6 +525,13 @@ def decode_stage2_kernel(
     mask_dv = offs_dv < V_HEAD_DIM
     row = token_row * Q_HEADS + head
 
+    if FINAL_AT_ONE_SPLIT:
+        tl.static_assert(not HAS_SINK, "stage 1 stores no row with a sink")
+        # A one-split row was stored by stage 1 (O_STAGE1 is O): no loads, no stores (its program still starts).
+        merges = num_splits > 1
+        num_splits = tl.where(merges, num_splits, 0)
+    else:
+        merges = num_splits > 0  # every row
     m = float("-inf")
     denom = 0.0
     acc = tl.full([BLOCK_DV], 0.0, tl.float32)
@@ -524,5 +564,5 @@ def decode_stage2_kernel(
     has_keys = denom != 0
     safe = tl.where(has_keys, denom, 1.0)
     out = tl.where(has_keys, acc / safe, 0.0)
-    tl.store(O + row * V_HEAD_DIM + offs_dv, out.to(O.dtype.element_ty), mask=mask_dv)
-    tl.store(LSE + row, tl.where(has_keys, m + tl.log(safe), float("-inf")))
+    tl.store(O + row * V_HEAD_DIM + offs_dv, out.to(O.dtype.element_ty), mask=mask_dv & merges)
+    tl.store(LSE + row, tl.where(has_keys, m + tl.log(safe), float("-inf")), mask=merges)

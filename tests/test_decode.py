@@ -106,6 +106,36 @@ def test_matches_reference(rng, mode, case):
     assert np.all(np.asarray(lse[2]) == -np.inf)
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("pool", ["bf16", "fp8"])
+@pytest.mark.parametrize("config", [None, DecodeConfig(block_n=32, block_h=1)], ids=["grouped", "vector"])
+def test_one_split_rows_stored_by_stage_1_equal_the_merge(rng, mode, pool, config):
+    """Without a sink, stage 1 stores the rows of one-split sequences itself and the merge leaves them; a sink of
+    -inf (exp(-inf) = 0 added to the denominator) takes every row through the merge instead, with the same
+    arithmetic: the two must agree bit for bit, empty row and v_scale included."""
+    if pool == "fp8" and config is not None:
+        pytest.skip("fp8 pools take the grouped kernel's table tiles")
+    q_heads, kv_heads, dim = 8, 2, 64
+    kv_lens = [1, 37, 0, 161, 128, 70]
+    q, k_pool, v_pool, kv_indptr, kv_indices = make_pools(rng, kv_lens, q_heads, kv_heads, dim, dim, jnp.bfloat16)
+    scales = {}
+    if pool == "fp8":
+        k_pool, v_pool = (jnp.nan_to_num(p).astype(jnp.float8_e4m3fn) for p in (k_pool, v_pool))
+        scales = dict(k_scale=0.7, v_scale=1.3)
+    meta = decode_metadata_from_indptr(kv_indptr, kv_indices, q_heads=q_heads, kv_heads=kv_heads, max_kv_splits=4,
+                                       min_split_len=32)
+    meta = dataclasses.replace(meta, num_kv_splits=jnp.asarray([1, 2, 1, 4, 1, 3], jnp.int32))
+    kw = dict(return_lse=True, mode=mode, config=config, **scales)
+    o, lse = decode_attention(q, k_pool, v_pool, meta, **kw)
+    merged_o, merged_lse = decode_attention(q, k_pool, v_pool, meta, sinks=jnp.full((q_heads,), -jnp.inf), **kw)
+    assert not np.isnan(np.float32(o)).any()
+    np.testing.assert_array_equal(np.float32(o), np.float32(merged_o))
+    np.testing.assert_array_equal(lse, merged_lse)
+    ref_o, ref_lse = decode_attention_reference(q, k_pool, v_pool, meta, return_lse=True, **scales)
+    assert_close(o, lse, ref_o, ref_lse, jnp.bfloat16)
+    np.testing.assert_array_equal(np.float32(o[2]), 0.0)
+
+
 # (q_heads, kv_heads, qk_dim, v_dim, dtype, v_from_k, block_h): MLA's latent head (V inside K, and V a pool of its own),
 # 288/256 in fp32, GQA 4, group 20 in two 16-row head blocks (the second partly masked), MLA at 64 rows.
 KEYS_AS_ROWS_CASES = [

@@ -45,7 +45,7 @@ def declines(call: DecodeCall) -> str | None:
 
 def stage1_constexprs(*, q_heads, kv_heads, qk_head_dim, v_head_dim, config, sm_scale, logit_cap, xai_temperature_len,
                       sliding_window, max_kv_splits, v_in_k, v_from_k, dot_precision, num_slots, kv_capacity,
-                      has_kv_scales=False, f16_dots=False, q_tokens=1, has_draft_mask=False):
+                      has_kv_scales=False, f16_dots=False, q_tokens=1, has_draft_mask=False, final_at_one_split=False):
     """Stage 1's constexprs (shared by `run` and `kernel_builds`, so the AOT check compiles what runs).
 
     v_in_k: V's buffer is the K pool (its first v_head_dim dims); v_from_k: the kernel also reuses the loaded K tile.
@@ -54,6 +54,8 @@ def stage1_constexprs(*, q_heads, kv_heads, qk_head_dim, v_head_dim, config, sm_
     f16_dots: fp8 pool with bf16 q: the grouped kernel's dots run in f16 (see `uses_f16_dots`).
     q_tokens, has_draft_mask: query tokens per sequence, and whether a draft mask (else causal) says which drafts each
     sees (the grouped kernel; see kernels/decode_attention.py).
+    final_at_one_split: a sequence of one split has its rows' output stored by stage 1 (no sink to add), and
+    stage 2, given the same flag, leaves them.
     """
     block_d, block_dpe = rope_split(qk_head_dim)
     group = q_heads // kv_heads
@@ -81,6 +83,7 @@ def stage1_constexprs(*, q_heads, kv_heads, qk_head_dim, v_head_dim, config, sm_
         NUM_SLOTS=num_slots,  # slots outside the pool read slot 0
         KV_CAPACITY=kv_capacity,  # kv_indptr is clamped into kv_indices
         HAS_KV_SCALES=bool(has_kv_scales),
+        FINAL_AT_ONE_SPLIT=bool(final_at_one_split),
     )
     if config.block_h != 1:  # the grouped kernel's extra constexprs (the vector kernel has none)
         constexprs.update(V_FROM_K=v_from_k, BLOCK_H=config.block_h, DOT_PRECISION=dot_precision,
@@ -89,11 +92,13 @@ def stage1_constexprs(*, q_heads, kv_heads, qk_head_dim, v_head_dim, config, sm_
     return constexprs
 
 
-def stage2_constexprs(*, q_heads, v_head_dim, sliding_window, has_sink, max_kv_splits, kv_capacity, q_tokens=1):
+def stage2_constexprs(*, q_heads, v_head_dim, sliding_window, has_sink, max_kv_splits, kv_capacity, q_tokens=1,
+                      final_at_one_split=False):
     # kv_capacity: stage 1's clamp of kv_indptr, so both stages see the same splits.
     return dict(SLIDING_WINDOW=int(sliding_window), Q_HEADS=q_heads, V_HEAD_DIM=v_head_dim,
                 BLOCK_DV=triton.next_power_of_2(v_head_dim), HAS_SINK=bool(has_sink), MAX_KV_SPLITS=max_kv_splits,
-                MIN_BLOCK_KV=MIN_BLOCK_KV, KV_CAPACITY=kv_capacity, Q_TOKENS=int(q_tokens))
+                MIN_BLOCK_KV=MIN_BLOCK_KV, KV_CAPACITY=kv_capacity, Q_TOKENS=int(q_tokens),
+                FINAL_AT_ONE_SPLIT=bool(final_at_one_split))
 
 
 def stage1_kernel(config: DecodeConfig) -> str:
@@ -128,6 +133,9 @@ def run(call: DecodeCall):
     has_kv_scales = call.kv_scales is not None
     v_in_k = v_pool is None
     max_splits = meta.max_kv_splits
+    # Without a sink, a one-split sequence's rows are final in stage 1 (D1 / D3 decode one split a sequence on an
+    # fp8 pool): no partials written and read back for them, and the merge's programs for them store nothing.
+    final_at_one_split = call.sinks is None
     constexprs = stage1_constexprs(
         q_heads=q_heads, kv_heads=kv_heads, qk_head_dim=qk_dim, v_head_dim=v_dim, config=config, sm_scale=call.sm_scale,
         logit_cap=call.logit_cap, xai_temperature_len=call.xai_temperature_len, sliding_window=call.sliding_window,
@@ -135,7 +143,7 @@ def run(call: DecodeCall):
         dot_precision="ieee" if (mode == "interpret" or q.dtype == jnp.float32) else "tf32",
         num_slots=k_pool.shape[0], kv_capacity=meta.kv_indices.shape[0], has_kv_scales=has_kv_scales,
         f16_dots=uses_f16_dots(q.dtype, has_kv_scales), q_tokens=tokens,
-        has_draft_mask=call.draft_mask is not None,
+        has_draft_mask=call.draft_mask is not None, final_at_one_split=final_at_one_split,
     )
     # Unused operands as numpy constants: jnp would have XLA launch a broadcast kernel for each on every call.
     kv_scales = jnp.asarray(np.ones((2, kv_heads), np.float32)) if call.kv_scales is None else call.kv_scales
@@ -145,7 +153,8 @@ def run(call: DecodeCall):
     else:
         draft_mask = jax.lax.bitcast_convert_type(call.draft_mask.reshape(-1), jnp.int32)
     head_programs = q_heads if config.block_h == 1 else kv_heads * -(-rows // config.block_h)
-    mid_o, mid_lse = launch(
+    rows_out = (batch * tokens, q_heads) if final_at_one_split else (1,)  # unwritten without the flag
+    mid_o, mid_lse, o, lse = launch(
         ("decode_attention", stage1_kernel(config)),
         q,
         k_pool,
@@ -159,6 +168,8 @@ def run(call: DecodeCall):
         out_shape=(
             jax.ShapeDtypeStruct((batch * tokens, q_heads, max_splits, v_dim), jnp.float32),
             jax.ShapeDtypeStruct((batch * tokens, q_heads, max_splits), jnp.float32),
+            jax.ShapeDtypeStruct(rows_out + (v_dim,) if final_at_one_split else rows_out, q.dtype),
+            jax.ShapeDtypeStruct(rows_out, jnp.float32),
         ),
         grid=(batch, head_programs, max_splits),
         num_warps=config.num_warps,
@@ -167,17 +178,28 @@ def run(call: DecodeCall):
         name=f"decode_stage1_BLOCK_H={config.block_h}_BLOCK_N={config.block_n}",
         **constexprs,
     )
-    return merge_splits(call, mid_o, mid_lse, index_i32(meta.num_kv_splits), max_splits)
+    return merge_splits(call, mid_o, mid_lse, index_i32(meta.num_kv_splits), max_splits,
+                        final_rows=(o, lse) if final_at_one_split else None)
 
 
-def merge_splits(call: DecodeCall, mid_o, mid_lse, num_kv_splits, max_splits: int):
+def merge_splits(call: DecodeCall, mid_o, mid_lse, num_kv_splits, max_splits: int, final_rows=None):
     """Stage 2 (the Triton merge) of any stage 1 that writes `decode_stage1_kernel`'s partial buffers: mid_o
     f32[batch * tokens, q_heads, max_splits, v_dim], mid_lse f32[batch * tokens, q_heads, max_splits] (natural log),
     split s of a sequence covering the keys `kernels/decode_attention.py`'s split geometry gives for num_kv_splits
-    (i32[batch]) and max_splits; entries of empty splits are never read. Adds the sink; returns the op's result."""
+    (i32[batch]) and max_splits; entries of empty splits are never read. Adds the sink; returns the op's result.
+
+    final_rows: (o [batch * tokens, q_heads, v_dim] in q's dtype, lse f32[batch * tokens, q_heads]) where stage 1
+    stored the rows of one-split sequences (`stage1_constexprs`' final_at_one_split; no sink): the merge writes the
+    other rows into them in place."""
     batch, q_heads, v_dim, tokens = call.batch, call.q_heads, call.v_head_dim, call.tokens_per_seq
     meta = call.meta
+    if final_rows is not None and call.sinks is not None:
+        raise ValueError("final_rows: stage 1 stores no final row where a sink is added")
     sink_arg = jnp.asarray(np.zeros((q_heads,), np.float32)) if call.sinks is None else call.sinks.astype(jnp.float32)
+    if final_rows is None:
+        final_args, aliases = (jnp.asarray(np.zeros((1,), np.float32)),) * 2, {}
+    else:
+        final_args, aliases = final_rows, {5: 0, 6: 1}
     o, lse = launch(
         ("decode_attention", "decode_stage2_kernel"),
         mid_o,
@@ -185,8 +207,10 @@ def merge_splits(call: DecodeCall, mid_o, mid_lse, num_kv_splits, max_splits: in
         index_i32(meta.kv_indptr),
         num_kv_splits,
         sink_arg,
+        *final_args,
         out_shape=(jax.ShapeDtypeStruct((batch * tokens, q_heads, v_dim), call.q.dtype),
                    jax.ShapeDtypeStruct((batch * tokens, q_heads), jnp.float32)),
+        input_output_aliases=aliases,
         grid=(batch * tokens, q_heads),
         num_warps=4,
         num_stages=2,
@@ -194,7 +218,8 @@ def merge_splits(call: DecodeCall, mid_o, mid_lse, num_kv_splits, max_splits: in
         name="decode_stage2",
         **stage2_constexprs(q_heads=q_heads, v_head_dim=v_dim, sliding_window=call.sliding_window,
                             has_sink=call.sinks is not None, max_kv_splits=max_splits,
-                            kv_capacity=meta.kv_indices.shape[0], q_tokens=tokens),
+                            kv_capacity=meta.kv_indices.shape[0], q_tokens=tokens,
+                            final_at_one_split=final_rows is not None),
     )
     o, lse = o.reshape(call.q.shape[:-1] + (v_dim,)), lse.reshape(call.q.shape[:-1])
     return (o, lse) if call.return_lse else o
@@ -229,13 +254,14 @@ def kernel_builds():
 
     def stage1_signature(dtype, pool_dtype):
         return {"Q": f"*{dtype}", "K_POOL": f"*{pool_dtype}", "V_POOL": f"*{pool_dtype}", **index, "MID_O": "*fp32",
-                "MID_LSE": "*fp32"}
+                "MID_LSE": "*fp32", "O": f"*{dtype}", "LSE": "*fp32"}
 
     for dtype in ("bf16", "fp16", "fp32"):
         for qk_dim, v_dim in SUPPORTED_HEAD_DIMS:
             common = dict(qk_head_dim=qk_dim, v_head_dim=v_dim, sm_scale=1.0 / math.sqrt(qk_dim), logit_cap=30.0,
                           xai_temperature_len=-1, sliding_window=-1, max_kv_splits=_BUILD_MAX_SPLITS,
-                          dot_precision="ieee" if dtype == "fp32" else "tf32", **_BUILD_BOUNDS)
+                          dot_precision="ieee" if dtype == "fp32" else "tf32", final_at_one_split=True,
+                          **_BUILD_BOUNDS)
             v_variants = [False] + ([True] if reads_v_from_k(qk_dim, v_dim) else [])
             for group_key, group in _BUILD_GROUPS.items():
                 if (qk_dim, v_dim, group_key) not in tuning.sm90.DECODE:
@@ -279,6 +305,7 @@ def kernel_builds():
                 q_heads=q_heads, kv_heads=kv_heads, qk_head_dim=qk_dim, v_head_dim=v_dim, config=config,
                 sm_scale=1.0 / math.sqrt(qk_dim), logit_cap=0.0, xai_temperature_len=-1, sliding_window=-1,
                 max_kv_splits=_BUILD_MAX_SPLITS, v_in_k=v_from_k, v_from_k=v_from_k, dot_precision="tf32",
+                final_at_one_split=True,
                 q_tokens=4, has_draft_mask=has_draft_mask, **_BUILD_BOUNDS)
             builds.append(build(
                 "decode_attention", stage1_kernel(config), stage1_signature(dtype, dtype), constexprs,
@@ -296,7 +323,7 @@ def kernel_builds():
                     q_heads=64 if qk_dim == 128 else 16, kv_heads=8 if qk_dim == 128 else 1, qk_head_dim=qk_dim,
                     v_head_dim=v_dim, config=config, sm_scale=1.0 / math.sqrt(qk_dim), logit_cap=0.0,
                     xai_temperature_len=-1, sliding_window=-1, max_kv_splits=_BUILD_MAX_SPLITS, v_in_k=v_from_k,
-                    v_from_k=v_from_k, dot_precision="tf32", has_kv_scales=True,
+                    v_from_k=v_from_k, dot_precision="tf32", has_kv_scales=True, final_at_one_split=True,
                     f16_dots=uses_f16_dots({"bf16": jnp.bfloat16, "fp16": jnp.float16}[dtype], True), **_BUILD_BOUNDS)
                 builds.append(build(
                     "decode_attention", stage1_kernel(config), stage1_signature(dtype, pool_dtype), constexprs,
@@ -315,6 +342,7 @@ def kernel_builds():
                 q_heads=q_heads, kv_heads=kv_heads, qk_head_dim=qk_dim, v_head_dim=v_dim, config=config,
                 sm_scale=1.0 / math.sqrt(qk_dim), logit_cap=0.0, xai_temperature_len=-1, sliding_window=-1,
                 max_kv_splits=_BUILD_MAX_SPLITS, v_in_k=v_from_k, v_from_k=v_from_k, dot_precision="tf32",
+                final_at_one_split=True,
                 has_kv_scales=fp8, f16_dots=uses_f16_dots({"bf16": jnp.bfloat16, "fp16": jnp.float16}[dtype], fp8),
                 **_BUILD_BOUNDS)
             builds.append(build(
@@ -322,13 +350,17 @@ def kernel_builds():
                 num_warps=config.num_warps, num_stages=config.num_stages, expects_wgmma=True, expects_pipelining=True,
                 label=f"{dtype} q, {pool_dtype} pool {qk_dim}/{v_dim} keys as rows",
             ))
-        for v_dim in sorted({v for _, v in SUPPORTED_HEAD_DIMS}):
+        for v_dim, has_sink in itertools.product(sorted({v for _, v in SUPPORTED_HEAD_DIMS}), (True, False)):
+            final_at_one_split = not has_sink  # `run`'s choice
             builds.append(build(
                 "decode_attention", "decode_stage2_kernel",
                 {"MID_O": "*fp32", "MID_LSE": "*fp32", "KV_INDPTR": "*i32", "NUM_KV_SPLITS": "*i32", "SINKS": "*fp32",
+                 "O_STAGE1": f"*{dtype}" if final_at_one_split else "*fp32", "LSE_STAGE1": "*fp32",
                  "O": f"*{dtype}", "LSE": "*fp32"},
-                stage2_constexprs(q_heads=32, v_head_dim=v_dim, sliding_window=-1, has_sink=True,
-                                  max_kv_splits=_BUILD_MAX_SPLITS, kv_capacity=_BUILD_BOUNDS["kv_capacity"]),
-                num_warps=4, num_stages=2, label=f"{dtype} v_dim={v_dim}",
+                stage2_constexprs(q_heads=32, v_head_dim=v_dim, sliding_window=-1, has_sink=has_sink,
+                                  max_kv_splits=_BUILD_MAX_SPLITS, kv_capacity=_BUILD_BOUNDS["kv_capacity"],
+                                  final_at_one_split=final_at_one_split),
+                num_warps=4, num_stages=2,
+                label=f"{dtype} v_dim={v_dim}{' sink' if has_sink else ' final rows at one split'}",
             ))
     return builds

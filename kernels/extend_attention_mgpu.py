@@ -1180,11 +1180,12 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
 
         fast_prefix_waits = PREFIX_FAST_WAITS and not pallas_pages and not unified
 
-        def wait_ready(which, step, ready, prefix=False):
+        def wait_ready(which, step, ready, prefix=False, new_key=False):
             # Tile `step` sits in slot step % stages. A TMA tile completes Pallas' barrier `ready` of the slot (a
             # tile of whole pages: `page_ready`; Pallas tracks their phases); a cp.async tile (or with page_issue
             # "inline" a tile of pages) completes the slot's own mbarrier in kv_bars (phase: its use count).
             # prefix (only with fast_prefix_waits, for a step < pre_steps): `prefix_cp_async_uses`, no TMA branch.
+            # new_key (a step >= pre_steps, so never one of whole pages): no `page_ready` branch.
             slot = lax.rem(step, jnp.int32(stages))
             if prefix:
                 uses = prefix_cp_async_uses(step, slot, stages=stages, first_step=None if window is None else first_step)
@@ -1199,9 +1200,11 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
             if tma_new_tiles:
                 copied.append(by_tma(step))
                 pl.when(copied[-1])(lambda: plgpu.barrier_wait(ready.at[slot]))
-            if pallas_pages:
+            if pallas_pages and not new_key:
                 copied.append(step < page_steps)
                 pl.when(copied[-1])(lambda: plgpu.barrier_wait(page_ready[which].at[slot]))
+            if not copied:
+                return cp_async()
             pl.when(jnp.logical_not(functools.reduce(jnp.logical_or, copied)))(cp_async)
 
         @pl.when((cta_row < q_end) & (q_start < q_end))
@@ -1330,9 +1333,10 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                         return q16_smem, k16_smem, v16_smem, pool_gain
                     return qo_smem, k_smem, v_smem, None
 
-                def kv_step(step, carry, mask_kind=None, pool=False, prefix=False):
+                def kv_step(step, carry, mask_kind=None, pool=False, prefix=False, new_key=False):
                     # pool: the tile comes from the pool (matters with fp8_tiles="f16": `operands`). prefix: a prefix
-                    # step (step < pre_steps) whose waits take the fast form (`fast_prefix_waits`).
+                    # step (step < pre_steps) whose waits take the fast form (`fast_prefix_waits`). new_key: a step of
+                    # the new keys (>= pre_steps), as the next one: `wait_ready`'s new_key.
                     acc, m_i, l_i = carry
                     slot = lax.rem(step, jnp.int32(stages))
                     q_tile, k_ring, v_ring, gain = operands(pool)
@@ -1422,7 +1426,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     if scheduled:
                         plgpu.barrier_arrive(schedule)  # softmax done
                     if not latent:
-                        wait_ready(1, step, v_ready, prefix=prefix)
+                        wait_ready(1, step, v_ready, prefix=prefix, new_key=new_key)
                     if scheduled:
                         plgpu.barrier_wait(schedule)  # the other warpgroup's matrix work is issued
 
@@ -1436,13 +1440,13 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                                 lambda: wait_ready(0, next_step, k_ready, prefix=True))
                             pl.when(~next_prefix & (next_step < wg_steps))(lambda: wait_ready(0, next_step, k_ready))
                         else:
-                            pl.when(next_step < wg_steps)(lambda: wait_ready(0, next_step, k_ready))
+                            pl.when(next_step < wg_steps)(lambda: wait_ready(0, next_step, k_ready, new_key=new_key))
 
                     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                     plgpu.barrier_arrive((k_free if latent else v_free).at[slot])
                     return acc, m_new, l_i
 
-                def overlapped_run(lo, hi, carry, pool=False):
+                def overlapped_run(lo, hi, carry, pool=False, new_key=False):
                     # The unmasked tiles [lo, hi) with FlashAttention-3's intra-warpgroup overlap: tile t + 1's
                     # S = Q K^T is issued before tile t's softmax and read after it, so the tensor cores compute it
                     # while this warpgroup's softmax runs. The same tiles, order and arithmetic as kv_step's; entered,
@@ -1464,7 +1468,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                                 next_slot = lax.rem(step + 1, jnp.int32(stages))
 
                                 def next_scores_and_softmax(s_ref):
-                                    wait_ready(0, step + 1, k_ready)
+                                    wait_ready(0, step + 1, k_ready, new_key=new_key)
                                     plgpu.wgmma(s_ref, q_tile, k_ring.at[next_slot].transpose((1, 0)))
                                     return (*online_softmax(s, acc, m_i, l_i, gain), s_ref[...])
 
@@ -1474,12 +1478,12 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                             else:
                                 acc, l_i, m_new, p16 = online_softmax(s, acc, m_i, l_i, gain)
                                 s_next = None
-                            wait_ready(1, step, v_ready)
+                            wait_ready(1, step, v_ready, new_key=new_key)
 
                             def pv(acc_ref):
                                 plgpu.wgmma(acc_ref, p16, v_ring.at[slot])
                                 if not has_next:  # kv_step's entry condition for the step after the range
-                                    pl.when(hi < wg_steps)(lambda: wait_ready(0, hi, k_ready))
+                                    pl.when(hi < wg_steps)(lambda: wait_ready(0, hi, k_ready, new_key=new_key))
 
                             acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                             plgpu.barrier_arrive(v_free.at[slot])
@@ -1504,10 +1508,11 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                         bound_args["prefix"] = True
                     return functools.partial(kv_step, **bound_args) if bound_args else kv_step
 
-                def unmasked(lo, hi, carry, pool=False):  # a run of tiles every row sees whole
+                def unmasked(lo, hi, carry, pool=False, new_key=False):  # a run of tiles every row sees whole
                     if overlap:
-                        return overlapped_run(lo, hi, carry, pool)
-                    return lax.fori_loop(lo, hi, step_fn(pool=pool), carry)
+                        return overlapped_run(lo, hi, carry, pool, new_key)
+                    step = step_fn(pool=pool)
+                    return lax.fori_loop(lo, hi, functools.partial(step, new_key=True) if new_key else step, carry)
 
                 def flush_step(step, _):
                     # Tiles the producer loaded for another warpgroup's longer causal range: release them in step.
@@ -1539,7 +1544,10 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     schedule_sync()
 
                 new_kind = "custom" if custom else "causal" if causal else "new"
-                masked = functools.partial(kv_step, mask_kind=new_kind)
+                # The two-stage form's new-key loops (steps >= pre_steps) wait without the whole-page branch: with it
+                # on every new-key tile E2 at page 64 (no prefix) ran ~1% behind page 1 on the H100 (86f93dc).
+                new_keys_apart = pallas_pages and not unified
+                masked = functools.partial(kv_step, mask_kind=new_kind, new_key=new_keys_apart)
                 carry = (acc, m_i, l_i)
                 if window is not None:  # the CTA's steps before this warpgroup's first, released unused (head flush)
                     lax.fori_loop(first_step, wg_first, head_flush_step, None)
@@ -1597,7 +1605,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                         if window_new_tiles is not None:
                             carry = window_new_tiles(carry)
                     carry = lax.fori_loop(bound(pre_steps), bound(pre_steps + first_full), masked, carry)
-                    carry = unmasked(bound(pre_steps + first_full), bound(pre_steps + end_full), carry)
+                    carry = unmasked(bound(pre_steps + first_full), bound(pre_steps + end_full), carry,
+                                     new_key=new_keys_apart)
                     carry = lax.fori_loop(bound(pre_steps + end_full), wg_steps, masked, carry)
                 lax.fori_loop(wg_steps, cta_steps, flush_step, None)
                 pl.when(wg == 0)(schedule_sync)

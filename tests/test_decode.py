@@ -136,6 +136,29 @@ def test_one_split_rows_stored_by_stage_1_equal_the_merge(rng, mode, pool, confi
     np.testing.assert_array_equal(np.float32(o[2]), 0.0)
 
 
+@pytest.mark.parametrize("max_kv_splits", [1, 3])
+def test_a_one_split_bound_launches_stage_1_alone(rng, max_kv_splits):
+    """A static bound of one split (a batch filling the GPU, D3) has every row stored by stage 1: no merge launch.
+    With a sink, or a higher bound, the merge runs."""
+    q_heads, kv_heads, dim = 8, 2, 64
+    kv_lens = [1, 37, 0, 70]
+    q, k_pool, v_pool, kv_indptr, kv_indices = make_pools(rng, kv_lens, q_heads, kv_heads, dim, dim, jnp.float32)
+    meta = decode_metadata_from_indptr(kv_indptr, kv_indices, q_heads=q_heads, kv_heads=kv_heads,
+                                       max_kv_splits=max_kv_splits, min_split_len=32)
+
+    def launches(**kw):
+        jaxpr = jax.make_jaxpr(lambda q: decode_attention(q, k_pool, v_pool, meta, mode="interpret", **kw))(q)
+        return str(jaxpr).count("pure_callback")
+
+    assert launches() == (1 if max_kv_splits == 1 else 2)
+    assert launches(sinks=jnp.zeros((q_heads,))) == 2
+    o, lse = decode_attention(q, k_pool, v_pool, meta, return_lse=True, mode="interpret")
+    ref_o, ref_lse = decode_attention_reference(q, k_pool, v_pool, meta, return_lse=True)
+    assert_close(o, lse, ref_o, ref_lse, jnp.float32)
+    np.testing.assert_array_equal(np.float32(o[2]), 0.0)
+    assert np.all(np.asarray(lse[2]) == -np.inf)
+
+
 # (q_heads, kv_heads, qk_dim, v_dim, dtype, v_from_k, block_h): MLA's latent head (V inside K, and V a pool of its own),
 # 288/256 in fp32, GQA 4, group 20 in two 16-row head blocks (the second partly masked), MLA at 64 rows.
 KEYS_AS_ROWS_CASES = [

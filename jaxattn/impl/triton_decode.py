@@ -154,6 +154,10 @@ def run(call: DecodeCall):
         draft_mask = jax.lax.bitcast_convert_type(call.draft_mask.reshape(-1), jnp.int32)
     head_programs = q_heads if config.block_h == 1 else kv_heads * -(-rows // config.block_h)
     rows_out = (batch * tokens, q_heads) if final_at_one_split else (1,)  # unwritten without the flag
+    # A static bound of one split (D3: a batch that fills the GPU): every row is final in stage 1, no partial is
+    # written (their buffers shrink to a placeholder) and the merge is not launched.
+    only_final = final_at_one_split and max_splits == 1
+    rows_mid = (1,) if only_final else (batch * tokens, q_heads, max_splits)
     mid_o, mid_lse, o, lse = launch(
         ("decode_attention", stage1_kernel(config)),
         q,
@@ -166,8 +170,8 @@ def run(call: DecodeCall):
         kv_scales,
         draft_mask,
         out_shape=(
-            jax.ShapeDtypeStruct((batch * tokens, q_heads, max_splits, v_dim), jnp.float32),
-            jax.ShapeDtypeStruct((batch * tokens, q_heads, max_splits), jnp.float32),
+            jax.ShapeDtypeStruct(rows_mid + (v_dim,) if not only_final else rows_mid, jnp.float32),
+            jax.ShapeDtypeStruct(rows_mid, jnp.float32),
             jax.ShapeDtypeStruct(rows_out + (v_dim,) if final_at_one_split else rows_out, q.dtype),
             jax.ShapeDtypeStruct(rows_out, jnp.float32),
         ),
@@ -178,8 +182,16 @@ def run(call: DecodeCall):
         name=f"decode_stage1_BLOCK_H={config.block_h}_BLOCK_N={config.block_n}",
         **constexprs,
     )
+    if only_final:
+        return finished(call, o, lse)
     return merge_splits(call, mid_o, mid_lse, index_i32(meta.num_kv_splits), max_splits,
                         final_rows=(o, lse) if final_at_one_split else None)
+
+
+def finished(call: DecodeCall, o, lse):
+    """The op's result from o [batch * tokens, q_heads, v_dim] and lse f32[batch * tokens, q_heads]."""
+    o, lse = o.reshape(call.q.shape[:-1] + (call.v_head_dim,)), lse.reshape(call.q.shape[:-1])
+    return (o, lse) if call.return_lse else o
 
 
 def merge_splits(call: DecodeCall, mid_o, mid_lse, num_kv_splits, max_splits: int, final_rows=None):
@@ -221,8 +233,7 @@ def merge_splits(call: DecodeCall, mid_o, mid_lse, num_kv_splits, max_splits: in
                             kv_capacity=meta.kv_indices.shape[0], q_tokens=tokens,
                             final_at_one_split=final_rows is not None),
     )
-    o, lse = o.reshape(call.q.shape[:-1] + (v_dim,)), lse.reshape(call.q.shape[:-1])
-    return (o, lse) if call.return_lse else o
+    return finished(call, o, lse)
 
 
 def run_merged(call: DecodeCall, partials):

@@ -73,6 +73,30 @@ def test_rounds_interleave_the_backends_and_report_their_spread(monkeypatch):
         bench.run("decode", [TINY[0]], rounds=0, log=lambda _: None, progress=False)
 
 
+def test_page_sizes_share_the_rounds_and_paged_rows_get_a_paired_ratio(monkeypatch):
+    # Round r times every backend at every page size of a case before round r + 1; a paged row's vs_page_1 is the
+    # median of its per-round ratios to the same backend's page-1 round, not the ratio of the medians.
+    order = []
+    times = {("a", 1): [1.0, 2.0, 4.0], ("a", 16): [1.1, 1.8, 4.8], ("b", 1): [1.0] * 3, ("b", 16): [1.0] * 3}
+
+    def timed(fn, sync, **_):
+        order.append(fn)
+        return times[fn].pop(0)
+
+    monkeypatch.setattr(cli, "time_calls", timed)
+    monkeypatch.setattr(cli, "make_inputs", lambda case: case.page_size)
+    makers = {name: (lambda page_size, name=name: (name, page_size), None) for name in ("a", "b")}
+    monkeypatch.setitem(cli.BACKENDS, "decode", makers)
+    rows = bench.run("decode", [TINY[0]], rounds=3, page_sizes=(1, 16), log=lambda _: None, progress=False)
+    assert order == [("a", 1), ("b", 1), ("a", 16), ("b", 16)] * 3
+    by_name = {(r["case"], r["backend"]): r for r in rows}
+    assert list(by_name) == [("TD", "a"), ("TD", "b"), ("TD-P16", "a"), ("TD-P16", "b")]
+    assert "vs_page_1" not in by_name["TD", "a"]
+    # a: per round 1.1 / 1.0, 1.8 / 2.0, 4.8 / 4.0 -> median 1.1, where the medians' ratio is 1.8 / 2.0 = 0.9.
+    assert by_name["TD-P16", "a"]["vs_page_1"] == 1.1 and by_name["TD-P16", "a"]["median_ms"] == 1.8
+    assert by_name["TD-P16", "b"]["vs_page_1"] == 1.0
+
+
 def test_floors():
     # decode: K and V bytes once; extend: the causal FLOPs (the anchors' numbers)
     assert bench.CASES["D1"].floor_ms() == pytest.approx(64 * 4096 * 8 * 256 * 2 / 4.3e12 * 1e3)

@@ -16,7 +16,8 @@ sequence at its measured bf16 matmul rate (790 TFLOP/s on the H200): `cases.CEIL
 (benchmarks/ANCHORS.md: the shapes, the floors and the peers' figures.)
 `--page-sizes` runs every case at each page size P (default 1 only): P > 1 scatters whole pages instead of slots,
 tokens contiguous within a page, FlashInfer planned with page_size P; its rows are named <case>-P<P> (D1-P16),
-with the case's floor (`jaxattn.bench.inputs`).
+with the case's floor (`jaxattn.bench.inputs`), timed in the same rounds as the case's page-1 rows, against which
+each gets a paired ratio (`vs_page_1`).
 Peers that are not installed (FlashInfer, torch) or not supported for a shape are skipped with a note.
 Each run prints a markdown table; `--json` keeps the rows (with device, date and commit: git's, or
 $JAXATTN_COMMIT where the checkout has no .git) and `--plot` draws fraction-of-floor bars (matplotlib, the
@@ -57,7 +58,10 @@ def run(op: str, cases: list, backends: list[str] | None = None, sweep: bool | s
 
     `rounds` > 1: a case's items are timed in that many interleaved rounds (each round times every item once), so a
     drift of the GPU's state during the run falls on every backend alike; a row's `median_ms` is the median of its
-    rounds, `round_ms` lists them and `spread` is (slowest - fastest) / median: how much the rounds varied.
+    rounds, `round_ms` lists them and `spread` is (slowest - fastest) / median: how much the rounds varied. A case's
+    page sizes share its rounds (each round times every page size's items), and a paged row also gets `vs_page_1`:
+    the median over rounds of its time / the same backend's page-1 time in that round (a paired ratio, which a drift
+    between rounds does not move as it moves a ratio of two medians).
 
     `cases` are names (of CASES, or paged ones like D1-P16) or `Case` objects; each runs at every one of
     `page_sizes` (`paged_case`). A failing or skipped item is logged, never fatal.
@@ -68,9 +72,9 @@ def run(op: str, cases: list, backends: list[str] | None = None, sweep: bool | s
     unknown = [c for c, case in zip(cases, named) if case is None]
     if unknown:
         raise SystemExit(f"unknown cases {unknown}: the names are {list(CASES)} (a paged one: D1-P16)")
-    cases = [paged_case(case, page_size) for case in named for page_size in page_sizes]
+    groups = [[paged_case(case, page_size) for page_size in page_sizes] for case in named]  # timed together
     work = []  # (case, backend label, maker, sync)
-    for case in cases:
+    for case in (case for group in groups for case in group):
         if case.op != op:
             raise SystemExit(f"case {case.name} is a {case.op} case, not {op}")
         chosen = BACKENDS[op] if backends is None else {b: BACKENDS[op][b] for b in backends}
@@ -83,49 +87,55 @@ def run(op: str, cases: list, backends: list[str] | None = None, sweep: bool | s
         raise ValueError(f"rounds must be >= 1; got {rounds}")
     bar = _progress(len(work) * rounds, f"bench {op}") if progress else None
     say = log if bar is None else (lambda line: bar.write(line))
-    for case in dict.fromkeys(item[0] for item in work):  # a case's items together, in order
-        inp = None  # free the previous case's arrays first
-        inp = make_inputs(case)
-        floor = case.floor_ms()
-        timed = {}  # backend label -> (fn, sync, [ms per round])
-        for _, backend, maker, sync in (item for item in work if item[0] == case):
+    for group in groups:  # a case's items at every page size together, in order
+        inputs = None  # free the previous group's arrays first
+        inputs = {case.name: make_inputs(case) for case in group}
+        timed = {}  # (case name, backend label) -> (fn, sync, [ms per round])
+        for case, backend, maker, sync in (item for item in work if item[0] in group):
             try:
-                timed[backend] = (maker(inp), sync, [])
+                timed[case.name, backend] = (maker(inputs[case.name]), sync, [])
             except Skip as why:
                 say(f"  {case.name:4s} {backend:24s} skipped: {why}")
             except Exception as error:  # a peer that fails must not hide the others
                 say(f"  {case.name:4s} {backend:24s} FAILED: {type(error).__name__}: {str(error)[:300]}")
-            if backend not in timed and bar is not None:
+            if (case.name, backend) not in timed and bar is not None:
                 bar.update(rounds)  # its rounds will not run
         failed = set()
         for _ in range(rounds):
-            for backend, (fn, sync, samples) in timed.items():
+            for (name, backend), (fn, sync, samples) in timed.items():
                 if bar is not None:
-                    bar.set_postfix_str(f"{case.name} {backend}", refresh=False)
+                    bar.set_postfix_str(f"{name} {backend}", refresh=False)
                 try:
-                    if backend not in failed:
+                    if (name, backend) not in failed:
                         samples.append(time_calls(fn, sync))
                 except Skip as why:
-                    say(f"  {case.name:4s} {backend:24s} skipped: {why}")
-                    failed.add(backend)
+                    say(f"  {name:4s} {backend:24s} skipped: {why}")
+                    failed.add((name, backend))
                 except Exception as error:
-                    say(f"  {case.name:4s} {backend:24s} FAILED: {type(error).__name__}: {str(error)[:300]}")
-                    failed.add(backend)
+                    say(f"  {name:4s} {backend:24s} FAILED: {type(error).__name__}: {str(error)[:300]}")
+                    failed.add((name, backend))
                 finally:
                     if bar is not None:
                         bar.update(1)
-        for backend, (_, _, samples) in timed.items():
-            if backend in failed:
+        page_1 = group[0] if group[0].page_size == 1 else None
+        for (name, backend), (_, _, samples) in timed.items():
+            if (name, backend) in failed:
                 continue
+            case = next(c for c in group if c.name == name)
+            floor = case.floor_ms()
             ms = statistics.median(samples)
-            row = dict(op=op, case=case.name, backend=backend, median_ms=round(ms, 4), floor_ms=round(floor, 4),
+            row = dict(op=op, case=name, backend=backend, median_ms=round(ms, 4), floor_ms=round(floor, 4),
                        fraction_of_floor=round(floor / ms, 3), device=device, commit=revision, date=date)
             spread = ""
             if rounds > 1:
                 row.update(round_ms=[round(t, 4) for t in samples], spread=round((max(samples) - min(samples)) / ms, 4))
                 spread = f"  rounds vary {100 * row['spread']:.1f}%"
+            base = (page_1.name, backend) if page_1 is not None and case is not page_1 else None
+            if base in timed and base not in failed:
+                row["vs_page_1"] = round(statistics.median(t / t1 for t, t1 in zip(samples, timed[base][2])), 4)
+                spread += f"  {row['vs_page_1']:.3f}x page 1 (paired rounds)"
             rows.append(row)
-            say(f"  {case.name:4s} {backend:24s} {ms:8.3f} ms  floor {floor:6.3f} ms  {100 * floor / ms:5.1f}% of floor"
+            say(f"  {name:4s} {backend:24s} {ms:8.3f} ms  floor {floor:6.3f} ms  {100 * floor / ms:5.1f}% of floor"
                 + spread)
     if bar is not None:
         bar.close()

@@ -153,11 +153,14 @@ def run(call: DecodeCall):
     else:
         draft_mask = jax.lax.bitcast_convert_type(call.draft_mask.reshape(-1), jnp.int32)
     head_programs = q_heads if config.block_h == 1 else kv_heads * -(-rows // config.block_h)
-    rows_out = (batch * tokens, q_heads) if final_at_one_split else (1,)  # unwritten without the flag
     # A static bound of one split (D3: a batch that fills the GPU): every row is final in stage 1, no partial is
-    # written (their buffers shrink to a placeholder) and the merge is not launched.
+    # written and the merge is not launched.
     only_final = final_at_one_split and max_splits == 1
-    rows_mid = (1,) if only_final else (batch * tokens, q_heads, max_splits)
+
+    def output(shape, dtype, written: bool):  # an output stage 1 writes, or a 1-element placeholder it never touches
+        return jax.ShapeDtypeStruct(shape if written else (1,), dtype)
+
+    rows_out = batch * tokens
     mid_o, mid_lse, o, lse = launch(
         ("decode_attention", stage1_kernel(config)),
         q,
@@ -170,10 +173,10 @@ def run(call: DecodeCall):
         kv_scales,
         draft_mask,
         out_shape=(
-            jax.ShapeDtypeStruct(rows_mid + (v_dim,) if not only_final else rows_mid, jnp.float32),
-            jax.ShapeDtypeStruct(rows_mid, jnp.float32),
-            jax.ShapeDtypeStruct(rows_out + (v_dim,) if final_at_one_split else rows_out, q.dtype),
-            jax.ShapeDtypeStruct(rows_out, jnp.float32),
+            output((rows_out, q_heads, max_splits, v_dim), jnp.float32, not only_final),
+            output((rows_out, q_heads, max_splits), jnp.float32, not only_final),
+            output((rows_out, q_heads, v_dim), q.dtype, final_at_one_split),
+            output((rows_out, q_heads), jnp.float32, final_at_one_split),
         ),
         grid=(batch, head_programs, max_splits),
         num_warps=config.num_warps,

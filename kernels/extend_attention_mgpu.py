@@ -1497,11 +1497,13 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
 
                     return lax.cond(lo < hi, run, lambda carry: carry, carry)
 
-                def step_fn(mask_kind=None, pool=False):
+                def step_fn(mask_kind=None, pool=False, new_key=False):
                     # kv_step for a loop (the same function object where nothing is bound: one traced body).
                     bound_args = {}
                     if mask_kind:
                         bound_args["mask_kind"] = mask_kind
+                    if new_key:
+                        bound_args["new_key"] = True
                     if pool and f16_tiles:
                         bound_args["pool"] = True
                     if pool and fast_prefix_waits:  # the loops given pool=True run prefix steps only
@@ -1511,8 +1513,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                 def unmasked(lo, hi, carry, pool=False, new_key=False):  # a run of tiles every row sees whole
                     if overlap:
                         return overlapped_run(lo, hi, carry, pool, new_key)
-                    step = step_fn(pool=pool)
-                    return lax.fori_loop(lo, hi, functools.partial(step, new_key=True) if new_key else step, carry)
+                    return lax.fori_loop(lo, hi, step_fn(pool=pool, new_key=new_key), carry)
 
                 def flush_step(step, _):
                     # Tiles the producer loaded for another warpgroup's longer causal range: release them in step.
@@ -1547,7 +1548,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                 # The two-stage form's new-key loops (steps >= pre_steps) wait without the whole-page branch: with it
                 # on every new-key tile E2 at page 64 (no prefix) ran ~1% behind page 1 on the H100 (86f93dc).
                 new_keys_apart = pallas_pages and not unified
-                masked = functools.partial(kv_step, mask_kind=new_kind, new_key=new_keys_apart)
+                masked = step_fn(new_kind, new_key=new_keys_apart)
                 carry = (acc, m_i, l_i)
                 if window is not None:  # the CTA's steps before this warpgroup's first, released unused (head flush)
                     lax.fori_loop(first_step, wg_first, head_flush_step, None)

@@ -456,6 +456,11 @@ F16_MIN_GAIN = 2.0 ** -100  # a zero gain's stand-in: a masked score (-inf) time
 # GPU tests of both kernels (48) passed with it and gave the same bits. The MLA transposed tile's producer keeps 224
 # registers, and its addresses in them (`stream_latent_tiles(addresses_per_tile=False)`).
 FP8_ADDRESSES_PER_TILE = True
+# fp8_staging: the shared memory Pallas reserves for cross-warp reductions (CompilerParams.reduction_scratch_bytes,
+# 2048 by default, reserved for any reduction). The kernel's reductions (a row's max and sum over its keys in the
+# WGMMA layout) stay inside a warp and take none; without the reserve the staging tiles fit at 128 dims and 128-key
+# tiles (lowered: 230,488 of sm_90's 232,448 bytes; 232,536 with it).
+STAGED_REDUCTION_SCRATCH = 0
 
 
 def kernel_flags() -> tuple[str, ...]:
@@ -528,9 +533,14 @@ class IrOps:
     min = staticmethod(lambda a, b: arith.minui(IrOps._v(a), IrOps._v(b)))
 
 
+def fp8_staging_byte(row, chunk, *, head_dim: int, ops=IntOps):
+    """Byte offset of 16-byte chunk `chunk` of fp8 row `row` in a row-major fp8 tile (a staging tile)."""
+    return ops.add(ops.mul(row, head_dim), ops.mul(chunk, 16))
+
+
 def fp8_staged_byte(row, chunk, *, block_kv: int, head_dim: int, ops=IntOps):
     """Byte offset in a ring slot of 16-byte chunk `chunk` of fp8 row `row`: row-major from the slot's middle."""
-    return ops.add(ops.mul(ops.add(row, block_kv), head_dim), ops.mul(chunk, 16))
+    return fp8_staging_byte(ops.add(row, block_kv), chunk, head_dim=head_dim, ops=ops)
 
 
 def swizzled_16bit_byte(row, chunk, *, head_dim: int, swizzle: int = SWIZZLE_BYTES, ops=IntOps):
@@ -627,25 +637,33 @@ def online_softmax_tile(s, acc, m_i, l_i, scale_log2, *, keys_axis: int = 1):
 
 
 def issue_fp8_rows(pool_ref, smem, sources, slot, kv_head, *, block_kv: int, head_dim: int,
-                   swizzle: int = SWIZZLE_BYTES, addresses_per_tile: bool | None = None):
+                   swizzle: int = SWIZZLE_BYTES, addresses_per_tile: bool | None = None, staging: bool = False):
     """Starts the cp.async copies of one fp8 K or V tile into the upper half of ring slot `slot` of `smem` (a 16-bit
     [stages, block_kv, head_dim] ring, `SWIZZLED`; the fp8 rows stored as `fp8_staged_byte` lays them out): tile row
     r <- row sources[r] of pool_ref ([slots, kv_heads, head_dim] fp8), head kv_head; zeros where the source is -1.
-    Not committed: the caller commits the step's copies as one cp.async group (`commit_copies`). addresses_per_tile:
-    `fp8_step_thread`'s per_tile."""
+    staging: `smem` is instead a staging tile (int8 [block_kv, head_dim], row-major: `fp8_staging_byte`; slot
+    unused). Not committed: the caller commits the step's copies as one cp.async group (`commit_copies`).
+    addresses_per_tile: `fp8_step_thread`'s per_tile."""
     check_fp8_tile(block_kv, head_dim)
     kv_heads = pool_ref.shape[1]
     row_bytes = kv_heads * head_dim
     slot_bytes = 2 * block_kv * head_dim
+    if staging:
+        byte_of = functools.partial(fp8_staging_byte, head_dim=head_dim, ops=IrOps)
+    else:
+        byte_of = functools.partial(fp8_staged_byte, block_kv=block_kv, head_dim=head_dim, ops=IrOps)
+    smem_type = plgpu.RefType() if staging else plgpu.RefType(SWIZZLES[swizzle])
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(SWIZZLES[swizzle]), _ROW_SOURCES, _SCALAR, _SCALAR))
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), smem_type, _ROW_SOURCES, _SCALAR, _SCALAR))
     def run(ctx, pool, smem, sources, slot, kv_head):
         del ctx
         i8, i64 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(64)
         slot, kv_head = scalar_value(slot), scalar_value(kv_head)
         my_source = vector.extract(sources.registers.flat[0], [], [0])
         warp, lane = _lane_ids(fp8_step_thread(addresses_per_tile))
-        smem_base = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(smem), [arith.muli(slot, _i32(slot_bytes))], i8)
+        smem_base = mgpu_utils.memref_ptr(smem)
+        if not staging:
+            smem_base = mgpu_utils.getelementptr(smem_base, [arith.muli(slot, _i32(slot_bytes))], i8)
         base = arith.addi(global_address(pool), arith.extui(i64, arith.muli(kv_head, _i32(head_dim))))
         full = _i32(0xFFFFFFFF)
         for p in range(fp8_copies_per_thread(block_kv, head_dim)):
@@ -655,8 +673,7 @@ def issue_fp8_rows(pool_ref, smem, sources, slot, kv_head, *, block_kv: int, hea
             source = arith.extui(i64, arith.maxsi(source, _i32(0)))
             at = arith.addi(arith.addi(base, arith.muli(source, _i64(row_bytes))),
                             arith.extui(i64, arith.muli(chunk, _i32(16))))
-            dst = mgpu_utils.getelementptr(
-                smem_base, [fp8_staged_byte(row, chunk, block_kv=block_kv, head_dim=head_dim, ops=IrOps)], i8)
+            dst = mgpu_utils.getelementptr(smem_base, [byte_of(row, chunk)], i8)
             nvvm.cp_async_shared_global(dst, llvm.inttoptr(llvm.PointerType.get(1), at), 16,
                                         nvvm.LoadCacheModifierKind.CG, cp_size=arith.select(valid, _i32(16), _i32(0)))
 
@@ -716,7 +733,7 @@ def fp8_convert_ptx(fp8_dtype, dtype, scaled: bool = True) -> str:
 
 
 def convert_fp8_tiles(tiles, bars, slot, *, block_kv: int, head_dim: int, fp8_dtype, dtype, wait_pending: int | None,
-                      swizzle: int = SWIZZLE_BYTES, addresses_per_tile: bool | None = None):
+                      swizzle: int = SWIZZLE_BYTES, addresses_per_tile: bool | None = None, staging=None):
     """Rewrites the fp8 tiles `issue_fp8_rows` copied into ring slot `slot` of each ring as the `SWIZZLED` tiles of
     `dtype`, then completes each tile's mbarrier (each producer thread arrives once: its 128 arrivals, as a cp.async
     tile's). tiles: ((smem, barrier, scale), ...), smem a 16-bit [stages, block_kv, head_dim] ring, barrier an index
@@ -724,20 +741,29 @@ def convert_fp8_tiles(tiles, bars, slot, *, block_kv: int, head_dim: int, fp8_dt
     one for all tiles). The tiles go through the same steps (`fp8_conversion_steps`: phases, then rounds), sharing
     their syncs. wait_pending: None (the copies were
     waited for by an earlier call), or wait until at most this many of the thread's cp.async groups are in flight,
-    then sync the warpgroup so every thread's copies are visible. addresses_per_tile: `fp8_step_thread`'s per_tile."""
+    then sync the warpgroup so every thread's copies are visible. addresses_per_tile: `fp8_step_thread`'s per_tile.
+    staging: None, or per tile its staging tile (`issue_fp8_rows(staging=True)`), where its fp8 rows are read from
+    instead of the slot's upper half: one pass, each thread's chunks loaded, converted and stored one by one (no
+    byte is both read and written), then a warpgroup sync after the arrivals, so the next copies into the staging
+    tiles start once every thread has read them."""
     check_fp8_tile(block_kv, head_dim)
     slot_bytes = 2 * block_kv * head_dim
+    staged = staging is not None
+    if staged and len(staging) != len(tiles):
+        raise ValueError(f"one staging tile per tile: {len(tiles)} tiles, {len(staging)} staging tiles")
     scaled = tiles[0][2] is not None
     if any((scale is not None) != scaled for _, _, scale in tiles):
         raise ValueError("the tiles converted together are all scaled or all unscaled")
     ptx = fp8_convert_ptx(fp8_dtype, dtype, scaled)
     count = len(tiles)
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(SWIZZLES[swizzle]),) * count + (plgpu.RefType(), _SCALAR)
-                       + (_SCALAR,) * (count * (1 + scaled)))
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(SWIZZLES[swizzle]),) * count + (plgpu.RefType(),) * (count * staged)
+                       + (plgpu.RefType(), _SCALAR) + (_SCALAR,) * (count * (1 + scaled)))
     def run(ctx, *args):
         del ctx
-        smems, (bars, slot), rest = args[:count], args[count:count + 2], args[count + 2:]
+        smems, args = args[:count], args[count:]
+        sources, args = (args[:count], args[count:]) if staged else (None, args)
+        (bars, slot), rest = args[:2], args[2:]
         i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
         words = ir.VectorType.get((4,), i32)
         slot = scalar_value(slot)
@@ -750,10 +776,16 @@ def convert_fp8_tiles(tiles, bars, slot, *, block_kv: int, head_dim: int, fp8_dt
         thread = fp8_step_thread(addresses_per_tile)
         bases = [mgpu_utils.getelementptr(mgpu_utils.memref_ptr(smem), [arith.muli(slot, _i32(slot_bytes))], i8)
                  for smem in smems]
-        def load(base, row, chunk):
-            src = mgpu_utils.getelementptr(
-                base, [fp8_staged_byte(row, chunk, block_kv=block_kv, head_dim=head_dim, ops=IrOps)], i8)
-            return llvm.load(words, src, alignment=16)
+        # Where each tile's fp8 rows are read: its staging tile, or its slot's upper half.
+        fp8_bases = [mgpu_utils.memref_ptr(ref) for ref in sources] if staged else bases
+        tiles_at = list(zip(bases, fp8_bases, scales))  # per tile: its slot, its fp8 rows, its scale
+
+        def load(fp8_base, row, chunk):
+            if staged:
+                at = fp8_staging_byte(row, chunk, head_dim=head_dim, ops=IrOps)
+            else:
+                at = fp8_staged_byte(row, chunk, block_kv=block_kv, head_dim=head_dim, ops=IrOps)
+            return llvm.load(words, mgpu_utils.getelementptr(fp8_base, [at], i8), alignment=16)
 
         def store(base, scale, row, chunk, data):
             out = []
@@ -765,12 +797,14 @@ def convert_fp8_tiles(tiles, bars, slot, *, block_kv: int, head_dim: int, fp8_dt
                 llvm.store(vector.from_elements(words, out[4 * half:4 * half + 4]),
                            mgpu_utils.getelementptr(base, [at], i8), alignment=16)
 
-        for index, (first_row, rows, is_round) in enumerate(fp8_conversion_steps(block_kv, head_dim)):
+        # Staged: the whole tile as one phase (its stores reach no staging byte).
+        steps = ((0, block_kv, False),) if staged else fp8_conversion_steps(block_kv, head_dim)
+        for index, (first_row, rows, is_round) in enumerate(steps):
             positions = [fp8_step_position(first_row, rows, thread, i, head_dim=head_dim, ops=IrOps)
                          for i in range(fp8_step_chunks_per_thread(rows, head_dim))]
             if is_round:  # every thread's loads, then the sync, then the stores
-                loaded = [(base, scale, row, chunk, load(base, row, chunk))
-                          for base, scale in zip(bases, scales) for row, chunk in positions]
+                loaded = [(base, scale, row, chunk, load(fp8_base, row, chunk))
+                          for base, fp8_base, scale in tiles_at for row, chunk in positions]
                 sync()  # every thread's bytes of this round (and of the steps before) read before any is overwritten
                 for base, scale, row, chunk, data in loaded:
                     store(base, scale, row, chunk, data)
@@ -781,7 +815,7 @@ def convert_fp8_tiles(tiles, bars, slot, *, block_kv: int, head_dim: int, fp8_dt
                 # the producer's few registers (`REGISTERS`; more positions at a time, or more registers, were no
                 # faster on the H100, 0281adf).
                 for row, chunk in positions:
-                    loaded = [(base, scale, load(base, row, chunk)) for base, scale in zip(bases, scales)]
+                    loaded = [(base, scale, load(fp8_base, row, chunk)) for base, fp8_base, scale in tiles_at]
                     for base, scale, data in loaded:
                         store(base, scale, row, chunk, data)
         # wgmma reads the tiles through the async proxy: order this thread's stores before it, then release.
@@ -789,8 +823,10 @@ def convert_fp8_tiles(tiles, bars, slot, *, block_kv: int, head_dim: int, fp8_dt
         for barrier in barriers:
             mgpu_utils.inline_ptx("mbarrier.arrive.release.cta.shared::cta.b64 _, [$0];", _barrier_ptr(bars, barrier),
                                   has_side_effects=True)
+        if staged:
+            sync()  # every thread's loads of the staging tiles done before any thread copies the next tile into them
 
-    run(*(smem for smem, _, _ in tiles), bars, slot, *(barrier for _, barrier, _ in tiles),
+    run(*(smem for smem, _, _ in tiles), *(staging or ()), bars, slot, *(barrier for _, barrier, _ in tiles),
         *(scale for _, _, scale in tiles if scale is not None))
 
 
@@ -914,7 +950,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                                  kv_start_pos=None, prefix_lens=None, custom_mask=None, mask_indptr=None,
                                  skip_prefix_custom_mask=True, heads_per_cta=1, draft_mask=None, page_rows=0,
                                  page_issue="pallas", latent_v_dim=None, consumers=COMPUTE_WARPGROUPS,
-                                 overlap=False, kv_scales=None, fp8_tiles="q_dtype"):
+                                 overlap=False, kv_scales=None, fp8_tiles="q_dtype", fp8_staging=False):
     """Runs the kernel; writes `out_ref` in place (rows it does not own are left as they were).
 
     q: [q_rows, q_heads, qk_dim] (q_rows a multiple of 8, >= block_q: Q/O move by TMA in 8-row tiles);
@@ -948,6 +984,12 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
       multiplied by v_scale after the last pool tile (every pool tile comes before every new-key tile). New-key
       tiles are unchanged (q's dtype). The rings hold f16 pool tiles and new-key tiles of q's dtype in the same
       slots (two views of one allocation, `plgpu.RefUnion`).
+    fp8_staging (fp8 pools): the producer copies a pool tile's fp8 rows into staging tiles of their own (K's and V's,
+      block_kv x qk_dim bytes each) instead of its slot's upper half, so the copies of tile s + 1 start as soon as
+      tile s is converted, without waiting for s + 1's slot: they land while the consumers work on two tiles (s - 1
+      and s), and only the conversion sits between a slot's release and its use. Takes 2 * block_kv * qk_dim bytes
+      of shared memory, and none of Pallas' reduction scratch (the kernel's row reductions stay inside a warp:
+      `STAGED_REDUCTION_SCRATCH`), which is what makes 128-key tiles at 128 dims fit.
     overlap (3 consumers): FlashAttention-3's intra-warpgroup overlap on the runs of unmasked tiles: tile t + 1's
       S = Q K^T is issued before tile t's softmax, which runs while the tensor cores compute it. The same tiles, order
       and arithmetic as without it (the same bits); masked tiles run as before.
@@ -1083,6 +1125,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
         raise ValueError("kv_scales is given exactly when the pools are fp8")
     if fp8_tiles not in FP8_TILES:
         raise ValueError(f"fp8_tiles must be one of {FP8_TILES}; got {fp8_tiles!r}")
+    if fp8_staging and not fp8:
+        raise ValueError(f"fp8_staging takes fp8 pools; got {k_pool.dtype}")
     f16_tiles = fp8 and fp8_tiles == "f16"  # pool tiles in f16, scales folded into the consumers' arithmetic
     if f16_tiles and not f16_tiles_fit(unified=unified, o_rows_columns=o_rows_columns, qk_dim=qk_dim):
         got = "the unified form" if unified else f"o_rows_columns {o_rows_columns}"
@@ -1098,7 +1142,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
         if latent:  # no V ring: V is read from the K tiles
             (qo_smem2, o_rows_smem2, k_smem, kv_bars), v_smem = buffers, None
         else:
-            qo_smem2, o_rows_smem2, k_smem, v_smem, kv_bars = buffers
+            qo_smem2, o_rows_smem2, k_smem, v_smem, kv_bars = buffers[:5]
+        k_staging, v_staging = buffers[5:] if fp8_staging else (None, None)
         q16_smem2 = None
         k16_smem, v16_smem = k_smem, v_smem  # the pool tiles' view of the rings
         if f16_tiles:  # (o_rows, Q16) share one buffer; mixed rings: (q's dtype view, f16 view)
@@ -1758,6 +1803,50 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                             pl.when(step >= pre_steps)(lambda: issue(step, sources, None))
                     commit_copies()
 
+                def fp8_staged_start(step, sources):
+                    """fp8_staging: issues tile `step`'s copies (a pool tile's fp8 rows into the staging tiles, which
+                    the conversion before freed; a new-key tile as 16-bit pools do; nothing past cta_steps), then
+                    closes them into one group. sources: `sources_of(step)`."""
+                    @pl.when(step < cta_steps)
+                    def _():
+                        def pool_tile():
+                            for pool_ref, staging in ((k_pool_ref, k_staging), (v_pool_ref, v_staging)):
+                                issue_fp8_rows(pool_ref, staging, sources, 0, kv_head, block_kv=block_kv,
+                                               head_dim=qk_dim, staging=True)
+
+                        if unified:  # every tile from the pool
+                            pool_tile()
+                        else:
+                            pl.when(step < pre_steps)(pool_tile)
+                            pl.when(step >= pre_steps)(lambda: issue(step, sources, None))
+                    commit_copies()
+
+                def fp8_staged_loop(first, k_scale, v_scale):
+                    # Tile s + 1's copies start once tile s is converted (the staging tiles free again), so they
+                    # land while the consumers finish tiles s - 1 and s; tile s + 1's conversion then waits only for
+                    # its slot (the consumers done with tile s + 1 - stages).
+                    fp8_staged_start(first, sources_of(first))
+
+                    def fp8_step(step, sources):
+                        # sources: tile step + 1's, loaded an iteration ahead (as `step_body`'s)
+                        next_sources = sources_of(step + 2)
+
+                        @pl.when(step < pre_steps)
+                        def _():
+                            slot = lax.rem(step, jnp.int32(stages))
+                            for free in (k_free, v_free):
+                                pl.when(step >= first_step + stages)(
+                                    lambda free=free: plgpu.barrier_wait(free.at[slot]))
+                            # The one group in flight is this tile's.
+                            convert_fp8_tiles(((k_smem, slot, k_scale), (v_smem, stages + slot, v_scale)), kv_bars,
+                                              slot, block_kv=block_kv, head_dim=qk_dim, fp8_dtype=k_pool.dtype,
+                                              dtype=jnp.float16 if f16_tiles else dtype, wait_pending=0,
+                                              staging=(k_staging, v_staging))
+                        fp8_staged_start(step + 1, sources)
+                        return next_sources
+
+                    lax.fori_loop(first_step, cta_steps, fp8_step, sources_of(first + 1))
+
                 def fp8_producer_loop(first):
                     # Copies run stages - 1 tiles ahead: tile s + stages - 1's start after tile s's conversion (its
                     # slot frees when the consumers are done with tile s - 1), so a conversion finds its copies landed
@@ -1766,6 +1855,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                         k_scale = v_scale = None
                     else:
                         k_scale, v_scale = scales_ref[kv_head], scales_ref[kv_heads + kv_head]
+                    if fp8_staging:
+                        return fp8_staged_loop(first, k_scale, v_scale)
                     for ahead in range(stages - 1):
                         fp8_start(first + ahead, sources_of(first + ahead))
 
@@ -1845,6 +1936,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
             ring(qk_dim),
             *(() if latent else (ring(v_dim),)),
             plgpu.SMEM((2 * stages * 2,), jnp.int32),  # mbarriers (8 bytes each): K ready, V ready per slot
+            *((plgpu.SMEM((block_kv, qk_dim), jnp.int8),) * 2 if fp8_staging else ()),  # fp8 staging: K's, V's
         )
         # Whole pages: one barrier per slot for K and one for V, completed by the tile's block_kv / page_rows copies.
         pages = (((plgpu.Barrier(num_arrivals=block_kv // page_rows, num_barriers=stages),) * 2,) if pallas_pages else ())
@@ -1869,5 +1961,6 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
         grid_names=("heads", "q_tiles", "seq"),
         num_threads=consumers + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, **(dict(reduction_scratch_bytes=STAGED_REDUCTION_SCRATCH) if fp8_staging else {})),
     )(qo_indptr, kv_indptr, kv_indices, q, *new_operands, *pool_operands, *(optional[name] for name in present), out_ref)

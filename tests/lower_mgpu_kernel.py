@@ -122,6 +122,17 @@ SHAPES = [  # label, tokens, q heads, kv heads, head dim, dtype, config, feature
     ("fp8-e4m3-256-bf16-sinks", 300, 8, 4, 256, jnp.bfloat16, None, dict(pool=jnp.float8_e4m3fn, sinks=True)),
     ("fp8-e5m2-unified-128-bf16-mask", 300, 8, 2, 128, jnp.bfloat16, None,
      dict(pool=jnp.float8_e5m2, unified=True, mask=True)),
+    # fp8 staging tiles (copies a tile ahead of the slots): 128-key tiles at 128 (the largest, in sm_90's shared
+    # memory only without Pallas' reduction scratch) beside TMA new tiles; q_dtype tiles with f16 q and a window;
+    # 64 dims with three consumers; the unified form.
+    ("fp8-staged-e4m3-128-bf16-tma", 512, 8, 2, 128, jnp.bfloat16, MgpuExtendConfig(fp8_staging=True),
+     dict(pool=jnp.float8_e4m3fn)),
+    ("fp8-staged-e5m2-128-f16-qdtype-window", 300, 8, 2, 128, jnp.float16,
+     MgpuExtendConfig(fp8_tiles="q_dtype", fp8_staging=True), dict(pool=jnp.float8_e5m2, sliding_window=100)),
+    ("fp8-staged-e4m3-64-bf16-three", 300, 8, 2, 64, jnp.bfloat16,
+     MgpuExtendConfig(consumers=3, fp8_staging=True), dict(pool=jnp.float8_e4m3fn)),
+    ("fp8-staged-e4m3-unified-128-bf16", 300, 8, 2, 128, jnp.bfloat16, MgpuExtendConfig(fp8_staging=True),
+     dict(pool=jnp.float8_e4m3fn, unified=True)),
 ]
 
 

@@ -203,9 +203,13 @@ def test_sweep_takes_a_label_regex(one_call, monkeypatch):
 def test_fp8_extend_sweep_times_both_conversions():
     # An fp8 extend case's sweep has the in-kernel route with each conversion on each tile that fits sm_90 (f16
     # tiles and q_dtype tiles), a bf16 case none of them.
+    # And each with the fp8 staging tiles.
     variants = dict(bench.sweep_variants("extend", bench.CASES["E1-FP8"]))
     for tiles in ("f16", "q_dtype"):
         assert variants[f"mgpu-fp8 {tiles} kv128 s2"].__defaults__[0].fp8_tiles == tiles
+        staged = variants[f"mgpu-fp8 {tiles} kv128 s2 staged"].__defaults__[0]
+        assert staged.fp8_tiles == tiles and staged.fp8_staging
+        assert not variants[f"mgpu-fp8 {tiles} kv128 s2"].__defaults__[0].fp8_staging
     assert not any(label.startswith("mgpu-fp8") for label, _ in bench.sweep_variants("extend", bench.CASES["E1"]))
 
 

@@ -407,12 +407,15 @@ MGPU_FP8_CASES = [
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("case", MGPU_FP8_CASES)
 @pytest.mark.parametrize("form,tiles", [("two_stage", "f16"), ("two_stage", "q_dtype"), ("unified", "q_dtype")])
-def test_mgpu_kernel_converts_fp8_tiles_itself(rng, fmt, case, form, tiles):
+@pytest.mark.parametrize("staging", [False, True], ids=["in-slot", "staged"])
+def test_mgpu_kernel_converts_fp8_tiles_itself(rng, fmt, case, form, tiles, staging):
     # impl="mgpu-fp8" / "mgpu-unified-fp8" against the reference on the dequantised pool. Tiles converted to q's
     # dtype (times the scale) also bit for bit against the dequantising route ("mgpu" / "mgpu-unified": the same
     # 16-bit operands, the same tiles and order); f16 tiles (the two-stage default at head dims 64 and 128; 256 takes
     # q_dtype tiles) run the pool tiles in f16 with the scales applied by the consumers: the reference's tolerance.
-    from jaxattn import tuning
+    # staging (`MgpuExtendConfig.fp8_staging`: the fp8 rows copied into staging tiles a tile earlier): the same bits
+    # as the in-slot copies (only when the copies land changes).
+    from jaxattn import hardware, tuning
 
     prefix_lens, extend_lens, hq, hkv, dim, features = case
     features = dict(features)
@@ -434,8 +437,15 @@ def test_mgpu_kernel_converts_fp8_tiles_itself(rng, fmt, case, form, tiles):
         want = reference(batch.q, _clean(kp), _clean(vp), batch.meta_unified, **kw)
     # The tuned tile (three consumer warpgroups at 64, 64-key tiles at 256) with this conversion.
     config = dataclasses.replace(tuning.mgpu_extend_config(dim, dim, max_extend_len=max(extend_lens)), fp8_tiles=tiles)
+    if staging:
+        in_slot = np.float32(run(*args, impl=names[0], config=config, **kw))
+        config = dataclasses.replace(config, fp8_staging=True)
+        if config.shared_memory_bytes(dim, dim) > hardware.SM90.shared_memory_bytes:
+            pytest.skip(f"no room for the staging tiles beside {config}")
     got = np.float32(run(*args, impl=names[0], config=config, **kw))
     assert not np.isnan(got).any()  # the pools' unlisted rows are NaN
+    if staging:
+        np.testing.assert_array_equal(got, in_slot)
     if tiles == "q_dtype" or dim == 256:
         np.testing.assert_array_equal(got, np.float32(run(*args, impl=names[1], config=config, **kw)))
     np.testing.assert_array_equal(got[batch.tokens:], 0.0)

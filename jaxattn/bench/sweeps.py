@@ -156,10 +156,13 @@ def sweep_variants(op: str, case: Case):
                     variants.append((f"mgpu kv{block_kv} s{stages}",
                                      lambda inp, c=config: extend_jaxattn(inp, config=c, impl="mgpu")))
                     if case.fp8:  # the kernel converting fp8 tiles itself, whose copies run stages - 1 tiles ahead:
-                        # to f16 (the default where the kernel takes it) and to q's dtype, scaled
-                        for tiles in ("f16", "q_dtype"):
-                            fp8_config = dataclasses.replace(config, fp8_tiles=tiles)
-                            variants.append((f"mgpu-fp8 {tiles} kv{block_kv} s{stages}",
+                        # to f16 (the default where the kernel takes it) and to q's dtype, scaled; and with the
+                        # copies in staging tiles of their own, a tile earlier, where they fit
+                        for tiles, staging in itertools.product(("f16", "q_dtype"), (False, True)):
+                            fp8_config = dataclasses.replace(config, fp8_tiles=tiles, fp8_staging=staging)
+                            if fp8_config.shared_memory_bytes(case.head_dim, case.dv) > SM90.shared_memory_bytes:
+                                continue
+                            variants.append((f"mgpu-fp8 {tiles} kv{block_kv} s{stages}{' staged' if staging else ''}",
                                              lambda inp, c=fp8_config: extend_jaxattn(inp, config=c, impl="mgpu-fp8")))
             if (case.head_dim, case.dv) == (64, 64):  # three consumer warpgroups (192-row CTAs, FA3's 64-dim tile),
                 # with and without the intra-warpgroup overlap FA3 runs it with

@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 
+# Shared memory the Mosaic GPU extend kernel takes beside its tiles: the cp.async mbarrier array (1 KiB: Pallas aligns
+# each buffer to 1 KiB), Pallas' reduction scratch (`PALLAS_REDUCTION_SCRATCH_BYTES`) and the barriers (88 B at 2
+# stages); lowered at 256/256, 3160 B.
+PALLAS_REDUCTION_SCRATCH_BYTES = 2048  # CompilerParams.reduction_scratch_bytes' default
+PALLAS_OVERHEAD_BYTES = 4096
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
@@ -92,7 +97,9 @@ class MgpuExtendConfig:
     `impl="mgpu-fp8"`): how the producer converts a pool tile: "f16" (exact and unscaled, one instruction per two
     values; the consumers run pool tiles in f16 with the scales folded into their arithmetic; where the kernel
     takes it: the two-stage form at head dims 64 and 128) or "q_dtype" (each value times its scale, rounded to
-    q's dtype: six instructions per two values)."""
+    q's dtype: six instructions per two values). fp8_staging (fp8 pools): the producer copies a pool tile's fp8
+    rows into staging tiles of their own rather than its ring slot, so they start a tile earlier (the kernel's
+    `fp8_staging`; 2 * block_kv * qk_head_dim bytes more shared memory, less Pallas' reduction scratch)."""
 
     block_q: int = 64
     block_kv: int = 128
@@ -100,6 +107,7 @@ class MgpuExtendConfig:
     consumers: int = 2
     overlap: bool = False
     fp8_tiles: str = "f16"
+    fp8_staging: bool = False
 
     @staticmethod
     def o_rows_columns(qk_head_dim: int, v_head_dim: int | None = None) -> int:
@@ -112,17 +120,19 @@ class MgpuExtendConfig:
 
     def shared_memory_bytes(self, qk_head_dim: int, v_head_dim: int | None = None) -> int:
         """Q tiles of the consumer warpgroups (O reuses them), their O store buffers (`o_rows_columns`), the K/V
-        ring (16-bit), and 4 KiB for the barriers and Pallas' alignment padding (3160 B when lowered at 256/256)."""
+        ring (16-bit), and `PALLAS_OVERHEAD_BYTES`; with fp8_staging the two fp8 staging tiles, and no reduction
+        scratch."""
         v_head_dim = qk_head_dim if v_head_dim is None else v_head_dim
         q_and_o = self.consumers * self.block_q * (qk_head_dim + self.o_rows_columns(qk_head_dim, v_head_dim))
         ring = self.stages * self.block_kv * (qk_head_dim + v_head_dim)
-        return (q_and_o + ring) * 2 + 4096
+        staging = 2 * self.block_kv * qk_head_dim - PALLAS_REDUCTION_SCRATCH_BYTES if self.fp8_staging else 0
+        return (q_and_o + ring) * 2 + PALLAS_OVERHEAD_BYTES + staging
 
     def latent_shared_memory_bytes(self, qk_head_dim: int) -> int:
         """The same kernel over a latent cache (`latent_v_dim`: V inside the K tiles): Q tiles qk_head_dim rounded up to
         64 wide, O stored in 64-column chunks, a ring of K tiles only, and the same 4 KiB."""
         width = -(-qk_head_dim // 64) * 64
-        return (2 * self.block_q * (width + 64) + self.stages * self.block_kv * width) * 2 + 4096
+        return (2 * self.block_q * (width + 64) + self.stages * self.block_kv * width) * 2 + PALLAS_OVERHEAD_BYTES
 
     def __post_init__(self):
         if self.block_q != 64:

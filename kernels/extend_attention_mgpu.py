@@ -575,11 +575,13 @@ def fp8_round_rows(head_dim: int) -> int:
     return max(8, WARPGROUP * 16 // head_dim // 8 * 8)
 
 
-def fp8_conversion_steps(block_kv: int, head_dim: int) -> tuple[tuple[int, int, bool], ...]:
+def fp8_conversion_steps(block_kv: int, head_dim: int, staged: bool = False) -> tuple[tuple[int, int, bool], ...]:
     """The conversion of a tile, in order: (first row, rows, round). Phases (round False) while the rows left allow
     one of at least R = `fp8_round_rows` rows: the largest multiple of R at most half the rows left; then rounds of R
     rows (round True). Every step but the first starts with a warpgroup sync (a round's sits between its loads and
-    its stores)."""
+    its stores). staged (the fp8 rows in a staging tile, no byte both read and written): the whole tile, one phase."""
+    if staged:
+        return ((0, block_kv, False),)
     rows = fp8_round_rows(head_dim)
     steps, start = [], 0
     while (phase := (block_kv - start) // 2 // rows * rows) >= rows:
@@ -797,9 +799,7 @@ def convert_fp8_tiles(tiles, bars, slot, *, block_kv: int, head_dim: int, fp8_dt
                 llvm.store(vector.from_elements(words, out[4 * half:4 * half + 4]),
                            mgpu_utils.getelementptr(base, [at], i8), alignment=16)
 
-        # Staged: the whole tile as one phase (its stores reach no staging byte).
-        steps = ((0, block_kv, False),) if staged else fp8_conversion_steps(block_kv, head_dim)
-        for index, (first_row, rows, is_round) in enumerate(steps):
+        for index, (first_row, rows, is_round) in enumerate(fp8_conversion_steps(block_kv, head_dim, staged)):
             positions = [fp8_step_position(first_row, rows, thread, i, head_dim=head_dim, ops=IrOps)
                          for i in range(fp8_step_chunks_per_thread(rows, head_dim))]
             if is_round:  # every thread's loads, then the sync, then the stores

@@ -1209,7 +1209,9 @@ def _cta_programs(first_step, cta_steps, wg_ranges, pre_steps, tail_step, uses, 
     (lo, hi) runs of its steps taken with the intra-warpgroup overlap (`overlapped_run`: tile t + 1's K waited and
     released before tile t's V). fp8: the fp8 pools' producer (`fp8_producer_loop`): a step's slots waited for and its
     copies issued stages - 1 steps before its conversion, whose arrivals complete a prefix tile's barriers (a "load"
-    here: it completes at some later time)."""
+    here: it completes at some later time); fp8="staged" (`fp8_staged_loop`): a prefix tile's copies go to the
+    staging tiles (no barrier), its slots are waited for just before its conversion, and a step's new-key tile
+    starts after the conversion of the step before."""
     kinds = (0,) if latent else (0, 1)
     by_tma = lambda step: tma_new_tiles and pre_steps <= step < tail_step  # noqa: E731
 
@@ -1230,8 +1232,13 @@ def _cta_programs(first_step, cta_steps, wg_ranges, pre_steps, tail_step, uses, 
                 ops.append(("load", barrier(which, step), step))
         return ops
 
+    def staged_start(step):  # fp8_staged_start: a prefix tile's copies touch no barrier
+        return [] if step < pre_steps else start(step)
+
     producer = []
-    if fp8:
+    if fp8 == "staged":
+        producer += staged_start(first_step)
+    elif fp8:
         for ahead in range(stages - 1):
             producer += start(first_step + ahead)
     for step in range(first_step, cta_steps):
@@ -1239,8 +1246,11 @@ def _cta_programs(first_step, cta_steps, wg_ranges, pre_steps, tail_step, uses, 
             producer += start(step)
             continue
         if step < pre_steps:  # convert_fp8_tiles: K's and V's together
+            if fp8 == "staged":  # the slots waited for just before the conversion
+                producer += [("wait", ("free", which, step % stages), None, step - stages) for which in kinds
+                             if step >= first_step + stages]
             producer += [("load", barrier(which, step), step) for which in kinds]
-        producer += start(step + stages - 1)
+        producer += staged_start(step + 1) if fp8 == "staged" else start(step + stages - 1)
     scheduled = len(wg_ranges) == 2
     sync = [("arrive", "schedule", None), ("wait", "schedule", None, None)] if scheduled else []
     programs = {"producer": producer}
@@ -1327,16 +1337,17 @@ def _random_runs(rng, wg_ranges):
     return runs
 
 
-@pytest.mark.parametrize("prefix_tiles", ["rows", "pages", "fp8"])
+@pytest.mark.parametrize("prefix_tiles", ["rows", "pages", "fp8", "fp8-staged"])
 @pytest.mark.parametrize("tma_new_tiles", [False, True], ids=["cp-async", "tma"])
 def test_barrier_protocol_never_hangs(tma_new_tiles, prefix_tiles):
-    if prefix_tiles == "fp8" and not tma_new_tiles:
+    if prefix_tiles.startswith("fp8") and not tma_new_tiles:
         pytest.skip("the fp8 producer's new-key tiles are the rows form's; one new-tile kind suffices (suite time)")
     # CPU: every CTA's producer and consumers (their barrier operations in the kernel's order, step ranges and
     # cp.async parities from the kernel's own helpers) in random interleavings with loads landing late: no deadlock,
     # no wait passing early or on another tile's phase, with and without a window (head flushes included), causal
     # and with a custom mask's non-causal schedule; with whole pages, the prefix tiles inside the prefix by TMA; over
-    # fp8 pools, the prefix tiles converted by the producer stages - 1 steps after their copies.
+    # fp8 pools, the prefix tiles converted by the producer stages - 1 steps after their copies (or, staged, a step
+    # after their copies into the staging tiles, once their slots are free).
     import itertools
     import random
 
@@ -1383,7 +1394,8 @@ def test_barrier_protocol_never_hangs(tma_new_tiles, prefix_tiles):
                         cases += _check_cta(first, cta_steps, ranges, pre_steps, tail_step, stages=stages,
                                             tma_new_tiles=tma_new_tiles, windowed=window >= 0, rng=rng,
                                             page_steps=prefix_len // block_kv if prefix_tiles == "pages" else 0,
-                                            overlap_runs=overlap_runs, fp8=prefix_tiles == "fp8")
+                                            overlap_runs=overlap_runs,
+                                            fp8={"fp8": True, "fp8-staged": "staged"}.get(prefix_tiles, False))
     assert cases > 100
 
 

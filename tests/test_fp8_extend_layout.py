@@ -33,8 +33,9 @@ def swizzled_tile(slot: np.ndarray, block_kv: int, head_dim: int, dtype, swizzle
     return out.view(np.dtype(dtype))
 
 
-def copy_tile(slot, pool, sources, kv_head, *, block_kv, head_dim):
-    """issue_fp8_rows: each (warp, lane, copy) moves 16 bytes of its row's source (zeros for source -1)."""
+def copy_tile(slot, pool, sources, kv_head, *, block_kv, head_dim, staging=False):
+    """issue_fp8_rows: each (warp, lane, copy) moves 16 bytes of its row's source (zeros for source -1); into the
+    slot's upper half, or with staging into a staging tile (`slot` is then the staging tile)."""
     rows_per_warp = block_kv // 4
     written = np.zeros((block_kv, head_dim // 16), int)
     raw = pool.view(np.uint8)
@@ -45,25 +46,34 @@ def copy_tile(slot, pool, sources, kv_head, *, block_kv, head_dim):
                 assert holder < rows_per_warp  # the lane whose `row_sources` entry the shuffle reads
                 source = sources[warp * rows_per_warp + holder]
                 data = raw[source, kv_head, 16 * chunk:16 * chunk + 16] if source >= 0 else np.zeros(16, np.uint8)
-                at = kernel.fp8_staged_byte(row, chunk, block_kv=block_kv, head_dim=head_dim)
+                if staging:
+                    at = kernel.fp8_staging_byte(row, chunk, head_dim=head_dim)
+                else:
+                    at = kernel.fp8_staged_byte(row, chunk, block_kv=block_kv, head_dim=head_dim)
                 slot[at:at + 16] = data
                 written[row, chunk] += 1
     assert (written == 1).all()  # every 16 bytes of the tile copied once
 
 
-def convert_tile(slot, fp8_dtype, scale, dtype, *, block_kv, head_dim, synced=True, swizzle=128):
+def convert_tile(slot, fp8_dtype, scale, dtype, *, block_kv, head_dim, synced=True, swizzle=128, staging=None):
     """convert_fp8_tiles' steps on one tile (scale None: straight to f16; K's and V's share the steps, each on its
     own ring). A phase's chunks go through in reverse order (one thread may run ahead of another), after a check that
     none of its stores reaches a byte it loads. synced=False replays the whole tile as one phase (no sync at all):
-    the in-place rewrite then must fail, which shows this test can."""
-    steps = kernel.fp8_conversion_steps(block_kv, head_dim)
+    the in-place rewrite then must fail, which shows this test can. staging: the staging tile the fp8 rows are read
+    from (`convert_fp8_tiles(staging=...)`), else the slot's upper half."""
+    steps = kernel.fp8_conversion_steps(block_kv, head_dim, staged=staging is not None)
     assert steps[0][0] == 0 and all(a[0] + a[1] == b[0] for a, b in zip(steps, steps[1:]))
     assert steps[-1][0] + steps[-1][1] == block_kv  # the steps cover the rows in order
     converted = np.zeros((block_kv, head_dim // 16), int)
 
+    def fp8_byte(row, chunk):
+        if staging is not None:
+            return kernel.fp8_staging_byte(row, chunk, head_dim=head_dim)
+        return kernel.fp8_staged_byte(row, chunk, block_kv=block_kv, head_dim=head_dim)
+
     def load(row, chunk):
-        at = kernel.fp8_staged_byte(row, chunk, block_kv=block_kv, head_dim=head_dim)
-        return slot[at:at + 16].copy()
+        at = fp8_byte(row, chunk)
+        return (slot if staging is None else staging)[at:at + 16].copy()
 
     def stored_bytes(row, chunk):
         return [kernel.swizzled_16bit_byte(row, 2 * chunk + half, head_dim=head_dim, swizzle=swizzle)
@@ -89,10 +99,10 @@ def convert_tile(slot, fp8_dtype, scale, dtype, *, block_kv, head_dim, synced=Tr
             for position, data in zip(positions, loaded):
                 store(*position, data)
         else:
-            loads = {kernel.fp8_staged_byte(r, c, block_kv=block_kv, head_dim=head_dim) + b
-                     for r, c in positions for b in range(16)}
             stores = {at + b for r, c in positions for at in stored_bytes(r, c) for b in range(16)}
-            assert not loads & stores, (first_row, rows)  # no sync inside a phase: it must not need one
+            if staging is None:  # (staged, the loads read another buffer)
+                loads = {fp8_byte(r, c) + b for r, c in positions for b in range(16)}
+                assert not loads & stores, (first_row, rows)  # no sync inside a phase: it must not need one
             for position in reversed(positions):
                 store(*position, load(*position))
     if not synced:
@@ -115,7 +125,11 @@ CASES = [(64, 128, 128), (128, 128, 128), (64, 64, 128), (128, 64, 128), (64, 25
 @pytest.mark.parametrize("block_kv,head_dim,swizzle", CASES)
 @pytest.mark.parametrize("fp8_dtype", [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2], ids=["e4m3fn", "e5m2"])
 @pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16], ids=["bf16", "f16"])
-def test_copies_and_in_place_rounds_give_the_dequantised_tile(block_kv, head_dim, swizzle, fp8_dtype, dtype):
+@pytest.mark.parametrize("staged", [False, True], ids=["in-slot", "staged"])
+def test_copies_and_in_place_rounds_give_the_dequantised_tile(block_kv, head_dim, swizzle, fp8_dtype, dtype, staged):
+    # staged: the extend kernel's fp8 staging tiles (`fp8_staging`): copies into a tile of their own, one pass from it.
+    if staged and (head_dim not in kernel.FP8_HEAD_DIMS or swizzle != kernel.SWIZZLE_BYTES):
+        pytest.skip("staging tiles are the extend kernel's (its head dims, 128-byte swizzle)")
     rng = np.random.default_rng(block_kv * head_dim)
     kv_heads, kv_head, slots, scale = 3, 1, 500, 0.0371
     if head_dim == 576:  # MLA decode: one latent head, converted to f16 unscaled (the scales folded into q, the output)
@@ -126,8 +140,11 @@ def test_copies_and_in_place_rounds_give_the_dequantised_tile(block_kv, head_dim
     sources = rng.integers(0, slots, block_kv).astype(np.int32)
     sources[block_kv - 5:] = -1  # rows past the listed keys: zeros
     slot = rng.integers(0, 256, 2 * block_kv * head_dim, dtype=np.uint8)  # the slot's previous tile
-    copy_tile(slot, pool, sources, kv_head, block_kv=block_kv, head_dim=head_dim)
-    convert_tile(slot, fp8_dtype, scale, dtype, block_kv=block_kv, head_dim=head_dim, swizzle=swizzle)
+    staging = rng.integers(0, 256, block_kv * head_dim, dtype=np.uint8) if staged else None  # the previous tile's
+    copy_tile(slot if staging is None else staging, pool, sources, kv_head, block_kv=block_kv, head_dim=head_dim,
+              staging=staged)
+    convert_tile(slot, fp8_dtype, scale, dtype, block_kv=block_kv, head_dim=head_dim, swizzle=swizzle,
+                 staging=staging)
     got = swizzled_tile(slot, block_kv, head_dim, dtype, swizzle)
 
     listed = sources >= 0

@@ -8,6 +8,7 @@ Prints one line per shape: "ok <label>" or "FAIL <label>: <error>". Arguments: a
 "i/n" to lower every n-th shape from the i-th, and "--core" for the `CORE` shapes only. Each shape costs about a second
 of lowering: README's test command lowers the `CORE` shapes (tests/test_extend_mgpu.py), CI (`.ci/run`) every shape.
 """
+import contextlib
 import dataclasses
 import re
 import sys
@@ -189,6 +190,27 @@ def lower(tokens, hq, hkv, d, dtype, config, features=None, batch=3, slots=1000,
         raise AssertionError("no Mosaic GPU custom call in the lowered module")
 
 
+@contextlib.contextmanager
+def reductions_without_scratch():
+    """Fails a lowering in which a reduction is handed Pallas' reduction scratch (a cross-warp one): the extend
+    kernel with fp8 staging tiles lowers with none reserved (`STAGED_REDUCTION_SCRATCH`), so such a reduction would
+    read an empty buffer."""
+    from jax.experimental.mosaic.gpu import fragmented_array
+
+    reduce = fragmented_array.FragmentedArray.reduce
+
+    def checked(self, op, axis, scratch=None, **kwargs):
+        if scratch is not None:
+            raise AssertionError("a cross-warp reduction takes Pallas' reduction scratch, which fp8_staging drops")
+        return reduce(self, op, axis, scratch, **kwargs)
+
+    fragmented_array.FragmentedArray.reduce = checked
+    try:
+        yield
+    finally:
+        fragmented_array.FragmentedArray.reduce = reduce
+
+
 def _lower_fp8(tokens, hq, hkv, d, dtype, config, pool, *, unified, window, sinks, page_size, max_extend_len, capacity,
                batch, custom_mask=None, **features):
     """The fp8 implementations' kernel launch (built as `ExtendCall`s: on CPU the registry declines the kernel)."""
@@ -213,7 +235,9 @@ def _lower_fp8(tokens, hq, hkv, d, dtype, config, pool, *, unified, window, sink
             sinks=sinks, xai_temperature_len=-1, sm_scale=0.09, config=config, launch_mode="gpu", kv_scales=kv_scales)
         return (UNIFIED_FP8 if unified else FP8).run(extend_call)
 
-    exported = jax.export.export(jax.jit(call), platforms=["cuda"])(*args)
+    staged = config is not None and config.fp8_staging
+    with reductions_without_scratch() if staged else contextlib.nullcontext():
+        exported = jax.export.export(jax.jit(call), platforms=["cuda"])(*args)
     if "mosaic_gpu" not in exported.mlir_module():
         raise AssertionError("no Mosaic GPU custom call in the lowered module")
 
@@ -309,10 +333,12 @@ DECODE_SHAPES = [
 # the most features a shape of that family combines.
 CORE = [
     # extend: window + soft cap + sinks by TMA; a custom mask over the prefix columns; a draft tree two heads a CTA;
-    # three consumers overlapped; unified masked and packed; 192/128; 256; page lists; fp8 pools, both forms.
+    # three consumers overlapped; unified masked and packed; 192/128; 256; page lists; fp8 pools, both forms, and
+    # with staging tiles (sm_90's shared memory to its last 2 KB).
     "all-128-bf16-tma", "mask-prefix-64-f16-cap-sinks-xai", "packed-draft-window-64-f16", "overlap-64-f16-all",
     "unified-packed-mask-window-64-f16-sinks", "mha-192-128-bf16-tma-window", "gqa-256-f16-tma-window-cap",
     "pages64-unified-64-f16-kv64s3-mask", "fp8-e4m3-128-bf16-f16-window-mask", "fp8-e5m2-unified-128-bf16-mask",
+    "fp8-staged-e4m3-128-bf16-tma",
     # MLA extend (its own kernel and the GQA kernel's latent form); the GQA decode kernel (fp8, one split persistent);
     # MLA decode: the padded tile at 32-key tiles, the transposed one merging through a cluster, the padded one through
     # a semaphore.

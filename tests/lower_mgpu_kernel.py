@@ -123,16 +123,16 @@ SHAPES = [  # label, tokens, q heads, kv heads, head dim, dtype, config, feature
     ("fp8-e4m3-256-bf16-sinks", 300, 8, 4, 256, jnp.bfloat16, None, dict(pool=jnp.float8_e4m3fn, sinks=True)),
     ("fp8-e5m2-unified-128-bf16-mask", 300, 8, 2, 128, jnp.bfloat16, None,
      dict(pool=jnp.float8_e5m2, unified=True, mask=True)),
-    # fp8 staging tiles (copies a tile ahead of the slots): 128-key tiles at 128 (the largest, in sm_90's shared
-    # memory only without Pallas' reduction scratch) beside TMA new tiles; q_dtype tiles with f16 q and a window;
-    # 64 dims with three consumers; the unified form.
-    ("fp8-staged-e4m3-128-bf16-tma", 512, 8, 2, 128, jnp.bfloat16, MgpuExtendConfig(fp8_staging=True),
+    # The shapes above take the staging tiles where they fit (every one but 256's; at 128 dims and 128-key tiles
+    # only without Pallas' reduction scratch); the fp8 rows copied into the slots instead (fp8_staging off): beside
+    # TMA new tiles; q_dtype tiles with f16 q and a window; 64 dims with three consumers; the unified form.
+    ("fp8-in-slot-e4m3-128-bf16-tma", 512, 8, 2, 128, jnp.bfloat16, MgpuExtendConfig(fp8_staging=False),
      dict(pool=jnp.float8_e4m3fn)),
-    ("fp8-staged-e5m2-128-f16-qdtype-window", 300, 8, 2, 128, jnp.float16,
-     MgpuExtendConfig(fp8_tiles="q_dtype", fp8_staging=True), dict(pool=jnp.float8_e5m2, sliding_window=100)),
-    ("fp8-staged-e4m3-64-bf16-three", 300, 8, 2, 64, jnp.bfloat16,
-     MgpuExtendConfig(consumers=3, fp8_staging=True), dict(pool=jnp.float8_e4m3fn)),
-    ("fp8-staged-e4m3-unified-128-bf16", 300, 8, 2, 128, jnp.bfloat16, MgpuExtendConfig(fp8_staging=True),
+    ("fp8-in-slot-e5m2-128-f16-qdtype-window", 300, 8, 2, 128, jnp.float16,
+     MgpuExtendConfig(fp8_tiles="q_dtype", fp8_staging=False), dict(pool=jnp.float8_e5m2, sliding_window=100)),
+    ("fp8-in-slot-e4m3-64-bf16-three", 300, 8, 2, 64, jnp.bfloat16,
+     MgpuExtendConfig(consumers=3, fp8_staging=False), dict(pool=jnp.float8_e4m3fn)),
+    ("fp8-in-slot-e4m3-unified-128-bf16", 300, 8, 2, 128, jnp.bfloat16, MgpuExtendConfig(fp8_staging=False),
      dict(pool=jnp.float8_e4m3fn, unified=True)),
 ]
 
@@ -235,8 +235,8 @@ def _lower_fp8(tokens, hq, hkv, d, dtype, config, pool, *, unified, window, sink
             sinks=sinks, xai_temperature_len=-1, sm_scale=0.09, config=config, launch_mode="gpu", kv_scales=kv_scales)
         return (UNIFIED_FP8 if unified else FP8).run(extend_call)
 
-    staged = config is not None and config.fp8_staging
-    with reductions_without_scratch() if staged else contextlib.nullcontext():
+    # Staged or not (the staging tiles are the default where they fit), the guard holds for every fp8 shape.
+    with reductions_without_scratch():
         exported = jax.export.export(jax.jit(call), platforms=["cuda"])(*args)
     if "mosaic_gpu" not in exported.mlir_module():
         raise AssertionError("no Mosaic GPU custom call in the lowered module")
@@ -333,12 +333,12 @@ DECODE_SHAPES = [
 # the most features a shape of that family combines.
 CORE = [
     # extend: window + soft cap + sinks by TMA; a custom mask over the prefix columns; a draft tree two heads a CTA;
-    # three consumers overlapped; unified masked and packed; 192/128; 256; page lists; fp8 pools, both forms, and
-    # with staging tiles (sm_90's shared memory to its last 2 KB).
+    # three consumers overlapped; unified masked and packed; 192/128; 256; page lists; fp8 pools, both forms (with
+    # staging tiles: sm_90's shared memory to its last 2 KB), and copied into the slots.
     "all-128-bf16-tma", "mask-prefix-64-f16-cap-sinks-xai", "packed-draft-window-64-f16", "overlap-64-f16-all",
     "unified-packed-mask-window-64-f16-sinks", "mha-192-128-bf16-tma-window", "gqa-256-f16-tma-window-cap",
     "pages64-unified-64-f16-kv64s3-mask", "fp8-e4m3-128-bf16-f16-window-mask", "fp8-e5m2-unified-128-bf16-mask",
-    "fp8-staged-e4m3-128-bf16-tma",
+    "fp8-in-slot-e4m3-128-bf16-tma",
     # MLA extend (its own kernel and the GQA kernel's latent form); the GQA decode kernel (fp8, one split persistent);
     # MLA decode: the padded tile at 32-key tiles, the transposed one merging through a cluster, the padded one through
     # a semaphore.

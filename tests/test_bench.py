@@ -209,7 +209,7 @@ def test_fp8_extend_sweep_times_both_conversions():
         assert variants[f"mgpu-fp8 {tiles} kv128 s2"].__defaults__[0].fp8_tiles == tiles
         staged = variants[f"mgpu-fp8 {tiles} kv128 s2 staged"].__defaults__[0]
         assert staged.fp8_tiles == tiles and staged.fp8_staging
-        assert not variants[f"mgpu-fp8 {tiles} kv128 s2"].__defaults__[0].fp8_staging
+        assert not variants[f"mgpu-fp8 {tiles} kv128 s2"].__defaults__[0].fp8_staging  # named: in the slot
     assert not any(label.startswith("mgpu-fp8") for label, _ in bench.sweep_variants("extend", bench.CASES["E1"]))
 
 

@@ -762,21 +762,25 @@ def test_head_dim_256_tiles_fit_shared_memory():
 
 
 def test_fp8_staging_tiles_fit_beside_128_key_tiles_without_the_reduction_scratch():
-    # MgpuExtendConfig.fp8_staging: two fp8 staging tiles (block_kv x qk_dim bytes each) and no Pallas reduction
-    # scratch (the kernel lowers with reduction_scratch_bytes 0: `STAGED_REDUCTION_SCRATCH`). At 128 dims and 128-key
-    # tiles that fits sm_90 (lowered: 230,488 B) where the reserve would not (232,536); at 256 the tuned tile has no
-    # room for them.
+    # MgpuExtendConfig.fp8_staging (the default): two fp8 staging tiles (block_kv x head_dim bytes each) and no Pallas
+    # reduction scratch (the kernel lowers with reduction_scratch_bytes 0: `STAGED_REDUCTION_SCRATCH`). At 128 dims
+    # and 128-key tiles that fits sm_90 (lowered: 230,488 B) where the reserve would not (232,536); the tuned tiles at
+    # 64 dims (three consumers) too; at 256 the tuned tile has no room for them, so its calls copy into the slots. A
+    # 16-bit pool's budget is the plain one whatever the flag.
     from jaxattn import hardware, tuning
+    from jaxattn.impl.mgpu_extend import fp8_staging_fits
     from jaxattn.kernels.extend_attention_mgpu import STAGED_REDUCTION_SCRATCH
     from jaxattn.tuning.configs import PALLAS_REDUCTION_SCRATCH_BYTES
-    staged = MgpuExtendConfig(fp8_staging=True)
-    assert STAGED_REDUCTION_SCRATCH == 0
-    assert staged.shared_memory_bytes(128) == \
-        MgpuExtendConfig().shared_memory_bytes(128) + 2 * 128 * 128 - PALLAS_REDUCTION_SCRATCH_BYTES
-    assert 230_488 <= staged.shared_memory_bytes(128) <= hardware.SM90.shared_memory_bytes
-    assert staged.shared_memory_bytes(128) + PALLAS_REDUCTION_SCRATCH_BYTES > hardware.SM90.shared_memory_bytes
-    tile_256 = dataclasses.replace(tuning.mgpu_extend_config(256), fp8_staging=True)
-    assert tile_256.shared_memory_bytes(256) > hardware.SM90.shared_memory_bytes
+    config = MgpuExtendConfig()
+    assert config.fp8_staging and STAGED_REDUCTION_SCRATCH == 0
+    assert config.staged_shared_memory_bytes(128) == \
+        config.shared_memory_bytes(128) + 2 * 128 * 128 - PALLAS_REDUCTION_SCRATCH_BYTES
+    assert 230_488 <= config.staged_shared_memory_bytes(128) <= hardware.SM90.shared_memory_bytes
+    assert config.staged_shared_memory_bytes(128) + PALLAS_REDUCTION_SCRATCH_BYTES > hardware.SM90.shared_memory_bytes
+    assert fp8_staging_fits(config, 128) and fp8_staging_fits(tuning.mgpu_extend_config(64), 64)
+    assert not fp8_staging_fits(dataclasses.replace(config, fp8_staging=False), 128)
+    assert not fp8_staging_fits(tuning.mgpu_extend_config(256), 256)
+    assert config.shared_memory_bytes(128) == dataclasses.replace(config, fp8_staging=False).shared_memory_bytes(128)
 
 
 @pytest.mark.gpu

@@ -144,7 +144,7 @@ def sweep_variants(op: str, case: Case):
         # The Mosaic GPU kernel's tiles (tuning.sm90.EXTEND_MGPU), where it takes the shape: those sm_90's shared
         # memory holds.
         from jaxattn.hardware import SM90
-        from jaxattn.impl.mgpu_extend import MGPU_HEAD_DIMS
+        from jaxattn.impl.mgpu_extend import MGPU_HEAD_DIMS, fp8_staging_fits
         from jaxattn.tuning import MgpuExtendConfig
 
         if (case.head_dim, case.dv) in MGPU_HEAD_DIMS:
@@ -160,7 +160,7 @@ def sweep_variants(op: str, case: Case):
                         # copies in staging tiles of their own, a tile earlier, where they fit
                         for tiles, staging in itertools.product(("f16", "q_dtype"), (False, True)):
                             fp8_config = dataclasses.replace(config, fp8_tiles=tiles, fp8_staging=staging)
-                            if fp8_config.shared_memory_bytes(case.head_dim, case.dv) > SM90.shared_memory_bytes:
+                            if staging and not fp8_staging_fits(fp8_config, case.head_dim):
                                 continue
                             variants.append((f"mgpu-fp8 {tiles} kv{block_kv} s{stages}{' staged' if staging else ''}",
                                              lambda inp, c=fp8_config: extend_jaxattn(inp, config=c, impl="mgpu-fp8")))

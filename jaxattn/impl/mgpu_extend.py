@@ -130,6 +130,11 @@ def _declines_form(form: str):
     return declines
 
 
+def fp8_staging_fits(config: MgpuExtendConfig, head_dim: int) -> bool:
+    """Whether a call over fp8 pools takes the config's staging tiles: asked for, and within sm_90's shared memory."""
+    return config.fp8_staging and config.staged_shared_memory_bytes(head_dim) <= hardware.SM90.shared_memory_bytes
+
+
 def _config(config: MgpuExtendConfig | None, qk_head_dim: int, v_head_dim: int, *, sliding_window: int = -1,
             max_extend_len: int | None = None) -> MgpuExtendConfig:
     """`config`, or the tuned one for these head dims (and window, extend length); checked against sm_90's shared
@@ -514,7 +519,7 @@ def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: 
     if kv_scales is not None:  # the config's conversion where the kernel takes it, else the scaled one
         fits = f16_tiles_fit(unified=unified, o_rows_columns=o_rows_columns, qk_dim=q.shape[2])
         fp8 = dict(kv_scales=kv_scales, fp8_tiles=config.fp8_tiles if fits else "q_dtype",
-                   fp8_staging=config.fp8_staging)
+                   fp8_staging=fp8_staging_fits(config, q.shape[2]))
     extend_attention_mgpu_kernel(
         q, None if unified else k_new, None if unified else v_new, k_pool, v_pool, kv_indices,
         index_i32(meta.qo_indptr), index_i32(meta.kv_indptr), out_ref,

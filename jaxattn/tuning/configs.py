@@ -99,7 +99,10 @@ class MgpuExtendConfig:
     takes it: the two-stage form at head dims 64 and 128) or "q_dtype" (each value times its scale, rounded to
     q's dtype: six instructions per two values). fp8_staging (fp8 pools): the producer copies a pool tile's fp8
     rows into staging tiles of their own rather than its ring slot, so they start a tile earlier (the kernel's
-    `fp8_staging`; 2 * block_kv * qk_head_dim bytes more shared memory, less Pallas' reduction scratch)."""
+    `fp8_staging`), where they fit beside the tile (`staged_shared_memory_bytes`; 128 keys at head dims 64 and 128,
+    not the 256 tile); else the rows go to the slot. On the H100 (fbf99d6, one run, 5 rounds) the f16 tiles took
+    0.731 ms staged against 0.778 at E3-FP8 (row spreads 5.5% / 1.6%) and 1.822 against 1.891 at E1-FP8, the same
+    bits (benchmarks/RESULTS.md, forty-third session)."""
 
     block_q: int = 64
     block_kv: int = 128
@@ -107,7 +110,7 @@ class MgpuExtendConfig:
     consumers: int = 2
     overlap: bool = False
     fp8_tiles: str = "f16"
-    fp8_staging: bool = False
+    fp8_staging: bool = True
 
     @staticmethod
     def o_rows_columns(qk_head_dim: int, v_head_dim: int | None = None) -> int:
@@ -120,13 +123,16 @@ class MgpuExtendConfig:
 
     def shared_memory_bytes(self, qk_head_dim: int, v_head_dim: int | None = None) -> int:
         """Q tiles of the consumer warpgroups (O reuses them), their O store buffers (`o_rows_columns`), the K/V
-        ring (16-bit), and `PALLAS_OVERHEAD_BYTES`; with fp8_staging the two fp8 staging tiles, and no reduction
-        scratch."""
+        ring (16-bit), and `PALLAS_OVERHEAD_BYTES`."""
         v_head_dim = qk_head_dim if v_head_dim is None else v_head_dim
         q_and_o = self.consumers * self.block_q * (qk_head_dim + self.o_rows_columns(qk_head_dim, v_head_dim))
         ring = self.stages * self.block_kv * (qk_head_dim + v_head_dim)
-        staging = 2 * self.block_kv * qk_head_dim - PALLAS_REDUCTION_SCRATCH_BYTES if self.fp8_staging else 0
-        return (q_and_o + ring) * 2 + PALLAS_OVERHEAD_BYTES + staging
+        return (q_and_o + ring) * 2 + PALLAS_OVERHEAD_BYTES
+
+    def staged_shared_memory_bytes(self, head_dim: int) -> int:
+        """The same over fp8 pools with the staging tiles (fp8_staging; equal head dims): K's and V's, block_kv x
+        head_dim bytes each, and no Pallas reduction scratch (the kernel then reserves none)."""
+        return self.shared_memory_bytes(head_dim) + 2 * self.block_kv * head_dim - PALLAS_REDUCTION_SCRATCH_BYTES
 
     def latent_shared_memory_bytes(self, qk_head_dim: int) -> int:
         """The same kernel over a latent cache (`latent_v_dim`: V inside the K tiles): Q tiles qk_head_dim rounded up to

@@ -22,8 +22,10 @@ def is_fp8(dtype) -> bool:
     return any(jnp.dtype(dtype) == jnp.dtype(d) for d in FP8_DTYPES)
 
 
-def kv_scale_table(k_scale, v_scale, kv_heads: int) -> jax.Array | None:
-    """f32[2, kv_heads]: row 0 the K scale of every kv head, row 1 the V scale; None when both scales are None.
+def kv_scale_table(k_scale, v_scale, kv_heads: int) -> jax.Array | np.ndarray | None:
+    """f32[2, kv_heads]: row 0 the K scale of every kv head, row 1 the V scale; None when both scales are None. A
+    numpy array when both scales are Python numbers (a constant whose values the kernels' operands can still read
+    at trace time, where inside jit a jnp constant is a tracer: `scale_table_operand`), else a jax array.
 
     The arguments are checked first (`jaxattn.checks.check_kv_scale`).
     """
@@ -39,8 +41,21 @@ def kv_scale_table(k_scale, v_scale, kv_heads: int) -> jax.Array | None:
 
     rows = [row(k_scale), row(v_scale)]
     if all(isinstance(r, np.ndarray) for r in rows):
-        return jnp.asarray(np.stack(rows))
+        return np.stack(rows)
     return jnp.stack(rows)
+
+
+def scale_table_operand(table) -> jax.Array:
+    """`kv_scale_table`'s table as a kernel operand, flat f32[2 * kv_heads] (K's scales, then V's), read by index.
+    A constant table (Python-number scales) whose values are all equal gets one element more, unlike them and never
+    read: XLA turns a constant of more than one element, all equal, into a broadcast kernel launched on every call
+    (0.9 us and a launch gap on the H100, benchmarks/RESULTS.md, forty-third session). A traced table stays as it is."""
+    if not isinstance(table, np.ndarray):  # traced
+        return table.reshape(-1)
+    values = table.astype(np.float32).reshape(-1)
+    if values.size > 1 and (values == values[0]).all():
+        values = np.append(values, np.float32(1.0 if values[0] == 0 else 0.0))
+    return jnp.asarray(values)
 
 
 def per_head_factor(scale):

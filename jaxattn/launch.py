@@ -408,6 +408,8 @@ def launch(
         jt = _import_jax_triton()
         module_name, fn_name = kernel_name
         kernel = getattr(kernel_module(module_name, "gpu"), fn_name)
+        # numpy operands (e.g. a constant scale table, `jaxattn.fp8.kv_scale_table`) as jax arrays for jax-triton
+        args = tuple(jnp.asarray(a) if isinstance(a, np.ndarray) else a for a in args)
         outs = jt.triton_call(
             *args,
             kernel=kernel,

@@ -121,6 +121,29 @@ def test_float_scales_are_constants_of_the_compiled_op(rng):
                                   np.float32(step(q, k8, v8, meta, jnp.float32(0.5), jnp.float32(2.0))))
 
 
+@pytest.mark.parametrize("scales", [(0.5, 0.5), (0.5, 2.0), None], ids=["equal", "unequal", "bf16"])
+def test_the_compiled_decode_step_broadcasts_nothing(rng, scales):
+    # XLA makes a constant of more than one element, all equal, a broadcast kernel launched on every call (two of
+    # them beside an fp8 decode call on the H100's clock at fbf99d6: the scale table of equal scales and the merge's
+    # unread sink operand; a bf16 call had the unread table too). The compiled step (stage 1 and the merge) holds
+    # none: equal scales' table carries one unread element unlike the others (`scale_table_operand`), unread
+    # operands are 1-element constants. Its outputs are those of the traced scales.
+    q, k_pool, v_pool, kv_indptr, kv_indices = make_pools(rng, [5, 90], 8, 2, 64, 64, jnp.bfloat16)
+    meta = decode_metadata_from_indptr(kv_indptr, kv_indices, q_heads=8, kv_heads=2, max_kv_splits=2, min_split_len=32)
+    kw = {}
+    if scales is not None:
+        k_pool, v_pool = quantised(k_pool, scales[0], jnp.float8_e4m3fn), quantised(v_pool, scales[1], jnp.float8_e4m3fn)
+        kw = dict(k_scale=scales[0], v_scale=scales[1])
+    step = jax.jit(lambda q, k, v, m: decode_attention(q, k, v, m, impl="triton", mode="interpret", **kw))
+    hlo = step.lower(q, k_pool, v_pool, meta).compile().as_text()
+    assert "broadcast(" not in hlo, [line for line in hlo.splitlines() if "broadcast(" in line]
+    assert hlo.count("xla_ffi_python_cpu_callback") == 2  # stage 1 and the merge
+    if scales is not None:
+        traced = decode_attention(q, k_pool, v_pool, meta, impl="triton", mode="interpret",
+                                  k_scale=jnp.float32(scales[0]), v_scale=jnp.float32(scales[1]))
+        np.testing.assert_array_equal(np.float32(step(q, k_pool, v_pool, meta)), np.float32(traced))
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("logit_cap", [0.0, 20.0])
 def test_decode_f16_dots_keep_large_scores(rng, mode, logit_cap):

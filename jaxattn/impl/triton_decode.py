@@ -21,6 +21,7 @@ from jaxattn import hardware, tuning
 from jaxattn.aot import build
 from jaxattn.calls import DecodeCall
 from jaxattn.checks import index_i32
+from jaxattn.fp8 import scale_table_operand
 from jaxattn.launch import launch
 from jaxattn.metadata import MIN_BLOCK_KV, rope_split
 from jaxattn.registry import Implementation
@@ -28,6 +29,11 @@ from jaxattn.tuning import DecodeConfig
 
 # Head shapes the sm_90 table covers (the AOT builds compile each).
 SUPPORTED_HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128), (288, 256), (576, 512))
+
+
+def unread_f32() -> jax.Array:
+    """A 1-element f32 operand for a pointer the kernel does not read (a numpy constant: no XLA kernel makes it)."""
+    return jnp.asarray(np.zeros((1,), np.float32))
 
 
 def declines(call: DecodeCall) -> str | None:
@@ -145,11 +151,12 @@ def run(call: DecodeCall):
         f16_dots=uses_f16_dots(q.dtype, has_kv_scales), q_tokens=tokens,
         has_draft_mask=call.draft_mask is not None, final_at_one_split=final_at_one_split,
     )
-    # Unused operands as numpy constants: jnp would have XLA launch a broadcast kernel for each on every call.
-    kv_scales = jnp.asarray(np.ones((2, kv_heads), np.float32)) if call.kv_scales is None else call.kv_scales
+    # Unused operands as 1-element numpy constants: jnp would have XLA launch a kernel for each on every call, and so
+    # would a numpy constant of more than one element, all equal (`scale_table_operand`).
+    kv_scales = unread_f32() if call.kv_scales is None else scale_table_operand(call.kv_scales)
     # The kernel reads 32 bits per row: u32 masks are reinterpreted, not converted (bit 31 would not survive a cast).
     if call.draft_mask is None:
-        draft_mask = jnp.asarray(np.zeros((1,), np.int32))
+        draft_mask = jnp.asarray(np.zeros((1,), np.int32))  # (unread)
     else:
         draft_mask = jax.lax.bitcast_convert_type(call.draft_mask.reshape(-1), jnp.int32)
     head_programs = q_heads if config.block_h == 1 else kv_heads * -(-rows // config.block_h)
@@ -210,9 +217,10 @@ def merge_splits(call: DecodeCall, mid_o, mid_lse, num_kv_splits, max_splits: in
     meta = call.meta
     if final_rows is not None and call.sinks is not None:
         raise ValueError("final_rows: stage 1 stores no final row where a sink is added")
-    sink_arg = jnp.asarray(np.zeros((q_heads,), np.float32)) if call.sinks is None else call.sinks.astype(jnp.float32)
+    # Operands the kernel does not read as 1-element constants (see `run`).
+    sink_arg = unread_f32() if call.sinks is None else call.sinks.astype(jnp.float32)
     if final_rows is None:
-        final_args, aliases = (jnp.asarray(np.zeros((1,), np.float32)),) * 2, {}
+        final_args, aliases = (unread_f32(),) * 2, {}
     else:
         final_args, aliases = final_rows, {5: 0, 6: 1}
     o, lse = launch(

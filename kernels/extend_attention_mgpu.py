@@ -39,8 +39,9 @@ masked tile's entries gathered into the accumulator's layout by `custom_mask_til
 head dims may differ (192/128): O then goes through its own buffer. At 256/256 a partial q tile is stored through a
 64-column buffer in four chunks (a whole-width one would not fit beside Q and the ring).
 
-fp8 pools (`kv_scales`): the producer copies a pool tile's fp8 rows into the upper half of its 16-bit ring slot and
-rewrites the slot in place as the 16-bit tile (`convert_fp8_tiles`), stages - 1 tiles ahead of the consumers. With
+fp8 pools (`kv_scales`): the producer copies a pool tile's fp8 rows into staging tiles of their own (`fp8_staging`,
+where shared memory has room) or into the upper half of its 16-bit ring slot, and converts them into the slot as the
+16-bit tile (`convert_fp8_tiles`), a tile (staged) or stages - 1 tiles (in the slot) ahead of the consumers. With
 fp8_tiles="q_dtype" each value times its scale is rounded to q's dtype, and the consumers' work does not change. With
 fp8_tiles="f16" (two-stage form) each value is converted exactly to f16 and nothing more (one instruction per two
 values, a sixth of the scaled conversion's), the consumers multiply pool tiles against an f16 copy of their Q tile
@@ -436,8 +437,10 @@ def issue_pages(pool_ref, smem, bars, starts, slot, barrier, kv_head, *, page_ro
 # thread): every thread loads its chunks of the round, the warpgroup syncs, every thread stores (a round's stores reach
 # fp8 rows of this round or earlier only). A tile of 128 rows: phases of 64, 32 and 16 rows and one round, 3 syncs
 # (8 in rounds alone). No step loads a byte an earlier one stored. `tests/test_fp8_extend_layout.py` replays these
-# formulas on bytes. No staging buffer: the kernels' shared memory is already full (extend at 128-dim heads,
-# MLA decode). Rows are whole 64-column 16-bit tiles (head_dim a multiple of 64), so the slot is exactly 2x the tile.
+# formulas on bytes. The extend kernel's staging form (`fp8_staging`) reads the fp8 rows from tiles of their own
+# instead, in one pass (`fp8_conversion_steps(staged=True)`); the in-place steps serve where there is no room for
+# them (the extend kernel's 256 tile, MLA decode). Rows are whole 64-column 16-bit tiles (head_dim a multiple of 64),
+# so the slot is exactly 2x the tile.
 FP8_HEAD_DIMS = (64, 128, 256)  # the extend kernel's fp8 head dims (q/k = v)
 # How the producer converts a pool tile: each value times its scale rounded to q's dtype, or exactly to f16 unscaled
 # (the consumers apply the scales: `extend_attention_mgpu_kernel`'s fp8_tiles).
@@ -764,7 +767,7 @@ def convert_fp8_tiles(tiles, bars, slot, *, block_kv: int, head_dim: int, fp8_dt
     def run(ctx, *args):
         del ctx
         smems, args = args[:count], args[count:]
-        sources, args = (args[:count], args[count:]) if staged else (None, args)
+        staging_refs, args = (args[:count], args[count:]) if staged else (None, args)
         (bars, slot), rest = args[:2], args[2:]
         i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
         words = ir.VectorType.get((4,), i32)
@@ -779,7 +782,7 @@ def convert_fp8_tiles(tiles, bars, slot, *, block_kv: int, head_dim: int, fp8_dt
         bases = [mgpu_utils.getelementptr(mgpu_utils.memref_ptr(smem), [arith.muli(slot, _i32(slot_bytes))], i8)
                  for smem in smems]
         # Where each tile's fp8 rows are read: its staging tile, or its slot's upper half.
-        fp8_bases = [mgpu_utils.memref_ptr(ref) for ref in sources] if staged else bases
+        fp8_bases = [mgpu_utils.memref_ptr(ref) for ref in staging_refs] if staged else bases
         tiles_at = list(zip(bases, fp8_bases, scales))  # per tile: its slot, its fp8 rows, its scale
 
         def load(fp8_base, row, chunk):

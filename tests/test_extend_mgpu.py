@@ -781,6 +781,8 @@ def test_fp8_staging_tiles_fit_beside_128_key_tiles_without_the_reduction_scratc
     assert not fp8_staging_fits(dataclasses.replace(config, fp8_staging=False), 128)
     assert not fp8_staging_fits(tuning.mgpu_extend_config(256), 256)
     assert config.shared_memory_bytes(128) == dataclasses.replace(config, fp8_staging=False).shared_memory_bytes(128)
+    with pytest.raises(ValueError, match="fp8_staging must be a bool"):
+        MgpuExtendConfig(fp8_staging=1)
 
 
 @pytest.mark.gpu

@@ -132,7 +132,8 @@ def test_the_compiled_decode_step_broadcasts_nothing(rng, scales):
     meta = decode_metadata_from_indptr(kv_indptr, kv_indices, q_heads=8, kv_heads=2, max_kv_splits=2, min_split_len=32)
     kw = {}
     if scales is not None:
-        k_pool, v_pool = quantised(k_pool, scales[0], jnp.float8_e4m3fn), quantised(v_pool, scales[1], jnp.float8_e4m3fn)
+        k_pool = quantised(k_pool, scales[0], jnp.float8_e4m3fn)
+        v_pool = quantised(v_pool, scales[1], jnp.float8_e4m3fn)
         kw = dict(k_scale=scales[0], v_scale=scales[1])
     step = jax.jit(lambda q, k, v, m: decode_attention(q, k, v, m, impl="triton", mode="interpret", **kw))
     hlo = step.lower(q, k_pool, v_pool, meta).compile().as_text()

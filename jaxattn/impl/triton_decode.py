@@ -156,7 +156,7 @@ def run(call: DecodeCall):
     kv_scales = unread_f32() if call.kv_scales is None else scale_table_operand(call.kv_scales)
     # The kernel reads 32 bits per row: u32 masks are reinterpreted, not converted (bit 31 would not survive a cast).
     if call.draft_mask is None:
-        draft_mask = jnp.asarray(np.zeros((1,), np.int32))  # (unread)
+        draft_mask = jnp.asarray(np.zeros((1,), np.int32))
     else:
         draft_mask = jax.lax.bitcast_convert_type(call.draft_mask.reshape(-1), jnp.int32)
     head_programs = q_heads if config.block_h == 1 else kv_heads * -(-rows // config.block_h)

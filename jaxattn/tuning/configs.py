@@ -14,6 +14,7 @@ import dataclasses
 PALLAS_REDUCTION_SCRATCH_BYTES = 2048  # CompilerParams.reduction_scratch_bytes' default
 PALLAS_OVERHEAD_BYTES = 4096
 
+
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
     """Stage-1 launch configuration of the Triton decode kernels."""
@@ -152,6 +153,8 @@ class MgpuExtendConfig:
             raise ValueError(f"MgpuExtendConfig.consumers must be 2 or 3; got {self.consumers!r}")
         if self.fp8_tiles not in ("f16", "q_dtype"):  # the kernel's FP8_TILES
             raise ValueError(f"MgpuExtendConfig.fp8_tiles must be 'f16' or 'q_dtype'; got {self.fp8_tiles!r}")
+        if not isinstance(self.fp8_staging, bool):
+            raise ValueError(f"MgpuExtendConfig.fp8_staging must be a bool; got {self.fp8_staging!r}")
         if not isinstance(self.overlap, bool) or (self.overlap and self.consumers != 3):
             raise ValueError(f"MgpuExtendConfig.overlap must be a bool, True with consumers=3 only (the two-consumer "
                              f"schedule barrier orders the matrix work itself); got overlap={self.overlap!r} with "

@@ -1784,45 +1784,37 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     if not latent:
                         load(1, v_new_ref, v_pool_ref, v_smem, v_free, v_ready, v_dim)
 
-                def fp8_start(step, sources):
-                    """fp8 pools: issues tile `step`'s copies (a pool tile's fp8 rows into its slots' upper halves, a
-                    new-key tile as 16-bit pools do; nothing past cta_steps), then closes them into one group.
-                    sources: `sources_of(step)`."""
+                def fp8_tile_start(step, sources, pool_tile):
+                    """fp8 pools: issues tile `step`'s copies (`pool_tile()` for a pool tile, a new-key tile as 16-bit
+                    pools do; nothing past cta_steps), then closes them into one group. sources: `sources_of(step)`."""
                     @pl.when(step < cta_steps)
                     def _():
-                        slot = lax.rem(step, jnp.int32(stages))
-
-                        def pool_tile():
-                            for pool_ref, smem, free in ((k_pool_ref, k_smem, k_free), (v_pool_ref, v_smem, v_free)):
-                                pl.when(step >= first_step + stages)(
-                                    lambda free=free: plgpu.barrier_wait(free.at[slot]))
-                                issue_fp8_rows(pool_ref, smem, sources, slot, kv_head, block_kv=block_kv,
-                                               head_dim=qk_dim)
-
                         if unified:  # every tile from the pool
                             pool_tile()
                         else:
                             pl.when(step < pre_steps)(pool_tile)
                             pl.when(step >= pre_steps)(lambda: issue(step, sources, None))
                     commit_copies()
+
+                def fp8_start(step, sources):
+                    """`fp8_tile_start`, a pool tile's fp8 rows into its slots' upper halves once they are free."""
+                    def pool_tile():
+                        slot = lax.rem(step, jnp.int32(stages))
+                        for pool_ref, smem, free in ((k_pool_ref, k_smem, k_free), (v_pool_ref, v_smem, v_free)):
+                            pl.when(step >= first_step + stages)(lambda free=free: plgpu.barrier_wait(free.at[slot]))
+                            issue_fp8_rows(pool_ref, smem, sources, slot, kv_head, block_kv=block_kv, head_dim=qk_dim)
+
+                    fp8_tile_start(step, sources, pool_tile)
 
                 def fp8_staged_start(step, sources):
-                    """fp8_staging: issues tile `step`'s copies (a pool tile's fp8 rows into the staging tiles, which
-                    the conversion before freed; a new-key tile as 16-bit pools do; nothing past cta_steps), then
-                    closes them into one group. sources: `sources_of(step)`."""
-                    @pl.when(step < cta_steps)
-                    def _():
-                        def pool_tile():
-                            for pool_ref, staging in ((k_pool_ref, k_staging), (v_pool_ref, v_staging)):
-                                issue_fp8_rows(pool_ref, staging, sources, 0, kv_head, block_kv=block_kv,
-                                               head_dim=qk_dim, staging=True)
+                    """`fp8_tile_start`, a pool tile's fp8 rows into the staging tiles (fp8_staging; the conversion
+                    before freed them)."""
+                    def pool_tile():
+                        for pool_ref, staging in ((k_pool_ref, k_staging), (v_pool_ref, v_staging)):
+                            issue_fp8_rows(pool_ref, staging, sources, 0, kv_head, block_kv=block_kv, head_dim=qk_dim,
+                                           staging=True)
 
-                        if unified:  # every tile from the pool
-                            pool_tile()
-                        else:
-                            pl.when(step < pre_steps)(pool_tile)
-                            pl.when(step >= pre_steps)(lambda: issue(step, sources, None))
-                    commit_copies()
+                    fp8_tile_start(step, sources, pool_tile)
 
                 def fp8_staged_loop(first, k_scale, v_scale):
                     # Tile s + 1's copies start once tile s is converted (the staging tiles free again), so they

@@ -1816,61 +1816,43 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
 
                     fp8_tile_start(step, sources, pool_tile)
 
-                def fp8_staged_loop(first, k_scale, v_scale):
-                    # Tile s + 1's copies start once tile s is converted (the staging tiles free again), so they
-                    # land while the consumers finish tiles s - 1 and s; tile s + 1's conversion then waits only for
-                    # its slot (the consumers done with tile s + 1 - stages).
-                    fp8_staged_start(first, sources_of(first))
-
-                    def fp8_step(step, sources):
-                        # sources: tile step + 1's, loaded an iteration ahead (as `step_body`'s)
-                        next_sources = sources_of(step + 2)
-
-                        @pl.when(step < pre_steps)
-                        def _():
-                            slot = lax.rem(step, jnp.int32(stages))
-                            for free in (k_free, v_free):
-                                pl.when(step >= first_step + stages)(
-                                    lambda free=free: plgpu.barrier_wait(free.at[slot]))
-                            # The one group in flight is this tile's.
-                            convert_fp8_tiles(((k_smem, slot, k_scale), (v_smem, stages + slot, v_scale)), kv_bars,
-                                              slot, block_kv=block_kv, head_dim=qk_dim, fp8_dtype=k_pool.dtype,
-                                              dtype=jnp.float16 if f16_tiles else dtype, wait_pending=0,
-                                              staging=(k_staging, v_staging))
-                        fp8_staged_start(step + 1, sources)
-                        return next_sources
-
-                    lax.fori_loop(first_step, cta_steps, fp8_step, sources_of(first + 1))
-
                 def fp8_producer_loop(first):
-                    # Copies run stages - 1 tiles ahead: tile s + stages - 1's start after tile s's conversion (its
-                    # slot frees when the consumers are done with tile s - 1), so a conversion finds its copies landed
-                    # while the consumers work on the tile before.
+                    # In the slots (fp8_start), copies run stages - 1 tiles ahead: tile s + stages - 1's start after
+                    # tile s's conversion (its slot frees when the consumers are done with tile s - 1), so a
+                    # conversion finds its copies landed while the consumers work on the tile before. Staged
+                    # (fp8_staged_start), tile s + 1's copies start once tile s is converted (the staging tiles free
+                    # again), so they land while the consumers finish tiles s - 1 and s; tile s + 1's conversion then
+                    # waits only for its slot (the consumers done with tile s + 1 - stages).
                     if f16_tiles:  # exact f16, unscaled: the consumers apply the scales
                         k_scale = v_scale = None
                     else:
                         k_scale, v_scale = scales_ref[kv_head], scales_ref[kv_heads + kv_head]
-                    if fp8_staging:
-                        return fp8_staged_loop(first, k_scale, v_scale)
-                    for ahead in range(stages - 1):
-                        fp8_start(first + ahead, sources_of(first + ahead))
+                    lead = 1 if fp8_staging else stages - 1  # tiles whose copies run ahead of the conversion
+                    start = fp8_staged_start if fp8_staging else fp8_start
+                    for ahead in range(lead):
+                        start(first + ahead, sources_of(first + ahead))
 
                     def fp8_step(step, sources):
-                        # sources: tile step + stages - 1's, loaded an iteration ahead (as `step_body`'s), so the
-                        # load of kv_indices overlaps the conversion instead of delaying the copies.
-                        next_sources = sources_of(step + stages)
+                        # sources: tile step + lead's, loaded an iteration ahead (as `step_body`'s), so the load of
+                        # kv_indices overlaps the conversion instead of delaying the copies.
+                        next_sources = sources_of(step + (lead + 1))
 
                         @pl.when(step < pre_steps)
                         def _():
                             slot = lax.rem(step, jnp.int32(stages))
-                            # Groups in flight may be those of tiles step + 1 .. step + stages - 2.
+                            if fp8_staging:  # (in the slots, waited for before the copies)
+                                for free in (k_free, v_free):
+                                    pl.when(step >= first_step + stages)(
+                                        lambda free=free: plgpu.barrier_wait(free.at[slot]))
+                            # Groups in flight: this tile's and those of the lead - 1 tiles after it.
                             convert_fp8_tiles(((k_smem, slot, k_scale), (v_smem, stages + slot, v_scale)), kv_bars,
                                               slot, block_kv=block_kv, head_dim=qk_dim, fp8_dtype=k_pool.dtype,
-                                              dtype=jnp.float16 if f16_tiles else dtype, wait_pending=stages - 2)
-                        fp8_start(step + (stages - 1), sources)
+                                              dtype=jnp.float16 if f16_tiles else dtype, wait_pending=lead - 1,
+                                              staging=(k_staging, v_staging) if fp8_staging else None)
+                        start(step + lead, sources)
                         return next_sources
 
-                    lax.fori_loop(first_step, cta_steps, fp8_step, sources_of(first + (stages - 1)))
+                    lax.fori_loop(first_step, cta_steps, fp8_step, sources_of(first + lead))
 
                 def step_body(step, sources):
                     next_sources = sources_of(step + 1)  # its loads overlap this tile's waits and copies

@@ -1215,9 +1215,9 @@ def _cta_programs(first_step, cta_steps, wg_ranges, pre_steps, tail_step, uses, 
     (lo, hi) runs of its steps taken with the intra-warpgroup overlap (`overlapped_run`: tile t + 1's K waited and
     released before tile t's V). fp8: the fp8 pools' producer (`fp8_producer_loop`): a step's slots waited for and its
     copies issued stages - 1 steps before its conversion, whose arrivals complete a prefix tile's barriers (a "load"
-    here: it completes at some later time); fp8="staged" (`fp8_staged_loop`): a prefix tile's copies go to the
-    staging tiles (no barrier), its slots are waited for just before its conversion, and a step's new-key tile
-    starts after the conversion of the step before."""
+    here: it completes at some later time); fp8="staged" (the same loop with fp8_staging): a prefix tile's copies go
+    to the staging tiles (no barrier), its slots are waited for just before its conversion, and a step's new-key
+    tile starts after the conversion of the step before."""
     kinds = (0,) if latent else (0, 1)
     by_tma = lambda step: tma_new_tiles and pre_steps <= step < tail_step  # noqa: E731
 

@@ -45,13 +45,16 @@ def kv_scale_table(k_scale, v_scale, kv_heads: int) -> jax.Array | np.ndarray | 
     return jnp.stack(rows)
 
 
-def scale_table_operand(table) -> jax.Array:
-    """`kv_scale_table`'s table as a kernel operand, flat f32[2 * kv_heads] (K's scales, then V's), read by index.
+def scale_table_operand(table, kv_heads: int | None = None) -> jax.Array:
+    """`kv_scale_table`'s table as a kernel operand, flat f32[2 * kv_heads] (K's scales, then V's), read by index;
+    table None (an fp8 pool without scales): scales of 1 for kv_heads heads.
     A constant table (Python-number scales) whose values are all equal gets one element more, unlike them and never
     read: XLA turns a constant of more than one element, all equal, into a broadcast kernel launched on every call
     (0.9 us and a launch gap on the H100, benchmarks/RESULTS.md, forty-third session). A traced table stays as it is."""
+    if table is None:
+        table = np.ones((2, kv_heads), np.float32)
     if not isinstance(table, np.ndarray):  # traced
-        return table.reshape(-1)
+        return table.astype(jnp.float32).reshape(-1)
     values = table.astype(np.float32).reshape(-1)
     if values.size > 1 and (values == values[0]).all():
         values = np.append(values, np.float32(1.0 if values[0] == 0 else 0.0))

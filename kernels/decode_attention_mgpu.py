@@ -98,10 +98,11 @@ def gqa_decode_mgpu_kernel(q, k_pool, v_pool, kv_indptr, kv_indices, num_kv_spli
     (`decode_stage1_kernel`'s MID_O / MID_LSE flattened). Entries of empty splits are not written.
 
     q: [batch, q_heads, head_dim] bf16/f16; k_pool, v_pool: [slots, kv_heads, head_dim], q's dtype or fp8 (e4m3fn /
-    e5m2; then kv_scales f32[2 * kv_heads]: K scales then V scales, else None); q_heads a multiple of kv_heads with at
-    most 64 q heads per kv head; head_dim in HEAD_DIMS[pool itemsize]. kv_indptr: i32[batch + 1]; kv_indices:
-    i32/i64[capacity]; num_kv_splits: i32[batch] (clamped to [1, max_kv_splits]). stages: the rings' depth (>= 2;
-    the caller checks `shared_bytes` against the device). sliding_window W >= 0: only the last W + 1 listed keys.
+    e5m2; then kv_scales f32[2 * kv_heads] or one more: K scales then V scales, else None); q_heads a multiple of
+    kv_heads with at most 64 q heads per kv head; head_dim in HEAD_DIMS[pool itemsize]. kv_indptr: i32[batch + 1];
+    kv_indices: i32/i64[capacity]; num_kv_splits: i32[batch] (clamped to [1, max_kv_splits]). stages: the rings'
+    depth (>= 2; the caller checks `shared_bytes` against the device). sliding_window W >= 0: only the last W + 1
+    listed keys.
     persistent_ctas: 0 launches one CTA per work item (split x kv head pair x sequence); n > 0 launches
     min(n, items) CTAs that take items i, i + n, ... in turn, the producer filling the rings with the next item's
     rows while the consumers finish the current one (a CTA's start-up, its first tiles' latency, is paid once).

@@ -1121,8 +1121,9 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                 or jnp.dtype(k_pool.dtype) not in FP8_PTX_NAMES or jnp.dtype(dtype) not in OUT_PTX_NAMES):
             raise ValueError(f"fp8 pools ({k_pool.dtype}/{v_pool.dtype}) take kv_scales, one fp8 format (e4m3fn or "
                              f"e5m2), bf16/f16 q, equal head dims, no latent cache and no page copies")
-        if kv_scales.shape != (2 * kv_heads,) or kv_scales.dtype != jnp.float32:
-            raise ValueError(f"kv_scales must be f32[{2 * kv_heads}]; got {kv_scales.dtype}{list(kv_scales.shape)}")
+        if kv_scales.shape not in ((2 * kv_heads,), (2 * kv_heads + 1,)) or kv_scales.dtype != jnp.float32:
+            raise ValueError(f"kv_scales must be f32[{2 * kv_heads}] (or one unread element more, "
+                             f"`jaxattn.fp8.scale_table_operand`); got {kv_scales.dtype}{list(kv_scales.shape)}")
         check_fp8_tile(block_kv, qk_dim)
     elif kv_scales is not None:
         raise ValueError("kv_scales is given exactly when the pools are fp8")

@@ -16,6 +16,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxattn.calls import DecodeCall, ExtendCall, MlaExtendCall
 from jaxattn.decode import DecodeMetadata
@@ -105,10 +106,10 @@ SHAPES = [  # label, tokens, q heads, kv heads, head dim, dtype, config, feature
      dict(unified=True, page_size=16, page_issue="inline")),
     ("pages32-inline-128-bf16", 512, 8, 2, 128, jnp.bfloat16, None, dict(page_size=32, page_issue="inline")),
     # fp8 pools read by the kernel (`impl="mgpu-fp8"` / "mgpu-unified-fp8": the producer converts each pool tile in
-    # its ring slot): e4m3 beside TMA new tiles; e5m2 with f16 q, a window and a soft cap (64-key tiles, 4 stages);
+    # its ring slot): e4m3 beside TMA new tiles (constant scales); e5m2 with f16 q, a window and a soft cap (64-key tiles, 4 stages);
     # three consumers at 64; 256 with sinks; the unified form with a custom mask. (Page lists take the same code: an
     # fp8 pool's tiles are copied row by row.)
-    ("fp8-e4m3-128-bf16-tma", 512, 8, 2, 128, jnp.bfloat16, None, dict(pool=jnp.float8_e4m3fn)),
+    ("fp8-e4m3-128-bf16-tma", 512, 8, 2, 128, jnp.bfloat16, None, dict(pool=jnp.float8_e4m3fn, constant_scales=True)),
     # f16 pool tiles (the default at 64 and 128) and q_dtype ones: a window with a custom mask (pool and new-key
     # tiles apart), two q heads per CTA (a short extend) with a soft cap and sinks; q_dtype explicitly.
     ("fp8-e4m3-128-bf16-qdtype", 512, 8, 2, 128, jnp.bfloat16, MgpuExtendConfig(fp8_tiles="q_dtype"),
@@ -212,8 +213,10 @@ def reductions_without_scratch():
 
 
 def _lower_fp8(tokens, hq, hkv, d, dtype, config, pool, *, unified, window, sinks, page_size, max_extend_len, capacity,
-               batch, custom_mask=None, **features):
-    """The fp8 implementations' kernel launch (built as `ExtendCall`s: on CPU the registry declines the kernel)."""
+               batch, custom_mask=None, constant_scales=False, **features):
+    """The fp8 implementations' kernel launch (built as `ExtendCall`s: on CPU the registry declines the kernel).
+    constant_scales: the table of equal Python-number scales, which `scale_table_operand` hands over with one element
+    more, in place of a traced table."""
     S = jax.ShapeDtypeStruct
     idx = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
     if unified:
@@ -232,7 +235,8 @@ def _lower_fp8(tokens, hq, hkv, d, dtype, config, pool, *, unified, window, sink
             form="unified" if unified else "two_stage", q=q, k_new=k_new, v_new=v_new, k_pool=k_pool, v_pool=v_pool,
             meta=meta, kv_start_pos=meta.kv_start_pos, causal=features.get("causal", True), custom_mask=custom_mask,
             skip_prefix_custom_mask=not unified, sliding_window=window, logit_cap=features.get("logit_cap", 0.0),
-            sinks=sinks, xai_temperature_len=-1, sm_scale=0.09, config=config, launch_mode="gpu", kv_scales=kv_scales)
+            sinks=sinks, xai_temperature_len=-1, sm_scale=0.09, config=config, launch_mode="gpu",
+            kv_scales=np.full((2, hkv), 0.5, np.float32) if constant_scales else kv_scales)
         return (UNIFIED_FP8 if unified else FP8).run(extend_call)
 
     # Staged or not (the staging tiles are the default where they fit), the guard holds for every fp8 shape.

@@ -145,6 +145,23 @@ def test_the_compiled_decode_step_broadcasts_nothing(rng, scales):
         np.testing.assert_array_equal(np.float32(step(q, k_pool, v_pool, meta)), np.float32(traced))
 
 
+def test_the_compiled_extend_step_broadcasts_nothing(rng):
+    # As the decode step above, for the Triton extend over an fp8 pool with equal float scales (every fp8 kernel's
+    # table goes through `scale_table_operand`): no broadcast kernel, and the outputs of the traced scales.
+    batch = make_batch(rng, [5, 21], [13, 7], hq=4, hkv=2, dqk=64, dtype=jnp.bfloat16, max_extend_len=16)
+    kp, vp = quantised(batch.k_pool, 0.5, jnp.float8_e4m3fn), quantised(batch.v_pool, 0.5, jnp.float8_e4m3fn)
+
+    def step(k_scale, v_scale):
+        return jax.jit(lambda q, k_new, v_new, kp, vp, meta: extend_attention(
+            q, k_new, v_new, kp, vp, meta, impl="triton", mode="interpret", k_scale=k_scale, v_scale=v_scale))
+
+    args = (batch.q, batch.k_new, batch.v_new, kp, vp, batch.meta)
+    hlo = step(0.5, 0.5).lower(*args).compile().as_text()
+    assert "broadcast(" not in hlo, [line for line in hlo.splitlines() if "broadcast(" in line]
+    np.testing.assert_array_equal(np.float32(step(0.5, 0.5)(*args)),
+                                  np.float32(step(jnp.float32(0.5), jnp.float32(0.5))(*args)))
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("logit_cap", [0.0, 20.0])
 def test_decode_f16_dots_keep_large_scores(rng, mode, logit_cap):

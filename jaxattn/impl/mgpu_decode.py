@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jaxattn import hardware
 from jaxattn.calls import DecodeCall
 from jaxattn.checks import index_i32
-from jaxattn.fp8 import is_fp8
+from jaxattn.fp8 import is_fp8, scale_table_operand
 from jaxattn.impl import triton_decode
 from jaxattn.metadata import MIN_BLOCK_KV
 from jaxattn.registry import Implementation
@@ -140,8 +140,7 @@ def _launch(call: DecodeCall, splits: int, final: bool):
     fp8 = call.k_pool.dtype != call.q.dtype
     kv_scales = None
     if fp8:  # f32[2 * kv_heads]: K scales, then V scales
-        kv_scales = (jnp.ones((2 * call.kv_heads,), jnp.float32) if call.kv_scales is None
-                     else call.kv_scales.astype(jnp.float32).reshape(-1))
+        kv_scales = scale_table_operand(call.kv_scales, call.kv_heads)
     out, lse = gqa_decode_mgpu_kernel(
         call.q, call.k_pool, call.v_pool, index_i32(meta.kv_indptr), kv_indices, num_kv_splits, kv_scales,
         sm_scale=call.sm_scale, max_kv_splits=splits,

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jaxattn import hardware, tuning
 from jaxattn.calls import ExtendCall, score_features
 from jaxattn.checks import check_array, check_extend_args, check_extend_draft_mask, check_new_tokens, index_i32
-from jaxattn.fp8 import dequantised_rows, is_fp8
+from jaxattn.fp8 import dequantised_rows, is_fp8, scale_table_operand
 from jaxattn.tuning.sm90 import EXTEND_MGPU_FP8_IN_KERNEL_MAX_READERS, EXTEND_MGPU_PAGE_COPY_MIN_ROWS
 from jaxattn.launch import launch_mode as resolve_launch_mode
 from jaxattn.metadata import ExtendMetadata, ExtendUnifiedMetadata
@@ -247,8 +247,8 @@ def _declines_fp8_form(form: str):
 
 
 def _run_fp8(call: ExtendCall):
-    scales = call.kv_scales if call.kv_scales is not None else jnp.ones((2, call.kv_heads), jnp.float32)
-    return _launch(call, call.k_pool, call.v_pool, call.meta, kv_scales=scales.astype(jnp.float32).reshape(-1))
+    scales = scale_table_operand(call.kv_scales, call.kv_heads)
+    return _launch(call, call.k_pool, call.v_pool, call.meta, kv_scales=scales)
 
 
 # fp8 pools read by the kernel (issue 26): the producer converts each pool tile in shared memory, so no step gathers

@@ -15,6 +15,7 @@ from jaxattn import tuning
 from jaxattn.aot import build
 from jaxattn.calls import ExtendCall
 from jaxattn.checks import index_i32
+from jaxattn.fp8 import scale_table_operand
 from jaxattn.launch import launch
 from jaxattn.metadata import rope_split
 from jaxattn.registry import Implementation
@@ -118,7 +119,7 @@ def _launch(call: ExtendCall, kernel: str, arrays: tuple, two_stage: bool):
         mask,
         mask_indptr,
         _dummy(jnp.float32) if call.sinks is None else call.sinks.astype(jnp.float32),
-        _dummy(jnp.float32) if call.kv_scales is None else call.kv_scales,
+        _dummy(jnp.float32) if call.kv_scales is None else scale_table_operand(call.kv_scales),
         out_shape=jax.ShapeDtypeStruct((tokens, q_heads, v_dim), q.dtype),
         grid=_grid(config, q_heads, call.batch, meta.max_extend_len),
         num_warps=config.num_warps,

@@ -662,27 +662,89 @@ def issue_fp8_rows(pool_ref, smem, sources, slot, kv_head, *, block_kv: int, hea
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), smem_type, _ROW_SOURCES, _SCALAR, _SCALAR))
     def run(ctx, pool, smem, sources, slot, kv_head):
         del ctx
-        i8, i64 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(64)
-        slot, kv_head = scalar_value(slot), scalar_value(kv_head)
+        i8 = ir.IntegerType.get_signless(8)
+        slot = scalar_value(slot)
         my_source = vector.extract(sources.registers.flat[0], [], [0])
         warp, lane = _lane_ids(fp8_step_thread(addresses_per_tile))
         smem_base = mgpu_utils.memref_ptr(smem)
         if not staging:
             smem_base = mgpu_utils.getelementptr(smem_base, [arith.muli(slot, _i32(slot_bytes))], i8)
-        base = arith.addi(global_address(pool), arith.extui(i64, arith.muli(kv_head, _i32(head_dim))))
-        full = _i32(0xFFFFFFFF)
+        base = fp8_head_address(pool, kv_head, head_dim=head_dim)
         for p in range(fp8_copies_per_thread(block_kv, head_dim)):
-            holder, row, chunk = fp8_copy_position(warp, lane, p, block_kv=block_kv, head_dim=head_dim, ops=IrOps)
-            source = nvvm.shfl_sync(full, my_source, holder, _i32(0x1F), nvvm.ShflKind.idx)
-            valid = arith.cmpi(arith.CmpIPredicate.sge, source, _i32(0))
-            source = arith.extui(i64, arith.maxsi(source, _i32(0)))
-            at = arith.addi(arith.addi(base, arith.muli(source, _i64(row_bytes))),
-                            arith.extui(i64, arith.muli(chunk, _i32(16))))
-            dst = mgpu_utils.getelementptr(smem_base, [byte_of(row, chunk)], i8)
-            nvvm.cp_async_shared_global(dst, llvm.inttoptr(llvm.PointerType.get(1), at), 16,
-                                        nvvm.LoadCacheModifierKind.CG, cp_size=arith.select(valid, _i32(16), _i32(0)))
+            issue_fp8_copy(base, smem_base, my_source, warp, lane, p, byte_of=byte_of, block_kv=block_kv,
+                           head_dim=head_dim, row_bytes=row_bytes)
 
     run(pool_ref, smem, sources, slot, kv_head)
+
+
+def fp8_head_address(pool, kv_head, *, head_dim: int):
+    """i64 global address of head `kv_head` of pool row 0 (pool: an inline_mgpu ref of [slots, kv_heads, head_dim])."""
+    i64 = ir.IntegerType.get_signless(64)
+    return arith.addi(global_address(pool), arith.extui(i64, arith.muli(scalar_value(kv_head), _i32(head_dim))))
+
+
+def issue_fp8_copy(base, smem_base, my_source, warp, lane, p: int, *, byte_of, block_kv: int, head_dim: int,
+                   row_bytes: int, enabled=None):
+    """Inside an inline_mgpu function: this thread's copy p (`fp8_copy_position`) of an fp8 tile, 16 bytes of its
+    row's source (pool row my_source of the holder lane, at `base`: `fp8_head_address`) into smem_base + byte_of(row,
+    chunk) by cp.async; zeros where the source is -1 or `enabled` (i1, None: on) is false. Every lane calls it (a
+    shuffle). Returns (row, chunk)."""
+    i8, i64 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(64)
+    holder, row, chunk = fp8_copy_position(warp, lane, p, block_kv=block_kv, head_dim=head_dim, ops=IrOps)
+    source = nvvm.shfl_sync(_i32(0xFFFFFFFF), my_source, holder, _i32(0x1F), nvvm.ShflKind.idx)
+    valid = arith.cmpi(arith.CmpIPredicate.sge, source, _i32(0))
+    if enabled is not None:
+        valid = arith.andi(valid, enabled)
+    source = arith.extui(i64, arith.maxsi(source, _i32(0)))
+    at = arith.addi(arith.addi(base, arith.muli(source, _i64(row_bytes))),
+                    arith.extui(i64, arith.muli(chunk, _i32(16))))
+    dst = mgpu_utils.getelementptr(smem_base, [byte_of(row, chunk)], i8)
+    nvvm.cp_async_shared_global(dst, llvm.inttoptr(llvm.PointerType.get(1), at), 16, nvvm.LoadCacheModifierKind.CG,
+                                cp_size=arith.select(valid, _i32(16), _i32(0)))
+    return row, chunk
+
+
+def refill_pending_groups(block_kv: int, head_dim: int) -> int:
+    """fp8_refill: the cp.async groups a thread may leave pending when it converts copy position p of a
+    tile: those committed after p's, this tile's of positions p + 1... and the next tile's of 0..p - 1."""
+    return fp8_copies_per_thread(block_kv, head_dim) - 1
+
+
+def issue_fp8_staging_groups(pool_refs, stagings, sources, kv_head, *, block_kv: int, head_dim: int,
+                             addresses_per_tile: bool | None = None):
+    """fp8_refill's first pool tile: the copies of `issue_fp8_rows(staging=True)` for each tile (K's, V's)
+    into its staging tile, committed as one cp.async group per copy position (K's and V's copy p together), the
+    groups `convert_fp8_tiles(refill=...)` waits for one at a time."""
+    check_fp8_tile(block_kv, head_dim)
+    count = len(pool_refs)
+    byte_of = functools.partial(fp8_staging_byte, head_dim=head_dim, ops=IrOps)
+    row_bytes = [pool_ref.shape[1] * head_dim for pool_ref in pool_refs]
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * (2 * count) + (_ROW_SOURCES, _SCALAR))
+    def run(ctx, *args):
+        del ctx
+        pools, smems, (sources, kv_head) = args[:count], args[count:2 * count], args[2 * count:]
+        my_source = vector.extract(sources.registers.flat[0], [], [0])
+        warp, lane = _lane_ids(fp8_step_thread(addresses_per_tile))
+        bases = [fp8_head_address(pool, kv_head, head_dim=head_dim) for pool in pools]
+        for p in range(fp8_copies_per_thread(block_kv, head_dim)):
+            for base, smem, pool_row_bytes in zip(bases, smems, row_bytes):
+                issue_fp8_copy(base, mgpu_utils.memref_ptr(smem), my_source, warp, lane, p, byte_of=byte_of,
+                               block_kv=block_kv, head_dim=head_dim, row_bytes=pool_row_bytes)
+            nvvm.cp_async_commit_group()
+
+    run(*pool_refs, *stagings, sources, kv_head)
+
+
+def wait_copies():
+    """Waits until every cp.async copy this thread issued has landed."""
+
+    @plgpu.inline_mgpu()
+    def run(ctx):
+        del ctx
+        nvvm.cp_async_wait_group(0)
+
+    run()
 
 
 def commit_copies():
@@ -738,7 +800,7 @@ def fp8_convert_ptx(fp8_dtype, dtype, scaled: bool = True) -> str:
 
 
 def convert_fp8_tiles(tiles, bars, slot, *, block_kv: int, head_dim: int, fp8_dtype, dtype, wait_pending: int | None,
-                      swizzle: int = SWIZZLE_BYTES, addresses_per_tile: bool | None = None, staging=None):
+                      swizzle: int = SWIZZLE_BYTES, addresses_per_tile: bool | None = None, staging=None, refill=None):
     """Rewrites the fp8 tiles `issue_fp8_rows` copied into ring slot `slot` of each ring as the `SWIZZLED` tiles of
     `dtype`, then completes each tile's mbarrier (each producer thread arrives once: its 128 arrivals, as a cp.async
     tile's). tiles: ((smem, barrier, scale), ...), smem a 16-bit [stages, block_kv, head_dim] ring, barrier an index
@@ -750,12 +812,22 @@ def convert_fp8_tiles(tiles, bars, slot, *, block_kv: int, head_dim: int, fp8_dt
     staging: None, or per tile its staging tile (`issue_fp8_rows(staging=True)`), where its fp8 rows are read from
     instead of the slot's upper half: one pass, each thread's chunks loaded, converted and stored one by one (no
     byte is both read and written), then a warpgroup sync after the arrivals, so the next copies into the staging
-    tiles start once every thread has read them."""
+    tiles start once every thread has read them.
+    refill (the kernel's fp8_refill; staging only, wait_pending None): (pool refs, one per tile; the next tile's row
+    sources, `row_sources`; kv_head; whether the next tile is a pool tile, i32 0/1). Each thread converts its chunks
+    at its copies' positions (`fp8_copy_position`, the staging tiles' bytes it copied itself), position by position:
+    it waits for that position's cp.async group (`issue_fp8_staging_groups`, or the refill before), converts, then
+    copies the next tile's chunk there (zeros if it is no pool tile) and commits it as a group. No warpgroup sync."""
     check_fp8_tile(block_kv, head_dim)
     slot_bytes = 2 * block_kv * head_dim
     staged = staging is not None
     if staged and len(staging) != len(tiles):
         raise ValueError(f"one staging tile per tile: {len(tiles)} tiles, {len(staging)} staging tiles")
+    refilled = refill is not None
+    if refilled and (not staged or wait_pending is not None or len(refill[0]) != len(tiles)):
+        raise ValueError("refill takes staging tiles, one pool per tile, and no wait_pending (its waits are per "
+                         "copy position)")
+    pool_row_bytes = [pool_ref.shape[1] * head_dim for pool_ref in refill[0]] if refilled else []
     scaled = tiles[0][2] is not None
     if any((scale is not None) != scaled for _, _, scale in tiles):
         raise ValueError("the tiles converted together are all scaled or all unscaled")
@@ -763,11 +835,13 @@ def convert_fp8_tiles(tiles, bars, slot, *, block_kv: int, head_dim: int, fp8_dt
     count = len(tiles)
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(SWIZZLES[swizzle]),) * count + (plgpu.RefType(),) * (count * staged)
+                       + ((plgpu.RefType(),) * count + (_ROW_SOURCES, _SCALAR, _SCALAR) if refilled else ())
                        + (plgpu.RefType(), _SCALAR) + (_SCALAR,) * (count * (1 + scaled)))
     def run(ctx, *args):
         del ctx
         smems, args = args[:count], args[count:]
         staging_refs, args = (args[:count], args[count:]) if staged else (None, args)
+        refill_args, args = (args[:count + 3], args[count + 3:]) if refilled else (None, args)
         (bars, slot), rest = args[:2], args[2:]
         i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
         words = ir.VectorType.get((4,), i32)
@@ -802,7 +876,25 @@ def convert_fp8_tiles(tiles, bars, slot, *, block_kv: int, head_dim: int, fp8_dt
                 llvm.store(vector.from_elements(words, out[4 * half:4 * half + 4]),
                            mgpu_utils.getelementptr(base, [at], i8), alignment=16)
 
-        for index, (first_row, rows, is_round) in enumerate(fp8_conversion_steps(block_kv, head_dim, staged)):
+        if refilled:
+            pools, (sources, kv_head, next_is_pool) = refill_args[:count], refill_args[count:]
+            my_source = vector.extract(sources.registers.flat[0], [], [0])
+            warp, lane = _lane_ids(thread)
+            pool_bases = [fp8_head_address(pool, kv_head, head_dim=head_dim) for pool in pools]
+            enabled = arith.cmpi(arith.CmpIPredicate.ne, scalar_value(next_is_pool), _i32(0))
+            staging_byte = functools.partial(fp8_staging_byte, head_dim=head_dim, ops=IrOps)
+            for p in range(fp8_copies_per_thread(block_kv, head_dim)):
+                nvvm.cp_async_wait_group(refill_pending_groups(block_kv, head_dim))
+                _, row, chunk = fp8_copy_position(warp, lane, p, block_kv=block_kv, head_dim=head_dim, ops=IrOps)
+                loaded = [(base, scale, load(fp8_base, row, chunk)) for base, fp8_base, scale in tiles_at]
+                for base, scale, data in loaded:
+                    store(base, scale, row, chunk, data)
+                for pool_base, fp8_base, row_bytes in zip(pool_bases, fp8_bases, pool_row_bytes):
+                    issue_fp8_copy(pool_base, fp8_base, my_source, warp, lane, p, byte_of=staging_byte,
+                                   block_kv=block_kv, head_dim=head_dim, row_bytes=row_bytes, enabled=enabled)
+                nvvm.cp_async_commit_group()
+        for index, (first_row, rows, is_round) in enumerate(
+                () if refilled else fp8_conversion_steps(block_kv, head_dim, staged)):
             positions = [fp8_step_position(first_row, rows, thread, i, head_dim=head_dim, ops=IrOps)
                          for i in range(fp8_step_chunks_per_thread(rows, head_dim))]
             if is_round:  # every thread's loads, then the sync, then the stores
@@ -826,11 +918,14 @@ def convert_fp8_tiles(tiles, bars, slot, *, block_kv: int, head_dim: int, fp8_dt
         for barrier in barriers:
             mgpu_utils.inline_ptx("mbarrier.arrive.release.cta.shared::cta.b64 _, [$0];", _barrier_ptr(bars, barrier),
                                   has_side_effects=True)
-        if staged:
+        if staged and not refilled:
             sync()  # every thread's loads of the staging tiles done before any thread copies the next tile into them
 
-    run(*(smem for smem, _, _ in tiles), *(staging or ()), bars, slot, *(barrier for _, barrier, _ in tiles),
-        *(scale for _, _, scale in tiles if scale is not None))
+    if refilled:
+        pools, sources, kv_head, next_is_pool = refill
+        refill = (*pools, sources, kv_head, jnp.asarray(next_is_pool, jnp.int32))
+    run(*(smem for smem, _, _ in tiles), *(staging or ()), *(refill or ()), bars, slot,
+        *(barrier for _, barrier, _ in tiles), *(scale for _, _, scale in tiles if scale is not None))
 
 
 def steps_in_slot(end, *, slot, stages: int):
@@ -953,7 +1048,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                                  kv_start_pos=None, prefix_lens=None, custom_mask=None, mask_indptr=None,
                                  skip_prefix_custom_mask=True, heads_per_cta=1, draft_mask=None, page_rows=0,
                                  page_issue="pallas", latent_v_dim=None, consumers=COMPUTE_WARPGROUPS,
-                                 overlap=False, kv_scales=None, fp8_tiles="q_dtype", fp8_staging=False):
+                                 overlap=False, kv_scales=None, fp8_tiles="q_dtype", fp8_staging=False,
+                                 fp8_refill=False):
     """Runs the kernel; writes `out_ref` in place (rows it does not own are left as they were).
 
     q: [q_rows, q_heads, qk_dim] (q_rows a multiple of 8, >= block_q: Q/O move by TMA in 8-row tiles);
@@ -993,6 +1089,12 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
       and s), and only the conversion sits between a slot's release and its use. Takes 2 * block_kv * qk_dim bytes
       of shared memory, and none of Pallas' reduction scratch (the kernel's row reductions stay inside a warp:
       `STAGED_REDUCTION_SCRATCH`), which is what makes 128-key tiles at 128 dims fit.
+    fp8_refill (with fp8_staging; opt-in, not yet run on a GPU): each producer thread converts the staging chunks it
+      copied itself (at its copies' positions, `fp8_copy_position`), position by position, and refills each with
+      its copy of the next pool tile's chunk, a cp.async group per position (`convert_fp8_tiles(refill=...)`): every
+      staging byte is copied, waited for and read by one thread, so no warpgroup sync, and tile s + 1's copies start
+      one position into tile s's conversion rather than after it (the staged chain per tile, copy latency +
+      conversion, becomes about copy latency + one position's conversion).
     overlap (3 consumers): FlashAttention-3's intra-warpgroup overlap on the runs of unmasked tiles: tile t + 1's
       S = Q K^T is issued before tile t's softmax, which runs while the tensor cores compute it. The same tiles, order
       and arithmetic as without it (the same bits); masked tiles run as before.
@@ -1131,6 +1233,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
         raise ValueError(f"fp8_tiles must be one of {FP8_TILES}; got {fp8_tiles!r}")
     if fp8_staging and not fp8:
         raise ValueError(f"fp8_staging takes fp8 pools; got {k_pool.dtype}")
+    if fp8_refill and not fp8_staging:
+        raise ValueError("fp8_refill takes fp8_staging (it refills the staging tiles)")
     f16_tiles = fp8 and fp8_tiles == "f16"  # pool tiles in f16, scales folded into the consumers' arithmetic
     if f16_tiles and not f16_tiles_fit(unified=unified, o_rows_columns=o_rows_columns, qk_dim=qk_dim):
         got = "the unified form" if unified else f"o_rows_columns {o_rows_columns}"
@@ -1787,13 +1891,16 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
 
                 def fp8_tile_start(step, sources, pool_tile):
                     """fp8 pools: issues tile `step`'s copies (`pool_tile()` for a pool tile, a new-key tile as 16-bit
-                    pools do; nothing past cta_steps), then closes them into one group. sources: `sources_of(step)`."""
+                    pools do; nothing past cta_steps), then closes them into one group. sources: `sources_of(step)`.
+                    pool_tile None: a pool tile's copies are issued elsewhere (fp8_refill)."""
                     @pl.when(step < cta_steps)
                     def _():
                         if unified:  # every tile from the pool
-                            pool_tile()
+                            if pool_tile is not None:
+                                pool_tile()
                         else:
-                            pl.when(step < pre_steps)(pool_tile)
+                            if pool_tile is not None:
+                                pl.when(step < pre_steps)(pool_tile)
                             pl.when(step >= pre_steps)(lambda: issue(step, sources, None))
                     commit_copies()
 
@@ -1817,6 +1924,8 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
 
                     fp8_tile_start(step, sources, pool_tile)
 
+                refill = fp8_refill
+
                 def fp8_producer_loop(first):
                     # In the slots (fp8_start), copies run stages - 1 tiles ahead: tile s + stages - 1's start after
                     # tile s's conversion (its slot frees when the consumers are done with tile s - 1), so a
@@ -1830,8 +1939,18 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                         k_scale, v_scale = scales_ref[kv_head], scales_ref[kv_heads + kv_head]
                     lead = 1 if fp8_staging else stages - 1  # tiles whose copies run ahead of the conversion
                     start = fp8_staged_start if fp8_staging else fp8_start
-                    for ahead in range(lead):
-                        start(first + ahead, sources_of(first + ahead))
+                    if refill:
+                        # The first tile's copies a group per copy position (a pool tile's; else as any other start).
+                        def first_pool_tile():
+                            issue_fp8_staging_groups((k_pool_ref, v_pool_ref), (k_staging, v_staging),
+                                                     sources_of(first), kv_head, block_kv=block_kv, head_dim=qk_dim)
+
+                        is_pool = (first < pre_steps) & (first < cta_steps)
+                        pl.when(is_pool)(first_pool_tile)
+                        pl.when(jnp.logical_not(is_pool))(lambda: fp8_tile_start(first, sources_of(first), None))
+                    else:
+                        for ahead in range(lead):
+                            start(first + ahead, sources_of(first + ahead))
 
                     def fp8_step(step, sources):
                         # sources: tile step + lead's, loaded an iteration ahead (as `step_body`'s), so the load of
@@ -1846,14 +1965,24 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                                     pl.when(step >= first_step + stages)(
                                         lambda free=free: plgpu.barrier_wait(free.at[slot]))
                             # Groups in flight: this tile's and those of the lead - 1 tiles after it.
+                            # refill: the next tile's copies go with this conversion where it is a pool tile.
+                            next_is_pool = (step + 1 < pre_steps) & (step + 1 < cta_steps)
                             convert_fp8_tiles(((k_smem, slot, k_scale), (v_smem, stages + slot, v_scale)), kv_bars,
                                               slot, block_kv=block_kv, head_dim=qk_dim, fp8_dtype=k_pool.dtype,
-                                              dtype=jnp.float16 if f16_tiles else dtype, wait_pending=lead - 1,
-                                              staging=(k_staging, v_staging) if fp8_staging else None)
-                        start(step + lead, sources)
+                                              dtype=jnp.float16 if f16_tiles else dtype,
+                                              wait_pending=None if refill else lead - 1,
+                                              staging=(k_staging, v_staging) if fp8_staging else None,
+                                              refill=((k_pool_ref, v_pool_ref), sources, kv_head, next_is_pool)
+                                              if refill else None)
+                        if refill:  # a new-key tile next (a pool tile's copies went with the conversion)
+                            pl.when(step + 1 >= pre_steps)(lambda: fp8_tile_start(step + 1, sources, None))
+                        else:
+                            start(step + lead, sources)
                         return next_sources
 
                     lax.fori_loop(first_step, cta_steps, fp8_step, sources_of(first + lead))
+                    if refill:
+                        wait_copies()  # the last refills (zeros) land before the producer exits
 
                 def step_body(step, sources):
                     next_sources = sources_of(step + 1)  # its loads overlap this tile's waits and copies

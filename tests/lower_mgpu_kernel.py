@@ -129,6 +129,14 @@ SHAPES = [  # label, tokens, q heads, kv heads, head dim, dtype, config, feature
     # TMA new tiles; q_dtype tiles with f16 q and a window; 64 dims with three consumers; the unified form.
     ("fp8-in-slot-e4m3-128-bf16-tma", 512, 8, 2, 128, jnp.bfloat16, MgpuExtendConfig(fp8_staging=False),
      dict(pool=jnp.float8_e4m3fn)),
+    # Staged with each thread refilling the staging bytes it converted (fp8_refill, opt-in): a window with a custom
+    # mask (pool and new-key tiles apart, the first step past 0), the unified form, 64 dims two q heads a CTA.
+    ("fp8-refill-e4m3-128-bf16-f16-window-mask", 300, 8, 2, 128, jnp.bfloat16, MgpuExtendConfig(fp8_refill=True),
+     dict(pool=jnp.float8_e4m3fn, sliding_window=100, mask=True)),
+    ("fp8-refill-e5m2-unified-128-bf16", 300, 8, 2, 128, jnp.bfloat16, MgpuExtendConfig(fp8_refill=True),
+     dict(pool=jnp.float8_e5m2, unified=True)),
+    ("fp8-refill-e4m3-64-bf16-short-sinks", 40, 8, 2, 64, jnp.bfloat16, MgpuExtendConfig(fp8_refill=True),
+     dict(pool=jnp.float8_e4m3fn, max_extend_len=32, sinks=True)),
     ("fp8-in-slot-e5m2-128-f16-qdtype-window", 300, 8, 2, 128, jnp.float16,
      MgpuExtendConfig(fp8_tiles="q_dtype", fp8_staging=False), dict(pool=jnp.float8_e5m2, sliding_window=100)),
     ("fp8-in-slot-e4m3-64-bf16-three", 300, 8, 2, 64, jnp.bfloat16,

@@ -210,6 +210,8 @@ def test_fp8_extend_sweep_times_both_conversions():
         staged = variants[f"mgpu-fp8 {tiles} kv128 s2 staged"].__defaults__[0]
         assert staged.fp8_tiles == tiles and staged.fp8_staging
         assert not variants[f"mgpu-fp8 {tiles} kv128 s2"].__defaults__[0].fp8_staging  # named: in the slot
+        refill = variants[f"mgpu-fp8 {tiles} kv128 s2 staged refill"].__defaults__[0]
+        assert refill.fp8_staging and refill.fp8_refill and not staged.fp8_refill
     assert not any(label.startswith("mgpu-fp8") for label, _ in bench.sweep_variants("extend", bench.CASES["E1"]))
 
 

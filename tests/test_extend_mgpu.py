@@ -783,6 +783,11 @@ def test_fp8_staging_tiles_fit_beside_128_key_tiles_without_the_reduction_scratc
     assert config.shared_memory_bytes(128) == dataclasses.replace(config, fp8_staging=False).shared_memory_bytes(128)
     with pytest.raises(ValueError, match="fp8_staging must be a bool"):
         MgpuExtendConfig(fp8_staging=1)
+    with pytest.raises(ValueError, match="fp8_refill must be a bool, True with fp8_staging only"):
+        MgpuExtendConfig(fp8_staging=False, fp8_refill=True)
+    with pytest.raises(ValueError, match="fp8_refill must be a bool"):
+        MgpuExtendConfig(fp8_refill=1)
+    assert not config.fp8_refill  # opt-in until a GPU run times it
 
 
 @pytest.mark.gpu
@@ -2163,7 +2168,7 @@ def test_core_lowering_shapes_are_shapes():
     from tests.lower_mgpu_kernel import CORE, DECODE_SHAPES, SHAPES
 
     labels = [shape[0] for shape in SHAPES + DECODE_SHAPES]
-    assert len(labels) == len(set(labels)) == 99
+    assert len(labels) == len(set(labels)) == 102
     assert len(CORE) == len(set(CORE)) and set(CORE) <= set(labels), sorted(set(CORE) - set(labels))
     # The other shapes are lowered by CI only: .ci/run lowers every shape on both stacks.
     with open(os.path.join(os.path.dirname(__file__), "..", ".ci", "run")) as f:

@@ -448,14 +448,15 @@ MGPU_FP8_CASES = [
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("case", MGPU_FP8_CASES)
 @pytest.mark.parametrize("form,tiles", [("two_stage", "f16"), ("two_stage", "q_dtype"), ("unified", "q_dtype")])
-@pytest.mark.parametrize("staging", [False, True], ids=["in-slot", "staged"])
+@pytest.mark.parametrize("staging", [False, True, "refill"], ids=["in-slot", "staged", "refill"])
 def test_mgpu_kernel_converts_fp8_tiles_itself(rng, fmt, case, form, tiles, staging):
     # impl="mgpu-fp8" / "mgpu-unified-fp8" against the reference on the dequantised pool. Tiles converted to q's
     # dtype (times the scale) also bit for bit against the dequantising route ("mgpu" / "mgpu-unified": the same
     # 16-bit operands, the same tiles and order); f16 tiles (the two-stage default at head dims 64 and 128; 256 takes
     # q_dtype tiles) run the pool tiles in f16 with the scales applied by the consumers: the reference's tolerance.
     # staging (`MgpuExtendConfig.fp8_staging`: the fp8 rows copied into staging tiles a tile earlier): the same bits
-    # as the in-slot copies (only when the copies land changes).
+    # as the in-slot copies (only when the copies land changes); "refill" (`fp8_refill`: each thread refilling the
+    # staging bytes it converted) too.
     from jaxattn import tuning
     from jaxattn.impl.mgpu_extend import fp8_staging_fits
 
@@ -482,7 +483,7 @@ def test_mgpu_kernel_converts_fp8_tiles_itself(rng, fmt, case, form, tiles, stag
                                  fp8_staging=False)
     if staging:
         in_slot = np.float32(run(*args, impl=names[0], config=config, **kw))
-        config = dataclasses.replace(config, fp8_staging=True)
+        config = dataclasses.replace(config, fp8_staging=True, fp8_refill=staging == "refill")
         if not fp8_staging_fits(config, dim):
             pytest.skip(f"no room for the staging tiles beside {config}")
     got = np.float32(run(*args, impl=names[0], config=config, **kw))

@@ -248,3 +248,101 @@ def test_fp8_copies_and_conversion_loads_avoid_bank_conflicts(block_kv, head_dim
                              for lane in range(32)]
                 assert wavefronts([kernel.fp8_staged_byte(r, c, block_kv=block_kv, head_dim=head_dim)
                                    for r, c in positions]) == 4
+
+
+def copy_owners(block_kv, head_dim):
+    """{(row, chunk): thread} of `issue_fp8_rows`' copies (thread = 32 * warp + lane), each chunk copied once."""
+    owners = {}
+    for warp in range(4):
+        for lane in range(32):
+            for p in range(kernel.fp8_copies_per_thread(block_kv, head_dim)):
+                _, row, chunk = kernel.fp8_copy_position(warp, lane, p, block_kv=block_kv, head_dim=head_dim)
+                assert (row, chunk) not in owners
+                owners[row, chunk] = 32 * warp + lane
+    assert len(owners) == block_kv * head_dim // 16
+    return owners
+
+
+@pytest.mark.parametrize("block_kv,head_dim", [(128, 128), (64, 128), (128, 64), (64, 256)])
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16], ids=["bf16", "f16"])
+def test_refill_converts_each_threads_own_copies_then_refills_them(block_kv, head_dim, dtype):
+    # fp8_refill: each thread converts, position by position, the staging chunks it copied itself and then
+    # copies the next tile's chunk there, with no warpgroup sync: correct in any interleaving of the threads only if
+    # every chunk a thread reads (this tile's) and overwrites (the next tile's copy) is one it copied. Threads run here
+    # in a random order per position; two tiles, the second's copies made by the first's refill, the third's
+    # disabled (a new-key tile next: zeros).
+    rng = np.random.default_rng(block_kv + head_dim)
+    fp8_dtype, kv_heads, kv_head, slots, scale = ml_dtypes.float8_e4m3fn, 3, 2, 400, 0.0371
+    pool = random_fp8_pool(rng, fp8_dtype, slots, kv_heads, head_dim)
+    tiles = [rng.integers(0, slots, block_kv).astype(np.int32) for _ in range(2)]
+    tiles[1][block_kv - 3:] = -1  # the last tile's rows past the prefix
+    owners = copy_owners(block_kv, head_dim)
+    staging = rng.integers(0, 256, block_kv * head_dim, dtype=np.uint8)
+    copy_tile(staging, pool, tiles[0], kv_head, block_kv=block_kv, head_dim=head_dim, staging=True)  # the prologue
+    raw = pool.view(np.uint8)
+
+    def chunk_of(sources, row, chunk):
+        source = sources[row]
+        return raw[source, kv_head, 16 * chunk:16 * chunk + 16] if source >= 0 else np.zeros(16, np.uint8)
+
+    for t, sources in enumerate(tiles):
+        next_sources = tiles[t + 1] if t + 1 < len(tiles) else None
+        slot = rng.integers(0, 256, 2 * block_kv * head_dim, dtype=np.uint8)
+        for p in range(kernel.fp8_copies_per_thread(block_kv, head_dim)):
+            for thread in rng.permutation(THREADS):
+                _, row, chunk = kernel.fp8_copy_position(thread // 32, thread % 32, p, block_kv=block_kv,
+                                                         head_dim=head_dim)
+                assert owners[row, chunk] == thread  # read and overwritten by the thread that copied it
+                at = kernel.fp8_staging_byte(row, chunk, head_dim=head_dim)
+                values = staging[at:at + 16].view(fp8_dtype).astype(np.float32) * np.float32(scale)
+                stored = values.astype(dtype).view(np.uint8)
+                for half in range(2):
+                    to = kernel.swizzled_16bit_byte(row, 2 * chunk + half, head_dim=head_dim)
+                    slot[to:to + 16] = stored[16 * half:16 * half + 16]
+                staging[at:at + 16] = (chunk_of(next_sources, row, chunk) if next_sources is not None
+                                       else np.zeros(16, np.uint8))
+        got = swizzled_tile(slot, block_kv, head_dim, dtype).view(np.uint16)
+        rows = dequantised_rows(jnp.asarray(pool), jnp.asarray(np.maximum(sources, 0)), jnp.float32(scale),
+                                jnp.dtype(dtype))
+        want = np.where((sources >= 0)[:, None], np.asarray(rows)[:, kv_head].astype(dtype), np.zeros((), dtype))
+        nan = np.isnan(want.astype(np.float32))
+        np.testing.assert_array_equal(got[~nan], want.view(np.uint16)[~nan])
+        np.testing.assert_array_equal(np.isnan(got.view(dtype).astype(np.float32)), nan)
+    assert not staging.any()  # the disabled refill left zeros
+
+
+def refill_groups_landed(pool_tiles, steps, first, pending, *, block_kv=128, head_dim=128) -> bool:
+    """fp8_refill's cp.async groups, one producer thread, the steps as the kernel's loop takes them: the first
+    tile's copies a group per copy position if it is a pool tile (one group otherwise), each pool tile's conversion
+    waiting (wait_group(pending)) before each position and committing the next tile's copy of it, a new-key tile's
+    start one group. wait_group(n) leaves pending at most the n newest groups: whether every wait finds the group of
+    the position it converts older than those."""
+    copies = kernel.fp8_copies_per_thread(block_kv, head_dim)
+    committed = []  # group names, oldest first
+
+    def is_pool(step):
+        return step < pool_tiles and step < steps
+
+    if is_pool(first):
+        committed += [("pool", first, p) for p in range(copies)]
+    else:
+        committed.append(("start", first))
+    for step in range(first, steps):
+        if is_pool(step):
+            for p in range(copies):
+                may_pend = committed[len(committed) - pending:] if pending else []
+                if ("pool", step, p) not in committed or ("pool", step, p) in may_pend:
+                    return False
+                committed.append(("pool", step + 1, p) if is_pool(step + 1) else ("zeros", step + 1, p))
+        if step + 1 >= pool_tiles:
+            committed.append(("start", step + 1))
+    return True
+
+
+@pytest.mark.parametrize("block_kv,head_dim", [(128, 128), (128, 64)])
+@pytest.mark.parametrize("pool_tiles,steps,first", [(1, 3, 0), (4, 6, 0), (5, 5, 0), (3, 7, 2), (2, 6, 4), (6, 6, 3)])
+def test_refill_waits_find_their_groups_landed(block_kv, head_dim, pool_tiles, steps, first):
+    pending = kernel.refill_pending_groups(block_kv, head_dim)
+    assert refill_groups_landed(pool_tiles, steps, first, pending, block_kv=block_kv, head_dim=head_dim)
+    if pool_tiles > first + 1:  # a second pool tile: one group more left pending would be one too many
+        assert not refill_groups_landed(pool_tiles, steps, first, pending + 1, block_kv=block_kv, head_dim=head_dim)

@@ -158,11 +158,15 @@ def sweep_variants(op: str, case: Case):
                     if case.fp8:  # the kernel converting fp8 tiles itself, whose copies run stages - 1 tiles ahead:
                         # to f16 (the default where the kernel takes it) and to q's dtype, scaled; and with the
                         # copies in staging tiles of their own, a tile earlier, where they fit
-                        for tiles, staging in itertools.product(("f16", "q_dtype"), (False, True)):
-                            fp8_config = dataclasses.replace(config, fp8_tiles=tiles, fp8_staging=staging)
+                        # (each thread refilling the staging bytes it converted, `fp8_refill`, as well)
+                        for tiles, (staging, refill) in itertools.product(
+                                ("f16", "q_dtype"), ((False, False), (True, False), (True, True))):
+                            fp8_config = dataclasses.replace(config, fp8_tiles=tiles, fp8_staging=staging,
+                                                             fp8_refill=refill)
                             if staging and not fp8_staging_fits(fp8_config, case.head_dim):
                                 continue
-                            variants.append((f"mgpu-fp8 {tiles} kv{block_kv} s{stages}{' staged' if staging else ''}",
+                            form = " staged refill" if refill else " staged" if staging else ""
+                            variants.append((f"mgpu-fp8 {tiles} kv{block_kv} s{stages}{form}",
                                              lambda inp, c=fp8_config: extend_jaxattn(inp, config=c, impl="mgpu-fp8")))
             if (case.head_dim, case.dv) == (64, 64):  # three consumer warpgroups (192-row CTAs, FA3's 64-dim tile),
                 # with and without the intra-warpgroup overlap FA3 runs it with

@@ -518,8 +518,9 @@ def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: 
     fp8 = {}
     if kv_scales is not None:  # the config's conversion where the kernel takes it, else the scaled one
         fits = f16_tiles_fit(unified=unified, o_rows_columns=o_rows_columns, qk_dim=q.shape[2])
-        fp8 = dict(kv_scales=kv_scales, fp8_tiles=config.fp8_tiles if fits else "q_dtype",
-                   fp8_staging=fp8_staging_fits(config, q.shape[2]))
+        staging = fp8_staging_fits(config, q.shape[2])
+        fp8 = dict(kv_scales=kv_scales, fp8_tiles=config.fp8_tiles if fits else "q_dtype", fp8_staging=staging,
+                   fp8_refill=staging and config.fp8_refill)
     extend_attention_mgpu_kernel(
         q, None if unified else k_new, None if unified else v_new, k_pool, v_pool, kv_indices,
         index_i32(meta.qo_indptr), index_i32(meta.kv_indptr), out_ref,

@@ -103,7 +103,10 @@ class MgpuExtendConfig:
     `fp8_staging`), where they fit beside the tile (`staged_shared_memory_bytes`; 128 keys at head dims 64 and 128,
     not the 256 tile); else the rows go to the slot. On the H100 (fbf99d6, one run, 5 rounds) the f16 tiles took
     0.731 ms staged against 0.778 at E3-FP8 (row spreads 5.5% / 1.6%) and 1.822 against 1.891 at E1-FP8, the same
-    bits (benchmarks/RESULTS.md, forty-third session)."""
+    bits (benchmarks/RESULTS.md, forty-third session). fp8_refill (with fp8_staging; opt-in until a GPU run times it):
+    each producer thread refills the staging bytes it has just converted with its copy of the next pool tile's, so
+    no warpgroup sync sits between them and the next tile's copies start during this tile's conversion (the
+    kernel's `fp8_refill`)."""
 
     block_q: int = 64
     block_kv: int = 128
@@ -112,6 +115,7 @@ class MgpuExtendConfig:
     overlap: bool = False
     fp8_tiles: str = "f16"
     fp8_staging: bool = True
+    fp8_refill: bool = False
 
     @staticmethod
     def o_rows_columns(qk_head_dim: int, v_head_dim: int | None = None) -> int:
@@ -155,6 +159,10 @@ class MgpuExtendConfig:
             raise ValueError(f"MgpuExtendConfig.fp8_tiles must be 'f16' or 'q_dtype'; got {self.fp8_tiles!r}")
         if not isinstance(self.fp8_staging, bool):
             raise ValueError(f"MgpuExtendConfig.fp8_staging must be a bool; got {self.fp8_staging!r}")
+        if not isinstance(self.fp8_refill, bool) or (self.fp8_refill and not self.fp8_staging):
+            raise ValueError(f"MgpuExtendConfig.fp8_refill must be a bool, True with fp8_staging only (it refills "
+                             f"the staging tiles); got fp8_refill={self.fp8_refill!r} with "
+                             f"fp8_staging={self.fp8_staging!r}")
         if not isinstance(self.overlap, bool) or (self.overlap and self.consumers != 3):
             raise ValueError(f"MgpuExtendConfig.overlap must be a bool, True with consumers=3 only (the two-consumer "
                              f"schedule barrier orders the matrix work itself); got overlap={self.overlap!r} with "

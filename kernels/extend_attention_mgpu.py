@@ -889,6 +889,9 @@ def convert_fp8_tiles(tiles, bars, slot, *, block_kv: int, head_dim: int, fp8_dt
                 loaded = [(base, scale, load(fp8_base, row, chunk)) for base, fp8_base, scale in tiles_at]
                 for base, scale, data in loaded:
                     store(base, scale, row, chunk, data)
+                # The next tile's chunk into the bytes just read: issued after the stores that use those loads'
+                # values, so the loads have returned (in-order issue); the copy's write lands a global read later
+                # (or, zeros, through the same in-order shared-memory pipe). The GPU tests check it bit for bit.
                 for pool_base, fp8_base, row_bytes in zip(pool_bases, fp8_bases, pool_row_bytes):
                     issue_fp8_copy(pool_base, fp8_base, my_source, warp, lane, p, byte_of=staging_byte,
                                    block_kv=block_kv, head_dim=head_dim, row_bytes=row_bytes, enabled=enabled)

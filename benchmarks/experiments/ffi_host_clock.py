@@ -1,7 +1,8 @@
 """Experiment (GPU): where the FlashInfer FFI launch's host-clock time per call goes, beside torch's (issue 24).
 
 At 7deab52 (H100) `bench.time_calls` gave the FFI step of 8 calls 16-20 us a call more than the GPU's span of
-back-to-back steps (torch's 8 launches: 4-6 us), so the difference lies outside the steps' kernels. Per sample of
+back-to-back steps (torch's 8 launches: 4-6 us), so the difference lies outside the steps' kernels (an earlier run
+put it at 0.5-1 ms at the start of each sample: RESULTS, twenty-third session). Per sample of
 `--steps` back-to-back steps, after a sync, this splits the host clock into the dispatch of the steps (the host
 returning from the last call) and the wait in the sync after it, and times one lone step (dispatch to result) and a
 step's dispatch alone. A host that runs ahead of the GPU dispatches in far less than the sample; a dispatch close to

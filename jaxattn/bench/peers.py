@@ -305,20 +305,19 @@ def bridged(wrapper, inp: Inputs, layers: int = 1, variant_args: tuple = (), lau
     through the XLA FFI launch FlashInferBackend(launch="ffi") uses.
 
     layers > 1: one jitted step makes that many calls, like a model's attention layers (time_calls divides by it),
-    so the per-call dispatch of the jitted function is shared as in a real forward step.
+    so the per-call dispatch of the jitted function is shared as in a real forward step: `in_one_step`, as jaxattn's
+    rows (distinct queries, each call after the one before). No call needs has_side_effect, which, as a JAX effect,
+    would take every call of the step off JAX's C++ dispatch path (pxla's `create_cpp_call`), where
+    FlashInferBackend's calls are.
     """
-    import jax
-
     from jaxattn.backends.flashinfer import bridged_run
 
     run = ffi_launcher().run if launch == "ffi" else bridged_run
 
-    def step(q, k, v):
-        return [run(wrapper, q, k, v, inp.case.dv, has_side_effect=layers > 1, page_size=inp.case.page_size,
-                    variant_args=variant_args)[0] for _ in range(layers)]
+    def one_call(q, k, v):
+        return run(wrapper, q, k, v, inp.case.dv, page_size=inp.case.page_size, variant_args=variant_args)[0]
 
-    fn = jax.jit(step)
-    return PerCall(lambda: fn(inp.q, inp.k_pool, inp.v_pool), layers)
+    return in_one_step(one_call, inp.q, (inp.k_pool, inp.v_pool), layers)
 
 
 def extend_meta(inp: Inputs, unified: bool = False, full_window_lists: bool = False):

@@ -456,3 +456,34 @@ def test_jaxattn_layers_rows_run_distinct_calls_in_one_step(one_call):
         assert layers.shape == (8, case.batch * case.new, case.q_heads, case.dv)
         np.testing.assert_allclose(layers[0], want, atol=2e-2, rtol=2e-2)
         assert not np.allclose(layers[1], layers[0], atol=0, rtol=1e-3)
+
+
+@pytest.mark.parametrize("launch", ["ffi", "bridge"])
+def test_flashinfer_in_jit_layers_make_distinct_calls_without_side_effects(monkeypatch, launch):
+    # flashinfer-ffi-8-layers / flashinfer-in-jit-8-layers: one jitted step of 8 FlashInfer calls as jaxattn's layered
+    # rows make theirs (distinct queries, each call after the one before), none with has_side_effect, which as a JAX
+    # effect would keep the step off JAX's C++ dispatch path (FlashInferBackend's calls have none).
+    import types
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxattn.backends import flashinfer as flashinfer_backend
+    from jaxattn.bench import peers
+
+    calls = []
+
+    def fake_run(wrapper, q, k, v, dv, **kwargs):
+        calls.append(kwargs)
+        return q[..., :dv] * 2 + k.sum(), None
+
+    monkeypatch.setattr(flashinfer_backend, "bridged_run", fake_run)
+    monkeypatch.setattr(peers, "ffi_launcher", lambda: types.SimpleNamespace(run=fake_run))
+    case = types.SimpleNamespace(dv=4, page_size=1)
+    q = jnp.arange(2 * 3 * 4, dtype=jnp.float32).reshape(2, 3, 4)
+    inp = types.SimpleNamespace(case=case, q=q, k_pool=jnp.zeros((5, 1, 4)), v_pool=jnp.zeros((5, 1, 4)))
+    step = peers.bridged("wrapper", inp, 8, launch=launch)
+    outs = jax.block_until_ready(step())
+    assert step.calls == 8 and len(outs) == 8 and len(calls) == 8
+    assert all("has_side_effect" not in kwargs for kwargs in calls)
+    assert len({float(o.sum()) for o in outs}) == 8  # distinct queries: no two calls XLA could merge

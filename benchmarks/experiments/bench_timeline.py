@@ -33,7 +33,7 @@ def main():
     from jaxattn import bench
     from flashinfer_timeline import profiled  # the FlashInfer timeline's profiling and trace reading
     from mla_fixed_cost import mla_case_named
-    from variant_timing import write_record
+    from variant_timing import warmed_backend, write_record
 
     if not os.environ.get("TRITON_CACHE_DIR"):  # jax_triton 0.3.1 empties it, which breaks torch-side Triton
         os.environ["TRITON_CACHE_DIR"] = os.path.expanduser("~/.triton/cache")
@@ -53,14 +53,10 @@ def main():
             raise SystemExit(f"unknown case {name!r}: the names are {list(bench.CASES)} (a paged one: E3-P16; MLA at a shape: MLA-64x512)")
         inp = bench.make_inputs(case)
         for backend in args.backends.split(","):
-            maker, sync = bench.BACKENDS[args.op][backend]
-            try:
-                fn = maker(inp)
-            except bench.Skip as why:
-                print(f"{name} {backend}: skipped: {why}", flush=True)
+            made = warmed_backend(args.op, backend, name, inp)
+            if made is None:
                 continue
-            for _ in range(3):  # compile, warm
-                sync(fn())
+            fn, sync = made
             summary = profiled(fn, sync, args.calls)  # per step: a -8-layers row's step makes 8 calls
             summary["calls_per_step"] = getattr(fn, "calls", 1)
             summary["host_ms_per_call"] = round(bench.time_calls(fn, sync), 5)

@@ -19,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from variant_timing import write_record  # noqa: E402  (this folder: the script's own directory)
+from variant_timing import warmed_backend, write_record  # noqa: E402  (this folder: the script's own directory)
 
 BACKENDS = ("flashinfer-8-layers", "flashinfer-ffi-8-layers")
 
@@ -63,14 +63,10 @@ def main():
     for name in args.cases.split(","):
         inp = bench.make_inputs(bench.case_named(name))
         for backend in BACKENDS:
-            maker, sync = bench.BACKENDS["decode"][backend]
-            try:
-                fn = maker(inp)
-            except bench.Skip as why:
-                print(f"{name} {backend}: skipped: {why}", flush=True)
+            made = warmed_backend("decode", backend, name, inp)
+            if made is None:
                 continue
-            for _ in range(3):  # compile, warm
-                sync(fn())
+            fn, sync = made
             row = dict(case=name, backend=backend, **split_sample(fn, sync, args.steps, args.repeats))
             rows.append(row)
             print(f"{name} {backend}: {row['ms_per_call'] * 1e3:.1f} us/call = dispatch "

@@ -24,6 +24,22 @@ def time_variant(rows: list, label: str, fn, case, **fields) -> None:
     print(f"{label} {ms:.4f} ms  {100 * floor / ms:5.1f}% of its floor", flush=True)
 
 
+def warmed_backend(op: str, backend: str, label: str, inp):
+    """(fn, sync) of a bench backend (`jaxattn.bench.BACKENDS[op][backend]`) made for inp and run 3 times (compile,
+    warm), or None where it skips the case (the reason printed after `label`)."""
+    from jaxattn import bench
+
+    maker, sync = bench.BACKENDS[op][backend]
+    try:
+        fn = maker(inp)
+    except bench.Skip as why:
+        print(f"{label} {backend}: skipped: {why}", flush=True)
+        return None
+    for _ in range(3):
+        sync(fn())
+    return fn, sync
+
+
 def write_record(path: str | None, rows: list) -> None:
     """The run's JSON record (device, commit, rows) at path, if one is given."""
     if path:

@@ -34,6 +34,12 @@ import numpy as np
 MODES = ("gpu", "interpret")
 
 
+def unread_operand(dtype=jnp.float32) -> jax.Array:
+    """A 1-element operand for a pointer the kernel does not read: a numpy constant, so no XLA kernel makes it (a
+    jnp array, or a constant of more than one element, all equal, would launch one on every call)."""
+    return jnp.asarray(np.zeros((1,), dtype))
+
+
 def launch_mode(mode: str | None = None) -> str:
     """Returns the launch mode to use: `mode` if given, else $JAXATTN_LAUNCH, else by platform."""
     if mode is None:

@@ -1927,8 +1927,6 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
 
                     fp8_tile_start(step, sources, pool_tile)
 
-                refill = fp8_refill
-
                 def fp8_producer_loop(first):
                     # In the slots (fp8_start), copies run stages - 1 tiles ahead: tile s + stages - 1's start after
                     # tile s's conversion (its slot frees when the consumers are done with tile s - 1), so a
@@ -1942,7 +1940,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                         k_scale, v_scale = scales_ref[kv_head], scales_ref[kv_heads + kv_head]
                     lead = 1 if fp8_staging else stages - 1  # tiles whose copies run ahead of the conversion
                     start = fp8_staged_start if fp8_staging else fp8_start
-                    if refill:
+                    if fp8_refill:
                         # The first tile's copies a group per copy position (a pool tile's; else as any other start).
                         def first_pool_tile():
                             issue_fp8_staging_groups((k_pool_ref, v_pool_ref), (k_staging, v_staging),
@@ -1973,18 +1971,18 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                             convert_fp8_tiles(((k_smem, slot, k_scale), (v_smem, stages + slot, v_scale)), kv_bars,
                                               slot, block_kv=block_kv, head_dim=qk_dim, fp8_dtype=k_pool.dtype,
                                               dtype=jnp.float16 if f16_tiles else dtype,
-                                              wait_pending=None if refill else lead - 1,
+                                              wait_pending=None if fp8_refill else lead - 1,
                                               staging=(k_staging, v_staging) if fp8_staging else None,
                                               refill=((k_pool_ref, v_pool_ref), sources, kv_head, next_is_pool)
-                                              if refill else None)
-                        if refill:  # a new-key tile next (a pool tile's copies went with the conversion)
+                                              if fp8_refill else None)
+                        if fp8_refill:  # a new-key tile next (a pool tile's copies went with the conversion)
                             pl.when(step + 1 >= pre_steps)(lambda: fp8_tile_start(step + 1, sources, None))
                         else:
                             start(step + lead, sources)
                         return next_sources
 
                     lax.fori_loop(first_step, cta_steps, fp8_step, sources_of(first + lead))
-                    if refill:
+                    if fp8_refill:
                         wait_copies()  # the last refills (zeros) land before the producer exits
 
                 def step_body(step, sources):

@@ -14,7 +14,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import triton
 
 from jaxattn import hardware, tuning
@@ -22,18 +21,13 @@ from jaxattn.aot import build
 from jaxattn.calls import DecodeCall
 from jaxattn.checks import index_i32
 from jaxattn.fp8 import scale_table_operand
-from jaxattn.launch import launch
+from jaxattn.launch import launch, unread_operand
 from jaxattn.metadata import MIN_BLOCK_KV, rope_split
 from jaxattn.registry import Implementation
 from jaxattn.tuning import DecodeConfig
 
 # Head shapes the sm_90 table covers (the AOT builds compile each).
 SUPPORTED_HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128), (288, 256), (576, 512))
-
-
-def unread_f32() -> jax.Array:
-    """A 1-element f32 operand for a pointer the kernel does not read (a numpy constant: no XLA kernel makes it)."""
-    return jnp.asarray(np.zeros((1,), np.float32))
 
 
 def declines(call: DecodeCall) -> str | None:
@@ -153,10 +147,10 @@ def run(call: DecodeCall):
     )
     # Unused operands as 1-element numpy constants: jnp would have XLA launch a kernel for each on every call, and so
     # would a numpy constant of more than one element, all equal (`scale_table_operand`).
-    kv_scales = unread_f32() if call.kv_scales is None else scale_table_operand(call.kv_scales)
+    kv_scales = unread_operand() if call.kv_scales is None else scale_table_operand(call.kv_scales)
     # The kernel reads 32 bits per row: u32 masks are reinterpreted, not converted (bit 31 would not survive a cast).
     if call.draft_mask is None:
-        draft_mask = jnp.asarray(np.zeros((1,), np.int32))
+        draft_mask = unread_operand(jnp.int32)
     else:
         draft_mask = jax.lax.bitcast_convert_type(call.draft_mask.reshape(-1), jnp.int32)
     head_programs = q_heads if config.block_h == 1 else kv_heads * -(-rows // config.block_h)
@@ -218,9 +212,9 @@ def merge_splits(call: DecodeCall, mid_o, mid_lse, num_kv_splits, max_splits: in
     if final_rows is not None and call.sinks is not None:
         raise ValueError("final_rows: stage 1 stores no final row where a sink is added")
     # Operands the kernel does not read as 1-element constants (see `run`).
-    sink_arg = unread_f32() if call.sinks is None else call.sinks.astype(jnp.float32)
+    sink_arg = unread_operand() if call.sinks is None else call.sinks.astype(jnp.float32)
     if final_rows is None:
-        final_args, aliases = (unread_f32(),) * 2, {}
+        final_args, aliases = (unread_operand(),) * 2, {}
     else:
         final_args, aliases = final_rows, {5: 0, 6: 1}
     o, lse = launch(

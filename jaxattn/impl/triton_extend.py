@@ -16,7 +16,7 @@ from jaxattn.aot import build
 from jaxattn.calls import ExtendCall
 from jaxattn.checks import index_i32
 from jaxattn.fp8 import scale_table_operand
-from jaxattn.launch import launch
+from jaxattn.launch import launch, unread_operand
 from jaxattn.metadata import rope_split
 from jaxattn.registry import Implementation
 from jaxattn.tuning import ExtendConfig
@@ -78,10 +78,6 @@ def _grid(config: ExtendConfig, q_heads: int, batch: int, max_extend_len: int) -
     return (q_heads // config.head_pack, batch, triton.cdiv(max_extend_len, config.block_m // config.head_pack))
 
 
-def _dummy(dtype):
-    return jnp.zeros((1,), dtype)
-
-
 def declines(call: ExtendCall) -> str | None:
     if call.config is not None and not isinstance(call.config, ExtendConfig):
         return f"config is a {type(call.config).__name__}, not an ExtendConfig"
@@ -97,11 +93,11 @@ def _launch(call: ExtendCall, kernel: str, arrays: tuple, two_stage: bool):
     config = call.config or tuning.extend_config(qk_dim, v_dim, q.dtype, meta.max_extend_len, custom_mask=masked)
     config = tuning.pack_heads(config, q_heads, kv_heads)
     if bits is not None:
-        mask, mask_indptr = jax.lax.bitcast_convert_type(bits, jnp.int32).reshape(-1), _dummy(jnp.int32)
+        mask, mask_indptr = jax.lax.bitcast_convert_type(bits, jnp.int32).reshape(-1), unread_operand(jnp.int32)
     elif call.custom_mask is not None:
         mask, mask_indptr = call.custom_mask.astype(jnp.uint8), meta.mask_indptr
     else:
-        mask, mask_indptr = _dummy(jnp.uint8), _dummy(jnp.int32)
+        mask, mask_indptr = unread_operand(jnp.uint8), unread_operand(jnp.int32)
     constexprs = kernel_constexprs(
         q_heads=q_heads, kv_heads=kv_heads, qk_head_dim=qk_dim, v_head_dim=v_dim, dtype=q.dtype, config=config,
         sm_scale=call.sm_scale, logit_cap=call.logit_cap, xai_temperature_len=call.xai_temperature_len,
@@ -118,8 +114,8 @@ def _launch(call: ExtendCall, kernel: str, arrays: tuple, two_stage: bool):
         *arrays,
         mask,
         mask_indptr,
-        _dummy(jnp.float32) if call.sinks is None else call.sinks.astype(jnp.float32),
-        _dummy(jnp.float32) if call.kv_scales is None else scale_table_operand(call.kv_scales),
+        unread_operand(jnp.float32) if call.sinks is None else call.sinks.astype(jnp.float32),
+        unread_operand(jnp.float32) if call.kv_scales is None else scale_table_operand(call.kv_scales),
         out_shape=jax.ShapeDtypeStruct((tokens, q_heads, v_dim), q.dtype),
         grid=_grid(config, q_heads, call.batch, meta.max_extend_len),
         num_warps=config.num_warps,

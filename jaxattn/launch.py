@@ -40,6 +40,12 @@ def unread_operand(dtype=jnp.float32) -> jax.Array:
     return jnp.asarray(np.zeros((1,), dtype))
 
 
+def operand_or_unread(array: jax.Array) -> jax.Array:
+    """`array` as a kernel operand: an empty one becomes `unread_operand` of its dtype (an operand needs an address;
+    the kernel reads no entry of an empty list)."""
+    return array if array.shape[0] else unread_operand(array.dtype)
+
+
 def launch_mode(mode: str | None = None) -> str:
     """Returns the launch mode to use: `mode` if given, else $JAXATTN_LAUNCH, else by platform."""
     if mode is None:

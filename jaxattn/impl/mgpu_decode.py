@@ -23,6 +23,7 @@ from jaxattn.calls import DecodeCall
 from jaxattn.checks import index_i32
 from jaxattn.fp8 import is_fp8, scale_table_operand
 from jaxattn.impl import triton_decode
+from jaxattn.launch import operand_or_unread
 from jaxattn.metadata import MIN_BLOCK_KV
 from jaxattn.registry import Implementation
 from jaxattn.tuning import MgpuDecodeConfig
@@ -134,7 +135,7 @@ def _launch(call: DecodeCall, splits: int, final: bool):
 
     meta = call.meta
     config = call.config or MgpuDecodeConfig()
-    kv_indices = meta.kv_indices if meta.kv_indices.shape[0] else jnp.zeros((1,), meta.kv_indices.dtype)
+    kv_indices = operand_or_unread(meta.kv_indices)
     # The metadata's splits per sequence under this kernel's static bound: both stages clamp them to it alike.
     num_kv_splits = index_i32(meta.num_kv_splits)
     fp8 = call.k_pool.dtype != call.q.dtype

@@ -44,7 +44,7 @@ from jaxattn.calls import ExtendCall, score_features
 from jaxattn.checks import check_array, check_extend_args, check_extend_draft_mask, check_new_tokens, index_i32
 from jaxattn.fp8 import dequantised_rows, is_fp8, scale_table_operand
 from jaxattn.tuning.sm90 import EXTEND_MGPU_FP8_IN_KERNEL_MAX_READERS, EXTEND_MGPU_PAGE_COPY_MIN_ROWS
-from jaxattn.launch import launch_mode as resolve_launch_mode
+from jaxattn.launch import launch_mode as resolve_launch_mode, operand_or_unread
 from jaxattn.metadata import ExtendMetadata, ExtendUnifiedMetadata
 from jaxattn.registry import Implementation
 from jaxattn.tuning import ExtendConfig, MgpuExtendConfig
@@ -502,16 +502,13 @@ def _run_kernel(q, k_new, v_new, k_pool, v_pool, meta, sm_scale: float, config: 
     # The kernel fills the buffer in place (aliased); the rows it does not compute are 0 (only those are cleared).
     out_ref = jax.new_ref(unwritten_rows_zeroed(meta.qo_indptr, rows=rows, row_shape=(q_heads, v_dim), dtype=q.dtype,
                                                 max_extend_len=meta.max_extend_len, owner=q))
-    kv_indices = meta.kv_indices
-    if kv_indices.shape[0] == 0:  # a kernel operand needs an address; no row of it is listed
-        kv_indices = jnp.zeros((1,), kv_indices.dtype)
+    kv_indices = operand_or_unread(meta.kv_indices)
     xai = int(xai_temperature_len) if xai_temperature_len > 0 else -1
     if custom_mask is not None:
         # As given (bool, u8 or i8: one byte an entry, read as bytes != 0 through a raw pointer), so no XLA kernel
         # converts a [q_len, kv_len] mask before every call (11 us at V-TREE64-W128). An empty mask hides every key:
         # one 0 entry stands in for it (the kernel never reads past an operand's length).
-        if not custom_mask.shape[0]:
-            custom_mask = jnp.zeros((1,), custom_mask.dtype)
+        custom_mask = operand_or_unread(custom_mask)
     if draft_mask is not None:
         draft_mask = jax.lax.bitcast_convert_type(draft_mask, jnp.int32)  # bit 31 survives (no value conversion)
     o_rows_columns = 64 if latent else config.o_rows_columns(q.shape[2], v_dim)

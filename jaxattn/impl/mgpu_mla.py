@@ -40,6 +40,7 @@ from jaxattn.calls import DecodeCall, MlaExtendCall
 from jaxattn.checks import index_i32
 from jaxattn.fp8 import is_fp8
 from jaxattn.impl import triton_decode
+from jaxattn.launch import operand_or_unread
 from jaxattn.metadata import MIN_BLOCK_KV
 from jaxattn.registry import Implementation
 from jaxattn.tuning import MgpuDecodeConfig
@@ -153,11 +154,6 @@ def _transposed(call: DecodeCall) -> bool:
     return default and _transposed_unsupported(call) is None
 
 
-def _listed_indices(kv_indices):
-    """kv_indices as a kernel operand: an empty one becomes one unread entry (an operand needs an address)."""
-    return jnp.zeros((1,), kv_indices.dtype) if kv_indices.shape[0] == 0 else kv_indices
-
-
 def _split_bound(call: DecodeCall) -> int:
     """The kernel's static split bound. The metadata's splits per sequence (its heuristic keeps every split >= 256
     keys; deterministic: by length only) fall under it: both stages clamp them to it alike, so no per-call work
@@ -188,7 +184,7 @@ def _launch(call: DecodeCall, splits: int, *, merge: bool):
 
     meta = call.meta
     batch, tokens, q_heads = call.batch, call.tokens_per_seq, call.q_heads
-    index_args = (index_i32(meta.kv_indptr), _listed_indices(meta.kv_indices),
+    index_args = (index_i32(meta.kv_indptr), operand_or_unread(meta.kv_indices),
                   index_i32(meta.num_kv_splits))
     window = call.sliding_window if call.sliding_window >= 0 else -1
     sinks = call.sinks if merge else None
@@ -271,7 +267,7 @@ def run_extend(call: MlaExtendCall):
     meta = call.meta
     if tokens == 0 or call.meta.qo_indptr.shape[0] == 1:
         return jnp.zeros((tokens, q_heads, call.v_head_dim), call.q.dtype)
-    kv_indices = meta.kv_indices if meta.kv_indices.shape[0] else jnp.zeros((1,), meta.kv_indices.dtype)
+    kv_indices = operand_or_unread(meta.kv_indices)
     # The kernel fills the buffer in place; rows it does not compute (padding tokens, past max_extend_len) are 0
     # (only those are cleared). Its (token, head) rows are the [tokens, q_heads, v] buffer's bytes.
     out = unwritten_rows_zeroed(meta.qo_indptr, rows=tokens, row_shape=(q_heads, call.v_head_dim), dtype=call.q.dtype,

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxattn.launch import launch, launch_mode
+from jaxattn.launch import launch, launch_mode, operand_or_unread
 from tests.helpers import HAS_GPU, MODES
 
 SCALE_EVEN = ("tests.launch_kernels", "scale_even_rows_kernel")
@@ -20,6 +20,16 @@ def test_mode_is_chosen_by_platform_and_overridable(monkeypatch):
     assert launch_mode() == "interpret"
     with pytest.raises(ValueError, match="launch mode must be one of"):
         launch_mode("cuda")
+
+
+def test_an_empty_operand_becomes_one_unread_entry_of_its_dtype():
+    # Inside jit too: the stand-in is a constant (no kernel makes it), a listed operand passes through untouched.
+    for dtype in (jnp.int32, jnp.uint8, jnp.bool_):
+        stand_in = jax.jit(operand_or_unread)(jnp.zeros((0,), dtype))
+        assert stand_in.shape == (1,) and stand_in.dtype == jnp.dtype(dtype) and not bool(stand_in[0])
+    listed = jnp.arange(5, 12, dtype=jnp.int32)
+    assert operand_or_unread(listed) is listed
+    np.testing.assert_array_equal(jax.jit(operand_or_unread)(listed), np.arange(5, 12))
 
 
 @pytest.mark.skipif(HAS_GPU, reason="checks the error on a machine without a GPU")

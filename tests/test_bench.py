@@ -395,7 +395,7 @@ def test_ffi_rows_skip_without_jax_tvm_ffi(monkeypatch):
     monkeypatch.setattr(flashinfer_ffi, "ffi_available", lambda: True)
     with pytest.raises(bench.Skip, match=r"replays flashinfer 0\.6\.x's run\(\) calls; flashinfer 0\.7\.4 is installed"):
         peers.ffi_launcher()
-    assert {"flashinfer-ffi-8-layers"} <= set(bench.BACKENDS["decode"])
+    assert {"flashinfer-ffi-8-layers", "flashinfer-ffi"} <= set(bench.BACKENDS["decode"])
     assert {"flashinfer-fa3-ffi-8-layers", "flashinfer-fa3-in-jit-8-layers"} <= set(bench.BACKENDS["extend"])
 
 

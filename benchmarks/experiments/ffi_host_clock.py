@@ -12,7 +12,8 @@ is a cost each sample pays once.
 At 6a7f2a9 (H200) the dispatch was equal (30 / 31 us a call at D2) but one lone FFI step took 3.55-3.75 ms against
 torch's 3.07-3.18 (command buffers on or off): about 0.5 ms a sample, as at the twenty-third session. jaxattn's own
 8-layer step (Triton kernels, no FFI) is timed beside them, so a lone step says whether the cost is the FFI target's
-or any jitted step's, and the lone step's dispatch says whether it is spent before the host returns or after.
+or any jitted step's, and the lone step's dispatch says whether it is spent before the host returns or after; one
+launch a step (`flashinfer-ffi` beside torch's `flashinfer`) says whether it is paid per step or per launch.
 
     python3 benchmarks/experiments/ffi_host_clock.py --cases D2,D3 --json out.json
 """
@@ -27,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from variant_timing import warmed_backend, write_record  # noqa: E402  (this folder: the script's own directory)
 
-BACKENDS = "flashinfer-8-layers,flashinfer-ffi-8-layers,jaxattn-8-layers"
+BACKENDS = "flashinfer-8-layers,flashinfer-ffi-8-layers,jaxattn-8-layers,flashinfer,flashinfer-ffi"
 
 
 def split_sample(fn, sync, steps: int, repeats: int) -> dict:

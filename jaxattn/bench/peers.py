@@ -546,6 +546,8 @@ BACKENDS = {
         "flashinfer-in-jit-8-layers": (lambda inp: decode_flashinfer(inp, False, through_jax=True, layers=8), jax_sync),
         "flashinfer-ffi-8-layers": (lambda inp: decode_flashinfer(inp, False, through_jax=True, layers=8, launch="ffi"),
                                     jax_sync),
+        # one FFI launch a jitted step: beside the 8-call step, whether a cost is paid per step or per launch
+        "flashinfer-ffi": (lambda inp: decode_flashinfer(inp, False, through_jax=True, launch="ffi"), jax_sync),
         "reference": (decode_reference, jax_sync),
     },
     "extend": {

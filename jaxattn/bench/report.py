@@ -69,6 +69,7 @@ LABELS = {
     "flashinfer-in-jit": "FlashInfer from jit (bridge)",
     "flashinfer-in-jit-8-layers": "FlashInfer from jit (bridge), 8 layers per step",
     "flashinfer-ffi-8-layers": "FlashInfer from jit (XLA FFI launch), 8 layers per step",
+    "flashinfer-ffi": "FlashInfer from jit (XLA FFI launch), one launch per step",
     "flashinfer-8-layers": "FlashInfer from torch, 8 launches per call (outputs and LSEs preallocated)",
     "flashinfer-fa2": "FlashInfer fa2",
     "flashinfer-fa3": "FlashInfer fa3",

@@ -23,7 +23,7 @@ def test_mode_is_chosen_by_platform_and_overridable(monkeypatch):
 
 
 def test_an_empty_operand_becomes_one_unread_entry_of_its_dtype():
-    # Inside jit too: the stand-in is a constant (no kernel makes it), a listed operand passes through untouched.
+    # Inside jit too; a listed operand passes through untouched.
     for dtype in (jnp.int32, jnp.uint8, jnp.bool_):
         stand_in = jax.jit(operand_or_unread)(jnp.zeros((0,), dtype))
         assert stand_in.shape == (1,) and stand_in.dtype == jnp.dtype(dtype) and not bool(stand_in[0])

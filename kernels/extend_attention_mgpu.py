@@ -2004,7 +2004,13 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
                     # partial last prefix tile): with them in every step E2 at page 64 (no prefix) ran 2.4% behind
                     # row copies on the H100.
                     last_paged = jnp.clip(page_steps, first, cta_steps)
-                    lax.fori_loop(first, last_paged, paged_step_body, (sources_of(first), page_starts(first)))
+                    # Only a CTA with page tiles looks up their first starts: an empty loop's carry would still be
+                    # computed, global index loads ahead of the first copy in every CTA of E2 (no prefix), which
+                    # ran 1.008-1.012x its page-1 time at page 64 with them (H200, 6a7f2a9).
+                    @pl.when(last_paged > first)
+                    def _():
+                        lax.fori_loop(first, last_paged, paged_step_body, (sources_of(first), page_starts(first)))
+
                     lax.fori_loop(last_paged, cta_steps, step_body, sources_of(last_paged))
                 else:
                     lax.fori_loop(first_step, cta_steps, step_body, sources_of(first))

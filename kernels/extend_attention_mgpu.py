@@ -896,26 +896,27 @@ def convert_fp8_tiles(tiles, bars, slot, *, block_kv: int, head_dim: int, fp8_dt
                     issue_fp8_copy(pool_base, fp8_base, my_source, warp, lane, p, byte_of=staging_byte,
                                    block_kv=block_kv, head_dim=head_dim, row_bytes=row_bytes, enabled=enabled)
                 nvvm.cp_async_commit_group()
-        for index, (first_row, rows, is_round) in enumerate(
-                () if refilled else fp8_conversion_steps(block_kv, head_dim, staged)):
-            positions = [fp8_step_position(first_row, rows, thread, i, head_dim=head_dim, ops=IrOps)
-                         for i in range(fp8_step_chunks_per_thread(rows, head_dim))]
-            if is_round:  # every thread's loads, then the sync, then the stores
-                loaded = [(base, scale, row, chunk, load(fp8_base, row, chunk))
-                          for base, fp8_base, scale in tiles_at for row, chunk in positions]
-                sync()  # every thread's bytes of this round (and of the steps before) read before any is overwritten
-                for base, scale, row, chunk, data in loaded:
-                    store(base, scale, row, chunk, data)
-            else:  # a phase: its stores reach no fp8 byte of its own, so no sync between its loads and stores
-                if index:
-                    sync()  # the steps before: every thread's loads done before this phase overwrites their bytes
-                # Each position's chunk of every tile (K's and V's) loaded, then stored: two loads in flight within
-                # the producer's few registers (`REGISTERS`; more positions at a time, or more registers, were no
-                # faster on the H100, 0281adf).
-                for row, chunk in positions:
-                    loaded = [(base, scale, load(fp8_base, row, chunk)) for base, fp8_base, scale in tiles_at]
-                    for base, scale, data in loaded:
+        else:
+            for index, (first_row, rows, is_round) in enumerate(fp8_conversion_steps(block_kv, head_dim, staged)):
+                positions = [fp8_step_position(first_row, rows, thread, i, head_dim=head_dim, ops=IrOps)
+                             for i in range(fp8_step_chunks_per_thread(rows, head_dim))]
+                if is_round:  # every thread's loads, then the sync, then the stores
+                    loaded = [(base, scale, row, chunk, load(fp8_base, row, chunk))
+                              for base, fp8_base, scale in tiles_at for row, chunk in positions]
+                    # every thread's bytes of this round (and of the steps before) read before any is overwritten
+                    sync()
+                    for base, scale, row, chunk, data in loaded:
                         store(base, scale, row, chunk, data)
+                else:  # a phase: its stores reach no fp8 byte of its own, so no sync between its loads and stores
+                    if index:
+                        sync()  # the steps before: every thread's loads done before this phase overwrites their bytes
+                    # Each position's chunk of every tile (K's and V's) loaded, then stored: two loads in flight within
+                    # the producer's few registers (`REGISTERS`; more positions at a time, or more registers, were no
+                    # faster on the H100, 0281adf).
+                    for row, chunk in positions:
+                        loaded = [(base, scale, load(fp8_base, row, chunk)) for base, fp8_base, scale in tiles_at]
+                        for base, scale, data in loaded:
+                            store(base, scale, row, chunk, data)
         # wgmma reads the tiles through the async proxy: order this thread's stores before it, then release.
         nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
         for barrier in barriers:

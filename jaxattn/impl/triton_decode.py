@@ -145,8 +145,7 @@ def run(call: DecodeCall):
         f16_dots=uses_f16_dots(q.dtype, has_kv_scales), q_tokens=tokens,
         has_draft_mask=call.draft_mask is not None, final_at_one_split=final_at_one_split,
     )
-    # Unused operands as 1-element numpy constants: jnp would have XLA launch a kernel for each on every call, and so
-    # would a numpy constant of more than one element, all equal (`scale_table_operand`).
+    # Unused operands: `unread_operand` (why a 1-element numpy constant: there); equal scales: `scale_table_operand`.
     kv_scales = unread_operand() if call.kv_scales is None else scale_table_operand(call.kv_scales)
     # The kernel reads 32 bits per row: u32 masks are reinterpreted, not converted (bit 31 would not survive a cast).
     if call.draft_mask is None:
@@ -211,7 +210,7 @@ def merge_splits(call: DecodeCall, mid_o, mid_lse, num_kv_splits, max_splits: in
     meta = call.meta
     if final_rows is not None and call.sinks is not None:
         raise ValueError("final_rows: stage 1 stores no final row where a sink is added")
-    # Operands the kernel does not read as 1-element constants (see `run`).
+    # Operands the kernel does not read: `unread_operand`.
     sink_arg = unread_operand() if call.sinks is None else call.sinks.astype(jnp.float32)
     if final_rows is None:
         final_args, aliases = (unread_operand(),) * 2, {}

@@ -1093,7 +1093,7 @@ def extend_attention_mgpu_kernel(q, k_new, v_new, k_pool, v_pool, kv_indices, qo
       and s), and only the conversion sits between a slot's release and its use. Takes 2 * block_kv * qk_dim bytes
       of shared memory, and none of Pallas' reduction scratch (the kernel's row reductions stay inside a warp:
       `STAGED_REDUCTION_SCRATCH`), which is what makes 128-key tiles at 128 dims fit.
-    fp8_refill (with fp8_staging; opt-in, not yet run on a GPU): each producer thread converts the staging chunks it
+    fp8_refill (with fp8_staging; opt-in, GPU-tested in part): each producer thread converts the staging chunks it
       copied itself (at its copies' positions, `fp8_copy_position`), position by position, and refills each with
       its copy of the next pool tile's chunk, a cp.async group per position (`convert_fp8_tiles(refill=...)`): every
       staging byte is copied, waited for and read by one thread, so no warpgroup sync, and tile s + 1's copies start

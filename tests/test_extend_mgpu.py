@@ -787,7 +787,7 @@ def test_fp8_staging_tiles_fit_beside_128_key_tiles_without_the_reduction_scratc
         MgpuExtendConfig(fp8_staging=False, fp8_refill=True)
     with pytest.raises(ValueError, match="fp8_refill must be a bool"):
         MgpuExtendConfig(fp8_refill=1)
-    assert not config.fp8_refill  # opt-in until a GPU run times it
+    assert not config.fp8_refill  # opt-in until its GPU tests all run
 
 
 @pytest.mark.gpu

@@ -103,10 +103,10 @@ class MgpuExtendConfig:
     `fp8_staging`), where they fit beside the tile (`staged_shared_memory_bytes`; 128 keys at head dims 64 and 128,
     not the 256 tile); else the rows go to the slot. On the H100 (fbf99d6, one run, 5 rounds) the f16 tiles took
     0.731 ms staged against 0.778 at E3-FP8 (row spreads 5.5% / 1.6%) and 1.822 against 1.891 at E1-FP8, the same
-    bits (benchmarks/RESULTS.md, forty-third session). fp8_refill (with fp8_staging; opt-in until a GPU run times it):
-    each producer thread refills the staging bytes it has just converted with its copy of the next pool tile's, so
-    no warpgroup sync sits between them and the next tile's copies start during this tile's conversion (the
-    kernel's `fp8_refill`)."""
+    bits (benchmarks/RESULTS.md, forty-third session). fp8_refill (with fp8_staging): each producer thread refills the
+    staging bytes it has just converted with its copy of the next pool tile's, so no warpgroup sync sits between
+    them and the next tile's copies start during this tile's conversion (the kernel's `fp8_refill`); E3-FP8 0.692 ms
+    against 0.729 on the H200 (6a7f2a9, one run), opt-in until its GPU tests all run (33 passed, none failed)."""
 
     block_q: int = 64
     block_kv: int = 128

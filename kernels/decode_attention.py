@@ -17,6 +17,15 @@ O's dtype) and LSE stored by stage 1's split 0, and stage 2's programs for those
 With a static bound of one split the merge is not launched. fp8 decode runs one split a sequence at D1 / D3 (whole
 waves of resident programs), where the merge took 3.5 / 7.0 us beside stage 1's 203.5 / 207.9 on the H100 (089bb79).
 
+Tail keys (the grouped kernel): the loads of a key tile are not masked by the split's length. A position past the
+split's last key reads that last key's index, K and V again (inside the split's clamped range: no read past the list
+or the pool), and its score is masked to -inf as before, so p = 0 there. In SASS for sm_90 (`python -m jaxattn.aot
+--loop`, Triton 3.6) the masks cost a select per copied chunk: the fp8 table tile's loop took 35.0 warp-instructions
+a key with them and 28.9 without (V in registers 21.2 / 19.6). A repeated key adds 0 * V to the output: 0 for finite
+V; NaN for a NaN or infinite V, where that key is one the row sees (one token: every key of the split), so its row is
+non-finite anyway (an infinite V then gives NaN, where the reference may give inf). Several query tokens: a draft
+the row does not see adds 0 * V at its own position too, as before.
+
 Indices are not trusted (issue 21): KV_INDPTR ranges are cut to [0, KV_CAPACITY] with a non-negative length, and a
 slot outside [0, NUM_SLOTS) reads the padding slot 0. NaN is not trusted away either: "no keys" is tested as l == 0
 (stage 1) and denom == 0 (stage 2), so NaN in q, a visited K/V or the scale gives a NaN row (NaN LSE for NaN scores),
@@ -314,10 +323,11 @@ def decode_stage1_kernel(
     for start in range(0, split_len, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < split_len
+        # Unmasked loads (module docstring, "Tail keys"): a key past the split reads the split's last key again.
         # int64 slots: slot * stride can pass 2**31 on big pools.
-        slots = _checked_slots(tl.load(kv_base + offs_n, mask=mask_n, other=0).to(tl.int64), NUM_SLOTS)
+        slots = _checked_slots(tl.load(kv_base + tl.minimum(offs_n, split_len - 1)).to(tl.int64), NUM_SLOTS)
         k_rows = k_head + slots[:, None] * STRIDE_K_SLOT
-        k_stored = tl.load(k_rows + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        k_stored = tl.load(k_rows + offs_d[None, :], mask=mask_d[None, :], other=0.0)
         k = k_stored.to(q.dtype)
         if KEYS_AS_ROWS:
             qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_H] f32
@@ -354,9 +364,7 @@ def decode_stage1_kernel(
         if V_FROM_K:
             v_stored = k_stored
         else:
-            v_stored = tl.load(
-                v_head + slots[:, None] * STRIDE_V_SLOT + offs_dv[None, :], mask=mask_n[:, None] & mask_dv[None, :], other=0.0
-            )
+            v_stored = tl.load(v_head + slots[:, None] * STRIDE_V_SLOT + offs_dv[None, :], mask=mask_dv[None, :], other=0.0)
         if V_IN_REGISTERS:
             v = _f16_of_fp8(v_stored).to(q.dtype)
         elif V_FROM_K:

@@ -38,7 +38,7 @@ def sweep_variants(op: str, case: Case):
                 label = f"n{block_n} w{num_warps} s{num_stages} v-in-registers"
                 variants.append((label, lambda inp, c=config: decode_jaxattn(inp, config=c)))
         if case.fp8 and not mla:  # issue 26, not yet timed: one-warp tiles (no cross-warp row reductions; 7-12
-            # programs a multiprocessor where the table tile holds 4 at 209 registers) and split counts per tile.
+            # programs a multiprocessor where the table tile holds 4 at 244 registers) and split counts per tile.
             # Stages 3/4, 5/6 and 7/8 compile to the same code (1, 2, 3 K/V buffers); 2 loads the indices unpipelined.
             for block_n, num_warps, num_stages in ((32, 1, 6), (32, 1, 4), (64, 1, 4), (64, 1, 6), (64, 2, 2)):
                 config = DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
@@ -49,9 +49,10 @@ def sweep_variants(op: str, case: Case):
                 variants.append((f"fp8 n{block_n} w{num_warps} s{num_stages} pps{pps}",
                                  lambda inp, c=config, p=pps: decode_jaxattn(inp, config=c, programs_per_sm=p)))
             # V converted to f16 in its load's layout (fp8_v_in_registers). SASS for sm_90 (`python -m jaxattn.aot
-            # --loop`'s count, 2026-12-07), warp-instructions a key / programs an SM: the table tile 35.0 / 4; vreg n64
-            # w2 s6 21.2 / 4, n64 w2 s4 20.7 / 5, n32 w1 s4 21.5 / 10, n32 w1 s6 20.9 / 7, n64 w1 s4 19.2 / 6 (255
-            # registers, no spill). Nsight Compute found the table tile issue-bound on the H200 (IPC 2.14).
+            # --loop`'s count with unmasked key loads, 2026-12-07), warp-instructions a key / programs an SM: the
+            # table tile 28.9 / 4 (n64 w1 s4 26.8 / 10, n32 w1 s6 27.9 / 10); vreg n64 w2 s6 19.6 / 4, n64 w2 s4 19.5
+            # / 5, n32 w1 s4 19.4 / 10, n32 w1 s6 20.6 / 7, n64 w1 s4 17.9 / 6. Nsight Compute found the table tile
+            # issue-bound on the H200 (IPC 2.14, at 35 instructions a key).
             vreg_tiles = [(tile, pps) for tile in ((64, 2, 4), (64, 2, 6), (32, 1, 4)) for pps in (None, 4, 16)]
             for (block_n, num_warps, num_stages), pps in vreg_tiles + [((64, 1, 4), None), ((32, 1, 6), None)]:
                 config = DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages,

@@ -21,7 +21,7 @@ Tail keys (the grouped kernel): the loads of a key tile are not masked by the sp
 split's last key reads that last key's index, K and V again (inside the split's clamped range: no read past the list
 or the pool), and its score is masked to -inf as before, so p = 0 there. In SASS for sm_90 (`python -m jaxattn.aot
 --loop`, Triton 3.6) the masks cost a select per copied chunk: the fp8 table tile's loop took 35.0 warp-instructions
-a key with them and 28.9 without (V in registers 21.2 / 19.6). A repeated key adds 0 * V to the output: 0 for finite
+a key with them and 28.9 without (with V alone converted in registers 21.2 / 19.6). A repeated key adds 0 * V to the output: 0 for finite
 V; NaN for a NaN or infinite V, where that key is one the row sees (one token: every key of the split), so its row is
 non-finite anyway (an infinite V then gives NaN, where the reference may give inf). Several query tokens: a draft
 the row does not see adds 0 * V at its own position too, as before.
@@ -39,17 +39,19 @@ one packed instruction per two elements, to bf16 in a second one per element (f1
 step at D1 (H200: 0.252 -> 0.224 ms; benchmarks/RESULTS.md). q is multiplied by SM_SCALE in f32 before its f16 rounding
 (10 mantissa bits, finer than bf16's 8), so f16's range holds |q * SM_SCALE| up to 65504; beyond it the score is inf.
 p (in [0, 1]) is rounded to f16 instead of bf16 for the p.v dot.
-V_IN_REGISTERS (the grouped kernel, fp8 pools; `DecodeConfig.fp8_v_in_registers`): the p.v dot's V operand wants keys
+FP8_IN_REGISTERS (the grouped kernel, fp8 pools; `DecodeConfig.fp8_in_registers`): the p.v dot's V operand wants keys
 along its reduction axis, across the rows memory holds, and sm_90 has no transposing 8-bit ldmatrix, so Triton reads an
 fp8 V tile from shared memory a byte at a time (128 ld.shared.b8 per 64-key tile, 255 registers at 128/128). With
-V_IN_REGISTERS the tile is converted to f16 in the load's layout first (`_f16_of_fp8`: exact, unscaled, v_scale on
-the split's output as without it), and the dot reads the f16 copy with ldmatrix.trans. SASS for sm_90 (ptxas on a
-CPU, Triton 3.6), the table's 64-key tile at 2 warps: 20.7 warp-instructions a key against 33.3 (shared-memory loads
-1.4 against 5.9; no byte packing: 29.5 with two values an asm block), 168 registers against 254; at 6 stages its f16
-copy's shared memory keeps it at 4 programs an SM, at 4 stages 5; 32-key tiles at one warp 20.8, 10 an SM. On the
-H100 (236f758) no faster than the table tile at the same split counts (D1-FP8 0.244-0.247 ms against 0.227 at the
-default splits). (A first form converted through f32 times v_scale, which Triton's layout passes did not move, and ran
-slower at every tile on the H200, d3464cf: D1-FP8 0.198 ms against 0.177.)
+FP8_IN_REGISTERS the K and V tiles are converted to f16 in their loads' layout first (`_f16_of_fp8`: exact, unscaled;
+k_scale and v_scale applied as without it), and the dots read the f16 copies with ldmatrix (.trans for V). Converting
+K too spares q's dot operand the register moves an fp8 K operand's k-order forces on it (78 a 64-key tile) and lets
+MLA's V (the K tile) reuse K's conversion. SASS for sm_90 (`python -m jaxattn.aot --loop`, Triton 3.6, unmasked key
+loads), the table's 64-key tile at 2 warps: 18.0 warp-instructions a key (V alone 19.6, neither 28.9), 168 registers;
+at 6 stages its f16 copies' shared memory keeps it at 4 programs an SM, at 4 stages 5 (17.7); MLA 576/512 61.7 against
+107.6. V alone, timed on the H100 (236f758): no faster than the table tile at the same split counts (D1-FP8
+0.244-0.247 ms against 0.227 at the default splits); K and V not yet timed. (A first form converted V through f32
+times v_scale, which Triton's layout passes did not move, and ran slower at every tile on the H200, d3464cf: D1-FP8
+0.198 ms against 0.177.)
 
 fp8 scores (q K^T on fp8 tensor cores from the stored K rows, q split into three e4m3 parts, with the keys as rows
 for fp8 wgmma) were tried and removed: on the H200 (2026-12-05) 1.4-1.6x slower than the f16 dots' table tile, whose
@@ -245,7 +247,7 @@ def decode_stage1_kernel(
     KV_CAPACITY: tl.constexpr,  # length of KV_INDICES: KV_INDPTR is clamped into it
     HAS_KV_SCALES: tl.constexpr,  # fp8 pool: apply KV_SCALES
     F16_DOTS: tl.constexpr,  # fp8 pool with bf16 q: q (pre-scaled), K, V and p as f16 in the dots (module docstring)
-    V_IN_REGISTERS: tl.constexpr,  # fp8 pool: V (times v_scale) converted in registers before the p.v dot (docstring)
+    FP8_IN_REGISTERS: tl.constexpr,  # fp8 pool: K and V tiles converted to f16 in registers before the dots (docstring)
     Q_TOKENS: tl.constexpr,  # query tokens per sequence (module docstring)
     HAS_DRAFT_MASK: tl.constexpr,  # Q_TOKENS > 1: DRAFT_MASK gives each token's drafts; else causal
     KEYS_AS_ROWS: tl.constexpr,  # the dots with keys as their M dimension (module docstring)
@@ -328,17 +330,20 @@ def decode_stage1_kernel(
         slots = _checked_slots(tl.load(kv_base + tl.minimum(offs_n, split_len - 1)).to(tl.int64), NUM_SLOTS)
         k_rows = k_head + slots[:, None] * STRIDE_K_SLOT
         k_stored = tl.load(k_rows + offs_d[None, :], mask=mask_d[None, :], other=0.0)
-        k = k_stored.to(q.dtype)
+        if FP8_IN_REGISTERS:
+            k = _f16_of_fp8(k_stored).to(q.dtype)
+        else:
+            k = k_stored.to(q.dtype)
         if KEYS_AS_ROWS:
             qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_H] f32
             if BLOCK_DPE > 0:
-                k_pe = tl.load(k_rows + offs_dpe[None, :], mask=mask_n[:, None] & mask_dpe[None, :], other=0.0)
+                k_pe = tl.load(k_rows + offs_dpe[None, :], mask=mask_dpe[None, :], other=0.0)
                 qk_t += tl.dot(k_pe.to(q_pe.dtype), tl.trans(q_pe), input_precision=DOT_PRECISION)
             qk = tl.trans(qk_t)
         else:
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N] f32
             if BLOCK_DPE > 0:
-                k_pe = tl.load(k_rows + offs_dpe[None, :], mask=mask_n[:, None] & mask_dpe[None, :], other=0.0)
+                k_pe = tl.load(k_rows + offs_dpe[None, :], mask=mask_dpe[None, :], other=0.0)
                 qk += tl.dot(q_pe, tl.trans(k_pe.to(q_pe.dtype)), input_precision=DOT_PRECISION)
         if LOGIT_CAP > 0:
             qk = _soft_cap(qk, sm_scale, LOGIT_CAP)
@@ -362,15 +367,13 @@ def decode_stage1_kernel(
         p = tl.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.reduce(p, 1, _sum_combine)
         if V_FROM_K:
-            v_stored = k_stored
+            v = k  # the K tile's first BLOCK_D dims, converted once
         else:
             v_stored = tl.load(v_head + slots[:, None] * STRIDE_V_SLOT + offs_dv[None, :], mask=mask_dv[None, :], other=0.0)
-        if V_IN_REGISTERS:
-            v = _f16_of_fp8(v_stored).to(q.dtype)
-        elif V_FROM_K:
-            v = k
-        else:
-            v = v_stored.to(q.dtype)
+            if FP8_IN_REGISTERS:
+                v = _f16_of_fp8(v_stored).to(q.dtype)
+            else:
+                v = v_stored.to(q.dtype)
         if KEYS_AS_ROWS:
             acc = acc * alpha[None, :] + tl.dot(tl.trans(v), tl.trans(p.to(q.dtype)), input_precision=DOT_PRECISION)
         else:

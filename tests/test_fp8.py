@@ -57,9 +57,9 @@ DECODE_CASES = [
     pytest.param((8, 2, 128, 128, False, None), id="gqa4-128"),
     pytest.param((4, 1, 576, 512, True, None), id="mla-576"),
     pytest.param((2, 2, 64, 64, False, DecodeConfig(block_n=32, block_h=1)), id="mha-vector"),
-    # V dequantised in registers before the p.v dot (DecodeConfig.fp8_v_in_registers): v_scale moves into V.
-    pytest.param((8, 2, 128, 128, False, DecodeConfig(block_n=32, fp8_v_in_registers=True)), id="gqa4-128-v-in-registers"),
-    pytest.param((4, 1, 576, 512, True, DecodeConfig(block_n=32, fp8_v_in_registers=True)), id="mla-576-v-in-registers"),
+    # K and V converted to f16 in registers before the dots (DecodeConfig.fp8_in_registers); MLA's V reuses K's.
+    pytest.param((8, 2, 128, 128, False, DecodeConfig(block_n=32, fp8_in_registers=True)), id="gqa4-128-in-registers"),
+    pytest.param((4, 1, 576, 512, True, DecodeConfig(block_n=32, fp8_in_registers=True)), id="mla-576-in-registers"),
     # Keys as the dots' M (DecodeConfig.keys_as_rows): the fp8 tiles convert in registers and feed wgmma.
     pytest.param((8, 2, 128, 128, False, DecodeConfig(block_n=32, keys_as_rows=True)), id="gqa4-128-keys-as-rows"),
     pytest.param((4, 1, 576, 512, True, DecodeConfig(block_n=32, keys_as_rows=True)), id="mla-576-keys-as-rows"),
@@ -182,9 +182,9 @@ def test_decode_f16_dots_keep_large_scores(rng, mode, logit_cap):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("config", [None, DecodeConfig(block_n=32, fp8_v_in_registers=True),
+@pytest.mark.parametrize("config", [None, DecodeConfig(block_n=32, fp8_in_registers=True),
                                     DecodeConfig(block_n=32, keys_as_rows=True)],
-                         ids=["table", "v-in-registers", "keys-as-rows"])
+                         ids=["table", "in-registers", "keys-as-rows"])
 def test_fp8_decode_nan_reaches_exactly_the_rows_that_see_it(rng, mode, config):
     """NaN in one sequence's q (through the f16 dots) and in one listed fp8 V entry of another sequence (through the
     V dequantisation): exactly those rows come out NaN, the others stay finite and correct."""
@@ -562,8 +562,8 @@ def test_fp8_addresses_per_tile_change_no_bit(rng, fmt, monkeypatch):
         np.testing.assert_array_equal(after, before)
 
 
-def test_v_in_registers_is_declined_before_sm_89(rng, monkeypatch):
-    # DecodeConfig(fp8_v_in_registers=True) converts V with sm_89+'s cvt.rn.f16x2.e4m3x2 (inline PTX): on an older GPU
+def test_in_registers_is_declined_before_sm_89(rng, monkeypatch):
+    # DecodeConfig(fp8_in_registers=True) converts K and V with sm_89+'s cvt.rn.f16x2.e4m3x2 (inline PTX): on an older GPU
     # the Triton implementation declines it by name rather than failing in ptxas; the interpreter converts with .to.
     from jaxattn import hardware
     from jaxattn.calls import DecodeCall
@@ -572,15 +572,15 @@ def test_v_in_registers_is_declined_before_sm_89(rng, monkeypatch):
     q, k_pool, v_pool, kv_indptr, kv_indices = make_pools(rng, [3, 9], 8, 2, 128, 128, jnp.bfloat16)
     meta = decode_metadata_from_indptr(kv_indptr, kv_indices, q_heads=8, kv_heads=2)
 
-    def call(launch_mode, v_in_registers=True):
+    def call(launch_mode, in_registers=True):
         return DecodeCall(q=q, k_pool=k_pool.astype(jnp.float8_e4m3fn), v_pool=v_pool.astype(jnp.float8_e4m3fn),
                           meta=meta, sinks=None, sm_scale=0.07, logit_cap=0.0, xai_temperature_len=-1,
                           sliding_window=-1, v_head_dim=128, return_lse=False, launch_mode=launch_mode,
-                          config=DecodeConfig(block_n=32, fp8_v_in_registers=v_in_registers))
+                          config=DecodeConfig(block_n=32, fp8_in_registers=in_registers))
 
     monkeypatch.setattr(hardware, "gpu_family_name", lambda: "sm_80")
     assert "on sm_80 (its fp8 conversion is sm_89+'s" in triton_decode.declines(call("gpu"))
-    assert triton_decode.declines(call("gpu", v_in_registers=False)) is None
+    assert triton_decode.declines(call("gpu", in_registers=False)) is None
     assert triton_decode.declines(call("interpret")) is None
     for family in ("sm_89", "sm_90", "sm_100"):
         monkeypatch.setattr(hardware, "gpu_family_name", lambda family=family: family)

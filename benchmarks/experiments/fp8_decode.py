@@ -9,9 +9,9 @@ The first run (1b60983, records in benchmarks/results/) found f16 q no faster th
 (0.219 vs 0.222 ms, 56% of the floor): the conversion was a tenth of the gap. This version asks about bytes in flight
 (--wide: stages, warps, splits) and about the scattered 128-byte row pieces (each case also over sorted slots).
 Its answer (11e9d5a): neither the rows nor the bytes in flight; 2 warps helped (0.176 ms). The compiled kernel reads
-the fp8 V operand from shared memory byte by byte; --v-in-registers times the tiles that dequantise V in registers.
+the fp8 V operand from shared memory byte by byte; --in-registers times the tiles that convert K and V in registers.
 
-    python benchmarks/experiments/fp8_decode.py --wide --v-in-registers --json out.json
+    python benchmarks/experiments/fp8_decode.py --wide --in-registers --json out.json
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     parser.add_argument("--case", default="D1-FP8")
     parser.add_argument("--json", default=None)
     parser.add_argument("--wide", action="store_true", help="also longer pipelines, other warps and splits")
-    parser.add_argument("--v-in-registers", action="store_true", help="also DecodeConfig(fp8_v_in_registers=True) tiles")
+    parser.add_argument("--in-registers", action="store_true", help="also DecodeConfig(fp8_in_registers=True) tiles")
     args = parser.parse_args(argv)
 
     import jax
@@ -53,8 +53,8 @@ def main(argv=None) -> int:
             ("n128 w8 s4", DC(block_n=128, num_warps=8, num_stages=4), None),
             ("n64 w4 s4 pps16", DC(block_n=64, num_warps=4, num_stages=4), 16),
         ]
-    if args.v_in_registers:  # third question: V dequantised in registers (no byte-wise shared-memory reads of V)
-        variants += [(f"{label} vreg", DC(block_n=n, num_warps=w, num_stages=st, fp8_v_in_registers=True), None)
+    if args.in_registers:  # third question: K and V converted in registers (no byte-wise shared-memory reads of V)
+        variants += [(f"{label} inreg", DC(block_n=n, num_warps=w, num_stages=st, fp8_in_registers=True), None)
                      for label, n, w, st in (("n64 w2 s6", 64, 2, 6), ("n64 w4 s4", 64, 4, 4), ("n128 w4 s3", 128, 4, 3),
                                              ("n128 w4 s4", 128, 4, 4), ("n128 w8 s3", 128, 8, 3))]
     rows = []
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
         for slots in ("scattered", "sorted"):
             kv_indices = inp.kv_indices if slots == "scattered" else jnp.sort(inp.kv_indices)
             # bf16 pools: the table and the 16-bit tiles over sorted slots (the vreg tiles only change fp8 pools).
-            mine = variants if case.fp8 else [v for v in variants if "vreg" not in v[0]] if slots == "sorted" else variants[:1]
+            mine = variants if case.fp8 else [v for v in variants if "inreg" not in v[0]] if slots == "sorted" else variants[:1]
             for label, config, pps in mine:
                 kw = {} if pps is None else dict(programs_per_sm=pps)
                 meta = metadata.decode_metadata_from_indptr(inp.kv_indptr, kv_indices, inp.seq_lens,

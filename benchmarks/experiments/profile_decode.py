@@ -22,8 +22,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--case", default="D1-FP8")
     parser.add_argument("--calls", type=int, default=4)
-    parser.add_argument("--v-in-registers", action="store_true",
-                        help="fp8 pools: the table's tile with V converted in registers (DecodeConfig.fp8_v_in_registers)")
+    parser.add_argument("--in-registers", action="store_true",
+                        help="fp8 pools: the table's tile with K and V converted in registers (DecodeConfig.fp8_in_registers)")
     parser.add_argument("--split-waves", action="store_true",
                         help="split counts by waves of the fp8 tile's resident programs (tuning.decode_split_waves)")
     args = parser.parse_args(argv)
@@ -41,9 +41,9 @@ def main(argv=None) -> int:
     meta = metadata.decode_metadata_from_indptr(inp.kv_indptr, inp.kv_indices, inp.seq_lens,
                                                 q_heads=case.q_heads, kv_heads=case.kv_heads, split_waves=waves)
     config = None
-    if args.v_in_registers:
+    if args.in_registers:
         config = tuning.decode_config(case.head_dim, case.dv, case.q_heads // case.kv_heads, fp8_pool=True)
-        config = dataclasses.replace(config, fp8_v_in_registers=True)
+        config = dataclasses.replace(config, fp8_in_registers=True)
     fn = jax.jit(lambda q, k, v, m: decode.decode_attention(q, k, v, m, config=config, **scales))
     for _ in range(args.calls):
         out = fn(inp.q, inp.k_pool, inp.v_pool, meta)

@@ -30,12 +30,12 @@ def sweep_variants(op: str, case: Case):
                     config = DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
                     label = f"n{block_n} w{num_warps} s{num_stages}"
                     variants.append((label, lambda inp, c=config: decode_jaxattn(inp, config=c)))
-        if case.fp8:  # V dequantised in registers (DecodeConfig.fp8_v_in_registers): not byte-wise shared-memory reads
+        if case.fp8:  # K and V converted in registers (DecodeConfig.fp8_in_registers): no byte-wise shared-memory reads
             tiles = ((32, 4, 2), (64, 4, 2), (64, 8, 2), (32, 8, 2)) if mla else (
                 (64, 2, 6), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 4, 4), (128, 8, 3))
             for block_n, num_warps, num_stages in tiles:
-                config = DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages, fp8_v_in_registers=True)
-                label = f"n{block_n} w{num_warps} s{num_stages} v-in-registers"
+                config = DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages, fp8_in_registers=True)
+                label = f"n{block_n} w{num_warps} s{num_stages} in-registers"
                 variants.append((label, lambda inp, c=config: decode_jaxattn(inp, config=c)))
         if case.fp8 and not mla:  # issue 26, not yet timed: one-warp tiles (no cross-warp row reductions; 7-12
             # programs a multiprocessor where the table tile holds 4 at 244 registers) and split counts per tile.
@@ -48,16 +48,16 @@ def sweep_variants(op: str, case: Case):
                 config = DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
                 variants.append((f"fp8 n{block_n} w{num_warps} s{num_stages} pps{pps}",
                                  lambda inp, c=config, p=pps: decode_jaxattn(inp, config=c, programs_per_sm=p)))
-            # V converted to f16 in its load's layout (fp8_v_in_registers). SASS for sm_90 (`python -m jaxattn.aot
-            # --loop`'s count with unmasked key loads, 2026-12-07), warp-instructions a key / programs an SM: the
-            # table tile 28.9 / 4 (n64 w1 s4 26.8 / 10, n32 w1 s6 27.9 / 10); vreg n64 w2 s6 19.6 / 4, n64 w2 s4 19.5
-            # / 5, n32 w1 s4 19.4 / 10, n32 w1 s6 20.6 / 7, n64 w1 s4 17.9 / 6. Nsight Compute found the table tile
-            # issue-bound on the H200 (IPC 2.14, at 35 instructions a key).
-            vreg_tiles = [(tile, pps) for tile in ((64, 2, 4), (64, 2, 6), (32, 1, 4)) for pps in (None, 4, 16)]
-            for (block_n, num_warps, num_stages), pps in vreg_tiles + [((64, 1, 4), None), ((32, 1, 6), None)]:
+            # K and V converted to f16 in their loads' layout (fp8_in_registers). SASS for sm_90 (`python -m
+            # jaxattn.aot --loop`'s count with unmasked key loads, 2026-12-07), warp-instructions a key / programs an
+            # SM: the table tile 28.9 / 4 (n64 w1 s4 26.8 / 10, n32 w1 s6 27.9 / 10); in registers n64 w2 s6 18.0 /
+            # 4, n64 w2 s4 17.7 / 5, n32 w1 s4 18.9 / 10, n32 w1 s6 19.0 / 7, n64 w1 s4 16.7 / 6. Nsight Compute
+            # found the table tile issue-bound on the H200 (IPC 2.14, at 35 instructions a key).
+            inreg_tiles = [(tile, pps) for tile in ((64, 2, 4), (64, 2, 6), (32, 1, 4)) for pps in (None, 4, 16)]
+            for (block_n, num_warps, num_stages), pps in inreg_tiles + [((64, 1, 4), None), ((32, 1, 6), None)]:
                 config = DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                                      fp8_v_in_registers=True)
-                variants.append((f"fp8 vreg n{block_n} w{num_warps} s{num_stages}{f' pps{pps}' if pps else ''}",
+                                      fp8_in_registers=True)
+                variants.append((f"fp8 inreg n{block_n} w{num_warps} s{num_stages}{f' pps{pps}' if pps else ''}",
                                  lambda inp, c=config, p=pps: decode_jaxattn(inp, config=c, programs_per_sm=p)))
         if case.fp8 and not mla:  # Split counts by whole waves of the table tile's resident programs (SplitWaves, the
             # default since the fortieth session), the fill heuristic it replaced, and fixed counts to check the
@@ -69,8 +69,8 @@ def sweep_variants(op: str, case: Case):
             variants.append(("fp8 waves", lambda inp, w=waves: decode_jaxattn(inp, split_waves=w)))
             variants.append(("fp8 fill", lambda inp: decode_jaxattn(inp, programs_per_sm=FILL_PROGRAMS_PER_SM)))
             table_tile = tuning.decode_config(case.head_dim, case.dv, case.q_heads // case.kv_heads, fp8_pool=True)
-            config = dataclasses.replace(table_tile, fp8_v_in_registers=True)
-            variants.append((f"fp8 vreg n{config.block_n} w{config.num_warps} s{config.num_stages} waves",
+            config = dataclasses.replace(table_tile, fp8_in_registers=True)
+            variants.append((f"fp8 inreg n{config.block_n} w{config.num_warps} s{config.num_stages} waves",
                              lambda inp, c=config, w=waves: decode_jaxattn(inp, config=c, split_waves=w)))
             for splits in (1, 2, 4, 8, 11, 12, 16, 33):
                 variants.append((f"fp8 splits={splits}", lambda inp, s=splits: decode_jaxattn(

@@ -35,10 +35,10 @@ def declines(call: DecodeCall) -> str | None:
         return f"config is a {type(call.config).__name__}, not a DecodeConfig"
     if call.tokens_per_seq > 1 and call.config is not None and call.config.block_h == 1:
         return "DecodeConfig(block_h=1) (the vector kernel) takes one query token per sequence"
-    if call.config is not None and call.config.fp8_v_in_registers and call.launch_mode == "gpu":
+    if call.config is not None and call.config.fp8_in_registers and call.launch_mode == "gpu":
         family = hardware.gpu_family_name()
         if family is not None and int(family.removeprefix("sm_")) < 89:
-            return (f"DecodeConfig(fp8_v_in_registers=True) on {family} (its fp8 conversion is sm_89+'s "
+            return (f"DecodeConfig(fp8_in_registers=True) on {family} (its fp8 conversion is sm_89+'s "
                     "cvt.rn.f16x2.e4m3x2 / e5m2x2)")
     return None
 
@@ -87,7 +87,7 @@ def stage1_constexprs(*, q_heads, kv_heads, qk_head_dim, v_head_dim, config, sm_
     )
     if config.block_h != 1:  # the grouped kernel's extra constexprs (the vector kernel has none)
         constexprs.update(V_FROM_K=v_from_k, BLOCK_H=config.block_h, DOT_PRECISION=dot_precision,
-                          F16_DOTS=bool(f16_dots), V_IN_REGISTERS=bool(has_kv_scales) and config.fp8_v_in_registers,
+                          F16_DOTS=bool(f16_dots), FP8_IN_REGISTERS=bool(has_kv_scales) and config.fp8_in_registers,
                           Q_TOKENS=int(q_tokens), HAS_DRAFT_MASK=bool(has_draft_mask), KEYS_AS_ROWS=config.keys_as_rows)
     return constexprs
 
@@ -330,10 +330,10 @@ def kernel_builds():
             ))
         # fp8 pools (e4m3fn, e5m2) with this q dtype: the grouped builds of the common GQA and MLA shapes.
         for pool_dtype in ("fp8e4nv", "fp8e5"):
-            for (qk_dim, v_dim, v_from_k), v_in_registers in itertools.product(((128, 128, False), (576, 512, True)),
+            for (qk_dim, v_dim, v_from_k), in_registers in itertools.product(((128, 128, False), (576, 512, True)),
                                                                                 (False, True)):
                 config = tuning.decode_config(qk_dim, v_dim, 8 if qk_dim == 128 else 16, family=hardware.SM90.name, fp8_pool=True)
-                config = dataclasses.replace(config, fp8_v_in_registers=v_in_registers)
+                config = dataclasses.replace(config, fp8_in_registers=in_registers)
                 constexprs = stage1_constexprs(
                     q_heads=64 if qk_dim == 128 else 16, kv_heads=8 if qk_dim == 128 else 1, qk_head_dim=qk_dim,
                     v_head_dim=v_dim, config=config, sm_scale=1.0 / math.sqrt(qk_dim), logit_cap=0.0,
@@ -344,7 +344,7 @@ def kernel_builds():
                     "decode_attention", stage1_kernel(config), stage1_signature(dtype, pool_dtype), constexprs,
                     num_warps=config.num_warps, num_stages=config.num_stages, expects_wgmma=False,
                     expects_pipelining=config.num_stages > 1,
-                    label=f"{dtype} q, {pool_dtype} pool {qk_dim}/{v_dim}{' v in registers' if v_in_registers else ''}",
+                    label=f"{dtype} q, {pool_dtype} pool {qk_dim}/{v_dim}{' in registers' if in_registers else ''}",
                 ))
         # Keys as the dots' M (opt-in `DecodeConfig.keys_as_rows`): MLA's 16 heads on a bf16/f16 latent cache and
         # GQA on an fp8 pool; both dots are wgmma with the heads as N.

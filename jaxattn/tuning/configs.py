@@ -25,10 +25,10 @@ class DecodeConfig:
     block_h: int = 16
     num_warps: int = 4
     num_stages: int = 2
-    # fp8 pools, grouped kernel: convert V to f16 in its load's layout before the p.v dot (kernels/decode_attention.py,
-    # V_IN_REGISTERS: fewer instructions a key on sm_90's SASS, no faster on the H100 at 236f758; sm_89+ only); off
-    # in the tables.
-    fp8_v_in_registers: bool = False
+    # fp8 pools, grouped kernel: convert the K and V tiles to f16 in their loads' layout before the dots
+    # (kernels/decode_attention.py, FP8_IN_REGISTERS: fewer instructions a key on sm_90's SASS; V alone was no faster on
+    # the H100 at 236f758; sm_89+ only); off in the tables.
+    fp8_in_registers: bool = False
     # Grouped kernel: both dots with the keys as their M dimension (K q^T and V^T p^T; kernels/decode_attention.py,
     # KEYS_AS_ROWS): block_h q rows become the dots' N (16 is a whole wgmma N), so a few heads take wgmma without
     # padding them to 64 rows. Timed on the H200 (benchmarks/RESULTS.md, eleventh session): slower except for the
@@ -36,7 +36,7 @@ class DecodeConfig:
     keys_as_rows: bool = False
 
     def __post_init__(self):
-        for name in ("fp8_v_in_registers", "keys_as_rows"):
+        for name in ("fp8_in_registers", "keys_as_rows"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"DecodeConfig.{name} must be a bool; got {getattr(self, name)!r}")
         if self.keys_as_rows and self.block_h == 1:

@@ -21,10 +21,10 @@ Tail keys (the grouped kernel): the loads of a key tile are not masked by the sp
 split's last key reads that last key's index, K and V again (inside the split's clamped range: no read past the list
 or the pool), and its score is masked to -inf as before, so p = 0 there. In SASS for sm_90 (`python -m jaxattn.aot
 --loop`, Triton 3.6) the masks cost a select per copied chunk: the fp8 table tile's loop took 35.0 warp-instructions
-a key with them and 28.9 without (with V alone converted in registers 21.2 / 19.6). A repeated key adds 0 * V to the output: 0 for finite
-V; NaN for a NaN or infinite V, where that key is one the row sees (one token: every key of the split), so its row is
-non-finite anyway (an infinite V then gives NaN, where the reference may give inf). Several query tokens: a draft
-the row does not see adds 0 * V at its own position too, as before.
+a key with them and 28.9 without (with V alone converted in registers 21.2 / 19.6). A repeated key adds 0 * V to the
+output: 0 for finite V; NaN for a NaN or infinite V, where that key is one the row sees (one token: every key of the
+split), so its row is non-finite anyway (an infinite V then gives NaN, where the reference may give inf). Several
+query tokens: a draft the row does not see adds 0 * V at its own position too, as before.
 
 Indices are not trusted (issue 21): KV_INDPTR ranges are cut to [0, KV_CAPACITY] with a non-negative length, and a
 slot outside [0, NUM_SLOTS) reads the padding slot 0. NaN is not trusted away either: "no keys" is tested as l == 0
@@ -47,11 +47,11 @@ k_scale and v_scale applied as without it), and the dots read the f16 copies wit
 K too spares q's dot operand the register moves an fp8 K operand's k-order forces on it (78 a 64-key tile) and lets
 MLA's V (the K tile) reuse K's conversion. SASS for sm_90 (`python -m jaxattn.aot --loop`, Triton 3.6, unmasked key
 loads), the table's 64-key tile at 2 warps: 18.0 warp-instructions a key (V alone 19.6, neither 28.9), 168 registers;
-at 6 stages its f16 copies' shared memory keeps it at 4 programs an SM, at 4 stages 5 (17.7); MLA 576/512 61.7 against
-107.6. V alone, timed on the H100 (236f758): no faster than the table tile at the same split counts (D1-FP8
-0.244-0.247 ms against 0.227 at the default splits); K and V not yet timed. (A first form converted V through f32
-times v_scale, which Triton's layout passes did not move, and ran slower at every tile on the H200, d3464cf: D1-FP8
-0.198 ms against 0.177.)
+at 6 stages its f16 copies' shared memory keeps it at 4 programs an SM, at 4 stages 5 (17.7); MLA 576/512 60.2
+against the table tile's 106.4. V alone, timed on the H100 (236f758): no faster than the table tile at the same split
+counts (D1-FP8 0.244-0.247 ms against 0.227 at the default splits); K and V not yet timed. (A first form converted V
+through f32 times v_scale, which Triton's layout passes did not move, and ran slower at every tile on the H200,
+d3464cf: D1-FP8 0.198 ms against 0.177.)
 
 fp8 scores (q K^T on fp8 tensor cores from the stored K rows, q split into three e4m3 parts, with the keys as rows
 for fp8 wgmma) were tried and removed: on the H200 (2026-12-05) 1.4-1.6x slower than the f16 dots' table tile, whose
@@ -369,7 +369,8 @@ def decode_stage1_kernel(
         if V_FROM_K:
             v = k  # the K tile's first BLOCK_D dims, converted once
         else:
-            v_stored = tl.load(v_head + slots[:, None] * STRIDE_V_SLOT + offs_dv[None, :], mask=mask_dv[None, :], other=0.0)
+            v_rows = v_head + slots[:, None] * STRIDE_V_SLOT
+            v_stored = tl.load(v_rows + offs_dv[None, :], mask=mask_dv[None, :], other=0.0)
             if FP8_IN_REGISTERS:
                 v = _f16_of_fp8(v_stored).to(q.dtype)
             else:

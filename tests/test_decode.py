@@ -136,6 +136,34 @@ def test_one_split_rows_stored_by_stage_1_equal_the_merge(rng, mode, pool, confi
     np.testing.assert_array_equal(np.float32(o[2]), 0.0)
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("pool", ["bf16", "fp8", "fp8-in-registers"])
+def test_tile_tails_read_no_key_listed_after_their_split(rng, mode, pool):
+    """A key tile that runs past its split reads the split's last key again (kernels/decode_attention.py, "Tail keys"),
+    never the keys listed after it: a NaN V at the first key of sequences 1 and 3 (each listed right after a sequence
+    whose length ends mid-tile) makes exactly those sequences' rows NaN; sequences 0 and 2 match the reference."""
+    q_heads, kv_heads, dim = 8, 2, 64
+    kv_lens = [37, 45, 29, 70]
+    q, k_pool, v_pool, kv_indptr, kv_indices = make_pools(rng, kv_lens, q_heads, kv_heads, dim, dim, jnp.bfloat16)
+    k_pool, v_pool = jnp.nan_to_num(k_pool), jnp.nan_to_num(v_pool)
+    scales, config = {}, None
+    if pool != "bf16":
+        k_pool, v_pool = k_pool.astype(jnp.float8_e4m3fn), v_pool.astype(jnp.float8_e4m3fn)
+        scales = dict(k_scale=0.7, v_scale=1.3)
+        config = DecodeConfig(block_n=32, fp8_in_registers=True) if pool == "fp8-in-registers" else None
+    for b in (1, 3):
+        v_pool = v_pool.at[int(kv_indices[int(kv_indptr[b])]), 1].set(jnp.nan)  # kv head 1: q heads 4-7
+    meta = decode_metadata_from_indptr(kv_indptr, kv_indices, q_heads=q_heads, kv_heads=kv_heads, max_kv_splits=2,
+                                       min_split_len=16, programs_per_sm=10**6)
+    o = np.float32(decode_attention(q, k_pool, v_pool, meta, mode=mode, config=config, **scales))
+    nan_rows = np.isnan(o).any(axis=-1)
+    want = np.zeros(nan_rows.shape, bool)
+    want[[1, 3], 4:] = True
+    np.testing.assert_array_equal(nan_rows, want)
+    ref_o = np.float32(decode_attention_reference(q, k_pool, v_pool, meta, **scales))
+    np.testing.assert_allclose(o[[0, 2]], ref_o[[0, 2]], **tolerance(jnp.bfloat16))
+
+
 @pytest.mark.parametrize("max_kv_splits", [1, 3])
 def test_a_one_split_bound_launches_stage_1_alone(rng, max_kv_splits):
     """A static bound of one split (a batch filling the GPU, D3) has every row stored by stage 1: no merge launch.

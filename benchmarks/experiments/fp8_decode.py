@@ -63,7 +63,7 @@ def main(argv=None) -> int:
         scales = bench.peers.scales(inp)
         for slots in ("scattered", "sorted"):
             kv_indices = inp.kv_indices if slots == "scattered" else jnp.sort(inp.kv_indices)
-            # bf16 pools: the table and the 16-bit tiles over sorted slots (the vreg tiles only change fp8 pools).
+            # bf16 pools: the table and the 16-bit tiles over sorted slots (the inreg tiles only change fp8 pools).
             mine = variants if case.fp8 else [v for v in variants if "inreg" not in v[0]] if slots == "sorted" else variants[:1]
             for label, config, pps in mine:
                 kw = {} if pps is None else dict(programs_per_sm=pps)

@@ -331,7 +331,7 @@ def kernel_builds():
         # fp8 pools (e4m3fn, e5m2) with this q dtype: the grouped builds of the common GQA and MLA shapes.
         for pool_dtype in ("fp8e4nv", "fp8e5"):
             for (qk_dim, v_dim, v_from_k), in_registers in itertools.product(((128, 128, False), (576, 512, True)),
-                                                                                (False, True)):
+                                                                              (False, True)):
                 config = tuning.decode_config(qk_dim, v_dim, 8 if qk_dim == 128 else 16, family=hardware.SM90.name, fp8_pool=True)
                 config = dataclasses.replace(config, fp8_in_registers=in_registers)
                 constexprs = stage1_constexprs(

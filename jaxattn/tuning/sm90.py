@@ -55,8 +55,8 @@ DECODE_FP8: dict[tuple[int, int, str], DecodeConfig] = {
 # Stage-1 programs one multiprocessor holds of DECODE_FP8's GQA tile as TIMED_TRITON compiles it
 # (`hardware.resident_blocks` of its registers, shared memory and warps; tests/test_aot_compile.py checks it): 244
 # registers x 2 warps since its key loads are unmasked (205 before, 255 before stage 1 stored final rows; 200 or fewer
-# would hold 5, which a 200-register cap showed no faster, RESULTS thirty-eighth session), 39 KB. Not listed: 576/512, whose fp8 latent calls the Mosaic GPU
-# MLA kernel takes (its own split counts).
+# would hold 5, which a 200-register cap showed no faster, RESULTS thirty-eighth session), 39 KB. Not listed: 576/512,
+# whose fp8 latent calls the Mosaic GPU MLA kernel takes (its own split counts).
 DECODE_FP8_RESIDENT_PER_SM: dict[tuple[int, int, str], int] = {
     (128, 128, "g16"): 4,
 }

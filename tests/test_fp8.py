@@ -63,6 +63,9 @@ DECODE_CASES = [
     # Keys as the dots' M (DecodeConfig.keys_as_rows): the fp8 tiles convert in registers and feed wgmma.
     pytest.param((8, 2, 128, 128, False, DecodeConfig(block_n=32, keys_as_rows=True)), id="gqa4-128-keys-as-rows"),
     pytest.param((4, 1, 576, 512, True, DecodeConfig(block_n=32, keys_as_rows=True)), id="mla-576-keys-as-rows"),
+    # Both: the converted K and V tiles feed wgmma with the keys as M (the fp8 sweep's "inreg keys-as-rows" rows).
+    pytest.param((8, 2, 128, 128, False, DecodeConfig(block_n=64, num_warps=4, keys_as_rows=True, fp8_in_registers=True)),
+                 id="gqa4-128-keys-as-rows-in-registers"),
 ]
 
 

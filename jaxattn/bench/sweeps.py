@@ -40,7 +40,7 @@ def sweep_variants(op: str, case: Case):
         if case.fp8 and not mla:  # issue 26, not yet timed: one-warp tiles (no cross-warp row reductions; 7-12
             # programs a multiprocessor where the table tile holds 4 at 244 registers) and split counts per tile.
             # Stages 3/4, 5/6 and 7/8 compile to the same code (1, 2, 3 K/V buffers); 2 loads the indices unpipelined.
-            for block_n, num_warps, num_stages in ((32, 1, 6), (32, 1, 4), (64, 1, 4), (64, 1, 6), (64, 2, 2)):
+            for block_n, num_warps, num_stages in ((32, 1, 6), (32, 1, 4), (64, 1, 4)):
                 config = DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
                 variants.append((f"fp8 n{block_n} w{num_warps} s{num_stages}",
                                  lambda inp, c=config: decode_jaxattn(inp, config=c)))
@@ -59,6 +59,13 @@ def sweep_variants(op: str, case: Case):
                                       fp8_in_registers=True)
                 variants.append((f"fp8 inreg n{block_n} w{num_warps} s{num_stages}{f' pps{pps}' if pps else ''}",
                                  lambda inp, c=config, p=pps: decode_jaxattn(inp, config=c, programs_per_sm=p)))
+            # With the keys as the dots' M as well (keys_as_rows: wgmma, 4 warps a program): 22.6 instructions a key
+            # at n64 s2 (120 registers, 4 programs an SM: 16 warps), 18.3 at n128 s3 (3 an SM); 38.3 without.
+            for block_n, num_stages in ((64, 2), (128, 3)):
+                config = DecodeConfig(block_n=block_n, num_warps=4, num_stages=num_stages, keys_as_rows=True,
+                                      fp8_in_registers=True)
+                variants.append((f"fp8 inreg keys-as-rows n{block_n} w4 s{num_stages}",
+                                 lambda inp, c=config: decode_jaxattn(inp, config=c)))
         if case.fp8 and not mla:  # Split counts by whole waves of the table tile's resident programs (SplitWaves, the
             # default since the fortieth session), the fill heuristic it replaced, and fixed counts to check the
             # model's choice against (a huge programs_per_sm: the fill heuristic takes the bound).

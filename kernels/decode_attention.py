@@ -107,6 +107,16 @@ def _f16_of_fp8(x):
             "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
 
 
+@triton.jit
+def _dot_operand(stored, like, FP8_IN_REGISTERS: tl.constexpr):
+    """A loaded K or V tile in `like`'s dtype (q's) for a dot: with FP8_IN_REGISTERS through `_f16_of_fp8` in the
+    load's layout (module docstring), else by `.to`."""
+    if FP8_IN_REGISTERS:
+        return _f16_of_fp8(stored).to(like.dtype)
+    else:
+        return stored.to(like.dtype)
+
+
 # Reductions through tl.reduce with these combine functions (tl.max / tl.sum would do the same on the GPU);
 # jaxattn.launch recognises them by name and runs them as one numpy reduction under the interpreter.
 @triton.jit
@@ -330,10 +340,7 @@ def decode_stage1_kernel(
         slots = _checked_slots(tl.load(kv_base + tl.minimum(offs_n, split_len - 1)).to(tl.int64), NUM_SLOTS)
         k_rows = k_head + slots[:, None] * STRIDE_K_SLOT
         k_stored = tl.load(k_rows + offs_d[None, :], mask=mask_d[None, :], other=0.0)
-        if FP8_IN_REGISTERS:
-            k = _f16_of_fp8(k_stored).to(q.dtype)
-        else:
-            k = k_stored.to(q.dtype)
+        k = _dot_operand(k_stored, q, FP8_IN_REGISTERS)
         if KEYS_AS_ROWS:
             qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_H] f32
             if BLOCK_DPE > 0:
@@ -371,10 +378,7 @@ def decode_stage1_kernel(
         else:
             v_rows = v_head + slots[:, None] * STRIDE_V_SLOT
             v_stored = tl.load(v_rows + offs_dv[None, :], mask=mask_dv[None, :], other=0.0)
-            if FP8_IN_REGISTERS:
-                v = _f16_of_fp8(v_stored).to(q.dtype)
-            else:
-                v = v_stored.to(q.dtype)
+            v = _dot_operand(v_stored, q, FP8_IN_REGISTERS)
         if KEYS_AS_ROWS:
             acc = acc * alpha[None, :] + tl.dot(tl.trans(v), tl.trans(p.to(q.dtype)), input_precision=DOT_PRECISION)
         else:

@@ -58,6 +58,7 @@ its rows see, so skipping them equals the exact no-ops they would be.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -80,6 +81,11 @@ WARPGROUP = 128
 REGISTER_FILE = 65536  # 32-bit registers of an sm_90 multiprocessor
 SWIZZLE_BYTES = 128  # one swizzle atom row: 8 x 16-byte chunks; a tile of 8 rows is 1024 bytes
 _SCALAR = plgpu.Layout.WG_SPLAT(())
+# An inline function's view of a kernel input (pool, index list, mask) that it only reads. jax 0.12.1's Pallas refuses
+# a kernel whose body may write an input passed as an array, and takes every RefType argument as written unless told
+# (`write=False`); older releases have no such field and no such check.
+READ_ONLY_REF = (plgpu.RefType(write=False) if "write" in {f.name for f in dataclasses.fields(plgpu.RefType)}
+                 else plgpu.RefType())
 _ROW_SOURCES = plgpu.Layout.WG_STRIDED((WARPGROUP,), vec_size=1)  # one i32 per producer thread
 SWIZZLED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(SWIZZLE_BYTES))  # the K/V/Q tiles wgmma reads
 SWIZZLED_8BIT = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(SWIZZLE_BYTES))  # fp8 rows, the same bytes
@@ -209,7 +215,7 @@ def row_sources(kv_indices, from_pool, first, count, *, block_kv: int, pool_rows
     rows_per_warp = block_kv // 4
     capacity = kv_indices.shape[0]
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SCALAR, _SCALAR, _SCALAR),
+    @plgpu.inline_mgpu(arg_types=(READ_ONLY_REF, _SCALAR, _SCALAR, _SCALAR),
                        return_type=plgpu.ShapeDtypeStruct((WARPGROUP,), jnp.int32, layout=_ROW_SOURCES))
     def run(ctx, indices, from_pool, first, count):
         del ctx
@@ -253,7 +259,7 @@ def custom_mask_tile(mask, mask_indptr, seq, row0, width, column0, *, block_q: i
     buffer.
     """
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()) + (_SCALAR,) * 4,
+    @plgpu.inline_mgpu(arg_types=(READ_ONLY_REF, READ_ONLY_REF) + (_SCALAR,) * 4,
                        return_type=plgpu.ShapeDtypeStruct((block_q, block_kv), jnp.int32, layout=plgpu.Layout.WGMMA))
     def run(ctx, mask, indptr, seq, row0, width, column0):
         del ctx
@@ -293,7 +299,7 @@ def draft_bits_tile(bits, row0, draft0, *, block_q: int, block_kv: int, rows_per
     index is clamped into the buffer before the load, so no argument makes it read outside.
     """
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) + (_SCALAR,) * 2,
+    @plgpu.inline_mgpu(arg_types=(READ_ONLY_REF,) + (_SCALAR,) * 2,
                        return_type=plgpu.ShapeDtypeStruct((block_q, block_kv), jnp.int32, layout=plgpu.Layout.WGMMA))
     def run(ctx, bits, row0, draft0):
         del ctx
@@ -351,7 +357,7 @@ def issue_rows(new_ref, pool_ref, smem, bars, sources, from_pool, slot, barrier,
             raise ValueError(f"a {swizzle}-byte swizzle takes 16-bit rows of whole 128-byte spans; got {head_bytes} bytes")
         transforms = SWIZZLES[swizzle]
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(transforms), plgpu.RefType(),
+    @plgpu.inline_mgpu(arg_types=(READ_ONLY_REF, READ_ONLY_REF, plgpu.RefType(transforms), plgpu.RefType(),
                                   _ROW_SOURCES) + (_SCALAR,) * 4)
     def run(ctx, new, pool, smem, bars, sources, from_pool, slot, barrier, kv_head):
         del ctx
@@ -408,7 +414,7 @@ def issue_pages(pool_ref, smem, bars, starts, slot, barrier, kv_head, *, page_ro
     if tile_bytes % (WARPGROUP * 16):  # each producer thread expects an equal, 16-byte-granular share
         raise ValueError(f"a tile of {tile_bytes} bytes does not split into {WARPGROUP} equal shares")
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(SWIZZLED), plgpu.RefType()) + (_SCALAR,) * (3 + len(starts)))
+    @plgpu.inline_mgpu(arg_types=(READ_ONLY_REF, plgpu.RefType(SWIZZLED), plgpu.RefType()) + (_SCALAR,) * (3 + len(starts)))
     def run(ctx, pool, smem, bars, slot, barrier, kv_head, *starts):
         index = ir.IndexType.get()
         barrier = scalar_value(barrier)
@@ -659,7 +665,7 @@ def issue_fp8_rows(pool_ref, smem, sources, slot, kv_head, *, block_kv: int, hea
         byte_of = functools.partial(fp8_staged_byte, block_kv=block_kv, head_dim=head_dim, ops=IrOps)
     smem_type = plgpu.RefType() if staging else plgpu.RefType(SWIZZLES[swizzle])
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), smem_type, _ROW_SOURCES, _SCALAR, _SCALAR))
+    @plgpu.inline_mgpu(arg_types=(READ_ONLY_REF, smem_type, _ROW_SOURCES, _SCALAR, _SCALAR))
     def run(ctx, pool, smem, sources, slot, kv_head):
         del ctx
         i8 = ir.IntegerType.get_signless(8)
@@ -720,7 +726,7 @@ def issue_fp8_staging_groups(pool_refs, stagings, sources, kv_head, *, block_kv:
     byte_of = functools.partial(fp8_staging_byte, head_dim=head_dim, ops=IrOps)
     row_bytes = [pool_ref.shape[1] * head_dim for pool_ref in pool_refs]
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * (2 * count) + (_ROW_SOURCES, _SCALAR))
+    @plgpu.inline_mgpu(arg_types=(READ_ONLY_REF,) * count + (plgpu.RefType(),) * count + (_ROW_SOURCES, _SCALAR))
     def run(ctx, *args):
         del ctx
         pools, smems, (sources, kv_head) = args[:count], args[count:2 * count], args[2 * count:]
@@ -835,7 +841,7 @@ def convert_fp8_tiles(tiles, bars, slot, *, block_kv: int, head_dim: int, fp8_dt
     count = len(tiles)
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(SWIZZLES[swizzle]),) * count + (plgpu.RefType(),) * (count * staged)
-                       + ((plgpu.RefType(),) * count + (_ROW_SOURCES, _SCALAR, _SCALAR) if refilled else ())
+                       + ((READ_ONLY_REF,) * count + (_ROW_SOURCES, _SCALAR, _SCALAR) if refilled else ())
                        + (plgpu.RefType(), _SCALAR) + (_SCALAR,) * (count * (1 + scaled)))
     def run(ctx, *args):
         del ctx

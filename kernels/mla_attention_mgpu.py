@@ -59,6 +59,7 @@ import numpy as np
 
 from jaxattn.kernels.extend_attention_mgpu import (
     LOG2E,
+    READ_ONLY_REF,
     REGISTERS,
     SWIZZLE_BYTES,
     SWIZZLED,
@@ -223,7 +224,7 @@ def head_values(values, r0, *, q_heads: int, transposed: bool = False):
     (the transposed tile's heads as its columns), column c's entry values[(r0 + c) % q_heads]."""
     rows, axis = (q_heads, 0) if transposed else (BLOCK_ROWS, 1)
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT(())),
+    @plgpu.inline_mgpu(arg_types=(READ_ONLY_REF, plgpu.Layout.WG_SPLAT(())),
                        return_type=plgpu.ShapeDtypeStruct((rows,), jnp.float32, layout=plgpu.Layout.WGMMA.reduce(axis)))
     def run(ctx, values, r0):
         del ctx
@@ -300,7 +301,7 @@ def _load_spilled(base, slot, i: int, register_type, slot_stride: int):
 def fill_registers(src, slot, *, shape, layout, slot_stride: int):
     """What `spill_registers` stored at `slot` of `src`, as an f32 array of `shape` in `layout`."""
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT(())),
+    @plgpu.inline_mgpu(arg_types=(READ_ONLY_REF, plgpu.Layout.WG_SPLAT(())),
                        return_type=plgpu.ShapeDtypeStruct(shape, jnp.float32, layout=layout))
     def run(ctx, src, slot):
         del ctx
@@ -321,7 +322,7 @@ def fold_spilled(acc, alpha, w, src, slot, *, slot_stride: int):
     w: f32 arrays of one shape in the WGMMA layout; alpha and w broadcast from per-row or per-column values). Each
     register of o is folded as it is loaded, so no second accumulator's worth of registers is live."""
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.RefType(),
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, READ_ONLY_REF,
                                   plgpu.Layout.WG_SPLAT(())),
                        return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32, layout=plgpu.Layout.WGMMA))
     def run(ctx, acc, alpha, w, src, slot):

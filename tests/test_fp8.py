@@ -208,6 +208,34 @@ def test_fp8_decode_nan_reaches_exactly_the_rows_that_see_it(rng, mode, config):
     np.testing.assert_allclose(o[~want], ref[~want], **testing.tolerance(jnp.bfloat16))  # every other entry
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("config", [None, DecodeConfig(block_n=32, fp8_in_registers=True),
+                                    DecodeConfig(block_n=32, keys_as_rows=True)],
+                         ids=["table", "in-registers", "keys-as-rows"])
+@pytest.mark.parametrize("logit_cap", [0.0, 30.0])
+def test_fp8_decode_takes_traced_k_scales_of_any_sign(rng, mode, config, logit_cap):
+    """Array k_scales are traced, so unchecked: the grouped kernel's folded softmax (its scale in exp2's argument,
+    kernels/decode_attention.py) moves a negative scale's sign onto q and turns a zero scale into zero scores. Per kv
+    head: negative, zero, positive, NaN; the first three match the reference, the NaN head's rows are NaN."""
+    q_heads, kv_heads, dim = 16, 4, 128
+    q, k_pool, v_pool, kv_indptr, kv_indices = make_pools(rng, [5, 40, 77], q_heads, kv_heads, dim, dim, jnp.bfloat16)
+    k_scale = jnp.asarray([-0.6, 0.0, 1.3, np.nan], jnp.float32)
+    v_scale = per_head(kv_heads)
+    k8 = quantised(k_pool, jnp.asarray([-0.6, 1.0, 1.3, 1.0]), jnp.float8_e4m3fn)  # (the values kept for 0 and NaN)
+    v8 = quantised(v_pool, v_scale, jnp.float8_e4m3fn)
+    meta = decode_metadata_from_indptr(kv_indptr, kv_indices, q_heads=q_heads, kv_heads=kv_heads, max_kv_splits=4,
+                                       min_split_len=32, programs_per_sm=10**6)
+    kwargs = dict(k_scale=k_scale, v_scale=v_scale, logit_cap=logit_cap, return_lse=True)
+    o, lse = decode_attention(q, k8, v8, meta, mode=mode, config=config, **kwargs)
+    ref_o, ref_lse = decode_attention_reference(q, _clean(k8), _clean(v8), meta, **kwargs)
+    o, ref_o = np.float32(o), np.float32(ref_o)
+    assert np.isnan(o[:, 12:]).all() and np.isnan(np.asarray(lse)[:, 12:]).all()
+    np.testing.assert_allclose(o[:, :12], ref_o[:, :12], **testing.tolerance(jnp.bfloat16))
+    np.testing.assert_allclose(np.asarray(lse)[:, :12], np.asarray(ref_lse)[:, :12], atol=2e-3, rtol=2e-3)
+    # The zero scale's heads: every score 0, so the LSE is log(keys) (q finite: no NaN from 0 * q).
+    np.testing.assert_allclose(np.asarray(lse)[:, 4:8], np.log([[5.0] * 4, [40.0] * 4, [77.0] * 4]), rtol=1e-5)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantisation_error_is_within_the_format_tolerance(rng, fmt):
     q_heads, kv_heads, dim = 8, 2, 128

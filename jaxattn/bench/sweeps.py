@@ -52,7 +52,9 @@ def sweep_variants(op: str, case: Case):
             # jaxattn.aot --loop`'s count with unmasked key loads, 2026-12-07), warp-instructions a key / programs an
             # SM: the table tile 28.9 / 4 (n64 w1 s4 26.8 / 10, n32 w1 s6 27.9 / 10); in registers n64 w2 s6 18.0 /
             # 4, n64 w2 s4 17.7 / 5, n32 w1 s4 18.9 / 10, n32 w1 s6 19.0 / 7, n64 w1 s4 16.7 / 6. Nsight Compute
-            # found the table tile issue-bound on the H200 (IPC 2.14, at 35 instructions a key).
+            # found the table tile issue-bound on the H200 (IPC 2.14, at 35 instructions a key). With the folded
+            # softmax scale and deferred row sums (2026-12-08): the table tile 27.7, in registers 17.1 / 16.8 / 17.8 /
+            # 18.0 / 16.1 (n32 w1 s4 at 209 registers: 9 an SM).
             inreg_tiles = [(tile, pps) for tile in ((64, 2, 4), (64, 2, 6), (32, 1, 4)) for pps in (None, 4, 16)]
             for (block_n, num_warps, num_stages), pps in inreg_tiles + [((64, 1, 4), None), ((32, 1, 6), None)]:
                 config = DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages,

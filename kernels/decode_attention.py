@@ -33,8 +33,8 @@ where a multiply and a subtract were; the running max is s times the unscaled ro
 sign to q instead (exact; 0 zeroes q, every score 0 as before; NaN stays in s). With fp8 pools (not MLA's, whose
 registers are full) the row sums also stay a [BLOCK_H, BLOCK_N] accumulator, l = l * alpha + p element by element,
 reduced once after the loop instead of across threads and warps every tile. SASS for sm_90 (`python -m jaxattn.aot
---loop`), warp-instructions per iteration, before / after: the fp8 table tile 925 / 886, in registers 575 / 547, the
-16-bit builds 0.3-3.0% fewer with no more registers.
+--loop`), warp-instructions per iteration, before / after: the fp8 table tile 925 / 886 (244 / 255 registers, 4
+programs an SM either way), in registers 575 / 547, the 16-bit builds 0.3-3.0% fewer (at most a register more).
 
 Indices are not trusted (issue 21): KV_INDPTR ranges are cut to [0, KV_CAPACITY] with a non-negative length, and a
 slot outside [0, NUM_SLOTS) reads the padding slot 0. NaN is not trusted away either: "no keys" is tested as l == 0

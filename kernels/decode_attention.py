@@ -31,7 +31,7 @@ s (softmax scale, k_scale, log2(e), xai temperature) enters the exponent, p = ex
 where a multiply and a subtract were; the running max is s times the unscaled row max, which is exact for s > 0
 (rounding is monotone). So s must be > 0: the launch checks sm_scale, and a traced k_scale of another sign gives its
 sign to q instead (exact; 0 zeroes q, every score 0 as before; NaN stays in s). With fp8 pools and with several query
-tokens (not MLA's rows, whose registers are full) the row sums also stay a [BLOCK_H, BLOCK_N] accumulator, l = l *
+tokens (no rope part: MLA's registers are full) the row sums also stay a [BLOCK_H, BLOCK_N] accumulator, l = l *
 alpha + p element by element, reduced once after the loop instead of across threads and warps every tile. SASS for
 sm_90 (`python -m jaxattn.aot --loop`), warp-instructions per iteration, before / after: the fp8 table tile 925 / 886
 (244 / 255 registers, 4 programs an SM either way), in registers 575 / 547, GQA's 4-token verify 507 / 466 (124 / 128
@@ -294,8 +294,8 @@ def decode_stage1_kernel(
     tl.static_assert(BLOCK_DV >= V_HEAD_DIM)
     tl.static_assert((not V_FROM_K) or (BLOCK_DV == BLOCK_D and V_HEAD_DIM == BLOCK_D))
     ROWS: tl.constexpr = Q_TOKENS * GROUP  # (token, q head) rows per kv head
-    # fp8 pools and several query tokens (not MLA's 576-wide rows, whose registers are full): the softmax's row sums
-    # as a [BLOCK_H, BLOCK_N] accumulator, reduced once after the loop (module docstring, "Folded scale").
+    # fp8 pools and several query tokens, without a rope part (BLOCK_DPE: MLA's registers are full): the softmax's row
+    # sums as a [BLOCK_H, BLOCK_N] accumulator, reduced once after the loop (module docstring, "Folded scale").
     DEFER_ROW_SUM: tl.constexpr = (HAS_KV_SCALES or Q_TOKENS > 1) and BLOCK_DPE == 0
     HEAD_BLOCKS_PER_KV: tl.constexpr = (ROWS + BLOCK_H - 1) // BLOCK_H
     KV_HEADS: tl.constexpr = Q_HEADS // GROUP
